@@ -1,0 +1,81 @@
+# probjax: two user commands, each self-contained on a fresh machine.
+#
+#   make run    the attention report for this machine (python -m probjax.attention_report)
+#   make test   the test suite (pytest -q -n 2)
+#
+# Both create .venv with a Python >= 3.12 found on this machine (override with
+# PYTHON=/path/to/python3.12), install `pip install -e .[test,bench]` when
+# pyproject.toml changed (a stamp file holds its hash), then run.
+# Extra arguments: make run ARGS="--quick", make test PYTEST_ARGS="-k masks".
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+VENV        ?= .venv
+PY          := $(VENV)/bin/python
+STAMP       := $(VENV)/.probjax-install-stamp
+PYTHON      ?=
+ARGS        ?=
+PYTEST_ARGS ?=
+PYTEST_WORKERS ?= 2
+
+.PHONY: help run test bench-cpu docs venv clean
+
+help:
+	@echo "make run    - attention report on this machine (ARGS=\"--quick\" etc.)"
+	@echo "make test   - test suite, pytest -q -n $(PYTEST_WORKERS) (PYTEST_ARGS=... to pass more)"
+	@echo "make bench-cpu - CPU benchmark JSON (docs/benchmarks/kernel_attn_cpu_cpu.json)"
+	@echo "make docs   - figures and README performance section from the JSON"
+	@echo "make venv   - only create/refresh $(VENV)"
+
+run: venv
+	$(PY) -m probjax.attention_report $(ARGS)
+
+# pytest's exit code 5 (no tests collected) is a failure here, as every other non-zero code.
+test: venv
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
+
+bench-cpu: venv
+	JAX_PLATFORMS=cpu $(PY) -m docs.scripts.benchmark_kernel_attn_cpu --output docs/benchmarks/kernel_attn_cpu_cpu.json
+
+docs: venv
+	$(PY) -m docs.scripts.benchmark_figures
+
+# Creates (or re-creates, if its Python is missing or older than 3.12) the venv,
+# and re-installs only when pyproject.toml's hash differs from the stamp's.
+venv:
+	@want="$$(sha256sum pyproject.toml | cut -d' ' -f1)"; \
+	if [ ! -x "$(PY)" ] || ! "$(PY)" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then \
+	  py=""; \
+	  ok() { "$$1" -c 'import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1; }; \
+	  cands=(); \
+	  if [ -n "$(PYTHON)" ]; then cands+=("$(PYTHON)"); fi; \
+	  for n in python3.13 python3.12 python3; do \
+	    p="$$(command -v $$n 2>/dev/null || true)"; [ -n "$$p" ] && cands+=("$$p"); \
+	  done; \
+	  for p in $$(ls -d /root/.pyenv/versions/3.1[2-9]*/bin/python3.1[2-9] "$${PYENV_ROOT:-/root/.pyenv}"/versions/3.1[2-9]*/bin/python3.1[2-9] 2>/dev/null | sort -urV); do \
+	    cands+=("$$p"); \
+	  done; \
+	  if command -v uv >/dev/null 2>&1; then \
+	    p="$$(uv python find '>=3.12' 2>/dev/null || true)"; [ -n "$$p" ] && cands+=("$$p"); \
+	  fi; \
+	  for p in "$${cands[@]}"; do if ok "$$p"; then py="$$p"; break; fi; done; \
+	  if [ -z "$$py" ]; then \
+	    echo "error: probjax needs Python >= 3.12 (with the venv and ensurepip modules) to create $(VENV)." >&2; \
+	    echo "  Looked for: PYTHON=..., python3.13, python3.12, python3 on PATH, /root/.pyenv/versions/3.1[2-9]*, 'uv python find'." >&2; \
+	    echo "  Install one (e.g. 'pyenv install 3.12', 'uv python install 3.12', or apt python3.12-venv) or pass PYTHON=/path/to/python3.12." >&2; \
+	    exit 1; \
+	  fi; \
+	  echo "creating $(VENV) with $$py ($$("$$py" -c 'import platform; print(platform.python_version())'))"; \
+	  rm -rf "$(VENV)"; \
+	  "$$py" -m venv "$(VENV)"; \
+	fi; \
+	if [ "$$(cat "$(STAMP)" 2>/dev/null || true)" != "$$want" ]; then \
+	  echo "installing probjax into $(VENV): pip install -e .[test,bench]"; \
+	  "$(PY)" -m pip install -q -e '.[test,bench]'; \
+	  echo "$$want" > "$(STAMP)"; \
+	fi
+
+clean:
+	rm -rf "$(VENV)" build *.egg-info attention_report.json

@@ -1,0 +1,57 @@
+"""Shared pytest configuration.
+
+* ``--gpu``: run the tests marked ``gpu`` (skipped otherwise). With ``--gpu`` on a
+  machine without a CUDA GPU visible to JAX they are skipped with that reason.
+* markers ``gpu`` and ``slow`` (also declared in pyproject.toml).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+
+def pytest_addoption(parser):
+  parser.addoption("--gpu", action="store_true", default=False,
+                   help="run tests marked gpu (needs an NVIDIA GPU visible to JAX)")
+
+
+def pytest_configure(config):
+  config.addinivalue_line("markers", "gpu: needs an NVIDIA GPU; run with pytest --gpu")
+  config.addinivalue_line("markers", "slow: long CPU tests")
+
+
+@functools.cache
+def _gpu_devices() -> tuple[str, str]:
+  """(``""`` or a reason why no GPU is usable, device description)."""
+  try:
+    import jax
+    devs = jax.devices("gpu")
+  except Exception as e:  # no CUDA backend / no device
+    return f"--gpu given but JAX sees no GPU ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})", ""
+  if not devs:
+    return "--gpu given but JAX sees no GPU", ""
+  return "", str(devs[0].device_kind)
+
+
+def pytest_collection_modifyitems(config, items):
+  gpu_items = [it for it in items if "gpu" in it.keywords]
+  if not gpu_items:
+    return
+  if not config.getoption("--gpu"):
+    skip = pytest.mark.skip(reason="needs --gpu (tests marked gpu run only with pytest --gpu)")
+  else:
+    reason, _ = _gpu_devices()
+    if not reason:
+      return
+    skip = pytest.mark.skip(reason=reason)
+  for it in gpu_items:
+    it.add_marker(skip)
+
+
+def pytest_report_header(config):
+  if config.getoption("--gpu"):
+    reason, kind = _gpu_devices()
+    return f"probjax: --gpu, device: {kind or reason}"
+  return None
