@@ -36,7 +36,7 @@ def _gpu_devices() -> tuple[str, str]:
 
 
 def pytest_collection_modifyitems(config, items):
-  gpu_items = [it for it in items if "gpu" in it.keywords]
+  gpu_items = [it for it in items if it.get_closest_marker("gpu") is not None]
   if not gpu_items:
     return
   if not config.getoption("--gpu"):
