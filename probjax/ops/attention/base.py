@@ -1,0 +1,102 @@
+"""Argument validation shared by the public API and every backend."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from probjax.ops.attention.masks import Mask
+
+FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float64))
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionShape:
+  """Static description of a call, what dispatch and ``supports`` look at."""
+
+  batch: int
+  q_len: int
+  kv_len: int
+  q_heads: int
+  kv_heads: int
+  head_dim: int
+  dtype: jnp.dtype
+
+  @property
+  def groups(self) -> int:
+    return self.q_heads // self.kv_heads
+
+
+def check_qkv(query, key, value) -> AttentionShape:
+  """Validates ``[batch, seq, heads, head_dim]`` q/k/v; returns their :class:`AttentionShape`."""
+  for name, x in (("query", query), ("key", key), ("value", value)):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+      raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    if x.ndim != 4:
+      raise ValueError(f"{name} must have rank 4 [batch, seq, heads, head_dim], got shape {tuple(x.shape)}")
+    if jnp.dtype(x.dtype) not in FLOAT_DTYPES:
+      raise TypeError(f"{name} must be float32, bfloat16, float16 or float64, got {x.dtype}")
+  if not (query.dtype == key.dtype == value.dtype):
+    raise TypeError(f"query, key and value must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}")
+  b, tq, h, d = query.shape
+  if key.shape != value.shape:
+    raise ValueError(f"key and value must have the same shape [batch, kv_len, kv_heads, head_dim], got {tuple(key.shape)} and {tuple(value.shape)}")
+  bk, tk, hk, dk = key.shape
+  if bk != b:
+    raise ValueError(f"key/value batch {bk} does not match query batch {b}")
+  if dk != d:
+    raise ValueError(f"key/value head_dim {dk} does not match query head_dim {d}")
+  if hk == 0 or h % hk:
+    raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({hk})")
+  return AttentionShape(b, tq, tk, h, hk, d, jnp.dtype(query.dtype))
+
+
+def check_broadcast(name: str, x, s: AttentionShape, *, boolean: bool):
+  """Validates a bias (``boolean=False``) or dense mask broadcastable to ``[batch, heads, q_len, kv_len]``."""
+  if x is None:
+    return None
+  if not hasattr(x, "shape"):
+    raise TypeError(f"{name} must be an array broadcastable to [batch, heads, q_len, kv_len], got {type(x).__name__}")
+  full = (s.batch, s.q_heads, s.q_len, s.kv_len)
+  if x.ndim > 4:
+    raise ValueError(f"{name} must have rank <= 4 and broadcast to {full}, got shape {tuple(x.shape)}")
+  shape = (1,) * (4 - x.ndim) + tuple(x.shape)
+  for got, want in zip(shape, full):
+    if got not in (1, want):
+      raise ValueError(f"{name} of shape {tuple(x.shape)} does not broadcast to [batch, heads, q_len, kv_len] = {full}")
+  if boolean and x.dtype != jnp.bool_:
+    raise TypeError(f"{name} must be a boolean array (True = attend), got {x.dtype}; use bias= for additive masks")
+  if not boolean and not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"{name} must be a floating array, got {x.dtype}")
+  return jnp.reshape(x, shape)
+
+
+def check_mask(mask, s: AttentionShape):
+  """Splits the ``mask`` argument into a :class:`Mask` and/or a dense boolean array."""
+  if mask is None:
+    return None, None
+  if isinstance(mask, Mask):
+    mask.validate(s.batch, s.q_len, s.kv_len)
+    return mask, None
+  return None, check_broadcast("mask", mask, s, boolean=True)
+
+
+def check_scale(scale, head_dim: int) -> float:
+  if scale is None:
+    return 1.0 / float(np.sqrt(head_dim))
+  if isinstance(scale, jax.core.Tracer) or not np.isscalar(scale) and np.ndim(scale) != 0:
+    raise TypeError(f"scale must be a Python float, got {type(scale).__name__}")
+  return float(scale)
+
+
+def check_dropout(dropout_rate, dropout_rng, deterministic):
+  if not 0.0 <= float(dropout_rate) < 1.0:
+    raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
+  if deterministic or dropout_rate == 0.0:
+    return 0.0, None
+  if dropout_rng is None:
+    raise ValueError("dropout_rng is required when dropout_rate > 0 and deterministic is False")
+  return float(dropout_rate), dropout_rng

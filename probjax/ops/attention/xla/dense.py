@@ -1,0 +1,50 @@
+"""Dense attention for short sequences: one einsum, plain autodiff (T x T scores)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from probjax.ops.attention.masks import Mask
+
+
+def dense_attention(q, k, v, *, bias=None, mask: Mask | None = None, dense_mask=None,
+                    score_mod=None, scale: float, dropout_rate: float = 0.0, dropout_rng=None,
+                    broadcast_dropout: bool = True, precision=None, module=None):
+  """q ``[B, Tq, H, D]``, k/v ``[B, Tkv, Hkv, D]`` → ``[B, Tq, H, D]``; differentiable in all modes.
+
+  With ``module`` given, the attention weights ``[B, H, Tq, Tkv]`` are sown
+  into it as Flax's ``dot_product_attention`` does.
+  """
+  bsz, tq, h, d = q.shape
+  tk, hkv = k.shape[1], k.shape[2]
+  g = h // hkv
+  qi = q.reshape(bsz, tq, hkv, g, d).astype(jnp.float32)
+  s = jnp.einsum("bqhgd,bkhd->bhgqk", qi, k.astype(jnp.float32), precision=precision) * scale
+  s = s.reshape(bsz, h, tq, tk)
+  if bias is not None:
+    s = s + bias.astype(jnp.float32)
+  if score_mod is not None:
+    s = score_mod(s, jnp.arange(bsz)[:, None, None, None], jnp.arange(h)[None, :, None, None],
+                  jnp.arange(tq)[None, None, :, None], jnp.arange(tk)[None, None, None, :]).astype(jnp.float32)
+  ok = jnp.ones((1, 1, tq, tk), bool)
+  if mask is not None:
+    ok = ok & mask.dense(bsz, tq, tk)
+  if dense_mask is not None:
+    ok = ok & dense_mask
+  s = jnp.where(ok, s, -jnp.inf)
+  m = jax.lax.stop_gradient(s.max(-1, keepdims=True))
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  p = jnp.where(ok, jnp.exp(jnp.where(ok, s, 0.0) - m), 0.0)
+  l = p.sum(-1, keepdims=True)
+  p = p / jnp.where(l > 0, l, 1.0)
+  if module is not None and hasattr(module, "sow"):
+    import flax.nnx as nnx
+    module.sow(nnx.Intermediate, "attention_weights", p)
+  if dropout_rate > 0.0:
+    shape = (1, 1, tq, tk) if broadcast_dropout else p.shape
+    keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, shape)
+    p = p * keep.astype(p.dtype) / (1.0 - dropout_rate)
+  p = p.reshape(bsz, hkv, g, tq, tk)
+  out = jnp.einsum("bhgqk,bkhd->bqhgd", p, v.astype(jnp.float32), precision=precision)
+  return out.reshape(bsz, tq, h, d).astype(q.dtype)

@@ -1,0 +1,386 @@
+"""Exact tiled (flash) attention in plain XLA, memory linear in sequence length.
+
+The primal is a ``jax.custom_jvp`` whose tangent is a ``linear_call``: forward
+mode runs a flash-style tangent pass, and reverse mode transposes that linear
+call into a flash backward that recomputes the scores from the log-sum-exp.
+The residuals kept for the backward are q, k, v, the output and the LSE.
+
+Internal layout: queries ``[batch, kv_heads, groups, q_len, head_dim]`` and
+keys/values ``[batch, kv_heads, kv_len, head_dim]``, so grouped-query
+attention never repeats K/V. Bias and dense masks keep their broadcast
+(size-1) axes as ``[b|1, kv_heads|1, groups|1, q|1, k|1]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.custom_derivatives import linear_call
+
+from probjax.ops.attention.masks import EMPTY, Mask
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  """Static (hashable) part of a call."""
+
+  q_len: int
+  kv_len: int
+  block_q: int
+  block_k: int
+  scale: float
+  groups: int
+  lower: int | None
+  upper: int | None
+  dropout_rate: float
+  broadcast_dropout: bool
+  precision: Any
+  score_mod: Callable | None  # closure-converted: f(s, b, h, q, k, *consts)
+
+  @property
+  def nq(self):
+    return -(-self.q_len // self.block_q)
+
+  @property
+  def nk(self):
+    return -(-self.kv_len // self.block_k)
+
+  def band(self) -> Mask:
+    return Mask(lower=self.lower, upper=self.upper)
+
+
+def _round_up(n, m):
+  return -(-n // m) * m
+
+
+def choose_blocks(q_len: int, kv_len: int) -> tuple[int, int]:
+  """One tile of the whole (8-aligned) length up to 512, else 256."""
+  pick = lambda n: _round_up(max(n, 1), 8) if n <= 512 else 256
+  return pick(q_len), pick(kv_len)
+
+
+def _pad_axis(x, axis, size, value=0):
+  n = x.shape[axis]
+  if n == 1 or n == size:
+    return x
+  pads = [(0, 0)] * x.ndim
+  pads[axis] = (0, size - n)
+  return jnp.pad(x, pads, constant_values=value)
+
+
+def _slice(x, axis, start, size):
+  return x if x.shape[axis] == 1 else lax.dynamic_slice_in_dim(x, start, size, axis)
+
+
+def _tile(x, iq, ik, st: _Static):
+  if x is None:
+    return None
+  return _slice(_slice(x, -2, iq * st.block_q, st.block_q), -1, ik * st.block_k, st.block_k)
+
+
+def _scores(st: _Static, iq, ik, qb, kb, bias_t, consts):
+  """Scores of tile (iq, ik) in float32: ``[b, hkv, g, bq, bk]``."""
+  s = jnp.einsum("bhgqd,bhkd->bhgqk", qb.astype(jnp.float32), kb.astype(jnp.float32),
+                 precision=st.precision) * st.scale
+  if bias_t is not None:
+    s = s + bias_t.astype(jnp.float32)
+  if st.score_mod is not None:
+    b, hkv, g = qb.shape[0], qb.shape[1], st.groups
+    bi = jnp.arange(b)[:, None, None, None, None]
+    hi = (jnp.arange(hkv)[:, None] * g + jnp.arange(g)[None, :])[None, :, :, None, None]
+    qi = (iq * st.block_q + jnp.arange(st.block_q))[:, None]
+    ki = (ik * st.block_k + jnp.arange(st.block_k))[None, :]
+    s = st.score_mod(s, bi, hi, qi, ki, *consts).astype(jnp.float32)
+  return s
+
+
+def _valid(st: _Static, iq, ik, mask: Mask | None, dense_t):
+  """Boolean ``[b|1, 1, 1, bq, bk]`` of allowed (query, key) pairs in the tile."""
+  qi = (iq * st.block_q + jnp.arange(st.block_q))[:, None]
+  ki = (ik * st.block_k + jnp.arange(st.block_k))[None, :]
+  ok = ki < st.kv_len
+  m = st.band() if mask is None else mask
+  ok = ok & m.element(qi, ki)
+  ok = ok.reshape((-1, 1, 1, st.block_q, st.block_k)) if ok.ndim == 3 else ok[None, None, None]
+  if dense_t is not None:
+    ok = ok & dense_t
+  return ok
+
+
+def _keep(st: _Static, rng, iq, ik, shape):
+  """Dropout scale ``keep / (1 - rate)`` for tile (iq, ik), or None without dropout."""
+  if st.dropout_rate == 0.0:
+    return None
+  if st.broadcast_dropout:
+    shape = (1, 1, 1) + shape[-2:]
+  key = jax.random.fold_in(jax.random.fold_in(rng, iq), ik)
+  keep = jax.random.bernoulli(key, 1.0 - st.dropout_rate, shape)
+  return keep.astype(jnp.float32) / (1.0 - st.dropout_rate)
+
+
+def _k_bounds(st: _Static, iq):
+  """Key-tile range ``[lo, hi)`` that the static band allows for query tile ``iq``."""
+  lo, hi = 0, st.nk
+  if st.lower is not None:
+    lo = jnp.clip((iq * st.block_q + st.lower) // st.block_k, 0, st.nk)
+  if st.upper is not None:
+    hi = jnp.clip(-(-((iq + 1) * st.block_q - 1 + st.upper + 1) // st.block_k), 0, st.nk)
+  return lo, jnp.maximum(lo, hi)
+
+
+def _q_bounds(st: _Static, ik):
+  """Query-tile range ``[lo, hi)`` that the static band allows for key tile ``ik``."""
+  lo, hi = 0, st.nq
+  if st.upper is not None:
+    lo = jnp.clip((ik * st.block_k - st.upper) // st.block_q, 0, st.nq)
+  if st.lower is not None:
+    hi = jnp.clip(-(-((ik + 1) * st.block_k - 1 - st.lower + 1) // st.block_q), 0, st.nq)
+  return lo, jnp.maximum(lo, hi)
+
+
+def _maybe_skip(tile_any, iq, ik, compute, carry):
+  """Runs ``compute(carry)`` unless the tile is EMPTY for every batch element."""
+  if tile_any is None:
+    return compute(carry)
+  return lax.cond(tile_any[iq, ik], compute, lambda c: c, carry)
+
+
+def _tile_any(st: _Static, mask: Mask | None, batch: int):
+  if mask is None or not (mask.q_lengths is not None or mask.kv_lengths is not None
+                          or mask.q_segment_ids is not None):
+    return None  # band-only masks are bounded by the loop limits
+  cls = mask.classify_tiles(batch, st.nq * st.block_q, st.nk * st.block_k, st.block_q, st.block_k)
+  return jnp.any(cls != EMPTY, axis=0)
+
+
+# -- forward -------------------------------------------------------------------------
+def _forward(st: _Static, q, k, v, bias, consts, mask, dense, rng):
+  """Returns out ``[b, hkv, g, Tq_pad, d]`` (q dtype) and lse ``[b, hkv, g, Tq_pad]`` (f32)."""
+  b, hkv, g, _, d = q.shape
+  tile_any = _tile_any(st, mask, b)
+
+  def q_block(iq):
+    qb = lax.dynamic_slice_in_dim(q, iq * st.block_q, st.block_q, 3)
+
+    def body(ik, carry):
+      def compute(carry):
+        m, l, acc = carry
+        kb = lax.dynamic_slice_in_dim(k, ik * st.block_k, st.block_k, 2)
+        vb = lax.dynamic_slice_in_dim(v, ik * st.block_k, st.block_k, 2)
+        s = _scores(st, iq, ik, qb, kb, _tile(bias, iq, ik, st), consts)
+        ok = _valid(st, iq, ik, mask, _tile(dense, iq, ik, st))
+        s = jnp.where(ok, s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.exp(s - m_safe[..., None])
+        alpha = jnp.exp(m - m_safe)
+        l = alpha * l + p.sum(-1)
+        z = _keep(st, rng, iq, ik, p.shape)
+        pz = p if z is None else p * z
+        acc = alpha[..., None] * acc + jnp.einsum("bhgqk,bhkd->bhgqd", pz, vb.astype(jnp.float32),
+                                                  precision=st.precision)
+        return m_new, l, acc
+      return _maybe_skip(tile_any, iq, ik, compute, carry)
+
+    init = (jnp.full((b, hkv, g, st.block_q), -jnp.inf, jnp.float32),
+            jnp.zeros((b, hkv, g, st.block_q), jnp.float32),
+            jnp.zeros((b, hkv, g, st.block_q, d), jnp.float32))
+    lo, hi = _k_bounds(st, iq)
+    m, l, acc = lax.fori_loop(lo, hi, body, init)
+    pos = l > 0
+    out = jnp.where(pos[..., None], acc / jnp.where(pos, l, 1.0)[..., None], 0.0)
+    lse = jnp.where(pos, m + jnp.log(jnp.where(pos, l, 1.0)), jnp.inf)
+    return out.astype(q.dtype), lse
+
+  out, lse = lax.map(q_block, jnp.arange(st.nq))
+  out = jnp.moveaxis(out, 0, 3).reshape(b, hkv, g, st.nq * st.block_q, d)
+  lse = jnp.moveaxis(lse, 0, 3).reshape(b, hkv, g, st.nq * st.block_q)
+  return out, lse
+
+
+# -- tangent (forward-mode) ------------------------------------------------------------
+def _tangent(st: _Static, res, tangents):
+  q, k, v, bias, consts, mask, dense, rng, out, lse = res
+  qd, kd, vd, bd, cd = tangents
+  b, hkv, g, _, d = q.shape
+  tile_any = _tile_any(st, mask, b)
+
+  def q_block(iq):
+    sl = lambda x: lax.dynamic_slice_in_dim(x, iq * st.block_q, st.block_q, 3)
+    qb, qdb, ob = sl(q), sl(qd), sl(out).astype(jnp.float32)
+    lse_b = lax.dynamic_slice_in_dim(lse, iq * st.block_q, st.block_q, 3)
+
+    def body(ik, carry):
+      def compute(carry):
+        acc, c = carry
+        ksl = lambda x: lax.dynamic_slice_in_dim(x, ik * st.block_k, st.block_k, 2)
+        kb, kdb, vb, vdb = ksl(k), ksl(kd), ksl(v).astype(jnp.float32), ksl(vd).astype(jnp.float32)
+        fn = lambda qb, kb, bias_t, consts: _scores(st, iq, ik, qb, kb, bias_t, consts)
+        s, sd = jax.jvp(fn, (qb, kb, _tile(bias, iq, ik, st), consts),
+                        (qdb, kdb, _tile(bd, iq, ik, st), cd))
+        ok = _valid(st, iq, ik, mask, _tile(dense, iq, ik, st))
+        p = jnp.where(ok, jnp.exp(jnp.where(ok, s, 0.0) - lse_b[..., None]), 0.0)
+        psd = p * jnp.where(ok, sd, 0.0)
+        z = _keep(st, rng, iq, ik, p.shape)
+        pz, psdz = (p, psd) if z is None else (p * z, psd * z)
+        acc = acc + jnp.einsum("bhgqk,bhkd->bhgqd", psdz, vb, precision=st.precision) \
+                  + jnp.einsum("bhgqk,bhkd->bhgqd", pz, vdb, precision=st.precision)
+        return acc, c + psd.sum(-1)
+      return _maybe_skip(tile_any, iq, ik, compute, carry)
+
+    init = (jnp.zeros((b, hkv, g, st.block_q, d), jnp.float32), jnp.zeros((b, hkv, g, st.block_q), jnp.float32))
+    lo, hi = _k_bounds(st, iq)
+    acc, c = lax.fori_loop(lo, hi, body, init)
+    return (acc - c[..., None] * ob).astype(q.dtype)
+
+  od = lax.map(q_block, jnp.arange(st.nq))
+  return jnp.moveaxis(od, 0, 3).reshape(out.shape)
+
+
+# -- transpose (reverse-mode backward) ----------------------------------------------------
+def _transpose(st: _Static, res, do):
+  q, k, v, bias, consts, mask, dense, rng, out, lse = res
+  b, hkv, g, tq, d = q.shape
+  tile_any = _tile_any(st, mask, b)
+  do = do.astype(jnp.float32)
+  delta = jnp.sum(do * out.astype(jnp.float32), -1)
+  f32 = lambda x: None if x is None else jnp.zeros(x.shape, jnp.float32)
+
+  def k_block(carry, ik):
+    ksl = lambda x: lax.dynamic_slice_in_dim(x, ik * st.block_k, st.block_k, 2)
+    kb, vb = ksl(k), ksl(v).astype(jnp.float32)
+
+    def body(iq, inner):
+      def compute(inner):
+        dk, dv, dq, dbias, dconsts = inner
+        qsl = lambda x, ax=3: lax.dynamic_slice_in_dim(x, iq * st.block_q, st.block_q, ax)
+        qb, dob, lse_b, delta_b = qsl(q), qsl(do), qsl(lse), qsl(delta)
+        fn = lambda qb, kb, bias_t, consts: _scores(st, iq, ik, qb, kb, bias_t, consts)
+        s, vjp = jax.vjp(fn, qb, kb, _tile(bias, iq, ik, st), consts)
+        ok = _valid(st, iq, ik, mask, _tile(dense, iq, ik, st))
+        p = jnp.where(ok, jnp.exp(jnp.where(ok, s, 0.0) - lse_b[..., None]), 0.0)
+        z = _keep(st, rng, iq, ik, p.shape)
+        pz = p if z is None else p * z
+        dv = dv + jnp.einsum("bhgqk,bhgqd->bhkd", pz, dob, precision=st.precision)
+        dp = jnp.einsum("bhgqd,bhkd->bhgqk", dob, vb, precision=st.precision)
+        if z is not None:
+          dp = dp * z
+        ds = p * (dp - delta_b[..., None])
+        dqt, dkt, dbt, dct = vjp(ds)
+        dq = lax.dynamic_update_slice_in_dim(dq, qsl(dq) + dqt, iq * st.block_q, 3)
+        if dbias is not None:
+          dbias = _tile_add(dbias, dbt, iq, ik, st)
+        dconsts = jax.tree.map(jnp.add, dconsts, dct)
+        return dk + dkt, dv, dq, dbias, dconsts
+      return _maybe_skip(tile_any, iq, ik, compute, inner)
+
+    dq, dbias, dconsts = carry
+    init = (jnp.zeros(kb.shape, jnp.float32), jnp.zeros(vb.shape, jnp.float32), dq, dbias, dconsts)
+    lo, hi = _q_bounds(st, ik)
+    dk, dv, dq, dbias, dconsts = lax.fori_loop(lo, hi, body, init)
+    return (dq, dbias, dconsts), (dk, dv)
+
+  carry = (jnp.zeros(q.shape, jnp.float32), f32(bias), jax.tree.map(f32, consts))
+  (dq, dbias, dconsts), (dk, dv) = lax.scan(k_block, carry, jnp.arange(st.nk))
+  dk = jnp.moveaxis(dk, 0, 2).reshape(k.shape)
+  dv = jnp.moveaxis(dv, 0, 2).reshape(v.shape)
+  cast = lambda x, like: None if x is None else x.astype(like.dtype)
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), cast(dbias, bias),
+          jax.tree.map(cast, dconsts, consts))
+
+
+def _tile_add(x, t, iq, ik, st):
+  """``x[tile(iq, ik)] += t`` on an array with broadcast (size-1) q/k axes."""
+  qs = 0 if x.shape[-2] == 1 else iq * st.block_q
+  ks = 0 if x.shape[-1] == 1 else ik * st.block_k
+  idx = (0,) * (x.ndim - 2) + (qs, ks)
+  return lax.dynamic_update_slice(x, lax.dynamic_slice(x, idx, t.shape) + t, idx)
+
+
+# -- custom_jvp assembly ---------------------------------------------------------------
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _flash(st, q, k, v, bias, consts, mask, dense, rng):
+  return _forward(st, q, k, v, bias, consts, mask, dense, rng)[0]
+
+
+@_flash.defjvp
+def _flash_jvp(st, primals, tangents):
+  q, k, v, bias, consts, mask, dense, rng = primals
+  qd, kd, vd, bd, cd, *_ = tangents
+  out, lse = _forward(st, q, k, v, bias, consts, mask, dense, rng)
+  res = (q, k, v, bias, consts, mask, dense, rng, out, lse)
+  zeros = lambda x, t: t if x is None else _instantiate(t, x)
+  lin = (_instantiate(qd, q), _instantiate(kd, k), _instantiate(vd, v),
+         zeros(bias, bd), jax.tree.map(_instantiate, cd, consts))
+  out_dot = linear_call(functools.partial(_tangent, st), functools.partial(_transpose, st), res, lin)
+  return out, out_dot
+
+
+def _instantiate(t, x):
+  if t is None or (hasattr(t, "dtype") and t.dtype == jax.dtypes.float0):
+    return jnp.zeros(x.shape, x.dtype)
+  return t
+
+
+def flash_attention(q, k, v, *, bias=None, mask: Mask | None = None, dense_mask=None,
+                    score_mod=None, scale: float, dropout_rate: float = 0.0, dropout_rng=None,
+                    broadcast_dropout: bool = True, precision=None, block_q: int | None = None,
+                    block_k: int | None = None):
+  """Tiled exact attention. q ``[B, Tq, H, D]``, k/v ``[B, Tkv, Hkv, D]`` → ``[B, Tq, H, D]``.
+
+  ``bias``/``dense_mask`` must already be rank 4 and broadcastable to
+  ``[B, H, Tq, Tkv]``; ``mask`` is a :class:`Mask`.
+  """
+  bsz, tq, h, d = q.shape
+  tk, hkv = k.shape[1], k.shape[2]
+  g = h // hkv
+  dq_, dk_ = choose_blocks(tq, tk)
+  bq, bk = block_q or dq_, block_k or dk_
+  tq_p, tk_p = _round_up(tq, bq), _round_up(tk, bk)
+
+  consts = ()
+  mod = None
+  if score_mod is not None:
+    ex = jax.ShapeDtypeStruct((bsz, hkv, g, bq, bk), jnp.float32)
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+    mod5 = lambda s, b_, h_, q_, k_: score_mod(s, b_, h_, q_, k_)
+    mod, consts = jax.closure_convert(mod5, ex, i32(bsz, 1, 1, 1, 1), i32(1, hkv, g, 1, 1), i32(bq, 1), i32(1, bk))
+    consts = tuple(consts)
+
+  lower = upper = None
+  if mask is not None:
+    lower, upper = mask.lower, mask.upper
+    if mask.q_lengths is None and mask.kv_lengths is None and mask.q_segment_ids is None:
+      mask = None  # band only: handled by loop bounds and the static band
+    elif mask.q_segment_ids is not None:
+      mask = dataclasses.replace(
+          mask,
+          q_segment_ids=_pad_axis(jnp.broadcast_to(mask.q_segment_ids, (bsz, tq)), 1, tq_p, -1),
+          kv_segment_ids=_pad_axis(jnp.broadcast_to(mask.kv_segment_ids, (bsz, tk)), 1, tk_p, -2))
+  st = _Static(tq, tk, bq, bk, float(scale), g, lower, upper, float(dropout_rate),
+               bool(broadcast_dropout), precision, mod)
+
+  qi = jnp.transpose(q, (0, 2, 1, 3)).reshape(bsz, hkv, g, tq, d)
+  qi = _pad_axis(qi, 3, tq_p)
+  ki = _pad_axis(jnp.transpose(k, (0, 2, 1, 3)), 2, tk_p)
+  vi = _pad_axis(jnp.transpose(v, (0, 2, 1, 3)), 2, tk_p)
+  bias_i = _heads_split(bias, hkv, g, tq_p, tk_p, 0)
+  dense_i = _heads_split(dense_mask, hkv, g, tq_p, tk_p, False)
+  rng = dropout_rng if st.dropout_rate else None
+  out = _flash(st, qi, ki, vi, bias_i, consts, mask, dense_i, rng)
+  out = out[:, :, :, :tq].reshape(bsz, h, tq, d)
+  return jnp.transpose(out, (0, 2, 1, 3))
+
+
+def _heads_split(x, hkv, g, tq_p, tk_p, pad_value):
+  """``[b|1, h|1, q|1, k|1]`` → ``[b|1, hkv|1, g|1, q_pad|1, k_pad|1]``."""
+  if x is None:
+    return None
+  b_, h_, q_, k_ = x.shape
+  x = x.reshape(b_, hkv, g, q_, k_) if h_ != 1 else x.reshape(b_, 1, 1, q_, k_)
+  return _pad_axis(_pad_axis(x, 3, tq_p, pad_value), 4, tk_p, pad_value)
