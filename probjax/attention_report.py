@@ -1,0 +1,493 @@
+"""Attention report for the machine it runs on (the main job).
+
+    python -m probjax.attention_report            # default shapes for this device
+    python -m probjax.attention_report --quick    # tiny shapes (smoke test)
+    python -m probjax.attention_report --seq 600,1500 --mask causal --dtype bfloat16
+
+For each shape it runs every probjax implementation available on the present
+device (``available_implementations()``), the default (``implementation=None``)
+and ``jax.nn.dot_product_attention`` as a peer (XLA, and cuDNN on NVIDIA GPUs);
+checks output and gradients against the float64 reference; times the forward and
+the forward+backward (warm-up, median of repeats); prints a table with the
+implementation the default picks and the rule that picked it; and writes the
+rows to JSON (benchmark row fields: ``suite="report"``, ``impl``, ``dtype``,
+``batch``, ``q_heads``, ``kv_heads``, ``q_len``, ``kv_len``, ``head_dim``,
+``causal``, ``mask``, ``mode`` ("fwd"/"fwd_bwd"), ``ms``, ``status``
+("ok"/"oom"/"unsupported"/"fail"/"error"), ``device``, ``max_error``; plus
+``check`` ("pass"/"fail" against the dtype's tolerance), ``tolerance``,
+``error`` (message), ``default_impl`` and ``default_rule``).
+
+A failure of one implementation is recorded in its row; the report goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+import numpy as np
+
+MASKS = ("none", "causal", "window", "kv_len", "segments")
+DTYPES = ("float32", "bfloat16", "float16")
+STATUSES = ("ok", "oom", "unsupported", "fail", "error")
+
+
+# -----------------------------------------------------------------------------
+# cases
+# -----------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Case:
+  name: str
+  batch: int
+  q_heads: int
+  kv_heads: int
+  q_len: int
+  kv_len: int
+  head_dim: int
+  dtype: str
+  mask: str = "none"
+
+  @property
+  def causal(self) -> bool:
+    return self.mask == "causal"
+
+  def label(self) -> str:
+    heads = f"{self.q_heads}" if self.q_heads == self.kv_heads else f"{self.q_heads}/{self.kv_heads}"
+    seq = f"{self.q_len}" if self.q_len == self.kv_len else f"{self.q_len}x{self.kv_len}"
+    return f"{self.name}: B={self.batch} H={heads} T={seq} D={self.head_dim} {self.dtype} mask={self.mask}"
+
+
+# Default shape sets. name -> (batch, q_heads, kv_heads, seq, head_dim, mask)
+_DEFAULTS = {
+    # 2-core CPU: the whole report finishes in well under 2 minutes.
+    "cpu": dict(dtype="float32", repeats=5, cases=[
+        ("plain", 1, 8, 8, 1024, 64, "none"),
+        ("causal", 1, 8, 8, 1024, 64, "causal"),
+        ("gqa", 1, 8, 2, 512, 64, "none"),
+        ("odd", 1, 8, 8, 600, 64, "none"),
+    ]),
+    "gpu": dict(dtype="bfloat16", repeats=20, cases=[
+        ("plain", 4, 8, 8, 4096, 64, "none"),
+        ("causal", 4, 8, 8, 4096, 64, "causal"),
+        ("gqa", 4, 8, 2, 4096, 128, "none"),
+        ("odd", 4, 8, 8, 1500, 64, "none"),
+    ]),
+    "quick": dict(dtype="float32", repeats=2, cases=[
+        ("plain", 1, 2, 2, 64, 16, "none"),
+        ("causal", 1, 2, 2, 64, 16, "causal"),
+        ("gqa", 1, 4, 2, 32, 16, "none"),
+        ("odd", 1, 2, 2, 37, 16, "none"),
+    ]),
+}
+
+
+def _ints(values: list[str] | None) -> list[int] | None:
+  if not values:
+    return None
+  out = []
+  for v in values:
+    for part in str(v).split(","):
+      part = part.strip()
+      if part:
+        n = int(part)
+        if n < 1:
+          raise argparse.ArgumentTypeError(f"--seq values must be >= 1, got {n}")
+        out.append(n)
+  return out
+
+
+def build_cases(args, platform_kind: str) -> tuple[list[Case], int]:
+  """Cases and repeats from the CLI (defaults per device, ``--quick`` tiny)."""
+  preset = _DEFAULTS["quick" if args.quick else ("gpu" if platform_kind == "gpu" else "cpu")]
+  dtype = args.dtype or preset["dtype"]
+  repeats = args.repeats if args.repeats is not None else preset["repeats"]
+  seqs = _ints(args.seq)
+  masks = args.mask
+  custom = seqs is not None or masks is not None or args.heads is not None or args.kv_heads is not None
+  cases = []
+  if not custom:
+    for name, b, h, hkv, t, d, m in preset["cases"]:
+      cases.append(Case(name, args.batch or b, h, hkv, t, t, args.head_dim or d, dtype, m))
+  else:
+    b0, h0, _, t0, d0, _ = preset["cases"][0][1:]
+    heads = args.heads or h0
+    kv_heads = args.kv_heads or heads
+    if heads % kv_heads:
+      raise SystemExit(f"--heads ({heads}) must be a multiple of --kv-heads ({kv_heads})")
+    for t in seqs or [t0]:
+      for m in masks or ["none"]:
+        cases.append(Case(f"T{t}-{m}", args.batch or b0, heads, kv_heads, t, t, args.head_dim or d0, dtype, m))
+  return cases, max(1, repeats)
+
+
+# -----------------------------------------------------------------------------
+# inputs and masks
+# -----------------------------------------------------------------------------
+def make_mask(kind: str, case: Case):
+  """A probjax Mask for ``kind`` (None for "none")."""
+  from probjax.ops.attention import masks as M
+  b, tq, tk = case.batch, case.q_len, case.kv_len
+  if kind == "none":
+    return None
+  if kind == "causal":
+    return M.CausalMask()
+  if kind == "window":
+    return M.LocalWindowMask(left=window_left(tk), right=0)
+  if kind == "kv_len":
+    return M.KVLenMask(kv_lengths_for(b, tk))
+  if kind == "segments":
+    q_ids, kv_ids = segment_ids_for(b, tq, tk)
+    return M.SegmentMask(q_ids, kv_ids)
+  raise ValueError(f"unknown mask {kind!r}; expected one of {MASKS}")
+
+
+def window_left(kv_len: int) -> int:
+  return max(1, kv_len // 4)
+
+
+def kv_lengths_for(batch: int, kv_len: int) -> np.ndarray:
+  # From the full length down to ~half, never 0.
+  return np.array([max(1, kv_len - (i * kv_len) // (2 * max(1, batch))) for i in range(batch)], np.int32)
+
+
+def segment_ids_for(batch: int, q_len: int, kv_len: int) -> tuple[np.ndarray, np.ndarray]:
+  # Three packed documents per row (uneven boundaries), same split in q and kv.
+  def ids(n):
+    pos = np.arange(n)
+    return (pos >= n // 5).astype(np.int32) + (pos >= (2 * n) // 3).astype(np.int32)
+  return np.tile(ids(q_len), (batch, 1)), np.tile(ids(kv_len), (batch, 1))
+
+
+def make_inputs(case: Case, seed: int = 0):
+  import jax.numpy as jnp
+  rng = np.random.default_rng(seed)
+  shape_q = (case.batch, case.q_len, case.q_heads, case.head_dim)
+  shape_kv = (case.batch, case.kv_len, case.kv_heads, case.head_dim)
+  q = jnp.asarray(rng.standard_normal(shape_q, np.float32), case.dtype)
+  k = jnp.asarray(rng.standard_normal(shape_kv, np.float32), case.dtype)
+  v = jnp.asarray(rng.standard_normal(shape_kv, np.float32), case.dtype)
+  do = jnp.asarray(rng.standard_normal(shape_q, np.float32), case.dtype)
+  return q, k, v, do
+
+
+# -----------------------------------------------------------------------------
+# implementations
+# -----------------------------------------------------------------------------
+def _probjax_fn(implementation: str | None, mask) -> Callable:
+  from probjax.nn.layers.attention import dot_product_attention
+  def f(q, k, v):
+    return dot_product_attention(q, k, v, mask=mask, implementation=implementation)
+  return f
+
+
+def _jaxnn_fn(backend: str, case: Case, mask_kind: str, mask) -> Callable:
+  import jax
+  import jax.numpy as jnp
+  kw: dict[str, Any] = dict(implementation=backend)
+  dense = None
+  if mask_kind == "causal":
+    kw["is_causal"] = True
+  elif mask_kind == "window":
+    kw["local_window_size"] = (window_left(case.kv_len), 0)
+  elif mask_kind == "kv_len":
+    kw["key_value_seq_lengths"] = jnp.asarray(kv_lengths_for(case.batch, case.kv_len))
+  elif mask_kind == "segments":
+    # jax.nn has no segment ids: a dense boolean mask [B, 1, T, S].
+    dense = mask.dense(case.batch, case.q_len, case.kv_len)
+  def f(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, mask=dense, **kw)
+  return f
+
+
+def implementations(platform_kind: str, dtype: str, only: list[str] | None) -> list[tuple[str, str, Any]]:
+  """``[(label, kind, arg)]`` with kind "probjax" (arg: implementation or None) or "jaxnn" (arg: backend).
+
+  Without ``--impl``: probjax default, every available probjax implementation,
+  jax.nn XLA, and jax.nn cuDNN on GPU for 16-bit dtypes. ``--impl`` filters by
+  label (``probjax_xla``), short name (``xla`` matches probjax_xla, ``default``
+  matches probjax_default) or peer label (``jaxnn_xla``); a probjax name that
+  is not available here (e.g. ``triton`` on CPU, interpret mode) is still tried.
+  """
+  avail: list[str] = []
+  try:
+    from probjax.nn.layers.attention import available_implementations
+    avail = list(available_implementations())
+  except Exception:  # API not importable: the probjax_default rows record the error
+    pass
+  out: list[tuple[str, str, Any]] = [("probjax_default", "probjax", None)]
+  out += [(f"probjax_{n}", "probjax", n) for n in avail]
+  out.append(("jaxnn_xla", "jaxnn", "xla"))
+  if platform_kind == "gpu" and dtype in ("bfloat16", "float16"):
+    out.append(("jaxnn_cudnn", "jaxnn", "cudnn"))
+  if only:
+    want = set()
+    for tok in only:
+      want.update(t.strip() for t in tok.split(",") if t.strip())
+    labels = {lab for lab, _, _ in out}
+    for t in sorted(want):
+      if t.startswith("jaxnn_") and t not in labels:
+        out.append((t, "jaxnn", t[len("jaxnn_"):]))
+      elif not t.startswith("jaxnn_") and t != "default" and f"probjax_{t.removeprefix('probjax_')}" not in labels:
+        name = t.removeprefix("probjax_")
+        out.append((f"probjax_{name}", "probjax", name))
+    def keep(lab):
+      short = lab.removeprefix("probjax_")
+      return lab in want or short in want or (lab == "probjax_default" and "default" in want)
+    out = [x for x in out if keep(x[0])]
+  return out
+
+
+def explain(case: Case, mask):
+  """(implementation, rule) the default picks, or ("?", error)."""
+  try:
+    import jax.numpy as jnp
+    from probjax.nn.layers.attention import explain_dispatch
+    d = explain_dispatch((case.batch, case.q_len, case.q_heads, case.head_dim),
+                         (case.batch, case.kv_len, case.kv_heads, case.head_dim),
+                         jnp.dtype(case.dtype), mask=mask)
+    return str(getattr(d, "implementation", d)), str(getattr(d, "rule", ""))
+  except Exception as e:
+    return "?", f"explain_dispatch failed: {type(e).__name__}: {_first_line(e)}"
+
+
+# -----------------------------------------------------------------------------
+# measuring
+# -----------------------------------------------------------------------------
+def _first_line(e: BaseException, limit: int = 300) -> str:
+  s = str(e).strip().splitlines()
+  s = s[0] if s else ""
+  return s[:limit]
+
+
+def classify_error(e: BaseException) -> str:
+  msg = f"{type(e).__name__}: {e}"
+  if "RESOURCE_EXHAUSTED" in msg or "out of memory" in msg.lower() or isinstance(e, MemoryError):
+    return "oom"
+  if "NOT_FOUND" in msg and ("autotun" in msg.lower() or "config" in msg.lower()):
+    return "fail"
+  if isinstance(e, (ValueError, TypeError, NotImplementedError)):
+    return "unsupported"
+  return "error"
+
+
+def time_call(fn: Callable, args: tuple, repeats: int) -> tuple[float, Any]:
+  """Median milliseconds of ``fn(*args)`` after one warm-up (compile) call."""
+  import jax
+  out = jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append((time.perf_counter() - t0) * 1e3)
+  return statistics.median(times), out
+
+
+def device_info() -> tuple[str, str]:
+  """(platform kind "cpu"/"gpu"/..., device name)."""
+  import jax
+  d = jax.devices()[0]
+  kind = d.platform
+  if kind == "cuda" or kind == "rocm":
+    kind = "gpu"
+  name = getattr(d, "device_kind", "") or d.platform
+  if d.platform == "cpu":
+    name = f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+  return kind, str(name)
+
+
+def run_case(case: Case, impls, repeats: int, device: str, platform_kind: str,
+             log: Callable[[str], None] = lambda s: None) -> list[dict]:
+  import jax
+  from probjax.ops.attention.reference import reference_vjp
+  from probjax.ops.attention.tolerances import max_error, tolerance
+
+  tf32 = platform_kind == "gpu" and case.dtype == "float32"
+  tol_fwd = tolerance(case.dtype, tf32=tf32)
+  tol_bwd = tolerance(case.dtype, grad=True, tf32=tf32)
+  base = dict(suite="report", dtype=case.dtype, batch=case.batch, q_heads=case.q_heads,
+              kv_heads=case.kv_heads, q_len=case.q_len, kv_len=case.kv_len, head_dim=case.head_dim,
+              causal=case.causal, mask=case.mask, device=device, case=case.name)
+  rows: list[dict] = []
+  try:
+    mask = make_mask(case.mask, case)
+  except Exception as e:
+    for label, _, _ in impls:
+      for mode in ("fwd", "fwd_bwd"):
+        rows.append(dict(base, impl=label, mode=mode, ms=None, status="error", max_error=None,
+                         check=None, tolerance=None, error=f"mask: {type(e).__name__}: {_first_line(e)}"))
+    return rows
+  default_impl, default_rule = explain(case, mask)
+  q, k, v, do = make_inputs(case)
+  ref_out, ref_dq, ref_dk, ref_dv, _ = reference_vjp(q, k, v, do, mask=mask)
+
+  for label, kind, arg in impls:
+    extra = dict(default_impl=default_impl, default_rule=default_rule) if label == "probjax_default" else {}
+    try:
+      f = _probjax_fn(arg, mask) if kind == "probjax" else _jaxnn_fn(arg, case, case.mask, mask)
+    except Exception as e:
+      f = e
+    fwd = None if isinstance(f, Exception) else jax.jit(f)
+
+    def fb(q, k, v, do, f=f):
+      out, vjp = jax.vjp(f, q, k, v)
+      return (out,) + tuple(vjp(do))
+    fwd_bwd = None if isinstance(f, Exception) else jax.jit(fb)
+
+    for mode in ("fwd", "fwd_bwd"):
+      row = dict(base, impl=label, mode=mode, ms=None, status="error", max_error=None, check=None,
+                 tolerance=tol_fwd if mode == "fwd" else tol_bwd, error=None, **extra)
+      try:
+        if isinstance(f, Exception):
+          raise f
+        if mode == "fwd":
+          ms, out = time_call(fwd, (q, k, v), repeats)
+          err = max_error(out, ref_out)
+        else:
+          ms, (out, dq, dk, dv) = time_call(fwd_bwd, (q, k, v, do), repeats)
+          err = max(max_error(dq, ref_dq), max_error(dk, ref_dk), max_error(dv, ref_dv))
+          row["max_error_out"] = max_error(out, ref_out)
+        row.update(ms=round(ms, 4), status="ok", max_error=err,
+                   check="pass" if err <= row["tolerance"] else "fail")
+        if not math.isfinite(err):
+          row["max_error"] = None
+          row["error"] = "non-finite values in the result"
+      except Exception as e:  # noqa: BLE001 -- recorded in the row, the report goes on
+        row["status"] = classify_error(e)
+        row["error"] = f"{type(e).__name__}: {_first_line(e)}"
+        if os.environ.get("PROBJAX_REPORT_TRACEBACK"):
+          traceback.print_exc()
+      rows.append(row)
+      log(_row_line(row))
+  return rows
+
+
+# -----------------------------------------------------------------------------
+# output
+# -----------------------------------------------------------------------------
+def _fmt_ms(x):
+  return "—" if x is None else (f"{x:.3f}" if x < 10 else f"{x:.1f}")
+
+
+def _fmt_err(r):
+  if r is None:
+    return "—"
+  if r["status"] != "ok":
+    return r["status"]
+  e = r["max_error"]
+  return ("inf" if e is None else f"{e:.1e}") + ("" if r["check"] == "pass" else " FAIL")
+
+
+def _row_line(r: dict) -> str:
+  tail = f"{r['ms']:.3f} ms" if r["status"] == "ok" else f"{r['status']}: {r['error']}"
+  return f"  {r['impl']:<18} {r['mode']:<8} {tail}"
+
+
+def format_table(cases: list[Case], rows: list[dict]) -> str:
+  lines = []
+  head = ("impl", "fwd ms", "fwd+bwd ms", "err out", "err grad", "note")
+  for case in cases:
+    crow = [r for r in rows if r["case"] == case.name]
+    if not crow:
+      continue
+    lines.append("")
+    lines.append(case.label())
+    d = next((r for r in crow if r["impl"] == "probjax_default" and "default_impl" in r), None)
+    if d is not None:
+      lines.append(f"  default -> {d['default_impl']}  ({d['default_rule']})")
+    table = [head]
+    for label in dict.fromkeys(r["impl"] for r in crow):
+      f = next((r for r in crow if r["impl"] == label and r["mode"] == "fwd"), None)
+      b = next((r for r in crow if r["impl"] == label and r["mode"] == "fwd_bwd"), None)
+      errs = [r["error"] for r in (f, b) if r is not None and r["status"] != "ok" and r.get("error")]
+      note = errs[0] if errs else ""
+      if len(note) > 90:
+        note = note[:87] + "..."
+      table.append((label, _fmt_ms(f and f["ms"]), _fmt_ms(b and b["ms"]), _fmt_err(f), _fmt_err(b), note))
+    widths = [max(len(str(t[i])) for t in table) for i in range(len(head) - 1)]
+    for i, t in enumerate(table):
+      cells = [str(c).ljust(w) if j == 0 else str(c).rjust(w) for j, (c, w) in enumerate(zip(t[:-1], widths))]
+      lines.append("  " + "  ".join(cells) + ("  " + t[-1] if t[-1] else ""))
+      if i == 0:
+        lines.append("  " + "  ".join("-" * w for w in widths))
+  return "\n".join(lines)
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(
+      prog="python -m probjax.attention_report",
+      description="Attention report for this machine: every available implementation against the "
+                  "float64 reference (max error of output and gradients), forward and forward+backward "
+                  "times, and which implementation the default picks and why. Writes JSON rows.")
+  p.add_argument("--batch", type=int, help="batch size (default: per device)")
+  p.add_argument("--heads", type=int, help="query heads (giving it, --kv-heads, --seq or --mask replaces the default shape set)")
+  p.add_argument("--kv-heads", type=int, help="key/value heads (GQA when fewer than --heads; default: --heads)")
+  p.add_argument("--seq", action="append", metavar="T[,T...]",
+                 help="sequence lengths (q_len = kv_len); repeatable or a comma list")
+  p.add_argument("--head-dim", type=int, help="head dimension (default: per device)")
+  p.add_argument("--dtype", choices=DTYPES, help="input dtype (default: float32 on CPU, bfloat16 on GPU)")
+  p.add_argument("--mask", action="append", choices=MASKS,
+                 help="mask kind; repeatable (default: the default set, or none with --seq/--heads)")
+  p.add_argument("--impl", action="append", metavar="NAME[,NAME...]",
+                 help="only these implementations (probjax_xla or xla, default, jaxnn_xla, jaxnn_cudnn, ...); "
+                      "a probjax implementation not available here (e.g. triton in interpret mode on CPU) is tried")
+  p.add_argument("--repeats", type=int, help="timed repeats after one warm-up; the median is reported")
+  p.add_argument("--output", default="attention_report.json", help="JSON output path (default: %(default)s)")
+  p.add_argument("--quick", action="store_true", help="tiny shapes and 2 repeats (smoke test)")
+  p.add_argument("--quiet", action="store_true", help="no per-measurement progress lines")
+  return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  t_start = time.perf_counter()
+  import jax
+  platform_kind, device = device_info()
+  cases, repeats = build_cases(args, platform_kind)
+  impls = implementations(platform_kind, cases[0].dtype if cases else "float32", args.impl)
+  log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
+  print(f"probjax attention report  device: {device}  jax {jax.__version__}  repeats: {repeats} (median)",
+        flush=True)
+  print("implementations: " + ", ".join(lab for lab, _, _ in impls), flush=True)
+  rows: list[dict] = []
+  for case in cases:
+    log(case.label())
+    rows += run_case(case, impls, repeats, device, platform_kind, log=log)
+  print(format_table(cases, rows))
+  elapsed = time.perf_counter() - t_start
+  n_bad = sum(r["status"] != "ok" for r in rows)
+  n_fail = sum(r["check"] == "fail" for r in rows)
+  print(f"\n{len(rows)} rows, {n_bad} did not run, {n_fail} outside tolerance; {elapsed:.1f} s")
+  meta = dict(command=" ".join(["python -m probjax.attention_report"] + list(argv if argv is not None else sys.argv[1:])),
+              jax=jax.__version__, python=platform.python_version(), device=device,
+              platform=platform_kind, repeats=repeats,
+              date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+  for r in rows:
+    r.setdefault("jax", meta["jax"])
+    r.setdefault("command", meta["command"])
+  out_dir = os.path.dirname(os.path.abspath(args.output))
+  os.makedirs(out_dir, exist_ok=True)
+  with open(args.output, "w") as fh:
+    json.dump(rows, fh, indent=1, default=_json_default)
+    fh.write("\n")
+  print(f"wrote {args.output}")
+  return 0
+
+
+def _json_default(x):
+  if isinstance(x, (np.floating, np.integer)):
+    return x.item()
+  return str(x)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
