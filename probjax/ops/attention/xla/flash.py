@@ -20,9 +20,10 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.custom_derivatives import linear_call
+from jax.custom_derivatives import SymbolicZero, linear_call
 
 from probjax.ops.attention.masks import EMPTY, Mask
+from probjax.ops.attention.xla import _linear_call_batching  # noqa: F401  (registers vmap support)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,7 +207,9 @@ def _forward(st: _Static, q, k, v, bias, consts, mask, dense, rng):
 # -- tangent (forward-mode) ------------------------------------------------------------
 def _tangent(st: _Static, res, tangents):
   q, k, v, bias, consts, mask, dense, rng, out, lse = res
-  qd, kd, vd, bd, cd = tangents
+  zero = lambda t, x: jnp.zeros(x.shape, x.dtype) if t is None and x is not None else t
+  qd, kd, vd, bd = (zero(t, x) for t, x in zip(tangents[:4], (q, k, v, bias)))
+  cd = tuple(zero(t, x) for t, x in zip(tangents[4], consts))
   b, hkv, g, _, d = q.shape
   tile_any = _tile_any(st, mask, b)
 
@@ -308,23 +311,28 @@ def _flash(st, q, k, v, bias, consts, mask, dense, rng):
   return _forward(st, q, k, v, bias, consts, mask, dense, rng)[0]
 
 
-@_flash.defjvp
 def _flash_jvp(st, primals, tangents):
   q, k, v, bias, consts, mask, dense, rng = primals
-  qd, kd, vd, bd, cd, *_ = tangents
   out, lse = _forward(st, q, k, v, bias, consts, mask, dense, rng)
   res = (q, k, v, bias, consts, mask, dense, rng, out, lse)
-  zeros = lambda x, t: t if x is None else _instantiate(t, x)
-  lin = (_instantiate(qd, q), _instantiate(kd, k), _instantiate(vd, v),
-         zeros(bias, bd), jax.tree.map(_instantiate, cd, consts))
-  out_dot = linear_call(functools.partial(_tangent, st), functools.partial(_transpose, st), res, lin)
+  # Only non-zero tangents become linear inputs: a zero tangent is a constant,
+  # which linear_call's transpose rule does not accept as a linear input.
+  is_zero = lambda t: t is None or isinstance(t, SymbolicZero)
+  lin = jax.tree.map(lambda t: None if is_zero(t) else t, tuple(tangents[:5]), is_leaf=is_zero)
+  present = jax.tree.map(lambda t: t is not None, lin, is_leaf=lambda t: t is None)
+  out_dot = linear_call(functools.partial(_tangent, st), functools.partial(_transpose_present, st, present),
+                        res, lin)
   return out, out_dot
 
 
-def _instantiate(t, x):
-  if t is None or (hasattr(t, "dtype") and t.dtype == jax.dtypes.float0):
-    return jnp.zeros(x.shape, x.dtype)
-  return t
+_flash.defjvp(_flash_jvp, symbolic_zeros=True)
+
+
+def _transpose_present(st, present, res, do):
+  """The transpose, returning cotangents only for the linear inputs that are present."""
+  grads = _transpose(st, res, do)
+  return jax.tree.map(lambda keep, g: g if keep else None, present, grads,
+                      is_leaf=lambda x: x is None)
 
 
 def flash_attention(q, k, v, *, bias=None, mask: Mask | None = None, dense_mask=None,

@@ -1,0 +1,163 @@
+"""Fused flash-attention kernels in Pallas with the Triton backend.
+
+:func:`attention` computes ``softmax(score_mod(scale * q k^T) | mask) v`` with
+float32 online softmax, native GQA/MQA (query head ``h`` reads KV head
+``h // G``), tile skipping from :class:`~probjax.ops.attention.masks.Mask` and
+three backward kernels (see :mod:`.backward`). :func:`supports` says whether a
+call is computed exactly by these kernels; the dispatcher uses it to choose.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from probjax.ops.attention.masks import Mask
+from probjax.ops.attention.triton import config as config_lib
+from probjax.ops.attention.triton.backward import backward
+from probjax.ops.attention.triton.config import BackwardConfig, ForwardConfig
+from probjax.ops.attention.triton.forward import forward
+
+__all__ = ["attention", "supports", "ForwardConfig", "BackwardConfig"]
+
+_HEAD_DIMS_MAX = 256
+_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def _score_mod_consts(score_mod: Callable):
+  """Closed-over arrays of ``score_mod`` (traced on a 16x16 tile)."""
+  s = jax.ShapeDtypeStruct((16, 16), jnp.float32)
+  i = jax.ShapeDtypeStruct((), jnp.int32)
+  qi, ki = jax.ShapeDtypeStruct((16, 1), jnp.int32), jax.ShapeDtypeStruct((1, 16), jnp.int32)
+  closed = jax.make_jaxpr(score_mod)(s, i, i, qi, ki)
+  return [c for c in closed.consts if jnp.ndim(c) > 0 or isinstance(c, jax.core.Tracer)]
+
+
+def supports(q_shape, kv_shape, dtype, *, mask: Mask | None = None,
+             score_mod: Callable | None = None, bias: bool = False, dense_mask: bool = False,
+             dropout: bool = False, interpret: bool = False) -> str | None:
+  """None if :func:`attention` computes the call exactly, else a short reason.
+
+  Args:
+    q_shape: ``(batch, q_len, heads, head_dim)``; kv_shape: ``(batch, kv_len, kv_heads, head_dim)``.
+    bias, dense_mask, dropout: whether the call has them (the kernels do not).
+  """
+  if bias:
+    return "additive bias"
+  if dense_mask:
+    return "dense boolean mask"
+  if dropout:
+    return "dropout"
+  if not interpret and jax.devices()[0].platform != "gpu":
+    return f"platform {jax.devices()[0].platform} without interpret"
+  if np_name(dtype) not in _DTYPES:
+    return f"dtype {np_name(dtype)}"
+  if len(q_shape) != 4 or len(kv_shape) != 4:
+    return "inputs must be [batch, seq, heads, head_dim]"
+  d = q_shape[-1]
+  if d > _HEAD_DIMS_MAX:
+    return f"head_dim {d} > {_HEAD_DIMS_MAX}"
+  if kv_shape[-1] != d:
+    return f"k/v head_dim {kv_shape[-1]} != q head_dim {d}"
+  if q_shape[2] % kv_shape[2]:
+    return f"heads {q_shape[2]} not a multiple of kv_heads {kv_shape[2]}"
+  if q_shape[0] != kv_shape[0]:
+    return "batch mismatch"
+  if q_shape[1] == 0 or kv_shape[1] == 0:
+    return "empty sequence"
+  if mask is not None and not isinstance(mask, Mask):
+    return f"mask of type {type(mask).__name__}"
+  if score_mod is not None:
+    try:
+      if _score_mod_consts(score_mod):
+        return "score_mod closes over traced arrays"
+    except Exception as e:  # noqa: BLE001 -- any tracing failure means "not this kernel"
+      return f"score_mod not traceable on a tile ({type(e).__name__})"
+  return None
+
+
+def np_name(dtype) -> str:
+  return jnp.dtype(dtype).name
+
+
+def attention(q, k, v, *, mask: Mask | None = None, score_mod: Callable | None = None,
+              scale: float | None = None, backward_pass_impl: str = "auto",
+              forward_config: ForwardConfig | None = None,
+              backward_config: BackwardConfig | None = None, interpret: bool = False):
+  """Fused exact attention.
+
+  Args:
+    q: ``[batch, q_len, heads, head_dim]``; k, v: ``[batch, kv_len, kv_heads, head_dim]``
+      with ``heads % kv_heads == 0``; bfloat16, float16 or float32 (TF32 dots).
+    mask: position mask; rows with no valid key give 0 (and zero gradients).
+    score_mod: ``f(score, b, h, q_idx, kv_idx) -> score`` on float32 tiles
+      (``score`` ``[bq, bk]``, ``b``/``h`` scalars, ``q_idx`` ``[bq, 1]``,
+      ``kv_idx`` ``[1, bk]``), applied after scaling and before masking; it
+      must not close over arrays (see :func:`supports`).
+    scale: score scale, default ``1/sqrt(head_dim)``.
+    backward_pass_impl: ``"auto"``, ``"triton_onepass"`` (nondeterministic dQ),
+      ``"triton_fused"`` or ``"triton_split"``.
+    forward_config, backward_config: explicit tiles (validated against the
+      device's shared memory); None picks them from the tuned tables.
+    interpret: run the kernels in Pallas interpret mode (CPU testing).
+  Returns:
+    ``[batch, q_len, heads, head_dim]`` in q's dtype.
+  """
+  reason = supports(q.shape, k.shape, q.dtype, mask=mask, score_mod=score_mod, interpret=interpret)
+  if reason is not None:
+    raise ValueError(f"triton attention cannot compute this call: {reason}")
+  if k.shape != v.shape or k.dtype != q.dtype or v.dtype != q.dtype:
+    raise ValueError(f"k and v must match in shape and dtype q's dtype; got q {q.shape} {q.dtype}, "
+                     f"k {k.shape} {k.dtype}, v {v.shape} {v.dtype}")
+  if mask is not None:
+    mask.validate(q.shape[0], q.shape[1], k.shape[1])
+  if scale is None:
+    scale = 1.0 / math.sqrt(q.shape[-1])
+  device = "interpret" if interpret else config_lib.device_kind()
+  d = q.shape[-1]
+  dp = max(32, 1 << (d - 1).bit_length())
+  q_len, kv_len = q.shape[1], k.shape[1]
+  fcfg = config_lib.fit_forward_config(forward_config, q.dtype, dp, q_len, kv_len, device)
+  bcfg = config_lib.fit_backward_config(backward_config, q.dtype, dp, q_len, kv_len, device)
+  impl = config_lib.resolve_backward_impl(backward_pass_impl, device, q.dtype, d, q_len, kv_len)
+  static = _Static(score_mod, float(scale), fcfg, bcfg, impl, bool(interpret))
+  return _attention(static, q, k, v, mask)
+
+
+class _Static:
+  """Hashable bundle of the non-array arguments of the custom_vjp."""
+
+  def __init__(self, score_mod, scale, fcfg, bcfg, impl, interpret):
+    self.key = (score_mod, scale, fcfg, bcfg, impl, interpret)
+    self.score_mod, self.scale, self.fcfg, self.bcfg, self.impl, self.interpret = self.key
+
+  def __hash__(self):
+    return hash(self.key)
+
+  def __eq__(self, other):
+    return isinstance(other, _Static) and self.key == other.key
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(st: _Static, q, k, v, mask):
+  return _fwd(st, q, k, v, mask)[0]
+
+
+def _fwd(st: _Static, q, k, v, mask):
+  out, lse = forward(q, k, v, mask, scale=st.scale, score_mod=st.score_mod, config=st.fcfg,
+                     interpret=st.interpret)
+  return out, (q, k, v, out, lse, mask)
+
+
+def _bwd(st: _Static, res, do):
+  q, k, v, out, lse, mask = res
+  dq, dk, dv = backward(q, k, v, out, lse, do, mask, scale=st.scale, score_mod=st.score_mod,
+                        impl=st.impl, config=st.bcfg, interpret=st.interpret)
+  return dq, dk, dv, jax.tree.map(lambda _: None, mask)
+
+
+_attention.defvjp(_fwd, _bwd)

@@ -1,0 +1,224 @@
+"""Flash-attention backward kernels (Pallas, Triton backend).
+
+Shared preprocess: ``delta = rowsum(dO * O)`` in float32. Three variants:
+
+* ``"triton_split"``: a dK/dV pallas_call (one program per KV tile and KV head,
+  looping over the ``G`` query heads of the group, so dK/dV are summed over the
+  group in registers) and a separate dQ pallas_call (one program per query tile
+  and query head). Bitwise deterministic.
+* ``"triton_fused"``: the same two programs launched as one pallas_call whose
+  flattened grid covers both. Bitwise deterministic.
+* ``"triton_onepass"``: the dK/dV programs also add each tile's dQ contribution
+  into a float32 buffer with atomic adds (FlashAttention-2 style). The order of
+  those adds is not fixed, so dQ is not bitwise reproducible across runs.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from probjax.ops.attention.masks import Mask
+from probjax.ops.attention.triton import tiles
+from probjax.ops.attention.triton.config import BackwardConfig
+
+_T = (((0,), (0,)), ((), ()))   # dot_general: contract the rows (a^T @ b)
+_NT = (((1,), (1,)), ((), ()))  # contract the columns (a @ b^T)
+
+
+def _dot(a, b, dims=(((1,), (0,)), ((), ()))):
+  return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
+def _probs_and_ds(q, k, v, do, lse2, delta, *, tm, mr, b, h, q_start, k_start, masked,
+                  scale, score_mod):
+  """``p`` and ``dS`` (w.r.t. the scaled, pre-``score_mod`` score) of one tile."""
+  bq, bk = q.shape[0], k.shape[0]
+  s, s_nat = tiles.scores(q, k, scale=scale, score_mod=score_mod, b=b, h=h,
+                          q_start=q_start, k_start=k_start)
+  if masked:
+    s = jnp.where(tiles.tile_valid(tm, mr, b, q_start, k_start, bq, bk), s, -jnp.inf)
+  p = jnp.exp2(s - lse2[:, None])
+  ds = p * (_dot(do, v, _NT) - delta[:, None])
+  if score_mod is not None:
+    ds = tiles.score_mod_grad(score_mod, s_nat, ds, b=b, h=h, q_start=q_start, k_start=k_start)
+  return p, ds
+
+
+def _dkv_program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mr, dk_ref, dv_ref, dq_acc_ref,
+                 *, b, hkv, j, tm, scale, score_mod, groups, block_q, block_k, num_q_tiles):
+  """dK, dV of KV tile ``j`` of KV head ``hkv``, summed over its query heads.
+
+  With ``dq_acc_ref`` (onepass) each tile's dQ is atomically added there too.
+  """
+  k_start = j * block_k
+  k = k_ref.at[b, pl.ds(k_start, block_k), hkv, :][...]
+  v = v_ref.at[b, pl.ds(k_start, block_k), hkv, :][...]
+  lo, hi = tiles.loop_bounds(tm, mr, b, j, num_q_tiles, by_q=False, block_outer=block_k,
+                             block_inner=block_q)
+
+  def head(g, carry):
+    h = hkv * groups + g
+
+    def body(i, carry):
+      def tile(carry, masked):
+        dk, dv = carry
+        q_start = i * block_q
+        rows = pl.ds(q_start, block_q)
+        q = q_ref.at[b, rows, h, :][...]
+        do = do_ref.at[b, rows, h, :][...]
+        p, ds = _probs_and_ds(q, k, v, do, lse_ref.at[b, h, rows][...], delta_ref.at[b, h, rows][...],
+                              tm=tm, mr=mr, b=b, h=h, q_start=q_start, k_start=k_start,
+                              masked=masked, scale=scale, score_mod=score_mod)
+        dv = dv + _dot(p.astype(do.dtype), do, _T)
+        dk = dk + _dot(ds.astype(q.dtype), q, _T)
+        if dq_acc_ref is not None:
+          plgpu.atomic_add(dq_acc_ref, (b, rows, h, slice(None)), _dot(ds.astype(k.dtype), k) * scale)
+        return dk, dv
+      return tiles.dispatch_tile(tm, mr, b, i, j, carry, tile)
+
+    return jax.lax.fori_loop(lo, hi, body, carry)
+
+  zeros = jnp.zeros(k.shape, jnp.float32)
+  dk, dv = jax.lax.fori_loop(0, groups, head, (zeros, zeros))
+  dk_ref.at[b, pl.ds(k_start, block_k), hkv, :][...] = (dk * scale).astype(dk_ref.dtype)
+  dv_ref.at[b, pl.ds(k_start, block_k), hkv, :][...] = dv.astype(dv_ref.dtype)
+
+
+def _dq_program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mr, dq_ref, *, b, h, i, tm, scale,
+                score_mod, groups, block_q, block_k, num_kv_tiles):
+  """dQ of query tile ``i`` of query head ``h``."""
+  hkv = h // groups
+  q_start = i * block_q
+  rows = pl.ds(q_start, block_q)
+  q = q_ref.at[b, rows, h, :][...]
+  do = do_ref.at[b, rows, h, :][...]
+  lse2 = lse_ref.at[b, h, rows][...]
+  delta = delta_ref.at[b, h, rows][...]
+
+  def body(j, dq):
+    def tile(dq, masked):
+      k_start = j * block_k
+      k = k_ref.at[b, pl.ds(k_start, block_k), hkv, :][...]
+      v = v_ref.at[b, pl.ds(k_start, block_k), hkv, :][...]
+      _, ds = _probs_and_ds(q, k, v, do, lse2, delta, tm=tm, mr=mr, b=b, h=h, q_start=q_start,
+                            k_start=k_start, masked=masked, scale=scale, score_mod=score_mod)
+      return dq + _dot(ds.astype(k.dtype), k)
+    return tiles.dispatch_tile(tm, mr, b, i, j, dq, tile)
+
+  lo, hi = tiles.loop_bounds(tm, mr, b, i, num_kv_tiles, by_q=True, block_outer=block_q,
+                             block_inner=block_k)
+  dq = jax.lax.fori_loop(lo, hi, body, jnp.zeros(q.shape, jnp.float32))
+  dq_ref.at[b, rows, h, :][...] = (dq * scale).astype(dq_ref.dtype)
+
+
+def _split_refs(refs, tms):
+  """``refs`` = 6 operands, mask refs per entry of ``tms``, then outputs."""
+  ops, rest = refs[:6], refs[6:]
+  mrs = []
+  for tm in tms:
+    n = tiles.MaskRefs.count(tm)
+    mrs.append(tiles.MaskRefs.unpack(tm, rest[:n]))
+    rest = rest[n:]
+  return ops, mrs, rest
+
+
+def _dkv_kernel(*refs, tm, onepass, **kw):
+  ops, (mr,), outs = _split_refs(refs, [tm])
+  if onepass:
+    dq_acc, dk, dv = outs[1:]  # outs[0] is the aliased input of dq_acc
+  else:
+    (dk, dv), dq_acc = outs, None
+  _dkv_program(*ops, mr, dk, dv, dq_acc, b=pl.program_id(1), hkv=pl.program_id(2),
+               j=pl.program_id(0), tm=tm, **kw)
+
+
+def _dq_kernel(*refs, tm, **kw):
+  ops, (mr,), (dq,) = _split_refs(refs, [tm])
+  _dq_program(*ops, mr, dq, b=pl.program_id(1), h=pl.program_id(2), i=pl.program_id(0), tm=tm, **kw)
+
+
+def _fused_kernel(*refs, tm_dkv, tm_dq, kv_heads, heads, num_kv_tiles, dkv_kw, dq_kw):
+  ops, (mr_dkv, mr_dq), (dq, dk, dv) = _split_refs(refs, [tm_dkv, tm_dq])
+  p, b = pl.program_id(0), pl.program_id(1)
+  n_dkv = num_kv_tiles * kv_heads
+
+  @pl.when(p < n_dkv)
+  def _():
+    _dkv_program(*ops, mr_dkv, dk, dv, None, b=b, hkv=p % kv_heads, j=p // kv_heads, tm=tm_dkv,
+                 **dkv_kw)
+
+  @pl.when(p >= n_dkv)
+  def _():
+    p2 = p - n_dkv
+    _dq_program(*ops, mr_dq, dq, b=b, h=p2 % heads, i=p2 // heads, tm=tm_dq, **dq_kw)
+
+
+def backward(q, k, v, out, lse, do, mask: Mask | None, *, scale: float,
+             score_mod: Callable | None, impl: str, config: BackwardConfig, interpret: bool):
+  """Gradients of attention.
+
+  Args:
+    q: ``[batch, q_len, heads, head_dim]``; k, v: ``[batch, kv_len, kv_heads, head_dim]``.
+    out, do: ``[batch, q_len, heads, head_dim]``; lse: ``[batch, heads, q_len]`` float32.
+    impl: ``"triton_onepass"``, ``"triton_fused"`` or ``"triton_split"``.
+  Returns:
+    ``(dq, dk, dv)`` in the dtypes of q, k, v.
+  """
+  batch, q_len, heads, d = q.shape
+  kv_len, kv_heads = k.shape[1], k.shape[2]
+  c = config
+  dp = tiles.padded_head_dim(d)
+  q_pad = tiles.round_up(q_len, max(c.block_q_dkv, c.block_q_dq))
+  kv_pad = tiles.round_up(kv_len, max(c.block_kv_dkv, c.block_kv_dq))
+  pad_q = lambda x: tiles.pad_axis(tiles.pad_axis(x, 3, dp), 1, q_pad)
+  pad_kv = lambda x: tiles.pad_axis(tiles.pad_axis(x, 3, dp), 1, kv_pad)
+  # Preprocess (shared): delta = rowsum(dO * O); lse in base 2, +inf on padding.
+  delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), do.astype(jnp.float32))
+  ops = (pad_q(q), pad_kv(k), pad_kv(v), pad_q(do.astype(q.dtype)),
+         tiles.pad_axis(lse * tiles.LOG2E, 2, q_pad, jnp.inf), tiles.pad_axis(delta, 2, q_pad))
+
+  tm_dkv, mops_dkv = tiles.mask_operands(mask, batch, q_len, kv_len, q_pad, kv_pad, c.block_q_dkv,
+                                         c.block_kv_dkv, by_q=False)
+  tm_dq, mops_dq = tiles.mask_operands(mask, batch, q_len, kv_len, q_pad, kv_pad, c.block_q_dq,
+                                       c.block_kv_dq, by_q=True)
+  common = dict(scale=scale, score_mod=score_mod, groups=heads // kv_heads)
+  dkv_kw = dict(common, block_q=c.block_q_dkv, block_k=c.block_kv_dkv, num_q_tiles=q_pad // c.block_q_dkv)
+  dq_kw = dict(common, block_q=c.block_q_dq, block_k=c.block_kv_dq, num_kv_tiles=kv_pad // c.block_kv_dq)
+  nk_dkv, nq_dq = kv_pad // c.block_kv_dkv, q_pad // c.block_q_dq
+  dq_shape = jax.ShapeDtypeStruct((batch, q_pad, heads, dp), q.dtype)
+  dkv_shape = (jax.ShapeDtypeStruct((batch, kv_pad, kv_heads, dp), k.dtype),
+               jax.ShapeDtypeStruct((batch, kv_pad, kv_heads, dp), v.dtype))
+  call = functools.partial(
+      pl.pallas_call, interpret=interpret,
+      compiler_params=plgpu.CompilerParams(num_warps=c.num_warps, num_stages=c.num_stages))
+
+  if impl == "triton_split":
+    dk, dv = call(functools.partial(_dkv_kernel, tm=tm_dkv, onepass=False, **dkv_kw),
+                  grid=(nk_dkv, batch, kv_heads), out_shape=dkv_shape,
+                  name="probjax_attention_bwd_dkv")(*ops, *mops_dkv)
+    dq = call(functools.partial(_dq_kernel, tm=tm_dq, **dq_kw), grid=(nq_dq, batch, heads),
+              out_shape=dq_shape, name="probjax_attention_bwd_dq")(*ops, *mops_dq)
+  elif impl == "triton_fused":
+    dq, dk, dv = call(
+        functools.partial(_fused_kernel, tm_dkv=tm_dkv, tm_dq=tm_dq, kv_heads=kv_heads, heads=heads,
+                          num_kv_tiles=nk_dkv, dkv_kw=dkv_kw, dq_kw=dq_kw),
+        grid=(nk_dkv * kv_heads + nq_dq * heads, batch), out_shape=(dq_shape, *dkv_shape),
+        name="probjax_attention_bwd_fused")(*ops, *mops_dkv, *mops_dq)
+  elif impl == "triton_onepass":
+    dq_acc = jnp.zeros(dq_shape.shape, jnp.float32)
+    n_in = len(ops) + len(mops_dkv)
+    dq, dk, dv = call(functools.partial(_dkv_kernel, tm=tm_dkv, onepass=True, **dkv_kw),
+                      grid=(nk_dkv, batch, kv_heads),
+                      out_shape=(jax.ShapeDtypeStruct(dq_acc.shape, jnp.float32), *dkv_shape),
+                      input_output_aliases={n_in: 0},
+                      name="probjax_attention_bwd_onepass")(*ops, *mops_dkv, dq_acc)
+    dq = dq.astype(q.dtype)
+  else:
+    raise ValueError(f"unknown backward_pass_impl {impl!r}")
+  return dq[:, :q_len, :, :d], dk[:, :kv_len, :, :d], dv[:, :kv_len, :, :d]

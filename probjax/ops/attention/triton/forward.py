@@ -1,0 +1,97 @@
+"""Flash-attention forward kernel (Pallas, Triton backend).
+
+One program per (query tile, batch, query head); online softmax in float32 in
+base 2 (``log2(e)`` folded into the scale). Saves the output and the natural
+log-sum-exp; rows without a valid key give output 0 and lse ``+inf``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from probjax.ops.attention.masks import Mask
+from probjax.ops.attention.triton import tiles
+from probjax.ops.attention.triton.config import ForwardConfig
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, *refs, tm: tiles.TileMask, scale: float,
+                    score_mod: Callable | None, groups: int, block_q: int, block_k: int,
+                    num_kv_tiles: int):
+  mr = tiles.MaskRefs.unpack(tm, refs[:-2])
+  o_ref, lse_ref = refs[-2:]
+  i, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  hkv = h // groups
+  q_start = i * block_q
+  d = q_ref.shape[-1]
+  q = q_ref.at[b, pl.ds(q_start, block_q), h, :][...]
+
+  def body(j, carry):
+    def tile(carry, masked):
+      acc, m, l = carry
+      k_start = j * block_k
+      k = k_ref.at[b, pl.ds(k_start, block_k), hkv, :][...]
+      v = v_ref.at[b, pl.ds(k_start, block_k), hkv, :][...]
+      s, _ = tiles.scores(q, k, scale=scale, score_mod=score_mod, b=b, h=h,
+                          q_start=q_start, k_start=k_start)
+      if masked:
+        s = jnp.where(tiles.tile_valid(tm, mr, b, q_start, k_start, block_q, block_k), s, -jnp.inf)
+      m_new = jnp.maximum(m, jnp.max(s, axis=1))
+      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+      alpha = jnp.exp2(m - m_safe)
+      p = jnp.exp2(s - m_safe[:, None])
+      l = l * alpha + jnp.sum(p, axis=1)
+      acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+      return acc, m_new, l
+    return tiles.dispatch_tile(tm, mr, b, i, j, carry, tile)
+
+  lo, hi = tiles.loop_bounds(tm, mr, b, i, num_kv_tiles, by_q=True, block_outer=block_q,
+                             block_inner=block_k)
+  init = (jnp.zeros((block_q, d), jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
+          jnp.zeros((block_q,), jnp.float32))
+  acc, m, l = jax.lax.fori_loop(lo, hi, body, init)
+  empty = l == 0.0
+  out = acc / jnp.where(empty, 1.0, l)[:, None]
+  lse = jnp.where(empty, jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * (1.0 / tiles.LOG2E))
+  o_ref.at[b, pl.ds(q_start, block_q), h, :][...] = out.astype(o_ref.dtype)
+  lse_ref.at[b, h, pl.ds(q_start, block_q)][...] = lse
+
+
+def forward(q, k, v, mask: Mask | None, *, scale: float, score_mod: Callable | None,
+            config: ForwardConfig, interpret: bool):
+  """Attention forward.
+
+  Args:
+    q: ``[batch, q_len, heads, head_dim]``; k, v: ``[batch, kv_len, kv_heads, head_dim]``.
+    config: launch config (already fitted to the device).
+  Returns:
+    ``(out [batch, q_len, heads, head_dim], lse [batch, heads, q_len] float32)``.
+  """
+  batch, q_len, heads, d = q.shape
+  kv_len, kv_heads = k.shape[1], k.shape[2]
+  bq, bk = config.block_q, config.block_k
+  dp = tiles.padded_head_dim(d)
+  q_pad, kv_pad = tiles.round_up(q_len, bq), tiles.round_up(kv_len, bk)
+  qp = tiles.pad_axis(tiles.pad_axis(q, 3, dp), 1, q_pad)
+  kp = tiles.pad_axis(tiles.pad_axis(k, 3, dp), 1, kv_pad)
+  vp = tiles.pad_axis(tiles.pad_axis(v, 3, dp), 1, kv_pad)
+  tm, mask_ops = tiles.mask_operands(mask, batch, q_len, kv_len, q_pad, kv_pad, bq, bk, by_q=True)
+  kernel = functools.partial(
+      _forward_kernel, tm=tm, scale=scale, score_mod=score_mod, groups=heads // kv_heads,
+      block_q=bq, block_k=bk, num_kv_tiles=kv_pad // bk)
+  out, lse = pl.pallas_call(
+      kernel,
+      grid=(q_pad // bq, batch, heads),
+      out_shape=(jax.ShapeDtypeStruct((batch, q_pad, heads, dp), q.dtype),
+                 jax.ShapeDtypeStruct((batch, heads, q_pad), jnp.float32)),
+      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+      interpret=interpret,
+      name="probjax_attention_fwd",
+  )(qp, kp, vp, *mask_ops)
+  return out[:, :q_len, :, :d], lse[:, :, :q_len]
+
