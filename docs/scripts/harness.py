@@ -1,0 +1,476 @@
+"""One benchmark harness for every attention suite under ``docs/scripts``.
+
+Every suite builds a list of :class:`Case` objects (one per JSON row) and
+hands them to :func:`run_cases`, which
+
+* skips cases whose key is already in the output file (``--append`` resumes),
+* stops cleanly when ``--max-minutes`` is spent (rerun with ``--append``),
+* times each case with warm-up and repeated, device-synchronised timing
+  (:func:`time_fn`: median, p10, p90 of ``repeats`` loops of ``n`` calls),
+* classifies failures into a status (:func:`classify_error`) instead of aborting,
+* writes one JSON object per line, flushed after each row, with the device,
+  its compute capability, the library versions and the command line.
+
+FLOP convention (also in docs/DESIGN.md): forward = 4·B·H·Tq·Tkv·D, halved for
+causal; forward+backward = 3.5 × forward.
+
+Row schema (required fields): see :data:`REQUIRED_FIELDS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import fnmatch
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from typing import Any, Callable, Iterable
+
+REQUIRED_FIELDS = {
+    "suite": str, "impl": str, "dtype": str, "batch": int, "q_heads": int, "kv_heads": int,
+    "q_len": int, "kv_len": int, "head_dim": int, "causal": bool, "mask": str, "mode": str,
+    "ms": (float, int, type(None)), "status": str, "device": str,
+}
+STATUSES = ("ok", "oom", "unsupported", "fail", "error")
+MODES = ("fwd", "fwd_bwd")
+KEY_FIELDS = ("suite", "impl", "dtype", "batch", "q_heads", "kv_heads", "q_len", "kv_len",
+              "head_dim", "causal", "mask", "mode", "variant")
+
+# Human-readable labels used by the pages.
+IMPL_LABELS = {
+    "probjax_default": "probjax default", "probjax_xla": "probjax xla",
+    "probjax_triton": "probjax triton", "probjax_pallas": "probjax pallas",
+    "probjax_triton_onepass": "probjax triton (onepass bwd)",
+    "probjax_triton_fused": "probjax triton (fused bwd)",
+    "probjax_triton_split": "probjax triton (split bwd)", "probjax_cudnn": "probjax cudnn",
+    "probjax_mosaic": "probjax mosaic", "probjax_repeat_kv": "probjax on repeated K/V",
+    "jaxnn_xla": "jax.nn XLA", "jaxnn_cudnn": "jax.nn cuDNN",
+    "torch_sdpa_flash": "torch SDPA flash", "torch_sdpa_efficient": "torch SDPA efficient",
+    "torch_sdpa_cudnn": "torch SDPA cuDNN", "torch_sdpa_math": "torch SDPA math",
+    "torch_flex": "torch flex_attention", "torch_cpu": "torch CPU SDPA",
+    "tokamax_mosaic": "tokamax mosaic", "tokamax_triton": "tokamax triton",
+    "tokamax_cudnn": "tokamax cuDNN", "tokamax_xla_chunked": "tokamax xla_chunked",
+}
+
+
+class Unsupported(Exception):
+  """Raised by a case builder when the implementation cannot run this case."""
+
+
+# ---------------------------------------------------------------------------
+# FLOPs
+# ---------------------------------------------------------------------------
+def attention_flops(batch, q_heads, q_len, kv_len, head_dim, causal, mode) -> float:
+  """fwd = 4·B·H·Tq·Tkv·D (halved for causal); fwd_bwd = 3.5 × fwd."""
+  f = 4.0 * batch * q_heads * q_len * kv_len * head_dim
+  if causal:
+    f /= 2
+  if mode == "fwd_bwd":
+    f *= 3.5
+  elif mode != "fwd":
+    raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+  return f
+
+
+def tflops(flops: float, ms: float | None) -> float | None:
+  if ms is None or ms <= 0:
+    return None
+  return flops / (ms * 1e-3) / 1e12
+
+
+# ---------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------
+def percentile(xs, p: float) -> float:
+  """Linear-interpolated percentile (p in [0, 100]) of a non-empty sequence."""
+  s = sorted(xs)
+  if not s:
+    raise ValueError("percentile of an empty sequence")
+  k = (len(s) - 1) * p / 100.0
+  lo, hi = math.floor(k), math.ceil(k)
+  return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def summarize(times_ms) -> dict:
+  times_ms = list(times_ms)
+  return {"ms": statistics.median(times_ms), "p10_ms": percentile(times_ms, 10),
+          "p90_ms": percentile(times_ms, 90), "n_repeats": len(times_ms)}
+
+
+def time_fn(fn: Callable[[], Any], sync: Callable[[Any], Any], *, warmup: int = 2,
+            repeats: int = 7, min_repeat_s: float = 0.02, max_calls: int = 1000,
+            clock: Callable[[], float] = time.perf_counter) -> dict:
+  """Times ``fn``; returns per-call ms statistics.
+
+  ``fn()`` launches the work and returns something ``sync`` waits on
+  (``jax.block_until_ready`` or a torch ``cuda.synchronize`` wrapper). The
+  first call (compilation) and ``warmup`` calls are not timed. The number of
+  calls per repeat ``n`` is chosen so that one repeat lasts at least
+  ``min_repeat_s``; each repeat syncs once at its end, and the per-call time is
+  the repeat's time / n. Returns ``summarize`` of the repeats plus
+  ``calls_per_repeat`` and ``first_call_s`` (compile + first run).
+  """
+  t0 = clock()
+  sync(fn())
+  first = clock() - t0
+  for _ in range(warmup):
+    sync(fn())
+  # Estimate the per-call time from one synced call.
+  t0 = clock()
+  sync(fn())
+  one = max(clock() - t0, 1e-7)
+  n = int(min(max_calls, max(1, math.ceil(min_repeat_s / one))))
+  times = []
+  for _ in range(repeats):
+    t0 = clock()
+    out = None
+    for _ in range(n):
+      out = fn()
+    sync(out)
+    times.append((clock() - t0) / n * 1e3)
+  res = summarize(times)
+  res["calls_per_repeat"] = n
+  res["first_call_s"] = first
+  return res
+
+
+# ---------------------------------------------------------------------------
+# Error classification
+# ---------------------------------------------------------------------------
+def classify_error(exc: BaseException) -> tuple[str, str]:
+  """Maps an exception to (status, message).
+
+  oom: out of device memory (XLA RESOURCE_EXHAUSTED / torch OutOfMemoryError);
+  fail: XLA autotuning found no kernel configuration (NOT_FOUND; the pages' fail†);
+  unsupported: the implementation rejects the shape/backend (Unsupported,
+  NotImplementedError, probjax's ValueError/TypeError for an explicit
+  implementation, torch's "No available kernel");
+  error: anything else (the message is kept).
+  """
+  name = type(exc).__name__
+  msg = f"{name}: {exc}"
+  low = msg.lower()
+  short = msg if len(msg) < 2000 else msg[:2000] + "..."
+  if ("resource_exhausted" in low or "out of memory" in low or "outofmemory" in low
+      or name == "OutOfMemoryError" or "failed to allocate" in low):
+    return "oom", short
+  if "not_found" in low and ("autotun" in low or "config" in low or "algorithm" in low):
+    return "fail", short
+  if isinstance(exc, (Unsupported, NotImplementedError, ImportError)):
+    return "unsupported", short
+  if "no available kernel" in low or "not supported" in low or "unsupported" in low:
+    return "unsupported", short
+  if isinstance(exc, (ValueError, TypeError)) and "probjax" in "".join(
+      traceback.format_tb(exc.__traceback__)):
+    return "unsupported", short
+  return "error", short
+
+
+# ---------------------------------------------------------------------------
+# Environment
+# ---------------------------------------------------------------------------
+_ENV_CACHE: dict = {}
+
+
+def library_versions() -> dict:
+  if "versions" in _ENV_CACHE:
+    return _ENV_CACHE["versions"]
+  import importlib.metadata as md
+  out = {"python": platform.python_version()}
+  for pkg in ("jax", "jaxlib", "flax", "numpy", "torch", "tokamax", "triton", "probjax"):
+    try:
+      out[pkg] = md.version(pkg)
+    except Exception:  # noqa: BLE001
+      mod = sys.modules.get(pkg)
+      if mod is not None and getattr(mod, "__version__", None):
+        out[pkg] = mod.__version__
+  _ENV_CACHE["versions"] = out
+  return out
+
+
+def cpu_name() -> str:
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or platform.machine()
+
+
+def device_info() -> dict:
+  """Device name, platform and compute capability of JAX's first device."""
+  if "device" in _ENV_CACHE:
+    return _ENV_CACHE["device"]
+  info = {"device": "unknown", "platform": "unknown", "compute_capability": None}
+  try:
+    import jax
+    d = jax.devices()[0]
+    info["platform"] = d.platform
+    if d.platform == "cpu":
+      info["device"] = f"CPU ({cpu_name()}, {os.cpu_count()} threads)"
+    else:
+      info["device"] = getattr(d, "device_kind", str(d))
+      info["compute_capability"] = getattr(d, "compute_capability", None)
+  except Exception as e:  # noqa: BLE001
+    info["device_error"] = repr(e)
+  _ENV_CACHE["device"] = info
+  return info
+
+
+def command_line() -> str:
+  return " ".join(["python"] + ([f"-m {sys.modules['__main__'].__spec__.name}"]
+                                if getattr(sys.modules.get("__main__"), "__spec__", None)
+                                else [sys.argv[0]]) + sys.argv[1:])
+
+
+# ---------------------------------------------------------------------------
+# Cases and rows
+# ---------------------------------------------------------------------------
+@dataclasses.dataclass
+class Case:
+  """One measurement. ``run`` returns a dict merged into the row.
+
+  ``run()`` typically calls :func:`time_fn`; it may also return extra fields
+  (``peak_bytes``, ``max_len`` ...). Exceptions become statuses.
+  """
+  suite: str
+  impl: str
+  dtype: str
+  batch: int
+  q_heads: int
+  kv_heads: int
+  q_len: int
+  kv_len: int
+  head_dim: int
+  causal: bool
+  mode: str
+  run: Callable[[], dict] | None
+  mask: str = "none"
+  variant: str = ""          # extra key part (e.g. tile config); "" for most rows
+  extra: dict = dataclasses.field(default_factory=dict)
+  flops: bool = True          # whether tflops is meaningful (False for masked rows)
+
+  def key(self) -> tuple:
+    return row_key(dataclasses.asdict(self))
+
+
+def row_key(row: dict) -> tuple:
+  return tuple(row.get(f, "") if f == "variant" else row.get(f) for f in KEY_FIELDS)
+
+
+def validate_row(row: dict) -> list[str]:
+  """Returns a list of schema problems (empty if the row is valid)."""
+  errs = []
+  for f, t in REQUIRED_FIELDS.items():
+    if f not in row:
+      errs.append(f"missing field {f}")
+    elif not isinstance(row[f], t) or (t is int and isinstance(row[f], bool)):
+      errs.append(f"field {f}: {type(row[f]).__name__} is not {t}")
+  if row.get("status") not in STATUSES:
+    errs.append(f"status {row.get('status')!r} not in {STATUSES}")
+  if row.get("mode") not in MODES:
+    errs.append(f"mode {row.get('mode')!r} not in {MODES}")
+  if row.get("status") == "ok" and row.get("ms") is None and "peak_bytes" not in row \
+      and "max_len" not in row and "residual_bytes" not in row and "temp_bytes" not in row:
+    errs.append("status ok but no measurement (ms/peak_bytes/max_len/residual_bytes/temp_bytes)")
+  if row.get("status") != "ok" and row.get("ms") is not None:
+    errs.append("ms set on a row that did not run")
+  return errs
+
+
+def load_rows(path: str) -> list[dict]:
+  """Reads JSON Lines (or a JSON list) into a list of rows; missing file -> []."""
+  if not path or not os.path.exists(path):
+    return []
+  with open(path) as f:
+    text = f.read()
+  s = text.lstrip()
+  if s.startswith("["):
+    return json.loads(s)
+  rows = []
+  for line in text.splitlines():
+    line = line.strip()
+    if line:
+      try:
+        rows.append(json.loads(line))
+      except json.JSONDecodeError:
+        pass  # a line cut by a killed run
+  return rows
+
+
+def make_row(case: Case, result: dict | None, status: str, error: str | None) -> dict:
+  dev = device_info()
+  row = {
+      "suite": case.suite, "impl": case.impl, "dtype": case.dtype, "batch": case.batch,
+      "q_heads": case.q_heads, "kv_heads": case.kv_heads, "q_len": case.q_len,
+      "kv_len": case.kv_len, "head_dim": case.head_dim, "causal": bool(case.causal),
+      "mask": case.mask, "mode": case.mode, "ms": None, "status": status,
+      "device": dev["device"],
+  }
+  if case.variant:
+    row["variant"] = case.variant
+  row.update(case.extra)
+  if result:
+    row.update(result)
+  if status != "ok":
+    row["ms"] = None
+  if row.get("ms") is not None and case.flops:
+    fl = attention_flops(case.batch, case.q_heads, case.q_len, case.kv_len, case.head_dim,
+                         case.causal, case.mode)
+    row["flops"] = fl
+    row["tflops"] = tflops(fl, row["ms"])
+  if error:
+    row["error"] = error
+  row["platform"] = dev["platform"]
+  row["compute_capability"] = dev["compute_capability"]
+  row["versions"] = library_versions()
+  if "peers" in _ENV_CACHE:
+    row["peers"] = _ENV_CACHE["peers"]
+  row["command"] = command_line()
+  row["time"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+  return row
+
+
+def add_common_args(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--output", required=True, help="JSON Lines file to write")
+  p.add_argument("--append", action="store_true",
+                 help="keep the rows already in --output and skip cases already measured (resume)")
+  p.add_argument("--rerun-failed", action="store_true",
+                 help="with --append: measure again cases whose stored status is not ok")
+  p.add_argument("--quick", action="store_true", help="one tiny case per suite (CPU smoke test)")
+  p.add_argument("--max-minutes", type=float, default=None,
+                 help="stop starting new cases after this many minutes (rerun with --append)")
+  p.add_argument("--impl", default="*", help="comma-separated glob patterns of impl names to run")
+  p.add_argument("--skip-impl", default="", help="comma-separated glob patterns of impl names to skip")
+  p.add_argument("--repeats", type=int, default=7)
+  p.add_argument("--warmup", type=int, default=2)
+  p.add_argument("--min-repeat-ms", type=float, default=20.0,
+                 help="each timed repeat runs the call N times so that it lasts at least this long")
+  p.add_argument("--no-progress", action="store_true")
+
+
+def impl_selected(impl: str, args) -> bool:
+  inc = [p for p in str(getattr(args, "impl", "*")).split(",") if p]
+  exc = [p for p in str(getattr(args, "skip_impl", "")).split(",") if p]
+  return any(fnmatch.fnmatch(impl, p) for p in inc) and not any(fnmatch.fnmatch(impl, p) for p in exc)
+
+
+def timing_kwargs(args) -> dict:
+  if getattr(args, "quick", False):
+    return dict(warmup=1, repeats=3, min_repeat_s=0.0, max_calls=1)
+  return dict(warmup=args.warmup, repeats=args.repeats, min_repeat_s=args.min_repeat_ms / 1e3)
+
+
+def run_cases(cases: Iterable[Case], args, *, on_row: Callable[[dict], None] | None = None) -> list[dict]:
+  """Runs cases, writing rows to ``args.output``; returns the rows written now."""
+  cases = [c for c in cases if impl_selected(c.impl, args)]
+  out = args.output
+  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+  existing = load_rows(out) if args.append else []
+  done = {}
+  for r in existing:
+    done[row_key(r)] = r.get("status")
+  todo = []
+  for c in cases:
+    st = done.get(c.key())
+    if st is None or (getattr(args, "rerun_failed", False) and st != "ok"):
+      todo.append(c)
+  skipped = len(cases) - len(todo)
+  if not args.append:
+    open(out, "w").close()
+  start = time.monotonic()
+  written = []
+  try:
+    from tqdm import tqdm
+    bar = tqdm(total=len(todo), disable=getattr(args, "no_progress", False), dynamic_ncols=True,
+               file=sys.stderr)
+  except ImportError:  # pragma: no cover
+    bar = None
+  if skipped:
+    print(f"[harness] {skipped} case(s) already in {out}; skipping them", file=sys.stderr)
+  stopped = 0
+  for i, c in enumerate(todo):
+    if args.max_minutes is not None and time.monotonic() - start > 60 * args.max_minutes:
+      stopped = len(todo) - i
+      break
+    if bar is not None:
+      bar.set_description(f"{c.suite} {c.impl} {c.dtype} T={c.q_len}/{c.kv_len} D={c.head_dim} {c.mode}"[:70])
+    result, status, error = None, "ok", None
+    if c.run is None:
+      status, error = "unsupported", c.extra.get("note", "not available")
+    else:
+      try:
+        result = c.run() or {}
+        status = result.pop("status", "ok")
+        error = result.pop("error", None)
+      except Exception as e:  # noqa: BLE001 (never abort the sweep)
+        status, error = classify_error(e)
+    row = make_row(c, result, status, error)
+    with open(out, "a") as f:
+      f.write(json.dumps(row, default=_json_default) + "\n")
+    written.append(row)
+    if on_row:
+      on_row(row)
+    if bar is not None:
+      bar.update(1)
+  if bar is not None:
+    bar.close()
+  if stopped:
+    print(f"[harness] --max-minutes reached: {stopped} case(s) left; rerun the same command "
+          f"with --append to continue", file=sys.stderr)
+  else:
+    print(f"[harness] done: {len(written)} row(s) written to {out}", file=sys.stderr)
+  return written
+
+
+def _json_default(o):
+  try:
+    import numpy as np
+    if isinstance(o, np.generic):
+      return o.item()
+  except ImportError:  # pragma: no cover
+    pass
+  if isinstance(o, tuple):
+    return list(o)
+  return str(o)
+
+
+# ---------------------------------------------------------------------------
+# Inputs: the same numpy arrays for every library
+# ---------------------------------------------------------------------------
+def make_inputs(batch, q_len, kv_len, q_heads, kv_heads, head_dim, seed=0):
+  """q, k, v, do as float32 numpy arrays, layout [B, T, H, D]."""
+  import numpy as np
+  rng = np.random.default_rng(seed)
+  q = rng.standard_normal((batch, q_len, q_heads, head_dim), dtype=np.float32)
+  k = rng.standard_normal((batch, kv_len, kv_heads, head_dim), dtype=np.float32)
+  v = rng.standard_normal((batch, kv_len, kv_heads, head_dim), dtype=np.float32)
+  do = rng.standard_normal((batch, q_len, q_heads, head_dim), dtype=np.float32)
+  return q, k, v, do
+
+
+DTYPE_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32",
+               "fp16": "float16", "float16": "float16"}
+
+
+def setup_environment(args) -> dict:
+  """Records device, versions and which peers import; prints them once."""
+  info = dict(device_info())
+  try:
+    from docs.scripts import impls
+    peers = impls.peers_present()
+  except Exception as e:  # noqa: BLE001
+    peers = {"error": repr(e)}
+  _ENV_CACHE["peers"] = peers
+  info["peers"] = peers
+  info["versions"] = library_versions()
+  print("[harness] " + json.dumps(info, default=str), file=sys.stderr)
+  return info

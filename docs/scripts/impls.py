@@ -1,0 +1,392 @@
+"""Callables for every implementation the suites time, built on the same inputs.
+
+``build(impl, arrays, dtype, causal, mode, mask)`` returns ``(fn, sync)`` for
+:func:`docs.scripts.harness.time_fn`. ``arrays`` are the numpy float32 arrays
+``q, k, v, do`` in [B, T, H, D]; they are cast to ``dtype`` for every library,
+and torch receives them transposed to [B, H, T, D]. Missing libraries or
+entry points raise :class:`harness.Unsupported` (-> status "unsupported").
+
+Mask names: "none", "window512" (causal, 512 keys to the left), "docs4"
+(4 equal packed documents), "docs4_causal".
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+from docs.scripts.harness import Unsupported
+
+PROBJAX_IMPLS = {
+    # impl name -> kwargs of probjax dot_product_attention
+    "probjax_default": {},
+    "probjax_xla": {"implementation": "xla"},
+    "probjax_triton": {"implementation": "triton"},
+    "probjax_pallas": {"implementation": "pallas"},
+    "probjax_cudnn": {"implementation": "cudnn"},
+    "probjax_mosaic": {"implementation": "mosaic"},
+    "probjax_triton_onepass": {"implementation": "triton", "backward_pass_impl": "triton_onepass"},
+    "probjax_triton_fused": {"implementation": "triton", "backward_pass_impl": "triton_fused"},
+    "probjax_triton_split": {"implementation": "triton", "backward_pass_impl": "triton_split"},
+}
+JAXNN_IMPLS = {"jaxnn_xla": "xla", "jaxnn_cudnn": "cudnn"}
+TORCH_SDPA_IMPLS = {"torch_sdpa_flash": "FLASH_ATTENTION", "torch_sdpa_efficient": "EFFICIENT_ATTENTION",
+                    "torch_sdpa_cudnn": "CUDNN_ATTENTION", "torch_sdpa_math": "MATH"}
+TOKAMAX_IMPLS = {"tokamax_mosaic": "mosaic", "tokamax_triton": "triton", "tokamax_cudnn": "cudnn",
+                 "tokamax_xla_chunked": "xla_chunked"}
+NO_FP32 = {"jaxnn_cudnn", "torch_sdpa_flash", "torch_sdpa_cudnn", "tokamax_cudnn", "probjax_cudnn"}
+MASKS = ("none", "window512", "docs4", "docs4_causal")
+
+
+# ---------------------------------------------------------------------------
+# availability
+# ---------------------------------------------------------------------------
+@functools.lru_cache(None)
+def probjax_api():
+  """(dot_product_attention, module) or raises Unsupported."""
+  try:
+    from probjax.nn.layers import attention as mod
+    return mod.dot_product_attention, mod
+  except Exception as e:  # noqa: BLE001
+    raise Unsupported(f"probjax.nn.layers.attention not importable: {type(e).__name__}: {e}") from e
+
+
+@functools.lru_cache(None)
+def torch_mod():
+  try:
+    import torch
+  except Exception as e:  # noqa: BLE001
+    raise Unsupported(f"torch not installed: {e}") from e
+  return torch
+
+
+@functools.lru_cache(None)
+def tokamax_mod():
+  try:
+    import tokamax
+  except Exception as e:  # noqa: BLE001
+    raise Unsupported(f"tokamax not importable: {type(e).__name__}: {e}") from e
+  return tokamax
+
+
+def peers_present() -> dict:
+  out = {}
+  for name, f in (("torch", torch_mod), ("tokamax", tokamax_mod), ("probjax", probjax_api)):
+    try:
+      f()
+      out[name] = True
+    except Unsupported as e:
+      out[name] = str(e)[:200]
+  return out
+
+
+def jnp_dtype(dtype: str):
+  import jax.numpy as jnp
+  return {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}[dtype]
+
+
+# ---------------------------------------------------------------------------
+# masks
+# ---------------------------------------------------------------------------
+def doc_ids(batch: int, t: int, docs: int = 4):
+  import numpy as np
+  ids = (np.arange(t) * docs // t).astype(np.int32)
+  return np.broadcast_to(ids, (batch, t)).copy()
+
+
+def probjax_mask(mask: str, causal: bool, batch: int, q_len: int, kv_len: int):
+  """Returns (mask_obj or None, is_causal flag) for probjax."""
+  if mask == "none":
+    return None, causal
+  from probjax.ops.attention import masks as M
+  if mask == "window512":
+    return M.LocalWindowMask(left=512, right=0), False
+  if mask in ("docs4", "docs4_causal"):
+    import jax.numpy as jnp
+    m = M.SegmentMask(jnp.asarray(doc_ids(batch, q_len)), jnp.asarray(doc_ids(batch, kv_len)))
+    if mask == "docs4_causal":
+      m = m & M.CausalMask()
+    return m, False
+  raise Unsupported(f"unknown mask {mask}")
+
+
+# ---------------------------------------------------------------------------
+# JAX-side builders
+# ---------------------------------------------------------------------------
+def _jax_fn(attn, arrays, dtype, mode, compile_only=False):
+  import jax
+  import jax.numpy as jnp
+  dt = jnp_dtype(dtype)
+  q, k, v, do = (jnp.asarray(a, dtype=dt) for a in arrays)
+  if mode == "fwd":
+    f = jax.jit(attn)
+    if compile_only:
+      return f.lower(q, k, v).compile(), None
+    return (lambda: f(q, k, v)), jax.block_until_ready
+
+  def fb(q, k, v, do):
+    out, vjp = jax.vjp(attn, q, k, v)
+    return (out,) + tuple(vjp(do))
+  f = jax.jit(fb)
+  if compile_only:
+    return f.lower(q, k, v, do).compile(), None
+  return (lambda: f(q, k, v, do)), jax.block_until_ready
+
+
+def probjax_attn(impl: str, causal: bool, mask_obj=None, extra_kwargs=None):
+  dpa, _ = probjax_api()
+  kw = dict(PROBJAX_IMPLS[impl]) if impl in PROBJAX_IMPLS else {}
+  kw.update(extra_kwargs or {})
+  if causal:
+    kw["is_causal"] = True
+
+  def attn(q, k, v):
+    if mask_obj is not None:
+      return dpa(q, k, v, mask=mask_obj, **kw)
+    return dpa(q, k, v, **kw)
+  return attn
+
+
+def build_jax_side(impl, arrays, dtype, causal, mode, mask="none", compile_only=False):
+  import jax
+  if dtype == "float32" and impl in NO_FP32:
+    raise Unsupported(f"{impl} has no float32 path")
+  b, tq = arrays[0].shape[:2]
+  tk = arrays[1].shape[1]
+  if impl == "probjax_repeat_kv":  # the default kernel on K/V repeated to the query heads
+    hq, hk = arrays[0].shape[2], arrays[1].shape[2]
+    base = probjax_attn("probjax_default", causal)
+
+    def attn(q, k, v):
+      import jax.numpy as jnp
+      return base(q, jnp.repeat(k, hq // hk, axis=2), jnp.repeat(v, hq // hk, axis=2))
+    return _jax_fn(attn, arrays, dtype, mode, compile_only)
+  if impl.startswith("probjax_"):
+    if impl not in PROBJAX_IMPLS:
+      raise Unsupported(f"unknown probjax impl {impl}")
+    mobj, is_causal = probjax_mask(mask, causal, b, tq, tk)
+    return _jax_fn(probjax_attn(impl, is_causal, mobj), arrays, dtype, mode, compile_only)
+  if mask not in ("none", "window512"):
+    raise Unsupported(f"{impl} is not run with mask {mask}")
+  kw = {"is_causal": causal}
+  if mask == "window512":  # causal, 512 keys to the left (local_window_size=(left, right))
+    kw = {"is_causal": True, "local_window_size": (512, 0)}
+  if impl in JAXNN_IMPLS:
+    which = JAXNN_IMPLS[impl]
+    if which == "cudnn" and jax.devices()[0].platform != "gpu":
+      raise Unsupported("cuDNN needs a CUDA GPU")
+    attn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation=which, **kw)
+    return _jax_fn(attn, arrays, dtype, mode, compile_only)
+  if impl in TOKAMAX_IMPLS:
+    tk_mod = tokamax_mod()
+    which = TOKAMAX_IMPLS[impl]
+    attn = lambda q, k, v: tk_mod.dot_product_attention(q, k, v, implementation=which, **kw)
+    return _jax_fn(attn, arrays, dtype, mode, compile_only)
+  raise Unsupported(f"unknown jax impl {impl}")
+
+
+# ---------------------------------------------------------------------------
+# torch builders (GPU, in-process)
+# ---------------------------------------------------------------------------
+_FLEX_CACHE = {}
+
+
+def _torch_setup(torch):
+  try:
+    import torch._dynamo
+    cfg = torch._dynamo.config
+    cfg.cache_size_limit = 4096
+    if hasattr(cfg, "recompile_limit"):
+      cfg.recompile_limit = 4096
+    if hasattr(cfg, "accumulated_cache_size_limit"):
+      cfg.accumulated_cache_size_limit = 65536
+    if hasattr(cfg, "accumulated_recompile_limit"):
+      cfg.accumulated_recompile_limit = 65536
+  except Exception:  # noqa: BLE001
+    pass
+
+
+def build_torch(impl, arrays, dtype, causal, mode, mask="none"):
+  torch = torch_mod()
+  _torch_setup(torch)
+  if not torch.cuda.is_available():
+    raise Unsupported("torch sees no CUDA device")
+  if dtype == "float32" and impl in NO_FP32:
+    raise Unsupported(f"{impl} has no float32 path")
+  dev = "cuda"
+  tdt = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[dtype]
+  need_grad = mode == "fwd_bwd"
+  # [B, T, H, D] -> [B, H, T, D]
+  q, k, v, do = (torch.from_numpy(a).to(dev, tdt).transpose(1, 2).contiguous() for a in arrays)
+  for t in (q, k, v):
+    t.requires_grad_(need_grad)
+  b, hq, tq, _ = q.shape
+  hk, tk = k.shape[1], k.shape[2]
+  gqa = hq != hk
+  sync = lambda _x: torch.cuda.synchronize()
+
+  if impl in TORCH_SDPA_IMPLS:
+    if mask not in ("none",):
+      raise Unsupported(f"{impl}: masked cases are run for probjax and torch flex only")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    backend = getattr(SDPBackend, TORCH_SDPA_IMPLS[impl])
+    F = torch.nn.functional
+    kw = {"is_causal": causal}
+    if gqa:
+      kw["enable_gqa"] = True
+
+    def fwd():
+      with sdpa_kernel(backend):
+        return F.scaled_dot_product_attention(q, k, v, **kw)
+  elif impl == "torch_flex":
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    key = (b, hq, hk, tq, tk, q.shape[-1], dtype, causal, mask, mode)
+    compiled = torch.compile(flex_attention, dynamic=False)
+    mm = _flex_mask_mod(torch, mask, causal, tq, tk, dev)
+    bm = None if mm is None else create_block_mask(mm, B=None, H=None, Q_LEN=tq, KV_LEN=tk, device=dev)
+    _FLEX_CACHE[key] = (compiled, bm)
+    kw = {"block_mask": bm}
+    if gqa:
+      kw["enable_gqa"] = True
+
+    def fwd():
+      return compiled(q, k, v, **kw)
+  else:
+    raise Unsupported(f"unknown torch impl {impl}")
+
+  if mode == "fwd":
+    def fn():
+      with torch.no_grad():
+        return fwd()
+    return fn, sync
+
+  def fn():
+    out = fwd()
+    return torch.autograd.grad(out, (q, k, v), do)
+  return fn, sync
+
+
+def _flex_mask_mod(torch, mask, causal, tq, tk, dev):
+  if mask == "none":
+    if not causal:
+      return None
+    return lambda b, h, qi, ki: qi >= ki
+  if mask == "window512":
+    return lambda b, h, qi, ki: (qi >= ki) & (qi - ki <= 512)
+  if mask in ("docs4", "docs4_causal"):
+    qd = torch.arange(tq, device=dev) * 4 // tq
+    kd = torch.arange(tk, device=dev) * 4 // tk
+    if mask == "docs4":
+      return lambda b, h, qi, ki: qd[qi] == kd[ki]
+    return lambda b, h, qi, ki: (qd[qi] == kd[ki]) & (qi >= ki)
+  raise Unsupported(f"unknown mask {mask}")
+
+
+def build(impl, arrays, dtype, causal, mode, mask="none"):
+  if impl.startswith("torch_") and impl != "torch_cpu":
+    return build_torch(impl, arrays, dtype, causal, mode, mask)
+  return build_jax_side(impl, arrays, dtype, causal, mode, mask)
+
+
+def accepts_kwarg(fn, name: str) -> bool:
+  try:
+    sig = inspect.signature(fn)
+  except (TypeError, ValueError):
+    return False
+  return name in sig.parameters or any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values())
+
+
+def free_memory():
+  """Drops cached compilations/buffers between shapes (best effort)."""
+  import gc
+  gc.collect()
+  try:
+    import sys
+    if "torch" in sys.modules:
+      import torch
+      if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+  except Exception:  # noqa: BLE001
+    pass
+
+
+# ---------------------------------------------------------------------------
+# Cases
+# ---------------------------------------------------------------------------
+_INPUTS = {}
+
+
+def inputs(batch, q_len, kv_len, q_heads, kv_heads, head_dim, seed=0):
+  """Same numpy q, k, v, do for every implementation of a shape (1-entry cache)."""
+  from docs.scripts.harness import make_inputs
+  key = (batch, q_len, kv_len, q_heads, kv_heads, head_dim, seed)
+  if key not in _INPUTS:
+    _INPUTS.clear()
+    _INPUTS[key] = make_inputs(batch, q_len, kv_len, q_heads, kv_heads, head_dim, seed)
+  return _INPUTS[key]
+
+
+def timed_case(suite, impl, dtype, batch, q_heads, kv_heads, q_len, kv_len, head_dim, causal,
+               mode, timing, mask="none", extra=None, variant=""):
+  """A harness.Case that builds ``impl`` on the shared inputs and times it."""
+  from docs.scripts.harness import Case, time_fn
+
+  def run():
+    arrays = inputs(batch, q_len, kv_len, q_heads, kv_heads, head_dim)
+    try:
+      fn, sync = build(impl, arrays, dtype, causal, mode, mask)
+      return time_fn(fn, sync, **timing)
+    finally:
+      fn = sync = None
+      free_memory()
+
+  return Case(suite=suite, impl=impl, dtype=dtype, batch=batch, q_heads=q_heads,
+              kv_heads=kv_heads, q_len=q_len, kv_len=kv_len, head_dim=head_dim,
+              causal=causal, mode=mode, mask=mask, run=run, extra=dict(extra or {}),
+              variant=variant, flops=(mask == "none"))
+
+
+def compiled_memory(impl, arrays, dtype, causal, mode, mask="none") -> dict:
+  """XLA's compile-time memory analysis of the jitted call (bytes)."""
+  if impl.startswith("torch"):
+    raise Unsupported("compile-time memory analysis is JAX-only")
+  compiled, _ = build_jax_side(impl, arrays, dtype, causal, mode, mask, compile_only=True)
+  ma = compiled.memory_analysis()
+  if ma is None:
+    raise Unsupported("memory_analysis() returned None on this backend")
+  get = lambda n: int(getattr(ma, n, 0) or 0)
+  out = {"temp_bytes": get("temp_size_in_bytes"), "argument_bytes": get("argument_size_in_bytes"),
+         "output_bytes": get("output_size_in_bytes"), "alias_bytes": get("alias_size_in_bytes")}
+  out["compiled_total_bytes"] = out["temp_bytes"] + out["argument_bytes"] + out["output_bytes"] - out["alias_bytes"]
+  return out
+
+
+def residual_bytes(impl, arrays, dtype, causal, mask="none") -> dict:
+  """Bytes of the jax.vjp residuals kept for the backward (with and without the inputs)."""
+  import jax
+  import jax.numpy as jnp
+  if impl.startswith("torch"):
+    raise Unsupported("jax.vjp residuals are JAX-only")
+  dt = jnp_dtype(dtype)
+  q, k, v = (jnp.asarray(a, dtype=dt) for a in arrays[:3])
+  b, tq = arrays[0].shape[:2]
+  tk = arrays[1].shape[1]
+  if impl == "probjax_repeat_kv" or impl.startswith("probjax_"):
+    mobj, is_causal = probjax_mask(mask, causal, b, tq, tk)
+    attn = probjax_attn(impl if impl in PROBJAX_IMPLS else "probjax_default", is_causal, mobj)
+  elif impl in JAXNN_IMPLS:
+    attn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+                                                        implementation=JAXNN_IMPLS[impl])
+  elif impl in TOKAMAX_IMPLS:
+    tk_mod = tokamax_mod()
+    attn = lambda q, k, v: tk_mod.dot_product_attention(q, k, v, is_causal=causal,
+                                                        implementation=TOKAMAX_IMPLS[impl])
+  else:
+    raise Unsupported(impl)
+  _, vjp_fn = jax.vjp(jax.jit(attn), q, k, v)
+  leaves = [x for x in jax.tree_util.tree_leaves(vjp_fn) if hasattr(x, "nbytes")]
+  ids = {id(q), id(k), id(v)}
+  total = sum(int(x.nbytes) for x in leaves)
+  excl = sum(int(x.nbytes) for x in leaves if id(x) not in ids)
+  jax.block_until_ready(leaves)
+  return {"residual_bytes": total, "residual_bytes_excl_inputs": excl, "n_residuals": len(leaves)}
