@@ -1,0 +1,156 @@
+"""The attention report (python -m probjax.attention_report) on CPU, tiny shapes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from probjax import attention_report as report
+
+FIELDS = ("suite", "impl", "dtype", "batch", "q_heads", "kv_heads", "q_len", "kv_len", "head_dim",
+          "causal", "mask", "mode", "ms", "status", "device", "max_error")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run_cli(*args, timeout=300):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, "-m", "probjax.attention_report", *args],
+                        capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+def _check_row_fields(row):
+  for f in FIELDS:
+    assert f in row, f"row lacks field {f!r}: {row}"
+  assert row["suite"] == "report"
+  assert row["mode"] in ("fwd", "fwd_bwd")
+  assert row["status"] in report.STATUSES
+  assert isinstance(row["causal"], bool)
+  assert row["causal"] == (row["mask"] == "causal")
+  if row["status"] == "ok":
+    assert isinstance(row["ms"], float) and row["ms"] > 0
+    assert row["check"] in ("pass", "fail")
+  else:
+    assert row["ms"] is None and row["max_error"] is None
+    assert row["error"], "a row that did not run must carry the error message"
+
+
+def test_help():
+  r = _run_cli("--help", timeout=120)
+  assert r.returncode == 0, r.stderr
+  for opt in ("--batch", "--heads", "--kv-heads", "--seq", "--head-dim", "--dtype", "--mask",
+              "--impl", "--repeats", "--output", "--quick"):
+    assert opt in r.stdout
+
+
+def test_quick_cli_writes_rows(tmp_path):
+  out = tmp_path / "report.json"
+  r = _run_cli("--quick", "--output", str(out))
+  assert r.returncode == 0, r.stdout + r.stderr
+  assert "default ->" in r.stdout  # the table names the implementation the default picks
+  rows = json.loads(out.read_text())
+  assert rows and isinstance(rows, list)
+  for row in rows:
+    _check_row_fields(row)
+  impls = {row["impl"] for row in rows}
+  assert {"probjax_default", "probjax_xla", "jaxnn_xla"} <= impls, impls
+  # The default set: plain, causal-masked, GQA and an odd length.
+  assert any(row["mask"] == "causal" for row in rows)
+  assert any(row["kv_heads"] < row["q_heads"] for row in rows)
+  assert any(row["q_len"] % 2 == 1 for row in rows)
+  # Every implementation has a fwd and a fwd_bwd row per case.
+  for case in {row["case"] for row in rows}:
+    for impl in impls:
+      modes = sorted(row["mode"] for row in rows if row["case"] == case and row["impl"] == impl)
+      assert modes == ["fwd", "fwd_bwd"], (case, impl, modes)
+  # On CPU in float32 all of these run and agree with the float64 reference.
+  for row in rows:
+    assert row["status"] == "ok", row
+    assert row["check"] == "pass", row
+    assert row["max_error"] <= row["tolerance"]
+    assert row["device"].startswith("cpu")
+  for row in rows:
+    if row["impl"] == "probjax_default":
+      assert row["default_impl"] and row["default_impl"] != "?", row
+      assert row["default_rule"], row
+
+
+def test_errors_are_reported_per_row(tmp_path):
+  # jax.nn rejects the unknown backend name; the report records it and goes on.
+  out = tmp_path / "r.json"
+  rc = report.main(["--quick", "--impl", "jaxnn_xla,jaxnn_nosuchbackend", "--seq", "24",
+                    "--repeats", "1", "--quiet", "--output", str(out)])
+  assert rc == 0
+  rows = json.loads(out.read_text())
+  for row in rows:
+    _check_row_fields(row)
+  bad = [r for r in rows if r["impl"] == "jaxnn_nosuchbackend"]
+  good = [r for r in rows if r["impl"] == "jaxnn_xla"]
+  assert len(bad) == 2 and len(good) == 2
+  assert all(r["status"] != "ok" and "nosuchbackend" in r["error"] for r in bad)
+  assert all(r["status"] == "ok" and r["check"] == "pass" for r in good)
+
+
+def test_runtime_failure_in_one_impl_does_not_abort(tmp_path, monkeypatch, capsys):
+  real = report._jaxnn_fn
+
+  def broken(backend, case, mask_kind, mask):
+    if backend == "xla":
+      def f(q, k, v):
+        raise RuntimeError("boom from the test")
+      return f
+    return real(backend, case, mask_kind, mask)
+
+  monkeypatch.setattr(report, "_jaxnn_fn", broken)
+  out = tmp_path / "r.json"
+  rc = report.main(["--quick", "--seq", "16,24", "--impl", "jaxnn_xla,default", "--repeats", "1",
+                    "--quiet", "--output", str(out)])
+  assert rc == 0
+  rows = json.loads(out.read_text())
+  assert len(rows) == 2 * 2 * 2  # 2 lengths x 2 impls x 2 modes
+  broken_rows = [r for r in rows if r["impl"] == "jaxnn_xla"]
+  assert all(r["status"] == "error" and "boom from the test" in r["error"] for r in broken_rows)
+  assert "boom from the test" in capsys.readouterr().out  # shown in the table row
+  assert all(r["status"] == "ok" for r in rows if r["impl"] == "probjax_default")
+
+
+@pytest.mark.parametrize("mask", ["window", "kv_len", "segments"])
+def test_masks_and_gqa_options(tmp_path, mask):
+  out = tmp_path / "r.json"
+  rc = report.main(["--quick", "--seq", "40", "--heads", "4", "--kv-heads", "2", "--mask", mask,
+                    "--batch", "2", "--impl", "default,xla,jaxnn_xla", "--repeats", "1", "--quiet",
+                    "--output", str(out)])
+  assert rc == 0
+  rows = json.loads(out.read_text())
+  assert {r["impl"] for r in rows} == {"probjax_default", "probjax_xla", "jaxnn_xla"}
+  for row in rows:
+    _check_row_fields(row)
+    assert (row["batch"], row["q_heads"], row["kv_heads"], row["q_len"], row["mask"]) == (2, 4, 2, 40, mask)
+    assert row["status"] == "ok" and row["check"] == "pass", row
+
+
+def test_build_cases_defaults_and_overrides():
+  args = report.parse_args([])
+  cpu, rep = report.build_cases(args, "cpu")
+  assert [c.name for c in cpu] == ["plain", "causal", "gqa", "odd"]
+  assert rep >= 3
+  gqa = next(c for c in cpu if c.name == "gqa")
+  assert (gqa.q_heads, gqa.kv_heads) == (8, 2)
+  assert any(c.q_len == 600 for c in cpu)
+  gpu, _ = report.build_cases(args, "gpu")
+  assert all(c.dtype == "bfloat16" for c in gpu)
+  assert max(c.q_len for c in gpu) > max(c.q_len for c in cpu)
+  custom, _ = report.build_cases(report.parse_args(["--seq", "8,16", "--seq", "32", "--mask", "causal",
+                                                    "--dtype", "bfloat16"]), "cpu")
+  assert [(c.q_len, c.mask, c.dtype) for c in custom] == [(8, "causal", "bfloat16"), (16, "causal", "bfloat16"),
+                                                          (32, "causal", "bfloat16")]
+
+
+def test_classify_error():
+  assert report.classify_error(RuntimeError("RESOURCE_EXHAUSTED: Out of memory")) == "oom"
+  assert report.classify_error(ValueError("implementation 'x' cannot")) == "unsupported"
+  assert report.classify_error(RuntimeError("NOT_FOUND: no autotuning config")) == "fail"
+  assert report.classify_error(RuntimeError("other")) == "error"
