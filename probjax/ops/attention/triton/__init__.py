@@ -21,6 +21,7 @@ from probjax.ops.attention.triton import config as config_lib
 from probjax.ops.attention.triton.backward import backward
 from probjax.ops.attention.triton.config import BackwardConfig, ForwardConfig
 from probjax.ops.attention.triton.forward import forward
+from probjax.ops.attention.triton.tiles import padded_head_dim
 
 __all__ = ["attention", "supports", "ForwardConfig", "BackwardConfig"]
 
@@ -28,13 +29,16 @@ _HEAD_DIMS_MAX = 256
 _DTYPES = ("bfloat16", "float16", "float32")
 
 
-def _score_mod_consts(score_mod: Callable):
-  """Closed-over arrays of ``score_mod`` (traced on a 16x16 tile)."""
-  s = jax.ShapeDtypeStruct((16, 16), jnp.float32)
-  i = jax.ShapeDtypeStruct((), jnp.int32)
-  qi, ki = jax.ShapeDtypeStruct((16, 1), jnp.int32), jax.ShapeDtypeStruct((1, 16), jnp.int32)
-  closed = jax.make_jaxpr(score_mod)(s, i, i, qi, ki)
-  return [c for c in closed.consts if jnp.ndim(c) > 0 or isinstance(c, jax.core.Tracer)]
+def _score_mod_closure(score_mod: Callable) -> str | None:
+  """Why ``score_mod`` cannot be traced inside a kernel (closed-over arrays), or None."""
+  args = (jax.ShapeDtypeStruct((16, 16), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32),
+          jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((16, 1), jnp.int32),
+          jax.ShapeDtypeStruct((1, 16), jnp.int32))
+  if jax.closure_convert(score_mod, *args)[1]:
+    return "score_mod closes over traced arrays"
+  if jax.make_jaxpr(score_mod)(*args).consts:
+    return "score_mod closes over arrays"
+  return None
 
 
 def supports(q_shape, kv_shape, dtype, *, mask: Mask | None = None,
@@ -54,8 +58,8 @@ def supports(q_shape, kv_shape, dtype, *, mask: Mask | None = None,
     return "dropout"
   if not interpret and jax.devices()[0].platform != "gpu":
     return f"platform {jax.devices()[0].platform} without interpret"
-  if np_name(dtype) not in _DTYPES:
-    return f"dtype {np_name(dtype)}"
+  if _dtype_name(dtype) not in _DTYPES:
+    return f"dtype {_dtype_name(dtype)}"
   if len(q_shape) != 4 or len(kv_shape) != 4:
     return "inputs must be [batch, seq, heads, head_dim]"
   d = q_shape[-1]
@@ -73,14 +77,15 @@ def supports(q_shape, kv_shape, dtype, *, mask: Mask | None = None,
     return f"mask of type {type(mask).__name__}"
   if score_mod is not None:
     try:
-      if _score_mod_consts(score_mod):
-        return "score_mod closes over traced arrays"
+      reason = _score_mod_closure(score_mod)
+      if reason is not None:
+        return reason
     except Exception as e:  # noqa: BLE001 -- any tracing failure means "not this kernel"
       return f"score_mod not traceable on a tile ({type(e).__name__})"
   return None
 
 
-def np_name(dtype) -> str:
+def _dtype_name(dtype) -> str:
   return jnp.dtype(dtype).name
 
 
@@ -119,7 +124,7 @@ def attention(q, k, v, *, mask: Mask | None = None, score_mod: Callable | None =
     scale = 1.0 / math.sqrt(q.shape[-1])
   device = "interpret" if interpret else config_lib.device_kind()
   d = q.shape[-1]
-  dp = max(32, 1 << (d - 1).bit_length())
+  dp = padded_head_dim(d)
   q_len, kv_len = q.shape[1], k.shape[1]
   fcfg = config_lib.fit_forward_config(forward_config, q.dtype, dp, q_len, kv_len, device)
   bcfg = config_lib.fit_backward_config(backward_config, q.dtype, dp, q_len, kv_len, device)
