@@ -68,7 +68,9 @@ def check_broadcast(name: str, x, s: AttentionShape, *, boolean: bool):
     if got not in (1, want):
       raise ValueError(f"{name} of shape {tuple(x.shape)} does not broadcast to [batch, heads, q_len, kv_len] = {full}")
   if boolean and x.dtype != jnp.bool_:
-    raise TypeError(f"{name} must be a boolean array (True = attend), got {x.dtype}; use bias= for additive masks")
+    if not (jnp.issubdtype(x.dtype, jnp.number)):
+      raise TypeError(f"{name} must be a boolean array (True = attend), got {x.dtype}")
+    x = x != 0  # Flax's make_*_mask helpers return 1.0 / 0.0 masks
   if not boolean and not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"{name} must be a floating array, got {x.dtype}")
   return jnp.reshape(x, shape)

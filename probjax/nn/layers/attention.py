@@ -1,0 +1,174 @@
+"""Public attention API: ``dot_product_attention``, ``flex_attention`` and ``mha``.
+
+Inputs are ``[batch, seq, heads, head_dim]``; keys and values may have fewer
+heads than queries (grouped-query / multi-query attention), which no path
+repeats in memory. ``implementation=None`` picks the fastest path that
+computes the call exactly (:func:`explain_dispatch` says which and why); an
+explicit ``implementation`` that cannot compute the call raises ValueError.
+
+>>> import jax, jax.numpy as jnp
+>>> from probjax.nn.layers.attention import dot_product_attention, CausalMask
+>>> q = k = v = jax.random.normal(jax.random.key(0), (2, 100, 4, 32))
+>>> dot_product_attention(q, k, v, mask=CausalMask()).shape
+(2, 100, 4, 32)
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from probjax.ops.attention import base
+from probjax.ops.attention import cudnn as cudnn_backend
+from probjax.ops.attention import dispatch
+from probjax.ops.attention import xla as xla_backend
+from probjax.ops.attention.dispatch import Decision, Device
+from probjax.ops.attention.masks import (CausalMask, KVLenMask, LengthMask, LocalWindowMask, Mask,
+                                         SegmentMask)
+
+__all__ = [
+    "dot_product_attention", "flex_attention", "mha", "explain_dispatch", "available_implementations",
+    "Mask", "CausalMask", "KVLenMask", "LengthMask", "LocalWindowMask", "SegmentMask", "Decision",
+]
+
+BACKWARD_PASS_IMPLS = ("auto", "triton_onepass", "triton_fused", "triton_split")
+
+
+def available_implementations(device: Device | None = None) -> list[str]:
+  """Implementation names that can run on ``device`` (default: the current one)."""
+  device = device or Device.current()
+  return ["xla"] + (["triton", "cudnn"] if device.platform == "gpu" else [])
+
+
+def explain_dispatch(q_shape, kv_shape, dtype, **kw) -> Decision:
+  """The implementation ``implementation=None`` picks for a call, and the rule; see
+  :func:`probjax.ops.attention.dispatch.explain_dispatch` for the arguments."""
+  return dispatch.explain_dispatch(tuple(q_shape), tuple(kv_shape), dtype, **kw)
+
+
+def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dropout: bool = True,
+                          dropout_rng=None, dropout_rate: float = 0.0, deterministic: bool = False,
+                          dtype=None, precision=None, module=None, promote_dtype=None,
+                          is_causal: bool = False, *, implementation: str | None = None,
+                          scale: float | None = None, score_mod: Callable | None = None,
+                          backward_pass_impl: str = "auto", interpret: bool = False):
+  """Exact scaled dot-product attention; a drop-in ``attention_fn`` for Flax NNX.
+
+  Args:
+    query: ``[batch, q_len, heads, head_dim]``.
+    key, value: ``[batch, kv_len, kv_heads, head_dim]``; ``heads % kv_heads == 0``.
+    bias: additive float bias broadcastable to ``[batch, heads, q_len, kv_len]``
+      (differentiable).
+    mask: a position :class:`Mask` (e.g. ``CausalMask() & KVLenMask(lengths)``)
+      or a boolean array broadcastable to ``[batch, heads, q_len, kv_len]``
+      (True = attend), as Flax passes it.
+    broadcast_dropout, dropout_rng, dropout_rate, deterministic: dropout on the
+      attention weights, as in ``flax.nnx.dot_product_attention``.
+    dtype: computation dtype (inputs are cast to it); precision: matmul precision.
+    module: if given, the attention weights are sown into it (dense path).
+    promote_dtype: Flax's dtype promotion hook, applied to (query, key, value).
+    is_causal: shorthand for ``mask & CausalMask()``.
+    implementation: None (automatic), "xla", "triton" (alias "pallas") or "cudnn".
+    scale: softmax scale, default ``head_dim ** -0.5``.
+    score_mod: ``f(score, b, h, q_idx, kv_idx) -> score`` (see :func:`flex_attention`).
+    backward_pass_impl: Triton backward: "auto", "triton_onepass", "triton_fused",
+      "triton_split".
+    interpret: run the Triton kernel in Pallas interpret mode (CPU testing).
+  Returns:
+    ``[batch, q_len, heads, head_dim]`` in the input dtype. Rows with no valid
+    key are zero.
+  """
+  if promote_dtype is not None:
+    query, key, value = promote_dtype((query, key, value), dtype=dtype)
+  elif dtype is not None:
+    query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
+  shape = base.check_qkv(query, key, value)
+  pos_mask, dense_mask = base.check_mask(mask, shape)
+  if is_causal:
+    pos_mask = CausalMask() if pos_mask is None else pos_mask & CausalMask()
+  bias = base.check_broadcast("bias", bias, shape, boolean=False)
+  rate, rng = base.check_dropout(dropout_rate, dropout_rng, deterministic)
+  return _attention(query, key, value, shape, bias=bias, mask=pos_mask, dense_mask=dense_mask,
+                    score_mod=score_mod, scale=scale, dropout_rate=rate, dropout_rng=rng,
+                    broadcast_dropout=broadcast_dropout, precision=precision, module=module,
+                    implementation=implementation, backward_pass_impl=backward_pass_impl,
+                    interpret=interpret)
+
+
+def flex_attention(query, key, value, *, mask: Mask | None = None, score_mod: Callable | None = None,
+                   scale: float | None = None, implementation: str | None = None,
+                   backward_pass_impl: str = "auto", forward_config=None, backward_config=None,
+                   interpret: bool = False):
+  """Attention with a position mask and a functional score modifier.
+
+  Args:
+    query: ``[batch, q_len, heads, head_dim]``; key, value ``[batch, kv_len, kv_heads, head_dim]``.
+    mask: a :class:`Mask` (combine with ``&``); tiles it empties are skipped.
+    score_mod: ``f(score, b, h, q_idx, kv_idx) -> score``, elementwise on float32
+      scores after scaling, before masking; index arguments broadcast against
+      the score. Differentiable, including through arrays it closes over
+      (those run on the XLA path).
+    implementation, backward_pass_impl, interpret: as in :func:`dot_product_attention`.
+    forward_config, backward_config: explicit Triton tile configs.
+  """
+  shape = base.check_qkv(query, key, value)
+  if mask is not None and not isinstance(mask, Mask):
+    raise TypeError(f"flex_attention's mask must be a probjax Mask (e.g. CausalMask()), got {type(mask).__name__}; "
+                    "use dot_product_attention for dense boolean masks")
+  if mask is not None:
+    mask.validate(shape.batch, shape.q_len, shape.kv_len)
+  return _attention(query, key, value, shape, mask=mask, score_mod=score_mod, scale=scale,
+                    implementation=implementation, backward_pass_impl=backward_pass_impl,
+                    forward_config=forward_config, backward_config=backward_config, interpret=interpret)
+
+
+def mha(query, key, value, *, causal: bool = False, mask: Mask | None = None, scale: float | None = None,
+        backward_pass_impl: str = "auto", forward_config=None, backward_config=None,
+        interpret: bool = False):
+  """The fused Triton kernel itself (no dispatch): ``[batch, seq, heads, head_dim]`` in and out.
+
+  Raises ValueError where the kernel cannot compute the call exactly.
+  """
+  if causal:
+    mask = CausalMask() if mask is None else mask & CausalMask()
+  return flex_attention(query, key, value, mask=mask, scale=scale, implementation="triton",
+                        backward_pass_impl=backward_pass_impl, forward_config=forward_config,
+                        backward_config=backward_config, interpret=interpret)
+
+
+def _attention(query, key, value, shape: base.AttentionShape, *, bias=None, mask=None, dense_mask=None,
+               score_mod=None, scale=None, dropout_rate=0.0, dropout_rng=None, broadcast_dropout=True,
+               precision=None, module=None, implementation=None, backward_pass_impl="auto",
+               forward_config=None, backward_config=None, interpret=False):
+  if backward_pass_impl not in BACKWARD_PASS_IMPLS:
+    raise ValueError(f"backward_pass_impl must be one of {BACKWARD_PASS_IMPLS}, got {backward_pass_impl!r}")
+  if score_mod is not None and not callable(score_mod):
+    raise TypeError(f"score_mod must be callable f(score, b, h, q_idx, kv_idx), got {type(score_mod).__name__}")
+  scale = base.check_scale(scale, shape.head_dim)
+  device = Device.current()
+  if interpret:
+    device = Device("gpu", None, None)  # interpret mode emulates the GPU kernel anywhere
+  decision = dispatch.explain_dispatch(
+      query.shape, key.shape, shape.dtype, mask=mask, bias=bias is not None,
+      dense_mask=dense_mask is not None, dropout=dropout_rate > 0, score_mod=score_mod,
+      precision=precision, module=module is not None, implementation=implementation,
+      backward_pass_impl=backward_pass_impl,
+      kernel_args_default=backward_pass_impl == "auto" and forward_config is None and backward_config is None,
+      device=device)
+  if (forward_config is not None or backward_config is not None) and decision.implementation != "triton":
+    raise ValueError(f"forward_config/backward_config configure the Triton kernel, but this call runs "
+                     f"{decision}; pass implementation='triton'")
+  if decision.implementation == "cudnn":
+    return cudnn_backend.attention(query, key, value, mask=mask, scale=scale)
+  if decision.implementation == "triton":
+    from probjax.ops.attention import triton as triton_backend
+    return triton_backend.attention(query, key, value, mask=mask, score_mod=score_mod, scale=scale,
+                                    backward_pass_impl=decision.backward_pass_impl,
+                                    forward_config=forward_config, backward_config=backward_config,
+                                    interpret=interpret)
+  return xla_backend.attention(query, key, value, formulation=decision.formulation, module=module,
+                               bias=bias, mask=mask, dense_mask=dense_mask, score_mod=score_mod,
+                               scale=scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+                               broadcast_dropout=broadcast_dropout, precision=precision)

@@ -1,0 +1,58 @@
+"""Per-device defaults for ``implementation=None``, kept as data.
+
+The table is keyed by CUDA compute capability. It is consulted only when every
+kernel argument of the call is at its default (no explicit implementation,
+``backward_pass_impl="auto"``, no explicit tile configs) and
+``PROBJAX_ATTENTION_DEVICE_DEFAULTS`` is not ``0``. Devices without an entry
+keep the generic rules of :mod:`probjax.ops.attention.dispatch`.
+
+Each entry cites the measurement that justifies it (file under
+``docs/benchmarks/`` or ``../shared/anchors/``). Thresholds are the work
+``batch * q_heads * q_len * kv_len`` above which cuDNN wins.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceDefaults:
+  """Defaults for one compute capability.
+
+  Attributes:
+    cudnn_min_work: cuDNN is used for eligible bf16/fp16 calls with
+      ``batch * q_heads * q_len * kv_len >= cudnn_min_work``.
+    backward_pass_impl: what ``backward_pass_impl="auto"`` resolves to.
+    fp32_dense_max_len: float32 calls with ``max(q_len, kv_len)`` up to this use
+      XLA's dense formulation (TF32 matmuls) while it fits in memory.
+    evidence: where the numbers come from.
+  """
+
+  cudnn_min_work: int
+  backward_pass_impl: str
+  fp32_dense_max_len: int
+  evidence: tuple[str, ...]
+
+
+DEVICE_DEFAULTS: dict[tuple[int, int], DeviceDefaults] = {
+    (9, 0): DeviceDefaults(
+        # anchors: bf16 B4 H8 D128 T=1024 fwd: jaxnn_cudnn beats every Triton/flash peer; at
+        # T=4096 cuDNN runs 583 TFLOP/s fwd vs torch flash 340 (h200_jax_peers.jsonl,
+        # h200_torch_peers.jsonl). Short-sequence sweep (batch 64, T 64..1024) sets the floor.
+        cudnn_min_work=4 * 8 * 512 * 512,
+        # H100 page "Why": the split backward is never more than 1% slower than auto.
+        backward_pass_impl="triton_split",
+        # anchors: fp32 D128 T=4096 fwd+bwd jax.nn XLA 7.95 ms; spec: Triton fp32 is ~1.95x slower.
+        fp32_dense_max_len=16384,
+        evidence=("../shared/anchors/h200_jax_peers.jsonl", "../shared/anchors/h200_torch_peers.jsonl",
+                  "spec 002 (H100 page): Device-specific defaults, Why, Known issues"),
+    ),
+}
+
+
+def lookup(compute_capability: tuple[int, int] | None) -> DeviceDefaults | None:
+  """The table entry for a compute capability, or None."""
+  if compute_capability is None:
+    return None
+  return DEVICE_DEFAULTS.get(tuple(compute_capability))

@@ -1,0 +1,194 @@
+"""Which implementation computes a call: the generic rules and the device table.
+
+Everything here is a pure function of the call's static description, the
+device (platform, compute capability, memory) and the environment, so it is
+tested on CPU with faked devices.
+
+Generic rules (``implementation=None``):
+  1. Not on an NVIDIA GPU → ``"xla"`` (the exact, linear-memory XLA path).
+  2. Dense boolean mask, additive bias, dropout, non-default precision or an
+     attention-weights ``module`` → ``"xla"``.
+  3. Fewer than ``MIN_KERNEL_KV_LEN`` keys → ``"xla"``.
+  4. Otherwise the fused Triton kernel, if it computes the call exactly.
+Device table (:mod:`probjax.nn.layers.attention_device`), applied first when
+every kernel argument is at its default: cuDNN for large eligible 16-bit calls,
+XLA's dense formulation for float32 while it fits, and the device's
+``backward_pass_impl``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+
+from probjax.nn.layers import attention_device
+from probjax.ops.attention import cudnn as cudnn_backend
+from probjax.ops.attention.masks import Mask
+
+IMPLEMENTATIONS = ("xla", "triton", "cudnn")
+ALIASES = {"pallas": "triton"}
+MIN_KERNEL_KV_LEN = 64
+# XLA's dense formulation keeps a few float32 [B, H, Tq, Tkv] arrays for the backward.
+_DENSE_BYTES_PER_SCORE = 4 * 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+  """What dispatch needs to know about the device."""
+
+  platform: str
+  compute_capability: tuple[int, int] | None = None
+  memory_bytes: int | None = None
+
+  @classmethod
+  def current(cls) -> "Device":
+    d = jax.devices()[0]
+    cc = getattr(d, "compute_capability", None)
+    cc = tuple(int(x) for x in str(cc).split(".")) if cc else None
+    mem = None
+    try:
+      mem = (d.memory_stats() or {}).get("bytes_limit")
+    except Exception:  # noqa: BLE001 (memory_stats is optional per backend)
+      pass
+    return cls(d.platform, cc, mem)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+  """The implementation chosen for a call and the rule that chose it."""
+
+  implementation: str
+  rule: str
+  backward_pass_impl: str = "auto"
+  formulation: str = "auto"  # XLA path: "auto" (by length), "dense" or "flash"
+
+  def __str__(self):
+    extra = f", backward={self.backward_pass_impl}" if self.implementation == "triton" else ""
+    return f"{self.implementation}{extra} ({self.rule})"
+
+
+def _env_off(name: str, env) -> bool:
+  return env.get(name, "1").strip().lower() in ("0", "false", "off", "no")
+
+
+def canonical(implementation: str | None) -> str | None:
+  if implementation is None:
+    return None
+  if not isinstance(implementation, str):
+    raise TypeError(f"implementation must be a string or None, got {type(implementation).__name__}")
+  name = ALIASES.get(implementation, implementation)
+  if name not in IMPLEMENTATIONS:
+    raise ValueError(f"unknown implementation {implementation!r}; expected None or one of "
+                     f"{sorted(IMPLEMENTATIONS + tuple(ALIASES))}")
+  return name
+
+
+def triton_supports(q_shape, kv_shape, dtype, *, device: Device, **kw) -> str | None:
+  """Reason the Triton kernel cannot compute the call, or None."""
+  if device.platform != "gpu":
+    return f"the Triton kernel needs an NVIDIA GPU (platform is {device.platform}); use interpret=True to run it on CPU"
+  try:
+    from probjax.ops.attention import triton as triton_backend
+  except ImportError as e:  # pragma: no cover (only without a GPU-capable jaxlib)
+    return f"Triton backend unavailable: {e}"
+  # The platform was checked above against ``device`` (which tests may fake).
+  return triton_backend.supports(q_shape, kv_shape, dtype, interpret=True, **kw)
+
+
+def explain_dispatch(q_shape, kv_shape, dtype, *, mask: Mask | None = None, bias: bool = False,
+                     dense_mask: bool = False, dropout: bool = False, score_mod=None,
+                     precision=None, module: bool = False, implementation: str | None = None,
+                     backward_pass_impl: str = "auto", kernel_args_default: bool = True,
+                     device: Device | None = None, env=None) -> Decision:
+  """Returns the :class:`Decision` for a call described by shapes and flags.
+
+  Args:
+    q_shape: ``(batch, q_len, q_heads, head_dim)``; kv_shape likewise for keys.
+    dtype: input dtype.
+    mask: a :class:`Mask` (position mask) or None; ``dense_mask``/``bias``/
+      ``dropout`` flag the presence of those arguments.
+    implementation: an explicit choice is checked, never replaced: if it cannot
+      compute the call exactly, ValueError says why.
+    kernel_args_default: False when the caller set kernel arguments
+      (tile configs, a non-auto backward), which disables the device table.
+    device: defaults to :meth:`Device.current`; env defaults to ``os.environ``.
+  """
+  device = device or Device.current()
+  env = os.environ if env is None else env
+  dtype = jnp.dtype(dtype)
+  impl = canonical(implementation)
+  kw = dict(mask=mask, score_mod=score_mod, bias=bias, dense_mask=dense_mask, dropout=dropout)
+
+  if impl == "xla":
+    return Decision("xla", "requested")
+  if impl == "triton":
+    why = triton_supports(q_shape, kv_shape, dtype, device=device, **kw)
+    if why is None and (precision is not None or module):
+      why = "non-default precision" if precision is not None else "attention weights requested (module)"
+    if why:
+      raise ValueError(f"implementation='triton' cannot compute this call exactly: {why}")
+    return Decision("triton", "requested", _resolve_backward(backward_pass_impl, device, env, dtype))
+  if impl == "cudnn":
+    why = cudnn_backend.supports(q_shape, kv_shape, dtype, platform=device.platform, **kw)
+    if why is None and (precision is not None or module):
+      why = "non-default precision" if precision is not None else "attention weights requested (module)"
+    if why:
+      raise ValueError(f"implementation='cudnn' cannot compute this call exactly: {why}")
+    return Decision("cudnn", "requested")
+
+  # implementation=None: the default.
+  if device.platform != "gpu":
+    return Decision("xla", f"platform {device.platform}: exact linear-memory XLA path")
+  b, tq, h, _ = q_shape
+  tk = kv_shape[1]
+  if bias or dense_mask or dropout or precision is not None or module:
+    what = ("additive bias" if bias else "dense boolean mask" if dense_mask else "dropout" if dropout
+            else "non-default precision" if precision is not None else "attention weights requested")
+    return Decision("xla", f"{what}: the kernels cannot take it", formulation=_xla_formulation(q_shape, kv_shape, device))
+
+  table = None
+  if kernel_args_default and not _env_off("PROBJAX_ATTENTION_DEVICE_DEFAULTS", env):
+    table = attention_device.lookup(device.compute_capability)
+  if table is not None:
+    cc = "sm_%d%d" % device.compute_capability
+    if not _env_off("PROBJAX_ATTENTION_CUDNN", env) and b * h * tq * tk >= table.cudnn_min_work:
+      if cudnn_backend.supports(q_shape, kv_shape, dtype, platform="gpu", **kw) is None:
+        return Decision("cudnn", f"{cc} device table: eligible 16-bit call above the cuDNN work threshold")
+    if dtype == jnp.float32 and max(tq, tk) <= table.fp32_dense_max_len and score_mod is None \
+        and (mask is None or not mask.components) and _dense_fits(q_shape, kv_shape, device):
+      return Decision("xla", f"{cc} device table: float32 runs fastest in XLA's dense formulation (TF32)",
+                      formulation="dense")
+  if tk < MIN_KERNEL_KV_LEN:
+    return Decision("xla", f"fewer than {MIN_KERNEL_KV_LEN} keys: the einsum is faster",
+                    formulation=_xla_formulation(q_shape, kv_shape, device))
+  why = triton_supports(q_shape, kv_shape, dtype, device=device, **kw)
+  if why is None:
+    backward = _resolve_backward(backward_pass_impl, device, env, dtype, table)
+    rule = "fused kernel: exact for this call"
+    return Decision("triton", rule, backward)
+  return Decision("xla", f"the kernel cannot take it ({why})", formulation=_xla_formulation(q_shape, kv_shape, device))
+
+
+def _dense_fits(q_shape, kv_shape, device: Device) -> bool:
+  if device.memory_bytes is None:
+    return True
+  b, tq, h, _ = q_shape
+  return b * h * tq * kv_shape[1] * _DENSE_BYTES_PER_SCORE <= device.memory_bytes // 4
+
+
+def _xla_formulation(q_shape, kv_shape, device: Device) -> str:
+  """On GPUs XLA's dense formulation is far faster than the tiled loop while it fits."""
+  if device.platform == "gpu" and _dense_fits(q_shape, kv_shape, device):
+    return "dense"
+  return "auto"
+
+
+def _resolve_backward(backward_pass_impl, device: Device, env, dtype, table=None) -> str:
+  if backward_pass_impl != "auto":
+    return backward_pass_impl
+  if table is not None:
+    return table.backward_pass_impl
+  return "auto"  # the Triton backend's own measured table resolves it
