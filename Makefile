@@ -54,7 +54,7 @@ venv:
 	  for n in python3.13 python3.12 python3; do \
 	    p="$$(command -v $$n 2>/dev/null || true)"; [ -n "$$p" ] && cands+=("$$p"); \
 	  done; \
-	  for p in $$(ls -d /root/.pyenv/versions/3.1[2-9]*/bin/python3.1[2-9] "$${PYENV_ROOT:-/root/.pyenv}"/versions/3.1[2-9]*/bin/python3.1[2-9] 2>/dev/null | sort -urV); do \
+	  for p in $$(ls -d /root/.pyenv/versions/3.1[2-9]*/bin/python3.1[2-9] "$${PYENV_ROOT:-/root/.pyenv}"/versions/3.1[2-9]*/bin/python3.1[2-9] 2>/dev/null | sort -uV); do \
 	    cands+=("$$p"); \
 	  done; \
 	  if command -v uv >/dev/null 2>&1; then \
