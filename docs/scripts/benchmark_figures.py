@@ -1,0 +1,798 @@
+"""Builds the figures and the performance pages from the benchmark JSON only.
+
+  python -m docs.scripts.benchmark_figures            # docs/benchmarks/*.json ->
+      docs/attention-performance.md, docs/h200.md, docs/benchmarks/figures/*.png
+
+Every number on the pages comes from the JSON rows; suites that have no rows
+yet print "not measured yet". Cells: median ms; OOM, fail† (XLA autotuning
+found no configuration), unsup., error, — (not measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import sys
+
+from docs.scripts.harness import IMPL_LABELS, load_rows, row_key
+
+STATUS_CELL = {"oom": "OOM", "fail": "fail†", "unsupported": "unsup.", "error": "error"}
+NOT_MEASURED = "_Not measured yet._"
+PEER_PREFIXES = ("jaxnn_", "torch_", "tokamax_")
+DTYPE_SHORT = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
+MODE_LABEL = {"fwd": "forward", "fwd_bwd": "forward + backward"}
+REPRO = """```bash
+# Every device command starts with the peers (tokamax wheels carried in .peers/):
+#   bash docs/scripts/stage_peers.sh      # here: copies ../shared/wheels into .peers/
+#   source docs/scripts/gpu_env.sh        # there: installs them, sets PYTHONPATH and $PY
+# Long suites stop after --max-minutes; rerun the same command with --append to resume.
+
+# Cross-library grid + masked cases, and the tile sweep (CUDA GPU; torch, tokamax optional).
+python -m docs.scripts.benchmark_gpu_attention --output docs/benchmarks/gpu_attention.json
+python -m docs.scripts.benchmark_gpu_attention_tiles --output docs/benchmarks/gpu_attention_tiles.json
+
+# Short-sequence sweep, device peak / largest length, residuals.
+python -m docs.scripts.benchmark_kernel_attn_gpu --device gpu --suite dispatch \\
+  --output docs/benchmarks/kernel_attn_gpu_dispatch.json
+python -m docs.scripts.benchmark_kernel_attn_gpu --device gpu --suite peak \\
+  --output docs/benchmarks/kernel_attn_gpu_memory.json
+python -m docs.scripts.benchmark_kernel_attn_gpu --device gpu --suite residuals \\
+  --output docs/benchmarks/kernel_attn_gpu_residuals.json
+
+# GQA and few-query decoding.
+python -m docs.scripts.benchmark_kernel_attn_ext --device gpu --suite gqa,decode \\
+  --output docs/benchmarks/kernel_attn_ext_gpu.json
+
+# CPU (torch_cpu rows need .torchenv: python3 -m venv .torchenv && .torchenv/bin/pip install torch==2.13.0 numpy).
+JAX_PLATFORMS=cpu python -m docs.scripts.benchmark_kernel_attn_cpu --device cpu \\
+  --output docs/benchmarks/kernel_attn_cpu_cpu.json
+
+# Rebuild the figures and these pages from the JSON; README's CPU numbers.
+python -m docs.scripts.benchmark_figures
+python -m docs.scripts.cpu_readme_numbers
+```"""
+
+
+# ---------------------------------------------------------------------------
+# data
+# ---------------------------------------------------------------------------
+def load_all(bench_dir: str) -> list[dict]:
+  """All rows of every *.json in bench_dir; later rows with the same key win."""
+  rows = collections.OrderedDict()
+  for path in sorted(glob.glob(os.path.join(bench_dir, "*.json"))):
+    for r in load_rows(path):
+      if not isinstance(r, dict) or "suite" not in r:
+        continue
+      r = dict(r, _file=os.path.basename(path))
+      rows[row_key(r) + (r.get("platform"), r.get("device"))] = r
+  return list(rows.values())
+
+
+def label(impl: str) -> str:
+  return IMPL_LABELS.get(impl, impl)
+
+
+def fmt_ms(ms: float) -> str:
+  if ms is None:
+    return "—"
+  if ms < 1:
+    return f"{ms:.3f}"
+  if ms < 100:
+    return f"{ms:.2f}"
+  return f"{ms:.0f}"
+
+
+def fmt_mb(b) -> str:
+  return "—" if b is None else f"{b / 2**20:,.0f}" if b >= 2**20 * 10 else f"{b / 2**20:.2f}"
+
+
+def cell(row, value=None, fmt=fmt_ms) -> str:
+  if row is None:
+    return "—"
+  if row.get("status") != "ok":
+    return STATUS_CELL.get(row.get("status"), row.get("status", "?"))
+  v = row.get("ms") if value is None else row.get(value)
+  return "—" if v is None else fmt(v)
+
+
+def md_table(header, body) -> str:
+  lines = ["| " + " | ".join(map(str, header)) + " |", "|" + "---|" * len(header)]
+  lines += ["| " + " | ".join(map(str, r)) + " |" for r in body]
+  return "\n".join(lines)
+
+
+def select(rows, **kw):
+  out = []
+  for r in rows:
+    if all((r.get(k) in v) if isinstance(v, (tuple, list, set)) else r.get(k) == v
+           for k, v in kw.items()):
+      out.append(r)
+  return out
+
+
+def gpu_rows(rows):
+  return [r for r in rows if r.get("platform") not in ("cpu",)]
+
+
+def impl_order(impls):
+  known = list(IMPL_LABELS)
+  return sorted(set(impls), key=lambda i: (known.index(i) if i in known else len(known), i))
+
+
+def joinlist(xs):
+  return ", ".join(str(x) for x in xs)
+
+
+# ---------------------------------------------------------------------------
+# "where an alternative is faster"
+# ---------------------------------------------------------------------------
+def faster_alternatives(rows, threshold: float = 1.05, min_len: int = 512, suite: str = "grid",
+                        baseline: str = "probjax_default", peers_only: bool = True):
+  """Configurations (T >= min_len) where an implementation beats the baseline by > threshold.
+
+  Returns a list of groups, one per (dtype, head_dim, causal, mode) that has
+  at least one faster alternative, each a dict with ``dtype, head_dim, causal,
+  mode, impls`` (impl -> sorted list of T) and ``largest`` (impl, ratio, T)
+  where ratio = baseline ms / alternative ms. Only rows with status "ok" and a
+  baseline row at the same shape count.
+  """
+  base = {}
+  for r in rows:
+    if r.get("suite") == suite and r.get("impl") == baseline and r.get("status") == "ok" \
+        and r.get("ms") and r.get("mask", "none") == "none":
+      base[(r["dtype"], r["head_dim"], r["causal"], r["mode"], r["batch"], r["q_heads"],
+            r["kv_heads"], r["q_len"], r["kv_len"])] = r["ms"]
+  groups = collections.OrderedDict()
+  for r in rows:
+    if r.get("suite") != suite or r.get("status") != "ok" or not r.get("ms"):
+      continue
+    impl = r["impl"]
+    if impl == baseline or (peers_only and not impl.startswith(PEER_PREFIXES)):
+      continue
+    if r.get("mask", "none") != "none" or max(r["q_len"], r["kv_len"]) < min_len:
+      continue
+    k = (r["dtype"], r["head_dim"], r["causal"], r["mode"], r["batch"], r["q_heads"],
+         r["kv_heads"], r["q_len"], r["kv_len"])
+    if k not in base:
+      continue
+    ratio = base[k] / r["ms"]
+    if ratio <= threshold:
+      continue
+    g = groups.setdefault(k[:4], {"dtype": k[0], "head_dim": k[1], "causal": k[2], "mode": k[3],
+                                  "impls": {}, "largest": None})
+    g["impls"].setdefault(impl, set()).add(r["q_len"])
+    if g["largest"] is None or ratio > g["largest"][1]:
+      g["largest"] = (impl, ratio, r["q_len"])
+  out = []
+  mode_rank = {"fwd_bwd": 0, "fwd": 1}
+  for g in groups.values():
+    g["impls"] = {i: sorted(ts) for i, ts in sorted(g["impls"].items(), key=lambda kv: kv[0])}
+    out.append(g)
+  out.sort(key=lambda g: (mode_rank.get(g["mode"], 2), g["dtype"], g["head_dim"], g["causal"]))
+  return out
+
+
+def faster_bullets(groups) -> list[str]:
+  out = []
+  for g in groups:
+    parts = "; ".join(f"{label(i)} at T = {joinlist(ts)}" for i, ts in g["impls"].items())
+    i, ratio, t = g["largest"]
+    out.append(f"- {DTYPE_SHORT.get(g['dtype'], g['dtype'])}, head_dim {g['head_dim']}, "
+               f"{'causal' if g['causal'] else 'non-causal'}, {MODE_LABEL[g['mode']]}: {parts}. "
+               f"Largest gap: {label(i)} is {ratio:.2f}× faster at T={t}.")
+  return out
+
+
+# ---------------------------------------------------------------------------
+# figures
+# ---------------------------------------------------------------------------
+def _plt():
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  return plt
+
+
+def fig_grid(rows, dtype, path, ratio=False):
+  """Time (or ratio to probjax default) vs T; columns (head_dim, causal), rows fwd / fwd_bwd."""
+  g = select(rows, suite="grid", dtype=dtype, status="ok")
+  if not g:
+    return False
+  plt = _plt()
+  dims = sorted({r["head_dim"] for r in g})
+  causals = sorted({r["causal"] for r in g})
+  modes = ["fwd_bwd"] if ratio else [m for m in ("fwd", "fwd_bwd") if any(r["mode"] == m for r in g)]
+  cols = [(d, c) for d in dims for c in causals]
+  fig, axes = plt.subplots(len(modes), len(cols), figsize=(4.2 * len(cols), 3.6 * len(modes)),
+                           squeeze=False)
+  for i, mode in enumerate(modes):
+    for j, (d, c) in enumerate(cols):
+      ax = axes[i][j]
+      sub = [r for r in g if r["mode"] == mode and r["head_dim"] == d and r["causal"] == c]
+      base = {r["q_len"]: r["ms"] for r in sub if r["impl"] == "probjax_default"}
+      for impl in impl_order(r["impl"] for r in sub):
+        pts = sorted((r["q_len"], r["ms"]) for r in sub if r["impl"] == impl)
+        if ratio:
+          pts = [(t, ms / base[t]) for t, ms in pts if t in base]
+        if not pts:
+          continue
+        style = dict(lw=2.5, color="tab:blue", marker="o") if impl == "probjax_default" else \
+            dict(lw=1, marker=".", ls="--" if impl.startswith(("torch", "tokamax")) else "-")
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label(impl), **style)
+      ax.set_xscale("log", base=2)
+      if ratio:
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_yscale("log")
+      else:
+        ax.set_yscale("log")
+      ax.set_title(f"{DTYPE_SHORT.get(dtype, dtype)} D={d} {'causal' if c else 'non-causal'} "
+                   f"{mode}", fontsize=9)
+      ax.set_xlabel("T")
+      ax.set_ylabel("time / probjax default" if ratio else "ms")
+      ax.grid(True, which="both", alpha=0.3)
+  handles, labels = axes[0][0].get_legend_handles_labels()
+  for ax in axes.flat:
+    h, l = ax.get_legend_handles_labels()
+    for hh, ll in zip(h, l):
+      if ll not in labels:
+        handles.append(hh)
+        labels.append(ll)
+  fig.legend(handles, labels, loc="lower center", ncol=min(6, len(labels)), fontsize=8)
+  fig.tight_layout(rect=(0, 0.08, 1, 1))
+  fig.savefig(path, dpi=90)
+  plt.close(fig)
+  return True
+
+
+def fig_lines(series: dict, path: str, xlabel: str, ylabel: str, title: str, logy=True, hline=None):
+  """series: label -> list of (x, y)."""
+  series = {k: sorted(v) for k, v in series.items() if v}
+  if not series:
+    return False
+  plt = _plt()
+  fig, ax = plt.subplots(figsize=(6.4, 4.2))
+  for name, pts in series.items():
+    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+  ax.set_xscale("log", base=2)
+  if logy:
+    ax.set_yscale("log")
+  if hline is not None:
+    ax.axhline(hline, color="k", lw=0.8, ls=":")
+  ax.set_xlabel(xlabel)
+  ax.set_ylabel(ylabel)
+  ax.set_title(title, fontsize=10)
+  ax.grid(True, which="both", alpha=0.3)
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=90)
+  plt.close(fig)
+  return True
+
+
+def _fig_ref(fig_dir_rel, name, ok, alt):
+  return f"![{alt}]({fig_dir_rel}/{name})" if ok else ""
+
+
+# ---------------------------------------------------------------------------
+# sections
+# ---------------------------------------------------------------------------
+def setup_section(rows) -> str:
+  if not rows:
+    return NOT_MEASURED
+  devs = collections.Counter((r.get("device"), str(r.get("compute_capability"))) for r in rows)
+  vers = {}
+  for r in rows:
+    for k, v in (r.get("versions") or {}).items():
+      vers.setdefault(k, set()).add(v)
+  peers = {}
+  for r in rows:
+    for k, v in (r.get("peers") or {}).items():
+      if v is True:
+        peers[k] = "present"
+      elif peers.get(k) != "present":
+        peers[k] = f"absent ({v})"
+  lines = []
+  for (d, cc), n in devs.most_common():
+    lines.append(f"- Device: {d}" + (f" (compute capability {cc})" if cc not in ("None", "") else "")
+                 + f": {n} rows.")
+  lines.append("- Versions: " + ", ".join(f"{k} {'/'.join(sorted(map(str, v)))}"
+                                          for k, v in sorted(vers.items())))
+  if peers:
+    lines.append("- Peers: " + "; ".join(f"{k} {v}" for k, v in sorted(peers.items())))
+  dates = sorted(r.get("time", "") for r in rows if r.get("time"))
+  if dates:
+    lines.append(f"- Measured {dates[0][:10]} … {dates[-1][:10]}.")
+  return "\n".join(lines)
+
+
+def grid_tables(rows, dtype) -> str:
+  g = select(rows, suite="grid", dtype=dtype)
+  if not g:
+    return NOT_MEASURED
+  out = []
+  for mode in ("fwd", "fwd_bwd"):
+    for d in sorted({r["head_dim"] for r in g}):
+      for c in sorted({r["causal"] for r in g}):
+        sub = [r for r in g if r["mode"] == mode and r["head_dim"] == d and r["causal"] == c]
+        if not sub:
+          continue
+        ts = sorted({r["q_len"] for r in sub})
+        idx = {(r["impl"], r["q_len"]): r for r in sub}
+        body = [[label(i)] + [cell(idx.get((i, t))) for t in ts]
+                for i in impl_order(r["impl"] for r in sub)]
+        out.append(f"**{DTYPE_SHORT.get(dtype, dtype)}, head_dim {d}, "
+                   f"{'causal' if c else 'non-causal'}, {MODE_LABEL[mode]}** (ms)\n\n"
+                   + md_table(["impl"] + [f"T={t}" for t in ts], body))
+  return "<details><summary>Tables (ms)</summary>\n\n" + "\n\n".join(out) + "\n\n</details>"
+
+
+def t4096_table(rows, t=4096) -> str:
+  g = select(rows, suite="grid", mode="fwd_bwd", q_len=t)
+  if not g:
+    return NOT_MEASURED
+  cfgs = sorted({(r["dtype"], r["head_dim"], r["causal"]) for r in g})
+  idx = {(r["impl"], r["dtype"], r["head_dim"], r["causal"]): r for r in g}
+  body = [[label(i)] + [cell(idx.get((i,) + c)) for c in cfgs] for i in impl_order(r["impl"] for r in g)]
+  head = ["impl"] + [f"{DTYPE_SHORT.get(dt, dt)} D{d} {'causal' if c else 'full'}" for dt, d, c in cfgs]
+  return f"fwd+bwd at T={t} in every configuration (ms):\n\n" + md_table(head, body)
+
+
+def when_to_use(rows, cpu_rows) -> str:
+  g = select(rows, suite="grid", status="ok")
+  lines = []
+  if g:
+    by = collections.defaultdict(dict)
+    for r in g:
+      if max(r["q_len"], r["kv_len"]) >= 512:
+        by[(r["dtype"], r["head_dim"], r["causal"], r["mode"], r["q_len"])][r["impl"]] = r["ms"]
+    for dtype in sorted({k[0] for k in by}):
+      shapes = [v for k, v in by.items() if k[0] == dtype and "probjax_default" in v]
+      if not shapes:
+        continue
+      fastest = sum(1 for v in shapes if v["probjax_default"] <= min(v.values()) * 1.05)
+      lines.append(f"- {DTYPE_SHORT.get(dtype, dtype)}: the probjax default is the fastest "
+                   f"implementation (within 5%) in {fastest} of {len(shapes)} measured "
+                   f"configurations with T ≥ 512; the others are listed under "
+                   f"[Where an alternative is faster](#where-an-alternative-is-faster).")
+    for impl in ("jaxnn_xla", "torch_sdpa_math", "probjax_xla"):
+      for mode in ("fwd_bwd",):
+        bad = sorted({r["q_len"] for r in select(rows, suite="grid", impl=impl, mode=mode)
+                      if r["status"] in ("oom", "fail")})
+        okk = sorted({r["q_len"] for r in select(rows, suite="grid", impl=impl, mode=mode, status="ok")})
+        if bad:
+          lines.append(f"- {label(impl)} (fwd+bwd) does not run from T = {bad[0]} in this grid "
+                       f"(OOM or fail†); it ran up to T = {max(okk) if okk else '—'}.")
+  ml = {r["impl"]: r for r in rows if r.get("suite") == "max_len" and r.get("status") == "ok"}
+  if "probjax_default" in ml:
+    r = ml["probjax_default"]
+    bound = " (the largest length tried)" if r.get("max_len") == r.get("search_max") else ""
+    dense = [f"{label(i)} up to T = {x['max_len']:,}" for i, x in ml.items()
+             if i in ("jaxnn_xla", "torch_sdpa_math", "probjax_xla")]
+    lines.append(f"- Memory: the default's fwd+bwd ran up to T = {r['max_len']:,}{bound} at batch "
+                 f"{r['batch']} and {r['q_heads']} heads" + (f"; {', '.join(dense)}." if dense else "."))
+  c = cpu_at(cpu_rows, 4096)
+  if c:
+    lines.append("- CPU: " + c)
+  if not lines:
+    return NOT_MEASURED
+  return "\n".join(lines)
+
+
+def cpu_at(cpu_rows, t=4096):
+  ms = {r["impl"]: r["ms"] for r in select(cpu_rows, suite="cpu", q_len=t, mode="fwd_bwd",
+                                            causal=False, status="ok")}
+  if not ms:
+    return None
+  parts = [f"{label(i)} {ms[i]:.0f} ms" for i in ("probjax_default", "probjax_xla", "jaxnn_xla",
+                                                    "torch_cpu") if i in ms]
+  s = f"at T={t} (non-causal fwd+bwd, fp32, batch 1, 8 heads, head_dim 64): " + ", ".join(parts) + "."
+  if "probjax_default" in ms and "torch_cpu" in ms:
+    fastest = min(ms, key=ms.get)
+    s += f" Fastest: {label(fastest)}."
+  return s
+
+
+def memory_section(rows, fig_dir, fig_rel) -> str:
+  out = []
+  peak = select(rows, suite="peak", status="ok")
+  if peak:
+    series = collections.defaultdict(list)
+    for r in peak:
+      if r.get("peak_bytes"):
+        series[label(r["impl"])].append((r["q_len"], r["peak_bytes"] / 2**20))
+    ok = fig_lines(series, os.path.join(fig_dir, "memory_peak.png"), "T", "device peak (MiB)",
+                   "fwd+bwd device peak")
+    r0 = peak[0]
+    out.append(f"True device peak of one fwd+bwd call, {DTYPE_SHORT.get(r0['dtype'], r0['dtype'])}, "
+               f"head_dim {r0['head_dim']}, batch {r0['batch']}, {r0['q_heads']} heads, non-causal, "
+               f"one fresh process per implementation ({r0.get('_file')}), MiB:")
+    out.append(_fig_ref(fig_rel, "memory_peak.png", ok, "device peak"))
+    ts = sorted({r["q_len"] for r in select(rows, suite="peak")})
+    idx = {(r["impl"], r["q_len"]): r for r in select(rows, suite="peak")}
+    out.append(md_table(["impl"] + [f"T={t}" for t in ts],
+                        [[label(i)] + [cell(idx.get((i, t)), "peak_bytes", fmt_mb) for t in ts]
+                         for i in impl_order(r["impl"] for r in select(rows, suite="peak"))]))
+  ml = select(rows, suite="max_len")
+  if ml:
+    out.append("Largest power-of-two T whose fwd+bwd ran (the search stops at the value in the last "
+               "column, so reaching it means at least that):")
+    out.append(md_table(["impl", "largest T", "stopped by", "search limit"],
+                        [[label(r["impl"]), f"{r['max_len']:,}" if r.get("max_len") else cell(r),
+                          (f"{STATUS_CELL.get(r['stopped_by']['status'], r['stopped_by']['status'])}"
+                           f" at T={r['stopped_by']['q_len']:,}") if r.get("stopped_by") else "—",
+                          f"{r.get('search_max', 0):,}"] for r in ml]))
+  res = select(rows, suite="residuals")
+  if res:
+    r0 = res[0]
+    ts = sorted({r["q_len"] for r in res})
+    idx = {(r["impl"], r["q_len"]): r for r in res}
+    out.append(f"Bytes kept for the backward pass (jax.vjp residuals excluding the inputs, MiB), "
+               f"{DTYPE_SHORT.get(r0['dtype'], r0['dtype'])}, batch {r0['batch']}, {r0['q_heads']} "
+               f"heads, head_dim {r0['head_dim']} ({r0.get('_file')}):")
+    impl_list = impl_order(r["impl"] for r in res)
+    out.append(md_table(["impl"] + [f"T={t}" for t in ts],
+                        [[label(i)] + [cell(idx.get((i, t)), "residual_bytes_excl_inputs", fmt_mb)
+                                       for t in ts] for i in impl_list]))
+    out.append("XLA temporaries of the compiled fwd+bwd (memory_analysis, MiB):")
+    out.append(md_table(["impl"] + [f"T={t}" for t in ts],
+                        [[label(i)] + [cell(idx.get((i, t)), "temp_bytes", fmt_mb) for t in ts]
+                         for i in impl_list]))
+  return "\n\n".join(x for x in out if x) if out else NOT_MEASURED
+
+
+def dispatch_section(rows) -> str:
+  d = select(rows, suite="dispatch")
+  if not d:
+    return NOT_MEASURED
+  out = []
+  r0 = d[0]
+  for hd in sorted({r["head_dim"] for r in d}):
+    sub = [r for r in d if r["head_dim"] == hd]
+    ts = sorted({r["q_len"] for r in sub})
+    idx = {(r["impl"], r["q_len"]): r for r in sub}
+    out.append(f"**{DTYPE_SHORT.get(r0['dtype'], r0['dtype'])}, batch {r0['batch']}, {r0['q_heads']} "
+               f"heads, head_dim {hd}, non-causal fwd+bwd (ms)**\n\n"
+               + md_table(["impl"] + [f"T={t}" for t in ts],
+                          [[label(i)] + [cell(idx.get((i, t))) for t in ts]
+                           for i in impl_order(r["impl"] for r in sub)]))
+    faster = [t for t in ts if idx.get(("probjax_triton", t), {}).get("status") == "ok"
+              and idx.get(("probjax_xla", t), {}).get("status") == "ok"
+              and idx[("probjax_xla", t)]["ms"] > 1.05 * idx[("probjax_triton", t)]["ms"]]
+    if any(("probjax_triton", t) in idx for t in ts):
+      out.append(f"head_dim {hd}: the Triton kernel is more than 5% faster than the XLA path at "
+                 f"T = {joinlist(faster) if faster else 'none of the swept lengths'}.")
+    exp = [(r["q_len"], r["dispatch"]) for r in sub if r["impl"] == "probjax_default" and r.get("dispatch")]
+    if exp:
+      out.append("explain_dispatch for the default:\n\n" + md_table(
+          ["T", "explain_dispatch"],
+          [[t, str(e).replace("\n", " ").replace("|", "/")[:300]] for t, e in sorted(exp, key=lambda x: x[0])]))
+  return "\n\n".join(out)
+
+
+def tiles_section(rows) -> str:
+  t = select(rows, suite="tiles")
+  if not t:
+    return NOT_MEASURED
+  body = []
+  for key in sorted({(r["dtype"], r["head_dim"], r["q_len"]) for r in t}):
+    sub = [r for r in t if (r["dtype"], r["head_dim"], r["q_len"]) == key]
+    auto = next((r for r in sub if r.get("variant") == "auto"), None)
+    forced = [r for r in sub if r.get("variant") != "auto"]
+    okf = [r for r in forced if r["status"] == "ok"]
+    best = min(okf, key=lambda r: r["ms"]) if okf else None
+    ratio = (f"{auto['ms'] / best['ms']:.2f}" if best and auto and auto.get("status") == "ok" else "—")
+    body.append([DTYPE_SHORT.get(key[0], key[0]), key[1], key[2], cell(auto),
+                 (auto or {}).get("auto_config", "—") if auto else "—",
+                 cell(best), best["variant"] if best else "—", ratio,
+                 f"{len(okf)} ran / {len(forced) - len(okf)} rejected"])
+  r0 = t[0]
+  return (f"Auto choice against the best forced (block_q, block_k, num_stages, num_warps), forward, "
+          f"batch {r0['batch']}, {r0['q_heads']} heads ({r0.get('_file')}):\n\n"
+          + md_table(["dtype", "head_dim", "T", "auto ms", "auto config", "best forced ms",
+                      "best forced", "auto / best", "configs"], body))
+
+
+def gqa_section(rows) -> str:
+  out = []
+  g = select(rows, suite="gqa")
+  if g:
+    r0 = g[0]
+    for mode in ("fwd", "fwd_bwd"):
+      sub = [r for r in g if r["mode"] == mode]
+      if not sub:
+        continue
+      ts = sorted({r["q_len"] for r in sub})
+      idx = {(r["impl"], r["q_len"]): r for r in sub}
+      out.append(f"**GQA {MODE_LABEL[mode]}**, {DTYPE_SHORT.get(r0['dtype'], r0['dtype'])}, "
+                 f"{r0['q_heads']} query heads, {r0['kv_heads']} KV heads, head_dim {r0['head_dim']}, "
+                 f"batch {r0['batch']}, Lq = Lkv = T (ms)\n\n"
+                 + md_table(["impl"] + [f"T={t}" for t in ts],
+                            [[label(i)] + [cell(idx.get((i, t))) for t in ts]
+                             for i in impl_order(r["impl"] for r in sub)]))
+  gm = select(rows, suite="gqa_memory")
+  if gm:
+    ts = sorted({r["q_len"] for r in gm})
+    idx = {(r["impl"], r["q_len"]): r for r in gm}
+    out.append("Compile-time memory (temporaries + arguments + outputs) of one fwd+bwd, native GQA "
+               "against the kernel on repeated K/V (MiB):\n\n"
+               + md_table(["impl"] + [f"T={t}" for t in ts],
+                          [[label(i)] + [cell(idx.get((i, t)), "compiled_total_bytes", fmt_mb)
+                                         for t in ts] for i in impl_order(r["impl"] for r in gm)]))
+  dec = select(rows, suite="decode")
+  if dec:
+    cfgs = sorted({(r["batch"], r["kv_heads"], r["q_len"], r["kv_len"]) for r in dec})
+    idx = {(r["impl"], r["batch"], r["kv_heads"], r["q_len"], r["kv_len"]): r for r in dec}
+    r0 = dec[0]
+    impl_list = impl_order(r["impl"] for r in dec)
+    out.append(f"**Decoding** (few queries, long KV), {DTYPE_SHORT.get(r0['dtype'], r0['dtype'])}, "
+               f"{r0['q_heads']} query heads, head_dim {r0['head_dim']}, forward (ms):\n\n"
+               + md_table(["batch", "KV heads", "Lq", "Lkv"] + [label(i) for i in impl_list],
+                          [[b, hk, lq, f"{lkv:,}"] + [cell(idx.get((i, b, hk, lq, lkv))) for i in impl_list]
+                           for b, hk, lq, lkv in cfgs]))
+  return "\n\n".join(out) if out else NOT_MEASURED
+
+
+def cpu_section(cpu_rows, fig_dir, fig_rel) -> str:
+  c = select(cpu_rows, suite="cpu")
+  out = []
+  if c:
+    r0 = c[0]
+    series = collections.defaultdict(list)
+    for r in c:
+      if r["status"] == "ok" and r["mode"] == "fwd_bwd" and not r["causal"]:
+        series[label(r["impl"])].append((r["q_len"], r["ms"]))
+    ok = fig_lines(series, os.path.join(fig_dir, "cpu_time.png"), "T", "ms",
+                   "CPU fwd+bwd, non-causal")
+    out.append(f"fp32, batch {r0['batch']}, {r0['q_heads']} heads, head_dim {r0['head_dim']}, "
+               f"{r0['device']} ({r0.get('_file')}), ms:")
+    out.append(_fig_ref(fig_rel, "cpu_time.png", ok, "CPU time"))
+    for causal in (False, True):
+      for mode in ("fwd", "fwd_bwd"):
+        sub = [r for r in c if r["mode"] == mode and r["causal"] == causal]
+        if not sub:
+          continue
+        ts = sorted({r["q_len"] for r in sub})
+        idx = {(r["impl"], r["q_len"]): r for r in sub}
+        out.append(f"**{'causal' if causal else 'non-causal'} {MODE_LABEL[mode]}**\n\n"
+                   + md_table(["impl"] + [f"T={t}" for t in ts],
+                              [[label(i)] + [cell(idx.get((i, t))) for t in ts]
+                               for i in impl_order(r["impl"] for r in sub)]))
+    s = cpu_at(cpu_rows)
+    if s:
+      out.append(s[0].upper() + s[1:])
+    notes = {r.get("error") for r in c if r["impl"] == "torch_cpu" and r["status"] != "ok"}
+    if notes:
+      out.append("torch_cpu rows that did not run: " + "; ".join(sorted(n for n in notes if n))[:400])
+  m = select(cpu_rows, suite="cpu_memory")
+  if m:
+    ts = sorted({r["q_len"] for r in m})
+    idx = {(r["impl"], r["q_len"]): r for r in m}
+    impl_list = impl_order(r["impl"] for r in m)
+    out.append("XLA temporaries of the non-causal fwd+bwd (compile-time memory analysis, MiB):\n\n"
+               + md_table(["impl"] + [f"T={t}" for t in ts],
+                          [[label(i)] + [cell(idx.get((i, t)), "temp_bytes", fmt_mb) for t in ts]
+                           for i in impl_list]))
+    out.append("Compile-time memory (temporaries + arguments + outputs) of one fwd+bwd (MiB):\n\n"
+               + md_table(["impl"] + [f"T={t}" for t in ts],
+                          [[label(i)] + [cell(idx.get((i, t)), "compiled_total_bytes", fmt_mb)
+                                         for t in ts] for i in impl_list]))
+  cd = select(cpu_rows, suite="decode")
+  if cd:
+    cfgs = sorted({(r["batch"], r["kv_heads"], r["q_len"], r["kv_len"]) for r in cd})
+    idx = {(r["impl"], r["batch"], r["kv_heads"], r["q_len"], r["kv_len"]): r for r in cd}
+    impl_list = impl_order(r["impl"] for r in cd)
+    out.append("CPU decoding, fp32 (ms):\n\n" + md_table(
+        ["batch", "KV heads", "Lq", "Lkv"] + [label(i) for i in impl_list],
+        [[b, hk, lq, lkv] + [cell(idx.get((i, b, hk, lq, lkv))) for i in impl_list]
+         for b, hk, lq, lkv in cfgs]))
+  return "\n\n".join(x for x in out if x) if out else NOT_MEASURED
+
+
+def masked_section(rows) -> str:
+  m = select(rows, suite="masked")
+  if not m:
+    return NOT_MEASURED
+  r0 = m[0]
+  cfgs = sorted({(r["mask"], r["mode"]) for r in m})
+  idx = {(r["impl"], r["mask"], r["mode"]): r for r in m}
+  impl_list = impl_order(r["impl"] for r in m)
+  return (f"Masked attention, {DTYPE_SHORT.get(r0['dtype'], r0['dtype'])}, batch {r0['batch']}, "
+          f"{r0['q_heads']} heads, head_dim {r0['head_dim']}, T = {r0['q_len']} (ms; window512 = causal "
+          f"with 512 keys to the left, docs4 = 4 equal packed documents):\n\n"
+          + md_table(["mask", "mode"] + [label(i) for i in impl_list],
+                     [[mk, md] + [cell(idx.get((i, mk, md))) for i in impl_list] for mk, md in cfgs]))
+
+
+# ---------------------------------------------------------------------------
+# pages
+# ---------------------------------------------------------------------------
+def performance_page(all_rows, fig_dir, fig_rel) -> str:
+  rows = gpu_rows(all_rows)
+  cpu_rows = [r for r in all_rows if r.get("platform") == "cpu"]
+  gsuite = select(rows, suite="grid")
+  dev = collections.Counter(r.get("device") for r in gsuite).most_common(1)
+  devname = dev[0][0] if dev else "GPU"
+  parts = ["# Attention performance", "",
+           "probjax's attention (the default `dot_product_attention`, explicit implementations and "
+           "backward variants) against `jax.nn.dot_product_attention` (XLA, cuDNN), PyTorch SDPA "
+           "pinned to each backend, compiled `torch.nn.attention.flex_attention` and tokamax, on the "
+           "same inputs and cotangents. Generated by `python -m docs.scripts.benchmark_figures` from "
+           "the JSON in `docs/benchmarks/`; no number on this page is typed by hand.", "",
+           "Inputs are [batch, seq, heads, head_dim]; torch receives [batch, heads, seq, head_dim]. "
+           "Times are medians in milliseconds (each row also stores p10/p90). FLOPs: forward "
+           "4·B·H·Tq·Tkv·D, halved for causal; fwd+bwd 3.5× that. OOM: out of device memory. fail†: "
+           "XLA found no kernel configuration during autotuning (NOT_FOUND). unsup.: the "
+           "implementation rejects the shape or backend. error: another failure (the JSON row has "
+           "the message). —: not measured.", "",
+           "## Setup", "", setup_section(rows + cpu_rows), "",
+           "## When to use which", "", when_to_use(rows, cpu_rows), "",
+           "## Time", ""]
+  dtypes = sorted({r["dtype"] for r in gsuite}, key=lambda d: (d != "bfloat16", d))
+  if not dtypes:
+    parts.append(NOT_MEASURED)
+  for dt in dtypes:
+    ok = fig_grid(rows, dt, os.path.join(fig_dir, f"grid_{DTYPE_SHORT.get(dt, dt)}.png"))
+    ex = gsuite[0]
+    parts += [f"### {DTYPE_SHORT.get(dt, dt)}", "",
+              f"{DTYPE_SHORT.get(dt, dt)}, batch {ex['batch']}, {ex['q_heads']} heads, {devname}."
+              + (" fp32 matmuls in JAX run at its default precision (TF32 on GPU)." if dt == "float32" else ""),
+              "", _fig_ref(fig_rel, f"grid_{DTYPE_SHORT.get(dt, dt)}.png", ok, f"time {dt}"), "",
+              grid_tables(rows, dt), ""]
+  parts += ["### Ratio to the probjax default", ""]
+  any_ratio = False
+  for dt in dtypes:
+    ok = fig_grid(rows, dt, os.path.join(fig_dir, f"ratio_{DTYPE_SHORT.get(dt, dt)}.png"), ratio=True)
+    any_ratio |= ok
+    parts += [_fig_ref(fig_rel, f"ratio_{DTYPE_SHORT.get(dt, dt)}.png", ok, f"ratio {dt}"), ""]
+  if any_ratio:
+    parts += ["fwd+bwd time of each implementation divided by the probjax default at the same "
+              "shape; below the line is faster than probjax.", ""]
+  else:
+    parts += [NOT_MEASURED, ""]
+  parts += ["## Where an alternative is faster", ""]
+  groups = faster_alternatives(rows)
+  if not gsuite:
+    parts.append(NOT_MEASURED)
+  elif not groups:
+    parts.append("No configuration with T ≥ 512 in which a peer is more than 5% faster than the "
+                 "probjax default (computed from the grid rows).")
+  else:
+    files = sorted({r.get("_file") for r in gsuite})
+    parts.append(f"Configurations (T ≥ 512) in which another library is more than 5% faster than "
+                 f"the probjax default, computed from {', '.join(files)}:")
+    parts.append("")
+    parts += faster_bullets(groups)
+  parts += ["", t4096_table(rows) if gsuite else "", "",
+            "## Masked attention", "", masked_section(rows), "",
+            "## Memory", "", memory_section(rows, fig_dir, fig_rel), "",
+            "## Short sequences and the default dispatch", "", dispatch_section(rows), "",
+            "## Tile selection", "", tiles_section(rows), "",
+            "## Grouped-query attention and decoding", "", gqa_section(rows), "",
+            "## CPU", "", cpu_section(cpu_rows, fig_dir, fig_rel), "",
+            "## How to reproduce", "", REPRO, ""]
+  return "\n".join(parts)
+
+
+def _device_table_text():
+  try:
+    from probjax.nn.layers import attention_device as ad
+  except Exception as e:  # noqa: BLE001
+    return None, f"probjax.nn.layers.attention_device not importable ({type(e).__name__})"
+  for name in ("DEVICE_DEFAULTS", "DEFAULTS", "TABLE", "DEVICE_TABLE"):
+    t = getattr(ad, name, None)
+    if t is not None:
+      return name, t
+  return None, "no table attribute found in probjax.nn.layers.attention_device"
+
+
+def h200_page(all_rows, fig_dir, fig_rel) -> str:
+  rows = [r for r in gpu_rows(all_rows)]
+  devs = collections.Counter((r.get("device"), str(r.get("compute_capability"))) for r in rows)
+  parts = ["# probjax on the NVIDIA H200", "",
+           "Device-specific defaults of probjax's attention on this GPU and the measurements behind "
+           "them. Generated from `docs/benchmarks/*.json` by `python -m docs.scripts.benchmark_figures`; "
+           "no number is typed by hand.", "", "## Setup", "", setup_section(rows), ""]
+  parts += ["## Device-specific defaults", ""]
+  name, table = _device_table_text()
+  if name:
+    parts += [f"`probjax.nn.layers.attention_device.{name}` (the table the dispatch reads):", "",
+              "```", _pretty(table), "```", ""]
+  else:
+    parts += [f"_{table}._", ""]
+  exp = [(r["head_dim"], r["q_len"], r["dispatch"]) for r in select(rows, suite="dispatch")
+         if r.get("dispatch") and r["impl"] == "probjax_default"]
+  if exp:
+    parts += ["What the default picked in the dispatch sweep (explain_dispatch):", "",
+              md_table(["head_dim", "T", "explain_dispatch"],
+                       [[d, t, str(e).replace("\n", " ").replace("|", "/")[:300]] for d, t, e in sorted(exp, key=lambda x: x[:2])]), ""]
+  parts += ["## Why", ""]
+  g = select(rows, suite="grid", status="ok")
+  pj = [r for r in g if r["impl"].startswith("probjax_")]
+  if pj:
+    by = collections.defaultdict(dict)
+    for r in pj:
+      by[(r["dtype"], r["head_dim"], r["causal"], r["mode"], r["q_len"])][r["impl"]] = r["ms"]
+    body, slower = [], []
+    for k in sorted(by):
+      v = by[k]
+      best = min(v, key=v.get)
+      d = v.get("probjax_default")
+      body.append([DTYPE_SHORT.get(k[0], k[0]), k[1], "yes" if k[2] else "no", k[3], k[4],
+                   fmt_ms(d) if d else "—", label(best), fmt_ms(v[best]),
+                   f"{d / v[best]:.2f}" if d else "—"])
+      if d and d > 1.05 * v[best] and k[4] >= 512:
+        slower.append(k)
+    parts += ["Every probjax implementation and backward variant per grid shape: the default's time, "
+              "the fastest probjax variant and their ratio (1.00 = the default picked the fastest).", "",
+              f"The default is more than 5% slower than the best explicit probjax choice in "
+              f"{len(slower)} of {len(body)} shapes.", "",
+              "<details><summary>Table</summary>\n\n" + md_table(
+                  ["dtype", "head_dim", "causal", "mode", "T", "default ms", "fastest probjax",
+                   "its ms", "default / fastest"], body) + "\n\n</details>", ""]
+    bw = [r for r in pj if r["mode"] == "fwd_bwd" and r["impl"] in
+          ("probjax_triton_onepass", "probjax_triton_fused", "probjax_triton_split", "probjax_default")]
+    if bw:
+      series = collections.defaultdict(list)
+      for r in bw:
+        if r["dtype"] == "bfloat16" and r["head_dim"] == 128 and not r["causal"]:
+          series[label(r["impl"])].append((r["q_len"], r["ms"]))
+      ok = fig_lines(series, os.path.join(fig_dir, "h200_backward.png"), "T", "ms",
+                     "fwd+bwd by backward variant, bf16 D128 non-causal")
+      parts += [_fig_ref(fig_rel, "h200_backward.png", ok, "backward variants"), ""]
+  else:
+    parts += [NOT_MEASURED, ""]
+  parts += ["## Against the peers on this GPU", ""]
+  groups = faster_alternatives(rows)
+  if not select(rows, suite="grid"):
+    parts.append(NOT_MEASURED)
+  elif groups:
+    parts.append("Where a peer is more than 5% faster than the probjax default (T ≥ 512):")
+    parts.append("")
+    parts += faster_bullets(groups)
+  else:
+    parts.append("No peer is more than 5% faster than the probjax default at T ≥ 512.")
+  parts += ["", t4096_table(rows) if select(rows, suite="grid") else "", "",
+            "## Decoding with the default", "", gqa_section([r for r in rows if r["suite"] == "decode"]), ""]
+  if not devs:
+    parts.insert(6, NOT_MEASURED)
+  return "\n".join(parts)
+
+
+def _pretty(obj) -> str:
+  try:
+    return json.dumps(obj, indent=1, default=lambda o: getattr(o, "__dict__", None) or repr(o))[:6000]
+  except Exception:  # noqa: BLE001
+    return repr(obj)[:6000]
+
+
+def build(bench_dir: str, docs_dir: str, fig_dir: str) -> dict:
+  os.makedirs(fig_dir, exist_ok=True)
+  rows = load_all(bench_dir)
+  fig_rel = os.path.relpath(fig_dir, docs_dir)
+  perf = performance_page(rows, fig_dir, fig_rel)
+  h200 = h200_page(rows, fig_dir, fig_rel)
+  p1, p2 = os.path.join(docs_dir, "attention-performance.md"), os.path.join(docs_dir, "h200.md")
+  for p, text in ((p1, perf), (p2, h200)):
+    with open(p, "w") as f:
+      f.write(text.rstrip() + "\n")
+  return {"rows": len(rows), "pages": [p1, p2], "figures": sorted(os.listdir(fig_dir))}
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__)
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  p.add_argument("--bench-dir", default=os.path.join(root, "docs", "benchmarks"))
+  p.add_argument("--docs-dir", default=os.path.join(root, "docs"))
+  p.add_argument("--fig-dir", default=None)
+  args = p.parse_args(argv)
+  fig_dir = args.fig_dir or os.path.join(args.bench_dir, "figures")
+  info = build(args.bench_dir, args.docs_dir, fig_dir)
+  print(json.dumps(info, indent=1))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
