@@ -58,24 +58,13 @@ def _params(fn):
 
 
 def auto_config_description(dtype, head_dim, t):
-  """Best effort: the config the kernel would pick (if the module exposes a selector)."""
+  """Best effort: the forward config the kernel picks with default tiles."""
   try:
-    import probjax.ops.attention.triton as T
-    for modname in ("", "config"):
-      mod = T if not modname else getattr(T, modname, None)
-      if mod is None:
-        continue
-      for name in ("select_forward_config", "default_forward_config", "auto_forward_config",
-                   "forward_config_for"):
-        f = getattr(mod, name, None)
-        if f is not None:
-          try:
-            return repr(f(dtype=dtype, head_dim=head_dim, q_len=t, kv_len=t))
-          except TypeError:
-            continue
-  except Exception:  # noqa: BLE001
-    pass
-  return None
+    from probjax.ops.attention.triton import config as C
+    cfg = C.fit_forward_config(None, impls.jnp_dtype(dtype), head_dim, t, t, C.device_kind())
+    return "bq{}_bk{}_s{}_w{}".format(cfg.block_q, cfg.block_k, cfg.num_stages, cfg.num_warps)
+  except Exception as e:  # noqa: BLE001
+    return f"unknown ({type(e).__name__}: {str(e)[:100]})"
 
 
 def tile_case(args, dtype, d, t, b, h, cfg, timing):

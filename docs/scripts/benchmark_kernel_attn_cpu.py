@@ -52,6 +52,8 @@ def torch_cpu_case(args, dtype, b, h, hk, tq, tk, d, causal, mode, timing, torch
   def run():
     if torch_py is None:
       raise harness.Unsupported(note)
+    if not os.path.exists(torch_py):
+      raise harness.Unsupported(f"torch interpreter {torch_py} does not exist; " + TORCHENV_HINT)
     arrays = impls.inputs(b, tq, tk, h, hk, d)
     with tempfile.TemporaryDirectory() as tmp:
       import numpy as np

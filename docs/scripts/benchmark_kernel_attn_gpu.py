@@ -45,11 +45,15 @@ def explain(q_shape, kv_shape, dtype, causal):
     f = getattr(mod, "explain_dispatch")
   except Exception:  # noqa: BLE001
     return None
-  import jax.numpy as jnp
-  q = jnp.zeros(q_shape, impls.jnp_dtype(dtype))
-  k = jnp.zeros(kv_shape, impls.jnp_dtype(dtype))
   try:
-    r = f(q, k, k, is_causal=causal) if causal else f(q, k, k)
+    kw = {"is_causal": True} if causal else {}
+    try:
+      r = f(q_shape, kv_shape, impls.jnp_dtype(dtype), **kw)
+    except TypeError:
+      import jax.numpy as jnp
+      q = jnp.zeros(q_shape, impls.jnp_dtype(dtype))
+      k = jnp.zeros(kv_shape, impls.jnp_dtype(dtype))
+      r = f(q, k, k, **kw)
     return r if isinstance(r, (str, dict, list)) else str(r)
   except Exception as e:  # noqa: BLE001
     return f"explain_dispatch failed: {type(e).__name__}: {e}"[:300]

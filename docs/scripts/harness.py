@@ -335,6 +335,10 @@ def make_row(case: Case, result: dict | None, status: str, error: str | None) ->
   if "peers" in _ENV_CACHE:
     row["peers"] = _ENV_CACHE["peers"]
   row["command"] = command_line()
+  try:
+    row["loadavg_1m"] = round(os.getloadavg()[0], 2)
+  except (OSError, AttributeError):
+    pass
   row["time"] = time.strftime("%Y-%m-%dT%H:%M:%S")
   return row
 

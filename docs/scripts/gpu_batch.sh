@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# One device command: runs benchmark suites in priority order until a deadline,
+# resuming from the JSON already in docs/benchmarks/ and writing to $OUT.
+#
+#   bash docs/scripts/gpu_batch.sh [PLAN] [MINUTES]
+#
+# PLAN: all (default; priority order below), or a comma list of steps:
+#   dispatch residuals peak ext grid_bf16 masked tiles grid_fp32
+# Each step writes $OUT/<file>.json, first copying docs/benchmarks/<file>.json
+# there so that --append skips rows already measured. After the run, copy the
+# returned files into docs/benchmarks/ and run the same command again to
+# continue. Output: a short log per step (no progress bar), $OUT/batch.log.
+set -u
+PLAN="${1:-all}"
+MINUTES="${2:-8.5}"
+OUT="${OUT:-/tmp/bench_out}"
+mkdir -p "$OUT"
+source docs/scripts/gpu_env.sh
+start=$(date +%s)
+deadline=$(python3 -c "print($start + int(60*$MINUTES))")
+[ "$PLAN" = all ] && PLAN="dispatch,residuals,peak,ext,grid_bf16,masked,tiles,grid_fp32"
+
+left_min() { python3 -c "import time; print(max(0.0, ($deadline - time.time())/60 - 0.7))"; }
+
+run_step() {  # file module args...
+  local file="$1"; shift
+  local mins; mins=$(left_min)
+  if python3 -c "import sys; sys.exit(0 if $mins > 0.3 else 1)"; then :; else
+    echo "[batch] no time left for $file $*" | tee -a "$OUT/batch.log"; return; fi
+  [ -f "docs/benchmarks/$file" ] && [ ! -f "$OUT/$file" ] && cp "docs/benchmarks/$file" "$OUT/$file"
+  echo "[batch] $(date +%T) $file: $* (max ${mins} min)" | tee -a "$OUT/batch.log"
+  $PY -m "$@" --output "$OUT/$file" --append --no-progress --max-minutes "$mins" 2>&1 \
+    | grep -E "^\[harness\] (done|--max|[0-9]+ case)|Traceback|Error" | tail -5 | tee -a "$OUT/batch.log"
+}
+
+IFS=',' read -ra steps <<< "$PLAN"
+for s in "${steps[@]}"; do
+  case "$s" in
+    dispatch)  run_step kernel_attn_gpu_dispatch.json docs.scripts.benchmark_kernel_attn_gpu --device gpu --suite dispatch ;;
+    residuals) run_step kernel_attn_gpu_residuals.json docs.scripts.benchmark_kernel_attn_gpu --device gpu --suite residuals ;;
+    peak)      run_step kernel_attn_gpu_memory.json docs.scripts.benchmark_kernel_attn_gpu --device gpu --suite peak --child-timeout 150 ;;
+    ext)       run_step kernel_attn_ext_gpu.json docs.scripts.benchmark_kernel_attn_ext --device gpu --suite gqa,decode ;;
+    grid_bf16) run_step gpu_attention.json docs.scripts.benchmark_gpu_attention --suite grid --dtypes bf16 ;;
+    masked)    run_step gpu_attention.json docs.scripts.benchmark_gpu_attention --suite masked ;;
+    tiles)     run_step gpu_attention_tiles.json docs.scripts.benchmark_gpu_attention_tiles ;;
+    grid_fp32) run_step gpu_attention.json docs.scripts.benchmark_gpu_attention --suite grid --dtypes fp32 ;;
+    *) echo "[batch] unknown step $s" ;;
+  esac
+done
+for f in "$OUT"/*.json; do [ -f "$f" ] && echo "$(basename "$f"): $(wc -l < "$f") rows, $(grep -c '"status": "ok"' "$f") ok"; done
+echo "[batch] finished in $(( $(date +%s) - start )) s"

@@ -1,0 +1,340 @@
+"""Benchmark harness, row schema, page generator and --quick suites (CPU)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from docs.scripts import benchmark_figures as bf  # noqa: E402
+from docs.scripts import cpu_readme_numbers as crn  # noqa: E402
+from docs.scripts import harness  # noqa: E402
+
+
+# ---------------------------------------------------------------------------
+# harness
+# ---------------------------------------------------------------------------
+def test_flops_convention():
+  f = harness.attention_flops(4, 8, 1024, 1024, 64, False, "fwd")
+  assert f == 4 * 4 * 8 * 1024 * 1024 * 64
+  assert harness.attention_flops(4, 8, 1024, 1024, 64, True, "fwd") == f / 2
+  assert harness.attention_flops(4, 8, 1024, 1024, 64, False, "fwd_bwd") == 3.5 * f
+  assert harness.attention_flops(4, 8, 1024, 1024, 64, True, "fwd_bwd") == 3.5 * f / 2
+  assert harness.tflops(1e12, 1000.0) == pytest.approx(1.0)
+  assert harness.tflops(1e12, None) is None
+  with pytest.raises(ValueError):
+    harness.attention_flops(1, 1, 1, 1, 1, False, "bwd")
+
+
+def test_percentile_and_summary():
+  assert harness.percentile([1, 2, 3, 4, 5], 50) == 3
+  assert harness.percentile([1, 2, 3, 4, 5], 0) == 1
+  assert harness.percentile([1, 2, 3, 4, 5], 100) == 5
+  assert harness.percentile([0, 10], 10) == pytest.approx(1.0)
+  s = harness.summarize([5.0, 1.0, 3.0, 100.0, 2.0])
+  assert s["ms"] == 3.0 and s["n_repeats"] == 5
+  assert s["p10_ms"] <= s["ms"] <= s["p90_ms"]
+
+
+class FakeClock:
+  """Each fn() call advances time by `cost`; sync is free."""
+
+  def __init__(self, cost):
+    self.t, self.cost, self.calls = 0.0, cost, 0
+
+  def clock(self):
+    return self.t
+
+  def fn(self):
+    self.calls += 1
+    self.t += self.cost
+    return self.calls
+
+
+def test_time_fn_loops_and_median():
+  fc = FakeClock(0.002)  # 2 ms per call
+  synced = []
+  res = harness.time_fn(fc.fn, synced.append, warmup=2, repeats=5, min_repeat_s=0.01,
+                        clock=fc.clock)
+  assert res["ms"] == pytest.approx(2.0)
+  assert res["calls_per_repeat"] == 5  # 10 ms / 2 ms
+  assert res["n_repeats"] == 5
+  # first call + 2 warm-up + 1 probe + 5 repeats (one sync each)
+  assert len(synced) == 1 + 2 + 1 + 5
+  assert fc.calls == 1 + 2 + 1 + 5 * 5
+
+
+def test_time_fn_spread_reported():
+  costs = iter([0.001] * 4 + [0.001, 0.002, 0.003, 0.004, 0.005])
+  t = [0.0]
+
+  def fn():
+    t[0] += next(costs)
+  res = harness.time_fn(fn, lambda x: None, warmup=2, repeats=5, min_repeat_s=0.0,
+                        clock=lambda: t[0])
+  assert res["ms"] == pytest.approx(3.0)
+  assert res["p10_ms"] == pytest.approx(1.4)
+  assert res["p90_ms"] == pytest.approx(4.6)
+
+
+@pytest.mark.parametrize("exc,status", [
+    (RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate"), "oom"),
+    (RuntimeError("NOT_FOUND: autotuning failed: no valid config"), "fail"),
+    (NotImplementedError("nope"), "unsupported"),
+    (harness.Unsupported("no fp32"), "unsupported"),
+    (RuntimeError("No available kernel. Aborting execution."), "unsupported"),
+    (ValueError("implementation='cudnn' cannot compute this call"), "unsupported"),
+    (ZeroDivisionError("boom"), "error"),
+])
+def test_classify_error(exc, status):
+  st, msg = harness.classify_error(exc)
+  assert st == status
+  assert type(exc).__name__ in msg
+
+
+def _row(**kw):
+  r = {"suite": "grid", "impl": "probjax_default", "dtype": "bfloat16", "batch": 4, "q_heads": 8,
+       "kv_heads": 8, "q_len": 1024, "kv_len": 1024, "head_dim": 64, "causal": False,
+       "mask": "none", "mode": "fwd_bwd", "ms": 1.0, "status": "ok", "device": "NVIDIA H200",
+       "platform": "gpu"}
+  r.update(kw)
+  return r
+
+
+def test_validate_row():
+  assert harness.validate_row(_row()) == []
+  assert any("missing" in e for e in harness.validate_row({k: v for k, v in _row().items() if k != "impl"}))
+  assert harness.validate_row(_row(status="weird"))
+  assert harness.validate_row(_row(mode="bwd"))
+  assert harness.validate_row(_row(causal=1))  # must be bool
+  assert harness.validate_row(_row(batch=True))  # bool is not an int here
+  assert harness.validate_row(_row(status="oom", ms=3.0))
+  assert harness.validate_row(_row(status="oom", ms=None)) == []
+  assert harness.validate_row(_row(ms=None))  # ok without any measurement
+  assert harness.validate_row(_row(ms=None, peak_bytes=10)) == []
+
+
+def _args(tmp_path, **kw):
+  ns = argparse.Namespace(output=str(tmp_path / "out.json"), append=False, rerun_failed=False,
+                          quick=True, max_minutes=None, impl="*", skip_impl="", repeats=3,
+                          warmup=1, min_repeat_ms=0.0, no_progress=True)
+  for k, v in kw.items():
+    setattr(ns, k, v)
+  return ns
+
+
+def _case(impl, t=64, run=None, counter=None):
+  def default_run():
+    if counter is not None:
+      counter.append(impl)
+    return {"ms": 1.5, "p10_ms": 1.0, "p90_ms": 2.0, "n_repeats": 3}
+  return harness.Case(suite="grid", impl=impl, dtype="float32", batch=1, q_heads=2, kv_heads=2,
+                      q_len=t, kv_len=t, head_dim=16, causal=False, mode="fwd",
+                      run=run or default_run)
+
+
+def test_run_cases_statuses_never_abort(tmp_path):
+  def oom():
+    raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+
+  def boom():
+    raise KeyError("x")
+  cases = [_case("a"), _case("b", run=oom), _case("c", run=boom),
+           harness.Case(suite="grid", impl="d", dtype="float32", batch=1, q_heads=2, kv_heads=2,
+                        q_len=64, kv_len=64, head_dim=16, causal=False, mode="fwd", run=None,
+                        extra={"note": "peer absent"}),
+           _case("e")]
+  rows = harness.run_cases(cases, _args(tmp_path))
+  assert [r["status"] for r in rows] == ["ok", "oom", "error", "unsupported", "ok"]
+  stored = harness.load_rows(str(tmp_path / "out.json"))
+  assert len(stored) == 5
+  for r in stored:
+    assert harness.validate_row(r) == [], r
+    assert r["versions"]["jax"] and r["command"] and r["device"]
+  assert stored[0]["tflops"] == pytest.approx(
+      harness.attention_flops(1, 2, 64, 64, 16, False, "fwd") / 1.5e-3 / 1e12)
+  assert stored[1]["ms"] is None and "RESOURCE_EXHAUSTED" in stored[1]["error"]
+  assert "KeyError" in stored[2]["error"]
+
+
+def test_append_resume_and_overwrite(tmp_path):
+  seen = []
+  harness.run_cases([_case("a", counter=seen), _case("b", counter=seen)], _args(tmp_path))
+  assert seen == ["a", "b"]
+  seen.clear()
+  harness.run_cases([_case("a", counter=seen), _case("b", counter=seen), _case("c", counter=seen)],
+                    _args(tmp_path, append=True))
+  assert seen == ["c"]  # a and b resumed from the file
+  assert len(harness.load_rows(str(tmp_path / "out.json"))) == 3
+  seen.clear()
+  harness.run_cases([_case("a", counter=seen)], _args(tmp_path))  # no --append: start over
+  assert seen == ["a"]
+  assert len(harness.load_rows(str(tmp_path / "out.json"))) == 1
+
+
+def test_rerun_failed_and_impl_filter(tmp_path):
+  def oom():
+    raise RuntimeError("out of memory")
+  harness.run_cases([_case("a", run=oom), _case("b")], _args(tmp_path))
+  seen = []
+  harness.run_cases([_case("a", counter=seen), _case("b", counter=seen)],
+                    _args(tmp_path, append=True, rerun_failed=True))
+  assert seen == ["a"]
+  seen.clear()
+  harness.run_cases([_case("torch_x", counter=seen), _case("probjax_y", counter=seen)],
+                    _args(tmp_path, impl="probjax_*"))
+  assert seen == ["probjax_y"]
+
+
+def test_max_minutes_stops(tmp_path):
+  seen = []
+  harness.run_cases([_case("a", counter=seen), _case("b", counter=seen)],
+                    _args(tmp_path, max_minutes=-1))
+  assert seen == []
+
+
+def test_load_rows_tolerates_cut_line(tmp_path):
+  p = tmp_path / "x.json"
+  p.write_text(json.dumps(_row()) + "\n" + '{"suite": "gr')
+  assert len(harness.load_rows(str(p))) == 1
+  p.write_text(json.dumps([_row(), _row(impl="jaxnn_xla")]))
+  assert len(harness.load_rows(str(p))) == 2
+
+
+# ---------------------------------------------------------------------------
+# "where an alternative is faster"
+# ---------------------------------------------------------------------------
+def _synthetic_grid():
+  rows = []
+  for t, base, flash, cudnn in [(256, 1.0, 0.5, 0.5), (1024, 2.0, 1.5, 2.05), (4096, 10.0, 8.0, 9.0),
+                                (8192, 40.0, 41.0, 30.0)]:
+    rows.append(_row(q_len=t, kv_len=t, ms=base))
+    rows.append(_row(q_len=t, kv_len=t, ms=flash, impl="torch_sdpa_flash"))
+    rows.append(_row(q_len=t, kv_len=t, ms=cudnn, impl="jaxnn_cudnn"))
+    rows.append(_row(q_len=t, kv_len=t, ms=base / 2, impl="probjax_triton"))  # not a peer
+    rows.append(_row(q_len=t, kv_len=t, ms=None, status="oom", impl="jaxnn_xla"))
+  # fp32 group: no peer faster
+  rows.append(_row(dtype="float32", q_len=4096, kv_len=4096, ms=5.0))
+  rows.append(_row(dtype="float32", q_len=4096, kv_len=4096, ms=5.1, impl="jaxnn_xla"))
+  # a forward group
+  rows.append(_row(mode="fwd", q_len=2048, kv_len=2048, ms=1.0))
+  rows.append(_row(mode="fwd", q_len=2048, kv_len=2048, ms=0.8, impl="tokamax_mosaic"))
+  return rows
+
+
+def test_faster_alternatives():
+  groups = bf.faster_alternatives(_synthetic_grid())
+  assert len(groups) == 2
+  g = groups[0]
+  assert (g["dtype"], g["head_dim"], g["causal"], g["mode"]) == ("bfloat16", 64, False, "fwd_bwd")
+  # T=256 is below 512; cudnn at 1024 is slower; flash 1.5 vs 2.0 counts; 8192 flash slower.
+  assert g["impls"] == {"jaxnn_cudnn": [4096, 8192], "torch_sdpa_flash": [1024, 4096]}
+  impl, ratio, t = g["largest"]
+  assert (impl, t) == ("jaxnn_cudnn", 8192) and ratio == pytest.approx(40 / 30)
+  assert groups[1]["mode"] == "fwd" and groups[1]["largest"][0] == "tokamax_mosaic"
+  bullets = bf.faster_bullets(groups)
+  assert "bf16, head_dim 64, non-causal, forward + backward" in bullets[0]
+  assert "1.33× faster at T=8192" in bullets[0]
+  # 5% threshold is strict: a 4% gap does not count
+  rows = [_row(ms=1.04), _row(impl="torch_sdpa_flash", ms=1.0)]
+  assert bf.faster_alternatives(rows) == []
+
+
+# ---------------------------------------------------------------------------
+# page generator
+# ---------------------------------------------------------------------------
+def _write_jsonl(path, rows):
+  with open(path, "w") as f:
+    for r in rows:
+      f.write(json.dumps(r) + "\n")
+
+
+def test_pages_from_synthetic_json(tmp_path):
+  bench = tmp_path / "benchmarks"
+  bench.mkdir()
+  grid = _synthetic_grid()
+  _write_jsonl(bench / "gpu_attention.json", grid)
+  _write_jsonl(bench / "kernel_attn_cpu_cpu.json", [
+      _row(suite="cpu", impl=i, dtype="float32", batch=1, q_len=4096, kv_len=4096, ms=ms,
+           platform="cpu", device="CPU (test)")
+      for i, ms in (("probjax_default", 700.0), ("jaxnn_xla", 780.0), ("torch_cpu", 170.0))])
+  _write_jsonl(bench / "kernel_attn_gpu_memory.json", [
+      _row(suite="max_len", ms=None, max_len=65536, search_max=131072),
+      _row(suite="peak", ms=None, peak_bytes=2**30, q_len=1024, kv_len=1024)])
+  info = bf.build(str(bench), str(tmp_path), str(bench / "figures"))
+  page = (tmp_path / "attention-performance.md").read_text()
+  h200 = (tmp_path / "h200.md").read_text()
+  assert "## Where an alternative is faster" in page
+  assert "jax.nn cuDNN is 1.33× faster at T=8192" in page
+  assert "probjax default 700 ms" in page and "torch CPU SDPA 170 ms" in page
+  assert "65,536" in page
+  # suites without data say so instead of failing
+  assert "## Tile selection\n\n" + bf.NOT_MEASURED in page
+  assert bf.NOT_MEASURED in page.split("## Grouped-query")[1]
+  assert "# probjax on the NVIDIA H200" in h200 and "NVIDIA H200" in h200
+  assert any(f.endswith(".png") for f in info["figures"])
+
+
+def test_pages_with_no_data(tmp_path):
+  bench = tmp_path / "b"
+  bench.mkdir()
+  bf.build(str(bench), str(tmp_path), str(bench / "figures"))
+  page = (tmp_path / "attention-performance.md").read_text()
+  assert page.count(bf.NOT_MEASURED) >= 8
+  assert "## How to reproduce" in page
+
+
+def test_readme_section(tmp_path):
+  rows = [_row(suite="cpu", impl=i, dtype="float32", batch=1, q_len=4096, kv_len=4096, ms=ms,
+               platform="cpu", device="CPU (test)")
+          for i, ms in (("probjax_default", 700.0), ("jaxnn_xla", 770.0), ("torch_cpu", 175.0))]
+  js = tmp_path / "cpu.json"
+  _write_jsonl(js, rows)
+  readme = tmp_path / "README.md"
+  readme.write_text("# x\n\n<!-- perf:begin -->\nold\n<!-- perf:end -->\n\nrest\n")
+  assert crn.main(["--json", str(js), "--readme", str(readme)]) == 0
+  text = readme.read_text()
+  assert "old" not in text and "rest" in text
+  assert "| probjax default | 700 |" in text
+  assert "1.10× the speed of jax.nn XLA" in text and "4.00× torch's time" in text
+  assert crn.main(["--json", str(js), "--readme", str(readme), "--check"]) == 0
+  readme.write_text("no markers")
+  assert crn.main(["--json", str(js), "--readme", str(readme)]) == 2
+
+
+# ---------------------------------------------------------------------------
+# --quick of every suite on CPU
+# ---------------------------------------------------------------------------
+QUICK = [
+    ("benchmark_gpu_attention", []),
+    ("benchmark_gpu_attention_tiles", []),
+    ("benchmark_kernel_attn_gpu", ["--suite", "dispatch,residuals,peak"]),
+    ("benchmark_kernel_attn_ext", ["--suite", "gqa,decode"]),
+    ("benchmark_kernel_attn_cpu", ["--torch-python", "/nonexistent/python"]),
+]
+
+
+@pytest.mark.parametrize("module,extra", QUICK, ids=[q[0] for q in QUICK])
+def test_quick_suite(tmp_path, module, extra):
+  out = tmp_path / f"{module}.json"
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+  p = subprocess.run([sys.executable, "-m", f"docs.scripts.{module}", "--quick", "--no-progress",
+                      "--output", str(out)] + extra, cwd=ROOT, env=env, capture_output=True,
+                     text=True, timeout=240)
+  assert p.returncode == 0, p.stderr[-3000:]
+  rows = harness.load_rows(str(out))
+  assert rows, p.stderr[-2000:]
+  for r in rows:
+    assert harness.validate_row(r) == [], r
+    assert r["status"] != "error", r.get("error")
+  assert any(r["status"] == "ok" for r in rows) or module == "benchmark_gpu_attention_tiles"
+  if module == "benchmark_kernel_attn_cpu":
+    torch_rows = [r for r in rows if r["impl"] == "torch_cpu"]
+    assert torch_rows and all(r["status"] in ("unsupported", "error") for r in torch_rows)
