@@ -183,10 +183,25 @@ def make_inputs(case: Case, seed: int = 0):
 # -----------------------------------------------------------------------------
 # implementations
 # -----------------------------------------------------------------------------
-def _probjax_fn(implementation: str | None, mask) -> Callable:
+BACKWARD_VARIANTS = ("triton_onepass", "triton_fused", "triton_split")
+
+
+def _probjax_fn(name: str | None, mask, platform_kind: str = "cpu") -> Callable:
+  """``dot_product_attention`` for label ``probjax_<name>`` (None: the default).
+
+  ``name`` is an implementation ("xla", "triton", ...) or a Triton backward
+  variant ("triton_onepass", ...). Off an NVIDIA GPU, Triton runs in Pallas
+  interpret mode (slow; only when asked for with ``--impl``).
+  """
   from probjax.nn.layers.attention import dot_product_attention
+  kw: dict[str, Any] = {}
+  implementation = name
+  if name in BACKWARD_VARIANTS:
+    implementation, kw["backward_pass_impl"] = "triton", name
+  if implementation in ("triton", "pallas") and platform_kind != "gpu":
+    kw["interpret"] = True
   def f(q, k, v):
-    return dot_product_attention(q, k, v, mask=mask, implementation=implementation)
+    return dot_product_attention(q, k, v, mask=mask, implementation=implementation, **kw)
   return f
 
 
@@ -226,6 +241,8 @@ def implementations(platform_kind: str, dtype: str, only: list[str] | None) -> l
     pass
   out: list[tuple[str, str, Any]] = [("probjax_default", "probjax", None)]
   out += [(f"probjax_{n}", "probjax", n) for n in avail]
+  if platform_kind == "gpu" and "triton" in avail:
+    out += [(f"probjax_{n}", "probjax", n) for n in BACKWARD_VARIANTS]
   out.append(("jaxnn_xla", "jaxnn", "xla"))
   if platform_kind == "gpu" and dtype in ("bfloat16", "float16"):
     out.append(("jaxnn_cudnn", "jaxnn", "cudnn"))
@@ -247,17 +264,54 @@ def implementations(platform_kind: str, dtype: str, only: list[str] | None) -> l
   return out
 
 
-def explain(case: Case, mask):
-  """(implementation, rule) the default picks, or ("?", error)."""
+def explain(case: Case, mask) -> dict:
+  """What the default picks: ``{"default_impl", "default_rule", ...}`` (impl "?" on error)."""
   try:
     import jax.numpy as jnp
     from probjax.nn.layers.attention import explain_dispatch
     d = explain_dispatch((case.batch, case.q_len, case.q_heads, case.head_dim),
                          (case.batch, case.kv_len, case.kv_heads, case.head_dim),
                          jnp.dtype(case.dtype), mask=mask)
-    return str(getattr(d, "implementation", d)), str(getattr(d, "rule", ""))
-  except Exception as e:
-    return "?", f"explain_dispatch failed: {type(e).__name__}: {_first_line(e)}"
+    out = dict(default_impl=str(getattr(d, "implementation", d)), default_rule=str(getattr(d, "rule", "")))
+    for attr in ("backward_pass_impl", "formulation"):
+      if getattr(d, attr, None) is not None:
+        out[f"default_{attr}"] = str(getattr(d, attr))
+    return out
+  except Exception as e:  # noqa: BLE001
+    return dict(default_impl="?", default_rule=f"explain_dispatch failed: {type(e).__name__}: {_first_line(e)}")
+
+
+def _slice_mask(mask, b: int):
+  """The mask restricted to batch element ``b`` (per-batch arrays sliced, bands kept)."""
+  if mask is None:
+    return None
+  import jax
+  return jax.tree.map(lambda x: x[b:b + 1], mask)
+
+
+def reference(q, k, v, do, mask, *, max_chunk_scores: int = 1 << 24):
+  """float64 ``(out, dq, dk, dv)``, computed per (batch element, KV head) when the
+  ``[B, H, Tq, Tkv]`` scores exceed ``max_chunk_scores`` (bounded device memory)."""
+  from probjax.ops.attention.reference import reference_vjp
+  b, tq, h, _ = q.shape
+  tk, hkv = k.shape[1], k.shape[2]
+  if b * h * tq * tk <= max_chunk_scores:
+    out, dq, dk, dv, _ = reference_vjp(q, k, v, do, mask=mask)
+    return out, dq, dk, dv
+  g = h // hkv
+  out = np.zeros(q.shape, np.float64)
+  dq = np.zeros(q.shape, np.float64)
+  dk = np.zeros(k.shape, np.float64)
+  dv = np.zeros(v.shape, np.float64)
+  for bi in range(b):
+    mb = _slice_mask(mask, bi)
+    for hi in range(hkv):
+      qs = slice(hi * g, (hi + 1) * g)
+      o, a, c, d, _ = reference_vjp(q[bi:bi + 1, :, qs], k[bi:bi + 1, :, hi:hi + 1], v[bi:bi + 1, :, hi:hi + 1],
+                                    do[bi:bi + 1, :, qs], mask=mb)
+      out[bi:bi + 1, :, qs], dq[bi:bi + 1, :, qs] = o, a
+      dk[bi:bi + 1, :, hi:hi + 1], dv[bi:bi + 1, :, hi:hi + 1] = c, d
+  return out, dq, dk, dv
 
 
 # -----------------------------------------------------------------------------
@@ -308,7 +362,6 @@ def device_info() -> tuple[str, str]:
 def run_case(case: Case, impls, repeats: int, device: str, platform_kind: str,
              log: Callable[[str], None] = lambda s: None) -> list[dict]:
   import jax
-  from probjax.ops.attention.reference import reference_vjp
   from probjax.ops.attention.tolerances import max_error, tolerance
 
   tf32 = platform_kind == "gpu" and case.dtype == "float32"
@@ -326,14 +379,20 @@ def run_case(case: Case, impls, repeats: int, device: str, platform_kind: str,
         rows.append(dict(base, impl=label, mode=mode, ms=None, status="error", max_error=None,
                          check=None, tolerance=None, error=f"mask: {type(e).__name__}: {_first_line(e)}"))
     return rows
-  default_impl, default_rule = explain(case, mask)
+  dispatch_info = explain(case, mask)
   q, k, v, do = make_inputs(case)
-  ref_out, ref_dq, ref_dk, ref_dv, _ = reference_vjp(q, k, v, do, mask=mask)
+  try:
+    ref_out, ref_dq, ref_dk, ref_dv = reference(q, k, v, do, mask)
+    ref_error = None
+  except Exception as e:  # noqa: BLE001 -- time the implementations anyway
+    ref_out = ref_dq = ref_dk = ref_dv = None
+    ref_error = f"float64 reference failed: {type(e).__name__}: {_first_line(e)}"
+    log("  " + ref_error)
 
   for label, kind, arg in impls:
-    extra = dict(default_impl=default_impl, default_rule=default_rule) if label == "probjax_default" else {}
+    extra = dict(dispatch_info) if label == "probjax_default" else {}
     try:
-      f = _probjax_fn(arg, mask) if kind == "probjax" else _jaxnn_fn(arg, case, case.mask, mask)
+      f = _probjax_fn(arg, mask, platform_kind) if kind == "probjax" else _jaxnn_fn(arg, case, case.mask, mask)
     except Exception as e:
       f = e
     fwd = None if isinstance(f, Exception) else jax.jit(f)
@@ -351,16 +410,21 @@ def run_case(case: Case, impls, repeats: int, device: str, platform_kind: str,
           raise f
         if mode == "fwd":
           ms, out = time_call(fwd, (q, k, v), repeats)
-          err = max_error(out, ref_out)
         else:
           ms, (out, dq, dk, dv) = time_call(fwd_bwd, (q, k, v, do), repeats)
-          err = max(max_error(dq, ref_dq), max_error(dk, ref_dk), max_error(dv, ref_dv))
-          row["max_error_out"] = max_error(out, ref_out)
-        row.update(ms=round(ms, 4), status="ok", max_error=err,
-                   check="pass" if err <= row["tolerance"] else "fail")
-        if not math.isfinite(err):
-          row["max_error"] = None
-          row["error"] = "non-finite values in the result"
+        row.update(ms=round(ms, 4), status="ok")
+        if ref_error is not None:
+          row["error"] = ref_error
+        else:
+          if mode == "fwd":
+            err = max_error(out, ref_out)
+          else:
+            err = max(max_error(dq, ref_dq), max_error(dk, ref_dk), max_error(dv, ref_dv))
+            row["max_error_out"] = max_error(out, ref_out)
+          row.update(max_error=err, check="pass" if err <= row["tolerance"] else "fail")
+          if not math.isfinite(err):
+            row["max_error"] = None
+            row["error"] = "non-finite values in the result"
       except Exception as e:  # noqa: BLE001 -- recorded in the row, the report goes on
         row["status"] = classify_error(e)
         row["error"] = f"{type(e).__name__}: {_first_line(e)}"
@@ -403,7 +467,9 @@ def format_table(cases: list[Case], rows: list[dict]) -> str:
     lines.append(case.label())
     d = next((r for r in crow if r["impl"] == "probjax_default" and "default_impl" in r), None)
     if d is not None:
-      lines.append(f"  default -> {d['default_impl']}  ({d['default_rule']})")
+      bwd = d.get("default_backward_pass_impl")
+      bwd = f", backward={bwd}" if d["default_impl"] == "triton" and bwd else ""
+      lines.append(f"  default -> {d['default_impl']}{bwd}  ({d['default_rule']})")
     table = [head]
     for label in dict.fromkeys(r["impl"] for r in crow):
       f = next((r for r in crow if r["impl"] == label and r["mode"] == "fwd"), None)

@@ -154,3 +154,16 @@ def test_classify_error():
   assert report.classify_error(ValueError("implementation 'x' cannot")) == "unsupported"
   assert report.classify_error(RuntimeError("NOT_FOUND: no autotuning config")) == "fail"
   assert report.classify_error(RuntimeError("other")) == "error"
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "kv_len", "segments"])
+def test_chunked_reference_matches_reference(mask):
+  from probjax.ops.attention.reference import reference_vjp
+  from probjax.ops.attention.tolerances import max_error
+  case = report.Case("x", 3, 4, 2, 24, 24, 8, "float32", mask)
+  q, k, v, do = report.make_inputs(case)
+  m = report.make_mask(mask, case)
+  chunked = report.reference(q, k, v, do, m, max_chunk_scores=1)  # per (batch, kv head)
+  whole = reference_vjp(q, k, v, do, mask=m)[:4]
+  for a, b in zip(chunked, whole):
+    assert max_error(a, b) < 1e-12
