@@ -18,9 +18,9 @@ import jax.numpy as jnp
 
 from probjax.ops.attention.masks import Mask
 from probjax.ops.attention.triton import config as config_lib
-from probjax.ops.attention.triton.backward import backward
+from probjax.ops.attention.triton import backward as backward_lib
 from probjax.ops.attention.triton.config import BackwardConfig, ForwardConfig
-from probjax.ops.attention.triton.forward import forward
+from probjax.ops.attention.triton import forward as forward_lib
 from probjax.ops.attention.triton.tiles import padded_head_dim
 
 __all__ = ["attention", "supports", "ForwardConfig", "BackwardConfig"]
@@ -153,14 +153,14 @@ def _attention(st: _Static, q, k, v, mask):
 
 
 def _fwd(st: _Static, q, k, v, mask):
-  out, lse = forward(q, k, v, mask, scale=st.scale, score_mod=st.score_mod, config=st.fcfg,
+  out, lse = forward_lib.forward(q, k, v, mask, scale=st.scale, score_mod=st.score_mod, config=st.fcfg,
                      interpret=st.interpret)
   return out, (q, k, v, out, lse, mask)
 
 
 def _bwd(st: _Static, res, do):
   q, k, v, out, lse, mask = res
-  dq, dk, dv = backward(q, k, v, out, lse, do, mask, scale=st.scale, score_mod=st.score_mod,
+  dq, dk, dv = backward_lib.backward(q, k, v, out, lse, do, mask, scale=st.scale, score_mod=st.score_mod,
                         impl=st.impl, config=st.bcfg, interpret=st.interpret)
   return dq, dk, dv, jax.tree.map(lambda _: None, mask)
 

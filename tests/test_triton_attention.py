@@ -1,0 +1,317 @@
+"""Triton-Pallas attention kernels against the float64 reference.
+
+CPU: Pallas interpret mode at small, odd shapes with 16/32 tiles. GPU (``--gpu``):
+the same checks at full size with the default (tuned, smem-fitted) tiles.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from probjax.ops.attention import triton as pt
+from probjax.ops.attention.masks import (CausalMask, KVLenMask, LengthMask, LocalWindowMask,
+                                         SegmentMask)
+from probjax.ops.attention.reference import reference_vjp
+from probjax.ops.attention.tolerances import max_error, tolerance
+from probjax.ops.attention.triton import config as cfg
+
+IMPLS = ("triton_split", "triton_fused", "triton_onepass")
+FC16 = pt.ForwardConfig(16, 16, 4, 1)
+BC16 = pt.BackwardConfig(16, 16, 16, 16, 4, 1)
+BC_MIXED = pt.BackwardConfig(32, 16, 16, 32, 4, 1)
+
+
+def _inputs(seed, b, tq, tk, h, hkv, d, dtype):
+  ks = jax.random.split(jax.random.key(seed), 4)
+  q = jax.random.normal(ks[0], (b, tq, h, d), jnp.float32).astype(dtype)
+  k = jax.random.normal(ks[1], (b, tk, hkv, d), jnp.float32).astype(dtype)
+  v = jax.random.normal(ks[2], (b, tk, hkv, d), jnp.float32).astype(dtype)
+  do = jax.random.normal(ks[3], (b, tq, h, d), jnp.float32).astype(dtype)
+  return q, k, v, do
+
+
+def _segments(seed, b, n, docs=3):
+  return jnp.asarray(np.sort(np.random.RandomState(seed).randint(0, docs, (b, n)), axis=1), jnp.int32)
+
+
+def _mask(name, b, tq, tk):
+  lens = lambda n, seed: jnp.asarray(np.random.RandomState(seed).randint(1, n + 1, b), jnp.int32)
+  return {
+      "none": None,
+      "causal": CausalMask(),
+      "causal_offset": CausalMask(tk - tq),
+      "causal_neg": CausalMask(-3),
+      "window": LocalWindowMask(9, 4),
+      "window_causal": LocalWindowMask(20, 0, offset=tk - tq),
+      "kv_lengths": KVLenMask(lens(tk, 1)),
+      "lengths": LengthMask(lens(tq, 2), lens(tk, 3)),
+      "segments": SegmentMask(_segments(4, b, tq), _segments(5, b, tk)),
+      "segments_causal": SegmentMask(_segments(6, b, tq), _segments(7, b, tk)) & CausalMask(tk - tq),
+      "window_kvlen": LocalWindowMask(30, 30) & KVLenMask(lens(tk, 8)),
+  }[name]
+
+
+def _check(q, k, v, do, *, mask=None, score_mod=None, impl="triton_split", fc=FC16, bc=BC16,
+           interpret=True, tf32=False, scale=None):
+  f = lambda q, k, v: pt.attention(q, k, v, mask=mask, score_mod=score_mod, scale=scale,
+                                   backward_pass_impl=impl, forward_config=fc, backward_config=bc,
+                                   interpret=interpret)
+  out, vjp = jax.vjp(f, q, k, v)
+  assert out.dtype == q.dtype and out.shape == q.shape
+  grads = vjp(do)
+  ref = reference_vjp(q, k, v, do, mask=mask, score_mod=score_mod, scale=scale)
+  dtype = q.dtype
+  for name, x, r, grad in zip(("out", "dq", "dk", "dv"), (out, *grads), ref[:4], (False, True, True, True)):
+    err, tol = max_error(x, r), tolerance(dtype, grad=grad, tf32=tf32)
+    assert err <= tol, f"{name}: max error {err:.3g} > {tol:.3g} ({jnp.dtype(dtype).name}, {impl})"
+  return out, grads
+
+
+# -- interpret mode (CPU) ---------------------------------------------------------
+MASKS = ("none", "causal", "causal_offset", "causal_neg", "window", "window_causal", "kv_lengths",
+         "lengths", "segments", "segments_causal", "window_kvlen")
+
+
+@pytest.mark.parametrize("mask_name", MASKS)
+@pytest.mark.parametrize("tq,tk", [(63, 100), (100, 63)])
+def test_masks(mask_name, tq, tk):
+  q, k, v, do = _inputs(MASKS.index(mask_name) * 7 + tq, 2, tq, tk, 4, 2, 32, jnp.float32)
+  _check(q, k, v, do, mask=_mask(mask_name, 2, tq, tk))
+
+
+@pytest.mark.parametrize("tq,tk,d", [(1, 1, 32), (1, 200, 64), (7, 7, 32), (200, 7, 32), (63, 63, 64),
+                                     (200, 200, 32), (7, 100, 96)])
+def test_lengths_and_head_dims(tq, tk, d):
+  q, k, v, do = _inputs(tq * 1000 + tk + d, 2, tq, tk, 4, 2, d, jnp.float32)
+  _check(q, k, v, do, mask=CausalMask(tk - tq), bc=BC_MIXED)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("mask_name", ["none", "causal_offset", "segments_causal", "lengths"])
+def test_backward_variants(impl, mask_name):
+  q, k, v, do = _inputs(11, 2, 63, 100, 4, 2, 32, jnp.float32)
+  _check(q, k, v, do, mask=_mask(mask_name, 2, 63, 100), impl=impl, bc=BC_MIXED)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("h,hkv", [(4, 1), (4, 4), (6, 2)])
+def test_gqa_mqa(impl, h, hkv):
+  q, k, v, do = _inputs(12 + h + hkv, 2, 50, 70, h, hkv, 32, jnp.float32)
+  _check(q, k, v, do, mask=CausalMask(20), impl=impl)
+
+
+def _alibi_softcap(s, b, h, q_idx, kv_idx):
+  return 20.0 * jnp.tanh((s - 0.25 * (h + 1) * jnp.abs(q_idx - kv_idx).astype(jnp.float32) / 8) / 20.0)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("mask_name", ["none", "window_causal", "segments"])
+def test_score_mod(impl, mask_name):
+  q, k, v, do = _inputs(13, 2, 63, 100, 4, 2, 32, jnp.float32)
+  _check(q, k, v, do, mask=_mask(mask_name, 2, 63, 100), score_mod=_alibi_softcap, impl=impl, scale=0.3)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_precision(impl, dtype):
+  q, k, v, do = _inputs(14, 2, 100, 63, 4, 2, 64, dtype)
+  _check(q, k, v, do, mask=_mask("segments_causal", 2, 100, 63), impl=impl,
+         fc=pt.ForwardConfig(32, 16, 4, 1), bc=pt.BackwardConfig(16, 32, 32, 16, 4, 1))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fully_masked_rows_are_zero(impl):
+  q, k, v, do = _inputs(15, 2, 40, 40, 4, 2, 32, jnp.float32)
+  # batch 0 has no keys at all; rows 0..2 of every batch have none under causal(-3).
+  mask = LengthMask(jnp.array([40, 30]), jnp.array([0, 40])) & CausalMask(-3)
+  out, (dq, dk, dv) = _check(q, k, v, do, mask=mask, impl=impl)
+  for x in (out, dq, dk, dv):
+    assert np.all(np.isfinite(np.asarray(x)))
+  assert not np.any(np.asarray(out[0])) and not np.any(np.asarray(out[1, :3]))
+  assert not np.any(np.asarray(out[1, 30:]))  # queries past q_lengths
+  assert not np.any(np.asarray(dq[0])) and not np.any(np.asarray(dk[0])) and not np.any(np.asarray(dv[0]))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_skipped_tiles_are_not_loaded(impl):
+  """Keys in tiles that the mask empties hold NaN: skipped tiles never touch them."""
+  q, k, v, do = _inputs(16, 2, 48, 64, 4, 2, 32, jnp.float32)
+  bad = jnp.arange(64)[None, :, None, None] >= 32
+  k, v = jnp.where(bad, jnp.nan, k), jnp.where(bad, jnp.nan, v)
+  kv_seg = jnp.broadcast_to(jnp.where(jnp.arange(64) < 32, jnp.arange(64) // 16, 9), (2, 64))
+  masks = [KVLenMask(jnp.array([32, 16])),
+           SegmentMask(jnp.broadcast_to(jnp.arange(48) // 16, (2, 48)).astype(jnp.int32), kv_seg)]
+  for mask in masks:
+    f = lambda q, k, v: pt.attention(q, k, v, mask=mask, backward_pass_impl=impl, forward_config=FC16,
+                                     backward_config=BC16, interpret=True)
+    out, vjp = jax.vjp(f, q, k, v)
+    dq, dk, dv = vjp(do)
+    for x in (out, dq, dk[:, :32], dv[:, :32]):
+      assert np.all(np.isfinite(np.asarray(x)))
+    ref = reference_vjp(q, jnp.where(bad, 0, k), jnp.where(bad, 0, v), do, mask=mask)
+    assert max_error(out, ref[0]) <= tolerance(jnp.float32)
+    assert max_error(dq, ref[1]) <= tolerance(jnp.float32, grad=True)
+
+
+@pytest.mark.parametrize("impl", ["triton_split", "triton_fused"])
+def test_two_pass_backward_is_deterministic(impl):
+  q, k, v, do = _inputs(17, 2, 100, 63, 4, 2, 32, jnp.float32)
+  f = lambda q, k, v: pt.attention(q, k, v, mask=CausalMask(5), backward_pass_impl=impl,
+                                   forward_config=FC16, backward_config=BC_MIXED, interpret=True)
+  g1 = jax.grad(lambda *a: jnp.sum(f(*a) * do), argnums=(0, 1, 2))(q, k, v)
+  g2 = jax.grad(lambda *a: jnp.sum(f(*a) * do), argnums=(0, 1, 2))(q, k, v)
+  for a, b in zip(g1, g2):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_jit_with_traced_mask_arrays():
+  q, k, v, do = _inputs(18, 2, 30, 45, 4, 2, 32, jnp.float32)
+
+  @jax.jit
+  def loss(q, k, v, kv_len):
+    out = pt.attention(q, k, v, mask=KVLenMask(kv_len) & CausalMask(15), forward_config=FC16,
+                       backward_config=BC16, interpret=True)
+    return jnp.sum(out * do)
+
+  kv_len = jnp.array([45, 20], jnp.int32)
+  dq = jax.grad(loss)(q, k, v, kv_len)
+  ref = reference_vjp(q, k, v, do, mask=KVLenMask(kv_len) & CausalMask(15))
+  assert max_error(dq, ref[1]) <= tolerance(jnp.float32, grad=True)
+
+
+# -- configs, shared-memory model, dispatch helpers ---------------------------------
+@pytest.mark.parametrize("kwargs", [dict(block_q=8), dict(block_k=24), dict(num_warps=3),
+                                    dict(num_stages=0), dict(block_q=128.0)])
+def test_forward_config_validation(kwargs):
+  with pytest.raises(ValueError):
+    pt.ForwardConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [dict(block_q_dkv=8), dict(block_kv_dq=48), dict(num_warps=16)])
+def test_backward_config_validation(kwargs):
+  with pytest.raises(ValueError):
+    pt.BackwardConfig(**kwargs)
+
+
+def test_smem_model_reproduces_spec_failures():
+  # H100 page: head_dim 256 forward at 128x64, 4 stages = 327,680 bytes; fp32 head_dim 128
+  # single-pass backward at 64x128, 2 stages = 262,144 bytes; both over 232,448.
+  assert pt.ForwardConfig(128, 64, 8, 4).smem_bytes(2, 256) == 327680
+  assert pt.BackwardConfig(64, 128, 64, 64, 8, 2).smem_bytes(4, 128) == 262144
+  with pytest.raises(ValueError, match=r"327680 bytes.*232448"):
+    cfg.fit_forward_config(pt.ForwardConfig(128, 64, 8, 4), jnp.bfloat16, 256, 4096, 4096, "sm_90")
+  with pytest.raises(ValueError, match="262144 bytes"):
+    cfg.fit_backward_config(pt.BackwardConfig(64, 128, 64, 64, 8, 2), jnp.float32, 128, 4096, 4096, "sm_90")
+
+
+@pytest.mark.parametrize("device", ["sm_90", "sm_80", "sm_86", "sm_89", "sm_75"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("d", [32, 64, 128, 256])
+def test_default_configs_fit(device, dtype, d):
+  limit = cfg.smem_limit(device)
+  f = cfg.fit_forward_config(None, dtype, d, 4096, 4096, device)
+  b = cfg.fit_backward_config(None, dtype, d, 4096, 4096, device)
+  isz = jnp.dtype(dtype).itemsize
+  assert f.smem_bytes(isz, d) <= limit and b.smem_bytes(isz, d) <= limit
+
+
+def test_shrink_and_clamp():
+  big = cfg.ForwardConfig(256, 256, 8, 4)
+  cfg.FORWARD_TABLE[("sm_test", "bfloat16", 128)] = big
+  try:
+    f = cfg.fit_forward_config(None, jnp.bfloat16, 128, 8192, 8192, "sm_test")
+    assert f.num_stages == 1 and f.smem_bytes(2, 128) <= cfg.DEFAULT_SMEM_LIMIT
+  finally:
+    del cfg.FORWARD_TABLE[("sm_test", "bfloat16", 128)]
+  # Tiny lengths never go below 16 rows; asymmetric lengths keep legal tiles.
+  b = cfg.fit_backward_config(None, jnp.bfloat16, 64, 1, 16384, "sm_90")
+  assert min(b.block_q_dkv, b.block_q_dq) == 16 and b.block_kv_dkv >= 16
+
+
+def test_auto_backward_impl():
+  assert cfg.resolve_backward_impl("auto", "sm_90", jnp.bfloat16, 128, 4096, 4096) == "triton_split"
+  assert cfg.resolve_backward_impl("auto", "sm_86", jnp.bfloat16, 64, 4096, 4096) == "triton_onepass"
+  assert cfg.resolve_backward_impl("auto", "sm_80", jnp.float32, 128, 4096, 4096) == "triton_fused"
+  assert cfg.resolve_backward_impl("auto", "sm_80", jnp.float32, 128, 256, 16384) == "triton_split"
+  assert cfg.resolve_backward_impl("triton_fused", "sm_90", jnp.float32, 128, 1, 1) == "triton_fused"
+  with pytest.raises(ValueError):
+    cfg.resolve_backward_impl("triton", "sm_90", jnp.float32, 128, 1, 1)
+
+
+def test_supports_reasons():
+  s = lambda **kw: pt.supports((2, 64, 4, 64), (2, 64, 2, 64), jnp.bfloat16, interpret=True, **kw)
+  assert s() is None and s(mask=CausalMask()) is None
+  assert s(score_mod=_alibi_softcap) is None
+  assert s(bias=True) == "additive bias"
+  assert s(dropout=True) == "dropout"
+  assert s(dense_mask=True) == "dense boolean mask"
+  assert pt.supports((2, 64, 4, 512), (2, 64, 2, 512), jnp.bfloat16, interpret=True) == "head_dim 512 > 256"
+  assert pt.supports((2, 64, 4, 64), (2, 64, 3, 64), jnp.bfloat16, interpret=True).startswith("heads")
+  assert "float64" in pt.supports((2, 64, 4, 64), (2, 64, 2, 64), jnp.float64, interpret=True)
+  if jax.devices()[0].platform == "cpu":
+    assert pt.supports((2, 64, 4, 64), (2, 64, 2, 64), jnp.bfloat16) == "platform cpu without interpret"
+
+  reasons = []
+
+  @jax.jit
+  def traced(bias):
+    reasons.append(s(score_mod=lambda sc, b, h, qi, ki: sc + bias[h]))
+    return bias
+
+  traced(jnp.ones(4))
+  assert reasons == ["score_mod closes over traced arrays"]
+
+
+def test_attention_rejects_unsupported():
+  q, k, v, _ = _inputs(19, 1, 16, 16, 2, 2, 32, jnp.float32)
+  if jax.devices()[0].platform == "cpu":
+    with pytest.raises(ValueError, match="platform cpu"):
+      pt.attention(q, k, v)
+  with pytest.raises(ValueError, match="mask.kv_lengths must have shape"):
+    pt.attention(q, k, v, mask=KVLenMask(jnp.array([1, 2, 3])), interpret=True)
+
+
+# -- GPU, full size -------------------------------------------------------------------
+GPU_CASES = [
+    # dtype, d, tq, tk, mask, impl
+    ("bfloat16", 64, 1024, 1024, "none", "triton_split"),
+    ("bfloat16", 128, 2048, 2048, "causal", "triton_split"),
+    ("bfloat16", 128, 3000, 3000, "causal", "triton_fused"),
+    ("bfloat16", 64, 3000, 1024, "window_causal", "triton_onepass"),
+    ("bfloat16", 128, 2048, 3000, "kv_lengths", "auto"),
+    ("bfloat16", 64, 2048, 2048, "segments_causal", "triton_split"),
+    ("bfloat16", 128, 1024, 3000, "lengths", "triton_onepass"),
+    ("float16", 128, 2048, 2048, "none", "triton_fused"),
+    ("float16", 64, 3000, 3000, "window", "triton_split"),
+    ("float32", 64, 1024, 1024, "causal", "triton_split"),
+    ("float32", 128, 2048, 2048, "segments", "triton_fused"),
+    ("float32", 128, 1024, 2048, "none", "triton_onepass"),
+    ("bfloat16", 32, 2048, 2048, "causal", "auto"),
+    ("bfloat16", 96, 1024, 1024, "causal", "auto"),
+    ("bfloat16", 256, 1024, 1024, "causal", "auto"),
+    ("bfloat16", 128, 64, 3000, "kv_lengths", "triton_fused"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,d,tq,tk,mask_name,impl", GPU_CASES)
+def test_gpu_full_size(dtype, d, tq, tk, mask_name, impl):
+  q, k, v, do = _inputs(tq + tk + d, 2, tq, tk, 4, 2, d, jnp.dtype(dtype))
+  _check(q, k, v, do, mask=_mask(mask_name, 2, tq, tk), impl=impl, fc=None, bc=None, interpret=False,
+         tf32=dtype == "float32")
+
+
+@pytest.mark.gpu
+def test_gpu_score_mod_and_determinism():
+  q, k, v, do = _inputs(20, 2, 2048, 2048, 4, 2, 128, jnp.bfloat16)
+  _check(q, k, v, do, mask=CausalMask(), score_mod=_alibi_softcap, impl="triton_split", fc=None,
+         bc=None, interpret=False)
+  for impl in ("triton_split", "triton_fused"):
+    f = lambda q, k, v: pt.attention(q, k, v, mask=CausalMask(), backward_pass_impl=impl)
+    g = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) * do), argnums=(0, 1, 2)))
+    g1, g2 = g(q, k, v), g(q, k, v)
+    for a, b in zip(g1, g2):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
