@@ -762,10 +762,18 @@ def h200_page(all_rows, fig_dir, fig_rel) -> str:
 
 
 def _pretty(obj) -> str:
-  try:
-    return json.dumps(obj, indent=1, default=lambda o: getattr(o, "__dict__", None) or repr(o))[:6000]
-  except Exception:  # noqa: BLE001
-    return repr(obj)[:6000]
+  """Readable text of the device table (dict of compute capability -> dataclass)."""
+  import dataclasses as dc
+  lines = []
+  items = obj.items() if isinstance(obj, dict) else [("", obj)]
+  for k, v in items:
+    lines.append(f"compute capability {k}:" if k != "" else "")
+    if dc.is_dataclass(v):
+      for f in dc.fields(v):
+        lines.append(f"  {f.name} = {getattr(v, f.name)!r}")
+    else:
+      lines.append(f"  {v!r}")
+  return "\n".join(lines)[:6000]
 
 
 def build(bench_dir: str, docs_dir: str, fig_dir: str) -> dict:

@@ -97,7 +97,6 @@ def main(argv=None):
   p.add_argument("--batch", type=int, default=4)
   p.add_argument("--heads", type=int, default=8)
   args = p.parse_args(argv)
-  harness.setup_environment(args)
   cases = []
   suites = _csv(args.suite)
   if "grid" in suites:

@@ -108,7 +108,6 @@ def main(argv=None):
   p.add_argument("--head-dims", default="64,128")
   p.add_argument("--length", type=int, default=4096)
   args = p.parse_args(argv)
-  harness.setup_environment(args)
   timing = harness.timing_kwargs(args)
   cases = []
   if args.quick:

@@ -132,7 +132,6 @@ def main(argv=None):
   p.add_argument("--child-timeout", type=float, default=600)
   p.set_defaults(repeats=5, warmup=1)
   args = p.parse_args(argv)
-  harness.setup_environment(args)
   torch_py, note = find_torch_python(args.torch_python)
   print(f"[cpu] torch side: {torch_py or 'none'} ({note})", file=sys.stderr)
   suites = [s for s in args.suite.split(",") if s]

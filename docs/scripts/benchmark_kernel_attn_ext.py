@@ -63,7 +63,7 @@ def decode_cases(args):
     impl_list = ("probjax_default", "jaxnn_xla")
   else:
     if args.device == "gpu":
-      dtype, batches, lqs, lkvs, impl_list = harness.DTYPE_NAMES[args.dtype], (1, 8), (1, 16, 64), \
+      dtype, batches, lqs, lkvs, impl_list = harness.DTYPE_NAMES[args.dtype], (1, 8), (1, 16), \
           (8192, 65536), DECODE_IMPLS
     else:
       dtype, batches, lqs, lkvs, impl_list = "float32", (1,), (1, 16), (4096, 16384), CPU_IMPLS
@@ -84,7 +84,6 @@ def main(argv=None):
   p.add_argument("--suite", default="gqa,decode")
   p.add_argument("--dtype", default="bf16")
   args = p.parse_args(argv)
-  harness.setup_environment(args)
   suites = [s for s in args.suite.split(",") if s]
   cases = []
   if "gqa" in suites:

@@ -32,9 +32,8 @@ import time
 from docs.scripts import harness, impls
 
 DISPATCH_IMPLS = ("probjax_default", "probjax_xla", "probjax_triton", "jaxnn_cudnn", "jaxnn_xla")
-PEAK_IMPLS = ("probjax_default", "probjax_xla", "probjax_triton", "jaxnn_xla", "jaxnn_cudnn",
-              "tokamax_mosaic", "torch_sdpa_flash", "torch_sdpa_efficient", "torch_sdpa_math",
-              "torch_flex")
+PEAK_IMPLS = ("probjax_default", "probjax_xla", "jaxnn_xla", "jaxnn_cudnn", "tokamax_mosaic",
+              "torch_sdpa_flash", "torch_sdpa_math")
 RESIDUAL_IMPLS = ("probjax_default", "probjax_xla", "probjax_triton", "jaxnn_xla", "jaxnn_cudnn",
                   "tokamax_mosaic")
 
@@ -227,7 +226,6 @@ def main(argv=None):
   p.add_argument("--max-len", type=int, default=131072)
   p.add_argument("--child-timeout", type=float, default=400)
   args = p.parse_args(argv)
-  harness.setup_environment(args)
   suites = [s for s in args.suite.split(",") if s]
   cases = []
   if "dispatch" in suites:

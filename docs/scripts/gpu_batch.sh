@@ -5,7 +5,8 @@
 #   bash docs/scripts/gpu_batch.sh [PLAN] [MINUTES]
 #
 # PLAN: all (default; priority order below), or a comma list of steps:
-#   dispatch residuals peak ext grid_bf16 masked tiles grid_fp32
+#   dispatch grid_core peak residuals ext masked tiles grid_bf16 grid_fp32
+# (grid_core: bf16 at T = 1024, 4096, 16384; grid_bf16 fills the other lengths)
 # Each step writes $OUT/<file>.json, first copying docs/benchmarks/<file>.json
 # there so that --append skips rows already measured. After the run, copy the
 # returned files into docs/benchmarks/ and run the same command again to
@@ -18,7 +19,7 @@ mkdir -p "$OUT"
 source docs/scripts/gpu_env.sh
 start=$(date +%s)
 deadline=$(python3 -c "print($start + int(60*$MINUTES))")
-[ "$PLAN" = all ] && PLAN="dispatch,residuals,peak,ext,grid_bf16,masked,tiles,grid_fp32"
+[ "$PLAN" = all ] && PLAN="dispatch,grid_core,peak,residuals,ext,masked,tiles,grid_bf16,grid_fp32"
 
 left_min() { python3 -c "import time; print(max(0.0, ($deadline - time.time())/60 - 0.7))"; }
 
@@ -33,17 +34,25 @@ run_step() {  # file module args...
     | grep -E "^\[harness\] (done|--max|[0-9]+ case)|Traceback|Error" | tail -5 | tee -a "$OUT/batch.log"
 }
 
+# torch runs in its own process after the JAX side of a step (JAX's allocator keeps
+# the memory it grew to, which would starve torch in the same process).
+split() {  # file module args...: JAX-side process, then torch-side process
+  run_step "$@" --skip-impl 'torch_*'
+  run_step "$@" --impl 'torch_*'
+}
+
 IFS=',' read -ra steps <<< "$PLAN"
 for s in "${steps[@]}"; do
   case "$s" in
     dispatch)  run_step kernel_attn_gpu_dispatch.json docs.scripts.benchmark_kernel_attn_gpu --device gpu --suite dispatch ;;
-    residuals) run_step kernel_attn_gpu_residuals.json docs.scripts.benchmark_kernel_attn_gpu --device gpu --suite residuals ;;
+    grid_core) split gpu_attention.json docs.scripts.benchmark_gpu_attention --suite grid --dtypes bf16 --lengths 1024,4096,16384 ;;
     peak)      run_step kernel_attn_gpu_memory.json docs.scripts.benchmark_kernel_attn_gpu --device gpu --suite peak --child-timeout 150 ;;
-    ext)       run_step kernel_attn_ext_gpu.json docs.scripts.benchmark_kernel_attn_ext --device gpu --suite gqa,decode ;;
-    grid_bf16) run_step gpu_attention.json docs.scripts.benchmark_gpu_attention --suite grid --dtypes bf16 ;;
-    masked)    run_step gpu_attention.json docs.scripts.benchmark_gpu_attention --suite masked ;;
+    residuals) run_step kernel_attn_gpu_residuals.json docs.scripts.benchmark_kernel_attn_gpu --device gpu --suite residuals ;;
+    ext)       split kernel_attn_ext_gpu.json docs.scripts.benchmark_kernel_attn_ext --device gpu --suite gqa,decode ;;
+    masked)    split gpu_attention.json docs.scripts.benchmark_gpu_attention --suite masked ;;
     tiles)     run_step gpu_attention_tiles.json docs.scripts.benchmark_gpu_attention_tiles ;;
-    grid_fp32) run_step gpu_attention.json docs.scripts.benchmark_gpu_attention --suite grid --dtypes fp32 ;;
+    grid_bf16) split gpu_attention.json docs.scripts.benchmark_gpu_attention --suite grid --dtypes bf16 ;;
+    grid_fp32) split gpu_attention.json docs.scripts.benchmark_gpu_attention --suite grid --dtypes fp32 ;;
     *) echo "[batch] unknown step $s" ;;
   esac
 done

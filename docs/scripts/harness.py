@@ -149,8 +149,8 @@ def classify_error(exc: BaseException) -> tuple[str, str]:
   oom: out of device memory (XLA RESOURCE_EXHAUSTED / torch OutOfMemoryError);
   fail: XLA autotuning found no kernel configuration (NOT_FOUND; the pages' fail†);
   unsupported: the implementation rejects the shape/backend (Unsupported,
-  NotImplementedError, probjax's ValueError/TypeError for an explicit
-  implementation, torch's "No available kernel");
+  NotImplementedError, ValueError, probjax's TypeError, torch's "No available
+  kernel"); the message is kept;
   error: anything else (the message is kept).
   """
   name = type(exc).__name__
@@ -166,8 +166,9 @@ def classify_error(exc: BaseException) -> tuple[str, str]:
     return "unsupported", short
   if "no available kernel" in low or "not supported" in low or "unsupported" in low:
     return "unsupported", short
-  if isinstance(exc, (ValueError, TypeError)) and "probjax" in "".join(
-      traceback.format_tb(exc.__traceback__)):
+  if isinstance(exc, ValueError):  # implementations reject shapes/dtypes with ValueError
+    return "unsupported", short
+  if isinstance(exc, TypeError) and "probjax" in "".join(traceback.format_tb(exc.__traceback__)):
     return "unsupported", short
   return "error", short
 
@@ -390,6 +391,8 @@ def run_cases(cases: Iterable[Case], args, *, on_row: Callable[[dict], None] | N
   skipped = len(cases) - len(todo)
   if not args.append:
     open(out, "w").close()
+  if todo and "peers" not in _ENV_CACHE:
+    setup_environment(args)  # imports jax (and peers) only when there is work to do
   start = time.monotonic()
   written = []
   try:
