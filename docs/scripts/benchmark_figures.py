@@ -546,8 +546,11 @@ def cpu_section(cpu_rows, fig_dir, fig_rel) -> str:
         series[label(r["impl"])].append((r["q_len"], r["ms"]))
     ok = fig_lines(series, os.path.join(fig_dir, "cpu_time.png"), "T", "ms",
                    "CPU fwd+bwd, non-causal")
+    loads = sorted(r["loadavg_1m"] for r in c if r.get("loadavg_1m") is not None)
+    load = (f"; 1-minute load average during the run {loads[0]:.1f}–{loads[-1]:.1f} (a shared host: "
+            f"expect run-to-run noise)" if loads else "")
     out.append(f"fp32, batch {r0['batch']}, {r0['q_heads']} heads, head_dim {r0['head_dim']}, "
-               f"{r0['device']} ({r0.get('_file')}), ms:")
+               f"{r0['device']}{load} ({r0.get('_file')}), ms:")
     out.append(_fig_ref(fig_rel, "cpu_time.png", ok, "CPU time"))
     for causal in (False, True):
       for mode in ("fwd", "fwd_bwd"):
