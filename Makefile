@@ -36,11 +36,21 @@ run: venv
 test: venv
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
+# torch (CPU build) runs in its own interpreter, .torchenv (torch 2.13.0 wheels exist for
+# the system python3); without it the torch_cpu rows are recorded as missing.
 bench-cpu: venv
+	@if [ ! -x .torchenv/bin/python ]; then \
+	  echo "creating .torchenv (torch==2.13.0 CPU, for the torch_cpu rows)"; \
+	  ( python3 -m venv .torchenv && .torchenv/bin/pip install -q torch==2.13.0 numpy ) \
+	    || { echo "warning: could not create .torchenv; torch_cpu rows will be missing" >&2; rm -rf .torchenv; }; \
+	fi
 	JAX_PLATFORMS=cpu $(PY) -m docs.scripts.benchmark_kernel_attn_cpu --output docs/benchmarks/kernel_attn_cpu_cpu.json
 
+# Figures and pages (docs/attention-performance.md, docs/h200.md) and README's
+# performance section, all from the JSON in docs/benchmarks/.
 docs: venv
 	$(PY) -m docs.scripts.benchmark_figures
+	$(PY) -m docs.scripts.cpu_readme_numbers
 
 # Creates (or re-creates, if its Python is missing or older than 3.12) the venv,
 # and re-installs only when pyproject.toml's hash differs from the stamp's.
