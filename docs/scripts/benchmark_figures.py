@@ -25,9 +25,11 @@ PEER_PREFIXES = ("jaxnn_", "torch_", "tokamax_")
 DTYPE_SHORT = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
 MODE_LABEL = {"fwd": "forward", "fwd_bwd": "forward + backward"}
 REPRO = """```bash
-# Every device command starts with the peers (tokamax wheels carried in .peers/):
-#   bash docs/scripts/stage_peers.sh      # here: copies ../shared/wheels into .peers/
-#   source docs/scripts/gpu_env.sh        # there: installs them, sets PYTHONPATH and $PY
+# Peers: tokamax and its dependencies travel as wheels in the git-ignored .peers/:
+#   bash docs/scripts/stage_peers.sh      # copies ../shared/wheels into .peers/
+#   source docs/scripts/gpu_env.sh        # on the GPU machine: installs them, sets PYTHONPATH and $PY
+# All GPU suites in priority order, at most N minutes per call, resuming from docs/benchmarks/:
+#   OUT=/tmp/out bash docs/scripts/gpu_batch.sh all 7.5   # then copy /tmp/out/*.json to docs/benchmarks/
 # Long suites stop after --max-minutes; rerun the same command with --append to resume.
 
 # Cross-library grid + masked cases, and the tile sweep (CUDA GPU; torch, tokamax optional).

@@ -31,7 +31,7 @@ run_step() {  # file module args...
   [ -f "docs/benchmarks/$file" ] && [ ! -f "$OUT/$file" ] && cp "docs/benchmarks/$file" "$OUT/$file"
   echo "[batch] $(date +%T) $file: $* (max ${mins} min)" | tee -a "$OUT/batch.log"
   $PY -m "$@" --output "$OUT/$file" --append --no-progress --max-minutes "$mins" 2>&1 \
-    | grep -E "^\[harness\] (done|--max|[0-9]+ case)|Traceback|Error" | tail -5 | tee -a "$OUT/batch.log"
+    | grep -E "^\[harness\] (done|--max|[0-9]+ case)|^Traceback|^[A-Za-z.]*Error" | tail -5 | tee -a "$OUT/batch.log"
 }
 
 # torch runs in its own process after the JAX side of a step (JAX's allocator keeps
@@ -46,7 +46,7 @@ for s in "${steps[@]}"; do
   case "$s" in
     dispatch)  run_step kernel_attn_gpu_dispatch.json docs.scripts.benchmark_kernel_attn_gpu --device gpu --suite dispatch ;;
     grid_core) split gpu_attention.json docs.scripts.benchmark_gpu_attention --suite grid --dtypes bf16 --lengths 1024,4096,16384 ;;
-    peak)      run_step kernel_attn_gpu_memory.json docs.scripts.benchmark_kernel_attn_gpu --device gpu --suite peak --child-timeout 150 ;;
+    peak)      run_step kernel_attn_gpu_memory.json docs.scripts.benchmark_kernel_attn_gpu --device gpu --suite peak --child-timeout 100 ;;
     residuals) run_step kernel_attn_gpu_residuals.json docs.scripts.benchmark_kernel_attn_gpu --device gpu --suite residuals ;;
     ext)       split kernel_attn_ext_gpu.json docs.scripts.benchmark_kernel_attn_ext --device gpu --suite gqa,decode ;;
     masked)    split gpu_attention.json docs.scripts.benchmark_gpu_attention --suite masked ;;

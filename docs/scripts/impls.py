@@ -206,14 +206,14 @@ def _torch_setup(torch):
     pass
 
 
-def build_torch(impl, arrays, dtype, causal, mode, mask="none"):
+def build_torch(impl, arrays, dtype, causal, mode, mask="none", device="cuda"):
   torch = torch_mod()
   _torch_setup(torch)
-  if not torch.cuda.is_available():
+  if device == "cuda" and not torch.cuda.is_available():
     raise Unsupported("torch sees no CUDA device")
   if dtype == "float32" and impl in NO_FP32:
     raise Unsupported(f"{impl} has no float32 path")
-  dev = "cuda"
+  dev = device
   tdt = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[dtype]
   need_grad = mode == "fwd_bwd"
   # [B, T, H, D] -> [B, H, T, D]
@@ -223,7 +223,7 @@ def build_torch(impl, arrays, dtype, causal, mode, mask="none"):
   b, hq, tq, _ = q.shape
   hk, tk = k.shape[1], k.shape[2]
   gqa = hq != hk
-  sync = lambda _x: torch.cuda.synchronize()
+  sync = (lambda _x: torch.cuda.synchronize()) if dev == "cuda" else (lambda _x: None)
 
   if impl in TORCH_SDPA_IMPLS:
     if mask not in ("none",):
