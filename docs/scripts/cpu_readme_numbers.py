@@ -29,6 +29,10 @@ def _cell(r):
   return f"{r['ms']:.0f}" if r["ms"] >= 10 else f"{r['ms']:.2f}"
 
 
+def _cap(s: str) -> str:
+  return s[:1].upper() + s[1:]
+
+
 def section(rows, json_name: str) -> str:
   cpu = [r for r in rows if r.get("suite") == "cpu"]
   if not cpu:
@@ -52,14 +56,19 @@ def section(rows, json_name: str) -> str:
   ok = {i: r["ms"] for i, r in key.items() if r is not None and r.get("status") == "ok"}
   if "probjax_default" in ok or "probjax_xla" in ok:
     p = "probjax_default" if "probjax_default" in ok else "probjax_xla"
-    parts = []
+    parts, goals = [], []
     if "jaxnn_xla" in ok:
-      parts.append(f"{ok['jaxnn_xla'] / ok[p]:.2f}× the speed of jax.nn XLA")
+      parts.append(f"jax.nn XLA {ok['jaxnn_xla']:.0f} ms ({ok['jaxnn_xla'] / ok[p]:.2f}× the probjax time)")
+      goals.append(f"faster than jax.nn XLA: {'yes' if ok[p] < ok['jaxnn_xla'] else 'no'}")
     if "torch_cpu" in ok:
-      parts.append(f"{ok[p] / ok['torch_cpu']:.2f}× torch's time")
+      parts.append(f"torch {ok['torch_cpu']:.0f} ms ({ok['torch_cpu'] / ok[p]:.2f}×)")
+      goals.append(f"within 2× of torch: {'yes' if ok[p] <= 2 * ok['torch_cpu'] else 'no'}")
+    loads = sorted(r["loadavg_1m"] for r in cpu if r.get("loadavg_1m") is not None)
+    load = (f" Host 1-minute load average during the run: {loads[0]:.1f}–{loads[-1]:.1f}."
+            if loads else "")
     if parts:
-      out += ["", f"At T=4096 (non-causal fwd+bwd) {IMPL_LABELS[p]} takes {ok[p]:.0f} ms: "
-              + "; ".join(parts) + "."]
+      out += ["", f"At T=4096 (non-causal fwd+bwd) {IMPL_LABELS[p]} takes {ok[p]:.0f} ms; "
+              + ", ".join(parts) + ". " + _cap("; ".join(goals)) + "." + load]
   return "\n".join(out)
 
 
