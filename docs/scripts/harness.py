@@ -355,9 +355,9 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                  help="stop starting new cases after this many minutes (rerun with --append)")
   p.add_argument("--impl", default="*", help="comma-separated glob patterns of impl names to run")
   p.add_argument("--skip-impl", default="", help="comma-separated glob patterns of impl names to skip")
-  p.add_argument("--repeats", type=int, default=7)
+  p.add_argument("--repeats", type=int, default=5)
   p.add_argument("--warmup", type=int, default=2)
-  p.add_argument("--min-repeat-ms", type=float, default=20.0,
+  p.add_argument("--min-repeat-ms", type=float, default=10.0,
                  help="each timed repeat runs the call N times so that it lasts at least this long")
   p.add_argument("--no-progress", action="store_true")
 
