@@ -681,6 +681,69 @@ def performance_page(all_rows, fig_dir, fig_rel) -> str:
   return "\n".join(parts)
 
 
+def why_tables(rows) -> list[str]:
+  """Computed evidence for the three kinds of device default (cuDNN threshold, backward, fp32)."""
+  out = []
+  ok = [r for r in rows if r.get("status") == "ok" and r.get("ms") and r.get("suite") in ("grid", "dispatch")
+        and r.get("mask", "none") == "none"]
+  # 1. cuDNN vs Triton by work = batch * q_heads * q_len * kv_len (16-bit, fwd_bwd)
+  by = collections.defaultdict(dict)
+  for r in ok:
+    if r["dtype"] in ("bfloat16", "float16") and r["mode"] == "fwd_bwd":
+      by[(r["batch"], r["q_heads"], r["q_len"], r["kv_len"], r["head_dim"], r["causal"])][r["impl"]] = r["ms"]
+  body, first_win = [], None
+  for k in sorted(by, key=lambda k: (k[0] * k[1] * k[2] * k[3], k)):
+    v = by[k]
+    cud = v.get("probjax_cudnn", v.get("jaxnn_cudnn"))
+    tri = v.get("probjax_triton")
+    if cud is None or tri is None:
+      continue
+    work = k[0] * k[1] * k[2] * k[3]
+    body.append([f"{work:,}", f"B{k[0]} H{k[1]} T{k[2]} D{k[4]}{' causal' if k[5] else ''}",
+                 fmt_ms(tri), fmt_ms(cud), f"{tri / cud:.2f}"])
+    if first_win is None and tri > cud:
+      first_win = work
+  if body:
+    out += ["### cuDNN against the Triton kernel by work (16-bit, fwd+bwd)", "",
+            "work = batch × query heads × Lq × Lkv; cuDNN column: probjax implementation=\"cudnn\" "
+            "(jax.nn cuDNN where that row is missing)." + (
+                f" The smallest measured work at which cuDNN is faster: {first_win:,}."
+                if first_win else " cuDNN was not faster at any measured work."), "",
+            "<details><summary>Table</summary>\n\n" + md_table(
+                ["work", "shape", "triton ms", "cuDNN ms", "triton / cuDNN"], body) + "\n\n</details>", ""]
+  # 2. backward variants
+  bw = ("probjax_triton_onepass", "probjax_triton_fused", "probjax_triton_split")
+  by = collections.defaultdict(dict)
+  for r in ok:
+    if r["mode"] == "fwd_bwd" and r["impl"] in bw:
+      by[(r["dtype"], r["head_dim"], r["causal"], r["q_len"])][r["impl"]] = r["ms"]
+  body, near = [], 0
+  full = {k: v for k, v in by.items() if len(v) == 3}
+  for k in sorted(full):
+    v = full[k]
+    best = min(v.values())
+    near += v["probjax_triton_split"] <= 1.01 * best
+    body.append([DTYPE_SHORT.get(k[0], k[0]), k[1], "yes" if k[2] else "no", k[3]]
+                + [fmt_ms(v[i]) for i in bw] + [label(min(v, key=v.get))])
+  if body:
+    out += ["### Backward variants (fwd+bwd)", "",
+            f"The split backward is within 1% of the fastest variant in {near} of {len(body)} shapes.", "",
+            "<details><summary>Table</summary>\n\n" + md_table(
+                ["dtype", "head_dim", "causal", "T", "onepass ms", "fused ms", "split ms", "fastest"],
+                body) + "\n\n</details>", ""]
+  # 3. fp32: dense XLA vs kernels
+  by = collections.defaultdict(dict)
+  for r in select(rows, suite="grid", dtype="float32", mode="fwd_bwd"):
+    by[(r["head_dim"], r["causal"], r["q_len"])][r["impl"]] = r
+  cols = ("probjax_default", "probjax_triton", "probjax_xla", "jaxnn_xla")
+  body = [[k[0], "yes" if k[1] else "no", k[2]] + [cell(by[k].get(i)) for i in cols]
+          for k in sorted(by)]
+  if body:
+    out += ["### float32 (fwd+bwd, ms)", "", md_table(["head_dim", "causal", "T"] + [label(i) for i in cols],
+                                                       body), ""]
+  return out
+
+
 def _device_table_text():
   try:
     from probjax.nn.layers import attention_device as ad
@@ -749,6 +812,7 @@ def h200_page(all_rows, fig_dir, fig_rel) -> str:
       parts += [_fig_ref(fig_rel, "h200_backward.png", ok, "backward variants"), ""]
   else:
     parts += [NOT_MEASURED, ""]
+  parts += why_tables(rows)
   parts += ["## Against the peers on this GPU", ""]
   groups = faster_alternatives(rows)
   if not select(rows, suite="grid"):
