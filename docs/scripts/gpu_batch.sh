@@ -5,7 +5,7 @@
 #   bash docs/scripts/gpu_batch.sh [PLAN] [MINUTES]
 #
 # PLAN: all (default; priority order below), or a comma list of steps:
-#   dispatch grid_core peak residuals ext masked tiles grid_bf16 grid_fp32
+#   dispatch grid_core peak residuals ext masked tiles grid_bf16 grid_fp32 tiles_fp32
 # (grid_core: bf16 at T = 1024, 4096, 16384; grid_bf16 fills the other lengths)
 # Each step writes $OUT/<file>.json, first copying docs/benchmarks/<file>.json
 # there so that --append skips rows already measured. After the run, copy the
@@ -19,7 +19,7 @@ mkdir -p "$OUT"
 source docs/scripts/gpu_env.sh
 start=$(date +%s)
 deadline=$(python3 -c "print($start + int(60*$MINUTES))")
-[ "$PLAN" = all ] && PLAN="dispatch,grid_core,peak,residuals,ext,masked,tiles,grid_bf16,grid_fp32"
+[ "$PLAN" = all ] && PLAN="dispatch,grid_core,peak,residuals,ext,masked,tiles,grid_bf16,grid_fp32,tiles_fp32"
 
 left_min() { python3 -c "import time; print(max(0.0, ($deadline - time.time())/60 - 0.7))"; }
 
@@ -50,7 +50,8 @@ for s in "${steps[@]}"; do
     residuals) run_step kernel_attn_gpu_residuals.json docs.scripts.benchmark_kernel_attn_gpu --device gpu --suite residuals ;;
     ext)       split kernel_attn_ext_gpu.json docs.scripts.benchmark_kernel_attn_ext --device gpu --suite gqa,decode ;;
     masked)    split gpu_attention.json docs.scripts.benchmark_gpu_attention --suite masked ;;
-    tiles)     run_step gpu_attention_tiles.json docs.scripts.benchmark_gpu_attention_tiles ;;
+    tiles)     run_step gpu_attention_tiles.json docs.scripts.benchmark_gpu_attention_tiles --dtypes bf16 ;;
+    tiles_fp32) run_step gpu_attention_tiles.json docs.scripts.benchmark_gpu_attention_tiles --dtypes fp32 ;;
     grid_bf16) split gpu_attention.json docs.scripts.benchmark_gpu_attention --suite grid --dtypes bf16 ;;
     grid_fp32) split gpu_attention.json docs.scripts.benchmark_gpu_attention --suite grid --dtypes fp32 ;;
     *) echo "[batch] unknown step $s" ;;
