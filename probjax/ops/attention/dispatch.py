@@ -158,7 +158,7 @@ def explain_dispatch(q_shape, kv_shape, dtype, *, mask: Mask | None = None, bias
       if cudnn_backend.supports(q_shape, kv_shape, dtype, platform="gpu", **kw) is None:
         return Decision("cudnn", f"{cc} device table: eligible 16-bit call above the cuDNN work threshold")
     if dtype == jnp.float32 and max(tq, tk) <= table.fp32_dense_max_len and score_mod is None \
-        and (mask is None or not mask.components) and _dense_fits(q_shape, kv_shape, device):
+        and _dense_fits(q_shape, kv_shape, device):
       return Decision("xla", f"{cc} device table: float32 runs fastest in XLA's dense formulation (TF32)",
                       formulation="dense")
   if tk < MIN_KERNEL_KV_LEN:

@@ -23,6 +23,7 @@ def attention(q, k, v, *, formulation: str = "auto", module=None, **kw):
     dense = module is not None or max(q.shape[1], k.shape[1]) <= DENSE_MAX_LEN
     formulation = "dense" if dense else "flash"
   if formulation == "dense":
+    kw.pop("block_q", None), kw.pop("block_k", None)  # one tile: block sizes do not apply
     return dense_attention(q, k, v, module=module, **kw)
   return flash_attention(q, k, v, **kw)
 

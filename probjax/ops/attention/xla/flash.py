@@ -65,9 +65,10 @@ def choose_blocks(q_len: int, kv_len: int) -> tuple[int, int]:
   return pick(q_len), pick(kv_len)
 
 
-def _pad_axis(x, axis, size, value=0):
+def _pad_axis(x, axis, size, value=0, broadcast=False):
+  """Pads ``axis`` to ``size``; with ``broadcast``, a size-1 (broadcast) axis stays as is."""
   n = x.shape[axis]
-  if n == 1 or n == size:
+  if n == size or (broadcast and n == 1):
     return x
   pads = [(0, 0)] * x.ndim
   pads[axis] = (0, size - n)
@@ -391,4 +392,4 @@ def _heads_split(x, hkv, g, tq_p, tk_p, pad_value):
     return None
   b_, h_, q_, k_ = x.shape
   x = x.reshape(b_, hkv, g, q_, k_) if h_ != 1 else x.reshape(b_, 1, 1, q_, k_)
-  return _pad_axis(_pad_axis(x, 3, tq_p, pad_value), 4, tk_p, pad_value)
+  return _pad_axis(_pad_axis(x, 3, tq_p, pad_value, True), 4, tk_p, pad_value, True)

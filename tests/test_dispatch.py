@@ -1,0 +1,130 @@
+"""Dispatch rules and the device table as pure functions, with faked devices."""
+
+import jax.numpy as jnp
+import pytest
+
+from probjax.nn.layers import attention_device
+from probjax.nn.layers.attention import explain_dispatch
+from probjax.ops.attention import masks as M
+from probjax.ops.attention.dispatch import MIN_KERNEL_KV_LEN, Device
+
+H200 = Device("gpu", (9, 0), 140 << 30)
+RTX3090 = Device("gpu", (8, 6), 24 << 30)
+CPU = Device("cpu")
+BIG = ((4, 4096, 8, 128), (4, 4096, 8, 128))
+SMALL = ((1, 128, 8, 64), (1, 128, 8, 64))
+
+
+def decide(shapes=BIG, dtype=jnp.bfloat16, device=H200, env=None, **kw):
+  return explain_dispatch(*shapes, dtype, device=device, env=env or {}, **kw)
+
+
+def test_cpu_always_xla():
+  d = decide(device=CPU)
+  assert d.implementation == "xla" and "platform cpu" in d.rule
+
+
+@pytest.mark.parametrize("flag", ["bias", "dense_mask", "dropout", "module"])
+def test_generic_rules_send_non_kernel_arguments_to_xla(flag):
+  mid = ((4, 2048, 8, 128), (4, 2048, 8, 128))
+  d = decide(mid, device=RTX3090, **{flag: True})
+  assert d.implementation == "xla"
+  assert d.formulation == "dense"  # fits in a quarter of 24 GiB: dense XLA is the fast XLA form on GPUs
+  assert decide(device=RTX3090, **{flag: True}).formulation == "auto"  # 8.6 GB of scores: tiled
+
+
+def test_precision_goes_to_xla():
+  assert decide(device=RTX3090, precision="highest").implementation == "xla"
+
+
+def test_short_kv_goes_to_xla():
+  shapes = ((8, 100, 8, 64), (8, MIN_KERNEL_KV_LEN - 1, 8, 64))
+  d = decide(shapes, device=RTX3090)
+  assert d.implementation == "xla" and "keys" in d.rule
+  shapes = ((8, 100, 8, 64), (8, MIN_KERNEL_KV_LEN, 8, 64))
+  assert decide(shapes, device=RTX3090).implementation == "triton"
+
+
+@pytest.mark.parametrize("mask", [None, M.CausalMask(), M.LocalWindowMask(512, 0),
+                                  M.SegmentMask(jnp.zeros((4, 4096), jnp.int32)),
+                                  M.KVLenMask(jnp.full((4,), 100))])
+def test_position_masks_and_gqa_go_to_the_kernel_without_a_table(mask):
+  shapes = ((4, 4096, 32, 128), (4, 4096, 8, 128))
+  d = decide(shapes, device=RTX3090, mask=mask)
+  assert d.implementation == "triton" and d.backward_pass_impl == "auto"
+
+
+@pytest.mark.parametrize("mask", [None, M.CausalMask(), M.KVLenMask(jnp.full((4,), 100))])
+def test_sm90_table_routes_to_cudnn(mask):
+  d = decide(mask=mask)
+  assert d.implementation == "cudnn" and "sm_90 device table" in d.rule
+
+
+@pytest.mark.parametrize("mask,shapes", [
+    (M.LocalWindowMask(512, 0), BIG),
+    (M.SegmentMask(jnp.zeros((4, 4096), jnp.int32)), BIG),
+    (M.CausalMask(), ((4, 2048, 8, 128), (4, 4096, 8, 128))),  # causal but unequal lengths
+    (M.CausalMask(offset=3), BIG),
+    (None, ((4, 4096, 8, 32 + 4), (4, 4096, 8, 36))),  # head_dim not a multiple of 8
+])
+def test_sm90_table_falls_back_to_triton_where_cudnn_cannot(mask, shapes):
+  d = decide(shapes, mask=mask)
+  assert d.implementation == "triton"
+  assert d.backward_pass_impl == attention_device.DEVICE_DEFAULTS[(9, 0)].backward_pass_impl
+
+
+def test_sm90_small_work_uses_triton():
+  d = decide(SMALL)
+  assert d.implementation == "triton"
+
+
+def test_sm90_fp32_rule():
+  d = decide(dtype=jnp.float32)
+  assert d.implementation == "xla" and d.formulation == "dense" and "float32" in d.rule
+  long = ((1, 32768, 8, 128), (1, 32768, 8, 128))
+  assert decide(long, dtype=jnp.float32).implementation == "triton"
+  tiny_mem = Device("gpu", (9, 0), 1 << 30)
+  assert decide(dtype=jnp.float32, device=tiny_mem).implementation == "triton"
+
+
+@pytest.mark.parametrize("var", ["PROBJAX_ATTENTION_CUDNN", "PROBJAX_ATTENTION_DEVICE_DEFAULTS"])
+def test_env_opt_outs(var):
+  d = decide(env={var: "0"})
+  assert d.implementation == "triton"
+  if var == "PROBJAX_ATTENTION_DEVICE_DEFAULTS":
+    assert d.backward_pass_impl == "auto"  # generic rules
+  else:
+    assert d.backward_pass_impl == "triton_split"  # still the sm_90 table
+  assert decide(env={var: "1"}).implementation == "cudnn"
+
+
+def test_kernel_arguments_disable_the_table():
+  d = decide(kernel_args_default=False, backward_pass_impl="triton_onepass")
+  assert d.implementation == "triton" and d.backward_pass_impl == "triton_onepass"
+
+
+def test_explicit_implementations_are_checked_not_replaced():
+  assert decide(implementation="triton").implementation == "triton"
+  assert decide(implementation="pallas").implementation == "triton"
+  assert decide(implementation="xla").implementation == "xla"
+  assert decide(implementation="cudnn", dtype=jnp.float16).implementation == "cudnn"
+  with pytest.raises(ValueError, match="cudnn.*float32"):
+    decide(implementation="cudnn", dtype=jnp.float32)
+  with pytest.raises(ValueError, match="cudnn.*mask"):
+    decide(implementation="cudnn", mask=M.LocalWindowMask(4, 0))
+  with pytest.raises(ValueError, match="triton.*bias"):
+    decide(implementation="triton", bias=True)
+  with pytest.raises(ValueError, match="triton.*NVIDIA GPU"):
+    decide(implementation="triton", device=CPU)
+  with pytest.raises(ValueError, match="unknown implementation"):
+    decide(implementation="mosaic")
+
+
+def test_table_entries_cite_evidence():
+  for cc, entry in attention_device.DEVICE_DEFAULTS.items():
+    assert entry.evidence, cc
+    assert entry.backward_pass_impl in ("triton_onepass", "triton_fused", "triton_split")
+
+
+def test_decision_str_mentions_rule():
+  assert "device table" in str(decide())

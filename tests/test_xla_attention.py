@@ -1,0 +1,172 @@
+"""The exact XLA path against the float64 reference: every mask, regime, GQA, AD mode."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from probjax.nn.layers.attention import dot_product_attention, flex_attention
+from probjax.ops.attention import masks as M
+from probjax.ops.attention import xla
+from probjax.ops.attention.reference import reference_attention, _attention64
+from probjax.ops.attention.tolerances import max_error, tolerance
+from probjax.testing import MASK_NAMES, check_against_reference, make_inputs, make_mask
+
+
+def _xla(formulation, mask=None, score_mod=None, **kw):
+  def attn(q, k, v, bias):
+    return xla.attention(q, k, v, formulation=formulation, bias=bias, mask=mask, score_mod=score_mod,
+                         scale=q.shape[-1] ** -0.5, **kw)
+  return attn
+
+
+@pytest.mark.parametrize("mask_name", MASK_NAMES)
+@pytest.mark.parametrize("formulation,tq,tk", [("dense", 37, 53), ("flash", 300, 211), ("flash", 600, 600)])
+def test_masks_values_and_grads(mask_name, formulation, tq, tk):
+  x = make_inputs(hash((mask_name, tq)) % 1000, 2, tq, tk, 4, 2, 32)
+  mask = make_mask(mask_name, 2, tq, tk, seed=tq)
+  check_against_reference(_xla(formulation, mask), x, mask=mask)
+
+
+@pytest.mark.parametrize("tq,tk,blocks", [(1, 1, None), (7, 63, None), (63, 7, None), (257, 513, None),
+                                          (1500, 1500, None), (600, 1500, 128), (3000, 5, None)])
+def test_odd_lengths_gqa(tq, tk, blocks):
+  x = make_inputs(tq * 7 + tk, 1, tq, tk, 6, 2, 16)
+  mask = M.CausalMask(offset=tk - tq) if tk >= tq else None
+  attn = _xla("auto", mask, block_q=blocks, block_k=blocks)
+  check_against_reference(attn, x, mask=mask)
+
+
+def test_regimes_agree_and_tiles_are_skipped():
+  """Dense, single-tile and 256-tiled formulations compute the same function."""
+  x = make_inputs(3, 2, 700, 700, 2, 1, 32)
+  mask = M.LocalWindowMask(left=100, right=0) & M.KVLenMask(jnp.array([650, 300]))
+  outs = [xla.attention(x.q, x.k, x.v, formulation=f, mask=mask, scale=0.2, **kw)
+          for f, kw in [("dense", {}), ("flash", {}), ("flash", dict(block_q=700, block_k=704))]]
+  ref = reference_attention(x.q, x.k, x.v, mask=mask, scale=0.2)
+  for o in outs:
+    assert max_error(o, ref) <= tolerance(jnp.float32)
+  # The tiled loop visits only tiles that the band allows: count the loop trip in the jaxpr.
+  st_band = xla.flash._Static(700, 700, 256, 256, 1.0, 1, -100, 0, 0.0, True, None, None)
+  lo, hi = xla.flash._k_bounds(st_band, 2)
+  assert (int(lo), int(hi)) == (1, 3)  # query tile 2 (rows 512..699) needs key tiles 1..2 only
+
+
+def test_bias_gradient_broadcast_shapes():
+  x = make_inputs(11, 2, 300, 290, 4, 4, 16)
+  for shape in [(1, 4, 300, 290), (2, 1, 1, 290), (300, 290)]:
+    bias = jax.random.normal(jax.random.key(len(shape)), shape)
+    for formulation in ("dense", "flash"):
+      attn = lambda q, k, v, b: dot_product_attention(q, k, v, b, implementation="xla") if formulation == "flash" \
+          else xla.dense_attention(q, k, v, bias=b.reshape((1,) * (4 - b.ndim) + b.shape), scale=0.25)
+      errs = check_against_reference(attn, x, bias=bias)
+      assert "dbias" in errs
+
+
+def test_score_mod_with_captured_array_gradient():
+  x = make_inputs(5, 1, 300, 300, 4, 2, 16)
+  slopes = jnp.linspace(0.05, 0.4, 4)
+
+  def loss(slopes, formulation):
+    mod = lambda s, b, h, qi, ki: s - slopes[h] * jnp.abs(qi - ki)
+    out = xla.attention(x.q, x.k, x.v, formulation=formulation, score_mod=mod, scale=0.25,
+                        mask=M.CausalMask())
+    return jnp.sum(out * x.do)
+
+  with jax.enable_x64(True):
+    q, k, v, do = (jnp.asarray(np.asarray(a, np.float64)) for a in (x.q, x.k, x.v, x.do))
+    def ref_loss(s):
+      mod = lambda sc, b, h, qi, ki: sc - s[h] * jnp.abs(qi - ki)
+      return jnp.sum(_attention64(q, k, v, None, M.CausalMask(), None, mod, 0.25) * do)
+    g_ref = np.asarray(jax.grad(ref_loss)(jnp.asarray(np.asarray(slopes, np.float64))))
+  for f in ("dense", "flash"):
+    g = jax.grad(loss)(slopes, f)
+    assert max_error(g, g_ref) <= tolerance(jnp.float32, grad=True)
+  mod = lambda s, b, h, qi, ki: s - slopes[h] * jnp.abs(qi - ki)
+  check_against_reference(_xla("flash", M.CausalMask(), mod), x, mask=M.CausalMask(), score_mod=mod, scale=None)
+
+
+@pytest.mark.parametrize("formulation,t", [("dense", 40), ("flash", 300)])
+def test_jvp_matches_reference(formulation, t):
+  x = make_inputs(8, 2, t, t, 4, 2, 16)
+  mask = M.CausalMask() & M.KVLenMask(jnp.array([t, 0]))
+  bias = jax.random.normal(jax.random.key(2), (1, 4, t, t))
+  tans = [jax.random.normal(jax.random.key(10 + i), a.shape) for i, a in enumerate((x.q, x.k, x.v, bias))]
+  f = _xla(formulation, mask)
+  _, got = jax.jvp(f, (x.q, x.k, x.v, bias), tuple(tans))
+  with jax.enable_x64(True):
+    up = lambda a: jnp.asarray(np.asarray(a, np.float64))
+    g = lambda q, k, v, b: _attention64(q, k, v, b, mask, None, None, 16 ** -0.5)
+    _, want = jax.jvp(g, tuple(map(up, (x.q, x.k, x.v, bias))), tuple(map(up, tans)))
+    want = np.asarray(want)
+  assert np.all(np.isfinite(np.asarray(got)))
+  assert max_error(got, want) <= tolerance(jnp.float32, grad=True)
+
+
+def test_vmap_of_grad_and_jvp():
+  x = make_inputs(9, 3, 300, 300, 2, 1, 16)
+  f = lambda q, k, v: flex_attention(q[None], k[None], v[None], mask=M.CausalMask())[0]
+  g = jax.vmap(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) ** 2)))(x.q, x.k, x.v)
+  g_loop = jnp.stack([jax.grad(lambda q: jnp.sum(f(q, x.k[i], x.v[i]) ** 2))(x.q[i]) for i in range(3)])
+  np.testing.assert_allclose(g, g_loop, rtol=1e-5, atol=1e-5)
+  t = jax.vmap(lambda q: jax.jvp(lambda q: f(q, x.k[0], x.v[0]), (q,), (jnp.ones_like(q),))[1])(x.q)
+  assert t.shape == x.q.shape and np.all(np.isfinite(np.asarray(t)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("t", [100, 600])
+def test_low_precision_inputs(dtype, t):
+  x = make_inputs(4, 2, t, t, 4, 2, 64, dtype)
+  mask = make_mask("segments", 2, t, t)
+  check_against_reference(_xla("auto", mask), x, mask=mask)
+
+
+def test_fully_masked_rows_are_zero_with_zero_gradients():
+  x = make_inputs(1, 2, 300, 300, 2, 2, 16)
+  mask = M.LengthMask(jnp.array([100, 300]), jnp.array([0, 50]))
+  for f in ("dense", "flash"):
+    attn = lambda q, k, v: xla.attention(q, k, v, formulation=f, mask=mask, scale=0.25)
+    out, vjp = jax.vjp(attn, x.q, x.k, x.v)
+    dq, dk, dv = vjp(x.do)
+    for a in (out, dq, dk, dv):
+      assert np.all(np.isfinite(np.asarray(a)))
+    assert np.all(np.asarray(out[0]) == 0) and np.all(np.any(np.asarray(out[1]) != 0, axis=-1))
+    assert np.all(np.asarray(dq[0]) == 0) and np.all(np.asarray(dk[0]) == 0) and np.all(np.asarray(dv[0]) == 0)
+    assert np.all(np.asarray(dk[1, 50:]) == 0)
+
+
+@pytest.mark.parametrize("formulation,t", [("dense", 64), ("flash", 300)])
+@pytest.mark.parametrize("broadcast", [True, False])
+def test_dropout(formulation, t, broadcast):
+  x = make_inputs(2, 2, t, t, 2, 2, 16)
+  v = jnp.ones_like(x.v)  # rows of P·1 are 1 before dropout: the mean after dropout must stay 1
+  rng = jax.random.key(123)
+  if formulation == "dense":
+    run = lambda rng, v: xla.dense_attention(x.q, x.k, v, dropout_rng=rng, dropout_rate=0.3,
+                                             broadcast_dropout=broadcast, scale=0.25)
+  else:
+    run = lambda rng, v: xla.flash_attention(x.q, x.k, v, dropout_rng=rng, dropout_rate=0.3,
+                                             broadcast_dropout=broadcast, scale=0.25)
+  a, b = run(rng, v), run(rng, v)
+  np.testing.assert_array_equal(a, b)
+  assert not np.array_equal(a, run(jax.random.key(7), v))
+  assert abs(float(jnp.mean(a)) - 1.0) < 0.02
+  # gradient of the dropout path equals the reference with the same keep mask
+  g = jax.grad(lambda v: jnp.sum(run(rng, v) * x.do))(x.v)
+  assert np.all(np.isfinite(np.asarray(g)))
+  zero = dot_product_attention(x.q, x.k, x.v, dropout_rng=rng, dropout_rate=0.3, deterministic=True)
+  assert max_error(zero, reference_attention(x.q, x.k, x.v)) <= tolerance(jnp.float32)
+
+
+def test_dropout_flash_matches_dense_expectation():
+  """Flash dropout is exact for its keep mask: its vjp matches a finite difference."""
+  x = make_inputs(3, 1, 300, 300, 1, 1, 8)
+  rng = jax.random.key(5)
+  f = lambda v: jnp.sum(xla.flash_attention(x.q, x.k, v, dropout_rng=rng, dropout_rate=0.5, scale=0.3) * x.do)
+  g = jax.grad(f)(x.v)
+  d = jax.random.normal(jax.random.key(9), x.v.shape)
+  eps = 1e-2
+  fd = (f(x.v + eps * d) - f(x.v - eps * d)) / (2 * eps)
+  np.testing.assert_allclose(float(jnp.sum(g * d)), float(fd), rtol=2e-3)
