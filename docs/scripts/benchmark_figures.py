@@ -310,6 +310,24 @@ def setup_section(rows) -> str:
   return "\n".join(lines)
 
 
+def check_section(rows) -> str:
+  """Largest forward-output error per implementation and dtype (vs a float64 reference slice)."""
+  errs = collections.defaultdict(float)
+  for r in rows:
+    if r.get("status") == "ok" and r.get("max_abs_err") is not None:
+      k = (r["impl"], r["dtype"])
+      errs[k] = max(errs[k], r["max_abs_err"])
+  if not errs:
+    return NOT_MEASURED
+  dts = sorted({d for _, d in errs}, key=lambda d: (d != "bfloat16", d))
+  impl_list = impl_order(i for i, _ in errs)
+  return ("Every forward row also compares its output (batch 0, head 0, first 64 queries) with a "
+          "float64 reference on the same rounded inputs; largest |difference| over all forward rows:\n\n"
+          + md_table(["impl"] + [DTYPE_SHORT.get(d, d) for d in dts],
+                     [[label(i)] + [f"{errs[(i, d)]:.1e}" if (i, d) in errs else "—" for d in dts]
+                      for i in impl_list]))
+
+
 def grid_tables(rows, dtype) -> str:
   g = select(rows, suite="grid", dtype=dtype)
   if not g:
@@ -633,6 +651,7 @@ def performance_page(all_rows, fig_dir, fig_rel) -> str:
            "implementation rejects the shape or backend. error: another failure (the JSON row has "
            "the message). —: not measured.", "",
            "## Setup", "", setup_section(rows + cpu_rows), "",
+           "### Output check", "", check_section(rows), "",
            "## When to use which", "", when_to_use(rows, cpu_rows), "",
            "## Time", ""]
   dtypes = sorted({r["dtype"] for r in gsuite}, key=lambda d: (d != "bfloat16", d))

@@ -326,16 +326,81 @@ def inputs(batch, q_len, kv_len, q_heads, kv_heads, head_dim, seed=0):
   return _INPUTS[key]
 
 
+CHECK_ROWS = 64
+_REFS = {}
+
+
+def reference_slice(arrays, dtype, causal, mask, n=CHECK_ROWS):
+  """float64 numpy attention output for batch 0, query head 0, the first n queries.
+
+  Inputs are first rounded to ``dtype`` (as every library receives them).
+  """
+  import numpy as np
+  key = (tuple(a.shape for a in arrays), id(arrays[0]), dtype, causal, mask, n)
+  if key in _REFS:
+    return _REFS[key]
+  q, k, v = arrays[:3]
+  if dtype == "bfloat16":
+    import ml_dtypes
+    rnd = lambda x: np.asarray(x, dtype=ml_dtypes.bfloat16).astype(np.float64)
+  else:
+    rnd = lambda x: np.asarray(x, dtype=np.dtype(dtype)).astype(np.float64)
+  tq, tk, d = q.shape[1], k.shape[1], q.shape[3]
+  n = min(n, tq)
+  q0, k0, v0 = rnd(q[0, :n, 0, :]), rnd(k[0, :, 0, :]), rnd(v[0, :, 0, :])
+  s = q0 @ k0.T / np.sqrt(d)
+  qi, ki = np.arange(n)[:, None], np.arange(tk)[None, :]
+  valid = np.ones((n, tk), bool)
+  if causal or mask in ("window512", "docs4_causal"):
+    valid &= ki <= qi
+  if mask == "window512":
+    valid &= ki >= qi - 512
+  if mask in ("docs4", "docs4_causal"):
+    valid &= (qi * 4 // tq) == (ki * 4 // tk)
+  s = np.where(valid, s, -np.inf)
+  m = np.max(s, axis=1, keepdims=True)
+  m = np.where(np.isfinite(m), m, 0.0)
+  p = np.where(valid, np.exp(s - m), 0.0)
+  den = p.sum(axis=1, keepdims=True)
+  out = np.where(den > 0, (p @ v0) / np.where(den > 0, den, 1.0), 0.0)
+  _REFS.clear()
+  _REFS[key] = out
+  return out
+
+
+def output_slice(impl, out, n):
+  """The batch-0, head-0, first-n-queries slice of an output, as float64 numpy."""
+  import numpy as np
+  if isinstance(out, (tuple, list)):
+    out = out[0]
+  if impl.startswith("torch_"):
+    return out[0, 0, :n, :].float().cpu().numpy().astype(np.float64)  # [B, H, T, D]
+  return np.asarray(out[0, :n, 0, :].astype("float32")).astype(np.float64)  # [B, T, H, D]
+
+
 def timed_case(suite, impl, dtype, batch, q_heads, kv_heads, q_len, kv_len, head_dim, causal,
                mode, timing, mask="none", extra=None, variant=""):
-  """A harness.Case that builds ``impl`` on the shared inputs and times it."""
+  """A harness.Case that builds ``impl`` on the shared inputs and times it.
+
+  Forward rows also get ``max_abs_err``: the largest |difference| of the
+  output slice (batch 0, head 0, first 64 queries) from a float64 reference.
+  """
   from docs.scripts.harness import Case, time_fn
 
   def run():
     arrays = inputs(batch, q_len, kv_len, q_heads, kv_heads, head_dim)
     try:
       fn, sync = build(impl, arrays, dtype, causal, mode, mask)
-      return time_fn(fn, sync, **timing)
+      res = time_fn(fn, sync, **timing)
+      if mode == "fwd":
+        try:
+          import numpy as np
+          ref = reference_slice(arrays, dtype, causal, mask)
+          got = output_slice(impl, fn(), ref.shape[0])
+          res["max_abs_err"] = float(np.max(np.abs(got - ref)))
+        except Exception as e:  # noqa: BLE001
+          res["check_error"] = f"{type(e).__name__}: {e}"[:300]
+      return res
     finally:
       fn = sync = None
       free_memory()
