@@ -1,0 +1,67 @@
+"""On the GPU: the default dispatch and the cuDNN route agree with the Triton kernel.
+
+The cuDNN path is not bitwise identical to the Triton kernels; outputs and
+gradients must agree to bf16 precision (max |difference| <= 0.004).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from probjax.nn.layers.attention import dot_product_attention, explain_dispatch
+from probjax.ops.attention import masks as M
+from probjax.testing import check_against_reference, make_inputs
+
+pytestmark = pytest.mark.gpu
+AGREE = 0.004
+
+
+def _out_and_grads(impl, x, mask):
+  f = lambda q, k, v: dot_product_attention(q, k, v, mask=mask, implementation=impl)
+  out, vjp = jax.vjp(f, x.q, x.k, x.v)
+  return (out,) + vjp(x.do)
+
+
+@pytest.mark.parametrize("mask_name", ["none", "causal", "kv_len", "kv_len_zero"])
+@pytest.mark.parametrize("t,heads,kv_heads", [(1024, 8, 8), (2048, 16, 4)])
+def test_cudnn_agrees_with_triton(mask_name, t, heads, kv_heads):
+  x = make_inputs(t + heads, 2, t, t, heads, kv_heads, 128, jnp.bfloat16)
+  # Scale inputs so that bf16 rounding, not softmax saturation, dominates the difference.
+  x.q, x.k = x.q * 0.5, x.k * 0.5
+  rng = np.random.default_rng(t)
+  mask = {"none": None, "causal": M.CausalMask(),
+          "kv_len": M.KVLenMask(jnp.asarray(rng.integers(1, t + 1, 2), jnp.int32)),
+          "kv_len_zero": M.KVLenMask(jnp.array([0, t // 3], jnp.int32))}[mask_name]
+  a = _out_and_grads("cudnn", x, mask)
+  b = _out_and_grads("triton", x, mask)
+  for name, u, w in zip(("out", "dq", "dk", "dv"), a, b):
+    u, w = np.asarray(u, np.float32), np.asarray(w, np.float32)
+    assert np.all(np.isfinite(u)), name
+    diff = np.max(np.abs(u - w))
+    assert diff <= AGREE * max(1.0, np.max(np.abs(w))), f"{name}: max |cudnn - triton| = {diff}"
+
+
+def test_default_routes_to_cudnn_on_sm90_and_is_exact():
+  x = make_inputs(0, 4, 1024, 1024, 8, 8, 128, jnp.bfloat16)
+  d = explain_dispatch(x.q.shape, x.k.shape, x.q.dtype, mask=M.CausalMask())
+  cc = jax.devices()[0].compute_capability
+  if str(cc) == "9.0":
+    assert d.implementation == "cudnn", d
+  check_against_reference(lambda q, k, v, b: dot_product_attention(q, k, v, mask=M.CausalMask()), x,
+                          mask=M.CausalMask())
+
+
+@pytest.mark.parametrize("t", [600, 4096])
+def test_default_fp32_is_exact(t):
+  x = make_inputs(1, 2, t, t, 8, 8, 128, jnp.float32)
+  check_against_reference(lambda q, k, v, b: dot_product_attention(q, k, v, is_causal=True), x,
+                          mask=M.CausalMask(), tf32=True)
+
+
+@pytest.mark.parametrize("mask_name", ["window", "segments", "lengths"])
+def test_default_masked_bf16_is_exact(mask_name):
+  from probjax.testing import make_mask
+  x = make_inputs(2, 2, 1500, 1500, 8, 2, 64, jnp.bfloat16)
+  mask = make_mask(mask_name, 2, 1500, 1500)
+  check_against_reference(lambda q, k, v, b: dot_product_attention(q, k, v, mask=mask), x, mask=mask)
