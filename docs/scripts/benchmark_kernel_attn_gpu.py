@@ -112,6 +112,13 @@ def residual_cases(args):
 # ---------------------------------------------------------------------------
 # peak: fresh subprocess per implementation
 # ---------------------------------------------------------------------------
+def _cheap_inputs(b, t, h, d):
+  """Random [B, T, H, D] inputs made from one [1, T, 1, D] draw (fast at T = 131072)."""
+  import numpy as np
+  one = harness.make_inputs(1, t, t, 1, 1, d)
+  return tuple(np.ascontiguousarray(np.broadcast_to(a, (b, t, h, d))) for a in one)
+
+
 def _child_peak(spec: dict) -> None:
   """Runs in a fresh process; prints one JSON line per T."""
   impl, dtype, b, h, d = spec["impl"], spec["dtype"], spec["batch"], spec["heads"], spec["head_dim"]
@@ -120,7 +127,7 @@ def _child_peak(spec: dict) -> None:
     rec = {"q_len": t}
     t0 = time.perf_counter()
     try:
-      arrays = harness.make_inputs(b, t, t, h, h, d)
+      arrays = _cheap_inputs(b, t, h, d)
       if impl.startswith("torch"):
         import torch
         torch.cuda.empty_cache()
