@@ -76,8 +76,8 @@ MASKS = ("none", "causal", "causal_offset", "causal_neg", "window", "window_caus
 
 
 @pytest.mark.parametrize("mask_name", MASKS)
-@pytest.mark.parametrize("tq,tk", [(63, 100), (100, 63)])
-def test_masks(mask_name, tq, tk):
+def test_masks(mask_name):
+  tq, tk = (63, 100) if MASKS.index(mask_name) % 2 else (100, 63)
   q, k, v, do = _inputs(MASKS.index(mask_name) * 7 + tq, 2, tq, tk, 4, 2, 32, jnp.float32)
   _check(q, k, v, do, mask=_mask(mask_name, 2, tq, tk))
 
@@ -90,14 +90,14 @@ def test_lengths_and_head_dims(tq, tk, d):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("mask_name", ["none", "causal_offset", "segments_causal", "lengths"])
+@pytest.mark.parametrize("mask_name", ["causal_offset", "segments_causal"])
 def test_backward_variants(impl, mask_name):
   q, k, v, do = _inputs(11, 2, 63, 100, 4, 2, 32, jnp.float32)
   _check(q, k, v, do, mask=_mask(mask_name, 2, 63, 100), impl=impl, bc=BC_MIXED)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("h,hkv", [(4, 1), (4, 4), (6, 2)])
+@pytest.mark.parametrize("impl,h,hkv", [(i, 4, 1) for i in IMPLS] + [("triton_split", 4, 4),
+                                                                      ("triton_fused", 6, 2)])
 def test_gqa_mqa(impl, h, hkv):
   q, k, v, do = _inputs(12 + h + hkv, 2, 50, 70, h, hkv, 32, jnp.float32)
   _check(q, k, v, do, mask=CausalMask(20), impl=impl)
@@ -107,15 +107,15 @@ def _alibi_softcap(s, b, h, q_idx, kv_idx):
   return 20.0 * jnp.tanh((s - 0.25 * (h + 1) * jnp.abs(q_idx - kv_idx).astype(jnp.float32) / 8) / 20.0)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("mask_name", ["none", "window_causal", "segments"])
+@pytest.mark.parametrize("impl,mask_name", [("triton_split", "none"), ("triton_split", "segments"),
+                                             ("triton_fused", "window_causal"),
+                                             ("triton_onepass", "window_causal")])
 def test_score_mod(impl, mask_name):
   q, k, v, do = _inputs(13, 2, 63, 100, 4, 2, 32, jnp.float32)
   _check(q, k, v, do, mask=_mask(mask_name, 2, 63, 100), score_mod=_alibi_softcap, impl=impl, scale=0.3)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("impl,dtype", [(i, jnp.bfloat16) for i in IMPLS] + [("triton_split", jnp.float16)])
 def test_half_precision(impl, dtype):
   q, k, v, do = _inputs(14, 2, 100, 63, 4, 2, 64, dtype)
   _check(q, k, v, do, mask=_mask("segments_causal", 2, 100, 63), impl=impl,
