@@ -119,6 +119,20 @@ def gpu_rows(rows):
   return [r for r in rows if r.get("platform") not in ("cpu",)]
 
 
+def impl_color(impl: str):
+  import matplotlib
+  known = list(IMPL_LABELS)
+  i = known.index(impl) if impl in known else abs(hash(impl))
+  return matplotlib.colormaps["tab20"](i % 20)
+
+
+def impl_order_key(lbl: str):
+  inv = {v: k for k, v in IMPL_LABELS.items()}
+  known = list(IMPL_LABELS)
+  i = inv.get(lbl, lbl)
+  return (known.index(i) if i in known else len(known), lbl)
+
+
 def impl_order(impls):
   known = list(IMPL_LABELS)
   return sorted(set(impls), key=lambda i: (known.index(i) if i in known else len(known), i))
@@ -221,8 +235,9 @@ def fig_grid(rows, dtype, path, ratio=False):
           pts = [(t, ms / base[t]) for t, ms in pts if t in base]
         if not pts:
           continue
-        style = dict(lw=2.5, color="tab:blue", marker="o") if impl == "probjax_default" else \
-            dict(lw=1, marker=".", ls="--" if impl.startswith(("torch", "tokamax")) else "-")
+        style = dict(lw=2.8, color="black", marker="o") if impl == "probjax_default" else \
+            dict(lw=1, marker=".", ls="--" if impl.startswith(("torch", "tokamax")) else "-",
+                 color=impl_color(impl))
         ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label(impl), **style)
       ax.set_xscale("log", base=2)
       if ratio:
@@ -242,8 +257,12 @@ def fig_grid(rows, dtype, path, ratio=False):
       if ll not in labels:
         handles.append(hh)
         labels.append(ll)
-  fig.legend(handles, labels, loc="lower center", ncol=min(6, len(labels)), fontsize=8)
-  fig.tight_layout(rect=(0, 0.08, 1, 1))
+  order = sorted(range(len(labels)), key=lambda i: impl_order_key(labels[i]))
+  handles, labels = [handles[i] for i in order], [labels[i] for i in order]
+  ncol = max(1, min(len(labels), int(4.2 * len(cols) / 2.4)))
+  nrows_leg = -(-len(labels) // ncol)
+  fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=8)
+  fig.tight_layout(rect=(0, min(0.4, 0.035 * nrows_leg / len(modes) * 2 + 0.02), 1, 1))
   fig.savefig(path, dpi=90)
   plt.close(fig)
   return True
@@ -463,12 +482,20 @@ def memory_section(rows, fig_dir, fig_rel) -> str:
   return "\n\n".join(x for x in out if x) if out else NOT_MEASURED
 
 
-def dispatch_section(rows) -> str:
+def dispatch_section(rows, fig_dir=None, fig_rel=None) -> str:
   d = select(rows, suite="dispatch")
   if not d:
     return NOT_MEASURED
   out = []
   r0 = d[0]
+  if fig_dir:
+    series = collections.defaultdict(list)
+    for r in d:
+      if r["status"] == "ok":
+        series[f"{label(r['impl'])} D{r['head_dim']}"].append((r["q_len"], r["ms"]))
+    ok = fig_lines(series, os.path.join(fig_dir, "dispatch.png"), "T", "fwd+bwd ms",
+                   f"batch {r0['batch']}, {r0['q_heads']} heads, {DTYPE_SHORT.get(r0['dtype'], r0['dtype'])}")
+    out.append(_fig_ref(fig_rel, "dispatch.png", ok, "dispatch sweep"))
   for hd in sorted({r["head_dim"] for r in d}):
     sub = [r for r in d if r["head_dim"] == hd]
     ts = sorted({r["q_len"] for r in sub})
@@ -515,11 +542,18 @@ def tiles_section(rows) -> str:
                       "best forced", "auto / best", "configs"], body))
 
 
-def gqa_section(rows) -> str:
+def gqa_section(rows, fig_dir=None, fig_rel=None) -> str:
   out = []
   g = select(rows, suite="gqa")
   if g:
     r0 = g[0]
+    if fig_dir:
+      series = collections.defaultdict(list)
+      for r in g:
+        if r["status"] == "ok":
+          series[f"{label(r['impl'])} {r['mode']}"].append((r["q_len"], r["ms"]))
+      ok = fig_lines(series, os.path.join(fig_dir, "gqa.png"), "T", "ms", "GQA, 32 query / 8 KV heads")
+      out.append(_fig_ref(fig_rel, "gqa.png", ok, "GQA"))
     for mode in ("fwd", "fwd_bwd"):
       sub = [r for r in g if r["mode"] == mode]
       if not sub:
@@ -692,9 +726,9 @@ def performance_page(all_rows, fig_dir, fig_rel) -> str:
   parts += ["", t4096_table(rows) if gsuite else "", "",
             "## Masked attention", "", masked_section(rows), "",
             "## Memory", "", memory_section(rows, fig_dir, fig_rel), "",
-            "## Short sequences and the default dispatch", "", dispatch_section(rows), "",
+            "## Short sequences and the default dispatch", "", dispatch_section(rows, fig_dir, fig_rel), "",
             "## Tile selection", "", tiles_section(rows), "",
-            "## Grouped-query attention and decoding", "", gqa_section(rows), "",
+            "## Grouped-query attention and decoding", "", gqa_section(rows, fig_dir, fig_rel), "",
             "## CPU", "", cpu_section(cpu_rows, fig_dir, fig_rel), "",
             "## How to reproduce", "", REPRO, ""]
   return "\n".join(parts)
