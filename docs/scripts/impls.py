@@ -70,8 +70,11 @@ def tokamax_mod():
 
 
 def peers_present() -> dict:
-  out = {}
-  for name, f in (("torch", torch_mod), ("tokamax", tokamax_mod), ("probjax", probjax_api)):
+  """Which peers are usable. torch is only looked up (not imported: a JAX-side process
+  must not load torch's CUDA runtime); tokamax and probjax are imported."""
+  import importlib.util
+  out = {"torch": True if importlib.util.find_spec("torch") is not None else "torch not installed"}
+  for name, f in (("tokamax", tokamax_mod), ("probjax", probjax_api)):
     try:
       f()
       out[name] = True
