@@ -308,6 +308,8 @@ def setup_section(rows) -> str:
   for r in rows:
     for k, v in (r.get("versions") or {}).items():
       vers.setdefault(k, set()).add(v)
+    if r.get("torch_version"):
+      vers.setdefault("torch (CPU worker interpreter)", set()).add(r["torch_version"])
   peers = {}
   for r in rows:
     for k, v in (r.get("peers") or {}).items():
