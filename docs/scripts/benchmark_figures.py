@@ -324,7 +324,7 @@ def setup_section(rows) -> str:
   lines.append("- Versions: " + ", ".join(f"{k} {'/'.join(sorted(map(str, v)))}"
                                           for k, v in sorted(vers.items())))
   if peers:
-    lines.append("- Peers: " + "; ".join(f"{k} {v}" for k, v in sorted(peers.items())))
+    lines.append("- Peers importable by the benchmarking (JAX) process: " + "; ".join(f"{k} {v}" for k, v in sorted(peers.items())))
   dates = sorted(r.get("time", "") for r in rows if r.get("time"))
   if dates:
     lines.append(f"- Measured {dates[0][:10]} … {dates[-1][:10]}.")
@@ -687,7 +687,7 @@ def performance_page(all_rows, fig_dir, fig_rel) -> str:
            "implementation rejects the shape or backend. error: another failure (the JSON row has "
            "the message). —: not measured.", "",
            "## Setup", "", setup_section(rows + cpu_rows), "",
-           "### Output check", "", check_section(rows), "",
+           "### Output check", "", check_section(rows + cpu_rows), "",
            "## When to use which", "", when_to_use(rows, cpu_rows), "",
            "## Time", ""]
   dtypes = sorted({r["dtype"] for r in gsuite}, key=lambda d: (d != "bfloat16", d))
