@@ -59,30 +59,27 @@ def _dkv_program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mr, dk_ref, dv
   k_start = j * block_k
   k = k_ref.at[b, pl.ds(k_start, block_k), hkv, :][...]
   v = v_ref.at[b, pl.ds(k_start, block_k), hkv, :][...]
-  lo, hi = tiles.loop_bounds(tm, mr, b, j, num_q_tiles, by_q=False, block_outer=block_k,
-                             block_inner=block_q)
 
   def head(g, carry):
     h = hkv * groups + g
 
-    def body(i, carry):
-      def tile(carry, masked):
-        dk, dv = carry
-        q_start = i * block_q
-        rows = pl.ds(q_start, block_q)
-        q = q_ref.at[b, rows, h, :][...]
-        do = do_ref.at[b, rows, h, :][...]
-        p, ds = _probs_and_ds(q, k, v, do, lse_ref.at[b, h, rows][...], delta_ref.at[b, h, rows][...],
-                              tm=tm, mr=mr, b=b, h=h, q_start=q_start, k_start=k_start,
-                              masked=masked, scale=scale, score_mod=score_mod)
-        dv = dv + _dot(p.astype(do.dtype), do, _T)
-        dk = dk + _dot(ds.astype(q.dtype), q, _T)
-        if dq_acc_ref is not None:
-          plgpu.atomic_add(dq_acc_ref, (b, rows, h, slice(None)), _dot(ds.astype(k.dtype), k) * scale)
-        return dk, dv
-      return tiles.dispatch_tile(tm, mr, b, i, j, carry, tile)
+    def body(i, carry, masked):
+      dk, dv = carry
+      q_start = i * block_q
+      rows = pl.ds(q_start, block_q)
+      q = q_ref.at[b, rows, h, :][...]
+      do = do_ref.at[b, rows, h, :][...]
+      p, ds = _probs_and_ds(q, k, v, do, lse_ref.at[b, h, rows][...], delta_ref.at[b, h, rows][...],
+                            tm=tm, mr=mr, b=b, h=h, q_start=q_start, k_start=k_start,
+                            masked=masked, scale=scale, score_mod=score_mod)
+      dv = dv + _dot(p.astype(do.dtype), do, _T)
+      dk = dk + _dot(ds.astype(q.dtype), q, _T)
+      if dq_acc_ref is not None:
+        plgpu.atomic_add(dq_acc_ref, (b, rows, h, slice(None)), _dot(ds.astype(k.dtype), k) * scale)
+      return dk, dv
 
-    return jax.lax.fori_loop(lo, hi, body, carry)
+    return tiles.tile_loop(tm, mr, b, j, num_q_tiles, body, carry, by_q=False,
+                           block_outer=block_k, block_inner=block_q)
 
   zeros = jnp.zeros(k.shape, jnp.float32)
   dk, dv = jax.lax.fori_loop(0, groups, head, (zeros, zeros))
@@ -101,19 +98,16 @@ def _dq_program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mr, dq_ref, *, 
   lse2 = lse_ref.at[b, h, rows][...]
   delta = delta_ref.at[b, h, rows][...]
 
-  def body(j, dq):
-    def tile(dq, masked):
-      k_start = j * block_k
-      k = k_ref.at[b, pl.ds(k_start, block_k), hkv, :][...]
-      v = v_ref.at[b, pl.ds(k_start, block_k), hkv, :][...]
-      _, ds = _probs_and_ds(q, k, v, do, lse2, delta, tm=tm, mr=mr, b=b, h=h, q_start=q_start,
-                            k_start=k_start, masked=masked, scale=scale, score_mod=score_mod)
-      return dq + _dot(ds.astype(k.dtype), k)
-    return tiles.dispatch_tile(tm, mr, b, i, j, dq, tile)
+  def body(j, dq, masked):
+    k_start = j * block_k
+    k = k_ref.at[b, pl.ds(k_start, block_k), hkv, :][...]
+    v = v_ref.at[b, pl.ds(k_start, block_k), hkv, :][...]
+    _, ds = _probs_and_ds(q, k, v, do, lse2, delta, tm=tm, mr=mr, b=b, h=h, q_start=q_start,
+                          k_start=k_start, masked=masked, scale=scale, score_mod=score_mod)
+    return dq + _dot(ds.astype(k.dtype), k)
 
-  lo, hi = tiles.loop_bounds(tm, mr, b, i, num_kv_tiles, by_q=True, block_outer=block_q,
-                             block_inner=block_k)
-  dq = jax.lax.fori_loop(lo, hi, body, jnp.zeros(q.shape, jnp.float32))
+  dq = tiles.tile_loop(tm, mr, b, i, num_kv_tiles, body, jnp.zeros(q.shape, jnp.float32), by_q=True,
+                       block_outer=block_q, block_inner=block_k)
   dq_ref.at[b, rows, h, :][...] = (dq * scale).astype(dq_ref.dtype)
 
 

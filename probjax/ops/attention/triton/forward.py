@@ -31,30 +31,27 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, tm: tiles.TileMask, scale: float
   d = q_ref.shape[-1]
   q = q_ref.at[b, pl.ds(q_start, block_q), h, :][...]
 
-  def body(j, carry):
-    def tile(carry, masked):
-      acc, m, l = carry
-      k_start = j * block_k
-      k = k_ref.at[b, pl.ds(k_start, block_k), hkv, :][...]
-      v = v_ref.at[b, pl.ds(k_start, block_k), hkv, :][...]
-      s, _ = tiles.scores(q, k, scale=scale, score_mod=score_mod, b=b, h=h,
-                          q_start=q_start, k_start=k_start)
-      if masked:
-        s = jnp.where(tiles.tile_valid(tm, mr, b, q_start, k_start, block_q, block_k), s, -jnp.inf)
-      m_new = jnp.maximum(m, jnp.max(s, axis=1))
-      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-      alpha = jnp.exp2(m - m_safe)
-      p = jnp.exp2(s - m_safe[:, None])
-      l = l * alpha + jnp.sum(p, axis=1)
-      acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-      return acc, m_new, l
-    return tiles.dispatch_tile(tm, mr, b, i, j, carry, tile)
+  def body(j, carry, masked):
+    acc, m, l = carry
+    k_start = j * block_k
+    k = k_ref.at[b, pl.ds(k_start, block_k), hkv, :][...]
+    v = v_ref.at[b, pl.ds(k_start, block_k), hkv, :][...]
+    s, _ = tiles.scores(q, k, scale=scale, score_mod=score_mod, b=b, h=h,
+                        q_start=q_start, k_start=k_start)
+    if masked:
+      s = jnp.where(tiles.tile_valid(tm, mr, b, q_start, k_start, block_q, block_k), s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp2(m - m_safe)
+    p = jnp.exp2(s - m_safe[:, None])
+    l = l * alpha + jnp.sum(p, axis=1)
+    acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return acc, m_new, l
 
-  lo, hi = tiles.loop_bounds(tm, mr, b, i, num_kv_tiles, by_q=True, block_outer=block_q,
-                             block_inner=block_k)
   init = (jnp.zeros((block_q, d), jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
           jnp.zeros((block_q,), jnp.float32))
-  acc, m, l = jax.lax.fori_loop(lo, hi, body, init)
+  acc, m, l = tiles.tile_loop(tm, mr, b, i, num_kv_tiles, body, init, by_q=True,
+                              block_outer=block_q, block_inner=block_k)
   empty = l == 0.0
   out = acc / jnp.where(empty, 1.0, l)[:, None]
   lse = jnp.where(empty, jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * (1.0 / tiles.LOG2E))

@@ -26,30 +26,25 @@ LOG2E = math.log2(math.e)
 class TileMask:
   """Static mask description a kernel is traced with.
 
-  ``q_len``/``kv_len`` are the true lengths (arrays are padded beyond them);
-  the ``has_*`` flags say which optional refs follow the main operands, in the
-  order ``classes, kv_tile_range | q_tile_range, q_lengths, kv_lengths,
-  q_segment_ids, kv_segment_ids``.
+  ``q_len``/``kv_len`` are the true lengths (arrays are padded beyond them).
+  The optional refs follow the main operands in the order ``tile_range,
+  classes, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids``.
   """
   lower: int | None
   upper: int | None
   q_len: int
   kv_len: int
-  has_classes: bool
+  has_range: bool       # any mask or padding: per-tile loop bounds
   has_q_lengths: bool
   has_kv_lengths: bool
-  has_segments: bool
-
-  @property
-  def has_band(self) -> bool:
-    return self.lower is not None or self.upper is not None
+  has_segments: bool    # segment ids: per-tile classes decide EMPTY/PARTIAL/FULL
 
 
 @dataclasses.dataclass
 class MaskRefs:
   """The mask refs of one kernel, unpacked from its positional refs."""
-  classes: Any = None      # [batch, nq, nk] int32
-  tile_range: Any = None   # [2, n] int32: static loop bounds per tile (band)
+  tile_range: Any = None   # [4, n] int32: lo, hi, full_lo, full_hi per outer tile
+  classes: Any = None      # [batch, nq, nk] int32 (with segments)
   q_lengths: Any = None    # [batch] int32
   kv_lengths: Any = None   # [batch] int32
   q_seg: Any = None        # [batch, q_pad] int32
@@ -57,13 +52,14 @@ class MaskRefs:
 
   @staticmethod
   def count(tm: TileMask) -> int:
-    return tm.has_classes + tm.has_band + tm.has_q_lengths + tm.has_kv_lengths + 2 * tm.has_segments
+    return tm.has_range + tm.has_q_lengths + tm.has_kv_lengths + 3 * tm.has_segments
 
   @classmethod
   def unpack(cls, tm: TileMask, refs) -> "MaskRefs":
     refs = list(refs)
     pop = lambda flag: refs.pop(0) if flag else None
-    out = cls(pop(tm.has_classes), pop(tm.has_band), pop(tm.has_q_lengths), pop(tm.has_kv_lengths))
+    out = cls(pop(tm.has_range), pop(tm.has_segments))
+    out.q_lengths, out.kv_lengths = pop(tm.has_q_lengths), pop(tm.has_kv_lengths)
     out.q_seg, out.kv_seg = pop(tm.has_segments), pop(tm.has_segments)
     return out
 
@@ -91,31 +87,42 @@ def mask_operands(mask: Mask | None, batch: int, q_len: int, kv_len: int, q_pad:
                   kv_pad: int, block_q: int, block_k: int, *, by_q: bool):
   """The static :class:`TileMask` and the array operands of one kernel.
 
-  ``by_q``: the kernel loops over keys per query tile (forward, dQ), so the band
-  bounds become a per-query-tile key-tile range (:meth:`Mask.kv_range`); else it
-  loops over queries per key tile (dK/dV, :meth:`Mask.q_range`).
+  ``by_q``: the kernel loops over key tiles per query tile (forward, dQ); else
+  over query tiles per key tile (dK/dV). Per outer tile the loop runs over
+  ``[lo, hi)`` (:meth:`Mask.kv_range` / :meth:`Mask.q_range` of the band), and
+  ``[full_lo, full_hi)`` are the tiles the band and the true lengths fill
+  completely (:meth:`Mask.classify_tiles` of the band), which skip the element
+  predicate. Per-batch lengths narrow both ranges in-kernel; segment ids add
+  the per-tile classes of the whole mask (EMPTY tiles skipped).
   """
   m = mask if mask is not None else Mask()
-  padded = q_pad != q_len or kv_pad != kv_len
   tm = TileMask(m.lower, m.upper, q_len, kv_len,
-                has_classes=mask is not None or padded,
+                has_range=mask is not None or q_pad != q_len or kv_pad != kv_len,
                 has_q_lengths=m.q_lengths is not None,
                 has_kv_lengths=m.kv_lengths is not None,
                 has_segments=m.q_segment_ids is not None)
   ops = []
-  if tm.has_classes:
-    ops.append(m.classify_tiles(batch, q_len, kv_len, block_q, block_k))
-  if tm.has_band:
-    if by_q:
-      r = [m.kv_range(i * block_q, min((i + 1) * block_q, q_len), kv_len)
-           for i in range(num_tiles(q_len, block_q))]
-      lo, hi = zip(*((a // block_k, num_tiles(b, block_k)) for a, b in r))
-    else:
-      r = [m.q_range(j * block_k, min((j + 1) * block_k, kv_len), q_len)
-           for j in range(num_tiles(kv_len, block_k))]
-      lo, hi = zip(*((a // block_q, num_tiles(b, block_q)) for a, b in r))
-    ops.append(jnp.asarray(np.array([lo, hi], np.int32)))
+  if tm.has_range:
+    band = Mask(lower=m.lower, upper=m.upper)
+    with jax.ensure_compile_time_eval():  # static: the band has no arrays
+      full = np.asarray(band.classify_tiles(1, q_len, kv_len, block_q, block_k)[0]) == FULL
+    if not by_q:
+      full = full.T
+    rows = []
+    for t, row in enumerate(full):
+      if by_q:
+        a, b = band.kv_range(t * block_q, min((t + 1) * block_q, q_len), kv_len)
+        lo, hi = a // block_k, num_tiles(b, block_k)
+      else:
+        a, b = band.q_range(t * block_k, min((t + 1) * block_k, kv_len), q_len)
+        lo, hi = a // block_q, num_tiles(b, block_q)
+      idx = np.flatnonzero(row)
+      flo, fhi = (int(idx[0]), int(idx[-1]) + 1) if idx.size else (hi, hi)
+      rows.append((lo, hi, flo, fhi))
+    ops.append(jnp.asarray(np.array(rows, np.int32).T))
   bcast = lambda x, shape: jnp.broadcast_to(jnp.asarray(x, jnp.int32), shape)
+  if tm.has_segments:
+    ops.append(m.classify_tiles(batch, q_len, kv_len, block_q, block_k))
   if tm.has_q_lengths:
     ops.append(bcast(m.q_lengths, (batch,)))
   if tm.has_kv_lengths:
@@ -127,21 +134,42 @@ def mask_operands(mask: Mask | None, batch: int, q_len: int, kv_len: int, q_pad:
 
 
 # -- in-kernel helpers ----------------------------------------------------------
-def loop_bounds(tm: TileMask, mr: MaskRefs, b, tile, n_static: int, *, by_q: bool,
-                block_outer: int, block_inner: int):
-  """``[lo, hi)`` of inner tiles for outer tile ``tile``: band range, cut at this
-  batch element's lengths (no tile past a length is loaded); empty when the
-  outer tile lies past its own length."""
-  lo, hi = jnp.int32(0), jnp.int32(n_static)
-  if mr.tile_range is not None:
-    lo, hi = mr.tile_range[0, tile], mr.tile_range[1, tile]
+def tile_loop(tm: TileMask, mr: MaskRefs, b, tile, n_static: int, body, carry, *, by_q: bool,
+              block_outer: int, block_inner: int):
+  """Runs ``carry = body(j, carry, masked)`` over the inner tiles of outer tile ``tile``.
+
+  Three loops: masked tiles below the full range, the full range (no element
+  predicate), masked tiles above it. Tiles outside ``[lo, hi)`` -- out of the
+  band or past this batch element's lengths -- are never loaded. With segment
+  ids every tile dispatches on its class: EMPTY skipped, PARTIAL masked, FULL not.
+  """
+  if mr.tile_range is None:
+    return jax.lax.fori_loop(0, n_static, lambda j, c: body(j, c, False), carry)
+  lo, hi, flo, fhi = (mr.tile_range[r, tile] for r in range(4))
   inner_len = mr.kv_lengths if by_q else mr.q_lengths
   outer_len = mr.q_lengths if by_q else mr.kv_lengths
   if inner_len is not None:
     hi = jnp.minimum(hi, (inner_len[b] + block_inner - 1) // block_inner)
+    fhi = jnp.minimum(fhi, inner_len[b] // block_inner)
   if outer_len is not None:
+    fhi = jnp.where((tile + 1) * block_outer <= outer_len[b], fhi, flo)
     hi = jnp.where(tile * block_outer < outer_len[b], hi, lo)
-  return lo, hi
+  b1 = jnp.clip(flo, lo, hi)
+  b2 = jnp.clip(fhi, b1, hi)
+
+  def step(masked):
+    if mr.classes is None:
+      return lambda j, c: body(j, c, masked)
+
+    def by_class(j, c):
+      cls = mr.classes[b, tile, j] if by_q else mr.classes[b, j, tile]
+      assert (EMPTY, PARTIAL, FULL) == (0, 1, 2)
+      return jax.lax.switch(cls, [lambda: c, lambda: body(j, c, True), lambda: body(j, c, False)])
+    return by_class
+
+  carry = jax.lax.fori_loop(lo, b1, step(True), carry)
+  carry = jax.lax.fori_loop(b1, b2, step(False), carry)
+  return jax.lax.fori_loop(b2, hi, step(True), carry)
 
 
 def tile_valid(tm: TileMask, mr: MaskRefs, b, q_start, k_start, block_q: int, block_k: int):
@@ -185,13 +213,3 @@ def score_mod_grad(score_mod: Callable, s_nat, ds, *, b, h, q_start, k_start):
   qi, ki = tile_indices(q_start, k_start, *s_nat.shape)
   _, vjp = jax.vjp(lambda s: score_mod(s, b, h, qi, ki), s_nat)
   return vjp(ds)[0]
-
-
-def dispatch_tile(tm: TileMask, mr: MaskRefs, b, i, j, carry, body):
-  """Runs ``body(carry, masked)`` per the tile's class: EMPTY skipped, PARTIAL
-  masked, FULL unmasked. Without classes every tile is FULL."""
-  if mr.classes is None:
-    return body(carry, False)
-  cls = mr.classes[b, i, j]
-  assert (EMPTY, PARTIAL, FULL) == (0, 1, 2)
-  return jax.lax.switch(cls, [lambda: carry, lambda: body(carry, True), lambda: body(carry, False)])
