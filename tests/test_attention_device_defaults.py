@@ -1,7 +1,12 @@
 """On the GPU: the default dispatch and the cuDNN route agree with the Triton kernel.
 
 The cuDNN path is not bitwise identical to the Triton kernels; outputs and
-gradients must agree to bf16 precision (max |difference| <= 0.004).
+gradients must agree to bf16 precision: max |difference| <= 0.004 relative to
+the larger of 1 and the values' magnitude. Inputs are scaled so that outputs
+stay below 0.5, where one bf16 ulp is at most 2**-9 ~ 0.002: with unit-normal
+values and causal masking the first rows copy single values of |v| ~ 4, where
+one ulp of rounding difference alone is 0.016 (that is what failed on the
+H200 with unscaled inputs).
 """
 
 import jax
@@ -27,8 +32,8 @@ def _out_and_grads(impl, x, mask):
 @pytest.mark.parametrize("t,heads,kv_heads", [(1024, 8, 8), (2048, 16, 4)])
 def test_cudnn_agrees_with_triton(mask_name, t, heads, kv_heads):
   x = make_inputs(t + heads, 2, t, t, heads, kv_heads, 128, jnp.bfloat16)
-  # Scale inputs so that bf16 rounding, not softmax saturation, dominates the difference.
   x.q, x.k = x.q * 0.5, x.k * 0.5
+  x.v, x.do = x.v * 0.1, x.do * 0.1
   rng = np.random.default_rng(t)
   mask = {"none": None, "causal": M.CausalMask(),
           "kv_len": M.KVLenMask(jnp.asarray(rng.integers(1, t + 1, 2), jnp.int32)),
@@ -43,7 +48,8 @@ def test_cudnn_agrees_with_triton(mask_name, t, heads, kv_heads):
 
 
 def test_default_routes_to_cudnn_on_sm90_and_is_exact():
-  x = make_inputs(0, 4, 1024, 1024, 8, 8, 128, jnp.bfloat16)
+  # Above the sm_90 table's cuDNN work threshold (B4 H8 T1024 is below it: Triton there).
+  x = make_inputs(0, 4, 2048, 2048, 16, 16, 128, jnp.bfloat16)
   d = explain_dispatch(x.q.shape, x.k.shape, x.q.dtype, mask=M.CausalMask())
   cc = jax.devices()[0].compute_capability
   if str(cc) == "9.0":

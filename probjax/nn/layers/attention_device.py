@@ -23,6 +23,7 @@ class DeviceDefaults:
   Attributes:
     cudnn_min_work: cuDNN is used for eligible bf16/fp16 calls with
       ``batch * q_heads * q_len * kv_len >= cudnn_min_work``.
+    cudnn_min_head_dim: and ``head_dim >= cudnn_min_head_dim``.
     backward_pass_impl: what ``backward_pass_impl="auto"`` resolves to.
     fp32_dense_max_len: float32 calls with ``max(q_len, kv_len)`` up to this use
       XLA's dense formulation (TF32 matmuls) while it fits in memory.
@@ -30,6 +31,7 @@ class DeviceDefaults:
   """
 
   cudnn_min_work: int
+  cudnn_min_head_dim: int
   backward_pass_impl: str
   fp32_dense_max_len: int
   evidence: tuple[str, ...]
@@ -37,10 +39,12 @@ class DeviceDefaults:
 
 DEVICE_DEFAULTS: dict[tuple[int, int], DeviceDefaults] = {
     (9, 0): DeviceDefaults(
-        # anchors: bf16 B4 H8 D128 T=1024 fwd: jaxnn_cudnn beats every Triton/flash peer; at
-        # T=4096 cuDNN runs 583 TFLOP/s fwd vs torch flash 340 (h200_jax_peers.jsonl,
-        # h200_torch_peers.jsonl). Short-sequence sweep (batch 64, T 64..1024) sets the floor.
-        cudnn_min_work=4 * 8 * 512 * 512,
+        # docs/benchmarks/gpu_attention.json (bf16 B4 H8 D64): fwd+bwd at T=1024 Triton split
+        # 0.149 ms vs jax.nn cuDNN 0.156 ms; at T=4096 cuDNN 1.19 ms vs Triton 2.19 ms.
+        # docs/benchmarks/kernel_attn_gpu_dispatch.json (batch 64, H8, D64): cuDNN wins from
+        # T=384 (work 75M) on; D32: the Triton kernel wins at every length (64..1024).
+        cudnn_min_work=48 * 2**20,
+        cudnn_min_head_dim=64,
         # H100 page "Why": the split backward is never more than 1% slower than auto.
         backward_pass_impl="triton_split",
         # anchors: fp32 D128 T=4096 fwd+bwd jax.nn XLA 7.95 ms; spec: Triton fp32 is ~1.95x slower.

@@ -154,7 +154,8 @@ def explain_dispatch(q_shape, kv_shape, dtype, *, mask: Mask | None = None, bias
     table = attention_device.lookup(device.compute_capability)
   if table is not None:
     cc = "sm_%d%d" % device.compute_capability
-    if not _env_off("PROBJAX_ATTENTION_CUDNN", env) and b * h * tq * tk >= table.cudnn_min_work:
+    if (not _env_off("PROBJAX_ATTENTION_CUDNN", env) and b * h * tq * tk >= table.cudnn_min_work
+        and q_shape[-1] >= table.cudnn_min_head_dim):
       if cudnn_backend.supports(q_shape, kv_shape, dtype, platform="gpu", **kw) is None:
         return Decision("cudnn", f"{cc} device table: eligible 16-bit call above the cuDNN work threshold")
     if dtype == jnp.float32 and max(tq, tk) <= table.fp32_dense_max_len and score_mod is None \
