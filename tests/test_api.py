@@ -34,7 +34,7 @@ def test_flax_sow_attention_weights():
     pass
   holder = Holder()
   dot_product_attention(x.q, x.k, x.v, module=holder)
-  w = holder.attention_weights.value[0]
+  w = holder.attention_weights.get_value()[0]
   assert w.shape == (1, 2, 20, 20)
   np.testing.assert_allclose(np.asarray(w).sum(-1), 1.0, rtol=1e-5)
 

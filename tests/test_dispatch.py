@@ -107,6 +107,8 @@ def test_explicit_implementations_are_checked_not_replaced():
   assert decide(implementation="triton").implementation == "triton"
   assert decide(implementation="pallas").implementation == "triton"
   assert decide(implementation="xla").implementation == "xla"
+  assert decide(implementation="xla").formulation == "dense"  # GPU, fits: the einsum
+  assert decide(implementation="xla", device=CPU).formulation == "auto"  # CPU: linear memory
   assert decide(implementation="cudnn", dtype=jnp.float16).implementation == "cudnn"
   with pytest.raises(ValueError, match="cudnn.*float32"):
     decide(implementation="cudnn", dtype=jnp.float32)

@@ -123,7 +123,7 @@ def explain_dispatch(q_shape, kv_shape, dtype, *, mask: Mask | None = None, bias
   kw = dict(mask=mask, score_mod=score_mod, bias=bias, dense_mask=dense_mask, dropout=dropout)
 
   if impl == "xla":
-    return Decision("xla", "requested")
+    return Decision("xla", "requested", formulation=_xla_formulation(q_shape, kv_shape, device))
   if impl == "triton":
     why = triton_supports(q_shape, kv_shape, dtype, device=device, **kw)
     if why is None and (precision is not None or module):
@@ -181,7 +181,10 @@ def _dense_fits(q_shape, kv_shape, device: Device) -> bool:
 
 
 def _xla_formulation(q_shape, kv_shape, device: Device) -> str:
-  """On GPUs XLA's dense formulation is far faster than the tiled loop while it fits."""
+  """On GPUs XLA's dense formulation is far faster than the tiled loop while it fits
+  (the loop runs its tiles one after another: 28.9 ms against jax.nn XLA's 6.3 ms for
+  bf16 B4 H8 T4096 D128 fwd+bwd on the H200, docs/benchmarks/gpu_attention.json
+  before this rule); elsewhere the length decides (dense up to 256, then tiles)."""
   if device.platform == "gpu" and _dense_fits(q_shape, kv_shape, device):
     return "dense"
   return "auto"

@@ -129,9 +129,6 @@ BACKWARD_TABLE = {
 # backward_pass_impl="auto": first matching rule wins. Each rule:
 # (device, dtypes or None, max head_dim or None, max length ratio or None, impl, source).
 BACKWARD_IMPL_RULES = (
-    ("sm_90", None, None, None, "triton_split",
-     "spec H100 page (split never >1% slower than auto; fused up to 1.92x slower); H200 check, "
-     "bf16 B4 H8 T4096 D128 causal fwd+bwd: split 4.41 ms vs onepass 4.90 ms"),
     ("sm_86", None, 64, None, "triton_onepass", "spec RTX 3090 page"),
     ("sm_89", None, 64, None, "triton_onepass", "spec RTX 3090 page (same SMEM class)"),
     ("sm_86", ("bfloat16",), 128, None, "triton_onepass", "spec RTX 3090 page"),
