@@ -71,3 +71,11 @@ def test_default_masked_bf16_is_exact(mask_name):
   x = make_inputs(2, 2, 1500, 1500, 8, 2, 64, jnp.bfloat16)
   mask = make_mask(mask_name, 2, 1500, 1500)
   check_against_reference(lambda q, k, v, b: dot_product_attention(q, k, v, mask=mask), x, mask=mask)
+
+
+def test_cudnn_causal_window_is_exact():
+  """The sm_90 default routes LocalWindowMask(left, 0) to cuDNN's sliding window."""
+  x = make_inputs(5, 2, 2048, 2048, 8, 8, 128, jnp.bfloat16)
+  mask = M.LocalWindowMask(left=300, right=0)
+  check_against_reference(lambda q, k, v, b: dot_product_attention(q, k, v, mask=mask, implementation="cudnn"),
+                          x, mask=mask)

@@ -1,5 +1,6 @@
 """Dispatch rules and the device table as pure functions, with faked devices."""
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -61,7 +62,7 @@ def test_sm90_table_routes_to_cudnn(mask):
 
 
 @pytest.mark.parametrize("mask,shapes", [
-    (M.LocalWindowMask(512, 0), BIG),
+    (M.LocalWindowMask(512, 2), BIG),
     (M.SegmentMask(jnp.zeros((4, 4096), jnp.int32)), BIG),
     (M.CausalMask(), ((4, 2048, 8, 128), (4, 4096, 8, 128))),  # causal but unequal lengths
     (M.CausalMask(offset=3), BIG),
@@ -70,7 +71,9 @@ def test_sm90_table_routes_to_cudnn(mask):
 def test_sm90_table_falls_back_to_triton_where_cudnn_cannot(mask, shapes):
   d = decide(shapes, mask=mask)
   assert d.implementation == "triton"
-  assert d.backward_pass_impl == attention_device.DEVICE_DEFAULTS[(9, 0)].backward_pass_impl
+  entry = attention_device.DEVICE_DEFAULTS[(9, 0)]
+  want = entry.backward_pass_impl_band if mask is not None and mask.has_band else entry.backward_pass_impl
+  assert d.backward_pass_impl == want
 
 
 def test_sm90_small_work_uses_triton():
@@ -113,7 +116,7 @@ def test_explicit_implementations_are_checked_not_replaced():
   with pytest.raises(ValueError, match="cudnn.*float32"):
     decide(implementation="cudnn", dtype=jnp.float32)
   with pytest.raises(ValueError, match="cudnn.*mask"):
-    decide(implementation="cudnn", mask=M.LocalWindowMask(4, 0))
+    decide(implementation="cudnn", mask=M.LocalWindowMask(4, 2))
   with pytest.raises(ValueError, match="triton.*bias"):
     decide(implementation="triton", bias=True)
   with pytest.raises(ValueError, match="triton.*NVIDIA GPU"):
@@ -125,8 +128,30 @@ def test_explicit_implementations_are_checked_not_replaced():
 def test_table_entries_cite_evidence():
   for cc, entry in attention_device.DEVICE_DEFAULTS.items():
     assert entry.evidence, cc
-    assert entry.backward_pass_impl in ("triton_onepass", "triton_fused", "triton_split")
+    for impl in (entry.backward_pass_impl, entry.backward_pass_impl_band):
+      assert impl in ("triton_onepass", "triton_fused", "triton_split")
 
 
 def test_decision_str_mentions_rule():
   assert "device table" in str(decide())
+
+
+@pytest.mark.parametrize("mask", [None, M.CausalMask(), M.LocalWindowMask(37, 0),
+                                  M.KVLenMask(jnp.array([90, 3]))])
+def test_cudnn_argument_mapping_matches_reference(mask):
+  """The mask → jax.nn arguments mapping, checked through jax.nn's XLA implementation."""
+  from probjax.ops.attention import cudnn
+  from probjax.ops.attention.reference import reference_attention
+  from probjax.ops.attention.tolerances import max_error, tolerance
+  from probjax.testing import make_inputs
+  x = make_inputs(0, 2, 90, 90, 4, 2, 16)
+  assert cudnn.supports(x.q.shape, x.k.shape, jnp.bfloat16, mask=mask, platform="gpu") is None
+  out = jax.nn.dot_product_attention(x.q, x.k, x.v, scale=0.25, implementation="xla",
+                                     **cudnn.jaxnn_arguments(mask, 2))
+  assert max_error(out, reference_attention(x.q, x.k, x.v, mask=mask, scale=0.25)) <= tolerance(jnp.float32)
+
+
+def test_sm90_table_routes_causal_windows_to_cudnn():
+  d = decide(mask=M.LocalWindowMask(512, 0))
+  assert d.implementation == "cudnn"
+  assert decide(mask=M.LocalWindowMask(512, 3)).implementation == "triton"  # right window: no

@@ -25,6 +25,7 @@ class DeviceDefaults:
       ``batch * q_heads * q_len * kv_len >= cudnn_min_work``.
     cudnn_min_head_dim: and ``head_dim >= cudnn_min_head_dim``.
     backward_pass_impl: what ``backward_pass_impl="auto"`` resolves to.
+    backward_pass_impl_band: the same for masks with a diagonal band (causal, windows).
     fp32_dense_max_len: float32 calls with ``max(q_len, kv_len)`` up to this use
       XLA's dense formulation (TF32 matmuls) while it fits in memory.
     evidence: where the numbers come from.
@@ -33,6 +34,7 @@ class DeviceDefaults:
   cudnn_min_work: int
   cudnn_min_head_dim: int
   backward_pass_impl: str
+  backward_pass_impl_band: str
   fp32_dense_max_len: int
   evidence: tuple[str, ...]
 
@@ -45,14 +47,19 @@ DEVICE_DEFAULTS: dict[tuple[int, int], DeviceDefaults] = {
         # T=384 (work 75M) on; D32: the Triton kernel wins at every length (64..1024).
         cudnn_min_work=48 * 2**20,
         cudnn_min_head_dim=64,
-        # gpu_attention.json (bf16 B4 H8, fwd+bwd, ms, split / fused / onepass): D64 T16384
-        # 30.9 / 37.8 / 77.2; D128 T4096 4.35 / 4.37 / 8.78; D64 causal T4096 1.46 / 1.32 / 2.83.
-        # Split is never more than 10% slower and up to 22% faster than fused; onepass's
-        # atomics cost 2x on sm_90. (H100 page "Why" agrees: split within 1% of the best.)
+        # gpu_attention.json (bf16 B4 H8, fwd+bwd, ms, split / fused / onepass):
+        #   non-causal: D64 T16384 30.9 / 37.8 / 77.2; D64 T4096 2.21 / 2.24 / 5.12;
+        #               D128 T4096 4.35 / 4.37 / 8.78; D64 T1024 0.149 / 0.159 / 0.353
+        #   causal:     D64 T4096 1.46 / 1.32 / 2.83; D128 T4096 2.44 / 2.32 / 5.01;
+        #               D64 T1024 0.157 / 0.124 / 0.284
+        # Split is fastest without a band, fused with one; onepass's atomics cost ~2x on sm_90.
         backward_pass_impl="triton_split",
+        backward_pass_impl_band="triton_fused",
         # anchors: fp32 D128 T=4096 fwd+bwd jax.nn XLA 7.95 ms; spec: Triton fp32 is ~1.95x slower.
         fp32_dense_max_len=16384,
-        evidence=("../shared/anchors/h200_jax_peers.jsonl", "../shared/anchors/h200_torch_peers.jsonl",
+        evidence=("docs/benchmarks/gpu_attention.json (H200 grid, bf16 B4 H8, peers in the same run)",
+                  "docs/benchmarks/kernel_attn_gpu_dispatch.json (H200 short-sequence sweep, batch 64)",
+                  "../shared/anchors/h200_jax_peers.jsonl (fp32 D128 T4096 fwd+bwd: jax.nn XLA 7.95 ms)",
                   "spec 002 (H100 page): Device-specific defaults, Why, Known issues"),
     ),
 }

@@ -130,7 +130,7 @@ def explain_dispatch(q_shape, kv_shape, dtype, *, mask: Mask | None = None, bias
       why = "non-default precision" if precision is not None else "attention weights requested (module)"
     if why:
       raise ValueError(f"implementation='triton' cannot compute this call exactly: {why}")
-    return Decision("triton", "requested", _resolve_backward(backward_pass_impl, device, env, dtype))
+    return Decision("triton", "requested", _resolve_backward(backward_pass_impl, mask))
   if impl == "cudnn":
     why = cudnn_backend.supports(q_shape, kv_shape, dtype, platform=device.platform, **kw)
     if why is None and (precision is not None or module):
@@ -167,7 +167,7 @@ def explain_dispatch(q_shape, kv_shape, dtype, *, mask: Mask | None = None, bias
                     formulation=_xla_formulation(q_shape, kv_shape, device))
   why = triton_supports(q_shape, kv_shape, dtype, device=device, **kw)
   if why is None:
-    backward = _resolve_backward(backward_pass_impl, device, env, dtype, table)
+    backward = _resolve_backward(backward_pass_impl, mask, table)
     rule = "fused kernel: exact for this call"
     return Decision("triton", rule, backward)
   return Decision("xla", f"the kernel cannot take it ({why})", formulation=_xla_formulation(q_shape, kv_shape, device))
@@ -190,9 +190,9 @@ def _xla_formulation(q_shape, kv_shape, device: Device) -> str:
   return "auto"
 
 
-def _resolve_backward(backward_pass_impl, device: Device, env, dtype, table=None) -> str:
+def _resolve_backward(backward_pass_impl, mask: Mask | None, table=None) -> str:
   if backward_pass_impl != "auto":
     return backward_pass_impl
   if table is not None:
-    return table.backward_pass_impl
+    return table.backward_pass_impl_band if mask is not None and mask.has_band else table.backward_pass_impl
   return "auto"  # the Triton backend's own measured table resolves it

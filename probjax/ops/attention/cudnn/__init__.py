@@ -1,9 +1,12 @@
 """The cuDNN route: ``jax.nn.dot_product_attention(implementation="cudnn")``.
 
-cuDNN's fused attention takes no probjax mask beyond per-batch key lengths and
-equal-length causal masking, no dropout or score_mod here, 16-bit inputs only
-and head_dim a multiple of 8 up to 128 (jax.nn's checks). :func:`supports`
-names the first reason a call is outside that set.
+cuDNN's fused attention takes, of probjax's masks, per-batch key lengths,
+equal-length causal masking and equal-length causal sliding windows
+(``LocalWindowMask(left, 0)``, jax.nn's ``local_window_size=(left, 0)``); no
+dropout or score_mod here, 16-bit inputs only and head_dim a multiple of 8 up
+to 128 (jax.nn's checks). :func:`supports` names the first reason a call is
+outside that set; :func:`jaxnn_arguments` is the mapping, which CPU tests check
+against the reference through jax.nn's XLA implementation.
 """
 
 from __future__ import annotations
@@ -33,21 +36,33 @@ def supports(q_shape, kv_shape, dtype, *, mask: Mask | None = None, score_mod=No
     return "dropout"
   if score_mod is not None:
     return "score_mod"
-  if mask is not None and mask.components:
-    equal_causal = mask.is_causal(0) and q_shape[1] == kv_shape[1]
-    if not (mask.is_kv_lengths_only() or equal_causal):
-      return f"mask {mask.name!r}: cuDNN takes only KVLenMask or equal-length CausalMask()"
+  if mask is not None and mask.components and not mask.is_kv_lengths_only():
+    equal = q_shape[1] == kv_shape[1]
+    causal_window = mask.components == ("window",) and mask.upper == 0
+    if not (equal and (mask.is_causal(0) or causal_window)):
+      return (f"mask {mask.name!r}: cuDNN takes only KVLenMask, or CausalMask() / "
+              "LocalWindowMask(left, 0) with equal lengths")
   return None
+
+
+def jaxnn_arguments(mask: Mask | None, batch: int) -> dict:
+  """``jax.nn.dot_product_attention`` keyword arguments that express ``mask``."""
+  kw = dict(is_causal=False, key_value_seq_lengths=None, local_window_size=None)
+  if mask is None:
+    return kw
+  if mask.kv_lengths is not None:
+    kw["key_value_seq_lengths"] = jnp.broadcast_to(mask.kv_lengths, (batch,)).astype(jnp.int32)
+  if mask.upper == 0:
+    kw["is_causal"] = True
+    if mask.lower is not None:
+      kw["local_window_size"] = (-mask.lower, 0)
+  return kw
 
 
 def attention(q, k, v, *, mask: Mask | None = None, scale: float):
   """q ``[B, Tq, H, D]``, k/v ``[B, Tkv, Hkv, D]`` (bf16/fp16) → ``[B, Tq, H, D]`` via cuDNN."""
-  causal = mask is not None and mask.is_causal(0)
-  kv_lengths = None
-  if mask is not None and mask.kv_lengths is not None:
-    kv_lengths = jnp.broadcast_to(mask.kv_lengths, (q.shape[0],)).astype(jnp.int32)
-  out = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal,
-                                     key_value_seq_lengths=kv_lengths, implementation="cudnn")
-  if kv_lengths is not None:  # rows with no valid key are zeros, as on every other path
-    out = jnp.where((kv_lengths > 0)[:, None, None, None], out, 0).astype(out.dtype)
+  kw = jaxnn_arguments(mask, q.shape[0])
+  out = jax.nn.dot_product_attention(q, k, v, scale=scale, implementation="cudnn", **kw)
+  if kw["key_value_seq_lengths"] is not None:  # rows with no valid key are zeros, as on every path
+    out = jnp.where((kw["key_value_seq_lengths"] > 0)[:, None, None, None], out, 0).astype(out.dtype)
   return out
