@@ -317,3 +317,14 @@ def test_gpu_score_mod_and_determinism():
     g1, g2 = g(q, k, v), g(q, k, v)
     for a, b in zip(g1, g2):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_ranges_from_classes():
+  """Per-batch tile ranges: span of non-EMPTY tiles; FULL run only when contiguous."""
+  from probjax.ops.attention.triton.tiles import ranges_from_classes
+  E, P, F = 0, 1, 2
+  classes = jnp.array([[[E, P, F, F, P, E], [F, E, F, P, E, E], [E, E, E, E, E, E]]], jnp.int32)
+  r = np.asarray(ranges_from_classes(classes))[0]
+  assert r[:, 0].tolist() == [1, 5, 2, 4]   # lo, hi, full_lo, full_hi
+  assert r[:, 1].tolist() == [0, 4, 0, 0]   # FULL tiles not contiguous: no full run
+  assert r[:, 2].tolist() == [6, 6, 6, 6]   # nothing to visit

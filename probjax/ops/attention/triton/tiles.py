@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from probjax.ops.attention.masks import EMPTY, FULL, PARTIAL, Mask, num_tiles
+from probjax.ops.attention.masks import EMPTY, FULL, Mask, num_tiles
 
 LOG2E = math.log2(math.e)
 
@@ -28,7 +28,7 @@ class TileMask:
 
   ``q_len``/``kv_len`` are the true lengths (arrays are padded beyond them).
   The optional refs follow the main operands in the order ``tile_range,
-  classes, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids``.
+  q_lengths, kv_lengths, q_segment_ids, kv_segment_ids``.
   """
   lower: int | None
   upper: int | None
@@ -37,14 +37,13 @@ class TileMask:
   has_range: bool       # any mask or padding: per-tile loop bounds
   has_q_lengths: bool
   has_kv_lengths: bool
-  has_segments: bool    # segment ids: per-tile classes decide EMPTY/PARTIAL/FULL
+  has_segments: bool    # segment ids: per-batch tile ranges from the tile classes
 
 
 @dataclasses.dataclass
 class MaskRefs:
   """The mask refs of one kernel, unpacked from its positional refs."""
-  tile_range: Any = None   # [4, n] int32: lo, hi, full_lo, full_hi per outer tile
-  classes: Any = None      # [batch, nq, nk] int32 (with segments)
+  tile_range: Any = None   # [4, n] (or [batch, 4, n] with segments) int32: lo, hi, full_lo, full_hi
   q_lengths: Any = None    # [batch] int32
   kv_lengths: Any = None   # [batch] int32
   q_seg: Any = None        # [batch, q_pad] int32
@@ -52,13 +51,13 @@ class MaskRefs:
 
   @staticmethod
   def count(tm: TileMask) -> int:
-    return tm.has_range + tm.has_q_lengths + tm.has_kv_lengths + 3 * tm.has_segments
+    return tm.has_range + tm.has_q_lengths + tm.has_kv_lengths + 2 * tm.has_segments
 
   @classmethod
   def unpack(cls, tm: TileMask, refs) -> "MaskRefs":
     refs = list(refs)
     pop = lambda flag: refs.pop(0) if flag else None
-    out = cls(pop(tm.has_range), pop(tm.has_segments))
+    out = cls(pop(tm.has_range))
     out.q_lengths, out.kv_lengths = pop(tm.has_q_lengths), pop(tm.has_kv_lengths)
     out.q_seg, out.kv_seg = pop(tm.has_segments), pop(tm.has_segments)
     return out
@@ -92,8 +91,10 @@ def mask_operands(mask: Mask | None, batch: int, q_len: int, kv_len: int, q_pad:
   ``[lo, hi)`` (:meth:`Mask.kv_range` / :meth:`Mask.q_range` of the band), and
   ``[full_lo, full_hi)`` are the tiles the band and the true lengths fill
   completely (:meth:`Mask.classify_tiles` of the band), which skip the element
-  predicate. Per-batch lengths narrow both ranges in-kernel; segment ids add
-  the per-tile classes of the whole mask (EMPTY tiles skipped).
+  predicate. Per-batch lengths narrow both ranges in-kernel. With segment ids
+  the ranges are per batch element, from the classes of the whole mask
+  (:func:`ranges_from_classes`): no per-tile branch in the loop, which would
+  keep Triton from pipelining it.
   """
   m = mask if mask is not None else Mask()
   tm = TileMask(m.lower, m.upper, q_len, kv_len,
@@ -119,10 +120,13 @@ def mask_operands(mask: Mask | None, batch: int, q_len: int, kv_len: int, q_pad:
       idx = np.flatnonzero(row)
       flo, fhi = (int(idx[0]), int(idx[-1]) + 1) if idx.size else (hi, hi)
       rows.append((lo, hi, flo, fhi))
-    ops.append(jnp.asarray(np.array(rows, np.int32).T))
+    band_range = np.array(rows, np.int32).T
+    if tm.has_segments:
+      classes = m.classify_tiles(batch, q_len, kv_len, block_q, block_k)
+      ops.append(ranges_from_classes(classes if by_q else jnp.swapaxes(classes, 1, 2)))
+    else:
+      ops.append(jnp.asarray(band_range))
   bcast = lambda x, shape: jnp.broadcast_to(jnp.asarray(x, jnp.int32), shape)
-  if tm.has_segments:
-    ops.append(m.classify_tiles(batch, q_len, kv_len, block_q, block_k))
   if tm.has_q_lengths:
     ops.append(bcast(m.q_lengths, (batch,)))
   if tm.has_kv_lengths:
@@ -133,6 +137,26 @@ def mask_operands(mask: Mask | None, batch: int, q_len: int, kv_len: int, q_pad:
   return tm, ops
 
 
+def ranges_from_classes(classes):
+  """Per-batch inner tile ranges ``[batch, 4, n_outer]`` (lo, hi, full_lo, full_hi) from
+  tile classes ``[batch, n_outer, n_inner]``.
+
+  ``[lo, hi)`` spans every non-EMPTY tile (EMPTY ones inside it are computed with
+  the element predicate, which is exact); ``[full_lo, full_hi)`` is the run of
+  FULL tiles when they are contiguous (packed documents with sorted ids), else empty.
+  """
+  n = classes.shape[-1]
+  first = lambda x: jnp.where(x.any(-1), jnp.argmax(x, -1), n)
+  last = lambda x: jnp.where(x.any(-1), n - jnp.argmax(x[..., ::-1], -1), 0)
+  live, full = classes != EMPTY, classes == FULL
+  lo, hi = first(live), last(live)
+  hi = jnp.maximum(lo, hi)
+  flo, fhi = first(full), last(full)
+  contiguous = full.sum(-1) == fhi - flo
+  flo, fhi = jnp.where(contiguous, flo, lo), jnp.where(contiguous, fhi, lo)
+  return jnp.stack([lo, hi, flo, fhi], axis=1).astype(jnp.int32)
+
+
 # -- in-kernel helpers ----------------------------------------------------------
 def tile_loop(tm: TileMask, mr: MaskRefs, b, tile, n_static: int, body, carry, *, by_q: bool,
               block_outer: int, block_inner: int):
@@ -140,12 +164,15 @@ def tile_loop(tm: TileMask, mr: MaskRefs, b, tile, n_static: int, body, carry, *
 
   Three loops: masked tiles below the full range, the full range (no element
   predicate), masked tiles above it. Tiles outside ``[lo, hi)`` -- out of the
-  band or past this batch element's lengths -- are never loaded. With segment
-  ids every tile dispatches on its class: EMPTY skipped, PARTIAL masked, FULL not.
+  band, past this batch element's lengths, or (with segment ids) before the
+  first and after the last non-EMPTY tile -- are never loaded.
   """
   if mr.tile_range is None:
     return jax.lax.fori_loop(0, n_static, lambda j, c: body(j, c, False), carry)
-  lo, hi, flo, fhi = (mr.tile_range[r, tile] for r in range(4))
+  if tm.has_segments:
+    lo, hi, flo, fhi = (mr.tile_range[b, r, tile] for r in range(4))
+  else:
+    lo, hi, flo, fhi = (mr.tile_range[r, tile] for r in range(4))
   inner_len = mr.kv_lengths if by_q else mr.q_lengths
   outer_len = mr.q_lengths if by_q else mr.kv_lengths
   if inner_len is not None:
@@ -156,20 +183,9 @@ def tile_loop(tm: TileMask, mr: MaskRefs, b, tile, n_static: int, body, carry, *
     hi = jnp.where(tile * block_outer < outer_len[b], hi, lo)
   b1 = jnp.clip(flo, lo, hi)
   b2 = jnp.clip(fhi, b1, hi)
-
-  def step(masked):
-    if mr.classes is None:
-      return lambda j, c: body(j, c, masked)
-
-    def by_class(j, c):
-      cls = mr.classes[b, tile, j] if by_q else mr.classes[b, j, tile]
-      assert (EMPTY, PARTIAL, FULL) == (0, 1, 2)
-      return jax.lax.switch(cls, [lambda: c, lambda: body(j, c, True), lambda: body(j, c, False)])
-    return by_class
-
-  carry = jax.lax.fori_loop(lo, b1, step(True), carry)
-  carry = jax.lax.fori_loop(b1, b2, step(False), carry)
-  return jax.lax.fori_loop(b2, hi, step(True), carry)
+  carry = jax.lax.fori_loop(lo, b1, lambda j, c: body(j, c, True), carry)
+  carry = jax.lax.fori_loop(b1, b2, lambda j, c: body(j, c, False), carry)
+  return jax.lax.fori_loop(b2, hi, lambda j, c: body(j, c, True), carry)
 
 
 def tile_valid(tm: TileMask, mr: MaskRefs, b, q_start, k_start, block_q: int, block_k: int):

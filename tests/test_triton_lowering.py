@@ -1,0 +1,45 @@
+"""The Triton kernels lower to Triton IR for sm_90 on CPU (no GPU needed).
+
+Interpret mode checks the kernels' arithmetic; this checks that Pallas can
+lower them for a Hopper GPU (dynamic loop bounds, scalar loads of the tile
+ranges, atomics), so a lowering regression fails in CI rather than on the
+device. Triton's own compilation to machine code still needs the GPU.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax._src.pallas.triton import gpu_info
+
+import probjax.ops.attention.triton as pt
+from probjax.ops.attention import masks as M
+from probjax.ops.attention.triton.config import BackwardConfig, ForwardConfig
+
+H200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
+MASKS = {
+    "none": None,
+    "causal": M.CausalMask(),
+    "window&kv_len": M.LocalWindowMask(100, 0) & M.KVLenMask(jnp.array([300, 70])),
+    "segments": M.SegmentMask(jnp.sort(jax.random.randint(jax.random.key(0), (2, 300), 0, 3), axis=1)),
+}
+
+
+@pytest.mark.parametrize("mask_name", list(MASKS))
+@pytest.mark.parametrize("impl", ["triton_split", "triton_fused", "triton_onepass"])
+def test_lowers_for_sm90(monkeypatch, mask_name, impl):
+  monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: H200)
+  monkeypatch.setattr(pt, "supports", lambda *a, **kw: None)  # its platform check sees the CPU
+  mask = MASKS[mask_name]
+  q = jax.ShapeDtypeStruct((2, 300, 8, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, 300, 2, 128), jnp.bfloat16)
+
+  def loss(q, k, v):
+    out = pt.attention(q, k, v, mask=mask, backward_pass_impl=impl,
+                       forward_config=ForwardConfig(128, 64, 8, 3),
+                       backward_config=BackwardConfig(64, 128, 128, 64, 8, 2))
+    return jnp.sum(out.astype(jnp.float32))
+
+  lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(lowering_platforms=("cuda",))
+  text = lowered.as_text()
+  assert "probjax_attention_fwd" in text
+  assert text.count("custom_call @__gpu$xla.gpu.triton") >= 2  # the forward and the backward kernel(s)
