@@ -339,3 +339,11 @@ def test_quick_suite(tmp_path, module, extra):
   if module == "benchmark_kernel_attn_cpu":
     torch_rows = [r for r in rows if r["impl"] == "torch_cpu"]
     assert torch_rows and all(r["status"] in ("unsupported", "error") for r in torch_rows)
+
+
+def test_select_cases_rejects_unknown_suites():
+  from docs.scripts import harness
+  built = harness.select_cases("b,a", {"a": lambda: ["a1"], "b": lambda: ["b1", "b2"]})
+  assert built == ["a1", "b1", "b2"]
+  with pytest.raises(SystemExit, match="known: a, b"):
+    harness.select_cases("a,typo", {"a": lambda: [], "b": lambda: []})

@@ -97,12 +97,8 @@ def main(argv=None):
   p.add_argument("--batch", type=int, default=4)
   p.add_argument("--heads", type=int, default=8)
   args = p.parse_args(argv)
-  cases = []
-  suites = _csv(args.suite)
-  if "grid" in suites:
-    cases += grid_cases(args)
-  if "masked" in suites:
-    cases += masked_cases(args)
+  cases = harness.select_cases(args.suite, {"grid": lambda: grid_cases(args),
+                                            "masked": lambda: masked_cases(args)})
   harness.run_cases(cases, args)
 
 

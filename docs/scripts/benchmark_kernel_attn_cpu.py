@@ -134,12 +134,8 @@ def main(argv=None):
   args = p.parse_args(argv)
   torch_py, note = find_torch_python(args.torch_python)
   print(f"[cpu] torch side: {torch_py or 'none'} ({note})", file=sys.stderr)
-  suites = [s for s in args.suite.split(",") if s]
-  cases = []
-  if "cpu" in suites:
-    cases += cpu_cases(args, torch_py, note)
-  if "cpu_memory" in suites:
-    cases += memory_cases(args)
+  cases = harness.select_cases(args.suite, {"cpu": lambda: cpu_cases(args, torch_py, note),
+                                            "cpu_memory": lambda: memory_cases(args)})
   harness.run_cases(cases, args)
   return 0
 

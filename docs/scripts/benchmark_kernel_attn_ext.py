@@ -84,12 +84,8 @@ def main(argv=None):
   p.add_argument("--suite", default="gqa,decode")
   p.add_argument("--dtype", default="bf16")
   args = p.parse_args(argv)
-  suites = [s for s in args.suite.split(",") if s]
-  cases = []
-  if "gqa" in suites:
-    cases += gqa_cases(args)
-  if "decode" in suites:
-    cases += decode_cases(args)
+  cases = harness.select_cases(args.suite, {"gqa": lambda: gqa_cases(args),
+                                            "decode": lambda: decode_cases(args)})
   harness.run_cases(cases, args)
   return 0
 

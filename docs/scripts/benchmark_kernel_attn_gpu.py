@@ -233,14 +233,9 @@ def main(argv=None):
   p.add_argument("--max-len", type=int, default=131072)
   p.add_argument("--child-timeout", type=float, default=400)
   args = p.parse_args(argv)
-  suites = [s for s in args.suite.split(",") if s]
-  cases = []
-  if "dispatch" in suites:
-    cases += dispatch_cases(args)
-  if "residuals" in suites:
-    cases += residual_cases(args)
-  if "peak" in suites:
-    cases += peak_cases(args)
+  cases = harness.select_cases(args.suite, {"dispatch": lambda: dispatch_cases(args),
+                                            "residuals": lambda: residual_cases(args),
+                                            "peak": lambda: peak_cases(args)})
   harness.run_cases(cases, args, on_row=lambda r: expand_peak_rows(r, args.output)
                     if r["suite"] == "max_len" else None)
   return 0

@@ -374,6 +374,18 @@ def timing_kwargs(args) -> dict:
   return dict(warmup=args.warmup, repeats=args.repeats, min_repeat_s=args.min_repeat_ms / 1e3)
 
 
+def select_cases(spec: str, builders: dict[str, Callable[[], list[Case]]]) -> list[Case]:
+  """The cases of the comma-separated suite names in ``spec``, in ``builders``' order.
+
+  An unknown name exits with the known ones listed, rather than silently running nothing.
+  """
+  names = [s for s in str(spec).split(",") if s]
+  unknown = [n for n in names if n not in builders]
+  if unknown or not names:
+    raise SystemExit(f"--suite: unknown or empty {unknown or spec!r}; known: {', '.join(builders)}")
+  return [c for name, build in builders.items() if name in names for c in build()]
+
+
 def run_cases(cases: Iterable[Case], args, *, on_row: Callable[[dict], None] | None = None) -> list[dict]:
   """Runs cases, writing rows to ``args.output``; returns the rows written now."""
   cases = [c for c in cases if impl_selected(c.impl, args)]
