@@ -55,3 +55,19 @@ def pytest_report_header(config):
     reason, kind = _gpu_devices()
     return f"probjax: --gpu, device: {kind or reason}"
   return None
+
+
+def pytest_runtest_logreport(report):
+  """With --gpu, print each failure as it happens: device runs are cut off by time limits
+  before pytest's end-of-run summary, which would otherwise lose the tracebacks."""
+  if report.failed and _INSTAFAIL[0]:
+    import sys
+    sys.stdout.write(f"\n[FAILED] {report.nodeid} ({report.when})\n{report.longreprtext[-4000:]}\n")
+    sys.stdout.flush()
+
+
+_INSTAFAIL = [False]
+
+
+def pytest_sessionstart(session):
+  _INSTAFAIL[0] = bool(session.config.getoption("--gpu"))
