@@ -5,7 +5,9 @@
 #   bash docs/scripts/gpu_batch.sh [PLAN] [MINUTES]
 #
 # PLAN: all (default; priority order below), or a comma list of steps:
-#   dispatch grid_core peak residuals ext masked tiles grid_bf16 grid_fp32 tiles_fp32
+#   tests dispatch grid_core peak residuals ext masked tiles grid_bf16 grid_fp32 tiles_fp32
+# (tests: pytest --gpu on the gpu-marked tests, failures printed as they happen, log in
+# $OUT/gpu_tests.log; it gets at most a third of the remaining time)
 # (grid_core: bf16 at T = 1024, 4096, 16384; grid_bf16 fills the other lengths)
 # Each step writes $OUT/<file>.json, first copying docs/benchmarks/<file>.json
 # there so that --append skips rows already measured. After the run, copy the
@@ -44,6 +46,10 @@ split() {  # file module args...: JAX-side process, then torch-side process
 IFS=',' read -ra steps <<< "$PLAN"
 for s in "${steps[@]}"; do
   case "$s" in
+    tests)     t=$(python3 -c "print(int(60 * $(left_min) / 3))")
+               echo "[batch] $(date +%T) tests (max ${t} s)" | tee -a "$OUT/batch.log"
+               timeout "$t" $PY -m pytest tests --gpu -m gpu -q -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
+               grep -E "^\[FAILED\]|passed|failed" "$OUT/gpu_tests.log" | tail -20 | tee -a "$OUT/batch.log" ;;
     dispatch)  run_step kernel_attn_gpu_dispatch.json docs.scripts.benchmark_kernel_attn_gpu --device gpu --suite dispatch ;;
     grid_core) split gpu_attention.json docs.scripts.benchmark_gpu_attention --suite grid --dtypes bf16 --lengths 1024,4096,16384 ;;
     peak)      run_step kernel_attn_gpu_memory.json docs.scripts.benchmark_kernel_attn_gpu --device gpu --suite peak --child-timeout 100 ;;
