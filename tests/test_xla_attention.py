@@ -11,7 +11,7 @@ from probjax.nn.layers.attention import dot_product_attention, flex_attention
 from probjax.ops.attention import masks as M
 from probjax.ops.attention import xla
 from probjax.ops.attention.reference import reference_attention, _attention64
-from probjax.ops.attention.tolerances import max_error, tolerance
+from probjax.ops.attention.tolerances import max_error, scaled_tolerance, tolerance
 from probjax.testing import MASK_NAMES, check_against_reference, make_inputs, make_mask
 
 
@@ -121,6 +121,14 @@ def test_low_precision_inputs(dtype, t):
   x = make_inputs(4, 2, t, t, 4, 2, 64, dtype)
   mask = make_mask("segments", 2, t, t)
   check_against_reference(_xla("auto", mask), x, mask=mask)
+  # FlashAttention-style bound: within 2x the error of a same-precision dense reference
+  # (jax.nn's XLA attention on the same low-precision inputs).
+  seg = mask.q_segment_ids
+  dense = (seg[:, :, None] == seg[:, None, :])[:, None]
+  same_precision = jax.nn.dot_product_attention(x.q, x.k, x.v, mask=dense, implementation="xla")
+  ref = reference_attention(x.q, x.k, x.v, mask=mask)
+  ours = xla.attention(x.q, x.k, x.v, mask=mask, scale=64 ** -0.5)
+  assert max_error(ours, ref) <= scaled_tolerance(max_error(same_precision, ref), dtype)
 
 
 def test_fully_masked_rows_are_zero_with_zero_gradients():

@@ -13,7 +13,6 @@ Mask names: "none", "window512" (causal, 512 keys to the left), "docs4"
 from __future__ import annotations
 
 import functools
-import inspect
 
 from docs.scripts.harness import Unsupported
 
@@ -289,14 +288,6 @@ def build(impl, arrays, dtype, causal, mode, mask="none"):
   if impl.startswith("torch_") and impl != "torch_cpu":
     return build_torch(impl, arrays, dtype, causal, mode, mask)
   return build_jax_side(impl, arrays, dtype, causal, mode, mask)
-
-
-def accepts_kwarg(fn, name: str) -> bool:
-  try:
-    sig = inspect.signature(fn)
-  except (TypeError, ValueError):
-    return False
-  return name in sig.parameters or any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values())
 
 
 def free_memory():

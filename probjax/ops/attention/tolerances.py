@@ -48,9 +48,3 @@ def scaled_tolerance(same_precision_error: float, dtype, *, factor: float = 2.0,
   """FlashAttention-style bound: ``factor`` × a same-precision reference's own error,
   floored at a tenth of the dtype's fixed bound."""
   return max(factor * same_precision_error, 0.1 * tolerance(dtype, grad=grad))
-
-
-def assert_close(x, ref, dtype, *, grad: bool = False, tf32: bool = False, what: str = "output"):
-  err = max_error(x, ref)
-  tol = tolerance(dtype, grad=grad, tf32=tf32)
-  assert err <= tol, f"{what}: max error {err:.3g} > tolerance {tol:.3g} ({np.dtype(dtype).name if not isinstance(dtype, str) else dtype})"
