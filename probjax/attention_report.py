@@ -134,50 +134,19 @@ def build_cases(args, platform_kind: str) -> tuple[list[Case], int]:
 # inputs and masks
 # -----------------------------------------------------------------------------
 def make_mask(kind: str, case: Case):
-  """A probjax Mask for ``kind`` (None for "none")."""
-  from probjax.ops.attention import masks as M
-  b, tq, tk = case.batch, case.q_len, case.kv_len
-  if kind == "none":
-    return None
-  if kind == "causal":
-    return M.CausalMask()
-  if kind == "window":
-    return M.LocalWindowMask(left=window_left(tk), right=0)
-  if kind == "kv_len":
-    return M.KVLenMask(kv_lengths_for(b, tk))
-  if kind == "segments":
-    q_ids, kv_ids = segment_ids_for(b, tq, tk)
-    return M.SegmentMask(q_ids, kv_ids)
-  raise ValueError(f"unknown mask {kind!r}; expected one of {MASKS}")
-
-
-def window_left(kv_len: int) -> int:
-  return max(1, kv_len // 4)
-
-
-def kv_lengths_for(batch: int, kv_len: int) -> np.ndarray:
-  # From the full length down to ~half, never 0.
-  return np.array([max(1, kv_len - (i * kv_len) // (2 * max(1, batch))) for i in range(batch)], np.int32)
-
-
-def segment_ids_for(batch: int, q_len: int, kv_len: int) -> tuple[np.ndarray, np.ndarray]:
-  # Three packed documents per row (uneven boundaries), same split in q and kv.
-  def ids(n):
-    pos = np.arange(n)
-    return (pos >= n // 5).astype(np.int32) + (pos >= (2 * n) // 3).astype(np.int32)
-  return np.tile(ids(q_len), (batch, 1)), np.tile(ids(kv_len), (batch, 1))
+  """A probjax Mask for ``kind`` (None for "none"): the shared test masks of :mod:`probjax.testing`."""
+  from probjax.testing import make_mask as shared_make_mask
+  if kind not in MASKS:
+    raise ValueError(f"unknown mask {kind!r}; expected one of {MASKS}")
+  return shared_make_mask(kind, case.batch, case.q_len, case.kv_len)
 
 
 def make_inputs(case: Case, seed: int = 0):
-  import jax.numpy as jnp
-  rng = np.random.default_rng(seed)
-  shape_q = (case.batch, case.q_len, case.q_heads, case.head_dim)
-  shape_kv = (case.batch, case.kv_len, case.kv_heads, case.head_dim)
-  q = jnp.asarray(rng.standard_normal(shape_q, np.float32), case.dtype)
-  k = jnp.asarray(rng.standard_normal(shape_kv, np.float32), case.dtype)
-  v = jnp.asarray(rng.standard_normal(shape_kv, np.float32), case.dtype)
-  do = jnp.asarray(rng.standard_normal(shape_q, np.float32), case.dtype)
-  return q, k, v, do
+  """Fresh random ``(q, k, v, do)`` for ``case`` (:func:`probjax.testing.make_inputs`)."""
+  from probjax.testing import make_inputs as shared_make_inputs
+  x = shared_make_inputs(seed, case.batch, case.q_len, case.kv_len, case.q_heads, case.kv_heads,
+                         case.head_dim, case.dtype)
+  return x.q, x.k, x.v, x.do
 
 
 # -----------------------------------------------------------------------------
@@ -207,20 +176,14 @@ def _probjax_fn(name: str | None, mask, platform_kind: str = "cpu") -> Callable:
 
 def _jaxnn_fn(backend: str, case: Case, mask_kind: str, mask) -> Callable:
   import jax
-  import jax.numpy as jnp
-  kw: dict[str, Any] = dict(implementation=backend)
-  dense = None
-  if mask_kind == "causal":
-    kw["is_causal"] = True
-  elif mask_kind == "window":
-    kw["local_window_size"] = (window_left(case.kv_len), 0)
-  elif mask_kind == "kv_len":
-    kw["key_value_seq_lengths"] = jnp.asarray(kv_lengths_for(case.batch, case.kv_len))
-  elif mask_kind == "segments":
-    # jax.nn has no segment ids: a dense boolean mask [B, 1, T, S].
-    dense = mask.dense(case.batch, case.q_len, case.kv_len)
+  from probjax.ops.attention.cudnn import jaxnn_arguments
+  if mask_kind == "segments":  # jax.nn has no segment ids: a dense boolean mask [B, 1, T, S]
+    kw = dict(mask=mask.dense(case.batch, case.q_len, case.kv_len))
+  else:
+    kw = jaxnn_arguments(mask, case.batch)
+
   def f(q, k, v):
-    return jax.nn.dot_product_attention(q, k, v, mask=dense, **kw)
+    return jax.nn.dot_product_attention(q, k, v, implementation=backend, **kw)
   return f
 
 
