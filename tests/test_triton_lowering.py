@@ -43,3 +43,21 @@ def test_lowers_for_sm90(monkeypatch, mask_name, impl):
   text = lowered.as_text()
   assert "probjax_attention_fwd" in text
   assert text.count("custom_call @__gpu$xla.gpu.triton") >= 2  # the forward and the backward kernel(s)
+
+
+def test_api_grad_lowers_for_sm90(monkeypatch):
+  """Through dot_product_attention: the forward-mode wrapper keeps the kernels' backward."""
+  from probjax.nn.layers.attention import dot_product_attention
+  from probjax.ops.attention import dispatch
+  monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: H200)
+  monkeypatch.setattr(pt, "supports", lambda *a, **kw: None)
+  monkeypatch.setattr(dispatch.Device, "current", classmethod(lambda cls: dispatch.Device("gpu", (9, 0), 140 << 30)))
+  q = jax.ShapeDtypeStruct((2, 300, 8, 64), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, 300, 2, 64), jnp.bfloat16)
+  loss = lambda q, k, v: jnp.sum(dot_product_attention(q, k, v, mask=M.CausalMask(),
+                                                       implementation="triton").astype(jnp.float32))
+  lower = lambda f: jax.jit(f).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+  grad_text, fwd_text = lower(jax.grad(loss, argnums=(0, 1, 2))), lower(loss)
+  assert "probjax_attention_bwd" in grad_text
+  # The forward kernel runs once under grad, as without it (no recomputation by the wrapper).
+  assert grad_text.count("probjax_attention_fwd") == fwd_text.count("probjax_attention_fwd") > 0

@@ -24,6 +24,7 @@ from probjax.ops.attention import base
 from probjax.ops.attention import cudnn as cudnn_backend
 from probjax.ops.attention import dispatch
 from probjax.ops.attention import xla as xla_backend
+from probjax.ops.attention.autodiff import with_forward_mode
 from probjax.ops.attention.dispatch import Decision, Device
 from probjax.ops.attention.masks import (CausalMask, KVLenMask, LengthMask, LocalWindowMask, Mask,
                                          SegmentMask)
@@ -160,14 +161,20 @@ def _attention(query, key, value, shape: base.AttentionShape, *, bias=None, mask
   if (forward_config is not None or backward_config is not None) and decision.implementation != "triton":
     raise ValueError(f"forward_config/backward_config configure the Triton kernel, but this call runs "
                      f"{decision}; pass implementation='triton'")
-  if decision.implementation == "cudnn":
-    return cudnn_backend.attention(query, key, value, mask=mask, scale=scale)
-  if decision.implementation == "triton":
-    from probjax.ops.attention import triton as triton_backend
-    return triton_backend.attention(query, key, value, mask=mask, score_mod=score_mod, scale=scale,
-                                    backward_pass_impl=decision.backward_pass_impl,
-                                    forward_config=forward_config, backward_config=backward_config,
-                                    interpret=interpret)
+  if decision.implementation in ("cudnn", "triton"):
+    if decision.implementation == "cudnn":
+      fast = lambda q, k, v, mask: cudnn_backend.attention(q, k, v, mask=mask, scale=scale)
+    else:
+      from probjax.ops.attention import triton as triton_backend
+      fast = lambda q, k, v, mask: triton_backend.attention(
+          q, k, v, mask=mask, score_mod=score_mod, scale=scale,
+          backward_pass_impl=decision.backward_pass_impl, forward_config=forward_config,
+          backward_config=backward_config, interpret=interpret)
+    # jax.jvp through the kernels: the tangent comes from the exact XLA formulation.
+    formulation = dispatch.xla_formulation(query.shape, key.shape, device)
+    exact = lambda q, k, v, mask: xla_backend.attention(q, k, v, formulation=formulation, mask=mask,
+                                                        score_mod=score_mod, scale=scale)
+    return with_forward_mode(fast, exact)(query, key, value, mask)
   return xla_backend.attention(query, key, value, formulation=decision.formulation, module=module,
                                bias=bias, mask=mask, dense_mask=dense_mask, score_mod=score_mod,
                                scale=scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,

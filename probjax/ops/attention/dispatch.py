@@ -123,7 +123,7 @@ def explain_dispatch(q_shape, kv_shape, dtype, *, mask: Mask | None = None, bias
   kw = dict(mask=mask, score_mod=score_mod, bias=bias, dense_mask=dense_mask, dropout=dropout)
 
   if impl == "xla":
-    return Decision("xla", "requested", formulation=_xla_formulation(q_shape, kv_shape, device))
+    return Decision("xla", "requested", formulation=xla_formulation(q_shape, kv_shape, device))
   if impl == "triton":
     why = triton_supports(q_shape, kv_shape, dtype, device=device, **kw)
     if why is None and (precision is not None or module):
@@ -147,7 +147,7 @@ def explain_dispatch(q_shape, kv_shape, dtype, *, mask: Mask | None = None, bias
   if bias or dense_mask or dropout or precision is not None or module:
     what = ("additive bias" if bias else "dense boolean mask" if dense_mask else "dropout" if dropout
             else "non-default precision" if precision is not None else "attention weights requested")
-    return Decision("xla", f"{what}: the kernels cannot take it", formulation=_xla_formulation(q_shape, kv_shape, device))
+    return Decision("xla", f"{what}: the kernels cannot take it", formulation=xla_formulation(q_shape, kv_shape, device))
 
   table = None
   if kernel_args_default and not _env_off("PROBJAX_ATTENTION_DEVICE_DEFAULTS", env):
@@ -164,13 +164,13 @@ def explain_dispatch(q_shape, kv_shape, dtype, *, mask: Mask | None = None, bias
                       formulation="dense")
   if tk < MIN_KERNEL_KV_LEN:
     return Decision("xla", f"fewer than {MIN_KERNEL_KV_LEN} keys: the einsum is faster",
-                    formulation=_xla_formulation(q_shape, kv_shape, device))
+                    formulation=xla_formulation(q_shape, kv_shape, device))
   why = triton_supports(q_shape, kv_shape, dtype, device=device, **kw)
   if why is None:
     backward = _resolve_backward(backward_pass_impl, mask, table)
     rule = "fused kernel: exact for this call"
     return Decision("triton", rule, backward)
-  return Decision("xla", f"the kernel cannot take it ({why})", formulation=_xla_formulation(q_shape, kv_shape, device))
+  return Decision("xla", f"the kernel cannot take it ({why})", formulation=xla_formulation(q_shape, kv_shape, device))
 
 
 def _dense_fits(q_shape, kv_shape, device: Device) -> bool:
@@ -180,7 +180,7 @@ def _dense_fits(q_shape, kv_shape, device: Device) -> bool:
   return b * h * tq * kv_shape[1] * _DENSE_BYTES_PER_SCORE <= device.memory_bytes // 4
 
 
-def _xla_formulation(q_shape, kv_shape, device: Device) -> str:
+def xla_formulation(q_shape, kv_shape, device: Device) -> str:
   """On GPUs XLA's dense formulation is far faster than the tiled loop while it fits
   (the loop runs its tiles one after another: 28.9 ms against jax.nn XLA's 6.3 ms for
   bf16 B4 H8 T4096 D128 fwd+bwd on the H200, docs/benchmarks/gpu_attention.json

@@ -1,0 +1,79 @@
+"""jax.jvp through the reverse-mode-only kernels (with_forward_mode), in interpret mode."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from probjax.nn.layers.attention import dot_product_attention, flex_attention
+from probjax.ops.attention import masks as M
+from probjax.ops.attention.autodiff import with_forward_mode
+from probjax.ops.attention.reference import _attention64
+from probjax.ops.attention.tolerances import max_error, tolerance
+from probjax.ops.attention.triton.config import BackwardConfig, ForwardConfig
+from probjax.testing import check_against_reference, make_inputs
+
+CFG = dict(forward_config=ForwardConfig(16, 16, 4, 1), backward_config=BackwardConfig(16, 16, 16, 16, 4, 1))
+
+
+def _triton(mask):
+  return lambda q, k, v: flex_attention(q, k, v, mask=mask, implementation="triton", interpret=True,
+                                        backward_pass_impl="triton_split", **CFG)
+
+
+@pytest.mark.parametrize("mask", [None, M.CausalMask() & M.KVLenMask(jnp.array([40, 0]))])
+def test_jvp_through_triton_kernel_matches_reference(mask):
+  x = make_inputs(0, 2, 40, 40, 4, 2, 16)
+  tans = tuple(jax.random.normal(jax.random.key(i), a.shape) for i, a in enumerate((x.q, x.k, x.v)))
+  out, got = jax.jvp(_triton(mask), (x.q, x.k, x.v), tans)
+  with jax.enable_x64(True):
+    up = lambda a: jnp.asarray(np.asarray(a, np.float64))
+    ref = lambda q, k, v: _attention64(q, k, v, None, mask, None, None, 16 ** -0.5)
+    want_out, want = jax.jvp(ref, tuple(map(up, (x.q, x.k, x.v))), tuple(map(up, tans)))
+  assert max_error(out, np.asarray(want_out)) <= tolerance(jnp.float32)
+  assert max_error(got, np.asarray(want)) <= tolerance(jnp.float32, grad=True)
+
+
+def test_grad_still_runs_the_kernel_backward():
+  x = make_inputs(1, 2, 40, 40, 4, 2, 16)
+  mask = M.LocalWindowMask(7, 0)
+  check_against_reference(lambda q, k, v, b: _triton(mask)(q, k, v), x, mask=mask)
+  # The transpose is the kernel's own vjp: with an explicit backward the gradient is bitwise
+  # the direct kernel's.
+  import probjax.ops.attention.triton as pt
+  direct = lambda q: pt.attention(q, x.k, x.v, mask=mask, interpret=True, backward_pass_impl="triton_split",
+                                  scale=16 ** -0.5, **CFG)
+  g1 = jax.grad(lambda q: jnp.sum(_triton(mask)(q, x.k, x.v) * x.do))(x.q)
+  g2 = jax.grad(lambda q: jnp.sum(direct(q) * x.do))(x.q)
+  np.testing.assert_array_equal(g1, g2)
+
+
+def test_with_forward_mode_partial_tangents_and_vmap():
+  calls = []
+
+  @jax.custom_vjp
+  def fast(q, k, v, aux):
+    return jnp.tanh(q) * k + v
+
+  def fwd(q, k, v, aux):
+    calls.append("fwd")
+    return fast(q, k, v, aux), (q, k)
+
+  def bwd(res, ct):
+    q, k = res
+    return ct * k * (1 - jnp.tanh(q) ** 2), ct * jnp.tanh(q), ct, None
+
+  fast.defvjp(fwd, bwd)
+  exact = lambda q, k, v, aux: jnp.tanh(q) * k + v
+  f = with_forward_mode(fast, exact)
+  q, k, v = (jnp.linspace(-1, 1, 6).reshape(2, 3) + i for i in range(3))
+  # reverse mode uses fast's vjp
+  g = jax.grad(lambda q: jnp.sum(f(q, k, v, None)))(q)
+  np.testing.assert_allclose(g, k * (1 - jnp.tanh(q) ** 2), rtol=1e-6)
+  assert "fwd" in calls
+  # forward mode in one argument only
+  _, t = jax.jvp(lambda k: f(q, k, v, None), (k,), (jnp.ones_like(k),))
+  np.testing.assert_allclose(t, jnp.tanh(q), rtol=1e-6)
+  # vmap of grad
+  gv = jax.vmap(jax.grad(lambda q, k: jnp.sum(f(q, k, v[0], None))))(q, k)
+  np.testing.assert_allclose(gv, k * (1 - jnp.tanh(q) ** 2), rtol=1e-6)
