@@ -1,9 +1,10 @@
-"""The Triton kernels lower to Triton IR for sm_90 on CPU (no GPU needed).
+"""The GPU paths lower for sm_90 on CPU (no GPU needed).
 
-Interpret mode checks the kernels' arithmetic; this checks that Pallas can
-lower them for a Hopper GPU (dynamic loop bounds, scalar loads of the tile
-ranges, atomics), so a lowering regression fails in CI rather than on the
-device. Triton's own compilation to machine code still needs the GPU.
+Interpret mode checks the Triton kernels' arithmetic; this checks that Pallas
+can lower them for a Hopper GPU (dynamic loop bounds, scalar loads of the tile
+ranges, atomics), and that the default's cuDNN route lowers to one cuDNN
+forward and one backward call, so a lowering regression fails in CI rather
+than on the device. Triton's and cuDNN's own compilation still need the GPU.
 """
 
 import jax
@@ -61,3 +62,23 @@ def test_api_grad_lowers_for_sm90(monkeypatch):
   assert "probjax_attention_bwd" in grad_text
   # The forward kernel runs once under grad, as without it (no recomputation by the wrapper).
   assert grad_text.count("probjax_attention_fwd") == fwd_text.count("probjax_attention_fwd") > 0
+
+
+@pytest.mark.parametrize("mask", [None, M.CausalMask(), M.LocalWindowMask(512, 0),
+                                  M.KVLenMask(jnp.array([4096, 100, 5, 0]))])
+def test_default_cudnn_route_lowers_for_sm90(monkeypatch, mask):
+  """The sm_90 default's cuDNN route (forward-mode wrapper included) lowers to one cuDNN
+  forward and one backward call under grad (cuDNN's availability checks faked)."""
+  import re
+  from jax._src.cudnn import fused_attention_stablehlo as fa
+  from probjax.nn.layers.attention import dot_product_attention
+  from probjax.ops.attention import dispatch
+  monkeypatch.setattr(fa, "check_cudnn_version", lambda: 91000)
+  monkeypatch.setattr(fa, "check_compute_capability", lambda c: True)
+  monkeypatch.setattr(fa, "is_cuda_compute_capability_equal", lambda c: False)
+  monkeypatch.setattr(dispatch.Device, "current", classmethod(lambda cls: dispatch.Device("gpu", (9, 0), 140 << 30)))
+  q = jax.ShapeDtypeStruct((4, 4096, 8, 64), jnp.bfloat16)
+  loss = lambda q: jnp.sum(dot_product_attention(q, q, q, mask=mask).astype(jnp.float32))
+  text = jax.jit(jax.grad(loss)).trace(q).lower(lowering_platforms=("cuda",)).as_text()
+  calls = re.findall(r"custom_call @(__cudnn\$fmha\w*)", text)
+  assert sorted(calls) == ["__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"], calls
