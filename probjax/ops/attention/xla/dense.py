@@ -19,25 +19,33 @@ def dense_attention(q, k, v, *, bias=None, mask: Mask | None = None, dense_mask=
   bsz, tq, h, d = q.shape
   tk, hkv = k.shape[1], k.shape[2]
   g = h // hkv
-  qi = q.reshape(bsz, tq, hkv, g, d).astype(jnp.float32)
-  s = jnp.einsum("bqhgd,bkhd->bhgqk", qi, k.astype(jnp.float32), precision=precision) * scale
+  # Batched-matmul layout: [b, hkv, g*tq, d] x [b, hkv, tk, d]; the g query heads of a KV
+  # head share its keys without a repeat, and the dots need no transposes inside.
+  qi = jnp.transpose(q.reshape(bsz, tq, hkv, g, d), (0, 2, 3, 1, 4)).reshape(bsz, hkv, g * tq, d)
+  ki = jnp.transpose(k, (0, 2, 1, 3))
+  vi = jnp.transpose(v, (0, 2, 1, 3))
+  s = jnp.einsum("bhmd,bhkd->bhmk", qi, ki, precision=precision,
+                 preferred_element_type=jnp.float32) * scale
   s = s.reshape(bsz, h, tq, tk)
   if bias is not None:
     s = s + bias.astype(jnp.float32)
   if score_mod is not None:
     s = score_mod(s, jnp.arange(bsz)[:, None, None, None], jnp.arange(h)[None, :, None, None],
                   jnp.arange(tq)[None, None, :, None], jnp.arange(tk)[None, None, None, :]).astype(jnp.float32)
-  ok = jnp.ones((1, 1, tq, tk), bool)
-  if mask is not None:
-    ok = ok & mask.dense(bsz, tq, tk)
-  if dense_mask is not None:
-    ok = ok & dense_mask
-  s = jnp.where(ok, s, -jnp.inf)
-  m = jax.lax.stop_gradient(s.max(-1, keepdims=True))
-  m = jnp.where(jnp.isfinite(m), m, 0.0)
-  p = jnp.where(ok, jnp.exp(jnp.where(ok, s, 0.0) - m), 0.0)
-  l = p.sum(-1, keepdims=True)
-  p = p / jnp.where(l > 0, l, 1.0)
+  if mask is None and dense_mask is None:
+    p = jax.nn.softmax(s, axis=-1)
+  else:
+    ok = jnp.ones((1, 1, tq, tk), bool)
+    if mask is not None:
+      ok = ok & mask.dense(bsz, tq, tk)
+    if dense_mask is not None:
+      ok = ok & dense_mask
+    s = jnp.where(ok, s, -jnp.inf)
+    m = jax.lax.stop_gradient(s.max(-1, keepdims=True))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(ok, jnp.exp(jnp.where(ok, s, 0.0) - m), 0.0)
+    l = p.sum(-1, keepdims=True)
+    p = p / jnp.where(l > 0, l, 1.0)
   if module is not None and hasattr(module, "sow"):
     import flax.nnx as nnx
     module.sow(nnx.Intermediate, "attention_weights", p)
@@ -45,6 +53,8 @@ def dense_attention(q, k, v, *, bias=None, mask: Mask | None = None, dense_mask=
     shape = (1, 1, tq, tk) if broadcast_dropout else p.shape
     keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, shape)
     p = p * keep.astype(p.dtype) / (1.0 - dropout_rate)
-  p = p.reshape(bsz, hkv, g, tq, tk)
-  out = jnp.einsum("bhgqk,bkhd->bqhgd", p, v.astype(jnp.float32), precision=precision)
+  # As the fused kernels do: probabilities in the value dtype, accumulation in float32.
+  p = p.reshape(bsz, hkv, g * tq, tk).astype(v.dtype)
+  out = jnp.einsum("bhmk,bhkd->bhmd", p, vi, precision=precision, preferred_element_type=jnp.float32)
+  out = jnp.transpose(out.reshape(bsz, hkv, g, tq, d), (0, 3, 1, 2, 4))
   return out.reshape(bsz, tq, h, d).astype(q.dtype)
