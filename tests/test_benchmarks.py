@@ -347,3 +347,18 @@ def test_select_cases_rejects_unknown_suites():
   assert built == ["a1", "b1", "b2"]
   with pytest.raises(SystemExit, match="known: a, b"):
     harness.select_cases("a,typo", {"a": lambda: [], "b": lambda: []})
+
+
+def test_tiles_section_counts_auto_within_five_percent():
+  from docs.scripts import benchmark_figures as bf
+  base = dict(suite="tiles", impl="probjax_triton", dtype="bfloat16", batch=4, q_heads=8, kv_heads=8,
+              q_len=4096, kv_len=4096, head_dim=64, causal=False, mask="none", status="ok", device="GPU")
+  cfg = {"forward": "F", "backward": "B"}
+  rows = [dict(base, mode="fwd", variant="auto", ms=1.0, auto_config=cfg),
+          dict(base, mode="fwd", variant="bq64_bk64_s2_w4", ms=0.9),
+          dict(base, mode="fwd_bwd", variant="auto", ms=3.0, auto_config=cfg),
+          dict(base, mode="fwd_bwd", variant="dkv64x64_dq64x64_s2_w4", ms=3.1),
+          dict(base, mode="fwd_bwd", variant="too_big", ms=None, status="unsupported")]
+  text = bf.tiles_section(rows)
+  assert "Auto within 5% of the best in 1 of 2 shapes" in text
+  assert "| 1.11 |" in text and "1 ran / 1 rejected" in text

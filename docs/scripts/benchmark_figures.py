@@ -525,22 +525,28 @@ def tiles_section(rows) -> str:
   t = select(rows, suite="tiles")
   if not t:
     return NOT_MEASURED
-  body = []
-  for key in sorted({(r["dtype"], r["head_dim"], r["q_len"]) for r in t}):
-    sub = [r for r in t if (r["dtype"], r["head_dim"], r["q_len"]) == key]
+  body, within = [], 0
+  keys = sorted({(r["dtype"], r["head_dim"], r["q_len"], r["mode"]) for r in t})
+  for key in keys:
+    sub = [r for r in t if (r["dtype"], r["head_dim"], r["q_len"], r["mode"]) == key]
     auto = next((r for r in sub if r.get("variant") == "auto"), None)
     forced = [r for r in sub if r.get("variant") != "auto"]
     okf = [r for r in forced if r["status"] == "ok"]
     best = min(okf, key=lambda r: r["ms"]) if okf else None
-    ratio = (f"{auto['ms'] / best['ms']:.2f}" if best and auto and auto.get("status") == "ok" else "—")
-    body.append([DTYPE_SHORT.get(key[0], key[0]), key[1], key[2], cell(auto),
-                 (auto or {}).get("auto_config", "—") if auto else "—",
-                 cell(best), best["variant"] if best else "—", ratio,
+    ok_auto = best and auto and auto.get("status") == "ok"
+    within += bool(ok_auto and auto["ms"] <= 1.05 * best["ms"])
+    auto_cfg = (auto or {}).get("auto_config", "—")
+    if isinstance(auto_cfg, dict):
+      auto_cfg = auto_cfg.get("forward" if key[3] == "fwd" else "backward", "—")
+    body.append([DTYPE_SHORT.get(key[0], key[0]), key[1], key[2], MODE_LABEL.get(key[3], key[3]),
+                 cell(auto), auto_cfg, cell(best), best["variant"] if best else "—",
+                 f"{auto['ms'] / best['ms']:.2f}" if ok_auto else "—",
                  f"{len(okf)} ran / {len(forced) - len(okf)} rejected"])
   r0 = t[0]
-  return (f"Auto choice against the best forced (block_q, block_k, num_stages, num_warps), forward, "
-          f"batch {r0['batch']}, {r0['q_heads']} heads ({r0.get('_file')}):\n\n"
-          + md_table(["dtype", "head_dim", "T", "auto ms", "auto config", "best forced ms",
+  return (f"Auto tiles against the best forced configuration, batch {r0['batch']}, {r0['q_heads']} heads "
+          f"({r0.get('_file')}); forward: (block_q, block_k, num_stages, num_warps), forward + backward: "
+          f"the split backward's tiles. Auto within 5% of the best in {within} of {len(keys)} shapes.\n\n"
+          + md_table(["dtype", "head_dim", "T", "mode", "auto ms", "auto config", "best forced ms",
                       "best forced", "auto / best", "configs"], body))
 
 

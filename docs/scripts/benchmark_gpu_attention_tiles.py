@@ -1,13 +1,17 @@
-"""Tile sweep of the probjax Triton forward (suite "tiles").
+"""Tile sweep of the probjax Triton kernels (suite "tiles").
 
   python -m docs.scripts.benchmark_gpu_attention_tiles --output docs/benchmarks/gpu_attention_tiles.json
 
-For each (dtype, head_dim) at batch 4, 8 heads, T = 4096, non-causal forward:
-the auto configuration (variant "auto", implementation="triton" with default
-tiles) against every forced ``ForwardConfig(block_q, block_k, num_warps,
-num_stages)`` from ``probjax.ops.attention.triton``. Configurations Triton
-rejects (shared memory) get status "unsupported"/"error" with the message.
-If the config API does not exist, every forced row is "unsupported".
+For each (dtype, head_dim) at batch 4, 8 heads, T = 4096, non-causal:
+
+* forward (mode "fwd"): the auto configuration (variant "auto": default tiles)
+  against every forced ``ForwardConfig(block_q, block_k, num_warps, num_stages)``;
+* backward (mode "fwd_bwd", ``backward_pass_impl="triton_split"`` in every row so
+  that only the tiles differ): the auto backward tiles against forced
+  ``BackwardConfig``s with the default forward tiles.
+
+Configurations that do not fit shared memory are refused before launch
+(status "unsupported" with the message).
 """
 
 from __future__ import annotations
@@ -22,83 +26,55 @@ BLOCKS_Q = (32, 64, 128)
 BLOCKS_K = (32, 64, 128)
 STAGES = (2, 3, 4)
 WARPS = (4, 8)
+# Backward: (block_q_dkv, block_kv_dkv), (block_q_dq, block_kv_dq), warps, stages.
+BWD_DKV = ((64, 64), (64, 128), (128, 64))
+BWD_DQ = ((64, 64), (128, 64))
+BWD_WARPS = (4, 8)
+BWD_STAGES = (2,)
 
 
-def forward_config_api():
-  """Returns (ForwardConfig class, how-to-call function) or raises Unsupported."""
-  try:
-    import probjax.ops.attention.triton as T
-  except Exception as e:  # noqa: BLE001
-    raise harness.Unsupported(f"probjax.ops.attention.triton not importable: {e}") from e
-  cls = getattr(T, "ForwardConfig", None)
-  if cls is None:
-    try:
-      from probjax.ops.attention.triton import config as C
-      cls = getattr(C, "ForwardConfig", None)
-    except Exception:  # noqa: BLE001
-      cls = None
-  if cls is None:
-    raise harness.Unsupported("probjax.ops.attention.triton.ForwardConfig does not exist")
-  dpa, mod = impls.probjax_api()
-  for fn in (dpa, getattr(mod, "flex_attention", None), getattr(mod, "mha", None)):
-    if fn is None:
-      continue
-    for kw in ("forward_config", "config", "fwd_config"):
-      if kw in _params(fn):
-        return cls, fn, kw
-  raise harness.Unsupported("no probjax entry point takes a forward config (forward_config=)")
+def _auto_description(dtype, head_dim, t):
+  """The forward and backward configs the kernel picks with default tiles on this device."""
+  from probjax.ops.attention.triton import config as C
+  dt, dev = impls.jnp_dtype(dtype), C.device_kind()
+  f = C.fit_forward_config(None, dt, head_dim, t, t, dev)
+  b = C.fit_backward_config(None, dt, head_dim, t, t, dev)
+  return {"forward": f.__dict__ if hasattr(f, "__dict__") else str(f),
+          "backward": b.__dict__ if hasattr(b, "__dict__") else str(b)}
 
 
-def _params(fn):
-  import inspect
-  try:
-    return inspect.signature(fn).parameters
-  except (TypeError, ValueError):
-    return {}
-
-
-def auto_config_description(dtype, head_dim, t):
-  """Best effort: the forward config the kernel picks with default tiles."""
-  try:
-    from probjax.ops.attention.triton import config as C
-    cfg = C.fit_forward_config(None, impls.jnp_dtype(dtype), head_dim, t, t, C.device_kind())
-    return "bq{}_bk{}_s{}_w{}".format(cfg.block_q, cfg.block_k, cfg.num_stages, cfg.num_warps)
-  except Exception as e:  # noqa: BLE001
-    return f"unknown ({type(e).__name__}: {str(e)[:100]})"
-
-
-def tile_case(args, dtype, d, t, b, h, cfg, timing):
-  variant = "auto" if cfg is None else "bq{}_bk{}_s{}_w{}".format(*cfg)
-  extra = {"config": "auto" if cfg is None else dict(zip(("block_q", "block_k", "num_stages",
-                                                          "num_warps"), cfg))}
+def tile_case(dtype, d, t, b, h, mode, cfg, timing):
+  """One row: ``cfg`` None (auto), a forward tuple (bq, bk, stages, warps) or a backward
+  tuple ((bq_dkv, bk_dkv), (bq_dq, bk_dq), warps, stages)."""
+  from probjax.ops.attention.triton import BackwardConfig, ForwardConfig
+  if cfg is None:
+    variant, kw = "auto", {}
+  elif mode == "fwd":
+    bq, bk, st, nw = cfg
+    variant = f"bq{bq}_bk{bk}_s{st}_w{nw}"
+    kw = {"forward_config": ForwardConfig(block_q=bq, block_k=bk, num_warps=nw, num_stages=st)}
+  else:
+    (bqd, bkd), (bqq, bkq), nw, st = cfg
+    variant = f"dkv{bqd}x{bkd}_dq{bqq}x{bkq}_s{st}_w{nw}"
+    kw = {"backward_config": BackwardConfig(bqd, bkd, bqq, bkq, nw, st)}
 
   def run():
-    arrays = impls.inputs(b, t, t, h, h, d)
-    if cfg is None:
-      fn, sync = impls.build("probjax_triton", arrays, dtype, False, "fwd")
-      res = harness.time_fn(fn, sync, **timing)
-      desc = auto_config_description(dtype, d, t)
-      if desc:
-        res["auto_config"] = desc
-      return res
-    cls, entry, kw = forward_config_api()
-    bq, bk, st, nw = cfg
-    conf = cls(block_q=bq, block_k=bk, num_warps=nw, num_stages=st)
     import jax
-    import jax.numpy as jnp
-    q, k, v = (jnp.asarray(a, impls.jnp_dtype(dtype)) for a in arrays[:3])
-    call_kw = {kw: conf}
-    if "implementation" in _params(entry):
-      call_kw["implementation"] = "triton"
-    f = jax.jit(lambda q, k, v: entry(q, k, v, **call_kw))
+    from probjax.nn.layers.attention import flex_attention
+    attn = lambda q, k, v: flex_attention(q, k, v, implementation="triton",
+                                          backward_pass_impl="triton_split", **kw)
+    fn, sync = impls._jax_fn(attn, impls.inputs(b, t, t, h, h, d), dtype, mode)
     try:
-      return harness.time_fn(lambda: f(q, k, v), jax.block_until_ready, **timing)
+      res = harness.time_fn(fn, sync, **timing)
+      if cfg is None:
+        res["auto_config"] = _auto_description(dtype, d, t)
+      return res
     finally:
       impls.free_memory()
 
   return harness.Case(suite="tiles", impl="probjax_triton", dtype=dtype, batch=b, q_heads=h,
-                      kv_heads=h, q_len=t, kv_len=t, head_dim=d, causal=False, mode="fwd",
-                      run=run, variant=variant, extra=extra)
+                      kv_heads=h, q_len=t, kv_len=t, head_dim=d, causal=False, mode=mode,
+                      run=run, variant=variant, extra={"config": variant})
 
 
 def main(argv=None):
@@ -111,16 +87,16 @@ def main(argv=None):
   timing = harness.timing_kwargs(args)
   cases = []
   if args.quick:
-    combos = [("float32", 16, 64, 1, 2, [None, (32, 32, 1, 4)])]
+    cases = [tile_case("float32", 16, 64, 1, 2, "fwd", cfg, timing) for cfg in (None, (32, 32, 1, 4))]
+    cases.append(tile_case("float32", 16, 64, 1, 2, "fwd_bwd", ((32, 32), (32, 32), 4, 1), timing))
   else:
-    combos = []
     for dt in args.dtypes.split(","):
       for d in map(int, args.head_dims.split(",")):
-        cfgs = [None] + list(itertools.product(BLOCKS_Q, BLOCKS_K, STAGES, WARPS))
-        combos.append((harness.DTYPE_NAMES[dt], d, args.length, 4, 8, cfgs))
-  for dtype, d, t, b, h, cfgs in combos:
-    for cfg in cfgs:
-      cases.append(tile_case(args, dtype, d, t, b, h, cfg, timing))
+        dtype = harness.DTYPE_NAMES[dt]
+        fwd = [None] + list(itertools.product(BLOCKS_Q, BLOCKS_K, STAGES, WARPS))
+        bwd = [None] + list(itertools.product(BWD_DKV, BWD_DQ, BWD_WARPS, BWD_STAGES))
+        cases += [tile_case(dtype, d, args.length, 4, 8, "fwd", c, timing) for c in fwd]
+        cases += [tile_case(dtype, d, args.length, 4, 8, "fwd_bwd", c, timing) for c in bwd]
   harness.run_cases(cases, args)
 
 
