@@ -9,6 +9,7 @@ call is computed exactly by these kernels; the dispatcher uses it to choose.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Callable
@@ -133,18 +134,16 @@ def attention(q, k, v, *, mask: Mask | None = None, score_mod: Callable | None =
   return _attention(static, q, k, v, mask)
 
 
+@dataclasses.dataclass(frozen=True)
 class _Static:
   """Hashable bundle of the non-array arguments of the custom_vjp."""
 
-  def __init__(self, score_mod, scale, fcfg, bcfg, impl, interpret):
-    self.key = (score_mod, scale, fcfg, bcfg, impl, interpret)
-    self.score_mod, self.scale, self.fcfg, self.bcfg, self.impl, self.interpret = self.key
-
-  def __hash__(self):
-    return hash(self.key)
-
-  def __eq__(self, other):
-    return isinstance(other, _Static) and self.key == other.key
+  score_mod: Callable | None
+  scale: float
+  fcfg: ForwardConfig
+  bcfg: BackwardConfig
+  impl: str
+  interpret: bool
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
