@@ -113,6 +113,15 @@ def flex_attention(query, key, value, *, mask: Mask | None = None, score_mod: Ca
       (those run on the XLA path).
     implementation, backward_pass_impl, interpret: as in :func:`dot_product_attention`.
     forward_config, backward_config: explicit Triton tile configs.
+
+  ALiBi as a score modifier (the slopes are differentiable too):
+
+  >>> import jax, jax.numpy as jnp
+  >>> q = k = v = jax.random.normal(jax.random.key(0), (1, 300, 2, 16))
+  >>> slopes = jnp.array([0.5, 0.25])
+  >>> alibi = lambda s, b, h, qi, ki: s - slopes[h] * jnp.abs(qi - ki)
+  >>> flex_attention(q, k, v, mask=CausalMask(), score_mod=alibi).shape
+  (1, 300, 2, 16)
   """
   shape = base.check_qkv(query, key, value)
   if mask is not None and not isinstance(mask, Mask):

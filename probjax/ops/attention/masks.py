@@ -16,7 +16,16 @@ kernel can also bound its key loop at trace time (:meth:`Mask.kv_range`).
 
 The constructors :func:`CausalMask`, :func:`LocalWindowMask`,
 :func:`KVLenMask`, :func:`LengthMask` and :func:`SegmentMask` build masks
-that combine with ``&``.
+that combine with ``&``:
+
+>>> import jax.numpy as jnp
+>>> m = CausalMask() & KVLenMask(jnp.array([3, 2]))
+>>> m.name
+'causal&kv_lengths'
+>>> m.dense(2, 3, 3)[1, 0].astype(int).tolist()  # batch 1: causal, keys 0..1 only
+[[1, 0, 0], [1, 1, 0], [1, 1, 0]]
+>>> m.classify_tiles(2, 4, 4, 2, 2)[0].tolist()  # [batch, q tiles, k tiles]: EMPTY 0, PARTIAL 1, FULL 2
+[[1, 0], [2, 1]]
 """
 
 from __future__ import annotations
