@@ -157,9 +157,8 @@ def _attention(query, key, value, shape: base.AttentionShape, *, bias=None, mask
   if score_mod is not None and not callable(score_mod):
     raise TypeError(f"score_mod must be callable f(score, b, h, q_idx, kv_idx), got {type(score_mod).__name__}")
   scale = base.check_scale(scale, shape.head_dim)
-  device = Device.current()
-  if interpret:
-    device = Device("gpu", None, None)  # interpret mode emulates the GPU kernel anywhere
+  # Interpret mode emulates the GPU kernel anywhere.
+  device = Device("gpu", None, None) if interpret else Device.current()
   decision = dispatch.explain_dispatch(
       query.shape, key.shape, shape.dtype, mask=mask, bias=bias is not None,
       dense_mask=dense_mask is not None, dropout=dropout_rate > 0, score_mod=score_mod,

@@ -93,6 +93,19 @@ class Mask:
     return self.lower is not None or self.upper is not None
 
   @property
+  def has_arrays(self) -> bool:
+    """Whether any predicate depends on per-batch arrays (lengths or segment ids)."""
+    return self.q_lengths is not None or self.kv_lengths is not None or self.q_segment_ids is not None
+
+  def padded_segment_ids(self, batch: int, q_pad: int, kv_pad: int):
+    """Segment ids as ``[batch, q_pad]`` / ``[batch, kv_pad]`` int32; padded positions get ids
+    that match nothing (-1 for queries, -2 for keys)."""
+    q_len, kv_len = self.q_segment_ids.shape[-1], self.kv_segment_ids.shape[-1]
+    ids = lambda x, n: jnp.broadcast_to(jnp.asarray(x, jnp.int32), (batch, n))
+    return (pad_axis(ids(self.q_segment_ids, q_len), 1, q_pad, -1),
+            pad_axis(ids(self.kv_segment_ids, kv_len), 1, kv_pad, -2))
+
+  @property
   def components(self) -> tuple[str, ...]:
     """Names of the active predicates, e.g. ``("causal", "kv_lengths")``."""
     out = []
@@ -188,9 +201,7 @@ class Mask:
     """The mask as a ``[batch, 1, q_len, kv_len]`` boolean array (for references)."""
     q = jnp.arange(q_len)[:, None]
     k = jnp.arange(kv_len)[None, :]
-    m = self.element(q, k)
-    m = jnp.broadcast_to(m, (batch, q_len, kv_len)) if m.ndim == 3 else jnp.broadcast_to(m, (batch, q_len, kv_len))
-    return m[:, None]
+    return jnp.broadcast_to(self.element(q, k), (batch, q_len, kv_len))[:, None]
 
   # -- tiles -------------------------------------------------------------------
   def kv_range(self, q_start: int, q_end: int, kv_len: int) -> tuple[int, int]:
@@ -333,3 +344,19 @@ def _int_array(name, x, ndim):
 
 def num_tiles(n: int, block: int) -> int:
   return math.ceil(n / block)
+
+
+def round_up(n: int, m: int) -> int:
+  """``n`` rounded up to a multiple of ``m``."""
+  return num_tiles(n, m) * m
+
+
+def pad_axis(x, axis: int, size: int, value=0, *, broadcast: bool = False):
+  """Pads ``x`` along ``axis`` to ``size`` with ``value`` (no-op when already there); with
+  ``broadcast``, a size-1 (broadcast) axis stays as it is."""
+  n = x.shape[axis]
+  if n == size or (broadcast and n == 1):
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, size - n)
+  return jnp.pad(x, widths, constant_values=value)

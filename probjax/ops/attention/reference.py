@@ -43,7 +43,7 @@ def _attention64(q, k, v, bias, mask: Mask | None, dense_mask, score_mod, scale)
   return jnp.einsum("bhqk,bkhd->bqhd", p, v)
 
 
-def _prep(q, k, v, bias, mask, dense_mask, scale):
+def _prep(q, k, v, bias, dense_mask, scale):
   up = lambda x: None if x is None else jnp.asarray(np.asarray(x, np.float64))
   q, k, v, bias = up(q), up(k), up(v), up(bias)
   if scale is None:
@@ -65,7 +65,7 @@ def reference_attention(q, k, v, *, bias=None, mask: Mask | None = None, dense_m
   Rows with no valid key are zero.
   """
   with jax.enable_x64(True):
-    q, k, v, bias, dense_mask, scale = _prep(q, k, v, bias, mask, dense_mask, scale)
+    q, k, v, bias, dense_mask, scale = _prep(q, k, v, bias, dense_mask, scale)
     return np.asarray(_attention64(q, k, v, bias, mask, dense_mask, score_mod, scale))
 
 
@@ -73,7 +73,7 @@ def reference_vjp(q, k, v, do, *, bias=None, mask: Mask | None = None, dense_mas
                   score_mod=None, scale=None):
   """float64 ``(out, dq, dk, dv, dbias)`` for output cotangent ``do`` (dbias None without bias)."""
   with jax.enable_x64(True):
-    q, k, v, bias, dense_mask, scale = _prep(q, k, v, bias, mask, dense_mask, scale)
+    q, k, v, bias, dense_mask, scale = _prep(q, k, v, bias, dense_mask, scale)
     do = jnp.asarray(np.asarray(do, np.float64))
     f = lambda q, k, v, bias: _attention64(q, k, v, bias, mask, dense_mask, score_mod, scale)
     out, vjp = jax.vjp(f, q, k, v, bias)

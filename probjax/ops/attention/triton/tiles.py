@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from probjax.ops.attention.masks import EMPTY, FULL, Mask, num_tiles
+from probjax.ops.attention.masks import EMPTY, FULL, Mask, num_tiles, pad_axis, round_up  # noqa: F401 (re-exported)
 
 LOG2E = math.log2(math.e)
 
@@ -61,20 +61,6 @@ class MaskRefs:
     out.q_lengths, out.kv_lengths = pop(tm.has_q_lengths), pop(tm.has_kv_lengths)
     out.q_seg, out.kv_seg = pop(tm.has_segments), pop(tm.has_segments)
     return out
-
-
-def pad_axis(x, axis: int, size: int, value=0):
-  """Pads ``x`` along ``axis`` to ``size`` with ``value`` (no-op when already there)."""
-  extra = size - x.shape[axis]
-  if extra == 0:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, extra)
-  return jnp.pad(x, widths, constant_values=value)
-
-
-def round_up(n: int, m: int) -> int:
-  return -(-n // m) * m
 
 
 def padded_head_dim(d: int) -> int:
@@ -132,8 +118,7 @@ def mask_operands(mask: Mask | None, batch: int, q_len: int, kv_len: int, q_pad:
   if tm.has_kv_lengths:
     ops.append(bcast(m.kv_lengths, (batch,)))
   if tm.has_segments:
-    ops.append(pad_axis(bcast(m.q_segment_ids, (batch, q_len)), 1, q_pad, -1))
-    ops.append(pad_axis(bcast(m.kv_segment_ids, (batch, kv_len)), 1, kv_pad, -2))
+    ops.extend(m.padded_segment_ids(batch, q_pad, kv_pad))
   return tm, ops
 
 

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import SymbolicZero, linear_call
 
-from probjax.ops.attention.masks import EMPTY, Mask
+from probjax.ops.attention.masks import EMPTY, Mask, pad_axis, round_up
 from probjax.ops.attention.xla import _linear_call_batching  # noqa: F401  (registers vmap support)
 
 
@@ -55,24 +55,10 @@ class _Static:
     return Mask(lower=self.lower, upper=self.upper)
 
 
-def _round_up(n, m):
-  return -(-n // m) * m
-
-
 def choose_blocks(q_len: int, kv_len: int) -> tuple[int, int]:
   """One tile of the whole (8-aligned) length up to 512, else 256."""
-  pick = lambda n: _round_up(max(n, 1), 8) if n <= 512 else 256
+  pick = lambda n: round_up(max(n, 1), 8) if n <= 512 else 256
   return pick(q_len), pick(kv_len)
-
-
-def _pad_axis(x, axis, size, value=0, broadcast=False):
-  """Pads ``axis`` to ``size``; with ``broadcast``, a size-1 (broadcast) axis stays as is."""
-  n = x.shape[axis]
-  if n == size or (broadcast and n == 1):
-    return x
-  pads = [(0, 0)] * x.ndim
-  pads[axis] = (0, size - n)
-  return jnp.pad(x, pads, constant_values=value)
 
 
 def _slice(x, axis, start, size):
@@ -153,9 +139,8 @@ def _maybe_skip(tile_any, iq, ik, compute, carry):
 
 
 def _tile_any(st: _Static, mask: Mask | None, batch: int):
-  if mask is None or not (mask.q_lengths is not None or mask.kv_lengths is not None
-                          or mask.q_segment_ids is not None):
-    return None  # band-only masks are bounded by the loop limits
+  if mask is None:
+    return None  # no mask arrays (flash_attention drops band-only masks): loop bounds suffice
   cls = mask.classify_tiles(batch, st.nq * st.block_q, st.nk * st.block_k, st.block_q, st.block_k)
   return jnp.any(cls != EMPTY, axis=0)
 
@@ -350,7 +335,7 @@ def flash_attention(q, k, v, *, bias=None, mask: Mask | None = None, dense_mask=
   g = h // hkv
   dq_, dk_ = choose_blocks(tq, tk)
   bq, bk = block_q or dq_, block_k or dk_
-  tq_p, tk_p = _round_up(tq, bq), _round_up(tk, bk)
+  tq_p, tk_p = round_up(tq, bq), round_up(tk, bk)
 
   consts = ()
   mod = None
@@ -364,20 +349,18 @@ def flash_attention(q, k, v, *, bias=None, mask: Mask | None = None, dense_mask=
   lower = upper = None
   if mask is not None:
     lower, upper = mask.lower, mask.upper
-    if mask.q_lengths is None and mask.kv_lengths is None and mask.q_segment_ids is None:
+    if not mask.has_arrays:
       mask = None  # band only: handled by loop bounds and the static band
     elif mask.q_segment_ids is not None:
-      mask = dataclasses.replace(
-          mask,
-          q_segment_ids=_pad_axis(jnp.broadcast_to(mask.q_segment_ids, (bsz, tq)), 1, tq_p, -1),
-          kv_segment_ids=_pad_axis(jnp.broadcast_to(mask.kv_segment_ids, (bsz, tk)), 1, tk_p, -2))
+      q_ids, kv_ids = mask.padded_segment_ids(bsz, tq_p, tk_p)
+      mask = dataclasses.replace(mask, q_segment_ids=q_ids, kv_segment_ids=kv_ids)
   st = _Static(tq, tk, bq, bk, float(scale), g, lower, upper, float(dropout_rate),
                bool(broadcast_dropout), precision, mod)
 
   qi = jnp.transpose(q, (0, 2, 1, 3)).reshape(bsz, hkv, g, tq, d)
-  qi = _pad_axis(qi, 3, tq_p)
-  ki = _pad_axis(jnp.transpose(k, (0, 2, 1, 3)), 2, tk_p)
-  vi = _pad_axis(jnp.transpose(v, (0, 2, 1, 3)), 2, tk_p)
+  qi = pad_axis(qi, 3, tq_p)
+  ki = pad_axis(jnp.transpose(k, (0, 2, 1, 3)), 2, tk_p)
+  vi = pad_axis(jnp.transpose(v, (0, 2, 1, 3)), 2, tk_p)
   bias_i = _heads_split(bias, hkv, g, tq_p, tk_p, 0)
   dense_i = _heads_split(dense_mask, hkv, g, tq_p, tk_p, False)
   rng = dropout_rng if st.dropout_rate else None
@@ -392,4 +375,4 @@ def _heads_split(x, hkv, g, tq_p, tk_p, pad_value):
     return None
   b_, h_, q_, k_ = x.shape
   x = x.reshape(b_, hkv, g, q_, k_) if h_ != 1 else x.reshape(b_, 1, 1, q_, k_)
-  return _pad_axis(_pad_axis(x, 3, tq_p, pad_value, True), 4, tk_p, pad_value, True)
+  return pad_axis(pad_axis(x, 3, tq_p, pad_value, broadcast=True), 4, tk_p, pad_value, broadcast=True)
