@@ -124,29 +124,23 @@ def explain_dispatch(q_shape, kv_shape, dtype, *, mask: Mask | None = None, bias
 
   if impl == "xla":
     return Decision("xla", "requested", formulation=xla_formulation(q_shape, kv_shape, device))
-  if impl == "triton":
-    why = triton_supports(q_shape, kv_shape, dtype, device=device, **kw)
-    if why is None and (precision is not None or module):
-      why = "non-default precision" if precision is not None else "attention weights requested (module)"
+  if impl in ("triton", "cudnn"):
+    if impl == "triton":
+      why = triton_supports(q_shape, kv_shape, dtype, device=device, **kw)
+    else:
+      why = cudnn_backend.supports(q_shape, kv_shape, dtype, platform=device.platform, **kw)
+    why = why or _not_for_kernels(precision=precision, module=module)
     if why:
-      raise ValueError(f"implementation='triton' cannot compute this call exactly: {why}")
-    return Decision("triton", "requested", _resolve_backward(backward_pass_impl, mask))
-  if impl == "cudnn":
-    why = cudnn_backend.supports(q_shape, kv_shape, dtype, platform=device.platform, **kw)
-    if why is None and (precision is not None or module):
-      why = "non-default precision" if precision is not None else "attention weights requested (module)"
-    if why:
-      raise ValueError(f"implementation='cudnn' cannot compute this call exactly: {why}")
-    return Decision("cudnn", "requested")
+      raise ValueError(f"implementation={impl!r} cannot compute this call exactly: {why}")
+    return Decision(impl, "requested", _resolve_backward(backward_pass_impl, mask) if impl == "triton" else "auto")
 
   # implementation=None: the default.
   if device.platform != "gpu":
     return Decision("xla", f"platform {device.platform}: exact linear-memory XLA path")
   b, tq, h, _ = q_shape
   tk = kv_shape[1]
-  if bias or dense_mask or dropout or precision is not None or module:
-    what = ("additive bias" if bias else "dense boolean mask" if dense_mask else "dropout" if dropout
-            else "non-default precision" if precision is not None else "attention weights requested")
+  what = _not_for_kernels(bias=bias, dense_mask=dense_mask, dropout=dropout, precision=precision, module=module)
+  if what:
     return Decision("xla", f"{what}: the kernels cannot take it", formulation=xla_formulation(q_shape, kv_shape, device))
 
   table = None
@@ -173,6 +167,16 @@ def explain_dispatch(q_shape, kv_shape, dtype, *, mask: Mask | None = None, bias
   return Decision("xla", f"the kernel cannot take it ({why})", formulation=xla_formulation(q_shape, kv_shape, device))
 
 
+def _not_for_kernels(*, bias=False, dense_mask=False, dropout=False, precision=None, module=False) -> str | None:
+  """The first argument no fused kernel takes, or None."""
+  for present, what in ((bias, "additive bias"), (dense_mask, "dense boolean mask"), (dropout, "dropout"),
+                        (precision is not None, "non-default precision"),
+                        (module, "attention weights requested (module)")):
+    if present:
+      return what
+  return None
+
+
 def _dense_fits(q_shape, kv_shape, device: Device) -> bool:
   if device.memory_bytes is None:
     return True
@@ -181,10 +185,8 @@ def _dense_fits(q_shape, kv_shape, device: Device) -> bool:
 
 
 def xla_formulation(q_shape, kv_shape, device: Device) -> str:
-  """On GPUs XLA's dense formulation is far faster than the tiled loop while it fits
-  (the loop runs its tiles one after another: 28.9 ms against jax.nn XLA's 6.3 ms for
-  bf16 B4 H8 T4096 D128 fwd+bwd on the H200, docs/benchmarks/gpu_attention.json
-  before this rule); elsewhere the length decides (dense up to 256, then tiles)."""
+  """On GPUs XLA's dense formulation is far faster than the tiled loop (whose tiles run one
+  after another) while it fits; elsewhere the length decides (dense up to 256, then tiles)."""
   if device.platform == "gpu" and _dense_fits(q_shape, kv_shape, device):
     return "dense"
   return "auto"
@@ -195,4 +197,4 @@ def _resolve_backward(backward_pass_impl, mask: Mask | None, table=None) -> str:
     return backward_pass_impl
   if table is not None:
     return table.backward_pass_impl_band if mask is not None and mask.has_band else table.backward_pass_impl
-  return "auto"  # the Triton backend's own measured table resolves it
+  return "auto"  # the Triton backend's generic rules (config.BACKWARD_IMPL_RULES) resolve it
