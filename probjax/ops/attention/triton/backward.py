@@ -36,17 +36,23 @@ def _dot(a, b, dims=(((1,), (0,)), ((), ()))):
 
 
 def _probs_and_ds(q, k, v, do, lse2, delta, *, tm, mr, b, h, q_start, k_start, masked,
-                  scale, score_mod):
-  """``p`` and ``dS`` (w.r.t. the scaled, pre-``score_mod`` score) of one tile."""
+                  scale, score_mod, transposed=False):
+  """``p`` and ``dS`` (w.r.t. the scaled, pre-``score_mod`` score) of one tile,
+  ``[block_q, block_k]`` or, ``transposed``, ``[block_k, block_q]``."""
   bq, bk = q.shape[0], k.shape[0]
-  s, s_nat = tiles.scores(q, k, scale=scale, score_mod=score_mod, b=b, h=h,
-                          q_start=q_start, k_start=k_start)
+  pos = dict(b=b, h=h, q_start=q_start, k_start=k_start, transposed=transposed)
+  s, s_nat = tiles.scores(q, k, scale=scale, score_mod=score_mod, **pos)
   if masked:
-    s = jnp.where(tiles.tile_valid(tm, mr, b, q_start, k_start, bq, bk), s, -jnp.inf)
-  p = jnp.exp2(s - lse2[:, None])
-  ds = p * (_dot(do, v, _NT) - delta[:, None])
+    s = jnp.where(tiles.tile_valid(tm, mr, b, q_start, k_start, bq, bk, transposed=transposed),
+                  s, -jnp.inf)
+  if transposed:
+    p = jnp.exp2(s - lse2[None, :])
+    ds = p * (_dot(v, do, _NT) - delta[None, :])
+  else:
+    p = jnp.exp2(s - lse2[:, None])
+    ds = p * (_dot(do, v, _NT) - delta[:, None])
   if score_mod is not None:
-    ds = tiles.score_mod_grad(score_mod, s_nat, ds, b=b, h=h, q_start=q_start, k_start=k_start)
+    ds = tiles.score_mod_grad(score_mod, s_nat, ds, **pos)
   return p, ds
 
 
@@ -54,6 +60,9 @@ def _dkv_program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mr, dk_ref, dv
                  *, b, hkv, j, tm, scale, score_mod, groups, block_q, block_k, num_q_tiles):
   """dK, dV of KV tile ``j`` of KV head ``hkv``, summed over its query heads.
 
+  Works on transposed ``[block_k, block_q]`` tiles (``k @ q^T``) so that ``p^T``
+  and ``dS^T`` are the register operands of the dV and dK products; the
+  untransposed form would transpose them through shared memory every step.
   With ``dq_acc_ref`` (onepass) each tile's dQ is atomically added there too.
   """
   k_start = j * block_k
@@ -69,13 +78,15 @@ def _dkv_program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mr, dk_ref, dv
       rows = pl.ds(q_start, block_q)
       q = q_ref.at[b, rows, h, :][...]
       do = do_ref.at[b, rows, h, :][...]
-      p, ds = _probs_and_ds(q, k, v, do, lse_ref.at[b, h, rows][...], delta_ref.at[b, h, rows][...],
-                            tm=tm, mr=mr, b=b, h=h, q_start=q_start, k_start=k_start,
-                            masked=masked, scale=scale, score_mod=score_mod)
-      dv = dv + _dot(p.astype(do.dtype), do, _T)
-      dk = dk + _dot(ds.astype(q.dtype), q, _T)
+      pt, dst = _probs_and_ds(q, k, v, do, lse_ref.at[b, h, rows][...],
+                              delta_ref.at[b, h, rows][...], tm=tm, mr=mr, b=b, h=h,
+                              q_start=q_start, k_start=k_start, masked=masked, scale=scale,
+                              score_mod=score_mod, transposed=True)
+      dv = dv + _dot(pt.astype(do.dtype), do)
+      dst = dst.astype(q.dtype)
+      dk = dk + _dot(dst, q)
       if dq_acc_ref is not None:
-        plgpu.atomic_add(dq_acc_ref, (b, rows, h, slice(None)), _dot(ds.astype(k.dtype), k) * scale)
+        plgpu.atomic_add(dq_acc_ref, (b, rows, h, slice(None)), _dot(dst, k, _T) * scale)
       return dk, dv
 
     return tiles.tile_loop(tm, mr, b, j, num_q_tiles, body, carry, by_q=False,

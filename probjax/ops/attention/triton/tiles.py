@@ -173,10 +173,22 @@ def tile_loop(tm: TileMask, mr: MaskRefs, b, tile, n_static: int, body, carry, *
   return jax.lax.fori_loop(b2, hi, lambda j, c: body(j, c, True), carry)
 
 
-def tile_valid(tm: TileMask, mr: MaskRefs, b, q_start, k_start, block_q: int, block_k: int):
-  """Boolean ``[block_q, block_k]`` element predicate of one PARTIAL tile."""
-  qi = q_start + jax.lax.broadcasted_iota(jnp.int32, (block_q, block_k), 0)
-  ki = k_start + jax.lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
+def tile_indices(q_start, k_start, block_q: int, block_k: int, *, transposed: bool = False):
+  """Query and key positions of a tile, ``[block_q, 1]`` and ``[1, block_k]``
+  (``transposed``: ``[1, block_q]`` and ``[block_k, 1]``, for ``[block_k, block_q]`` tiles)."""
+  qa, ka = (1, 0) if transposed else (0, 1)
+  qshape = (1, block_q) if transposed else (block_q, 1)
+  kshape = (block_k, 1) if transposed else (1, block_k)
+  qi = q_start + jax.lax.broadcasted_iota(jnp.int32, qshape, qa)
+  ki = k_start + jax.lax.broadcasted_iota(jnp.int32, kshape, ka)
+  return qi, ki
+
+
+def tile_valid(tm: TileMask, mr: MaskRefs, b, q_start, k_start, block_q: int, block_k: int, *,
+               transposed: bool = False):
+  """Boolean element predicate of one PARTIAL tile: ``[block_q, block_k]``, or
+  ``[block_k, block_q]`` when ``transposed``."""
+  qi, ki = tile_indices(q_start, k_start, block_q, block_k, transposed=transposed)
   ok = Mask(lower=tm.lower, upper=tm.upper).element(qi, ki) & (qi < tm.q_len) & (ki < tm.kv_len)
   if mr.q_lengths is not None:
     ok &= qi < mr.q_lengths[b]
@@ -185,32 +197,31 @@ def tile_valid(tm: TileMask, mr: MaskRefs, b, q_start, k_start, block_q: int, bl
   if mr.q_seg is not None:
     qs = mr.q_seg.at[b, pl.ds(q_start, block_q)][...]
     ks = mr.kv_seg.at[b, pl.ds(k_start, block_k)][...]
-    ok &= qs[:, None] == ks[None, :]
+    ok &= (qs[None, :] == ks[:, None]) if transposed else (qs[:, None] == ks[None, :])
   return ok
 
 
-def scores(q, k, *, scale: float, score_mod: Callable | None, b, h, q_start, k_start):
-  """Scores of one tile in base-2 units: ``log2(e) * score_mod(scale * q @ k^T)``.
+def scores(q, k, *, scale: float, score_mod: Callable | None, b, h, q_start, k_start,
+           transposed: bool = False):
+  """Scores of one tile in base-2 units: ``log2(e) * score_mod(scale * q @ k^T)``,
+  ``[block_q, block_k]`` (``transposed``: ``k @ q^T``, ``[block_k, block_q]``).
 
   Returns ``(s2, s_nat)`` where ``s_nat`` (the pre-``score_mod`` scaled score)
   is only needed for the backward of ``score_mod`` (None without one).
   """
-  qk = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+  a, c = (k, q) if transposed else (q, k)
+  qk = jax.lax.dot_general(a, c, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
   if score_mod is None:
     return qk * (scale * LOG2E), None
   s_nat = qk * scale
-  return score_mod(s_nat, b, h, *tile_indices(q_start, k_start, *qk.shape)) * LOG2E, s_nat
+  idx = tile_indices(q_start, k_start, q.shape[0], k.shape[0], transposed=transposed)
+  return score_mod(s_nat, b, h, *idx) * LOG2E, s_nat
 
 
-def tile_indices(q_start, k_start, block_q: int, block_k: int):
-  """Query ``[block_q, 1]`` and key ``[1, block_k]`` positions of a tile."""
-  qi = q_start + jax.lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
-  ki = k_start + jax.lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
-  return qi, ki
-
-
-def score_mod_grad(score_mod: Callable, s_nat, ds, *, b, h, q_start, k_start):
+def score_mod_grad(score_mod: Callable, s_nat, ds, *, b, h, q_start, k_start,
+                   transposed: bool = False):
   """``ds`` (w.r.t. the modified score) pulled back through ``score_mod``."""
-  qi, ki = tile_indices(q_start, k_start, *s_nat.shape)
+  bq, bk = s_nat.shape[::-1] if transposed else s_nat.shape
+  qi, ki = tile_indices(q_start, k_start, bq, bk, transposed=transposed)
   _, vjp = jax.vjp(lambda s: score_mod(s, b, h, qi, ki), s_nat)
   return vjp(ds)[0]
