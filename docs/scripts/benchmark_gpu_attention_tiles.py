@@ -22,15 +22,17 @@ import sys
 
 from docs.scripts import harness, impls
 
-BLOCKS_Q = (32, 64, 128)
+BLOCKS_Q = (64, 128)
 BLOCKS_K = (32, 64, 128)
 STAGES = (2, 3, 4)
 WARPS = (4, 8)
-# Backward: (block_q_dkv, block_kv_dkv), (block_q_dq, block_kv_dq), warps, stages.
-BWD_DKV = ((64, 64), (64, 128), (128, 64))
-BWD_DQ = ((64, 64), (128, 64))
+# Backward: (block_q_dkv, block_kv_dkv), (block_q_dq, block_kv_dq), warps, stages. The dK/dV
+# kernel keeps its KV tile resident and streams query tiles (so it wants the larger KV
+# block), the dQ kernel the reverse.
+BWD_DKV = ((32, 128), (64, 128), (64, 64))
+BWD_DQ = ((128, 32), (128, 64), (64, 64))
 BWD_WARPS = (4, 8)
-BWD_STAGES = (2,)
+BWD_STAGES = (2, 3, 4)
 
 
 def _auto_description(dtype, head_dim, t):
