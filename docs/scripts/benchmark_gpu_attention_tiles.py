@@ -68,8 +68,11 @@ def tile_case(dtype, d, t, b, h, mode, cfg, timing):
     fn, sync = impls._jax_fn(attn, impls.inputs(b, t, t, h, h, d), dtype, mode)
     try:
       res = harness.time_fn(fn, sync, **timing)
+      auto = _auto_description(dtype, d, t)
       if cfg is None:
-        res["auto_config"] = _auto_description(dtype, d, t)
+        res["auto_config"] = auto
+      elif mode == "fwd_bwd":  # forced backward rows run the default forward tiles
+        res["forward_config"] = auto["forward"]
       return res
     finally:
       impls.free_memory()

@@ -6,6 +6,8 @@
 #
 # PLAN: all (default; priority order below), or a comma list of steps:
 #   tests dispatch grid_core peak residuals ext masked tiles grid_bf16 grid_fp32 tiles_fp32
+#   grid:LENGTHS:DTYPE[:HEAD_DIMS]  (e.g. grid:4096:bf16, grid:1024,16384:bf16:128): the grid
+#     with the core implementations only ($CORE_JAX, $CORE_TORCH; set GRID_ALL=1 for all)
 # (tests: pytest --gpu on the gpu-marked tests, failures printed as they happen, log in
 # $OUT/gpu_tests.log; it gets at most a third of the remaining time)
 # (grid_core: bf16 at T = 1024, 4096, 16384; grid_bf16 fills the other lengths)
@@ -42,13 +44,29 @@ split() {  # file module args...: JAX-side process, then torch-side process
   run_step "$@" --skip-impl 'torch_*'
   run_step "$@" --impl 'torch_*'
 }
+# The peers the issues' targets name, and every probjax implementation that times a kernel.
+CORE_JAX='probjax_default,probjax_triton*,jaxnn_cudnn,tokamax_triton,tokamax_mosaic'
+CORE_TORCH='torch_sdpa_flash,torch_sdpa_cudnn,torch_flex'
+# fp32: the XLA paths (the fp32 rule's comparison) and the torch backends that take fp32.
+CORE_JAX_FP32='probjax_default,probjax_triton,probjax_xla,jaxnn_xla,jaxnn_cudnn,tokamax_triton'
+CORE_TORCH_FP32='torch_sdpa_efficient,torch_sdpa_math,torch_flex'
+core() {  # dtype file module args...: core implementations, JAX side then torch side
+  local dt="$1"; shift
+  if [ "${GRID_ALL:-0}" = 1 ]; then split "$@"; return; fi
+  if [ "$dt" = fp32 ]; then
+    run_step "$@" --impl "$CORE_JAX_FP32"; run_step "$@" --impl "$CORE_TORCH_FP32"
+  else
+    run_step "$@" --impl "$CORE_JAX"; run_step "$@" --impl "$CORE_TORCH"
+  fi
+}
 
 IFS=',' read -ra steps <<< "$PLAN"
 for s in "${steps[@]}"; do
   case "$s" in
     tests)     t=$(python3 -c "print(int(60 * $(left_min) / 3))")
                echo "[batch] $(date +%T) tests (max ${t} s)" | tee -a "$OUT/batch.log"
-               timeout "$t" $PY -m pytest tests --gpu -m gpu -q -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
+               timeout "$t" $PY -m pytest tests --gpu -m gpu -q -p no:cacheprovider -n 4 --durations=8 \
+                 > "$OUT/gpu_tests.log" 2>&1
                grep -E "^\[FAILED\]|passed|failed" "$OUT/gpu_tests.log" | tail -20 | tee -a "$OUT/batch.log" ;;
     dispatch)  run_step kernel_attn_gpu_dispatch.json docs.scripts.benchmark_kernel_attn_gpu --device gpu --suite dispatch ;;
     grid_core) split gpu_attention.json docs.scripts.benchmark_gpu_attention --suite grid --dtypes bf16 --lengths 1024,4096,16384 ;;
@@ -60,6 +78,9 @@ for s in "${steps[@]}"; do
     tiles_fp32) run_step gpu_attention_tiles.json docs.scripts.benchmark_gpu_attention_tiles --dtypes fp32 ;;
     grid_bf16) split gpu_attention.json docs.scripts.benchmark_gpu_attention --suite grid --dtypes bf16 ;;
     grid_fp32) split gpu_attention.json docs.scripts.benchmark_gpu_attention --suite grid --dtypes fp32 ;;
+    grid:*)    IFS=':' read -r _ lens dt dims <<< "$s"
+               core "$dt" gpu_attention.json docs.scripts.benchmark_gpu_attention --suite grid --dtypes "$dt" \
+                 --lengths "$lens" --head-dims "${dims:-64,128}" ;;
     *) echo "[batch] unknown step $s" ;;
   esac
 done
