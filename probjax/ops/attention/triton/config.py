@@ -120,6 +120,7 @@ BACKWARD_TABLE = {
     ("sm_90", "bfloat16", 64): _B(32, 128, 128, 64, 4, 3),    # dkv32x128_dq128x64_s3_w4
     ("sm_90", "bfloat16", 128): _B(64, 128, 128, 64, 8, 3),   # dkv64x128_dq128x64_s3_w8
     ("sm_90", "float32", 64): _B(64, 128, 128, 64, 8, 3),     # dkv64x128_dq128x64_s3_w8
+    ("sm_90", "float32", 128): _B(32, 128, 128, 32, 8, 2),    # not swept: D64's shape fitted to smem
     ("default", "bfloat16", 32): _B(64, 64, 64, 64, 4, 2),
     ("default", "bfloat16", 64): _B(64, 64, 64, 64, 4, 2),
     ("default", "bfloat16", 128): _B(32, 64, 64, 32, 4, 2),
