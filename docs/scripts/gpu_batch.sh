@@ -6,7 +6,7 @@
 #
 # PLAN: all (default; priority order below), or a comma list of steps:
 #   tests dispatch grid_core peak residuals ext masked tiles grid_bf16 grid_fp32 tiles_fp32
-#   grid:LENGTHS:DTYPE[:HEAD_DIMS]  (e.g. grid:4096:bf16, grid:1024,16384:bf16:128): the grid
+#   grid:LENGTHS:DTYPE[:HEAD_DIMS]  (e.g. grid:4096:bf16, grid:1024+16384:bf16:128): the grid
 #     with the core implementations only ($CORE_JAX, $CORE_TORCH; set GRID_ALL=1 for all)
 # (tests: pytest --gpu on the gpu-marked tests, failures printed as they happen, log in
 # $OUT/gpu_tests.log; it gets at most a third of the remaining time)
@@ -80,7 +80,7 @@ for s in "${steps[@]}"; do
     grid_fp32) split gpu_attention.json docs.scripts.benchmark_gpu_attention --suite grid --dtypes fp32 ;;
     grid:*)    IFS=':' read -r _ lens dt dims <<< "$s"
                core "$dt" gpu_attention.json docs.scripts.benchmark_gpu_attention --suite grid --dtypes "$dt" \
-                 --lengths "$lens" --head-dims "${dims:-64,128}" ;;
+                 --lengths "${lens//+/,}" --head-dims "${dims:-64,128}" ;;
     *) echo "[batch] unknown step $s" ;;
   esac
 done
