@@ -88,6 +88,14 @@ def test_sm90_fp32_rule():
   assert decide(long, dtype=jnp.float32).implementation == "triton"
   tiny_mem = Device("gpu", (9, 0), 1 << 30)
   assert decide(dtype=jnp.float32, device=tiny_mem).implementation == "triton"
+  # A band (causal, window) halves the kernel's work but not the dense formulation's.
+  entry = attention_device.DEVICE_DEFAULTS[(9, 0)]
+  for mask in (M.CausalMask(), M.LocalWindowMask(512, 0)):
+    assert decide(dtype=jnp.float32, mask=mask).implementation == "triton"
+    n = entry.fp32_band_dense_max_len
+    short = ((4, n, 8, 128), (4, n, 8, 128))
+    assert decide(short, dtype=jnp.float32, mask=mask).formulation == "dense"
+  assert decide(dtype=jnp.float32, mask=M.KVLenMask(jnp.full((4,), 100))).formulation == "dense"
 
 
 @pytest.mark.parametrize("var", ["PROBJAX_ATTENTION_CUDNN", "PROBJAX_ATTENTION_DEVICE_DEFAULTS"])

@@ -28,6 +28,8 @@ class DeviceDefaults:
     backward_pass_impl_band: the same for masks with a diagonal band (causal, windows).
     fp32_dense_max_len: float32 calls with ``max(q_len, kv_len)`` up to this use
       XLA's dense formulation (TF32 matmuls) while it fits in memory.
+    fp32_band_dense_max_len: the same limit for masks with a diagonal band (causal,
+      windows), whose empty tiles the kernel skips and the dense formulation computes.
     evidence: where the numbers come from.
   """
 
@@ -36,28 +38,38 @@ class DeviceDefaults:
   backward_pass_impl: str
   backward_pass_impl_band: str
   fp32_dense_max_len: int
+  fp32_band_dense_max_len: int
   evidence: tuple[str, ...]
 
 
 DEVICE_DEFAULTS: dict[tuple[int, int], DeviceDefaults] = {
     (9, 0): DeviceDefaults(
-        # docs/benchmarks/gpu_attention.json (bf16 B4 H8 D64): fwd+bwd at T=1024 Triton split
-        # 0.149 ms vs jax.nn cuDNN 0.156 ms; at T=4096 cuDNN 1.19 ms vs Triton 2.19 ms.
-        # docs/benchmarks/kernel_attn_gpu_dispatch.json (batch 64, H8, D64): cuDNN wins from
-        # T=384 (work 75M) on; D32: the Triton kernel wins at every length (64..1024).
+        # gpu_attention.json (bf16 B4 H8, fwd+bwd ms, default cuDNN / Triton): T=1024 (work 33.5M)
+        # the Triton kernel: D64 jax.nn cuDNN 0.155 vs Triton 0.118, D128 0.296 vs 0.185;
+        # T=4096 (work 537M) cuDNN: D64 1.188 vs 1.412, D128 1.866 vs 2.433.
+        # kernel_attn_gpu_dispatch.json (batch 64, H8, D64, previous Triton backward): cuDNN from
+        # T=384 (work 75M) on; D32: the Triton kernel at every length (64..1024).
         cudnn_min_work=48 * 2**20,
         cudnn_min_head_dim=64,
-        # gpu_attention.json (bf16 B4 H8, fwd+bwd, ms, split / fused / onepass):
-        #   non-causal: D64 T16384 30.9 / 37.8 / 77.2; D64 T4096 2.21 / 2.24 / 5.12;
-        #               D128 T4096 4.35 / 4.37 / 8.78; D64 T1024 0.149 / 0.159 / 0.353
-        #   causal:     D64 T4096 1.46 / 1.32 / 2.83; D128 T4096 2.44 / 2.32 / 5.01;
-        #               D64 T1024 0.157 / 0.124 / 0.284
-        # Split is fastest without a band, fused with one; onepass's atomics cost ~2x on sm_90.
+        # gpu_attention.json (bf16 B4 H8, fwd+bwd ms, split / fused / onepass):
+        #   non-causal: D64 T4096 1.383 / 1.378 / 2.889; D128 T4096 2.402 / 2.375 / 5.603;
+        #               D64 T8192 5.483 / 5.207 / 11.59; D128 T8192 9.312 / 9.462 / 21.45;
+        #               D128 T16384 37.26 / 37.91 / 84.89; D128 T1024 0.178 / 0.184 / 0.394
+        #   causal:     D64 T4096 1.006 / 0.898 / 1.992; D128 T4096 1.511 / 1.439 / 3.207;
+        #               D128 T1024 0.182 / 0.160 / 0.348; D128 T8192 5.193 / 5.191 / 10.97
+        # Without a band split and fused are within 3% (split ahead at D128 T8192-16384); with
+        # a band fused is ahead up to 12%. Onepass's atomics cost 2x or more on sm_90.
         backward_pass_impl="triton_split",
         backward_pass_impl_band="triton_fused",
-        # anchors: fp32 D128 T=4096 fwd+bwd jax.nn XLA 7.95 ms; spec: Triton fp32 is ~1.95x slower.
+        # gpu_attention.json (fp32 B4 H8 D128 T4096, ms, fwd / fwd+bwd): non-causal XLA dense
+        # 2.57 / 8.48, Triton 3.24 / 14.19, jax.nn XLA 2.64 / 8.57; causal XLA dense
+        # 3.55 / 8.88, Triton 1.78 / 7.50, jax.nn XLA 3.74 / 10.41. Causal halves the
+        # kernel's work but not the dense formulation's; both are matmul-bound at these
+        # lengths, so the band limit is set at the first length where the kernel's tiles are
+        # busy (1024 and below are launch-bound and unmeasured in fp32).
         fp32_dense_max_len=16384,
-        evidence=("docs/benchmarks/gpu_attention.json (H200 grid, bf16 B4 H8, peers in the same run)",
+        fp32_band_dense_max_len=1024,
+        evidence=("docs/benchmarks/gpu_attention.json (H200 grid, B4 H8, peers in the same run)",
                   "docs/benchmarks/kernel_attn_gpu_dispatch.json (H200 short-sequence sweep, batch 64)",
                   "../shared/anchors/h200_jax_peers.jsonl (fp32 D128 T4096 fwd+bwd: jax.nn XLA 7.95 ms)",
                   "spec 002 (H100 page): Device-specific defaults, Why, Known issues"),

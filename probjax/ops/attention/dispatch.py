@@ -152,7 +152,9 @@ def explain_dispatch(q_shape, kv_shape, dtype, *, mask: Mask | None = None, bias
         and q_shape[-1] >= table.cudnn_min_head_dim):
       if cudnn_backend.supports(q_shape, kv_shape, dtype, platform="gpu", **kw) is None:
         return Decision("cudnn", f"{cc} device table: eligible 16-bit call above the cuDNN work threshold")
-    if dtype == jnp.float32 and max(tq, tk) <= table.fp32_dense_max_len and score_mod is None \
+    band = mask is not None and mask.has_band
+    dense_max = table.fp32_band_dense_max_len if band else table.fp32_dense_max_len
+    if dtype == jnp.float32 and max(tq, tk) <= dense_max and score_mod is None \
         and _dense_fits(q_shape, kv_shape, device):
       return Decision("xla", f"{cc} device table: float32 runs fastest in XLA's dense formulation (TF32)",
                       formulation="dense")
