@@ -531,6 +531,10 @@ def tiles_section(rows) -> str:
     sub = [r for r in t if (r["dtype"], r["head_dim"], r["q_len"], r["mode"]) == key]
     auto = next((r for r in sub if r.get("variant") == "auto"), None)
     forced = [r for r in sub if r.get("variant") != "auto"]
+    if key[3] == "fwd_bwd" and auto is not None:
+      # Backward rows include a forward: compare only those run with auto's forward tiles.
+      fwd = (auto.get("auto_config") or {}).get("forward")
+      forced = [r for r in forced if r.get("forward_config", fwd) == fwd]
     okf = [r for r in forced if r["status"] == "ok"]
     best = min(okf, key=lambda r: r["ms"]) if okf else None
     ok_auto = best and auto and auto.get("status") == "ok"
@@ -545,7 +549,8 @@ def tiles_section(rows) -> str:
   r0 = t[0]
   return (f"Auto tiles against the best forced configuration, batch {r0['batch']}, {r0['q_heads']} heads "
           f"({r0.get('_file')}); forward: (block_q, block_k, num_stages, num_warps), forward + backward: "
-          f"the split backward's tiles. Auto within 5% of the best in {within} of {len(keys)} shapes.\n\n"
+          f"the split backward's tiles, each row with auto's forward tiles. Auto within 5% of the "
+          f"best in {within} of {len(keys)} shapes.\n\n"
           + md_table(["dtype", "head_dim", "T", "mode", "auto ms", "auto config", "best forced ms",
                       "best forced", "auto / best", "configs"], body))
 
