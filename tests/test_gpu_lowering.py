@@ -82,3 +82,19 @@ def test_default_cudnn_route_lowers_for_sm90(monkeypatch, mask):
   text = jax.jit(jax.grad(loss)).trace(q).lower(lowering_platforms=("cuda",)).as_text()
   calls = re.findall(r"custom_call @(__cudnn\$fmha\w*)", text)
   assert sorted(calls) == ["__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"], calls
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_fast_exp2_lowers_to_one_instruction(monkeypatch, fast):
+  """``fast_exp2`` swaps libdevice's exp2f for ``ex2.approx.ftz.f32`` in every kernel."""
+  monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: H200)
+  monkeypatch.setattr(pt, "supports", lambda *a, **kw: None)
+  q = jax.ShapeDtypeStruct((2, 300, 8, 64), jnp.bfloat16)
+  loss = lambda q, k, v: jnp.sum(pt.attention(
+      q, k, v, backward_pass_impl="triton_split", forward_config=ForwardConfig(fast_exp2=fast),
+      backward_config=BackwardConfig(fast_exp2=fast)).astype(jnp.float32))
+  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
+  kernels = text.count("custom_call @__gpu$xla.gpu.triton")
+  assert kernels == 3  # forward, dK/dV, dQ
+  assert text.count("ex2.approx.ftz.f32") == (kernels if fast else 0)
+  assert text.count("__nv_exp2f") == (0 if fast else kernels)

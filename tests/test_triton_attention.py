@@ -319,6 +319,15 @@ def test_gpu_score_mod_and_determinism():
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask_name", ["none", "causal", "segments_causal"])
+def test_gpu_fast_exp2(mask_name):
+  q, k, v, do = _inputs(30, 2, 2048, 2048, 4, 2, 64, jnp.bfloat16)
+  _check(q, k, v, do, mask=_mask(mask_name, 2, 2048, 2048), impl="triton_split",
+         fc=pt.ForwardConfig(128, 64, 4, 2, fast_exp2=True),
+         bc=pt.BackwardConfig(32, 128, 128, 64, 4, 3, fast_exp2=True), interpret=False)
+
+
 def test_ranges_from_classes():
   """Per-batch tile ranges: span of non-EMPTY tiles; FULL run only when contiguous."""
   from probjax.ops.attention.triton.tiles import ranges_from_classes

@@ -8,7 +8,9 @@ For each (dtype, head_dim) at batch 4, 8 heads, T = 4096, non-causal:
   against every forced ``ForwardConfig(block_q, block_k, num_warps, num_stages)``;
 * backward (mode "fwd_bwd", ``backward_pass_impl="triton_split"`` in every row so
   that only the tiles differ): the auto backward tiles against forced
-  ``BackwardConfig``s with the default forward tiles.
+  ``BackwardConfig``s with the default forward tiles;
+* per mode, the auto tiles with ``fast_exp2=True`` (variant "auto_fast_exp2"), which
+  the tile page reports beside auto and which is not counted as a forced config.
 
 Configurations that do not fit shared memory are refused before launch
 (status "unsupported" with the message).
@@ -17,6 +19,7 @@ Configurations that do not fit shared memory are refused before launch
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import sys
 
@@ -51,6 +54,15 @@ def tile_case(dtype, d, t, b, h, mode, cfg, timing):
   from probjax.ops.attention.triton import BackwardConfig, ForwardConfig
   if cfg is None:
     variant, kw = "auto", {}
+  elif cfg == "fast_exp2":  # the auto tiles with ex2.approx.ftz exponentials
+    from probjax.ops.attention.triton import config as C
+    dt, dev = impls.jnp_dtype(dtype), C.device_kind()
+    fc = C.fit_forward_config(None, dt, d, t, t, dev)
+    bc = C.fit_backward_config(None, dt, d, t, t, dev)
+    variant = "auto_fast_exp2"
+    kw = {"forward_config": dataclasses.replace(fc, fast_exp2=True)}
+    if mode == "fwd_bwd":
+      kw["backward_config"] = dataclasses.replace(bc, fast_exp2=True)
   elif mode == "fwd":
     bq, bk, st, nw = cfg
     variant = f"bq{bq}_bk{bk}_s{st}_w{nw}"
@@ -92,14 +104,15 @@ def main(argv=None):
   timing = harness.timing_kwargs(args)
   cases = []
   if args.quick:
-    cases = [tile_case("float32", 16, 64, 1, 2, "fwd", cfg, timing) for cfg in (None, (32, 32, 1, 4))]
+    cases = [tile_case("float32", 16, 64, 1, 2, "fwd", cfg, timing)
+             for cfg in (None, "fast_exp2", (32, 32, 1, 4))]
     cases.append(tile_case("float32", 16, 64, 1, 2, "fwd_bwd", ((32, 32), (32, 32), 4, 1), timing))
   else:
     for dt in args.dtypes.split(","):
       for d in map(int, args.head_dims.split(",")):
         dtype = harness.DTYPE_NAMES[dt]
-        fwd = [None] + list(itertools.product(BLOCKS_Q, BLOCKS_K, STAGES, WARPS))
-        bwd = [None] + list(itertools.product(BWD_DKV, BWD_DQ, BWD_WARPS, BWD_STAGES))
+        fwd = [None, "fast_exp2"] + list(itertools.product(BLOCKS_Q, BLOCKS_K, STAGES, WARPS))
+        bwd = [None, "fast_exp2"] + list(itertools.product(BWD_DKV, BWD_DQ, BWD_WARPS, BWD_STAGES))
         cases += [tile_case(dtype, d, args.length, 4, 8, "fwd", c, timing) for c in fwd]
         cases += [tile_case(dtype, d, args.length, 4, 8, "fwd_bwd", c, timing) for c in bwd]
   harness.run_cases(cases, args)

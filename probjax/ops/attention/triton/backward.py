@@ -36,7 +36,7 @@ def _dot(a, b, dims=(((1,), (0,)), ((), ()))):
 
 
 def _probs_and_ds(q, k, v, do, lse2, delta, *, tm, mr, b, h, q_start, k_start, masked,
-                  scale, score_mod, transposed=False):
+                  scale, score_mod, fast_exp2, transposed=False):
   """``p`` and ``dS`` (w.r.t. the scaled, pre-``score_mod`` score) of one tile,
   ``[block_q, block_k]`` or, ``transposed``, ``[block_k, block_q]``."""
   bq, bk = q.shape[0], k.shape[0]
@@ -46,10 +46,10 @@ def _probs_and_ds(q, k, v, do, lse2, delta, *, tm, mr, b, h, q_start, k_start, m
     s = jnp.where(tiles.tile_valid(tm, mr, b, q_start, k_start, bq, bk, transposed=transposed),
                   s, -jnp.inf)
   if transposed:
-    p = jnp.exp2(s - lse2[None, :])
+    p = tiles.exp2(s - lse2[None, :], fast_exp2)
     ds = p * (_dot(v, do, _NT) - delta[None, :])
   else:
-    p = jnp.exp2(s - lse2[:, None])
+    p = tiles.exp2(s - lse2[:, None], fast_exp2)
     ds = p * (_dot(do, v, _NT) - delta[:, None])
   if score_mod is not None:
     ds = tiles.score_mod_grad(score_mod, s_nat, ds, **pos)
@@ -57,7 +57,8 @@ def _probs_and_ds(q, k, v, do, lse2, delta, *, tm, mr, b, h, q_start, k_start, m
 
 
 def _dkv_program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mr, dk_ref, dv_ref, dq_acc_ref,
-                 *, b, hkv, j, tm, scale, score_mod, groups, block_q, block_k, num_q_tiles):
+                 *, b, hkv, j, tm, scale, score_mod, groups, block_q, block_k, num_q_tiles,
+                 fast_exp2):
   """dK, dV of KV tile ``j`` of KV head ``hkv``, summed over its query heads.
 
   Works on transposed ``[block_k, block_q]`` tiles (``k @ q^T``) so that ``p^T``
@@ -81,7 +82,7 @@ def _dkv_program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mr, dk_ref, dv
       pt, dst = _probs_and_ds(q, k, v, do, lse_ref.at[b, h, rows][...],
                               delta_ref.at[b, h, rows][...], tm=tm, mr=mr, b=b, h=h,
                               q_start=q_start, k_start=k_start, masked=masked, scale=scale,
-                              score_mod=score_mod, transposed=True)
+                              score_mod=score_mod, fast_exp2=fast_exp2, transposed=True)
       dv = dv + _dot(pt.astype(do.dtype), do)
       dst = dst.astype(q.dtype)
       dk = dk + _dot(dst, q)
@@ -99,7 +100,7 @@ def _dkv_program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mr, dk_ref, dv
 
 
 def _dq_program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mr, dq_ref, *, b, h, i, tm, scale,
-                score_mod, groups, block_q, block_k, num_kv_tiles):
+                score_mod, groups, block_q, block_k, num_kv_tiles, fast_exp2):
   """dQ of query tile ``i`` of query head ``h``."""
   hkv = h // groups
   q_start = i * block_q
@@ -114,7 +115,8 @@ def _dq_program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mr, dq_ref, *, 
     k = k_ref.at[b, pl.ds(k_start, block_k), hkv, :][...]
     v = v_ref.at[b, pl.ds(k_start, block_k), hkv, :][...]
     _, ds = _probs_and_ds(q, k, v, do, lse2, delta, tm=tm, mr=mr, b=b, h=h, q_start=q_start,
-                          k_start=k_start, masked=masked, scale=scale, score_mod=score_mod)
+                          k_start=k_start, masked=masked, scale=scale, score_mod=score_mod,
+                          fast_exp2=fast_exp2)
     return dq + _dot(ds.astype(k.dtype), k)
 
   dq = tiles.tile_loop(tm, mr, b, i, num_kv_tiles, body, jnp.zeros(q.shape, jnp.float32), by_q=True,
@@ -192,7 +194,8 @@ def backward(q, k, v, out, lse, do, mask: Mask | None, *, scale: float,
                                          c.block_kv_dkv, by_q=False)
   tm_dq, mops_dq = tiles.mask_operands(mask, batch, q_len, kv_len, q_pad, kv_pad, c.block_q_dq,
                                        c.block_kv_dq, by_q=True)
-  common = dict(scale=scale, score_mod=score_mod, groups=heads // kv_heads)
+  common = dict(scale=scale, score_mod=score_mod, groups=heads // kv_heads,
+                fast_exp2=c.fast_exp2 and not interpret)
   dkv_kw = dict(common, block_q=c.block_q_dkv, block_k=c.block_kv_dkv, num_q_tiles=q_pad // c.block_q_dkv)
   dq_kw = dict(common, block_q=c.block_q_dq, block_k=c.block_kv_dq, num_kv_tiles=kv_pad // c.block_kv_dq)
   nk_dkv, nq_dq = kv_pad // c.block_kv_dkv, q_pad // c.block_q_dq

@@ -55,11 +55,17 @@ def _warps_stages(num_warps, num_stages):
 
 @dataclasses.dataclass(frozen=True)
 class ForwardConfig:
-  """Forward tiles: ``block_q`` query rows per program, ``block_k`` keys per step."""
+  """Forward tiles: ``block_q`` query rows per program, ``block_k`` keys per step.
+
+  ``fast_exp2``: the softmax exponentials as one ``ex2.approx.ftz.f32`` instruction
+  each (probabilities below 2**-126 flush to zero) instead of libdevice's ``exp2f``;
+  GPU only (interpret mode computes ``jnp.exp2``). Off until measured faster.
+  """
   block_q: int = 128
   block_k: int = 64
   num_warps: int = 4
   num_stages: int = 2
+  fast_exp2: bool = False
 
   def __post_init__(self):
     _pow2("block_q", self.block_q)
@@ -73,13 +79,15 @@ class ForwardConfig:
 @dataclasses.dataclass(frozen=True)
 class BackwardConfig:
   """Backward tiles: dK/dV kernel ``block_q_dkv x block_kv_dkv``, dQ kernel
-  ``block_q_dq x block_kv_dq`` (the onepass backward uses the dK/dV pair)."""
+  ``block_q_dq x block_kv_dq`` (the onepass backward uses the dK/dV pair);
+  ``fast_exp2`` as in :class:`ForwardConfig`."""
   block_q_dkv: int = 64
   block_kv_dkv: int = 64
   block_q_dq: int = 64
   block_kv_dq: int = 64
   num_warps: int = 4
   num_stages: int = 2
+  fast_exp2: bool = False
 
   def __post_init__(self):
     for f in ("block_q_dkv", "block_kv_dkv", "block_q_dq", "block_kv_dq"):

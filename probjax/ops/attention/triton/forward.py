@@ -22,7 +22,7 @@ from probjax.ops.attention.triton.config import ForwardConfig
 
 def _forward_kernel(q_ref, k_ref, v_ref, *refs, tm: tiles.TileMask, scale: float,
                     score_mod: Callable | None, groups: int, block_q: int, block_k: int,
-                    num_kv_tiles: int):
+                    num_kv_tiles: int, fast_exp2: bool):
   mr = tiles.MaskRefs.unpack(tm, refs[:-2])
   o_ref, lse_ref = refs[-2:]
   i, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -42,8 +42,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, tm: tiles.TileMask, scale: float
       s = jnp.where(tiles.tile_valid(tm, mr, b, q_start, k_start, block_q, block_k), s, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    alpha = jnp.exp2(m - m_safe)
-    p = jnp.exp2(s - m_safe[:, None])
+    alpha = tiles.exp2(m - m_safe, fast_exp2)
+    p = tiles.exp2(s - m_safe[:, None], fast_exp2)
     l = l * alpha + jnp.sum(p, axis=1)
     acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return acc, m_new, l
@@ -80,7 +80,8 @@ def forward(q, k, v, mask: Mask | None, *, scale: float, score_mod: Callable | N
   tm, mask_ops = tiles.mask_operands(mask, batch, q_len, kv_len, q_pad, kv_pad, bq, bk, by_q=True)
   kernel = functools.partial(
       _forward_kernel, tm=tm, scale=scale, score_mod=score_mod, groups=heads // kv_heads,
-      block_q=bq, block_k=bk, num_kv_tiles=kv_pad // bk)
+      block_q=bq, block_k=bk, num_kv_tiles=kv_pad // bk,
+      fast_exp2=config.fast_exp2 and not interpret)
   out, lse = pl.pallas_call(
       kernel,
       grid=(q_pad // bq, batch, heads),

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from probjax.ops.attention.masks import EMPTY, FULL, Mask, num_tiles, pad_axis, round_up  # noqa: F401 (re-exported)
 
@@ -171,6 +172,15 @@ def tile_loop(tm: TileMask, mr: MaskRefs, b, tile, n_static: int, body, carry, *
   carry = jax.lax.fori_loop(lo, b1, lambda j, c: body(j, c, True), carry)
   carry = jax.lax.fori_loop(b1, b2, lambda j, c: body(j, c, False), carry)
   return jax.lax.fori_loop(b2, hi, lambda j, c: body(j, c, True), carry)
+
+
+def exp2(x, fast: bool):
+  """``2**x`` of a float32 tile; ``fast``: one ``ex2.approx.ftz.f32`` per element (GPU only)."""
+  if not fast:
+    return jnp.exp2(x)
+  [y] = plgpu.elementwise_inline_asm("ex2.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f",
+                                     pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, x.dtype)])
+  return y
 
 
 def tile_indices(q_start, k_start, block_q: int, block_k: int, *, transposed: bool = False):
