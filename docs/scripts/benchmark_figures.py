@@ -268,6 +268,15 @@ def fig_grid(rows, dtype, path, ratio=False):
   return True
 
 
+def series_by(rows, name, value=lambda r: r["ms"], keep=lambda r: True) -> dict:
+  """``{name(row): [(q_len, value(row)), ...]}`` of the rows that ran and ``keep`` accepts."""
+  series = collections.defaultdict(list)
+  for r in rows:
+    if r["status"] == "ok" and keep(r):
+      series[name(r)].append((r["q_len"], value(r)))
+  return series
+
+
 def fig_lines(series: dict, path: str, xlabel: str, ylabel: str, title: str, logy=True, hline=None):
   """series: label -> list of (x, y)."""
   series = {k: sorted(v) for k, v in series.items() if v}
@@ -440,10 +449,8 @@ def memory_section(rows, fig_dir, fig_rel) -> str:
   out = []
   peak = select(rows, suite="peak", status="ok")
   if peak:
-    series = collections.defaultdict(list)
-    for r in peak:
-      if r.get("peak_bytes"):
-        series[label(r["impl"])].append((r["q_len"], r["peak_bytes"] / 2**20))
+    series = series_by(peak, lambda r: label(r["impl"]), value=lambda r: r["peak_bytes"] / 2**20,
+                       keep=lambda r: bool(r.get("peak_bytes")))
     ok = fig_lines(series, os.path.join(fig_dir, "memory_peak.png"), "T", "device peak (MiB)",
                    "fwd+bwd device peak")
     r0 = peak[0]
@@ -491,10 +498,7 @@ def dispatch_section(rows, fig_dir=None, fig_rel=None) -> str:
   out = []
   r0 = d[0]
   if fig_dir:
-    series = collections.defaultdict(list)
-    for r in d:
-      if r["status"] == "ok":
-        series[f"{label(r['impl'])} D{r['head_dim']}"].append((r["q_len"], r["ms"]))
+    series = series_by(d, lambda r: f"{label(r['impl'])} D{r['head_dim']}")
     ok = fig_lines(series, os.path.join(fig_dir, "dispatch.png"), "T", "fwd+bwd ms",
                    f"batch {r0['batch']}, {r0['q_heads']} heads, {DTYPE_SHORT.get(r0['dtype'], r0['dtype'])}")
     out.append(_fig_ref(fig_rel, "dispatch.png", ok, "dispatch sweep"))
@@ -562,10 +566,7 @@ def gqa_section(rows, fig_dir=None, fig_rel=None) -> str:
   if g:
     r0 = g[0]
     if fig_dir:
-      series = collections.defaultdict(list)
-      for r in g:
-        if r["status"] == "ok":
-          series[f"{label(r['impl'])} {r['mode']}"].append((r["q_len"], r["ms"]))
+      series = series_by(g, lambda r: f"{label(r['impl'])} {r['mode']}")
       ok = fig_lines(series, os.path.join(fig_dir, "gqa.png"), "T", "ms", "GQA, 32 query / 8 KV heads")
       out.append(_fig_ref(fig_rel, "gqa.png", ok, "GQA"))
     for mode in ("fwd", "fwd_bwd"):
@@ -608,10 +609,8 @@ def cpu_section(cpu_rows, fig_dir, fig_rel) -> str:
   out = []
   if c:
     r0 = c[0]
-    series = collections.defaultdict(list)
-    for r in c:
-      if r["status"] == "ok" and r["mode"] == "fwd_bwd" and not r["causal"]:
-        series[label(r["impl"])].append((r["q_len"], r["ms"]))
+    series = series_by(c, lambda r: label(r["impl"]),
+                       keep=lambda r: r["mode"] == "fwd_bwd" and not r["causal"])
     ok = fig_lines(series, os.path.join(fig_dir, "cpu_time.png"), "T", "ms",
                    "CPU fwd+bwd, non-causal")
     loads = sorted(r["loadavg_1m"] for r in c if r.get("loadavg_1m") is not None)
@@ -870,10 +869,8 @@ def h200_page(all_rows, fig_dir, fig_rel) -> str:
     bw = [r for r in pj if r["mode"] == "fwd_bwd" and r["impl"] in
           ("probjax_triton_onepass", "probjax_triton_fused", "probjax_triton_split", "probjax_default")]
     if bw:
-      series = collections.defaultdict(list)
-      for r in bw:
-        if r["dtype"] == "bfloat16" and r["head_dim"] == 128 and not r["causal"]:
-          series[label(r["impl"])].append((r["q_len"], r["ms"]))
+      series = series_by(bw, lambda r: label(r["impl"]), keep=lambda r: (
+          r["dtype"] == "bfloat16" and r["head_dim"] == 128 and not r["causal"]))
       ok = fig_lines(series, os.path.join(fig_dir, "h200_backward.png"), "T", "ms",
                      "fwd+bwd by backward variant, bf16 D128 non-causal")
       parts += [_fig_ref(fig_rel, "h200_backward.png", ok, "backward variants"), ""]

@@ -13,6 +13,7 @@ Mask names: "none", "window512" (causal, 512 keys to the left), "docs4"
 from __future__ import annotations
 
 import functools
+import importlib
 
 from docs.scripts.harness import Unsupported
 
@@ -51,21 +52,20 @@ def probjax_api():
 
 
 @functools.lru_cache(None)
+def _peer_module(name: str):
+  """The peer package ``name`` or raises Unsupported (the row records why)."""
+  try:
+    return importlib.import_module(name)
+  except Exception as e:  # noqa: BLE001
+    raise Unsupported(f"{name} not importable: {type(e).__name__}: {e}") from e
+
+
 def torch_mod():
-  try:
-    import torch
-  except Exception as e:  # noqa: BLE001
-    raise Unsupported(f"torch not installed: {e}") from e
-  return torch
+  return _peer_module("torch")
 
 
-@functools.lru_cache(None)
 def tokamax_mod():
-  try:
-    import tokamax
-  except Exception as e:  # noqa: BLE001
-    raise Unsupported(f"tokamax not importable: {type(e).__name__}: {e}") from e
-  return tokamax
+  return _peer_module("tokamax")
 
 
 def peers_present() -> dict:
