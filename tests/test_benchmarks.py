@@ -353,14 +353,18 @@ def test_tiles_section_counts_auto_within_five_percent():
   from docs.scripts import benchmark_figures as bf
   base = dict(suite="tiles", impl="probjax_triton", dtype="bfloat16", batch=4, q_heads=8, kv_heads=8,
               q_len=4096, kv_len=4096, head_dim=64, causal=False, mask="none", status="ok", device="GPU")
-  cfg = {"forward": "F", "backward": "B"}
+  cfg = {"forward": {"block_q": 64, "fast_exp2": False}, "backward": "B"}
   rows = [dict(base, mode="fwd", variant="auto", ms=1.0, auto_config=cfg),
           dict(base, mode="fwd", variant="bq64_bk64_s2_w4", ms=0.9),
           dict(base, mode="fwd_bwd", variant="auto", ms=3.0, auto_config=cfg),
           dict(base, mode="fwd_bwd", variant="dkv64x64_dq64x64_s2_w4", ms=3.1),
           dict(base, mode="fwd_bwd", variant="too_big", ms=None, status="unsupported"),
           # run with other forward tiles than auto's: not comparable, left out
-          dict(base, mode="fwd_bwd", variant="dkv32x128_dq128x64_s2_w4", ms=1.0, forward_config="G")]
+          dict(base, mode="fwd_bwd", variant="dkv32x128_dq128x64_s2_w4", ms=1.0,
+               forward_config={"block_q": 128}),
+          # recorded before the fast_exp2 field existed: the same forward tiles
+          dict(base, mode="fwd_bwd", variant="dkv64x128_dq128x64_s2_w4", ms=3.05,
+               forward_config={"block_q": 64})]
   text = bf.tiles_section(rows)
   assert "best in 1 of 2 shapes" in text
-  assert "| 1.11 |" in text and "1 ran / 1 rejected" in text
+  assert "| 1.11 |" in text and "2 ran / 1 rejected" in text

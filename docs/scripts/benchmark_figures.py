@@ -525,6 +525,14 @@ def dispatch_section(rows, fig_dir=None, fig_rel=None) -> str:
   return "\n\n".join(out)
 
 
+def _config_key(cfg):
+  """A recorded config dict without the fields at their default (rows predating a field
+  compare equal to rows that record its default)."""
+  if not isinstance(cfg, dict):
+    return cfg
+  return tuple(sorted((k, v) for k, v in cfg.items() if not (k == "fast_exp2" and v is False)))
+
+
 def tiles_section(rows) -> str:
   t = select(rows, suite="tiles")
   if not t:
@@ -538,8 +546,8 @@ def tiles_section(rows) -> str:
     forced = [r for r in sub if r.get("variant") not in ("auto", "auto_fast_exp2")]
     if key[3] == "fwd_bwd" and auto is not None:
       # Backward rows include a forward: compare only those run with auto's forward tiles.
-      fwd = (auto.get("auto_config") or {}).get("forward")
-      forced = [r for r in forced if r.get("forward_config", fwd) == fwd]
+      fwd = _config_key((auto.get("auto_config") or {}).get("forward"))
+      forced = [r for r in forced if _config_key(r.get("forward_config")) in (fwd, None)]
     okf = [r for r in forced if r["status"] == "ok"]
     best = min(okf, key=lambda r: r["ms"]) if okf else None
     ok_auto = best and auto and auto.get("status") == "ok"
