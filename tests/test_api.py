@@ -118,6 +118,20 @@ def test_configs_without_triton_raise():
     flex_attention(x.q, x.k, x.v, forward_config=object(), implementation="xla")
 
 
+def test_split_kv_through_the_api():
+  from probjax.ops.attention.triton import SplitKVConfig
+  x = make_inputs(5, 2, 2, 300, 8, 2, 32)
+  mask = KVLenMask(jnp.array([300, 40]))
+  cfg = SplitKVConfig(block_k=16, num_splits=4)
+  ref = reference_attention(x.q, x.k, x.v, mask=mask)
+  for f in (dot_product_attention, flex_attention, mha):
+    out = f(x.q, x.k, x.v, mask=mask, split_kv=cfg, interpret=True,
+            **({} if f is mha else {"implementation": "triton"}))
+    assert max_error(out, ref) <= tolerance(jnp.float32)
+  with pytest.raises(ValueError, match="split_kv"):
+    dot_product_attention(x.q, x.k, x.v, split_kv=cfg)  # CPU default: the XLA path
+
+
 def test_jit_and_tracer_lengths():
   x = make_inputs(4, 2, 300, 300, 2, 2, 16)
   f = jax.jit(lambda q, k, v, lens: dot_product_attention(q, k, v, mask=KVLenMask(lens)))

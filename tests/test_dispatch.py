@@ -163,3 +163,16 @@ def test_sm90_table_routes_causal_windows_to_cudnn():
   d = decide(mask=M.LocalWindowMask(512, 0))
   assert d.implementation == "cudnn"
   assert decide(mask=M.LocalWindowMask(512, 3)).implementation == "triton"  # right window: no
+
+
+def test_split_kv_decision():
+  """Decoding shapes run the split-KV forward; explain_dispatch says so."""
+  dec = ((1, 1, 32, 128), (1, 32768, 8, 128))
+  d = decide(dec)
+  assert d.implementation == "triton" and d.split_kv >= 2 and "split_kv=" in str(d)
+  assert decide(dec, split_kv=False).split_kv == 0
+  assert decide(BIG, device=RTX3090).split_kv == 0  # 4096 queries: the regular forward
+  with pytest.raises(ValueError, match="split_kv=True configures the Triton kernel"):
+    decide(dec, implementation="xla", split_kv=True)
+  with pytest.raises(ValueError, match="split_kv=True configures the Triton kernel"):
+    decide(dec, device=CPU, split_kv=True)

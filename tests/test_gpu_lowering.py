@@ -98,3 +98,16 @@ def test_fast_exp2_lowers_to_one_instruction(monkeypatch, fast):
   assert kernels == 3  # forward, dK/dV, dQ
   assert text.count("ex2.approx.ftz.f32") == (kernels if fast else 0)
   assert text.count("__nv_exp2f") == (0 if fast else kernels)
+
+
+@pytest.mark.parametrize("mask", [None, M.KVLenMask(jnp.array([4096, 7])), M.CausalMask(4095)])
+def test_split_kv_lowers_for_sm90(monkeypatch, mask):
+  """The decoding default (split-KV forward) lowers for sm_90 with GQA packing."""
+  monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: H200)
+  monkeypatch.setattr(pt, "supports", lambda *a, **kw: None)
+  monkeypatch.setattr(pt.config_lib, "device_kind", lambda device=None: "sm_90")
+  q = jax.ShapeDtypeStruct((2, 1, 32, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, 4096, 8, 128), jnp.bfloat16)
+  text = jax.jit(lambda q, k, v: pt.attention(q, k, v, mask=mask)).trace(q, kv, kv).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "probjax_attention_fwd_split_kv" in text

@@ -14,7 +14,8 @@ import pytest
 from probjax.ops.attention import triton as pt
 from probjax.ops.attention.masks import (CausalMask, KVLenMask, LengthMask, LocalWindowMask,
                                          SegmentMask)
-from probjax.ops.attention.reference import reference_vjp
+from probjax.ops.attention import masks as M
+from probjax.ops.attention.reference import reference_attention, reference_vjp
 from probjax.ops.attention.tolerances import max_error, tolerance
 from probjax.ops.attention.triton import config as cfg
 
@@ -326,6 +327,83 @@ def test_gpu_fast_exp2(mask_name):
   _check(q, k, v, do, mask=_mask(mask_name, 2, 2048, 2048), impl="triton_split",
          fc=pt.ForwardConfig(128, 64, 4, 2, fast_exp2=True),
          bc=pt.BackwardConfig(32, 128, 128, 64, 4, 3, fast_exp2=True), interpret=False)
+
+
+# -- split-KV decoding -------------------------------------------------------------
+SKV = pt.SplitKVConfig(block_k=16, num_splits=3)
+
+
+@pytest.mark.parametrize("tq,h,hkv,tk,d,mask_name", [
+    (1, 8, 2, 300, 64, "none"), (3, 4, 4, 517, 32, "kv_lengths"), (5, 6, 2, 700, 64, "causal_offset"),
+    (2, 4, 1, 400, 64, "window_causal"), (4, 4, 2, 333, 32, "segments"), (7, 4, 2, 260, 96, "lengths"),
+    (33, 2, 1, 200, 32, "none")])  # 66 packed rows: two row tiles of 64
+def test_split_kv_matches_reference(tq, h, hkv, tk, d, mask_name):
+  q, k, v, _ = _inputs(tq * tk, 2, tq, tk, h, hkv, d, jnp.float32)
+  mask = _mask(mask_name, 2, tq, tk)
+  cfg = SKV if tq * h // hkv <= 64 else pt.SplitKVConfig(block_k=16, num_splits=3, block_rows=64)
+  out = pt.attention(q, k, v, mask=mask, split_kv=cfg, interpret=True)
+  assert max_error(out, reference_attention(q, k, v, mask=mask)) <= tolerance(jnp.float32)
+
+
+def test_split_kv_rows_without_keys_are_zero():
+  q, k, v, _ = _inputs(3, 3, 2, 300, 4, 2, 32, jnp.float32)
+  mask = KVLenMask(jnp.array([0, 5, 300]))  # batch 0 has no key; batch 1's keys are in split 0
+  out = pt.attention(q, k, v, mask=mask, split_kv=SKV, interpret=True)
+  assert np.all(np.asarray(out[0]) == 0) and np.all(np.isfinite(np.asarray(out)))
+  assert max_error(out, reference_attention(q, k, v, mask=mask)) <= tolerance(jnp.float32)
+
+
+def test_split_kv_bf16_and_grad_runs_the_regular_kernel():
+  q, k, v, do = _inputs(4, 2, 2, 400, 8, 2, 64, jnp.bfloat16)
+  f = lambda q, k, v: pt.attention(q, k, v, split_kv=SKV, forward_config=FC16, backward_config=BC16,
+                                   interpret=True)
+  out = f(q, k, v)
+  assert max_error(out, reference_attention(q, k, v)) <= tolerance(jnp.bfloat16)
+  jaxpr = str(jax.make_jaxpr(lambda *a: jax.vjp(f, *a)[0])(q, k, v))
+  assert "probjax_attention_fwd_split_kv" not in jaxpr and "probjax_attention_fwd" in jaxpr
+  _check(q, k, v, do, impl="triton_split")  # gradients as without split_kv
+
+
+def test_split_kv_plan():
+  from probjax.ops.attention.triton import decode
+  plan = lambda q, kv, split_kv=None, **kw: decode.plan(q, kv, split_kv=split_kv, device="sm_90",
+                                                        **{"mask": None, "score_mod": None, **kw})
+  dec = ((1, 1, 32, 128), (1, 32768, 8, 128))
+  cfg = plan(*dec)
+  assert cfg is not None and cfg.num_splits >= 2 and cfg.block_rows == 16  # 1 query x 4 heads
+  assert plan((1, 64, 32, 128), (1, 32768, 8, 128)).block_rows == 128      # 256 rows: 2 tiles
+  assert plan((1, 65, 32, 128), (1, 32768, 8, 128)) is None                # too many queries
+  assert plan((1, 1, 32, 128), (1, 1023, 8, 128)) is None                  # too few keys
+  assert plan((64, 1, 32, 128), (64, 4096, 8, 128)) is None                # device already full
+  assert plan(*dec, split_kv=False) is None
+  assert plan(*dec, score_mod=lambda s, *_: s) is None
+  with pytest.raises(ValueError, match="split_kv=True cannot compute this call: score_mod"):
+    plan(*dec, split_kv=True, score_mod=lambda s, *_: s)
+  with pytest.raises(ValueError, match="65 queries > 64"):
+    plan((1, 65, 8, 64), (1, 100, 8, 64), split_kv=True)
+  with pytest.raises(TypeError, match="split_kv must be"):
+    plan(*dec, split_kv="yes")
+  window = M.LocalWindowMask(511, 0, offset=32767)  # the splits cover only the window's keys
+  assert plan(*dec, mask=window).num_splits == 2 and plan(*dec).num_splits > 2
+  assert plan(*dec, split_kv=pt.SplitKVConfig(num_splits=5)).num_splits == 5
+
+
+@pytest.mark.parametrize("kwargs", [dict(block_k=24), dict(num_splits=0), dict(block_rows=8)])
+def test_split_kv_config_validation(kwargs):
+  with pytest.raises(ValueError):
+    pt.SplitKVConfig(**kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tq,h,hkv,tk,mask_name", [
+    ("bfloat16", 1, 32, 8, 32768, "kv_lengths"), ("bfloat16", 16, 32, 8, 8192, "causal_offset"),
+    ("float16", 1, 32, 32, 4096, "none"), ("float32", 4, 16, 4, 3000, "window_causal")])
+def test_gpu_split_kv(dtype, tq, h, hkv, tk, mask_name):
+  q, k, v, _ = _inputs(tk + tq, 2, tq, tk, h, hkv, 128, jnp.dtype(dtype))
+  mask = _mask(mask_name, 2, tq, tk)
+  out = pt.attention(q, k, v, mask=mask, split_kv=True)
+  err = max_error(out, reference_attention(q, k, v, mask=mask))
+  assert err <= tolerance(jnp.dtype(dtype), tf32=dtype == "float32")
 
 
 def test_ranges_from_classes():

@@ -54,7 +54,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
                           dtype=None, precision=None, module=None, promote_dtype=None,
                           is_causal: bool = False, *, implementation: str | None = None,
                           scale: float | None = None, score_mod: Callable | None = None,
-                          backward_pass_impl: str = "auto", interpret: bool = False):
+                          backward_pass_impl: str = "auto", split_kv=None, interpret: bool = False):
   """Exact scaled dot-product attention; a drop-in ``attention_fn`` for Flax NNX.
 
   Args:
@@ -76,6 +76,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
     score_mod: ``f(score, b, h, q_idx, kv_idx) -> score`` (see :func:`flex_attention`).
     backward_pass_impl: Triton backward: "auto", "triton_onepass", "triton_fused",
       "triton_split".
+    split_kv: Triton split-KV forward for decoding: None (automatic: at most 64
+      queries, at least 1024 keys, two or more splits), False (never), True or a
+      ``SplitKVConfig`` (whenever the call allows; ValueError otherwise). Under
+      ``jax.grad`` the regular kernel runs.
     interpret: run the Triton kernel in Pallas interpret mode (CPU testing).
   Returns:
     ``[batch, q_len, heads, head_dim]`` in the input dtype. Rows with no valid
@@ -95,13 +99,13 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
                     score_mod=score_mod, scale=scale, dropout_rate=rate, dropout_rng=rng,
                     broadcast_dropout=broadcast_dropout, precision=precision, module=module,
                     implementation=implementation, backward_pass_impl=backward_pass_impl,
-                    interpret=interpret)
+                    split_kv=split_kv, interpret=interpret)
 
 
 def flex_attention(query, key, value, *, mask: Mask | None = None, score_mod: Callable | None = None,
                    scale: float | None = None, implementation: str | None = None,
                    backward_pass_impl: str = "auto", forward_config=None, backward_config=None,
-                   interpret: bool = False):
+                   split_kv=None, interpret: bool = False):
   """Attention with a position mask and a functional score modifier.
 
   Args:
@@ -111,7 +115,7 @@ def flex_attention(query, key, value, *, mask: Mask | None = None, score_mod: Ca
       scores after scaling, before masking; index arguments broadcast against
       the score. Differentiable, including through arrays it closes over
       (those run on the XLA path).
-    implementation, backward_pass_impl, interpret: as in :func:`dot_product_attention`.
+    implementation, backward_pass_impl, split_kv, interpret: as in :func:`dot_product_attention`.
     forward_config, backward_config: explicit Triton tile configs.
 
   ALiBi as a score modifier (the slopes are differentiable too):
@@ -131,12 +135,13 @@ def flex_attention(query, key, value, *, mask: Mask | None = None, score_mod: Ca
     mask.validate(shape.batch, shape.q_len, shape.kv_len)
   return _attention(query, key, value, shape, mask=mask, score_mod=score_mod, scale=scale,
                     implementation=implementation, backward_pass_impl=backward_pass_impl,
-                    forward_config=forward_config, backward_config=backward_config, interpret=interpret)
+                    forward_config=forward_config, backward_config=backward_config,
+                    split_kv=split_kv, interpret=interpret)
 
 
 def mha(query, key, value, *, causal: bool = False, mask: Mask | None = None, scale: float | None = None,
         backward_pass_impl: str = "auto", forward_config=None, backward_config=None,
-        interpret: bool = False):
+        split_kv=None, interpret: bool = False):
   """The fused Triton kernel itself (no dispatch): ``[batch, seq, heads, head_dim]`` in and out.
 
   Raises ValueError where the kernel cannot compute the call exactly.
@@ -145,13 +150,13 @@ def mha(query, key, value, *, causal: bool = False, mask: Mask | None = None, sc
     mask = CausalMask() if mask is None else mask & CausalMask()
   return flex_attention(query, key, value, mask=mask, scale=scale, implementation="triton",
                         backward_pass_impl=backward_pass_impl, forward_config=forward_config,
-                        backward_config=backward_config, interpret=interpret)
+                        backward_config=backward_config, split_kv=split_kv, interpret=interpret)
 
 
 def _attention(query, key, value, shape: base.AttentionShape, *, bias=None, mask=None, dense_mask=None,
                score_mod=None, scale=None, dropout_rate=0.0, dropout_rng=None, broadcast_dropout=True,
                precision=None, module=None, implementation=None, backward_pass_impl="auto",
-               forward_config=None, backward_config=None, interpret=False):
+               forward_config=None, backward_config=None, split_kv=None, interpret=False):
   if backward_pass_impl not in BACKWARD_PASS_IMPLS:
     raise ValueError(f"backward_pass_impl must be one of {BACKWARD_PASS_IMPLS}, got {backward_pass_impl!r}")
   if score_mod is not None and not callable(score_mod):
@@ -163,8 +168,9 @@ def _attention(query, key, value, shape: base.AttentionShape, *, bias=None, mask
       query.shape, key.shape, shape.dtype, mask=mask, bias=bias is not None,
       dense_mask=dense_mask is not None, dropout=dropout_rate > 0, score_mod=score_mod,
       precision=precision, module=module is not None, implementation=implementation,
-      backward_pass_impl=backward_pass_impl,
-      kernel_args_default=backward_pass_impl == "auto" and forward_config is None and backward_config is None,
+      backward_pass_impl=backward_pass_impl, split_kv=split_kv,
+      kernel_args_default=(backward_pass_impl == "auto" and forward_config is None
+                           and backward_config is None and split_kv is None),
       device=device)
   if (forward_config is not None or backward_config is not None) and decision.implementation != "triton":
     raise ValueError(f"forward_config/backward_config configure the Triton kernel, but this call runs "
@@ -177,7 +183,7 @@ def _attention(query, key, value, shape: base.AttentionShape, *, bias=None, mask
       fast = lambda q, k, v, mask: triton_backend.attention(
           q, k, v, mask=mask, score_mod=score_mod, scale=scale,
           backward_pass_impl=decision.backward_pass_impl, forward_config=forward_config,
-          backward_config=backward_config, interpret=interpret)
+          backward_config=backward_config, split_kv=split_kv, interpret=interpret)
     # jax.jvp through the kernels: the tangent comes from the exact XLA formulation.
     formulation = dispatch.xla_formulation(query.shape, key.shape, device)
     exact = lambda q, k, v, mask: xla_backend.attention(q, k, v, formulation=formulation, mask=mask,

@@ -64,9 +64,14 @@ class Decision:
   rule: str
   backward_pass_impl: str = "auto"
   formulation: str = "auto"  # XLA path: "auto" (by length), "dense" or "flash"
+  split_kv: int = 0  # Triton: key splits of the split-KV forward (0: the regular forward)
 
   def __str__(self):
-    extra = f", backward={self.backward_pass_impl}" if self.implementation == "triton" else ""
+    extra = ""
+    if self.implementation == "triton":
+      extra = f", backward={self.backward_pass_impl}"
+      if self.split_kv:
+        extra += f", split_kv={self.split_kv} splits"
     return f"{self.implementation}{extra} ({self.rule})"
 
 
@@ -101,7 +106,7 @@ def triton_supports(q_shape, kv_shape, dtype, *, device: Device, **kw) -> str | 
 def explain_dispatch(q_shape, kv_shape, dtype, *, mask: Mask | None = None, bias: bool = False,
                      dense_mask: bool = False, dropout: bool = False, score_mod=None,
                      precision=None, module: bool = False, implementation: str | None = None,
-                     backward_pass_impl: str = "auto", kernel_args_default: bool = True,
+                     backward_pass_impl: str = "auto", split_kv=None, kernel_args_default: bool = True,
                      device: Device | None = None, env=None) -> Decision:
   """Returns the :class:`Decision` for a call described by shapes and flags.
 
@@ -112,11 +117,31 @@ def explain_dispatch(q_shape, kv_shape, dtype, *, mask: Mask | None = None, bias
       ``dropout`` flag the presence of those arguments.
     implementation: an explicit choice is checked, never replaced: if it cannot
       compute the call exactly, ValueError says why.
+    split_kv: the Triton split-KV forward (see
+      :func:`probjax.ops.attention.triton.attention`); True or a config on a call
+      that does not run the Triton kernel raises ValueError.
     kernel_args_default: False when the caller set kernel arguments
       (tile configs, a non-auto backward), which disables the device table.
     device: defaults to :meth:`Device.current`; env defaults to ``os.environ``.
   """
   device = device or Device.current()
+  decision = _decide(q_shape, kv_shape, dtype, mask=mask, bias=bias, dense_mask=dense_mask,
+                     dropout=dropout, score_mod=score_mod, precision=precision, module=module,
+                     implementation=implementation, backward_pass_impl=backward_pass_impl,
+                     kernel_args_default=kernel_args_default, device=device, env=env)
+  if decision.implementation != "triton":
+    if split_kv is not None and split_kv is not False:
+      raise ValueError(f"split_kv={split_kv!r} configures the Triton kernel, but this call runs "
+                       f"{decision}; pass implementation='triton'")
+    return decision
+  from probjax.ops.attention.triton import decode  # local: the kernels import Pallas
+  kind = "sm_%d%d" % device.compute_capability if device.compute_capability else "interpret"
+  cfg = decode.plan(q_shape, kv_shape, mask=mask, score_mod=score_mod, split_kv=split_kv, device=kind)
+  return dataclasses.replace(decision, split_kv=cfg.num_splits if cfg is not None else 0)
+
+
+def _decide(q_shape, kv_shape, dtype, *, mask, bias, dense_mask, dropout, score_mod, precision,
+            module, implementation, backward_pass_impl, kernel_args_default, device, env) -> Decision:
   env = os.environ if env is None else env
   dtype = jnp.dtype(dtype)
   impl = canonical(implementation)

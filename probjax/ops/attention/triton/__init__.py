@@ -21,10 +21,12 @@ from probjax.ops.attention.masks import Mask
 from probjax.ops.attention.triton import config as config_lib
 from probjax.ops.attention.triton import backward as backward_lib
 from probjax.ops.attention.triton.config import BackwardConfig, ForwardConfig
+from probjax.ops.attention.triton import decode as decode_lib
 from probjax.ops.attention.triton import forward as forward_lib
+from probjax.ops.attention.triton.decode import SplitKVConfig
 from probjax.ops.attention.triton.tiles import padded_head_dim
 
-__all__ = ["attention", "supports", "ForwardConfig", "BackwardConfig"]
+__all__ = ["attention", "supports", "ForwardConfig", "BackwardConfig", "SplitKVConfig"]
 
 _HEAD_DIMS_MAX = 256
 _DTYPES = ("bfloat16", "float16", "float32")
@@ -93,7 +95,8 @@ def _dtype_name(dtype) -> str:
 def attention(q, k, v, *, mask: Mask | None = None, score_mod: Callable | None = None,
               scale: float | None = None, backward_pass_impl: str = "auto",
               forward_config: ForwardConfig | None = None,
-              backward_config: BackwardConfig | None = None, interpret: bool = False):
+              backward_config: BackwardConfig | None = None,
+              split_kv: bool | SplitKVConfig | None = None, interpret: bool = False):
   """Fused exact attention.
 
   Args:
@@ -109,6 +112,11 @@ def attention(q, k, v, *, mask: Mask | None = None, score_mod: Callable | None =
       ``"triton_fused"`` or ``"triton_split"``.
     forward_config, backward_config: explicit tiles (validated against the
       device's shared memory); None picks them from the tuned tables.
+    split_kv: the split-KV forward for decoding (:mod:`.decode`): None picks it
+      for at most 64 queries against at least 1024 keys when two or more splits
+      fill the device better; False never; True or a :class:`SplitKVConfig`
+      whenever it can take the call (ValueError otherwise). It computes the
+      output only: under ``jax.grad`` the regular forward runs.
     interpret: run the kernels in Pallas interpret mode (CPU testing).
   Returns:
     ``[batch, q_len, heads, head_dim]`` in q's dtype.
@@ -130,7 +138,9 @@ def attention(q, k, v, *, mask: Mask | None = None, score_mod: Callable | None =
   fcfg = config_lib.fit_forward_config(forward_config, q.dtype, dp, q_len, kv_len, device)
   bcfg = config_lib.fit_backward_config(backward_config, q.dtype, dp, q_len, kv_len, device)
   impl = config_lib.resolve_backward_impl(backward_pass_impl, device, q.dtype, d, q_len, kv_len)
-  static = _Static(score_mod, float(scale), fcfg, bcfg, impl, bool(interpret))
+  split = decode_lib.plan(q.shape, k.shape, mask=mask, score_mod=score_mod, split_kv=split_kv,
+                          device=device)
+  static = _Static(score_mod, float(scale), fcfg, bcfg, impl, split, bool(interpret), device)
   return _attention(static, q, k, v, mask)
 
 
@@ -143,11 +153,16 @@ class _Static:
   fcfg: ForwardConfig
   bcfg: BackwardConfig
   impl: str
+  split: SplitKVConfig | None
   interpret: bool
+  device: str
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(st: _Static, q, k, v, mask):
+  if st.split is not None:  # primal only: the vjp's forward below saves the residuals
+    return decode_lib.forward(q, k, v, mask, scale=st.scale, config=st.split, device=st.device,
+                              interpret=st.interpret)
   return _fwd(st, q, k, v, mask)[0]
 
 

@@ -38,6 +38,10 @@ SMEM_LIMIT = {
 }
 DEFAULT_SMEM_LIMIT = 101376  # unknown GPUs: assume the small-SMEM class
 
+# Streaming multiprocessors, where the device does not report them (interpret mode).
+SM_COUNT = {"sm_90": 132, "sm_80": 108, "sm_86": 82, "sm_89": 128}
+DEFAULT_SM_COUNT = 132
+
 BACKWARD_IMPLS = ("triton_onepass", "triton_fused", "triton_split")
 
 

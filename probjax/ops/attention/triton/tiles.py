@@ -199,15 +199,24 @@ def tile_valid(tm: TileMask, mr: MaskRefs, b, q_start, k_start, block_q: int, bl
   """Boolean element predicate of one PARTIAL tile: ``[block_q, block_k]``, or
   ``[block_k, block_q]`` when ``transposed``."""
   qi, ki = tile_indices(q_start, k_start, block_q, block_k, transposed=transposed)
+  qs = ks = None
+  if mr.q_seg is not None:
+    qs = mr.q_seg.at[b, pl.ds(q_start, block_q)][...]
+    ks = mr.kv_seg.at[b, pl.ds(k_start, block_k)][...]
+    qs, ks = (qs[None, :], ks[:, None]) if transposed else (qs[:, None], ks[None, :])
+  return valid(tm, mr, b, qi, ki, qs, ks)
+
+
+def valid(tm: TileMask, mr: MaskRefs, b, qi, ki, qs=None, ks=None):
+  """The mask predicate on broadcastable query/key positions ``qi``/``ki`` of batch
+  element ``b`` (``qs``/``ks``: their segment ids, when the mask has them)."""
   ok = Mask(lower=tm.lower, upper=tm.upper).element(qi, ki) & (qi < tm.q_len) & (ki < tm.kv_len)
   if mr.q_lengths is not None:
     ok &= qi < mr.q_lengths[b]
   if mr.kv_lengths is not None:
     ok &= ki < mr.kv_lengths[b]
-  if mr.q_seg is not None:
-    qs = mr.q_seg.at[b, pl.ds(q_start, block_q)][...]
-    ks = mr.kv_seg.at[b, pl.ds(k_start, block_k)][...]
-    ok &= (qs[None, :] == ks[:, None]) if transposed else (qs[:, None] == ks[None, :])
+  if qs is not None:
+    ok &= qs == ks
   return ok
 
 

@@ -1,0 +1,244 @@
+"""Split-KV forward for decoding (Pallas, Triton backend).
+
+For few queries against a long KV cache the regular forward has only
+``batch * heads * query tiles`` programs. This kernel also splits the keys:
+one program per (key split, batch element, KV head, packed row tile). The
+queries of all ``G`` heads of a GQA group are packed into the rows of one tile
+(row ``r`` is query ``r // G`` of head ``hkv * G + r % G``), so each K/V tile is
+loaded once per group. Each program writes its normalised partial output and
+base-2 log-sum-exp; :func:`combine` merges the splits in XLA.
+
+Forward only: under ``jax.grad`` the regular kernel runs (it saves the residuals
+the backward needs), see :func:`probjax.ops.attention.triton.attention`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from probjax.ops.attention.masks import Mask
+from probjax.ops.attention.triton import config as config_lib
+from probjax.ops.attention.triton import tiles
+
+MAX_QUERIES = 64        # auto: at most this many queries per sequence
+MIN_KEYS = 1024         # auto: at least this many keys
+MIN_SPLIT_KEYS = 256    # no split gets fewer keys (each program's loop amortises its setup)
+PROGRAMS_PER_SM = 2     # enough programs to fill the device twice
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitKVConfig:
+  """Split-KV launch: ``block_k`` keys per step, ``num_splits`` key splits (None:
+  enough to fill the device), packed query rows per program ``block_rows`` (None:
+  all rows of a GQA group, at least 16, at most 128)."""
+  block_k: int = 64
+  num_warps: int = 4
+  num_stages: int = 2
+  num_splits: int | None = None
+  block_rows: int | None = None
+  fast_exp2: bool = False
+
+  def __post_init__(self):
+    config_lib._pow2("block_k", self.block_k)
+    if self.block_rows is not None:
+      config_lib._pow2("block_rows", self.block_rows)
+    config_lib._warps_stages(self.num_warps, self.num_stages)
+    if self.num_splits is not None and (not isinstance(self.num_splits, int) or self.num_splits < 1):
+      raise ValueError(f"num_splits must be None or an int >= 1, got {self.num_splits!r}")
+
+  def smem_bytes(self, itemsize: int, head_dim: int, block_rows: int) -> int:
+    return (self.num_stages * 2 * self.block_k + block_rows) * head_dim * itemsize
+
+
+def num_programs_target(device: str) -> int:
+  """Programs that fill ``device`` (``PROGRAMS_PER_SM`` per SM)."""
+  sms = None
+  if device.startswith("sm_") and jax.devices()[0].platform == "gpu":
+    sms = getattr(jax.devices()[0], "core_count", None)
+  return PROGRAMS_PER_SM * (sms or config_lib.SM_COUNT.get(device, config_lib.DEFAULT_SM_COUNT))
+
+
+def why_not(q_shape, kv_shape, *, score_mod) -> str | None:
+  """Why the split-KV kernel cannot compute a call (None if it can)."""
+  if score_mod is not None:
+    return "score_mod (the packed rows mix heads)"
+  if q_shape[1] > MAX_QUERIES:
+    return f"{q_shape[1]} queries > {MAX_QUERIES}"
+  return None
+
+
+def plan(q_shape, kv_shape, *, mask: Mask | None, score_mod, split_kv, device: str) -> SplitKVConfig | None:
+  """The split-KV launch for a forward call, or None for the regular kernel.
+
+  ``split_kv``: None (automatic: at most ``MAX_QUERIES`` queries, at least
+  ``MIN_KEYS`` keys and two or more splits), False (never), True (whenever the
+  kernel can take the call; ValueError otherwise) or a :class:`SplitKVConfig`
+  (likewise, with its tiles).
+  """
+  if split_kv is False:
+    return None
+  if split_kv is not None and split_kv is not True and not isinstance(split_kv, SplitKVConfig):
+    raise TypeError(f"split_kv must be None, a bool or a SplitKVConfig, got {type(split_kv).__name__}")
+  reason = why_not(q_shape, kv_shape, score_mod=score_mod)
+  if split_kv is None:
+    if reason is not None or kv_shape[1] < MIN_KEYS:
+      return None
+  elif reason is not None:
+    raise ValueError(f"split_kv={split_kv!r} cannot compute this call: {reason}")
+  cfg = split_kv if isinstance(split_kv, SplitKVConfig) else SplitKVConfig()
+  lo, hi = _band_keys(mask, q_shape[1], kv_shape[1])
+  rows = _block_rows(cfg, q_shape[1] * (q_shape[2] // kv_shape[2]))
+  n_rows = math.ceil(q_shape[1] * (q_shape[2] // kv_shape[2]) / rows)
+  if cfg.num_splits is None:
+    by_len = max(1, (hi - lo) // MIN_SPLIT_KEYS)
+    by_device = math.ceil(num_programs_target(device) / (q_shape[0] * kv_shape[2] * n_rows))
+    cfg = dataclasses.replace(cfg, num_splits=max(1, min(by_len, by_device)))
+  if split_kv is None and cfg.num_splits < 2:
+    return None
+  return dataclasses.replace(cfg, block_rows=rows)
+
+
+def _block_rows(cfg: SplitKVConfig, rows: int) -> int:
+  if cfg.block_rows is not None:
+    return cfg.block_rows
+  return max(config_lib.MIN_BLOCK, min(128, 1 << max(0, (rows - 1).bit_length())))
+
+
+def _band_keys(mask: Mask | None, q_len: int, kv_len: int) -> tuple[int, int]:
+  """Static key range ``[lo, hi)`` the mask's band allows for all ``q_len`` queries."""
+  if mask is None:
+    return 0, kv_len
+  return Mask(lower=mask.lower, upper=mask.upper).kv_range(0, q_len, kv_len)
+
+
+def _kernel(q_ref, k_ref, v_ref, *refs, tm: tiles.TileMask, scale: float, groups: int,
+            block_rows: int, block_k: int, tile_lo: int, tiles_per_split: int, tile_hi: int,
+            n_row_tiles: int, masked: bool, fast_exp2: bool):
+  mr = tiles.MaskRefs.unpack(tm, refs[:-2])
+  o_ref, lse_ref = refs[-2:]
+  split, b, p = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  hkv, rt = p // n_row_tiles, p % n_row_tiles
+  row0 = rt * block_rows
+  q = q_ref.at[b, hkv, pl.ds(row0, block_rows), :][...]
+  rows = row0 + jax.lax.broadcasted_iota(jnp.int32, (block_rows, 1), 0)
+  qi = rows // groups
+  qs = mr.q_seg.at[b, pl.ds(row0, block_rows)][...][:, None] if mr.q_seg is not None else None
+
+  start = tile_lo + split * tiles_per_split
+  end = jnp.minimum(start + tiles_per_split, tile_hi)
+  if mr.kv_lengths is not None:
+    end = jnp.minimum(end, (mr.kv_lengths[b] + block_k - 1) // block_k)
+
+  def body(j, carry):
+    acc, m, l = carry
+    k_start = j * block_k
+    k = k_ref.at[b, pl.ds(k_start, block_k), hkv, :][...]
+    v = v_ref.at[b, pl.ds(k_start, block_k), hkv, :][...]
+    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32) * (scale * tiles.LOG2E)
+    if masked:
+      ki = k_start + jax.lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
+      ks = mr.kv_seg.at[b, pl.ds(k_start, block_k)][...][None, :] if qs is not None else None
+      s = jnp.where(tiles.valid(tm, mr, b, qi, ki, qs, ks), s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = tiles.exp2(m - m_safe, fast_exp2)
+    pr = tiles.exp2(s - m_safe[:, None], fast_exp2)
+    l = l * alpha + jnp.sum(pr, axis=1)
+    acc = acc * alpha[:, None] + jnp.dot(pr.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return acc, m_new, l
+
+  d = q_ref.shape[-1]
+  init = (jnp.zeros((block_rows, d), jnp.float32), jnp.full((block_rows,), -jnp.inf, jnp.float32),
+          jnp.zeros((block_rows,), jnp.float32))
+  acc, m, l = jax.lax.fori_loop(start, jnp.maximum(start, end), body, init)
+  empty = l == 0.0
+  o_ref.at[b, hkv, split, pl.ds(row0, block_rows), :][...] = acc / jnp.where(empty, 1.0, l)[:, None]
+  lse_ref.at[b, hkv, split, pl.ds(row0, block_rows)][...] = jnp.where(
+      empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
+
+
+def forward(q, k, v, mask: Mask | None, *, scale: float, config: SplitKVConfig, device: str,
+            interpret: bool):
+  """Attention output ``[batch, q_len, heads, head_dim]`` by split-KV (no residuals).
+
+  Args:
+    q: ``[batch, q_len, heads, head_dim]``; k, v: ``[batch, kv_len, kv_heads, head_dim]``.
+    config: from :func:`plan` (``num_splits`` and ``block_rows`` set).
+  """
+  batch, q_len, heads, d = q.shape
+  kv_len, kv_heads = k.shape[1], k.shape[2]
+  groups = heads // kv_heads
+  c = config
+  dp = tiles.padded_head_dim(d)
+  bk, br = c.block_k, c.block_rows
+  limit = config_lib.smem_limit(device)
+  need = c.smem_bytes(np.dtype(q.dtype).itemsize, dp, br)
+  if limit is not None and need > limit:
+    raise ValueError(f"split_kv config {c} needs {need} bytes of shared memory per block "
+                     f"(head_dim {dp}) but {device} has {limit}")
+  n_rows = q_len * groups
+  rows_pad = tiles.round_up(n_rows, br)
+  kv_pad = tiles.round_up(kv_len, bk)
+  lo, hi = _band_keys(mask, q_len, kv_len)
+  tile_lo, tile_hi = lo // bk, max(lo // bk, tiles.num_tiles(hi, bk))
+  tiles_per_split = max(1, math.ceil((tile_hi - tile_lo) / c.num_splits))
+  splits = max(1, math.ceil((tile_hi - tile_lo) / tiles_per_split))
+
+  # [b, q, hkv*G, d] -> [b, hkv, q*G, d]: row r is query r // G of head hkv*G + r % G.
+  qp = q.reshape(batch, q_len, kv_heads, groups, d).transpose(0, 2, 1, 3, 4)
+  qp = qp.reshape(batch, kv_heads, n_rows, d)
+  qp = tiles.pad_axis(tiles.pad_axis(qp, 3, dp), 2, rows_pad)
+  kp = tiles.pad_axis(tiles.pad_axis(k, 3, dp), 1, kv_pad)
+  vp = tiles.pad_axis(tiles.pad_axis(v, 3, dp), 1, kv_pad)
+
+  m = mask if mask is not None else Mask()
+  tm = tiles.TileMask(m.lower, m.upper, q_len, kv_len, has_range=False,
+                      has_q_lengths=m.q_lengths is not None, has_kv_lengths=m.kv_lengths is not None,
+                      has_segments=m.q_segment_ids is not None)
+  mask_ops = []
+  if tm.has_q_lengths:
+    mask_ops.append(jnp.broadcast_to(jnp.asarray(m.q_lengths, jnp.int32), (batch,)))
+  if tm.has_kv_lengths:
+    mask_ops.append(jnp.broadcast_to(jnp.asarray(m.kv_lengths, jnp.int32), (batch,)))
+  if tm.has_segments:
+    q_seg, kv_seg = m.padded_segment_ids(batch, q_len, kv_pad)
+    row_seg = jnp.repeat(q_seg, groups, axis=1)  # the query of each packed row
+    mask_ops += [tiles.pad_axis(row_seg, 1, rows_pad, -1), kv_seg]
+  masked = mask is not None or kv_pad != kv_len
+  n_row_tiles = rows_pad // br
+  kernel = functools.partial(
+      _kernel, tm=tm, scale=scale, groups=groups, block_rows=br, block_k=bk, tile_lo=tile_lo,
+      tiles_per_split=tiles_per_split, tile_hi=tile_hi, n_row_tiles=n_row_tiles, masked=masked,
+      fast_exp2=c.fast_exp2 and not interpret)
+  o, lse2 = pl.pallas_call(
+      kernel,
+      grid=(splits, batch, kv_heads * n_row_tiles),
+      out_shape=(jax.ShapeDtypeStruct((batch, kv_heads, splits, rows_pad, dp), jnp.float32),
+                 jax.ShapeDtypeStruct((batch, kv_heads, splits, rows_pad), jnp.float32)),
+      compiler_params=plgpu.CompilerParams(num_warps=c.num_warps, num_stages=c.num_stages),
+      interpret=interpret,
+      name="probjax_attention_fwd_split_kv",
+  )(qp, kp, vp, *mask_ops)
+  out = combine(o, lse2)[:, :, :n_rows, :d]
+  out = out.reshape(batch, kv_heads, q_len, groups, d).transpose(0, 2, 1, 3, 4)
+  return out.reshape(batch, q_len, heads, d).astype(q.dtype)
+
+
+def combine(o, lse2):
+  """Merges split partials: ``o [..., splits, rows, d]`` (each normalised), ``lse2
+  [..., splits, rows]`` (base 2, -inf where a split saw no valid key) -> ``[..., rows, d]``;
+  rows no split saw are 0."""
+  m = jnp.max(lse2, axis=-2, keepdims=True)
+  w = jnp.exp2(lse2 - jnp.where(jnp.isfinite(m), m, 0.0))
+  total = jnp.sum(w, axis=-2, keepdims=True)
+  w = w / jnp.where(total == 0.0, 1.0, total)
+  return jnp.sum(w[..., None] * o, axis=-3)
