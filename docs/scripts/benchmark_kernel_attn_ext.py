@@ -11,8 +11,9 @@ gqa: 32 query heads, 8 KV heads, head_dim 128, batch 1, Lq = Lkv = T, fwd and
   fwd_bwd: probjax native GQA against the same kernel on K/V repeated to 32
   heads (probjax_repeat_kv), plus peers that take GQA natively; "gqa_memory"
   rows hold XLA's compile-time memory of native vs repeated.
-decode: 32 query heads, head_dim 128, 8 or 32 KV heads, Lq in {1, 16, 64},
-  long KV, forward only (bf16 on GPU, fp32 on CPU).
+decode: 32 query heads, head_dim 128, 8 or 32 KV heads, Lq in {1, 16}, long KV,
+  forward only (bf16 on GPU, fp32 on CPU); probjax_triton picks the split-KV
+  forward by itself, probjax_triton_nosplit is the regular forward on the same call.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from docs.scripts import harness, impls
 
 GQA_IMPLS = ("probjax_default", "probjax_repeat_kv", "probjax_triton", "jaxnn_cudnn", "jaxnn_xla",
              "tokamax_mosaic", "torch_sdpa_flash", "torch_sdpa_efficient", "torch_flex")
-DECODE_IMPLS = ("probjax_default", "probjax_triton", "probjax_xla", "jaxnn_cudnn", "jaxnn_xla",
+DECODE_IMPLS = ("probjax_default", "probjax_triton", "probjax_triton_nosplit", "probjax_xla",
+                "jaxnn_cudnn", "jaxnn_xla",
                 "tokamax_mosaic", "torch_sdpa_flash", "torch_sdpa_efficient")
 CPU_IMPLS = ("probjax_default", "probjax_xla", "jaxnn_xla")
 

@@ -28,6 +28,7 @@ PROBJAX_IMPLS = {
     "probjax_triton_onepass": {"implementation": "triton", "backward_pass_impl": "triton_onepass"},
     "probjax_triton_fused": {"implementation": "triton", "backward_pass_impl": "triton_fused"},
     "probjax_triton_split": {"implementation": "triton", "backward_pass_impl": "triton_split"},
+    "probjax_triton_nosplit": {"implementation": "triton", "split_kv": False},  # regular forward
 }
 JAXNN_IMPLS = {"jaxnn_xla": "xla", "jaxnn_cudnn": "cudnn"}
 TORCH_SDPA_IMPLS = {"torch_sdpa_flash": "FLASH_ATTENTION", "torch_sdpa_efficient": "EFFICIENT_ATTENTION",
