@@ -329,6 +329,12 @@ def test_gpu_fast_exp2(mask_name):
          bc=pt.BackwardConfig(32, 128, 128, 64, 4, 3, fast_exp2=True), interpret=False)
 
 
+@pytest.mark.parametrize("scale", [-0.3, 0.0, 2.0])
+def test_any_scale(scale):
+  q, k, v, do = _inputs(11, 2, 40, 70, 2, 1, 32, jnp.float32)
+  _check(q, k, v, do, mask=CausalMask(30), scale=scale)
+
+
 # -- split-KV decoding -------------------------------------------------------------
 SKV = pt.SplitKVConfig(block_k=16, num_splits=3)
 

@@ -41,16 +41,16 @@ def _probs_and_ds(q, k, v, do, lse2, delta, *, tm, mr, b, h, q_start, k_start, m
   ``[block_q, block_k]`` or, ``transposed``, ``[block_k, block_q]``."""
   bq, bk = q.shape[0], k.shape[0]
   pos = dict(b=b, h=h, q_start=q_start, k_start=k_start, transposed=transposed)
-  s, s_nat = tiles.scores(q, k, scale=scale, score_mod=score_mod, **pos)
-  if masked:
-    s = jnp.where(tiles.tile_valid(tm, mr, b, q_start, k_start, bq, bk, transposed=transposed),
-                  s, -jnp.inf)
+  t, c, s_nat = tiles.scores(q, k, scale=scale, score_mod=score_mod, **pos)
   if transposed:
-    p = tiles.exp2(s - lse2[None, :], fast_exp2)
-    ds = p * (_dot(v, do, _NT) - delta[None, :])
+    p = tiles.exp2(t * c - lse2[None, :], fast_exp2)
+    dp = _dot(v, do, _NT) - delta[None, :]
   else:
-    p = tiles.exp2(s - lse2[:, None], fast_exp2)
-    ds = p * (_dot(do, v, _NT) - delta[:, None])
+    p = tiles.exp2(t * c - lse2[:, None], fast_exp2)
+    dp = _dot(do, v, _NT) - delta[:, None]
+  if masked:  # after the exponent, so that the scale folds into its fused multiply-add
+    p = jnp.where(tiles.tile_valid(tm, mr, b, q_start, k_start, bq, bk, transposed=transposed), p, 0.0)
+  ds = p * dp
   if score_mod is not None:
     ds = tiles.score_mod_grad(score_mod, s_nat, ds, **pos)
   return p, ds

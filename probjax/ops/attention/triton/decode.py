@@ -138,23 +138,16 @@ def _kernel(q_ref, k_ref, v_ref, *refs, tm: tiles.TileMask, scale: float, groups
     end = jnp.minimum(end, (mr.kv_lengths[b] + block_k - 1) // block_k)
 
   def body(j, carry):
-    acc, m, l = carry
     k_start = j * block_k
     k = k_ref.at[b, pl.ds(k_start, block_k), hkv, :][...]
     v = v_ref.at[b, pl.ds(k_start, block_k), hkv, :][...]
-    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32) * (scale * tiles.LOG2E)
+    t, c, _ = tiles.scores(q, k, scale=scale, score_mod=None, b=b, h=None, q_start=None,
+                           k_start=k_start)
     if masked:
       ki = k_start + jax.lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
       ks = mr.kv_seg.at[b, pl.ds(k_start, block_k)][...][None, :] if qs is not None else None
-      s = jnp.where(tiles.valid(tm, mr, b, qi, ki, qs, ks), s, -jnp.inf)
-    m_new = jnp.maximum(m, jnp.max(s, axis=1))
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    alpha = tiles.exp2(m - m_safe, fast_exp2)
-    pr = tiles.exp2(s - m_safe[:, None], fast_exp2)
-    l = l * alpha + jnp.sum(pr, axis=1)
-    acc = acc * alpha[:, None] + jnp.dot(pr.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return acc, m_new, l
+      t = jnp.where(tiles.valid(tm, mr, b, qi, ki, qs, ks), t, -jnp.inf)
+    return tiles.online_softmax_step(carry, t, c, v, fast_exp2)
 
   d = q_ref.shape[-1]
   init = (jnp.zeros((block_rows, d), jnp.float32), jnp.full((block_rows,), -jnp.inf, jnp.float32),

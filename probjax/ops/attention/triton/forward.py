@@ -32,21 +32,14 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, tm: tiles.TileMask, scale: float
   q = q_ref.at[b, pl.ds(q_start, block_q), h, :][...]
 
   def body(j, carry, masked):
-    acc, m, l = carry
     k_start = j * block_k
     k = k_ref.at[b, pl.ds(k_start, block_k), hkv, :][...]
     v = v_ref.at[b, pl.ds(k_start, block_k), hkv, :][...]
-    s, _ = tiles.scores(q, k, scale=scale, score_mod=score_mod, b=b, h=h,
-                        q_start=q_start, k_start=k_start)
+    t, c, _ = tiles.scores(q, k, scale=scale, score_mod=score_mod, b=b, h=h,
+                           q_start=q_start, k_start=k_start)
     if masked:
-      s = jnp.where(tiles.tile_valid(tm, mr, b, q_start, k_start, block_q, block_k), s, -jnp.inf)
-    m_new = jnp.maximum(m, jnp.max(s, axis=1))
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    alpha = tiles.exp2(m - m_safe, fast_exp2)
-    p = tiles.exp2(s - m_safe[:, None], fast_exp2)
-    l = l * alpha + jnp.sum(p, axis=1)
-    acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return acc, m_new, l
+      t = jnp.where(tiles.tile_valid(tm, mr, b, q_start, k_start, block_q, block_k), t, -jnp.inf)
+    return tiles.online_softmax_step(carry, t, c, v, fast_exp2)
 
   init = (jnp.zeros((block_q, d), jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
           jnp.zeros((block_q,), jnp.float32))

@@ -222,19 +222,38 @@ def valid(tm: TileMask, mr: MaskRefs, b, qi, ki, qs=None, ks=None):
 
 def scores(q, k, *, scale: float, score_mod: Callable | None, b, h, q_start, k_start,
            transposed: bool = False):
-  """Scores of one tile in base-2 units: ``log2(e) * score_mod(scale * q @ k^T)``,
-  ``[block_q, block_k]`` (``transposed``: ``k @ q^T``, ``[block_k, block_q]``).
+  """Scores of one tile, ``[block_q, block_k]`` (``transposed``: ``k @ q^T``, ``[block_k, block_q]``).
 
-  Returns ``(s2, s_nat)`` where ``s_nat`` (the pre-``score_mod`` scaled score)
-  is only needed for the backward of ``score_mod`` (None without one).
+  Returns ``(t, c, s_nat)``: the base-2 score ``log2(e) * score_mod(scale * q @ k^T)`` is
+  ``t * c`` (without ``score_mod``, ``t`` is the raw product and ``c = scale * log2(e)``, so
+  callers fold the scale into the exponent's fused multiply-add); ``s_nat`` (the
+  pre-``score_mod`` scaled score) is only needed for the backward of ``score_mod`` (None
+  without one).
   """
-  a, c = (k, q) if transposed else (q, k)
-  qk = jax.lax.dot_general(a, c, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-  if score_mod is None:
-    return qk * (scale * LOG2E), None
+  a, b2 = (k, q) if transposed else (q, k)
+  qk = jax.lax.dot_general(a, b2, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+  if score_mod is None:  # c > 0, so that masking t with -inf and max(t) * c stay valid
+    if scale == 0:
+      return qk * 0.0, 1.0, None
+    return (qk, scale * LOG2E, None) if scale > 0 else (-qk, -scale * LOG2E, None)
   s_nat = qk * scale
   idx = tile_indices(q_start, k_start, q.shape[0], k.shape[0], transposed=transposed)
-  return score_mod(s_nat, b, h, *idx) * LOG2E, s_nat
+  return score_mod(s_nat, b, h, *idx), LOG2E, s_nat
+
+
+def online_softmax_step(carry, t, c: float, v, fast_exp2: bool):
+  """One key tile of the online softmax: ``carry = (acc [rows, d], m [rows], l [rows])``
+  with ``m`` the running max of the base-2 scores ``t * c`` (-inf where a row has seen no
+  valid key: masked entries of ``t`` are -inf)."""
+  acc, m, l = carry
+  m_new = jnp.maximum(m, jnp.max(t, axis=1) * c)
+  m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+  alpha = exp2(m - m_safe, fast_exp2)
+  p = exp2(t * c - m_safe[:, None], fast_exp2)
+  l = l * alpha + jnp.sum(p, axis=1)
+  acc = acc * alpha[:, None] + jax.lax.dot_general(
+      p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+  return acc, m_new, l
 
 
 def score_mod_grad(score_mod: Callable, s_nat, ds, *, b, h, q_start, k_start,
