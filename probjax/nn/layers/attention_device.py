@@ -47,8 +47,10 @@ DEVICE_DEFAULTS: dict[tuple[int, int], DeviceDefaults] = {
         # gpu_attention.json (bf16 B4 H8, fwd+bwd ms, default cuDNN / Triton): T=1024 (work 33.5M)
         # the Triton kernel: D64 jax.nn cuDNN 0.155 vs Triton 0.118, D128 0.296 vs 0.185;
         # T=4096 (work 537M) cuDNN: D64 1.188 vs 1.412, D128 1.866 vs 2.433.
-        # kernel_attn_gpu_dispatch.json (batch 64, H8, D64, previous Triton backward): cuDNN from
-        # T=384 (work 75M) on; D32: the Triton kernel at every length (64..1024).
+        # Short-sequence sweep (batch 64, H8) with the previous Triton backward (its rows are in
+        # git history at 0b3d622, removed from kernel_attn_gpu_dispatch.json as stale): D64 cuDNN
+        # from T=384 (work 75M) on; D32 the Triton kernel at every length (64..1024). Re-measure
+        # with the transposed dK/dV kernel, which moves the crossover up.
         cudnn_min_work=48 * 2**20,
         cudnn_min_head_dim=64,
         # gpu_attention.json (bf16 B4 H8, fwd+bwd ms, split / fused / onepass):
@@ -70,7 +72,8 @@ DEVICE_DEFAULTS: dict[tuple[int, int], DeviceDefaults] = {
         fp32_dense_max_len=16384,
         fp32_band_dense_max_len=1024,
         evidence=("docs/benchmarks/gpu_attention.json (H200 grid, B4 H8, peers in the same run)",
-                  "docs/benchmarks/kernel_attn_gpu_dispatch.json (H200 short-sequence sweep, batch 64)",
+                  "git 0b3d622:docs/benchmarks/kernel_attn_gpu_dispatch.json (H200 short-sequence "
+                  "sweep, batch 64, previous Triton backward)",
                   "../shared/anchors/h200_jax_peers.jsonl (fp32 D128 T4096 fwd+bwd: jax.nn XLA 7.95 ms)",
                   "spec 002 (H100 page): Device-specific defaults, Why, Known issues"),
     ),
