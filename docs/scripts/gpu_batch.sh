@@ -21,6 +21,9 @@ MINUTES="${2:-8.5}"
 OUT="${OUT:-/tmp/bench_out}"
 mkdir -p "$OUT"
 source docs/scripts/gpu_env.sh
+# The device gets the working tree without .git: pass the commit in, e.g.
+#   PROBJAX_COMMIT=$(git rev-parse --short HEAD) bash docs/scripts/gpu_batch.sh ...
+echo "[batch] probjax commit: ${PROBJAX_COMMIT:-unknown}" | tee -a "$OUT/batch.log"
 start=$(date +%s)
 deadline=$(python3 -c "print($start + int(60*$MINUTES))")
 [ "$PLAN" = all ] && PLAN="dispatch,grid_core,peak,residuals,ext,masked,tiles,grid_bf16,grid_fp32,tiles_fp32"

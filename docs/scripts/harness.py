@@ -27,6 +27,7 @@ import math
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -226,6 +227,26 @@ def device_info() -> dict:
   return info
 
 
+def code_commit() -> str | None:
+  """The probjax commit measured: $PROBJAX_COMMIT (set by gpu_batch.sh, whose machine gets the
+  working tree without .git), else ``git rev-parse HEAD`` with ``+dirty`` for local edits."""
+  if "commit" not in _ENV_CACHE:
+    commit = os.environ.get("PROBJAX_COMMIT") or None
+    if commit is None:
+      try:
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        run = lambda *a: subprocess.run(["git", "-C", root, *a], capture_output=True, text=True,
+                                        timeout=10)
+        head = run("rev-parse", "--short", "HEAD")
+        if head.returncode == 0:
+          dirty = run("status", "--porcelain", "--untracked-files=no", "probjax").stdout.strip()
+          commit = head.stdout.strip() + ("+dirty" if dirty else "")
+      except (OSError, subprocess.SubprocessError):
+        pass
+    _ENV_CACHE["commit"] = commit
+  return _ENV_CACHE["commit"]
+
+
 def command_line() -> str:
   return " ".join(["python"] + ([f"-m {sys.modules['__main__'].__spec__.name}"]
                                 if getattr(sys.modules.get("__main__"), "__spec__", None)
@@ -336,6 +357,9 @@ def make_row(case: Case, result: dict | None, status: str, error: str | None) ->
   if "peers" in _ENV_CACHE:
     row["peers"] = _ENV_CACHE["peers"]
   row["command"] = command_line()
+  commit = code_commit()
+  if commit:
+    row["commit"] = commit
   try:
     row["loadavg_1m"] = round(os.getloadavg()[0], 2)
   except (OSError, AttributeError):
