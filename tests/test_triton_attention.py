@@ -412,6 +412,16 @@ def test_gpu_split_kv(dtype, tq, h, hkv, tk, mask_name):
   assert err <= tolerance(jnp.dtype(dtype), tf32=dtype == "float32")
 
 
+def test_longest_programs_first():
+  from probjax.ops.attention.triton.tiles import TileMask, longest_first
+  tm = lambda lower, upper: TileMask(lower, upper, 64, 64, True, False, False, False)
+  causal, anti, window, none = tm(None, 0), tm(0, None), tm(-8, 0), tm(None, None)
+  assert longest_first(causal, 0, 4, by_q=True) == 3   # last query tile sees the most keys
+  assert longest_first(causal, 0, 4, by_q=False) == 0  # first key tile is seen by the most queries
+  assert longest_first(anti, 0, 4, by_q=False) == 3 and longest_first(anti, 0, 4, by_q=True) == 0
+  assert longest_first(window, 1, 4, by_q=True) == 1 and longest_first(none, 1, 4, by_q=True) == 1
+
+
 def test_ranges_from_classes():
   """Per-batch tile ranges: span of non-EMPTY tiles; FULL run only when contiguous."""
   from probjax.ops.attention.triton.tiles import ranges_from_classes

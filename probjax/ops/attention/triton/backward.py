@@ -135,35 +135,37 @@ def _split_refs(refs, tms):
   return ops, mrs, rest
 
 
-def _dkv_kernel(*refs, tm, onepass, **kw):
+def _dkv_kernel(*refs, tm, onepass, n_outer, **kw):
   ops, (mr,), outs = _split_refs(refs, [tm])
   if onepass:
     dq_acc, dk, dv = outs[1:]  # outs[0] is the aliased input of dq_acc
   else:
     (dk, dv), dq_acc = outs, None
-  _dkv_program(*ops, mr, dk, dv, dq_acc, b=pl.program_id(1), hkv=pl.program_id(2),
-               j=pl.program_id(0), tm=tm, **kw)
+  j = tiles.longest_first(tm, pl.program_id(0), n_outer, by_q=False)
+  _dkv_program(*ops, mr, dk, dv, dq_acc, b=pl.program_id(1), hkv=pl.program_id(2), j=j, tm=tm, **kw)
 
 
-def _dq_kernel(*refs, tm, **kw):
+def _dq_kernel(*refs, tm, n_outer, **kw):
   ops, (mr,), (dq,) = _split_refs(refs, [tm])
-  _dq_program(*ops, mr, dq, b=pl.program_id(1), h=pl.program_id(2), i=pl.program_id(0), tm=tm, **kw)
+  i = tiles.longest_first(tm, pl.program_id(0), n_outer, by_q=True)
+  _dq_program(*ops, mr, dq, b=pl.program_id(1), h=pl.program_id(2), i=i, tm=tm, **kw)
 
 
-def _fused_kernel(*refs, tm_dkv, tm_dq, kv_heads, heads, num_kv_tiles, dkv_kw, dq_kw):
+def _fused_kernel(*refs, tm_dkv, tm_dq, kv_heads, heads, num_kv_tiles, num_q_tiles, dkv_kw, dq_kw):
   ops, (mr_dkv, mr_dq), (dq, dk, dv) = _split_refs(refs, [tm_dkv, tm_dq])
   p, b = pl.program_id(0), pl.program_id(1)
   n_dkv = num_kv_tiles * kv_heads
 
   @pl.when(p < n_dkv)
   def _():
-    _dkv_program(*ops, mr_dkv, dk, dv, None, b=b, hkv=p % kv_heads, j=p // kv_heads, tm=tm_dkv,
-                 **dkv_kw)
+    j = tiles.longest_first(tm_dkv, p // kv_heads, num_kv_tiles, by_q=False)
+    _dkv_program(*ops, mr_dkv, dk, dv, None, b=b, hkv=p % kv_heads, j=j, tm=tm_dkv, **dkv_kw)
 
   @pl.when(p >= n_dkv)
   def _():
     p2 = p - n_dkv
-    _dq_program(*ops, mr_dq, dq, b=b, h=p2 % heads, i=p2 // heads, tm=tm_dq, **dq_kw)
+    i = tiles.longest_first(tm_dq, p2 // heads, num_q_tiles, by_q=True)
+    _dq_program(*ops, mr_dq, dq, b=b, h=p2 % heads, i=i, tm=tm_dq, **dq_kw)
 
 
 def backward(q, k, v, out, lse, do, mask: Mask | None, *, scale: float,
@@ -207,21 +209,21 @@ def backward(q, k, v, out, lse, do, mask: Mask | None, *, scale: float,
       compiler_params=plgpu.CompilerParams(num_warps=c.num_warps, num_stages=c.num_stages))
 
   if impl == "triton_split":
-    dk, dv = call(functools.partial(_dkv_kernel, tm=tm_dkv, onepass=False, **dkv_kw),
+    dk, dv = call(functools.partial(_dkv_kernel, tm=tm_dkv, onepass=False, n_outer=nk_dkv, **dkv_kw),
                   grid=(nk_dkv, batch, kv_heads), out_shape=dkv_shape,
                   name="probjax_attention_bwd_dkv")(*ops, *mops_dkv)
-    dq = call(functools.partial(_dq_kernel, tm=tm_dq, **dq_kw), grid=(nq_dq, batch, heads),
+    dq = call(functools.partial(_dq_kernel, tm=tm_dq, n_outer=nq_dq, **dq_kw), grid=(nq_dq, batch, heads),
               out_shape=dq_shape, name="probjax_attention_bwd_dq")(*ops, *mops_dq)
   elif impl == "triton_fused":
     dq, dk, dv = call(
         functools.partial(_fused_kernel, tm_dkv=tm_dkv, tm_dq=tm_dq, kv_heads=kv_heads, heads=heads,
-                          num_kv_tiles=nk_dkv, dkv_kw=dkv_kw, dq_kw=dq_kw),
+                          num_kv_tiles=nk_dkv, num_q_tiles=nq_dq, dkv_kw=dkv_kw, dq_kw=dq_kw),
         grid=(nk_dkv * kv_heads + nq_dq * heads, batch), out_shape=(dq_shape, *dkv_shape),
         name="probjax_attention_bwd_fused")(*ops, *mops_dkv, *mops_dq)
   elif impl == "triton_onepass":
     dq_acc = jnp.zeros(dq_shape.shape, jnp.float32)
     n_in = len(ops) + len(mops_dkv)
-    dq, dk, dv = call(functools.partial(_dkv_kernel, tm=tm_dkv, onepass=True, **dkv_kw),
+    dq, dk, dv = call(functools.partial(_dkv_kernel, tm=tm_dkv, onepass=True, n_outer=nk_dkv, **dkv_kw),
                       grid=(nk_dkv, batch, kv_heads),
                       out_shape=(jax.ShapeDtypeStruct(dq_acc.shape, jnp.float32), *dkv_shape),
                       input_output_aliases={n_in: 0},

@@ -22,10 +22,11 @@ from probjax.ops.attention.triton.config import ForwardConfig
 
 def _forward_kernel(q_ref, k_ref, v_ref, *refs, tm: tiles.TileMask, scale: float,
                     score_mod: Callable | None, groups: int, block_q: int, block_k: int,
-                    num_kv_tiles: int, fast_exp2: bool):
+                    num_kv_tiles: int, num_q_tiles: int, fast_exp2: bool):
   mr = tiles.MaskRefs.unpack(tm, refs[:-2])
   o_ref, lse_ref = refs[-2:]
-  i, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  i = tiles.longest_first(tm, pl.program_id(0), num_q_tiles, by_q=True)
+  b, h = pl.program_id(1), pl.program_id(2)
   hkv = h // groups
   q_start = i * block_q
   d = q_ref.shape[-1]
@@ -73,7 +74,7 @@ def forward(q, k, v, mask: Mask | None, *, scale: float, score_mod: Callable | N
   tm, mask_ops = tiles.mask_operands(mask, batch, q_len, kv_len, q_pad, kv_pad, bq, bk, by_q=True)
   kernel = functools.partial(
       _forward_kernel, tm=tm, scale=scale, score_mod=score_mod, groups=heads // kv_heads,
-      block_q=bq, block_k=bk, num_kv_tiles=kv_pad // bk,
+      block_q=bq, block_k=bk, num_kv_tiles=kv_pad // bk, num_q_tiles=q_pad // bq,
       fast_exp2=config.fast_exp2 and not interpret)
   out, lse = pl.pallas_call(
       kernel,

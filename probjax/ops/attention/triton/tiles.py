@@ -144,6 +144,15 @@ def ranges_from_classes(classes):
 
 
 # -- in-kernel helpers ----------------------------------------------------------
+def longest_first(tm: TileMask, tile, n_tiles: int, *, by_q: bool):
+  """Program ``tile`` -> outer tile index such that the programs with the most inner tiles
+  start first (a causal band gives the last query tiles the most keys); the wave that ends
+  the kernel then holds short programs, not long ones."""
+  grows = (tm.upper is not None and tm.lower is None) if by_q else (tm.lower is not None and tm.upper is None)
+  return n_tiles - 1 - tile if grows else tile
+
+
+
 def tile_loop(tm: TileMask, mr: MaskRefs, b, tile, n_static: int, body, carry, *, by_q: bool,
               block_outer: int, block_inner: int):
   """Runs ``carry = body(j, carry, masked)`` over the inner tiles of outer tile ``tile``.
