@@ -100,7 +100,9 @@ def test_fast_exp2_lowers_to_one_instruction(monkeypatch, fast):
   assert text.count("__nv_exp2f") == (0 if fast else kernels)
 
 
-@pytest.mark.parametrize("mask", [None, M.KVLenMask(jnp.array([4096, 7])), M.CausalMask(4095)])
+@pytest.mark.parametrize("mask", [
+    None, M.KVLenMask(jnp.array([4096, 7])), M.CausalMask(4095), M.LocalWindowMask(1000, 0, offset=4095),
+    M.SegmentMask(jnp.ones((2, 1), jnp.int32), jnp.sort(jax.random.randint(jax.random.key(1), (2, 4096), 0, 3)))])
 def test_split_kv_lowers_for_sm90(monkeypatch, mask):
   """The decoding default (split-KV forward) lowers for sm_90 with GQA packing."""
   monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: H200)
