@@ -372,8 +372,8 @@ def test_split_kv_bf16_and_grad_runs_the_regular_kernel():
 
 def test_split_kv_plan():
   from probjax.ops.attention.triton import decode
-  plan = lambda q, kv, split_kv=None, **kw: decode.plan(q, kv, split_kv=split_kv, device="sm_90",
-                                                        **{"mask": None, "score_mod": None, **kw})
+  plan = lambda q, kv, split_kv=None, dtype=jnp.bfloat16, **kw: decode.plan(
+      q, kv, dtype, split_kv=split_kv, device="sm_90", **{"mask": None, "score_mod": None, **kw})
   dec = ((1, 1, 32, 128), (1, 32768, 8, 128))
   cfg = plan(*dec)
   assert cfg is not None and cfg.num_splits >= 2 and cfg.block_rows == 16  # 1 query x 4 heads
@@ -392,6 +392,13 @@ def test_split_kv_plan():
   window = M.LocalWindowMask(511, 0, offset=32767)  # the splits cover only the window's keys
   assert plan(*dec, mask=window).num_splits == 2 and plan(*dec).num_splits > 2
   assert plan(*dec, split_kv=pt.SplitKVConfig(num_splits=5)).num_splits == 5
+  # fp32 head_dim 256 with 128 rows: default tiles shrink to fit; an explicit config that
+  # does not fit raises.
+  big = ((1, 32, 32, 256), (1, 32768, 8, 256))
+  cfg = plan(*big, dtype=jnp.float32)
+  assert cfg.smem_bytes(4, 256, cfg.block_rows) <= 232448 and cfg.block_rows == 128
+  with pytest.raises(ValueError, match="bytes of shared memory"):
+    plan(*big, dtype=jnp.float32, split_kv=pt.SplitKVConfig(block_k=128, num_stages=3))
 
 
 @pytest.mark.parametrize("kwargs", [dict(block_k=24), dict(num_splits=0), dict(block_rows=8)])

@@ -138,9 +138,9 @@ def attention(q, k, v, *, mask: Mask | None = None, score_mod: Callable | None =
   fcfg = config_lib.fit_forward_config(forward_config, q.dtype, dp, q_len, kv_len, device)
   bcfg = config_lib.fit_backward_config(backward_config, q.dtype, dp, q_len, kv_len, device)
   impl = config_lib.resolve_backward_impl(backward_pass_impl, device, q.dtype, d, q_len, kv_len)
-  split = decode_lib.plan(q.shape, k.shape, mask=mask, score_mod=score_mod, split_kv=split_kv,
-                          device=device)
-  static = _Static(score_mod, float(scale), fcfg, bcfg, impl, split, bool(interpret), device)
+  split = decode_lib.plan(q.shape, k.shape, q.dtype, mask=mask, score_mod=score_mod,
+                          split_kv=split_kv, device=device)
+  static = _Static(score_mod, float(scale), fcfg, bcfg, impl, split, bool(interpret))
   return _attention(static, q, k, v, mask)
 
 
@@ -155,14 +155,12 @@ class _Static:
   impl: str
   split: SplitKVConfig | None
   interpret: bool
-  device: str
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(st: _Static, q, k, v, mask):
   if st.split is not None:  # primal only: the vjp's forward below saves the residuals
-    return decode_lib.forward(q, k, v, mask, scale=st.scale, config=st.split, device=st.device,
-                              interpret=st.interpret)
+    return decode_lib.forward(q, k, v, mask, scale=st.scale, config=st.split, interpret=st.interpret)
   return _fwd(st, q, k, v, mask)[0]
 
 

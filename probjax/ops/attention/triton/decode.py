@@ -75,35 +75,55 @@ def why_not(q_shape, kv_shape, *, score_mod) -> str | None:
   return None
 
 
-def plan(q_shape, kv_shape, *, mask: Mask | None, score_mod, split_kv, device: str) -> SplitKVConfig | None:
+def plan(q_shape, kv_shape, dtype, *, mask: Mask | None, score_mod, split_kv,
+         device: str) -> SplitKVConfig | None:
   """The split-KV launch for a forward call, or None for the regular kernel.
 
   ``split_kv``: None (automatic: at most ``MAX_QUERIES`` queries, at least
   ``MIN_KEYS`` keys and two or more splits), False (never), True (whenever the
   kernel can take the call; ValueError otherwise) or a :class:`SplitKVConfig`
-  (likewise, with its tiles).
+  (likewise, with its tiles, which must fit the device's shared memory). Default
+  tiles are shrunk -- stages, then keys, then rows -- until they fit.
   """
   if split_kv is False:
     return None
-  if split_kv is not None and split_kv is not True and not isinstance(split_kv, SplitKVConfig):
+  explicit = isinstance(split_kv, SplitKVConfig)
+  if split_kv is not None and split_kv is not True and not explicit:
     raise TypeError(f"split_kv must be None, a bool or a SplitKVConfig, got {type(split_kv).__name__}")
   reason = why_not(q_shape, kv_shape, score_mod=score_mod)
-  if split_kv is None:
-    if reason is not None or kv_shape[1] < MIN_KEYS:
-      return None
-  elif reason is not None:
+  if split_kv is None and (reason is not None or kv_shape[1] < MIN_KEYS):
+    return None
+  if reason is not None:
     raise ValueError(f"split_kv={split_kv!r} cannot compute this call: {reason}")
-  cfg = split_kv if isinstance(split_kv, SplitKVConfig) else SplitKVConfig()
-  lo, hi = _band_keys(mask, q_shape[1], kv_shape[1])
-  rows = _block_rows(cfg, q_shape[1] * (q_shape[2] // kv_shape[2]))
-  n_rows = math.ceil(q_shape[1] * (q_shape[2] // kv_shape[2]) / rows)
+  group_rows = q_shape[1] * (q_shape[2] // kv_shape[2])
+  cfg = split_kv if explicit else SplitKVConfig()
+  cfg = dataclasses.replace(cfg, block_rows=_block_rows(cfg, group_rows))
+  itemsize, d = np.dtype(dtype).itemsize, tiles.padded_head_dim(q_shape[-1])
+  limit = config_lib.smem_limit(device)
+  fits = lambda c: limit is None or c.smem_bytes(itemsize, d, c.block_rows) <= limit
+  if explicit and not fits(cfg):
+    raise ValueError(f"split_kv config {cfg} needs {cfg.smem_bytes(itemsize, d, cfg.block_rows)} "
+                     f"bytes of shared memory per block (head_dim {d}) but {device} has {limit}")
+  while not fits(cfg):
+    if cfg.num_stages > 1:
+      cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
+    elif cfg.block_k > config_lib.MIN_BLOCK:
+      cfg = dataclasses.replace(cfg, block_k=cfg.block_k // 2)
+    elif cfg.block_rows > config_lib.MIN_BLOCK:
+      cfg = dataclasses.replace(cfg, block_rows=cfg.block_rows // 2)
+    elif split_kv is None:
+      return None
+    else:
+      raise ValueError(f"no split_kv tiles fit {limit} bytes of shared memory (head_dim {d})")
   if cfg.num_splits is None:
+    lo, hi = _band_keys(mask, q_shape[1], kv_shape[1])
+    n_rows = math.ceil(group_rows / cfg.block_rows)
     by_len = max(1, (hi - lo) // MIN_SPLIT_KEYS)
     by_device = math.ceil(num_programs_target(device) / (q_shape[0] * kv_shape[2] * n_rows))
     cfg = dataclasses.replace(cfg, num_splits=max(1, min(by_len, by_device)))
   if split_kv is None and cfg.num_splits < 2:
     return None
-  return dataclasses.replace(cfg, block_rows=rows)
+  return cfg
 
 
 def _block_rows(cfg: SplitKVConfig, rows: int) -> int:
@@ -159,13 +179,12 @@ def _kernel(q_ref, k_ref, v_ref, *refs, tm: tiles.TileMask, scale: float, groups
       empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
 
 
-def forward(q, k, v, mask: Mask | None, *, scale: float, config: SplitKVConfig, device: str,
-            interpret: bool):
+def forward(q, k, v, mask: Mask | None, *, scale: float, config: SplitKVConfig, interpret: bool):
   """Attention output ``[batch, q_len, heads, head_dim]`` by split-KV (no residuals).
 
   Args:
     q: ``[batch, q_len, heads, head_dim]``; k, v: ``[batch, kv_len, kv_heads, head_dim]``.
-    config: from :func:`plan` (``num_splits`` and ``block_rows`` set).
+    config: from :func:`plan` (fitted to the device; ``num_splits`` and ``block_rows`` set).
   """
   batch, q_len, heads, d = q.shape
   kv_len, kv_heads = k.shape[1], k.shape[2]
@@ -173,11 +192,6 @@ def forward(q, k, v, mask: Mask | None, *, scale: float, config: SplitKVConfig, 
   c = config
   dp = tiles.padded_head_dim(d)
   bk, br = c.block_k, c.block_rows
-  limit = config_lib.smem_limit(device)
-  need = c.smem_bytes(np.dtype(q.dtype).itemsize, dp, br)
-  if limit is not None and need > limit:
-    raise ValueError(f"split_kv config {c} needs {need} bytes of shared memory per block "
-                     f"(head_dim {dp}) but {device} has {limit}")
   n_rows = q_len * groups
   rows_pad = tiles.round_up(n_rows, br)
   kv_pad = tiles.round_up(kv_len, bk)
