@@ -169,14 +169,11 @@ def _kernel(q_ref, k_ref, v_ref, *refs, tm: tiles.TileMask, scale: float, groups
       t = jnp.where(tiles.valid(tm, mr, b, qi, ki, qs, ks), t, -jnp.inf)
     return tiles.online_softmax_step(carry, t, c, v, fast_exp2)
 
-  d = q_ref.shape[-1]
-  init = (jnp.zeros((block_rows, d), jnp.float32), jnp.full((block_rows,), -jnp.inf, jnp.float32),
-          jnp.zeros((block_rows,), jnp.float32))
-  acc, m, l = jax.lax.fori_loop(start, jnp.maximum(start, end), body, init)
-  empty = l == 0.0
-  o_ref.at[b, hkv, split, pl.ds(row0, block_rows), :][...] = acc / jnp.where(empty, 1.0, l)[:, None]
-  lse_ref.at[b, hkv, split, pl.ds(row0, block_rows)][...] = jnp.where(
-      empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
+  carry = jax.lax.fori_loop(start, jnp.maximum(start, end), body,
+                            tiles.online_softmax_init(block_rows, q_ref.shape[-1]))
+  out, lse2, empty = tiles.online_softmax_finish(carry)
+  o_ref.at[b, hkv, split, pl.ds(row0, block_rows), :][...] = out
+  lse_ref.at[b, hkv, split, pl.ds(row0, block_rows)][...] = jnp.where(empty, -jnp.inf, lse2)
 
 
 def forward(q, k, v, mask: Mask | None, *, scale: float, config: SplitKVConfig, interpret: bool):

@@ -42,13 +42,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, tm: tiles.TileMask, scale: float
       t = jnp.where(tiles.tile_valid(tm, mr, b, q_start, k_start, block_q, block_k), t, -jnp.inf)
     return tiles.online_softmax_step(carry, t, c, v, fast_exp2)
 
-  init = (jnp.zeros((block_q, d), jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
-          jnp.zeros((block_q,), jnp.float32))
-  acc, m, l = tiles.tile_loop(tm, mr, b, i, num_kv_tiles, body, init, by_q=True,
-                              block_outer=block_q, block_inner=block_k)
-  empty = l == 0.0
-  out = acc / jnp.where(empty, 1.0, l)[:, None]
-  lse = jnp.where(empty, jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) * (1.0 / tiles.LOG2E))
+  carry = tiles.tile_loop(tm, mr, b, i, num_kv_tiles, body, tiles.online_softmax_init(block_q, d),
+                         by_q=True, block_outer=block_q, block_inner=block_k)
+  out, lse2, empty = tiles.online_softmax_finish(carry)
+  lse = jnp.where(empty, jnp.inf, lse2 * (1.0 / tiles.LOG2E))
   o_ref.at[b, pl.ds(q_start, block_q), h, :][...] = out.astype(o_ref.dtype)
   lse_ref.at[b, h, pl.ds(q_start, block_q)][...] = lse
 

@@ -250,6 +250,21 @@ def scores(q, k, *, scale: float, score_mod: Callable | None, b, h, q_start, k_s
   return score_mod(s_nat, b, h, *idx), LOG2E, s_nat
 
 
+def online_softmax_init(rows: int, d: int):
+  """The carry of :func:`online_softmax_step` before the first key tile."""
+  return (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
+          jnp.zeros((rows,), jnp.float32))
+
+
+def online_softmax_finish(carry):
+  """``(out [rows, d], lse2 [rows], empty [rows])``: the normalised output (0 in rows that saw
+  no valid key, ``empty``) and the base-2 log-sum-exp (meaningless where ``empty``)."""
+  acc, m, l = carry
+  empty = l == 0.0
+  l = jnp.where(empty, 1.0, l)
+  return acc / l[:, None], m + jnp.log2(l), empty
+
+
 def online_softmax_step(carry, t, c: float, v, fast_exp2: bool):
   """One key tile of the online softmax: ``carry = (acc [rows, d], m [rows], l [rows])``
   with ``m`` the running max of the base-2 scores ``t * c`` (-inf where a row has seen no
