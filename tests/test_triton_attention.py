@@ -124,6 +124,28 @@ def test_half_precision(impl, dtype):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("splits", [1, 2, 4])
+def test_gqa_group_splits(impl, splits):
+  """dK/dV summed by one program per group, or by 2/4 programs whose partials XLA adds."""
+  q, k, v, do = _inputs(60 + splits, 2, 50, 70, 8, 2, 32, jnp.float32)
+  bc = pt.BackwardConfig(16, 16, 16, 16, 4, 1, group_splits=splits)
+  _check(q, k, v, do, mask=_mask("window_causal", 2, 50, 70), impl=impl, bc=bc)
+
+
+def test_group_splits_choice():
+  bc = pt.BackwardConfig()
+  assert bc.splits_for(1, 10, "sm_90") == 1                # plain MHA: nothing to split
+  assert bc.splits_for(8, 1000, "sm_90") == 1              # the device is already full
+  assert bc.splits_for(8, 100, "sm_90") == 4               # 264 programs fill an H200 twice
+  assert bc.splits_for(6, 10, "sm_90") == 6                # never more than the group
+  assert pt.BackwardConfig(group_splits=2).splits_for(8, 1, "sm_90") == 2
+  with pytest.raises(ValueError, match="must divide"):
+    pt.BackwardConfig(group_splits=3).splits_for(8, 1, "sm_90")
+  with pytest.raises(ValueError, match="group_splits"):
+    pt.BackwardConfig(group_splits=0)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_fully_masked_rows_are_zero(impl):
   q, k, v, do = _inputs(15, 2, 40, 40, 4, 2, 32, jnp.float32)
   # batch 0 has no keys at all; rows 0..2 of every batch have none under causal(-3).

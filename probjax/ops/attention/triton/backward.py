@@ -25,6 +25,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from probjax.ops.attention.masks import Mask
 from probjax.ops.attention.triton import tiles
+from probjax.ops.attention.triton import config as config_lib
 from probjax.ops.attention.triton.config import BackwardConfig
 
 _T = (((0,), (0,)), ((), ()))   # dot_general: contract the rows (a^T @ b)
@@ -58,8 +59,10 @@ def _probs_and_ds(q, k, v, do, lse2, delta, *, tm, mr, b, h, q_start, k_start, m
 
 def _dkv_program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mr, dk_ref, dv_ref, dq_acc_ref,
                  *, b, hkv, j, tm, scale, score_mod, groups, block_q, block_k, num_q_tiles,
-                 fast_exp2):
-  """dK, dV of KV tile ``j`` of KV head ``hkv``, summed over its query heads.
+                 fast_exp2, splits=1, split=0):
+  """dK, dV of KV tile ``j`` of KV head ``hkv``, summed over its query heads (with
+  ``splits`` > 1: over the ``split``-th of ``splits`` equal parts of them, stored as a
+  partial at head ``hkv * splits + split``).
 
   Works on transposed ``[block_k, block_q]`` tiles (``k @ q^T``) so that ``p^T``
   and ``dS^T`` are the register operands of the dV and dK products; the
@@ -94,9 +97,11 @@ def _dkv_program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mr, dk_ref, dv
                            block_outer=block_k, block_inner=block_q)
 
   zeros = jnp.zeros(k.shape, jnp.float32)
-  dk, dv = jax.lax.fori_loop(0, groups, head, (zeros, zeros))
-  dk_ref.at[b, pl.ds(k_start, block_k), hkv, :][...] = (dk * scale).astype(dk_ref.dtype)
-  dv_ref.at[b, pl.ds(k_start, block_k), hkv, :][...] = dv.astype(dv_ref.dtype)
+  per_split = groups // splits
+  dk, dv = jax.lax.fori_loop(split * per_split, (split + 1) * per_split, head, (zeros, zeros))
+  out = hkv * splits + split
+  dk_ref.at[b, pl.ds(k_start, block_k), out, :][...] = (dk * scale).astype(dk_ref.dtype)
+  dv_ref.at[b, pl.ds(k_start, block_k), out, :][...] = dv.astype(dv_ref.dtype)
 
 
 def _dq_program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mr, dq_ref, *, b, h, i, tm, scale,
@@ -142,7 +147,9 @@ def _dkv_kernel(*refs, tm, onepass, n_outer, **kw):
   else:
     (dk, dv), dq_acc = outs, None
   j = tiles.longest_first(tm, pl.program_id(0), n_outer, by_q=False)
-  _dkv_program(*ops, mr, dk, dv, dq_acc, b=pl.program_id(1), hkv=pl.program_id(2), j=j, tm=tm, **kw)
+  p, splits = pl.program_id(2), kw["splits"]
+  _dkv_program(*ops, mr, dk, dv, dq_acc, b=pl.program_id(1), hkv=p // splits, split=p % splits,
+               j=j, tm=tm, **kw)
 
 
 def _dq_kernel(*refs, tm, n_outer, **kw):
@@ -154,12 +161,15 @@ def _dq_kernel(*refs, tm, n_outer, **kw):
 def _fused_kernel(*refs, tm_dkv, tm_dq, kv_heads, heads, num_kv_tiles, num_q_tiles, dkv_kw, dq_kw):
   ops, (mr_dkv, mr_dq), (dq, dk, dv) = _split_refs(refs, [tm_dkv, tm_dq])
   p, b = pl.program_id(0), pl.program_id(1)
-  n_dkv = num_kv_tiles * kv_heads
+  splits = dkv_kw["splits"]
+  n_dkv = num_kv_tiles * kv_heads * splits
 
   @pl.when(p < n_dkv)
   def _():
-    j = tiles.longest_first(tm_dkv, p // kv_heads, num_kv_tiles, by_q=False)
-    _dkv_program(*ops, mr_dkv, dk, dv, None, b=b, hkv=p % kv_heads, j=j, tm=tm_dkv, **dkv_kw)
+    j = tiles.longest_first(tm_dkv, p // (kv_heads * splits), num_kv_tiles, by_q=False)
+    r = p % (kv_heads * splits)
+    _dkv_program(*ops, mr_dkv, dk, dv, None, b=b, hkv=r // splits, split=r % splits, j=j, tm=tm_dkv,
+                 **dkv_kw)
 
   @pl.when(p >= n_dkv)
   def _():
@@ -196,21 +206,26 @@ def backward(q, k, v, out, lse, do, mask: Mask | None, *, scale: float,
                                          c.block_kv_dkv, by_q=False)
   tm_dq, mops_dq = tiles.mask_operands(mask, batch, q_len, kv_len, q_pad, kv_pad, c.block_q_dq,
                                        c.block_kv_dq, by_q=True)
-  common = dict(scale=scale, score_mod=score_mod, groups=heads // kv_heads,
-                fast_exp2=c.fast_exp2 and not interpret)
-  dkv_kw = dict(common, block_q=c.block_q_dkv, block_k=c.block_kv_dkv, num_q_tiles=q_pad // c.block_q_dkv)
-  dq_kw = dict(common, block_q=c.block_q_dq, block_k=c.block_kv_dq, num_kv_tiles=kv_pad // c.block_kv_dq)
+  groups = heads // kv_heads
+  common = dict(scale=scale, score_mod=score_mod, groups=groups, fast_exp2=c.fast_exp2 and not interpret)
   nk_dkv, nq_dq = kv_pad // c.block_kv_dkv, q_pad // c.block_q_dq
+  # Few KV heads (MQA/GQA) at short lengths leave the device idle with one dK/dV program per
+  # KV tile and head: split the group over programs and add their float32 partials in XLA.
+  splits = c.splits_for(groups, nk_dkv * batch * kv_heads,
+                        "interpret" if interpret else config_lib.device_kind())
+  dkv_kw = dict(common, block_q=c.block_q_dkv, block_k=c.block_kv_dkv, num_q_tiles=q_pad // c.block_q_dkv,
+                splits=splits)
+  dq_kw = dict(common, block_q=c.block_q_dq, block_k=c.block_kv_dq, num_kv_tiles=kv_pad // c.block_kv_dq)
   dq_shape = jax.ShapeDtypeStruct((batch, q_pad, heads, dp), q.dtype)
-  dkv_shape = (jax.ShapeDtypeStruct((batch, kv_pad, kv_heads, dp), k.dtype),
-               jax.ShapeDtypeStruct((batch, kv_pad, kv_heads, dp), v.dtype))
+  dkv_shape = tuple(jax.ShapeDtypeStruct((batch, kv_pad, kv_heads * splits, dp),
+                                         x.dtype if splits == 1 else jnp.float32) for x in (k, v))
   call = functools.partial(
       pl.pallas_call, interpret=interpret,
       compiler_params=plgpu.CompilerParams(num_warps=c.num_warps, num_stages=c.num_stages))
 
   if impl == "triton_split":
     dk, dv = call(functools.partial(_dkv_kernel, tm=tm_dkv, onepass=False, n_outer=nk_dkv, **dkv_kw),
-                  grid=(nk_dkv, batch, kv_heads), out_shape=dkv_shape,
+                  grid=(nk_dkv, batch, kv_heads * splits), out_shape=dkv_shape,
                   name="probjax_attention_bwd_dkv")(*ops, *mops_dkv)
     dq = call(functools.partial(_dq_kernel, tm=tm_dq, n_outer=nq_dq, **dq_kw), grid=(nq_dq, batch, heads),
               out_shape=dq_shape, name="probjax_attention_bwd_dq")(*ops, *mops_dq)
@@ -218,17 +233,20 @@ def backward(q, k, v, out, lse, do, mask: Mask | None, *, scale: float,
     dq, dk, dv = call(
         functools.partial(_fused_kernel, tm_dkv=tm_dkv, tm_dq=tm_dq, kv_heads=kv_heads, heads=heads,
                           num_kv_tiles=nk_dkv, num_q_tiles=nq_dq, dkv_kw=dkv_kw, dq_kw=dq_kw),
-        grid=(nk_dkv * kv_heads + nq_dq * heads, batch), out_shape=(dq_shape, *dkv_shape),
+        grid=(nk_dkv * kv_heads * splits + nq_dq * heads, batch), out_shape=(dq_shape, *dkv_shape),
         name="probjax_attention_bwd_fused")(*ops, *mops_dkv, *mops_dq)
   elif impl == "triton_onepass":
     dq_acc = jnp.zeros(dq_shape.shape, jnp.float32)
     n_in = len(ops) + len(mops_dkv)
     dq, dk, dv = call(functools.partial(_dkv_kernel, tm=tm_dkv, onepass=True, n_outer=nk_dkv, **dkv_kw),
-                      grid=(nk_dkv, batch, kv_heads),
+                      grid=(nk_dkv, batch, kv_heads * splits),
                       out_shape=(jax.ShapeDtypeStruct(dq_acc.shape, jnp.float32), *dkv_shape),
                       input_output_aliases={n_in: 0},
                       name="probjax_attention_bwd_onepass")(*ops, *mops_dkv, dq_acc)
     dq = dq.astype(q.dtype)
   else:
     raise ValueError(f"unknown backward_pass_impl {impl!r}")
+  if splits > 1:  # fixed order: still bitwise reproducible
+    dk, dv = (x.reshape(batch, kv_pad, kv_heads, splits, dp).sum(3).astype(y.dtype)
+              for x, y in ((dk, k), (dv, v)))
   return dq[:, :q_len, :, :d], dk[:, :kv_len, :, :d], dv[:, :kv_len, :, :d]

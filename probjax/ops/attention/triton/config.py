@@ -41,6 +41,16 @@ DEFAULT_SMEM_LIMIT = 101376  # unknown GPUs: assume the small-SMEM class
 # Streaming multiprocessors, where the device does not report them (interpret mode).
 SM_COUNT = {"sm_90": 132, "sm_80": 108, "sm_86": 82, "sm_89": 128}
 DEFAULT_SM_COUNT = 132
+PROGRAMS_PER_SM = 2  # a grid this many programs per SM deep keeps the device busy
+
+
+def num_programs_target(device: str) -> int:
+  """Programs that fill ``device`` (``PROGRAMS_PER_SM`` per SM)."""
+  import jax  # local: config tables must import without initialising backends
+  sms = None
+  if device.startswith("sm_") and jax.devices()[0].platform == "gpu":
+    sms = getattr(jax.devices()[0], "core_count", None)
+  return PROGRAMS_PER_SM * (sms or SM_COUNT.get(device, DEFAULT_SM_COUNT))
 
 BACKWARD_IMPLS = ("triton_onepass", "triton_fused", "triton_split")
 
@@ -84,7 +94,10 @@ class ForwardConfig:
 class BackwardConfig:
   """Backward tiles: dK/dV kernel ``block_q_dkv x block_kv_dkv``, dQ kernel
   ``block_q_dq x block_kv_dq`` (the onepass backward uses the dK/dV pair);
-  ``fast_exp2`` as in :class:`ForwardConfig`."""
+  ``fast_exp2`` as in :class:`ForwardConfig`. ``group_splits``: dK/dV programs per KV
+  tile and KV head, each summing ``G / group_splits`` query heads of the GQA group into a
+  float32 partial that XLA adds up (None: the fewest that fill the device; 1: one program
+  sums the whole group)."""
   block_q_dkv: int = 64
   block_kv_dkv: int = 64
   block_q_dq: int = 64
@@ -92,11 +105,28 @@ class BackwardConfig:
   num_warps: int = 4
   num_stages: int = 2
   fast_exp2: bool = False
+  group_splits: int | None = None
 
   def __post_init__(self):
     for f in ("block_q_dkv", "block_kv_dkv", "block_q_dq", "block_kv_dq"):
       _pow2(f, getattr(self, f))
     _warps_stages(self.num_warps, self.num_stages)
+    if self.group_splits is not None and (not isinstance(self.group_splits, int) or self.group_splits < 1):
+      raise ValueError(f"group_splits must be None or an int >= 1, got {self.group_splits!r}")
+
+  def splits_for(self, groups: int, programs_per_split: int, device: str) -> int:
+    """``group_splits`` for a GQA group of ``groups`` heads when one split gives
+    ``programs_per_split`` dK/dV programs (explicit: checked to divide ``groups``)."""
+    if self.group_splits is not None:
+      if groups % self.group_splits:
+        raise ValueError(f"group_splits={self.group_splits} must divide the {groups} query heads "
+                         "per KV head")
+      return self.group_splits
+    target = num_programs_target(device)
+    for s in range(1, groups + 1):
+      if groups % s == 0 and programs_per_split * s >= target:
+        return s
+    return groups
 
   def smem_bytes(self, itemsize: int, head_dim: int) -> int:
     """Bytes of the larger of the two kernels (dK/dV and dQ)."""

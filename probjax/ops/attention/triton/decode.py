@@ -31,7 +31,6 @@ from probjax.ops.attention.triton import tiles
 MAX_QUERIES = 64        # auto: at most this many queries per sequence
 MIN_KEYS = 1024         # auto: at least this many keys
 MIN_SPLIT_KEYS = 256    # no split gets fewer keys (each program's loop amortises its setup)
-PROGRAMS_PER_SM = 2     # enough programs to fill the device twice
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,14 +55,6 @@ class SplitKVConfig:
 
   def smem_bytes(self, itemsize: int, head_dim: int, block_rows: int) -> int:
     return (self.num_stages * 2 * self.block_k + block_rows) * head_dim * itemsize
-
-
-def num_programs_target(device: str) -> int:
-  """Programs that fill ``device`` (``PROGRAMS_PER_SM`` per SM)."""
-  sms = None
-  if device.startswith("sm_") and jax.devices()[0].platform == "gpu":
-    sms = getattr(jax.devices()[0], "core_count", None)
-  return PROGRAMS_PER_SM * (sms or config_lib.SM_COUNT.get(device, config_lib.DEFAULT_SM_COUNT))
 
 
 def why_not(q_shape, kv_shape, *, score_mod) -> str | None:
@@ -119,7 +110,7 @@ def plan(q_shape, kv_shape, dtype, *, mask: Mask | None, score_mod, split_kv,
     lo, hi = _band_keys(mask, q_shape[1], kv_shape[1])
     n_rows = math.ceil(group_rows / cfg.block_rows)
     by_len = max(1, (hi - lo) // MIN_SPLIT_KEYS)
-    by_device = math.ceil(num_programs_target(device) / (q_shape[0] * kv_shape[2] * n_rows))
+    by_device = math.ceil(config_lib.num_programs_target(device) / (q_shape[0] * kv_shape[2] * n_rows))
     cfg = dataclasses.replace(cfg, num_splits=max(1, min(by_len, by_device)))
   if split_kv is None and cfg.num_splits < 2:
     return None
