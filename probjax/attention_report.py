@@ -67,7 +67,8 @@ class Case:
     return f"{self.name}: B={self.batch} H={heads} T={seq} D={self.head_dim} {self.dtype} mask={self.mask}"
 
 
-# Default shape sets. name -> (batch, q_heads, kv_heads, seq, head_dim, mask)
+# Default shape sets. name -> (batch, q_heads, kv_heads, seq, head_dim, mask); seq is T or
+# (q_len, kv_len).
 _DEFAULTS = {
     # 2-core CPU: the whole report finishes in well under 2 minutes.
     "cpu": dict(dtype="float32", repeats=5, cases=[
@@ -75,18 +76,21 @@ _DEFAULTS = {
         ("causal", 1, 8, 8, 1024, 64, "causal"),
         ("gqa", 1, 8, 2, 512, 64, "none"),
         ("odd", 1, 8, 8, 600, 64, "none"),
+        ("decode", 1, 8, 2, (1, 4096), 64, "none"),
     ]),
     "gpu": dict(dtype="bfloat16", repeats=20, cases=[
         ("plain", 4, 8, 8, 4096, 64, "none"),
         ("causal", 4, 8, 8, 4096, 64, "causal"),
         ("gqa", 4, 8, 2, 4096, 128, "none"),
         ("odd", 4, 8, 8, 1500, 64, "none"),
+        ("decode", 1, 32, 8, (1, 16384), 128, "none"),  # the split-KV forward
     ]),
     "quick": dict(dtype="float32", repeats=2, cases=[
         ("plain", 1, 2, 2, 64, 16, "none"),
         ("causal", 1, 2, 2, 64, 16, "causal"),
         ("gqa", 1, 4, 2, 32, 16, "none"),
         ("odd", 1, 2, 2, 37, 16, "none"),
+        ("decode", 1, 4, 2, (1, 64), 16, "none"),
     ]),
 }
 
@@ -117,7 +121,8 @@ def build_cases(args, platform_kind: str) -> tuple[list[Case], int]:
   cases = []
   if not custom:
     for name, b, h, hkv, t, d, m in preset["cases"]:
-      cases.append(Case(name, args.batch or b, h, hkv, t, t, args.head_dim or d, dtype, m))
+      tq, tk = t if isinstance(t, tuple) else (t, t)
+      cases.append(Case(name, args.batch or b, h, hkv, tq, tk, args.head_dim or d, dtype, m))
   else:
     b0, h0, _, t0, d0, _ = preset["cases"][0][1:]
     heads = args.heads or h0

@@ -135,7 +135,9 @@ def test_masks_and_gqa_options(tmp_path, mask):
 def test_build_cases_defaults_and_overrides():
   args = report.parse_args([])
   cpu, rep = report.build_cases(args, "cpu")
-  assert [c.name for c in cpu] == ["plain", "causal", "gqa", "odd"]
+  assert [c.name for c in cpu] == ["plain", "causal", "gqa", "odd", "decode"]
+  decode = next(c for c in cpu if c.name == "decode")
+  assert (decode.q_len, decode.kv_len) == (1, 4096)
   assert rep >= 3
   gqa = next(c for c in cpu if c.name == "gqa")
   assert (gqa.q_heads, gqa.kv_heads) == (8, 2)
