@@ -368,3 +368,17 @@ def test_tiles_section_counts_auto_within_five_percent():
   text = bf.tiles_section(rows)
   assert "best in 1 of 2 shapes" in text
   assert "| 1.11 |" in text and "2 ran / 1 rejected" in text
+
+
+def test_drop_rows(tmp_path, capsys):
+  from docs.scripts import drop_rows
+  path = tmp_path / "rows.json"
+  rows = [dict(impl="probjax_triton", variant="auto"), dict(impl="probjax_default"),
+          dict(impl="torch_flex", variant="auto")]
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  drop_rows.main([str(path), "--impl", "probjax_*", "--variant", "auto", "--dry-run"])
+  assert len(path.read_text().splitlines()) == 3 and "1 of 3 rows match" in capsys.readouterr().out
+  drop_rows.main([str(path), "--impl", "probjax_*,torch_*", "--variant", "auto*"])
+  assert [json.loads(l)["impl"] for l in path.read_text().splitlines()] == ["probjax_default"]
+  with pytest.raises(SystemExit):
+    drop_rows.main([str(path)])
