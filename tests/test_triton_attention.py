@@ -373,6 +373,31 @@ def test_split_kv_matches_reference(tq, h, hkv, tk, d, mask_name):
   assert max_error(out, reference_attention(q, k, v, mask=mask)) <= tolerance(jnp.float32)
 
 
+def test_split_kv_combine():
+  """Merging per-split softmax results equals one softmax over all keys; splits that saw no
+  key (lse -inf) have no weight; rows no split saw are 0."""
+  from probjax.ops.attention.triton.decode import combine
+  rng = np.random.RandomState(0)
+  s = rng.randn(3, 5, 24) * 3  # [splits, rows, keys per split] scores (base 2)
+  s[1, 2] = -np.inf           # split 1 saw no key for row 2
+  s[:, 4] = -np.inf           # row 4: no key anywhere
+  v = rng.randn(3, 24, 8)
+  with np.errstate(invalid="ignore", divide="ignore"):
+    m = s.max(-1, keepdims=True)
+    p = np.where(np.isfinite(s), np.exp2(s - np.where(np.isfinite(m), m, 0)), 0)
+    l = p.sum(-1)
+    o = np.einsum("srk,skd->srd", p, v) / np.where(l == 0, 1, l)[..., None]
+    lse2 = np.where(l > 0, m[..., 0] + np.log2(np.where(l == 0, 1, l)), -np.inf)
+  got = np.asarray(combine(jnp.asarray(o, jnp.float32), jnp.asarray(lse2, jnp.float32)))
+  flat = np.moveaxis(s, 0, 1).reshape(5, -1)   # [rows, all keys]
+  pw = np.where(np.isfinite(flat), np.exp2(flat - np.max(np.where(np.isfinite(flat), flat, -1e9), -1,
+                                                         keepdims=True)), 0)
+  want = np.einsum("rk,rkd->rd", pw, np.broadcast_to(v.reshape(-1, 8), (5, 72, 8)))
+  want = want / np.where(pw.sum(-1) == 0, 1, pw.sum(-1))[:, None]
+  np.testing.assert_allclose(got, want, atol=1e-5)
+  assert np.all(got[4] == 0)
+
+
 def test_split_kv_rows_without_keys_are_zero():
   q, k, v, _ = _inputs(3, 3, 2, 300, 4, 2, 32, jnp.float32)
   mask = KVLenMask(jnp.array([0, 5, 300]))  # batch 0 has no key; batch 1's keys are in split 0
