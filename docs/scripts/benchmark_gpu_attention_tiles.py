@@ -2,7 +2,8 @@
 
   python -m docs.scripts.benchmark_gpu_attention_tiles --output docs/benchmarks/gpu_attention_tiles.json
 
-For each (dtype, head_dim) at batch 4, 8 heads, T = 4096, non-causal:
+For each (dtype, head_dim, T) at batch 4, 8 heads, non-causal (``--lengths``, default 4096;
+1024 shows whether smaller tiles pay off where the grid is only ~2 programs per SM deep):
 
 * forward (mode "fwd"): the auto configuration (variant "auto": default tiles)
   against every forced ``ForwardConfig(block_q, block_k, num_warps, num_stages)``;
@@ -99,7 +100,7 @@ def main(argv=None):
   harness.add_common_args(p)
   p.add_argument("--dtypes", default="bf16,fp32")
   p.add_argument("--head-dims", default="64,128")
-  p.add_argument("--length", type=int, default=4096)
+  p.add_argument("--lengths", default="4096", help="comma-separated T (Lq = Lkv); one swept shape each")
   args = p.parse_args(argv)
   timing = harness.timing_kwargs(args)
   cases = []
@@ -113,8 +114,9 @@ def main(argv=None):
         dtype = harness.DTYPE_NAMES[dt]
         fwd = [None, "fast_exp2"] + list(itertools.product(BLOCKS_Q, BLOCKS_K, STAGES, WARPS))
         bwd = [None, "fast_exp2"] + list(itertools.product(BWD_DKV, BWD_DQ, BWD_WARPS, BWD_STAGES))
-        cases += [tile_case(dtype, d, args.length, 4, 8, "fwd", c, timing) for c in fwd]
-        cases += [tile_case(dtype, d, args.length, 4, 8, "fwd_bwd", c, timing) for c in bwd]
+        for t in (int(x) for x in args.lengths.split(",") if x):
+          cases += [tile_case(dtype, d, t, 4, 8, "fwd", c, timing) for c in fwd]
+          cases += [tile_case(dtype, d, t, 4, 8, "fwd_bwd", c, timing) for c in bwd]
   harness.run_cases(cases, args)
 
 

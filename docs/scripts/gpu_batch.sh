@@ -5,7 +5,7 @@
 #   bash docs/scripts/gpu_batch.sh [PLAN] [MINUTES]
 #
 # PLAN: all (default; priority order below), or a comma list of steps:
-#   tests dispatch grid_core peak residuals ext masked tiles grid_bf16 grid_fp32 tiles_fp32
+#   tests dispatch grid_core peak residuals ext masked tiles tiles_1024 grid_bf16 grid_fp32 tiles_fp32
 #   grid:LENGTHS:DTYPE[:HEAD_DIMS]  (e.g. grid:4096:bf16, grid:1024+16384:bf16:128): the grid
 #     with the core implementations only ($CORE_JAX, $CORE_TORCH; set GRID_ALL=1 for all)
 # (tests: pytest --gpu on the gpu-marked tests, failures printed as they happen, log in
@@ -78,6 +78,7 @@ for s in "${steps[@]}"; do
     ext)       split kernel_attn_ext_gpu.json docs.scripts.benchmark_kernel_attn_ext --device gpu --suite gqa,decode ;;
     masked)    split gpu_attention.json docs.scripts.benchmark_gpu_attention --suite masked ;;
     tiles)     run_step gpu_attention_tiles.json docs.scripts.benchmark_gpu_attention_tiles --dtypes bf16 ;;
+    tiles_1024) run_step gpu_attention_tiles.json docs.scripts.benchmark_gpu_attention_tiles --dtypes bf16 --lengths 1024 ;;
     tiles_fp32) run_step gpu_attention_tiles.json docs.scripts.benchmark_gpu_attention_tiles --dtypes fp32 ;;
     grid_bf16) split gpu_attention.json docs.scripts.benchmark_gpu_attention --suite grid --dtypes bf16 ;;
     grid_fp32) split gpu_attention.json docs.scripts.benchmark_gpu_attention --suite grid --dtypes fp32 ;;
