@@ -20,10 +20,9 @@ import jax.numpy as jnp
 from probjax.ops.attention.masks import Mask
 from probjax.ops.attention.triton import config as config_lib
 from probjax.ops.attention.triton import backward as backward_lib
-from probjax.ops.attention.triton.config import BackwardConfig, ForwardConfig
+from probjax.ops.attention.triton.config import BackwardConfig, ForwardConfig, SplitKVConfig
 from probjax.ops.attention.triton import decode as decode_lib
 from probjax.ops.attention.triton import forward as forward_lib
-from probjax.ops.attention.triton.decode import SplitKVConfig
 from probjax.ops.attention.triton.tiles import padded_head_dim
 
 __all__ = ["attention", "supports", "ForwardConfig", "BackwardConfig", "SplitKVConfig"]

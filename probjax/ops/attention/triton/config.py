@@ -12,7 +12,8 @@ loop-invariant tiles resident:
 
 * forward: ``stages * (K + V tiles) + Q tile`` = ``stages*2*bk*D*s + bq*D*s``;
 * dK/dV (split/fused/onepass): ``stages * (Q + dO tiles) + K + V tiles``;
-* dQ: ``stages * (K + V tiles) + Q + dO tiles``.
+* dQ: ``stages * (K + V tiles) + Q + dO tiles``;
+* split-KV forward: ``stages * (K + V tiles) + packed query rows``.
 
 The H100 failures of the spec (327,680 bytes for the head_dim-256 forward at
 128x64 tiles and 4 stages; 262,144 bytes for the fp32 head_dim-128 single-pass
@@ -134,6 +135,30 @@ class BackwardConfig:
     dkv = (self.num_stages * 2 * self.block_q_dkv + 2 * self.block_kv_dkv) * row
     dq = (self.num_stages * 2 * self.block_kv_dq + 2 * self.block_q_dq) * row
     return max(dkv, dq)
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitKVConfig:
+  """Split-KV launch: ``block_k`` keys per step, ``num_splits`` key splits (None:
+  enough to fill the device), packed query rows per program ``block_rows`` (None:
+  all rows of a GQA group, at least 16, at most 128)."""
+  block_k: int = 64
+  num_warps: int = 4
+  num_stages: int = 2
+  num_splits: int | None = None
+  block_rows: int | None = None
+  fast_exp2: bool = False
+
+  def __post_init__(self):
+    _pow2("block_k", self.block_k)
+    if self.block_rows is not None:
+      _pow2("block_rows", self.block_rows)
+    _warps_stages(self.num_warps, self.num_stages)
+    if self.num_splits is not None and (not isinstance(self.num_splits, int) or self.num_splits < 1):
+      raise ValueError(f"num_splits must be None or an int >= 1, got {self.num_splits!r}")
+
+  def smem_bytes(self, itemsize: int, head_dim: int, block_rows: int) -> int:
+    return (self.num_stages * 2 * self.block_k + block_rows) * head_dim * itemsize
 
 
 # Tuned tables: (device, dtype, head_dim) -> config. Entries are the starting

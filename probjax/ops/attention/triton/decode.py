@@ -27,34 +27,11 @@ from jax.experimental.pallas import triton as plgpu
 from probjax.ops.attention.masks import Mask
 from probjax.ops.attention.triton import config as config_lib
 from probjax.ops.attention.triton import tiles
+from probjax.ops.attention.triton.config import SplitKVConfig
 
 MAX_QUERIES = 64        # auto: at most this many queries per sequence
 MIN_KEYS = 1024         # auto: at least this many keys
 MIN_SPLIT_KEYS = 256    # no split gets fewer keys (each program's loop amortises its setup)
-
-
-@dataclasses.dataclass(frozen=True)
-class SplitKVConfig:
-  """Split-KV launch: ``block_k`` keys per step, ``num_splits`` key splits (None:
-  enough to fill the device), packed query rows per program ``block_rows`` (None:
-  all rows of a GQA group, at least 16, at most 128)."""
-  block_k: int = 64
-  num_warps: int = 4
-  num_stages: int = 2
-  num_splits: int | None = None
-  block_rows: int | None = None
-  fast_exp2: bool = False
-
-  def __post_init__(self):
-    config_lib._pow2("block_k", self.block_k)
-    if self.block_rows is not None:
-      config_lib._pow2("block_rows", self.block_rows)
-    config_lib._warps_stages(self.num_warps, self.num_stages)
-    if self.num_splits is not None and (not isinstance(self.num_splits, int) or self.num_splits < 1):
-      raise ValueError(f"num_splits must be None or an int >= 1, got {self.num_splits!r}")
-
-  def smem_bytes(self, itemsize: int, head_dim: int, block_rows: int) -> int:
-    return (self.num_stages * 2 * self.block_k + block_rows) * head_dim * itemsize
 
 
 def why_not(q_shape, kv_shape, *, score_mod) -> str | None:
