@@ -152,7 +152,6 @@ def longest_first(tm: TileMask, tile, n_tiles: int, *, by_q: bool):
   return n_tiles - 1 - tile if grows else tile
 
 
-
 def tile_loop(tm: TileMask, mr: MaskRefs, b, tile, n_static: int, body, carry, *, by_q: bool,
               block_outer: int, block_inner: int):
   """Runs ``carry = body(j, carry, masked)`` over the inner tiles of outer tile ``tile``.
