@@ -178,3 +178,13 @@ def test_dropout_flash_matches_dense_expectation():
   eps = 1e-2
   fd = (f(x.v + eps * d) - f(x.v - eps * d)) / (2 * eps)
   np.testing.assert_allclose(float(jnp.sum(g * d)), float(fd), rtol=2e-3)
+
+
+def test_auto_formulation():
+  """Dense for short sequences and for decoding (few queries, scores linear in the keys)."""
+  choose = lambda tq, tk, b=1, h=32: xla.choose_formulation((b, tq, h, 64), (b, tk, 8, 64))
+  assert choose(256, 256) == "dense" and choose(257, 257) == "flash"
+  assert choose(1, 16384) == "dense" and choose(xla.DENSE_MAX_QUERIES, 16384) == "dense"
+  assert choose(xla.DENSE_MAX_QUERIES + 1, 16384) == "flash"
+  assert choose(1, 1 << 20, b=128) == "flash"  # 4 G scores: over DENSE_MAX_SCORES
+  assert xla.choose_formulation((1, 4096, 8, 64), (1, 4096, 8, 64), module=True) == "dense"

@@ -1,15 +1,31 @@
 """The exact XLA formulation (every platform, every mask, bias and dropout).
 
-Dense for sequences of at most 256 (``DENSE_MAX_LEN``), a single-tile flash
-``custom_jvp`` up to 512 and 256 x 256 tiles with block-mask tile skipping
-above; the flash backward recomputes from the log-sum-exp, so memory is linear
-in the sequence length.
+Dense for sequences of at most 256 (``DENSE_MAX_LEN``) and for decoding (at most
+``DENSE_MAX_QUERIES`` queries, whose scores grow only linearly with the keys, while they
+stay under ``DENSE_MAX_SCORES``); otherwise a single-tile flash ``custom_jvp`` up to 512
+and 256 x 256 tiles with block-mask tile skipping above. The flash backward recomputes
+from the log-sum-exp, so memory is linear in the sequence length.
 """
 
 from probjax.ops.attention.xla.dense import dense_attention
 from probjax.ops.attention.xla.flash import choose_blocks, flash_attention
 
 DENSE_MAX_LEN = 256
+# Decoding on CPU (kernel_attn_ext_cpu.json, B1 H32, fp32): with 1 or 16 queries the flash
+# loop over key tiles is 1.1-2.3x slower than one dense product; at 64 queries it is not.
+DENSE_MAX_QUERIES = 16
+DENSE_MAX_SCORES = 1 << 26  # batch * heads * q_len * kv_len (256 MB of float32 scores)
+
+
+def choose_formulation(q_shape, kv_shape, *, module: bool = False) -> str:
+  """``"dense"`` or ``"flash"`` for ``formulation="auto"``."""
+  b, tq, h, _ = q_shape
+  tk = kv_shape[1]
+  if module or max(tq, tk) <= DENSE_MAX_LEN:
+    return "dense"
+  if tq <= DENSE_MAX_QUERIES and b * h * tq * tk <= DENSE_MAX_SCORES:
+    return "dense"
+  return "flash"
 
 
 def attention(q, k, v, *, formulation: str = "auto", module=None, **kw):
@@ -20,12 +36,12 @@ def attention(q, k, v, *, formulation: str = "auto", module=None, **kw):
   if formulation not in ("auto", "dense", "flash"):
     raise ValueError(f"formulation must be 'auto', 'dense' or 'flash', got {formulation!r}")
   if formulation == "auto":
-    dense = module is not None or max(q.shape[1], k.shape[1]) <= DENSE_MAX_LEN
-    formulation = "dense" if dense else "flash"
+    formulation = choose_formulation(q.shape, k.shape, module=module is not None)
   if formulation == "dense":
     kw.pop("block_q", None), kw.pop("block_k", None)  # one tile: block sizes do not apply
     return dense_attention(q, k, v, module=module, **kw)
   return flash_attention(q, k, v, **kw)
 
 
-__all__ = ["attention", "dense_attention", "flash_attention", "choose_blocks", "DENSE_MAX_LEN"]
+__all__ = ["attention", "dense_attention", "flash_attention", "choose_blocks", "choose_formulation",
+           "DENSE_MAX_LEN", "DENSE_MAX_QUERIES", "DENSE_MAX_SCORES"]
