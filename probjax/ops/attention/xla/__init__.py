@@ -11,8 +11,10 @@ from probjax.ops.attention.xla.dense import dense_attention
 from probjax.ops.attention.xla.flash import choose_blocks, flash_attention
 
 DENSE_MAX_LEN = 256
-# Decoding on CPU (kernel_attn_ext_cpu.json, B1 H32, fp32): with 1 or 16 queries the flash
-# loop over key tiles is 1.1-2.3x slower than one dense product; at 64 queries it is not.
+# Decoding: with this rule the CPU default matches jax.nn XLA's dense product
+# (kernel_attn_ext_cpu.json, B1 H32, fp32, 1 and 16 queries); the flash loop over key tiles
+# it replaces was slower there (a run before the change, not committed) and, in an ad hoc
+# fwd+bwd check, was faster from 64 queries on.
 DENSE_MAX_QUERIES = 16
 DENSE_MAX_SCORES = 1 << 26  # batch * heads * q_len * kv_len (256 MB of float32 scores)
 
