@@ -542,8 +542,8 @@ def tiles_section(rows) -> str:
   for key in keys:
     sub = [r for r in t if (r["dtype"], r["head_dim"], r["q_len"], r["mode"]) == key]
     auto = next((r for r in sub if r.get("variant") == "auto"), None)
-    fast = next((r for r in sub if r.get("variant") == "auto_fast_exp2"), None)
-    forced = [r for r in sub if r.get("variant") not in ("auto", "auto_fast_exp2")]
+    libdev = next((r for r in sub if r.get("variant") == "auto_libdevice_exp2"), None)
+    forced = [r for r in sub if r.get("variant") not in ("auto", "auto_libdevice_exp2")]
     if key[3] == "fwd_bwd" and auto is not None:
       # Backward rows include a forward: compare only those run with auto's forward tiles.
       fwd = _config_key((auto.get("auto_config") or {}).get("forward"))
@@ -557,7 +557,7 @@ def tiles_section(rows) -> str:
       auto_cfg = auto_cfg.get("forward" if key[3] == "fwd" else "backward", "—")
     body.append([DTYPE_SHORT.get(key[0], key[0]), key[1], key[2], MODE_LABEL.get(key[3], key[3]),
                  cell(auto), auto_cfg, cell(best), best["variant"] if best else "—",
-                 f"{auto['ms'] / best['ms']:.2f}" if ok_auto else "—", cell(fast),
+                 f"{auto['ms'] / best['ms']:.2f}" if ok_auto else "—", cell(libdev),
                  f"{len(okf)} ran / {len(forced) - len(okf)} rejected"])
   r0 = t[0]
   return (f"Auto tiles against the best forced configuration, batch {r0['batch']}, {r0['q_heads']} heads "
@@ -565,7 +565,7 @@ def tiles_section(rows) -> str:
           f"the split backward's tiles, each row with auto's forward tiles. Auto within 5% of the "
           f"best in {within} of {len(keys)} shapes.\n\n"
           + md_table(["dtype", "head_dim", "T", "mode", "auto ms", "auto config", "best forced ms",
-                      "best forced", "auto / best", "auto + fast_exp2 ms", "configs"], body))
+                      "best forced", "auto / best", "auto, libdevice exp2f ms", "configs"], body))
 
 
 def gqa_section(rows, fig_dir=None, fig_rel=None) -> str:

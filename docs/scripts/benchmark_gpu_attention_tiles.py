@@ -10,8 +10,9 @@ For each (dtype, head_dim, T) at batch 4, 8 heads, non-causal (``--lengths``, de
 * backward (mode "fwd_bwd", ``backward_pass_impl="triton_split"`` in every row so
   that only the tiles differ): the auto backward tiles against forced
   ``BackwardConfig``s with the default forward tiles;
-* per mode, the auto tiles with ``fast_exp2=True`` (variant "auto_fast_exp2"), which
-  the tile page reports beside auto and which is not counted as a forced config.
+* per mode, the auto tiles with libdevice's ``exp2f`` (``fast_exp2=False``, variant
+  "auto_libdevice_exp2"), which checks the device's ``FAST_EXP2`` entry; the tile page
+  reports it beside auto and does not count it as a forced config.
 
 Configurations that do not fit shared memory are refused before launch
 (status "unsupported" with the message).
@@ -55,15 +56,15 @@ def tile_case(dtype, d, t, b, h, mode, cfg, timing):
   from probjax.ops.attention.triton import BackwardConfig, ForwardConfig
   if cfg is None:
     variant, kw = "auto", {}
-  elif cfg == "fast_exp2":  # the auto tiles with ex2.approx.ftz exponentials
+  elif cfg == "libdevice_exp2":  # the auto tiles with libdevice's exp2f (checks FAST_EXP2)
     from probjax.ops.attention.triton import config as C
     dt, dev = impls.jnp_dtype(dtype), C.device_kind()
     fc = C.fit_forward_config(None, dt, d, t, t, dev)
     bc = C.fit_backward_config(None, dt, d, t, t, dev)
-    variant = "auto_fast_exp2"
-    kw = {"forward_config": dataclasses.replace(fc, fast_exp2=True)}
+    variant = "auto_libdevice_exp2"
+    kw = {"forward_config": dataclasses.replace(fc, fast_exp2=False)}
     if mode == "fwd_bwd":
-      kw["backward_config"] = dataclasses.replace(bc, fast_exp2=True)
+      kw["backward_config"] = dataclasses.replace(bc, fast_exp2=False)
   elif mode == "fwd":
     bq, bk, st, nw = cfg
     variant = f"bq{bq}_bk{bk}_s{st}_w{nw}"
@@ -106,14 +107,14 @@ def main(argv=None):
   cases = []
   if args.quick:
     cases = [tile_case("float32", 16, 64, 1, 2, "fwd", cfg, timing)
-             for cfg in (None, "fast_exp2", (32, 32, 1, 4))]
+             for cfg in (None, "libdevice_exp2", (32, 32, 1, 4))]
     cases.append(tile_case("float32", 16, 64, 1, 2, "fwd_bwd", ((32, 32), (32, 32), 4, 1), timing))
   else:
     for dt in args.dtypes.split(","):
       for d in map(int, args.head_dims.split(",")):
         dtype = harness.DTYPE_NAMES[dt]
-        fwd = [None, "fast_exp2"] + list(itertools.product(BLOCKS_Q, BLOCKS_K, STAGES, WARPS))
-        bwd = [None, "fast_exp2"] + list(itertools.product(BWD_DKV, BWD_DQ, BWD_WARPS, BWD_STAGES))
+        fwd = [None, "libdevice_exp2"] + list(itertools.product(BLOCKS_Q, BLOCKS_K, STAGES, WARPS))
+        bwd = [None, "libdevice_exp2"] + list(itertools.product(BWD_DKV, BWD_DQ, BWD_WARPS, BWD_STAGES))
         for t in (int(x) for x in args.lengths.split(",") if x):
           cases += [tile_case(dtype, d, t, 4, 8, "fwd", c, timing) for c in fwd]
           cases += [tile_case(dtype, d, t, 4, 8, "fwd_bwd", c, timing) for c in bwd]

@@ -3,6 +3,7 @@ next ``--append`` run measures them again (the old rows stay in git history).
 
   python -m docs.scripts.drop_rows docs/benchmarks/gpu_attention.json --impl 'probjax_*'
   python -m docs.scripts.drop_rows docs/benchmarks/gpu_attention_tiles.json --variant 'auto*'
+  python -m docs.scripts.drop_rows docs/benchmarks/gpu_attention.json --suite grid --q_len 4096,8192
 
 Selectors are comma-separated glob patterns; a row is dropped when it matches every
 selector given (at least one is required). ``--dry-run`` only counts.
@@ -17,7 +18,7 @@ import sys
 
 from docs.scripts import harness
 
-FIELDS = ("impl", "suite", "variant", "dtype", "mode", "mask", "commit")
+FIELDS = ("impl", "suite", "variant", "dtype", "mode", "mask", "commit", "q_len", "head_dim")
 
 
 def matches(row: dict, selectors: dict[str, str]) -> bool:

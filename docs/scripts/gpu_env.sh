@@ -10,10 +10,12 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false   # torch peers share the device in t
 export PY="${PY:-python3}"
 _root="$(pwd)"
 export PYTHONPATH="$_root${PYTHONPATH:+:$PYTHONPATH}"
-if [ -d "$_root/.peers/wheels" ] && ls "$_root"/.peers/wheels/*.whl >/dev/null 2>&1; then
+if [ -n "${PROBJAX_PEERS_READY:-}" ]; then :  # set by an outer gpu_pair.sh: installed, on PYTHONPATH
+elif [ -d "$_root/.peers/wheels" ] && ls "$_root"/.peers/wheels/*.whl >/dev/null 2>&1; then
   if $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/peers_site "$_root"/.peers/wheels/*.whl >/tmp/peers_install.log 2>&1; then
     export PYTHONPATH="$PYTHONPATH:/tmp/peers_site:$_root/.peers/stubs"
+    export PROBJAX_PEERS_READY=1
   else
     echo "[gpu_env] peer wheels did not install (see /tmp/peers_install.log); peers will be unsupported" >&2
   fi

@@ -74,13 +74,14 @@ class ForwardConfig:
 
   ``fast_exp2``: the softmax exponentials as one ``ex2.approx.ftz.f32`` instruction
   each (probabilities below 2**-126 flush to zero) instead of libdevice's ``exp2f``;
-  GPU only (interpret mode computes ``jnp.exp2``). Off until measured faster.
+  GPU only (interpret mode computes ``jnp.exp2``). None: the device's entry in
+  :data:`FAST_EXP2`.
   """
   block_q: int = 128
   block_k: int = 64
   num_warps: int = 4
   num_stages: int = 2
-  fast_exp2: bool = False
+  fast_exp2: bool | None = None
 
   def __post_init__(self):
     _pow2("block_q", self.block_q)
@@ -105,7 +106,7 @@ class BackwardConfig:
   block_kv_dq: int = 64
   num_warps: int = 4
   num_stages: int = 2
-  fast_exp2: bool = False
+  fast_exp2: bool | None = None
   group_splits: int | None = None
 
   def __post_init__(self):
@@ -147,7 +148,7 @@ class SplitKVConfig:
   num_stages: int = 2
   num_splits: int | None = None
   block_rows: int | None = None
-  fast_exp2: bool = False
+  fast_exp2: bool | None = None
 
   def __post_init__(self):
     _pow2("block_k", self.block_k)
@@ -197,6 +198,19 @@ BACKWARD_TABLE = {
     ("default", "float32", 128): _B(32, 32, 32, 32, 4, 2),
     ("default", "float32", 256): _B(16, 32, 32, 16, 4, 1),
 }
+
+# fast_exp2=None resolves to this per device kind (absent: False). sm_90: FlashAttention's
+# and Triton's own kernels use ex2.approx; checked by the tile sweep's "auto_libdevice_exp2"
+# rows (docs/benchmarks/gpu_attention_tiles.json), the auto tiles with libdevice's exp2f.
+FAST_EXP2 = {"sm_90": True}
+
+
+def with_fast_exp2(cfg, device: str):
+  """``cfg`` with ``fast_exp2=None`` replaced by the device's :data:`FAST_EXP2` entry."""
+  if cfg.fast_exp2 is not None:
+    return cfg
+  return dataclasses.replace(cfg, fast_exp2=FAST_EXP2.get(device, False))
+
 
 # backward_pass_impl="auto": first matching rule wins. Each rule:
 # (device, dtypes or None, max head_dim or None, max length ratio or None, impl, source).
@@ -274,10 +288,10 @@ def fit_forward_config(cfg: ForwardConfig | None, dtype, head_dim: int, q_len: i
   """
   itemsize, limit = np.dtype(dtype).itemsize, smem_limit(device)
   if cfg is not None:
-    return _check(cfg, itemsize, head_dim, device, limit, "forward_config")
+    return with_fast_exp2(_check(cfg, itemsize, head_dim, device, limit, "forward_config"), device)
   cfg = _lookup(FORWARD_TABLE, device, dtype, head_dim)
   cfg = dataclasses.replace(cfg, block_q=_clamp(cfg.block_q, q_len), block_k=_clamp(cfg.block_k, kv_len))
-  return _shrink(cfg, ("block_q", "block_k"), itemsize, head_dim, limit)
+  return with_fast_exp2(_shrink(cfg, ("block_q", "block_k"), itemsize, head_dim, limit), device)
 
 
 def fit_backward_config(cfg: BackwardConfig | None, dtype, head_dim: int, q_len: int,
@@ -285,13 +299,13 @@ def fit_backward_config(cfg: BackwardConfig | None, dtype, head_dim: int, q_len:
   """The backward config to launch (see :func:`fit_forward_config`)."""
   itemsize, limit = np.dtype(dtype).itemsize, smem_limit(device)
   if cfg is not None:
-    return _check(cfg, itemsize, head_dim, device, limit, "backward_config")
+    return with_fast_exp2(_check(cfg, itemsize, head_dim, device, limit, "backward_config"), device)
   cfg = _lookup(BACKWARD_TABLE, device, dtype, head_dim)
   cfg = dataclasses.replace(
       cfg, block_q_dkv=_clamp(cfg.block_q_dkv, q_len), block_kv_dkv=_clamp(cfg.block_kv_dkv, kv_len),
       block_q_dq=_clamp(cfg.block_q_dq, q_len), block_kv_dq=_clamp(cfg.block_kv_dq, kv_len))
-  return _shrink(cfg, ("block_q_dkv", "block_kv_dkv", "block_q_dq", "block_kv_dq"),
-                 itemsize, head_dim, limit)
+  return with_fast_exp2(_shrink(cfg, ("block_q_dkv", "block_kv_dkv", "block_q_dq", "block_kv_dq"),
+                                itemsize, head_dim, limit), device)
 
 
 def resolve_backward_impl(impl: str, device: str, dtype, head_dim: int, q_len: int,

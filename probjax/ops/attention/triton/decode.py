@@ -91,7 +91,7 @@ def plan(q_shape, kv_shape, dtype, *, mask: Mask | None, score_mod, split_kv,
     cfg = dataclasses.replace(cfg, num_splits=max(1, min(by_len, by_device)))
   if split_kv is None and cfg.num_splits < 2:
     return None
-  return cfg
+  return config_lib.with_fast_exp2(cfg, device)
 
 
 def _block_rows(cfg: SplitKVConfig, rows: int) -> int:

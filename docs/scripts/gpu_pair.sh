@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Two gpu_batch.sh plans at once on a two-GPU host (device kind nvidia-h200-x2), one per
+# GPU, each with its peers on its own GPU; then their JSON is merged into $OUT.
+#
+#   PROBJAX_COMMIT=$(git rev-parse --short HEAD) bash docs/scripts/gpu_pair.sh PLAN0 PLAN1 [MINUTES]
+#
+# PLANs as in gpu_batch.sh. Logs: $OUT/gpu0/batch.log, $OUT/gpu1/batch.log (echoed at the end).
+# Give the two plans different output files where possible; rows of one file measured
+# on both GPUs are merged by key (docs/scripts/merge_rows.py).
+set -u
+OUT="${OUT:-/tmp/bench_out}"
+MINUTES="${3:-8.5}"
+mkdir -p "$OUT/gpu0" "$OUT/gpu1"
+source docs/scripts/gpu_env.sh   # installs the peers once for both batches
+n=$($PY -c "import jax; print(len(jax.devices('gpu')))" 2>/dev/null || echo 0)
+if [ "$n" -lt 2 ]; then
+  echo "[pair] $n GPU(s): running both plans one after the other on GPU 0" | tee -a "$OUT/pair.log"
+  OUT="$OUT/gpu0" bash docs/scripts/gpu_batch.sh "$1,$2" "$MINUTES"
+else
+  CUDA_VISIBLE_DEVICES=0 OUT="$OUT/gpu0" bash docs/scripts/gpu_batch.sh "$1" "$MINUTES" > "$OUT/gpu0.out" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 OUT="$OUT/gpu1" bash docs/scripts/gpu_batch.sh "$2" "$MINUTES" > "$OUT/gpu1.out" 2>&1 &
+  wait
+fi
+$PY -m docs.scripts.merge_rows "$OUT" "$OUT/gpu0" "$OUT/gpu1"
+rm -f "$OUT"/gpu*/*.json
+for i in 0 1; do [ -f "$OUT/gpu$i/batch.log" ] && { echo "== GPU $i"; cat "$OUT/gpu$i/batch.log"; }; done

@@ -1,0 +1,50 @@
+"""Merges the benchmark JSON files of several device batches into one directory.
+
+  python -m docs.scripts.merge_rows OUT_DIR BATCH_DIR [BATCH_DIR ...]
+
+Every ``*.json`` in a batch directory is merged into ``OUT_DIR/<same name>``: rows are
+keyed as ``--append`` keys them (:func:`harness.row_key`); a later batch's row replaces an
+earlier one with the same key, and a measured row ("ok") is never replaced by one that
+is not. Used by ``gpu_pair.sh``, whose two batches run on two GPUs of one host.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+
+from docs.scripts import harness
+
+
+def merge(paths: list[str]) -> list[dict]:
+  """Rows of ``paths`` in order, one per key (see the module docstring)."""
+  by_key: dict[tuple, dict] = {}
+  for path in paths:
+    for row in harness.load_rows(path):
+      k = harness.row_key(row)
+      old = by_key.get(k)
+      if old is None or row.get("status") == "ok" or old.get("status") != "ok":
+        by_key[k] = row
+  return list(by_key.values())
+
+
+def main(argv=None) -> int:
+  argv = sys.argv[1:] if argv is None else argv
+  if len(argv) < 2:
+    print(__doc__, file=sys.stderr)
+    return 2
+  out, batches = argv[0], argv[1:]
+  names = sorted({os.path.basename(p) for b in batches for p in glob.glob(os.path.join(b, "*.json"))})
+  for name in names:
+    paths = [p for p in (os.path.join(b, name) for b in batches) if os.path.exists(p)]
+    rows = merge(paths)
+    with open(os.path.join(out, name), "w") as f:
+      f.writelines(json.dumps(r) + "\n" for r in rows)
+    print(f"[merge] {name}: {len(rows)} rows from {len(paths)} batch(es)")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
