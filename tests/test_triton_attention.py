@@ -230,6 +230,26 @@ def test_smem_model_reproduces_spec_failures():
     cfg.fit_backward_config(pt.BackwardConfig(64, 128, 64, 64, 8, 2), jnp.float32, 128, 4096, 4096, "sm_90")
 
 
+def test_onepass_smem_model():
+  # The single-pass dK/dV kernel's measured request on the H200 (fp32 head_dim 128,
+  # 32 x 128 tiles, 2 stages): 246,272 bytes > 232,448. The fitted table config shrinks.
+  onepass = pt.BackwardConfig(32, 128, 128, 32, 8, 2)
+  assert onepass.smem_bytes(4, 128, onepass=True) == 246272
+  assert onepass.smem_bytes(4, 128) <= 232448
+  with pytest.raises(ValueError, match="246272 bytes"):
+    cfg.fit_backward_config(onepass, jnp.float32, 128, 4096, 4096, "sm_90", "triton_onepass")
+  fitted = cfg.fit_backward_config(None, jnp.float32, 128, 4096, 4096, "sm_90", "triton_onepass")
+  assert fitted.smem_bytes(4, 128, onepass=True) <= 232448
+
+
+def test_fast_exp2_resolves_per_device():
+  assert cfg.fit_forward_config(None, jnp.bfloat16, 64, 4096, 4096, "sm_90").fast_exp2 is True
+  assert cfg.fit_forward_config(None, jnp.bfloat16, 64, 4096, 4096, "sm_80").fast_exp2 is False
+  explicit = pt.BackwardConfig(fast_exp2=False)
+  assert cfg.fit_backward_config(explicit, jnp.bfloat16, 64, 4096, 4096, "sm_90").fast_exp2 is False
+  assert cfg.fit_backward_config(pt.BackwardConfig(), jnp.bfloat16, 64, 4096, 4096, "sm_90").fast_exp2
+
+
 @pytest.mark.parametrize("device", ["sm_90", "sm_80", "sm_86", "sm_89", "sm_75"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("d", [32, 64, 128, 256])

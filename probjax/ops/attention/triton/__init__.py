@@ -135,8 +135,8 @@ def attention(q, k, v, *, mask: Mask | None = None, score_mod: Callable | None =
   dp = padded_head_dim(d)
   q_len, kv_len = q.shape[1], k.shape[1]
   fcfg = config_lib.fit_forward_config(forward_config, q.dtype, dp, q_len, kv_len, device)
-  bcfg = config_lib.fit_backward_config(backward_config, q.dtype, dp, q_len, kv_len, device)
   impl = config_lib.resolve_backward_impl(backward_pass_impl, device, q.dtype, d, q_len, kv_len)
+  bcfg = config_lib.fit_backward_config(backward_config, q.dtype, dp, q_len, kv_len, device, impl)
   split = decode_lib.plan(q.shape, k.shape, q.dtype, mask=mask, score_mod=score_mod,
                           split_kv=split_kv, device=device)
   static = _Static(score_mod, float(scale), fcfg, bcfg, impl, split, bool(interpret))

@@ -130,10 +130,16 @@ class BackwardConfig:
         return s
     return groups
 
-  def smem_bytes(self, itemsize: int, head_dim: int) -> int:
-    """Bytes of the larger of the two kernels (dK/dV and dQ)."""
+  def smem_bytes(self, itemsize: int, head_dim: int, onepass: bool = False) -> int:
+    """Bytes of the larger of the two kernels (dK/dV and dQ). ``onepass``: the dK/dV
+    kernel also stages dS^T for the dQ product and the dQ tile for its atomic adds, plus
+    the pipelined LSE/delta rows (calibrated on the H200: fp32 head_dim 128, 32 x 128 tiles,
+    2 stages requested 246,272 bytes; bf16 head_dim 128, 64 x 128, 3 stages compiled)."""
     row = head_dim * itemsize
     dkv = (self.num_stages * 2 * self.block_q_dkv + 2 * self.block_kv_dkv) * row
+    if onepass:
+      dkv += (self.block_q_dkv * self.block_kv_dkv + 2 * self.block_q_dkv * head_dim) * itemsize
+      dkv += self.num_stages * 2 * self.block_q_dkv * 4
     dq = (self.num_stages * 2 * self.block_kv_dq + 2 * self.block_q_dq) * row
     return max(dkv, dq)
 
@@ -258,9 +264,9 @@ def _clamp(block: int, length: int) -> int:
   return max(MIN_BLOCK, min(block, 1 << max(0, int(length - 1).bit_length())))
 
 
-def _shrink(cfg, fields, itemsize, head_dim, limit):
+def _shrink(cfg, fields, itemsize, head_dim, limit, **kw):
   """Stages first, then the largest block, until ``cfg`` fits ``limit`` bytes."""
-  while limit is not None and cfg.smem_bytes(itemsize, head_dim) > limit:
+  while limit is not None and cfg.smem_bytes(itemsize, head_dim, **kw) > limit:
     if cfg.num_stages > 1:
       cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
       continue
@@ -272,8 +278,8 @@ def _shrink(cfg, fields, itemsize, head_dim, limit):
   return cfg
 
 
-def _check(cfg, itemsize, head_dim, device, limit, what):
-  need = cfg.smem_bytes(itemsize, head_dim)
+def _check(cfg, itemsize, head_dim, device, limit, what, **kw):
+  need = cfg.smem_bytes(itemsize, head_dim, **kw)
   if limit is not None and need > limit:
     raise ValueError(f"{what} {cfg} needs {need} bytes of shared memory per block "
                      f"(head_dim {head_dim}, itemsize {itemsize}) but {device} has {limit}")
@@ -295,17 +301,20 @@ def fit_forward_config(cfg: ForwardConfig | None, dtype, head_dim: int, q_len: i
 
 
 def fit_backward_config(cfg: BackwardConfig | None, dtype, head_dim: int, q_len: int,
-                        kv_len: int, device: str) -> BackwardConfig:
-  """The backward config to launch (see :func:`fit_forward_config`)."""
+                        kv_len: int, device: str, impl: str | None = None) -> BackwardConfig:
+  """The backward config to launch for backward ``impl`` (None: the two-pass kernels;
+  see :func:`fit_forward_config`)."""
   itemsize, limit = np.dtype(dtype).itemsize, smem_limit(device)
+  kw = {"onepass": impl == "triton_onepass"}
   if cfg is not None:
-    return with_fast_exp2(_check(cfg, itemsize, head_dim, device, limit, "backward_config"), device)
+    return with_fast_exp2(_check(cfg, itemsize, head_dim, device, limit, "backward_config", **kw),
+                          device)
   cfg = _lookup(BACKWARD_TABLE, device, dtype, head_dim)
   cfg = dataclasses.replace(
       cfg, block_q_dkv=_clamp(cfg.block_q_dkv, q_len), block_kv_dkv=_clamp(cfg.block_kv_dkv, kv_len),
       block_q_dq=_clamp(cfg.block_q_dq, q_len), block_kv_dq=_clamp(cfg.block_kv_dq, kv_len))
   return with_fast_exp2(_shrink(cfg, ("block_q_dkv", "block_kv_dkv", "block_q_dq", "block_kv_dq"),
-                                itemsize, head_dim, limit), device)
+                                itemsize, head_dim, limit, **kw), device)
 
 
 def resolve_backward_impl(impl: str, device: str, dtype, head_dim: int, q_len: int,
