@@ -6,9 +6,10 @@
 #
 # PLAN: all (default; priority order below), or a comma list of steps:
 #   tests dispatch grid_core peak residuals ext masked tiles tiles_1024 grid_bf16 grid_fp32 tiles_fp32
+#   probe (docs/scripts/probe_cudnn.py: jax.nn's cuDNN route against torch's, layouts and versions)
 #   grid:LENGTHS:DTYPE[:HEAD_DIMS]  (e.g. grid:4096:bf16, grid:1024+16384:bf16:128): the grid
 #     with the core implementations only ($CORE_JAX, $CORE_TORCH; set GRID_ALL=1 for all)
-# (tests: pytest --gpu on the gpu-marked tests, failures printed as they happen, log in
+# (tests: pytest --gpu on the gpu-marked tests (tests:EXPR: only those matching -k EXPR), failures printed as they happen, log in
 # $OUT/gpu_tests.log; it gets at most a third of the remaining time)
 # (grid_core: bf16 at T = 1024, 4096, 16384; grid_bf16 fills the other lengths)
 # Each step writes $OUT/<file>.json, first copying docs/benchmarks/<file>.json
@@ -66,10 +67,11 @@ core() {  # dtype file module args...: core implementations, JAX side then torch
 IFS=',' read -ra steps <<< "$PLAN"
 for s in "${steps[@]}"; do
   case "$s" in
-    tests)     t=$(python3 -c "print(int(60 * $(left_min) / 3))")
-               echo "[batch] $(date +%T) tests (max ${t} s)" | tee -a "$OUT/batch.log"
+    tests|tests:*) t=$(python3 -c "print(int(60 * $(left_min) / 3))")
+               sel="${s#tests}"; sel="${sel#:}"
+               echo "[batch] $(date +%T) tests ${sel:+-k $sel }(max ${t} s)" | tee -a "$OUT/batch.log"
                timeout "$t" $PY -m pytest tests --gpu -m gpu -q -p no:cacheprovider -n 4 --durations=8 \
-                 > "$OUT/gpu_tests.log" 2>&1
+                 ${sel:+-k "$sel"} > "$OUT/gpu_tests.log" 2>&1
                grep -E "^\[FAILED\]|passed|failed" "$OUT/gpu_tests.log" | tail -20 | tee -a "$OUT/batch.log" ;;
     dispatch)  run_step kernel_attn_gpu_dispatch.json docs.scripts.benchmark_kernel_attn_gpu --device gpu --suite dispatch ;;
     grid_core) split gpu_attention.json docs.scripts.benchmark_gpu_attention --suite grid --dtypes bf16 --lengths 1024,4096,16384 ;;
@@ -77,6 +79,7 @@ for s in "${steps[@]}"; do
     residuals) run_step kernel_attn_gpu_residuals.json docs.scripts.benchmark_kernel_attn_gpu --device gpu --suite residuals ;;
     ext)       split kernel_attn_ext_gpu.json docs.scripts.benchmark_kernel_attn_ext --device gpu --suite gqa,decode ;;
     masked)    split gpu_attention.json docs.scripts.benchmark_gpu_attention --suite masked ;;
+    probe)     run_step cudnn_probe.json docs.scripts.probe_cudnn ;;
     tiles)     run_step gpu_attention_tiles.json docs.scripts.benchmark_gpu_attention_tiles --dtypes bf16 ;;
     tiles_1024) run_step gpu_attention_tiles.json docs.scripts.benchmark_gpu_attention_tiles --dtypes bf16 --lengths 1024 ;;
     tiles_fp32) run_step gpu_attention_tiles.json docs.scripts.benchmark_gpu_attention_tiles --dtypes fp32 ;;

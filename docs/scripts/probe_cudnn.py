@@ -1,0 +1,107 @@
+"""Why is jax.nn's cuDNN route slower than torch SDPA's cuDNN backend? (suite "cudnn_probe")
+
+  python -m docs.scripts.probe_cudnn --output docs/benchmarks/cudnn_probe.json
+
+Times one cuDNN flash-attention call four ways on the same inputs, bf16, batch 4, 8 heads:
+``jaxnn_cudnn`` (variant "btnh": the grid's route, ``[batch, seq, heads, head_dim]``;
+"bnth": the same custom call on inputs already in ``[batch, heads, seq, head_dim]``) and
+``torch_sdpa_cudnn`` (variant "bhtd": contiguous ``[batch, heads, seq, head_dim]`` as in the
+grid; "bthd": the transposed view of ``[batch, seq, heads, head_dim]``). Every row records
+the cuDNN version each library loaded. JAX and torch run in one process here (small shapes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from docs.scripts import harness, impls
+
+
+def _versions() -> dict:
+  out = {}
+  try:
+    from jax._src.lib import cuda_versions
+    out["jax_cudnn"] = cuda_versions.cudnn_get_version() if cuda_versions else None
+  except Exception as e:  # noqa: BLE001
+    out["jax_cudnn"] = f"{type(e).__name__}: {e}"[:120]
+  try:
+    out["torch_cudnn"] = impls.torch_mod().backends.cudnn.version()
+  except Exception as e:  # noqa: BLE001
+    out["torch_cudnn"] = f"{type(e).__name__}: {e}"[:120]
+  return out
+
+
+def _jax(arrays, layout, causal, mode):
+  import jax.numpy as jnp
+  from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
+  d = arrays[0].shape[-1]
+  mt = MaskType.CAUSAL if causal else MaskType.NO_MASK
+  if layout == "bnth":
+    arrays = [a.transpose(0, 2, 1, 3).copy() for a in arrays]
+  attn = lambda q, k, v: dot_product_attention(q, k, v, scale=d ** -0.5, mask_type=mt,
+                                               qkv_layout=layout.upper())
+  return impls._jax_fn(attn, arrays, "bfloat16", mode)
+
+
+def _torch(arrays, layout, causal, mode):
+  torch = impls.torch_mod()
+  from torch.nn.attention import SDPBackend, sdpa_kernel
+  need = mode == "fwd_bwd"
+  ts = [torch.from_numpy(a).to("cuda", torch.bfloat16) for a in arrays]
+  ts = [t.transpose(1, 2).contiguous() if layout == "bhtd" else t.transpose(1, 2) for t in ts]
+  q, k, v, do = ts
+  for t in (q, k, v):
+    t.requires_grad_(need)
+  sync = lambda _x: torch.cuda.synchronize()
+  F = torch.nn.functional
+
+  def fwd():
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+      return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+  if mode == "fwd":
+    def fn():
+      with torch.no_grad():
+        return fwd()
+    return fn, sync
+  return (lambda: torch.autograd.grad(fwd(), (q, k, v), do)), sync
+
+
+def cases(args):
+  timing = harness.timing_kwargs(args)
+  shapes = [(1, 2, 128, 64)] if args.quick else [(4, 8, t, d) for t in (4096, 8192) for d in (64, 128)]
+  variants = [("jaxnn_cudnn", "btnh", _jax), ("jaxnn_cudnn", "bnth", _jax),
+              ("torch_sdpa_cudnn", "bhtd", _torch), ("torch_sdpa_cudnn", "bthd", _torch)]
+  out = []
+  for b, h, t, d in shapes:
+    for causal in (False, True):
+      for mode in ("fwd", "fwd_bwd"):
+        for impl, layout, build in variants:
+          def run(b=b, h=h, t=t, d=d, causal=causal, mode=mode, layout=layout, build=build):
+            import jax
+            if jax.devices()[0].platform != "gpu":
+              raise impls.Unsupported("cuDNN needs an NVIDIA GPU")
+            arrays = impls.inputs(b, t, t, h, h, d)
+            try:
+              fn, sync = build(arrays, layout, causal, mode)
+              res = harness.time_fn(fn, sync, **timing)
+              res.update(_versions())
+              return res
+            finally:
+              impls.free_memory()
+          out.append(harness.Case(suite="cudnn_probe", impl=impl, dtype="bfloat16", batch=b,
+                                  q_heads=h, kv_heads=h, q_len=t, kv_len=t, head_dim=d,
+                                  causal=causal, mode=mode, run=run, variant=layout,
+                                  extra={"layout": layout}))
+  return out
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  harness.add_common_args(p)
+  args = p.parse_args(argv)
+  harness.run_cases(cases(args), args)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
