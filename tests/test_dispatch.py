@@ -76,6 +76,18 @@ def test_sm90_table_falls_back_to_triton_where_cudnn_cannot(mask, shapes):
   assert d.backward_pass_impl == want
 
 
+def test_sm90_decoding_skips_cudnn():
+  entry = attention_device.DEVICE_DEFAULTS[(9, 0)]
+  n, long = entry.decode_max_q_len, 65536
+  decoding = ((8, n, 32, 128), (8, long, 8, 128))
+  assert 8 * 32 * n * long >= entry.cudnn_min_work
+  d = decide(decoding)
+  assert d.implementation == "triton" and d.split_kv and d.split_kv >= 2
+  assert decide(((8, n + 1, 32, 128), (8, long, 8, 128))).implementation == "cudnn"
+  short_cache = ((64, n, 32, 128), (64, entry.decode_min_kv_len - 1, 8, 128))
+  assert decide(short_cache).implementation == "cudnn"
+
+
 def test_sm90_small_work_uses_triton():
   d = decide(SMALL)
   assert d.implementation == "triton"

@@ -30,6 +30,9 @@ class DeviceDefaults:
       XLA's dense formulation (TF32 matmuls) while it fits in memory.
     fp32_band_dense_max_len: the same limit for masks with a diagonal band (causal,
       windows), whose empty tiles the kernel skips and the dense formulation computes.
+    decode_max_q_len, decode_min_kv_len: calls with at most ``decode_max_q_len`` queries
+      against at least ``decode_min_kv_len`` keys (decoding) skip the cuDNN rule and run
+      the Triton kernel, whose split-KV forward spreads the keys over the device.
     evidence: where the numbers come from.
   """
 
@@ -39,6 +42,8 @@ class DeviceDefaults:
   backward_pass_impl_band: str
   fp32_dense_max_len: int
   fp32_band_dense_max_len: int
+  decode_max_q_len: int
+  decode_min_kv_len: int
   evidence: tuple[str, ...]
 
 
@@ -71,7 +76,16 @@ DEVICE_DEFAULTS: dict[tuple[int, int], DeviceDefaults] = {
         # busy (1024 and below are launch-bound and unmeasured in fp32).
         fp32_dense_max_len=16384,
         fp32_band_dense_max_len=1024,
+        # kernel_attn_ext_gpu.json (decode suite, bf16 H32 D128, fwd ms, jax.nn cuDNN /
+        # probjax Triton with split-KV): B8 KV8 Lq16 Lkv65536 1.650 / 0.753 (the default took
+        # cuDNN there: 1.581); B1 KV8 Lq16 Lkv65536 0.792 / 0.087; B8 KV8 Lq16 Lkv8192
+        # 0.224 / 0.112; B8 KV32 Lq16 Lkv65536 2.002 / 1.954. Split-KV is never more than 1%
+        # slower than cuDNN in the 16 decode rows but one (B1 KV32 Lq1 Lkv65536, 0.259 / 0.276,
+        # below the cuDNN work threshold).
+        decode_max_q_len=64,
+        decode_min_kv_len=1024,
         evidence=("docs/benchmarks/gpu_attention.json (H200 grid, B4 H8, peers in the same run)",
+                  "docs/benchmarks/kernel_attn_ext_gpu.json (H200 decode and GQA suites)",
                   "git 0b3d622:docs/benchmarks/kernel_attn_gpu_dispatch.json (H200 short-sequence "
                   "sweep, batch 64, previous Triton backward)",
                   "../shared/anchors/h200_jax_peers.jsonl (fp32 D128 T4096 fwd+bwd: jax.nn XLA 7.95 ms)",

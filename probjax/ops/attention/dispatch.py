@@ -174,8 +174,9 @@ def _decide(q_shape, kv_shape, dtype, *, mask, bias, dense_mask, dropout, score_
     table = attention_device.lookup(device.compute_capability)
   if table is not None:
     cc = "sm_%d%d" % device.compute_capability
+    decoding = tq <= table.decode_max_q_len and tk >= table.decode_min_kv_len
     if (not _env_off("PROBJAX_ATTENTION_CUDNN", env) and b * h * tq * tk >= table.cudnn_min_work
-        and q_shape[-1] >= table.cudnn_min_head_dim):
+        and q_shape[-1] >= table.cudnn_min_head_dim and not decoding):
       if cudnn_backend.supports(q_shape, kv_shape, dtype, platform="gpu", **kw) is None:
         return Decision("cudnn", f"{cc} device table: eligible 16-bit call above the cuDNN work threshold")
     band = mask is not None and mask.has_band
