@@ -49,23 +49,27 @@ class DeviceDefaults:
 
 DEVICE_DEFAULTS: dict[tuple[int, int], DeviceDefaults] = {
     (9, 0): DeviceDefaults(
-        # gpu_attention.json (bf16 B4 H8, fwd+bwd ms, default cuDNN / Triton): T=1024 (work 33.5M)
-        # the Triton kernel: D64 jax.nn cuDNN 0.155 vs Triton 0.118, D128 0.296 vs 0.185;
-        # T=4096 (work 537M) cuDNN: D64 1.188 vs 1.412, D128 1.866 vs 2.433.
-        # Short-sequence sweep (batch 64, H8) with the previous Triton backward (its rows are in
-        # git history at 0b3d622, removed from kernel_attn_gpu_dispatch.json as stale): D64 cuDNN
-        # from T=384 (work 75M) on; D32 the Triton kernel at every length (64..1024). Re-measure
-        # with the transposed dK/dV kernel, which moves the crossover up.
+        # gpu_attention.json (bf16 B4 H8, ms, jax.nn cuDNN / probjax Triton, same run):
+        #   T=1024 (work 33.5M) fwd D64 0.085 / 0.052, D128 0.060 / 0.045; fwd+bwd D64
+        #   0.228 / 0.114, D128 0.200 / 0.181 -> the Triton kernel below the threshold;
+        #   T=2048 (134M) fwd D64 0.092 / 0.105, D128 0.128 / 0.164; fwd+bwd D64 0.360 / 0.348,
+        #   D128 0.525 / 0.617; T=4096 (537M) fwd D128 0.449 / 0.599 -> cuDNN above it.
+        # kernel_attn_gpu_dispatch.json (batch 64, H8, fwd+bwd ms, jax.nn cuDNN / Triton): D64
+        #   T384 (75M) 0.337 / 0.272 ... T1024 (537M) 1.473 / 1.405: the Triton backward wins
+        #   at D64 up to 537M while cuDNN's forward wins from 134M; one threshold per call
+        #   cannot take both (a separate rule for differentiated calls is future work).
+        #   D32: Triton at every length (cuDNN min head_dim 64).
         cudnn_min_work=48 * 2**20,
         cudnn_min_head_dim=64,
-        # gpu_attention.json (bf16 B4 H8, fwd+bwd ms, split / fused / onepass):
-        #   non-causal: D64 T4096 1.383 / 1.378 / 2.889; D128 T4096 2.402 / 2.375 / 5.603;
-        #               D64 T8192 5.483 / 5.207 / 11.59; D128 T8192 9.312 / 9.462 / 21.45;
-        #               D128 T16384 37.26 / 37.91 / 84.89; D128 T1024 0.178 / 0.184 / 0.394
-        #   causal:     D64 T4096 1.006 / 0.898 / 1.992; D128 T4096 1.511 / 1.439 / 3.207;
-        #               D128 T1024 0.182 / 0.160 / 0.348; D128 T8192 5.193 / 5.191 / 10.97
-        # Without a band split and fused are within 3% (split ahead at D128 T8192-16384); with
-        # a band fused is ahead up to 12%. Onepass's atomics cost 2x or more on sm_90.
+        # gpu_attention.json (bf16 B4 H8, fwd+bwd ms, split / fused / onepass, same run):
+        #   non-causal: D64 T4096 1.288 / 1.275 / 2.773; D128 T4096 2.349 / 2.354 / 5.475;
+        #               D64 T16384 19.81 / 19.20 / 40.93; D128 T16384 36.52 / 36.97 / 84.73;
+        #               D64 T1024 0.101 / 0.115 / 0.205; D128 T1024 0.190 / 0.186 / 0.389
+        #   causal:     D64 T4096 0.905 / 0.784 / 1.909; D128 T4096 1.522 / 1.416 / 3.203;
+        #               D64 T2048 0.300 / 0.259 / 0.618; D128 T8192 5.235 / 5.308 / 11.01
+        # Without a band split and fused are within 3% either way (split ahead at T1024 D64);
+        # with a band fused is ahead up to 14% (D128 T8192-16384 within 2%). Onepass's atomics
+        # cost 2x or more on sm_90.
         backward_pass_impl="triton_split",
         backward_pass_impl_band="triton_fused",
         # gpu_attention.json (fp32 B4 H8 D128 T4096, ms, fwd / fwd+bwd): non-causal XLA dense
