@@ -320,6 +320,7 @@ QUICK = [
     ("benchmark_kernel_attn_ext", ["--suite", "gqa,decode"]),
     ("benchmark_kernel_attn_cpu", ["--torch-python", "/nonexistent/python"]),
     ("probe_cudnn", []),
+    ("probe_odd_lengths", []),
 ]
 
 
@@ -336,7 +337,7 @@ def test_quick_suite(tmp_path, module, extra):
   for r in rows:
     assert harness.validate_row(r) == [], r
     assert r["status"] != "error", r.get("error")
-  if module == "probe_cudnn":  # GPU only: every row says so
+  if module.startswith("probe_"):  # GPU only: every row says so
     assert all(r["status"] == "unsupported" for r in rows)
   else:
     assert any(r["status"] == "ok" for r in rows) or module == "benchmark_gpu_attention_tiles"

@@ -7,6 +7,7 @@
 # PLAN: all (default; priority order below), or a comma list of steps:
 #   tests dispatch grid_core peak residuals ext masked tiles tiles_1024 grid_bf16 grid_fp32 tiles_fp32
 #   probe (docs/scripts/probe_cudnn.py: jax.nn's cuDNN route against torch's, layouts and versions)
+#   probe_odd (docs/scripts/probe_odd_lengths.py: the Triton kernel at odd lengths, pads vs kernel)
 #   grid:LENGTHS:DTYPE[:HEAD_DIMS]  (e.g. grid:4096:bf16, grid:1024+16384:bf16:128): the grid
 #     with the core implementations only ($CORE_JAX, $CORE_TORCH; set GRID_ALL=1 for all)
 # (tests: pytest --gpu on the gpu-marked tests (tests:EXPR: only those matching -k EXPR), failures printed as they happen, log in
@@ -80,6 +81,7 @@ for s in "${steps[@]}"; do
     ext)       split kernel_attn_ext_gpu.json docs.scripts.benchmark_kernel_attn_ext --device gpu --suite gqa,decode ;;
     masked)    split gpu_attention.json docs.scripts.benchmark_gpu_attention --suite masked ;;
     probe)     run_step cudnn_probe.json docs.scripts.probe_cudnn ;;
+    probe_odd) run_step odd_probe.json docs.scripts.probe_odd_lengths ;;
     tiles)     run_step gpu_attention_tiles.json docs.scripts.benchmark_gpu_attention_tiles --dtypes bf16 ;;
     tiles_1024) run_step gpu_attention_tiles.json docs.scripts.benchmark_gpu_attention_tiles --dtypes bf16 --lengths 1024 ;;
     tiles_fp32) run_step gpu_attention_tiles.json docs.scripts.benchmark_gpu_attention_tiles --dtypes fp32 ;;

@@ -6,13 +6,15 @@ Times one cuDNN flash-attention call four ways on the same inputs, bf16, batch 4
 ``jaxnn_cudnn`` (variant "btnh": the grid's route, ``[batch, seq, heads, head_dim]``;
 "bnth": the same custom call on inputs already in ``[batch, heads, seq, head_dim]``) and
 ``torch_sdpa_cudnn`` (variant "bhtd": contiguous ``[batch, heads, seq, head_dim]`` as in the
-grid; "bthd": the transposed view of ``[batch, seq, heads, head_dim]``). Every row records
+grid; "bthd": the transposed view of ``[batch, seq, heads, head_dim]``), and "btnh_knobs_*":
+the jax.nn call with other cuDNN tuning knobs in the custom call (:data:`KNOBS`). Every row records
 the cuDNN version each library loaded. JAX and torch run in one process here (small shapes).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 from docs.scripts import harness, impls
@@ -32,9 +34,35 @@ def _versions() -> dict:
   return out
 
 
+# Variants "btnh_knobs_<name>": JAX's lowering writes a fixed cuDNN engine config into the
+# custom call (algo_id 0, tuning knobs {"17": "1", "24": "0"}); these replace the knobs.
+KNOBS = {"none": {}, "k17_0": {"17": "0", "24": "0"}, "k24_1": {"17": "1", "24": "1"}}
+
+
+@contextlib.contextmanager
+def _tuning_knobs(knobs):
+  """Patches JAX's cuDNN backend-config builder to write ``knobs`` (None: unchanged)."""
+  if knobs is None:
+    yield
+    return
+  from jax._src.cudnn import fused_attention_stablehlo as fa
+  orig = fa.create_dot_product_attention_backend_config_base
+
+  def patched(*a, **k):
+    cfg = orig(*a, **k)
+    cfg["cudnn_fmha_backend_config"]["algorithm"]["tuning_knobs"] = dict(knobs)
+    return cfg
+  fa.create_dot_product_attention_backend_config_base = patched
+  try:
+    yield
+  finally:
+    fa.create_dot_product_attention_backend_config_base = orig
+
+
 def _jax(arrays, layout, causal, mode):
   import jax.numpy as jnp
   from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
+  layout = layout.split("_")[0]
   d = arrays[0].shape[-1]
   mt = MaskType.CAUSAL if causal else MaskType.NO_MASK
   if layout == "bnth":
@@ -72,6 +100,7 @@ def cases(args):
   shapes = [(1, 2, 128, 64)] if args.quick else [(4, 8, t, d) for t in (4096, 8192) for d in (64, 128)]
   variants = [("jaxnn_cudnn", "btnh", _jax), ("jaxnn_cudnn", "bnth", _jax),
               ("torch_sdpa_cudnn", "bhtd", _torch), ("torch_sdpa_cudnn", "bthd", _torch)]
+  variants += [("jaxnn_cudnn", f"btnh_knobs_{k}", _jax) for k in KNOBS]
   out = []
   for b, h, t, d in shapes:
     for causal in (False, True):
@@ -80,11 +109,13 @@ def cases(args):
           def run(b=b, h=h, t=t, d=d, causal=causal, mode=mode, layout=layout, build=build):
             import jax
             if jax.devices()[0].platform != "gpu":
-              raise impls.Unsupported("cuDNN needs an NVIDIA GPU")
+              raise harness.Unsupported("cuDNN needs an NVIDIA GPU")
             arrays = impls.inputs(b, t, t, h, h, d)
+            knobs = KNOBS[layout.rsplit("_", 1)[1]] if "_knobs_" in layout else None
             try:
-              fn, sync = build(arrays, layout, causal, mode)
-              res = harness.time_fn(fn, sync, **timing)
+              with _tuning_knobs(knobs):  # lowering happens at the first (warm-up) call
+                fn, sync = build(arrays, layout, causal, mode)
+                res = harness.time_fn(fn, sync, **timing)
               res.update(_versions())
               return res
             finally:

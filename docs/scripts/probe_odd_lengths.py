@@ -1,0 +1,81 @@
+"""Why is the Triton kernel slow at lengths that are not a multiple of its tiles? (suite "odd_probe")
+
+  python -m docs.scripts.probe_odd_lengths --output docs/benchmarks/odd_probe.json
+
+bf16 forward, batch 4, 8 heads, per odd length T (600, 1500, 3000) and its padded length P
+(the next multiple of the forward's block_q and block_k), three rows of ``probjax_triton``:
+variant "odd" (the call at T: pads q/k/v to P, runs the kernel with a padding mask, slices the
+output), "padded" (the call at P: no pads, no mask) and "copies" (only the pads and the
+slice of the "odd" call, no kernel). odd - padded - copies is what the padding mask costs
+inside the kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from docs.scripts import harness, impls
+
+
+def _padded(t: int, d: int) -> int:
+  import jax.numpy as jnp
+  from probjax.ops.attention.triton import config as C
+  from probjax.ops.attention.masks import round_up
+  f = C.fit_forward_config(None, jnp.bfloat16, d, t, t, C.device_kind())
+  return round_up(round_up(t, f.block_q), f.block_k)
+
+
+def _copies_fn(arrays, pad_to: int):
+  import jax
+  import jax.numpy as jnp
+  from probjax.ops.attention.masks import pad_axis
+  q, k, v = (jnp.asarray(a, jnp.bfloat16) for a in arrays[:3])
+  t = q.shape[1]
+
+  @jax.jit
+  def f(q, k, v):  # the pads and the slice around the kernel; the sum keeps them alive
+    qp, kp, vp = (pad_axis(x, 1, pad_to) for x in (q, k, v))
+    return (qp + kp + vp)[:, :t]
+  return (lambda: f(q, k, v)), jax.block_until_ready
+
+
+def cases(args):
+  timing = harness.timing_kwargs(args)
+  shapes = [(1, 2, 40, 16)] if args.quick else [(4, 8, t, d) for t in (600, 1500, 3000) for d in (64, 128)]
+  out = []
+  for b, h, t, d in shapes:
+    for variant in ("odd", "padded", "copies"):
+      def run(b=b, h=h, t=t, d=d, variant=variant):
+        import jax
+        if jax.devices()[0].platform != "gpu":
+          raise harness.Unsupported("the Triton kernel needs an NVIDIA GPU")
+        p = _padded(t, d)
+        n = p if variant == "padded" else t
+        arrays = impls.inputs(b, n, n, h, h, d)
+        try:
+          if variant == "copies":
+            fn, sync = _copies_fn(arrays, p)
+          else:
+            fn, sync = impls.build("probjax_triton", arrays, "bfloat16", False, "fwd")
+          res = harness.time_fn(fn, sync, **timing)
+          res["padded_len"] = p
+          return res
+        finally:
+          impls.free_memory()
+      out.append(harness.Case(suite="odd_probe", impl="probjax_triton", dtype="bfloat16", batch=b,
+                              q_heads=h, kv_heads=h, q_len=t, kv_len=t, head_dim=d, causal=False,
+                              mode="fwd", run=run, variant=variant, extra={"probe": variant},
+                              flops=False))
+  return out
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  harness.add_common_args(p)
+  args = p.parse_args(argv)
+  harness.run_cases(cases(args), args)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
