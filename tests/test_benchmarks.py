@@ -387,3 +387,39 @@ def test_drop_rows(tmp_path, capsys):
   assert [json.loads(l)["impl"] for l in path.read_text().splitlines()] == ["probjax_default"]
   with pytest.raises(SystemExit):
     drop_rows.main([str(path)])
+  drop_rows.main([str(path), "--q_len", "1024"])  # a numeric field matches its text
+
+
+def test_merge_rows_keeps_measured_rows(tmp_path):
+  from docs.scripts import merge_rows
+  base = dict(suite="grid", impl="probjax_triton", dtype="bfloat16", batch=1, q_heads=2, kv_heads=2,
+              q_len=64, kv_len=64, head_dim=16, causal=False, mask="none", mode="fwd", device="GPU")
+  a, b, out = tmp_path / "a", tmp_path / "b", tmp_path / "out"
+  for d in (a, b, out):
+    d.mkdir()
+  (a / "x.json").write_text(json.dumps(dict(base, ms=1.0, status="ok")) + "\n"
+                            + json.dumps(dict(base, q_len=128, ms=None, status="oom")) + "\n")
+  (b / "x.json").write_text(json.dumps(dict(base, ms=None, status="error")) + "\n"
+                            + json.dumps(dict(base, q_len=128, ms=2.0, status="ok")) + "\n"
+                            + json.dumps(dict(base, impl="torch_flex", ms=3.0, status="ok")) + "\n")
+  assert merge_rows.main([str(out), str(a), str(b)]) == 0
+  rows = {(r["impl"], r["q_len"]): r for r in harness.load_rows(str(out / "x.json"))}
+  assert len(rows) == 3
+  assert rows[("probjax_triton", 64)]["ms"] == 1.0      # an error never replaces a measurement
+  assert rows[("probjax_triton", 128)]["ms"] == 2.0     # a measurement replaces a failure
+  assert rows[("torch_flex", 64)]["ms"] == 3.0
+
+
+def test_cudnn_probe_section():
+  from docs.scripts import benchmark_figures as bf
+  base = dict(suite="cudnn_probe", dtype="bfloat16", batch=4, q_heads=8, kv_heads=8, q_len=4096,
+              kv_len=4096, head_dim=64, causal=False, mask="none", mode="fwd", status="ok",
+              device="GPU", jax_cudnn=91900, torch_cudnn=91900)
+  rows = [dict(base, impl="jaxnn_cudnn", variant="btnh", ms=2.0),
+          dict(base, impl="torch_sdpa_cudnn", variant="bhtd", ms=1.8),
+          dict(base, impl="jaxnn_cudnn", variant="btnh_knobs_none", ms=None, status="error")]
+  text = bf.cudnn_probe_section(rows)
+  assert "91900 / 91900" in text and "(0.90)" in text
+  header = next(l for l in text.splitlines() if l.startswith("| head_dim"))
+  assert header.index("btnh |") < header.index("torch SDPA cuDNN bhtd")
+  assert bf.cudnn_probe_section([]) == bf.NOT_MEASURED

@@ -30,7 +30,14 @@ REPRO = """```bash
 #   source docs/scripts/gpu_env.sh        # on the GPU machine: installs them, sets PYTHONPATH and $PY
 # All GPU suites in priority order, at most N minutes per call, resuming from docs/benchmarks/:
 #   OUT=/tmp/out bash docs/scripts/gpu_batch.sh all 7.5   # then copy /tmp/out/*.json to docs/benchmarks/
+# Two plans at once on a two-GPU host (each suite's peers on the same GPU), JSON merged into $OUT:
+#   OUT=/tmp/out bash docs/scripts/gpu_pair.sh tests,tiles grid:4096+8192:bf16,masked 9
 # Long suites stop after --max-minutes; rerun the same command with --append to resume.
+# Rows made stale by a code change: python -m docs.scripts.drop_rows FILE --impl 'probjax_*' ...
+
+# Diagnostics: jax.nn's cuDNN route vs torch's; the Triton kernel at odd lengths.
+python -m docs.scripts.probe_cudnn --output docs/benchmarks/cudnn_probe.json
+python -m docs.scripts.probe_odd_lengths --output docs/benchmarks/odd_probe.json
 
 # Cross-library grid + masked cases, and the tile sweep (CUDA GPU; torch, tokamax optional).
 python -m docs.scripts.benchmark_gpu_attention --output docs/benchmarks/gpu_attention.json
@@ -896,10 +903,41 @@ def h200_page(all_rows, fig_dir, fig_rel) -> str:
   else:
     parts.append("No peer is more than 5% faster than the probjax default at T ≥ 512.")
   parts += ["", t4096_table(rows) if select(rows, suite="grid") else "", "",
+            "## jax.nn's cuDNN route and torch's", "", cudnn_probe_section(rows), "",
             "## Decoding with the default", "", gqa_section([r for r in rows if r["suite"] == "decode"]), ""]
   if not devs:
     parts.insert(6, NOT_MEASURED)
   return "\n".join(parts)
+
+
+def cudnn_probe_section(rows) -> str:
+  """jax.nn's cuDNN route against torch SDPA's cuDNN backend (cudnn_probe.json)."""
+  pr = select(rows, suite="cudnn_probe")
+  if not pr:
+    return NOT_MEASURED
+  variants = sorted({(r["impl"], r.get("variant", "")) for r in pr},
+                    key=lambda v: (v[0] != "jaxnn_cudnn", v[1] != "btnh", v))
+  shapes = sorted({(r["head_dim"], r["q_len"], r["causal"], r["mode"]) for r in pr})
+  by = {(r["impl"], r.get("variant", ""), r["head_dim"], r["q_len"], r["causal"], r["mode"]): r for r in pr}
+  body = []
+  for d, t, c, mode in shapes:
+    base = by.get(("jaxnn_cudnn", "btnh", d, t, c, mode))
+    row = [d, t, "yes" if c else "no", mode]
+    for v in variants:
+      r = by.get((*v, d, t, c, mode))
+      ok = r is not None and r["status"] == "ok" and base is not None and base["status"] == "ok"
+      row.append(cell(r) + (f" ({r['ms'] / base['ms']:.2f})" if ok and v != ("jaxnn_cudnn", "btnh") else ""))
+    body.append(row)
+  versions = sorted({(r.get("jax_cudnn"), r.get("torch_cudnn")) for r in pr if r["status"] == "ok"}, key=str)
+  return (f"The same cuDNN flash attention called by jax.nn and by torch SDPA, bf16, batch "
+          f"{pr[0]['batch']}, {pr[0]['q_heads']} heads (cudnn_probe.json, "
+          f"`python -m docs.scripts.probe_cudnn`); ms, in brackets the ratio to jax.nn on "
+          f"`[batch, seq, heads, head_dim]` (btnh). cuDNN versions loaded (jax, torch): "
+          f"{', '.join(f'{a} / {b}' for a, b in versions) or '—'}. bnth: jax.nn on inputs already "
+          f"in `[batch, heads, seq, head_dim]`; bhtd / bthd: torch on contiguous / strided "
+          f"`[batch, heads, seq, head_dim]`; knobs_*: jax.nn with other tuning knobs in its custom "
+          f"call.\n\n"
+          + md_table(["head_dim", "T", "causal", "mode"] + [f"{label(i)} {v}" for i, v in variants], body))
 
 
 def _pretty(obj) -> str:
