@@ -410,6 +410,14 @@ def select_cases(spec: str, builders: dict[str, Callable[[], list[Case]]]) -> li
   return [c for name, build in builders.items() if name in names for c in build()]
 
 
+def main_for(doc: str, build_cases: Callable[[argparse.Namespace], list[Case]], argv=None) -> None:
+  """Command line of a suite that has only the common arguments: parse, build, run."""
+  p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+  add_common_args(p)
+  args = p.parse_args(argv)
+  run_cases(build_cases(args), args)
+
+
 def run_cases(cases: Iterable[Case], args, *, on_row: Callable[[dict], None] | None = None) -> list[dict]:
   """Runs cases, writing rows to ``args.output``; returns the rows written now."""
   cases = [c for c in cases if impl_selected(c.impl, args)]

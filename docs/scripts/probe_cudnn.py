@@ -13,7 +13,6 @@ the cuDNN version each library loaded. JAX and torch run in one process here (sm
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import sys
 
@@ -128,10 +127,7 @@ def cases(args):
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  harness.add_common_args(p)
-  args = p.parse_args(argv)
-  harness.run_cases(cases(args), args)
+  harness.main_for(__doc__, cases, argv)
 
 
 if __name__ == "__main__":

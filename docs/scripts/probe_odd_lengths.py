@@ -12,7 +12,6 @@ inside the kernel.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from docs.scripts import harness, impls
@@ -71,10 +70,7 @@ def cases(args):
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  harness.add_common_args(p)
-  args = p.parse_args(argv)
-  harness.run_cases(cases(args), args)
+  harness.main_for(__doc__, cases, argv)
 
 
 if __name__ == "__main__":
