@@ -121,6 +121,13 @@ def test_env_opt_outs(var):
   assert decide(env={var: "1"}).implementation == "cudnn"
 
 
+def test_reserved_mosaic_name_says_not_built():
+  with pytest.raises(ValueError, match="Mosaic GPU .* not built"):
+    decide(implementation="mosaic")
+  # Its opt-out is accepted and changes nothing while there is no Mosaic kernel.
+  assert decide(env={"PROBJAX_ATTENTION_MOSAIC": "0"}) == decide()
+
+
 def test_kernel_arguments_disable_the_table():
   d = decide(kernel_args_default=False, backward_pass_impl="triton_onepass")
   assert d.implementation == "triton" and d.backward_pass_impl == "triton_onepass"
@@ -142,7 +149,7 @@ def test_explicit_implementations_are_checked_not_replaced():
   with pytest.raises(ValueError, match="triton.*NVIDIA GPU"):
     decide(implementation="triton", device=CPU)
   with pytest.raises(ValueError, match="unknown implementation"):
-    decide(implementation="mosaic")
+    decide(implementation="flash")
 
 
 def test_table_entries_cite_evidence():

@@ -30,6 +30,10 @@ from probjax.ops.attention.masks import Mask
 
 IMPLEMENTATIONS = ("xla", "triton", "cudnn")
 ALIASES = {"pallas": "triton"}
+# Names the API reserves for backends not built yet: requesting one raises ValueError saying
+# so (not "unknown"); its opt-out variable (PROBJAX_ATTENTION_MOSAIC=0) has nothing to turn off.
+NOT_BUILT = {"mosaic": "the Mosaic GPU (FA3-style, sm_90) kernel is not built in this version; "
+                       "use implementation='cudnn' or 'triton' on Hopper"}
 MIN_KERNEL_KV_LEN = 64
 # XLA's dense formulation keeps a few float32 [B, H, Tq, Tkv] arrays for the backward.
 _DENSE_BYTES_PER_SCORE = 4 * 4
@@ -85,6 +89,8 @@ def canonical(implementation: str | None) -> str | None:
   if not isinstance(implementation, str):
     raise TypeError(f"implementation must be a string or None, got {type(implementation).__name__}")
   name = ALIASES.get(implementation, implementation)
+  if name in NOT_BUILT:
+    raise ValueError(f"implementation={implementation!r}: {NOT_BUILT[name]}")
   if name not in IMPLEMENTATIONS:
     raise ValueError(f"unknown implementation {implementation!r}; expected None or one of "
                      f"{sorted(IMPLEMENTATIONS + tuple(ALIASES))}")
