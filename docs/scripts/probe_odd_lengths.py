@@ -4,10 +4,10 @@
 
 bf16 forward, batch 4, 8 heads, per odd length T (600, 1500, 3000) and its padded length P
 (the next multiple of the forward's block_q and block_k), three rows of ``probjax_triton``:
-variant "odd" (the call at T: pads q/k/v to P, runs the kernel with a padding mask, slices the
-output), "padded" (the call at P: no pads, no mask) and "copies" (only the pads and the
-slice of the "odd" call, no kernel). odd - padded - copies is what the padding mask costs
-inside the kernel.
+variant "odd" (the call at T: masked loads and stores of the partial tiles), "padded" (the
+call at P: no partial tile) and "copies" (no kernel: the pads of q/k/v to P and the output
+slice that the kernel ran between before it masked its partial tiles, i.e. what that change
+removed). odd / padded against (T / P)^2 is what the partial tiles cost inside the kernel.
 """
 
 from __future__ import annotations

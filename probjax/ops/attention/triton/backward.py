@@ -70,8 +70,8 @@ def _dkv_program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mr, dk_ref, dv
   With ``dq_acc_ref`` (onepass) each tile's dQ is atomically added there too.
   """
   k_start = j * block_k
-  k = k_ref.at[b, pl.ds(k_start, block_k), hkv, :][...]
-  v = v_ref.at[b, pl.ds(k_start, block_k), hkv, :][...]
+  k = tiles.load_rows(k_ref.at[b, pl.ds(k_start, block_k), hkv, :], k_start, tm.kv_len)
+  v = tiles.load_rows(v_ref.at[b, pl.ds(k_start, block_k), hkv, :], k_start, tm.kv_len)
 
   def head(g, carry):
     h = hkv * groups + g
@@ -80,8 +80,9 @@ def _dkv_program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mr, dk_ref, dv
       dk, dv = carry
       q_start = i * block_q
       rows = pl.ds(q_start, block_q)
-      q = q_ref.at[b, rows, h, :][...]
-      do = do_ref.at[b, rows, h, :][...]
+      # Only masked tiles can hold the partial last tile of the queries.
+      q = tiles.load_rows(q_ref.at[b, rows, h, :], q_start, tm.q_len, masked)
+      do = tiles.load_rows(do_ref.at[b, rows, h, :], q_start, tm.q_len, masked)
       pt, dst = _probs_and_ds(q, k, v, do, lse_ref.at[b, h, rows][...],
                               delta_ref.at[b, h, rows][...], tm=tm, mr=mr, b=b, h=h,
                               q_start=q_start, k_start=k_start, masked=masked, scale=scale,
@@ -100,8 +101,10 @@ def _dkv_program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mr, dk_ref, dv
   per_split = groups // splits
   dk, dv = jax.lax.fori_loop(split * per_split, (split + 1) * per_split, head, (zeros, zeros))
   out = hkv * splits + split
-  dk_ref.at[b, pl.ds(k_start, block_k), out, :][...] = (dk * scale).astype(dk_ref.dtype)
-  dv_ref.at[b, pl.ds(k_start, block_k), out, :][...] = dv.astype(dv_ref.dtype)
+  tiles.store_rows(dk_ref.at[b, pl.ds(k_start, block_k), out, :], (dk * scale).astype(dk_ref.dtype),
+                   k_start, tm.kv_len)
+  tiles.store_rows(dv_ref.at[b, pl.ds(k_start, block_k), out, :], dv.astype(dv_ref.dtype), k_start,
+                   tm.kv_len)
 
 
 def _dq_program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mr, dq_ref, *, b, h, i, tm, scale,
@@ -110,15 +113,15 @@ def _dq_program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mr, dq_ref, *, 
   hkv = h // groups
   q_start = i * block_q
   rows = pl.ds(q_start, block_q)
-  q = q_ref.at[b, rows, h, :][...]
-  do = do_ref.at[b, rows, h, :][...]
+  q = tiles.load_rows(q_ref.at[b, rows, h, :], q_start, tm.q_len)
+  do = tiles.load_rows(do_ref.at[b, rows, h, :], q_start, tm.q_len)
   lse2 = lse_ref.at[b, h, rows][...]
   delta = delta_ref.at[b, h, rows][...]
 
   def body(j, dq, masked):
     k_start = j * block_k
-    k = k_ref.at[b, pl.ds(k_start, block_k), hkv, :][...]
-    v = v_ref.at[b, pl.ds(k_start, block_k), hkv, :][...]
+    k = tiles.load_rows(k_ref.at[b, pl.ds(k_start, block_k), hkv, :], k_start, tm.kv_len, masked)
+    v = tiles.load_rows(v_ref.at[b, pl.ds(k_start, block_k), hkv, :], k_start, tm.kv_len, masked)
     _, ds = _probs_and_ds(q, k, v, do, lse2, delta, tm=tm, mr=mr, b=b, h=h, q_start=q_start,
                           k_start=k_start, masked=masked, scale=scale, score_mod=score_mod,
                           fast_exp2=fast_exp2)
@@ -126,7 +129,7 @@ def _dq_program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mr, dq_ref, *, 
 
   dq = tiles.tile_loop(tm, mr, b, i, num_kv_tiles, body, jnp.zeros(q.shape, jnp.float32), by_q=True,
                        block_outer=block_q, block_inner=block_k)
-  dq_ref.at[b, rows, h, :][...] = (dq * scale).astype(dq_ref.dtype)
+  tiles.store_rows(dq_ref.at[b, rows, h, :], (dq * scale).astype(dq_ref.dtype), q_start, tm.q_len)
 
 
 def _split_refs(refs, tms):
@@ -195,11 +198,11 @@ def backward(q, k, v, out, lse, do, mask: Mask | None, *, scale: float,
   dp = tiles.padded_head_dim(d)
   q_pad = tiles.round_up(q_len, max(c.block_q_dkv, c.block_q_dq))
   kv_pad = tiles.round_up(kv_len, max(c.block_kv_dkv, c.block_kv_dq))
-  pad_q = lambda x: tiles.pad_axis(tiles.pad_axis(x, 3, dp), 1, q_pad)
-  pad_kv = lambda x: tiles.pad_axis(tiles.pad_axis(x, 3, dp), 1, kv_pad)
-  # Preprocess (shared): delta = rowsum(dO * O); lse in base 2, +inf on padding.
+  pad_d = lambda x: tiles.pad_axis(x, 3, dp)  # sequence axes: masked tiles, no copies
+  # Preprocess (shared): delta = rowsum(dO * O); lse in base 2. Both are small
+  # [batch, heads, q_len] rows, padded (+inf, 0) so their loads need no mask.
   delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), do.astype(jnp.float32))
-  ops = (pad_q(q), pad_kv(k), pad_kv(v), pad_q(do.astype(q.dtype)),
+  ops = (pad_d(q), pad_d(k), pad_d(v), pad_d(do.astype(q.dtype)),
          tiles.pad_axis(lse * tiles.LOG2E, 2, q_pad, jnp.inf), tiles.pad_axis(delta, 2, q_pad))
 
   tm_dkv, mops_dkv = tiles.mask_operands(mask, batch, q_len, kv_len, q_pad, kv_pad, c.block_q_dkv,
@@ -216,8 +219,8 @@ def backward(q, k, v, out, lse, do, mask: Mask | None, *, scale: float,
   dkv_kw = dict(common, block_q=c.block_q_dkv, block_k=c.block_kv_dkv, num_q_tiles=q_pad // c.block_q_dkv,
                 splits=splits)
   dq_kw = dict(common, block_q=c.block_q_dq, block_k=c.block_kv_dq, num_kv_tiles=kv_pad // c.block_kv_dq)
-  dq_shape = jax.ShapeDtypeStruct((batch, q_pad, heads, dp), q.dtype)
-  dkv_shape = tuple(jax.ShapeDtypeStruct((batch, kv_pad, kv_heads * splits, dp),
+  dq_shape = jax.ShapeDtypeStruct((batch, q_len, heads, dp), q.dtype)
+  dkv_shape = tuple(jax.ShapeDtypeStruct((batch, kv_len, kv_heads * splits, dp),
                                          x.dtype if splits == 1 else jnp.float32) for x in (k, v))
   call = functools.partial(
       pl.pallas_call, interpret=interpret,
@@ -235,18 +238,18 @@ def backward(q, k, v, out, lse, do, mask: Mask | None, *, scale: float,
                           num_kv_tiles=nk_dkv, num_q_tiles=nq_dq, dkv_kw=dkv_kw, dq_kw=dq_kw),
         grid=(nk_dkv * kv_heads * splits + nq_dq * heads, batch), out_shape=(dq_shape, *dkv_shape),
         name="probjax_attention_bwd_fused")(*ops, *mops_dkv, *mops_dq)
-  elif impl == "triton_onepass":
-    dq_acc = jnp.zeros(dq_shape.shape, jnp.float32)
+  elif impl == "triton_onepass":  # dQ accumulates in a float32 buffer padded to whole tiles
+    dq_acc = jnp.zeros((batch, q_pad, heads, dp), jnp.float32)
     n_in = len(ops) + len(mops_dkv)
     dq, dk, dv = call(functools.partial(_dkv_kernel, tm=tm_dkv, onepass=True, n_outer=nk_dkv, **dkv_kw),
                       grid=(nk_dkv, batch, kv_heads * splits),
                       out_shape=(jax.ShapeDtypeStruct(dq_acc.shape, jnp.float32), *dkv_shape),
                       input_output_aliases={n_in: 0},
                       name="probjax_attention_bwd_onepass")(*ops, *mops_dkv, dq_acc)
-    dq = dq.astype(q.dtype)
+    dq = dq[:, :q_len].astype(q.dtype)
   else:
     raise ValueError(f"unknown backward_pass_impl {impl!r}")
   if splits > 1:  # fixed order: still bitwise reproducible
-    dk, dv = (x.reshape(batch, kv_pad, kv_heads, splits, dp).sum(3).astype(y.dtype)
+    dk, dv = (x.reshape(batch, kv_len, kv_heads, splits, dp).sum(3).astype(y.dtype)
               for x, y in ((dk, k), (dv, v)))
-  return dq[:, :q_len, :, :d], dk[:, :kv_len, :, :d], dv[:, :kv_len, :, :d]
+  return dq[..., :d], dk[..., :d], dv[..., :d]

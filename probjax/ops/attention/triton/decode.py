@@ -127,8 +127,8 @@ def _kernel(q_ref, k_ref, v_ref, *refs, tm: tiles.TileMask, scale: float, groups
 
   def body(j, carry):
     k_start = j * block_k
-    k = k_ref.at[b, pl.ds(k_start, block_k), hkv, :][...]
-    v = v_ref.at[b, pl.ds(k_start, block_k), hkv, :][...]
+    k = tiles.load_rows(k_ref.at[b, pl.ds(k_start, block_k), hkv, :], k_start, tm.kv_len)
+    v = tiles.load_rows(v_ref.at[b, pl.ds(k_start, block_k), hkv, :], k_start, tm.kv_len)
     t, c, _ = tiles.scores(q, k, scale=scale, score_mod=None, b=b, h=None, q_start=None,
                            k_start=k_start)
     if masked:
@@ -168,9 +168,8 @@ def forward(q, k, v, mask: Mask | None, *, scale: float, config: SplitKVConfig, 
   # [b, q, hkv*G, d] -> [b, hkv, q*G, d]: row r is query r // G of head hkv*G + r % G.
   qp = q.reshape(batch, q_len, kv_heads, groups, d).transpose(0, 2, 1, 3, 4)
   qp = qp.reshape(batch, kv_heads, n_rows, d)
-  qp = tiles.pad_axis(tiles.pad_axis(qp, 3, dp), 2, rows_pad)
-  kp = tiles.pad_axis(tiles.pad_axis(k, 3, dp), 1, kv_pad)
-  vp = tiles.pad_axis(tiles.pad_axis(v, 3, dp), 1, kv_pad)
+  qp = tiles.pad_axis(tiles.pad_axis(qp, 3, dp), 2, rows_pad)  # small: the packed queries
+  kp, vp = (tiles.pad_axis(x, 3, dp) for x in (k, v))  # the cache is not copied: masked tiles
 
   m = mask if mask is not None else Mask()
   tm = tiles.TileMask(m.lower, m.upper, q_len, kv_len, has_range=False,

@@ -30,12 +30,13 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, tm: tiles.TileMask, scale: float
   hkv = h // groups
   q_start = i * block_q
   d = q_ref.shape[-1]
-  q = q_ref.at[b, pl.ds(q_start, block_q), h, :][...]
+  q = tiles.load_rows(q_ref.at[b, pl.ds(q_start, block_q), h, :], q_start, tm.q_len)
 
   def body(j, carry, masked):
+    # Only masked tiles can hold the partial last tile of the keys.
     k_start = j * block_k
-    k = k_ref.at[b, pl.ds(k_start, block_k), hkv, :][...]
-    v = v_ref.at[b, pl.ds(k_start, block_k), hkv, :][...]
+    k = tiles.load_rows(k_ref.at[b, pl.ds(k_start, block_k), hkv, :], k_start, tm.kv_len, masked)
+    v = tiles.load_rows(v_ref.at[b, pl.ds(k_start, block_k), hkv, :], k_start, tm.kv_len, masked)
     t, c, _ = tiles.scores(q, k, scale=scale, score_mod=score_mod, b=b, h=h,
                            q_start=q_start, k_start=k_start)
     if masked:
@@ -46,7 +47,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, tm: tiles.TileMask, scale: float
                          by_q=True, block_outer=block_q, block_inner=block_k)
   out, lse2, empty = tiles.online_softmax_finish(carry)
   lse = jnp.where(empty, jnp.inf, lse2 * (1.0 / tiles.LOG2E))
-  o_ref.at[b, pl.ds(q_start, block_q), h, :][...] = out.astype(o_ref.dtype)
+  tiles.store_rows(o_ref.at[b, pl.ds(q_start, block_q), h, :], out.astype(o_ref.dtype), q_start,
+                   tm.q_len)
   lse_ref.at[b, h, pl.ds(q_start, block_q)][...] = lse
 
 
@@ -65,9 +67,7 @@ def forward(q, k, v, mask: Mask | None, *, scale: float, score_mod: Callable | N
   bq, bk = config.block_q, config.block_k
   dp = tiles.padded_head_dim(d)
   q_pad, kv_pad = tiles.round_up(q_len, bq), tiles.round_up(kv_len, bk)
-  qp = tiles.pad_axis(tiles.pad_axis(q, 3, dp), 1, q_pad)
-  kp = tiles.pad_axis(tiles.pad_axis(k, 3, dp), 1, kv_pad)
-  vp = tiles.pad_axis(tiles.pad_axis(v, 3, dp), 1, kv_pad)
+  qp, kp, vp = (tiles.pad_axis(x, 3, dp) for x in (q, k, v))  # sequence axes: masked tiles
   tm, mask_ops = tiles.mask_operands(mask, batch, q_len, kv_len, q_pad, kv_pad, bq, bk, by_q=True)
   kernel = functools.partial(
       _forward_kernel, tm=tm, scale=scale, score_mod=score_mod, groups=heads // kv_heads,
@@ -76,11 +76,11 @@ def forward(q, k, v, mask: Mask | None, *, scale: float, score_mod: Callable | N
   out, lse = pl.pallas_call(
       kernel,
       grid=(q_pad // bq, batch, heads),
-      out_shape=(jax.ShapeDtypeStruct((batch, q_pad, heads, dp), q.dtype),
+      out_shape=(jax.ShapeDtypeStruct((batch, q_len, heads, dp), q.dtype),
                  jax.ShapeDtypeStruct((batch, heads, q_pad), jnp.float32)),
       compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
       interpret=interpret,
       name="probjax_attention_fwd",
   )(qp, kp, vp, *mask_ops)
-  return out[:, :q_len, :, :d], lse[:, :, :q_len]
+  return out[..., :d], lse[:, :, :q_len]
 

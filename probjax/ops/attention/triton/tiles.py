@@ -3,7 +3,10 @@ pallas_call receives, the in-kernel tile predicate and the score computation.
 
 All kernels take whole-array refs (``[batch, seq, heads, head_dim]`` etc.) and
 index their tile with ``ref.at[b, pl.ds(start, block), h, :]``: Triton only sees
-pointers, and one layout serves every grid (split, fused, onepass).
+pointers, and one layout serves every grid (split, fused, onepass). The sequence
+axes are not padded to a multiple of the tile: the last, partial tile is loaded and
+stored with a row mask (:func:`load_rows`, :func:`store_rows`), so a call at an odd
+length copies no array around the kernel.
 """
 
 from __future__ import annotations
@@ -62,6 +65,28 @@ class MaskRefs:
     out.q_lengths, out.kv_lengths = pop(tm.has_q_lengths), pop(tm.has_kv_lengths)
     out.q_seg, out.kv_seg = pop(tm.has_segments), pop(tm.has_segments)
     return out
+
+
+def load_rows(view, start, length: int, masked: bool = True):
+  """``view[...]`` of a ``[block, ...]`` ref view whose first axis starts at row ``start`` of
+  an axis of ``length`` rows. Rows at or past ``length`` read as zeros and are not touched in
+  memory, so arrays need no padding to a multiple of the tile. ``masked=False`` (the caller
+  knows the tile lies inside ``length``) or ``length`` a multiple of the block: a plain load
+  (unless the block is longer than the axis: the loop body is traced even where it never runs)."""
+  block = view.shape[0]
+  if length % block == 0 or (not masked and length >= block):
+    return view[...]
+  rows = start + jax.lax.broadcasted_iota(jnp.int32, view.shape, 0)
+  return plgpu.load(view, mask=rows < length, other=0)
+
+
+def store_rows(view, val, start, length: int):
+  """``view[...] = val`` for the rows of ``view`` (see :func:`load_rows`) before ``length``."""
+  if length % view.shape[0] == 0:
+    view[...] = val
+    return
+  rows = start + jax.lax.broadcasted_iota(jnp.int32, view.shape, 0)
+  plgpu.store(view, val, mask=rows < length)
 
 
 def padded_head_dim(d: int) -> int:
