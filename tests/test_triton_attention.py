@@ -477,7 +477,8 @@ def test_split_kv_config_validation(kwargs):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,tq,h,hkv,tk,mask_name", [
     ("bfloat16", 1, 32, 8, 32768, "kv_lengths"), ("bfloat16", 16, 32, 8, 8192, "causal_offset"),
-    ("float16", 1, 32, 32, 4096, "none"), ("float32", 4, 16, 4, 3000, "window_causal")])
+    ("float16", 1, 32, 32, 4096, "none"), ("float32", 4, 16, 4, 3000, "window_causal"),
+    ("bfloat16", 1, 32, 8, 32767, "none")])  # a cache of odd length: masked last tile
 def test_gpu_split_kv(dtype, tq, h, hkv, tk, mask_name):
   q, k, v, _ = _inputs(tk + tq, 2, tq, tk, h, hkv, 128, jnp.dtype(dtype))
   mask = _mask(mask_name, 2, tq, tk)

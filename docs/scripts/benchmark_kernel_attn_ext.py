@@ -71,6 +71,8 @@ def decode_cases(args):
       dtype, batches, lqs, lkvs, impl_list = "float32", (1,), (1, 16), (4096, 16384), CPU_IMPLS
     combos = [(dtype, b, 32, hk, 128, lq, lkv) for hk in (8, 32) for b in batches
               for lkv in lkvs for lq in lqs]
+    if args.device == "gpu":  # a cache whose length is not a multiple of the kernel's tiles
+      combos += [(dtype, 8, 32, 8, 128, lq, 65000) for lq in lqs]
   cases = []
   for dtype, b, hq, hk, d, lq, lkv in combos:
     for impl in impl_list:
