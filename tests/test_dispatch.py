@@ -88,6 +88,21 @@ def test_sm90_decoding_skips_cudnn():
   assert decide(short_cache).implementation == "cudnn"
 
 
+def test_sm90_differentiated_d64_runs_triton():
+  entry = attention_device.DEVICE_DEFAULTS[(9, 0)]
+  d64 = ((4, 2048, 8, 64), (4, 2048, 8, 64))
+  d = decide(d64)
+  assert d.implementation == "cudnn" and d.grad_implementation == "triton"
+  assert d.backward_pass_impl == entry.backward_pass_impl and "under grad triton" in str(d)
+  assert decide(d64, mask=M.CausalMask()).backward_pass_impl == entry.backward_pass_impl_band
+  # At the work limit, at head_dim 128, or without the table: cuDNN's own backward.
+  n = int((entry.grad_triton_max_work // (4 * 8)) ** 0.5)
+  assert decide(((4, n, 8, 64), (4, n, 8, 64))).grad_implementation is None
+  assert decide(((4, 2048, 8, 128), (4, 2048, 8, 128))).grad_implementation is None
+  assert decide(d64, implementation="cudnn").grad_implementation is None
+  assert decide(d64, kernel_args_default=False).implementation == "triton"
+
+
 def test_sm90_small_work_uses_triton():
   d = decide(SMALL)
   assert d.implementation == "triton"

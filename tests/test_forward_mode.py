@@ -77,3 +77,19 @@ def test_with_forward_mode_partial_tangents_and_vmap():
   # vmap of grad
   gv = jax.vmap(jax.grad(lambda q, k: jnp.sum(f(q, k, v[0], None))))(q, k)
   np.testing.assert_allclose(gv, k * (1 - jnp.tanh(q) ** 2), rtol=1e-6)
+
+
+def test_with_forward_mode_grad_implementation():
+  """``grad``: differentiated calls run it (value and vjp), plain calls run ``fast``, jvp's
+  tangent comes from ``exact``. The three differ here by a factor only to tell them apart."""
+  fast = lambda q, k, v, aux: q * k + v
+  grad = lambda q, k, v, aux: 2.0 * (q * k + v)
+  exact = lambda q, k, v, aux: 3.0 * (q * k + v)
+  f = with_forward_mode(fast, exact, grad)
+  q, k, v = (jnp.linspace(-1, 1, 6).reshape(2, 3) + i for i in range(3))
+  np.testing.assert_allclose(f(q, k, v, None), q * k + v)
+  value, g = jax.value_and_grad(lambda q: jnp.sum(f(q, k, v, None)))(q)
+  np.testing.assert_allclose(value, jnp.sum(2.0 * (q * k + v)), rtol=1e-6)
+  np.testing.assert_allclose(g, 2.0 * k, rtol=1e-6)
+  _, t = jax.jvp(lambda q: f(q, k, v, None), (q,), (jnp.ones_like(q),))
+  np.testing.assert_allclose(t, 3.0 * k, rtol=1e-6)

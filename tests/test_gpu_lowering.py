@@ -84,6 +84,33 @@ def test_default_cudnn_route_lowers_for_sm90(monkeypatch, mask):
   assert sorted(calls) == ["__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"], calls
 
 
+@pytest.mark.parametrize("mask", [None, M.CausalMask()])
+def test_default_d64_grad_runs_triton_for_sm90(monkeypatch, mask):
+  """sm_90, D64 below the table's grad work limit: the primal lowers to cuDNN alone, the
+  gradient to the Triton forward and backward alone."""
+  import re
+  from jax._src.cudnn import fused_attention_stablehlo as fa
+  from probjax.nn.layers.attention import dot_product_attention
+  from probjax.ops.attention import dispatch
+  monkeypatch.setattr(fa, "check_cudnn_version", lambda: 91000)
+  monkeypatch.setattr(fa, "check_compute_capability", lambda c: True)
+  monkeypatch.setattr(fa, "is_cuda_compute_capability_equal", lambda c: False)
+  monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: H200)
+  monkeypatch.setattr(pt, "supports", lambda *a, **kw: None)
+  monkeypatch.setattr(pt.config_lib, "device_kind", lambda device=None: "sm_90")
+  monkeypatch.setattr(dispatch.Device, "current", classmethod(lambda cls: dispatch.Device("gpu", (9, 0), 140 << 30)))
+  q = jax.ShapeDtypeStruct((4, 2048, 8, 64), jnp.bfloat16)
+  f = lambda q: jnp.sum(dot_product_attention(q, q, q, mask=mask).astype(jnp.float32))
+  lower = lambda fn: jax.jit(fn).trace(q).lower(lowering_platforms=("cuda",)).as_text()
+  primal, grad = lower(f), lower(jax.grad(f))
+  assert re.findall(r"custom_call @(__cudnn\$fmha\w*)", primal) == ["__cudnn$fmhaSoftmax"]
+  assert "probjax_attention" not in primal
+  assert "__cudnn$fmha" not in grad
+  assert "probjax_attention_fwd" in grad and "probjax_attention_bwd" in grad
+  # split (no band): forward, dK/dV, dQ; fused (causal band): forward, one backward.
+  assert grad.count("custom_call @__gpu$xla.gpu.triton") == (3 if mask is None else 2)
+
+
 @pytest.mark.parametrize("fast", [False, True])
 def test_fast_exp2_lowers_to_one_instruction(monkeypatch, fast):
   """``fast_exp2`` swaps libdevice's exp2f for ``ex2.approx.ftz.f32`` in every kernel."""

@@ -176,19 +176,23 @@ def _attention(query, key, value, shape: base.AttentionShape, *, bias=None, mask
     raise ValueError(f"forward_config/backward_config configure the Triton kernel, but this call runs "
                      f"{decision}; pass implementation='triton'")
   if decision.implementation in ("cudnn", "triton"):
-    if decision.implementation == "cudnn":
-      fast = lambda q, k, v, mask: cudnn_backend.attention(q, k, v, mask=mask, scale=scale)
-    else:
+    def triton_fast(q, k, v, mask):
       from probjax.ops.attention import triton as triton_backend
-      fast = lambda q, k, v, mask: triton_backend.attention(
+      return triton_backend.attention(
           q, k, v, mask=mask, score_mod=score_mod, scale=scale,
           backward_pass_impl=decision.backward_pass_impl, forward_config=forward_config,
           backward_config=backward_config, split_kv=split_kv, interpret=interpret)
+
+    if decision.implementation == "cudnn":
+      fast = lambda q, k, v, mask: cudnn_backend.attention(q, k, v, mask=mask, scale=scale)
+    else:
+      fast = triton_fast
+    grad = triton_fast if decision.grad_implementation == "triton" else None
     # jax.jvp through the kernels: the tangent comes from the exact XLA formulation.
     formulation = dispatch.xla_formulation(query.shape, key.shape, device)
     exact = lambda q, k, v, mask: xla_backend.attention(q, k, v, formulation=formulation, mask=mask,
                                                         score_mod=score_mod, scale=scale)
-    return with_forward_mode(fast, exact)(query, key, value, mask)
+    return with_forward_mode(fast, exact, grad)(query, key, value, mask)
   return xla_backend.attention(query, key, value, formulation=decision.formulation, module=module,
                                bias=bias, mask=mask, dense_mask=dense_mask, score_mod=score_mod,
                                scale=scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,

@@ -30,6 +30,10 @@ class DeviceDefaults:
       XLA's dense formulation (TF32 matmuls) while it fits in memory.
     fp32_band_dense_max_len: the same limit for masks with a diagonal band (causal,
       windows), whose empty tiles the kernel skips and the dense formulation computes.
+    grad_triton_max_head_dim, grad_triton_max_work: differentiated calls the cuDNN rule
+      takes with ``head_dim <= grad_triton_max_head_dim`` and work below
+      ``grad_triton_max_work`` run the Triton kernel's forward and backward instead (the
+      primal, e.g. at inference, stays on cuDNN).
     decode_max_q_len, decode_min_kv_len: calls with at most ``decode_max_q_len`` queries
       against at least ``decode_min_kv_len`` keys (decoding) skip the cuDNN rule and run
       the Triton kernel, whose split-KV forward spreads the keys over the device.
@@ -42,6 +46,8 @@ class DeviceDefaults:
   backward_pass_impl_band: str
   fp32_dense_max_len: int
   fp32_band_dense_max_len: int
+  grad_triton_max_head_dim: int
+  grad_triton_max_work: int
   decode_max_q_len: int
   decode_min_kv_len: int
   evidence: tuple[str, ...]
@@ -61,6 +67,14 @@ DEVICE_DEFAULTS: dict[tuple[int, int], DeviceDefaults] = {
         #   D32: Triton at every length (cuDNN min head_dim 64).
         cudnn_min_work=48 * 2**20,
         cudnn_min_head_dim=64,
+        # Differentiated D64 calls (fwd+bwd ms, default on cuDNN / probjax Triton, same runs):
+        # kernel_attn_gpu_dispatch.json B64 H8 T384 (75M) 0.344 / 0.272, T512 (134M)
+        # 0.501 / 0.437, T768 (302M) 0.913 / 0.850, T1024 (537M) 1.441 / 1.405;
+        # gpu_attention.json B4 H8 T2048 (134M) 0.354 / 0.348, causal 0.272 / 0.259;
+        # T4096 (537M) 1.223 / 1.259, causal 0.887 / 0.785. Their forwards stay on cuDNN
+        # (T2048 D64 fwd 0.092 / 0.105). D128 keeps cuDNN (T2048 fwd+bwd 0.525 / 0.617).
+        grad_triton_max_head_dim=64,
+        grad_triton_max_work=2**29,
         # gpu_attention.json (bf16 B4 H8, fwd+bwd ms, split / fused / onepass, same run):
         #   non-causal: D64 T4096 1.288 / 1.275 / 2.773; D128 T4096 2.349 / 2.354 / 5.475;
         #               D64 T16384 19.81 / 19.20 / 40.93; D128 T16384 36.52 / 36.97 / 84.73;

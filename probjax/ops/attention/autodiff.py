@@ -19,7 +19,7 @@ from jax.custom_derivatives import SymbolicZero, linear_call
 from probjax.ops.attention.xla import _linear_call_batching  # noqa: F401  (vmap of linear_call)
 
 
-def with_forward_mode(fast: Callable, exact: Callable) -> Callable:
+def with_forward_mode(fast: Callable, exact: Callable, grad: Callable | None = None) -> Callable:
   """``f(q, k, v, aux)`` computed by ``fast``, differentiable in both modes.
 
   Args:
@@ -27,8 +27,12 @@ def with_forward_mode(fast: Callable, exact: Callable) -> Callable:
       used for ``jax.grad``).
     exact: ``exact(q, k, v, aux) -> out``, the same function, differentiable in
       forward mode (its jvp gives the tangent).
+    grad: another exact implementation of the same function that differentiated calls
+      run instead of ``fast`` (forward with residuals and its vjp), where its
+      forward + backward is faster than ``fast``'s; None: ``fast``.
   ``aux`` is a pytree of non-differentiable arrays (e.g. a :class:`Mask`).
   """
+  differentiated = fast if grad is None else grad
 
   @jax.custom_jvp
   def f(q, k, v, aux):
@@ -36,7 +40,7 @@ def with_forward_mode(fast: Callable, exact: Callable) -> Callable:
 
   def f_jvp(primals, tangents):
     q, k, v, aux = primals
-    out, vjp_fn = jax.vjp(lambda q, k, v: fast(q, k, v, aux), q, k, v)
+    out, vjp_fn = jax.vjp(lambda q, k, v: differentiated(q, k, v, aux), q, k, v)
     # Only non-zero tangents are linear inputs (linear_call's transpose takes no constants).
     lin = tuple(None if isinstance(t, SymbolicZero) else t for t in tangents[:3])
     present = tuple(t is not None for t in lin)

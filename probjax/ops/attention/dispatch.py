@@ -69,6 +69,9 @@ class Decision:
   backward_pass_impl: str = "auto"
   formulation: str = "auto"  # XLA path: "auto" (by length), "dense" or "flash"
   split_kv: int = 0  # Triton: key splits of the split-KV forward (0: the regular forward)
+  # What differentiated calls run (forward with residuals and backward) when it differs
+  # from ``implementation``; ``backward_pass_impl`` is then its backward.
+  grad_implementation: str | None = None
 
   def __str__(self):
     extra = ""
@@ -76,6 +79,8 @@ class Decision:
       extra = f", backward={self.backward_pass_impl}"
       if self.split_kv:
         extra += f", split_kv={self.split_kv} splits"
+    if self.grad_implementation:
+      extra += f"; under grad {self.grad_implementation}, backward={self.backward_pass_impl}"
     return f"{self.implementation}{extra} ({self.rule})"
 
 
@@ -184,7 +189,13 @@ def _decide(q_shape, kv_shape, dtype, *, mask, bias, dense_mask, dropout, score_
     if (not _env_off("PROBJAX_ATTENTION_CUDNN", env) and b * h * tq * tk >= table.cudnn_min_work
         and q_shape[-1] >= table.cudnn_min_head_dim and not decoding):
       if cudnn_backend.supports(q_shape, kv_shape, dtype, platform="gpu", **kw) is None:
-        return Decision("cudnn", f"{cc} device table: eligible 16-bit call above the cuDNN work threshold")
+        rule = f"{cc} device table: eligible 16-bit call above the cuDNN work threshold"
+        if (q_shape[-1] <= table.grad_triton_max_head_dim and b * h * tq * tk < table.grad_triton_max_work
+            and triton_supports(q_shape, kv_shape, dtype, device=device, **kw) is None):
+          return Decision("cudnn", rule + "; differentiated: the Triton kernel's backward is faster "
+                          "at this head_dim and work", _resolve_backward(backward_pass_impl, mask, table),
+                          grad_implementation="triton")
+        return Decision("cudnn", rule)
     band = mask is not None and mask.has_band
     dense_max = table.fp32_band_dense_max_len if band else table.fp32_dense_max_len
     if dtype == jnp.float32 and max(tq, tk) <= dense_max and score_mod is None \
