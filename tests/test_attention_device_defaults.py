@@ -79,3 +79,16 @@ def test_cudnn_causal_window_is_exact():
   mask = M.LocalWindowMask(left=300, right=0)
   check_against_reference(lambda q, k, v, b: dot_product_attention(q, k, v, mask=mask, implementation="cudnn"),
                           x, mask=mask)
+
+
+def test_default_d64_differentiated_runs_triton_and_is_exact():
+  # sm_90: the primal on cuDNN, the gradient from the Triton forward and backward.
+  x = make_inputs(1, 4, 2048, 2048, 8, 8, 64, jnp.bfloat16)
+  d = explain_dispatch(x.q.shape, x.k.shape, x.q.dtype)
+  if str(jax.devices()[0].compute_capability) == "9.0":
+    assert d.implementation == "cudnn" and d.grad_implementation == "triton", d
+  check_against_reference(lambda q, k, v, b: dot_product_attention(q, k, v), x)
+  f = lambda q: dot_product_attention(q, x.k, x.v)
+  primal = np.asarray(f(x.q), np.float32)
+  under_grad = np.asarray(jax.vjp(f, x.q)[0], np.float32)
+  assert np.max(np.abs(primal - under_grad)) <= AGREE * max(1.0, np.max(np.abs(primal)))
