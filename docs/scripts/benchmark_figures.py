@@ -344,6 +344,12 @@ def setup_section(rows) -> str:
   dates = sorted(r.get("time", "") for r in rows if r.get("time"))
   if dates:
     lines.append(f"- Measured {dates[0][:10]} … {dates[-1][:10]}.")
+  commits = collections.Counter(r.get("commit") or "not recorded" for r in rows)
+  lines.append("- Code (probjax commit: rows): " + ", ".join(f"{c}: {n}" for c, n in commits.most_common()) + ".")
+  conc = sum(1 for r in rows if (r.get("concurrent_suites") or 1) > 1)
+  if conc:
+    lines.append(f"- {conc} rows were measured while another suite ran on another GPU of the same host "
+                 "(`docs/scripts/gpu_pair.sh`); each row's peers ran on its own GPU in the same run.")
   return "\n".join(lines)
 
 

@@ -17,6 +17,7 @@ if [ "$n" -lt 2 ]; then
   echo "[pair] $n GPU(s): running both plans one after the other on GPU 0" | tee -a "$OUT/pair.log"
   OUT="$OUT/gpu0" bash docs/scripts/gpu_batch.sh "$1,$2" "$MINUTES"
 else
+  export PROBJAX_CONCURRENT_SUITES=2   # recorded in every row (noise: two suites share the host)
   CUDA_VISIBLE_DEVICES=0 OUT="$OUT/gpu0" bash docs/scripts/gpu_batch.sh "$1" "$MINUTES" > "$OUT/gpu0.out" 2>&1 &
   CUDA_VISIBLE_DEVICES=1 OUT="$OUT/gpu1" bash docs/scripts/gpu_batch.sh "$2" "$MINUTES" > "$OUT/gpu1.out" 2>&1 &
   wait

@@ -364,6 +364,10 @@ def make_row(case: Case, result: dict | None, status: str, error: str | None) ->
     row["loadavg_1m"] = round(os.getloadavg()[0], 2)
   except (OSError, AttributeError):
     pass
+  # Suites running at once on other GPUs of the host (docs/scripts/gpu_pair.sh sets it).
+  concurrent = os.environ.get("PROBJAX_CONCURRENT_SUITES")
+  if concurrent:
+    row["concurrent_suites"] = int(concurrent)
   row["time"] = time.strftime("%Y-%m-%dT%H:%M:%S")
   return row
 
