@@ -423,3 +423,21 @@ def test_cudnn_probe_section():
   header = next(l for l in text.splitlines() if l.startswith("| head_dim"))
   assert header.index("btnh |") < header.index("torch SDPA cuDNN bhtd")
   assert bf.cudnn_probe_section([]) == bf.NOT_MEASURED
+
+
+def test_compare_runs(tmp_path, capsys):
+  from docs.scripts import compare_runs
+  base = dict(suite="grid", dtype="bfloat16", batch=1, q_heads=2, kv_heads=2, q_len=64, kv_len=64,
+              head_dim=16, causal=False, mask="none", mode="fwd", device="GPU", status="ok")
+  old = [dict(base, impl="probjax_triton", ms=2.0), dict(base, impl="torch_flex", ms=1.0),
+         dict(base, impl="probjax_default", ms=1.0, status="error")]
+  new = [dict(base, impl="probjax_triton", ms=1.0), dict(base, impl="torch_flex", ms=1.1),
+         dict(base, impl="probjax_default", ms=1.0)]
+  pairs = compare_runs.ratios(old, new, "probjax_*")
+  assert [(r["impl"], x) for r, x in pairs] == [("probjax_triton", 0.5)]  # failed rows do not count
+  a, b = tmp_path / "a.json", tmp_path / "b.json"
+  a.write_text("".join(json.dumps(r) + "\n" for r in old))
+  b.write_text("".join(json.dumps(r) + "\n" for r in new))
+  compare_runs.main([str(a), str(b)])
+  out = capsys.readouterr().out
+  assert "new/old 0.500" in out and "other rows (noise): 1 rows, median 1.100" in out
