@@ -62,8 +62,8 @@ DEVICE_DEFAULTS: dict[tuple[int, int], DeviceDefaults] = {
         #   D128 0.525 / 0.617; T=4096 (537M) fwd D128 0.449 / 0.599 -> cuDNN above it.
         # kernel_attn_gpu_dispatch.json (batch 64, H8, fwd+bwd ms, jax.nn cuDNN / Triton): D64
         #   T384 (75M) 0.337 / 0.272 ... T1024 (537M) 1.473 / 1.405: the Triton backward wins
-        #   at D64 up to 537M while cuDNN's forward wins from 134M; one threshold per call
-        #   cannot take both (a separate rule for differentiated calls is future work).
+        #   at D64 up to 537M while cuDNN's forward wins from 134M: differentiated calls have
+        #   their own rule (grad_triton_* below).
         #   D32: Triton at every length (cuDNN min head_dim 64).
         cudnn_min_work=48 * 2**20,
         cudnn_min_head_dim=64,

@@ -172,9 +172,9 @@ class SplitKVConfig:
 # point; `fit_*` shrinks them to the device and to the sequence lengths.
 # sm_90 bf16 and fp32 D64/D128 entries are the fastest forced configs of the H200 tile sweeps
 # (docs/benchmarks/gpu_attention_tiles.json, B4 H8 T4096 non-causal; the row's variant is
-# named beside each entry; bf16 and fp32 D64 from the first sweep, whose re-run with the
-# current kernel has auto within 3% of the best; fp32 D128 from the re-run). The other entries are FlashAttention-2 Triton
-# starting points, not swept.
+# named beside each entry). bf16 and fp32 D64 come from the first sweep (its re-run with the
+# current kernel has auto within 3% of the best), fp32 D128 from the re-run. The other
+# entries are FlashAttention-2 Triton starting points, not swept.
 _F, _B = ForwardConfig, BackwardConfig
 FORWARD_TABLE = {
     ("sm_90", "bfloat16", 64): _F(128, 128, 4, 3),   # bq128_bk128_s3_w4
