@@ -441,3 +441,50 @@ def test_compare_runs(tmp_path, capsys):
   compare_runs.main([str(a), str(b)])
   out = capsys.readouterr().out
   assert "new/old 0.500" in out and "other rows (noise): 1 rows, median 1.100" in out
+
+
+def test_gpu_stream_us_sums_stream_kernels_only():
+  events = [
+      {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+      {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+      {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "Stream #7(Compute)"}},
+      {"ph": "M", "name": "thread_name", "pid": 1, "tid": 8, "args": {"name": "XLA Ops"}},
+      {"ph": "M", "name": "thread_name", "pid": 2, "tid": 7, "args": {"name": "Stream on host"}},
+      {"ph": "X", "pid": 1, "tid": 7, "dur": 10.0}, {"ph": "X", "pid": 1, "tid": 7, "dur": 5.0},
+      {"ph": "X", "pid": 1, "tid": 8, "dur": 15.0},   # derived line: not counted twice
+      {"ph": "X", "pid": 2, "tid": 7, "dur": 100.0}]  # host thread
+  assert harness.gpu_stream_us(events) == 15.0
+  with pytest.raises(RuntimeError, match="no GPU stream threads.*XLA Ops"):
+    harness.gpu_stream_us(events[:2] + events[3:4])
+
+
+def test_device_time_is_optional_and_never_fails_a_row():
+  import jax
+  import jax.numpy as jnp
+  f = jax.jit(lambda x: jnp.sin(x) @ x)
+  x = jnp.ones((64, 64))
+  res = harness.time_fn(lambda: f(x), jax.block_until_ready, warmup=0, repeats=2, min_repeat_s=0.0,
+                        max_calls=2, device_time=True)
+  assert res["ms"] > 0
+  if jax.devices()[0].platform == "cpu":  # no GPU kernels to read: said, not raised
+    assert "device_ms" not in res and "no GPU stream threads" in res["device_ms_error"]
+  assert "device_ms" not in harness.time_fn(lambda: f(x), jax.block_until_ready, warmup=0,
+                                            repeats=1, min_repeat_s=0.0, max_calls=1)
+
+
+@pytest.mark.gpu
+def test_gpu_device_time_reads_kernel_durations():
+  import jax
+  import jax.numpy as jnp
+  f = jax.jit(lambda x: jnp.sin(x @ x) @ x)
+  x = jnp.ones((2048, 2048), jnp.bfloat16)
+  res = harness.time_fn(lambda: f(x), jax.block_until_ready, warmup=1, repeats=3, device_time=True)
+  assert 0 < res["device_ms"] <= 1.5 * res["ms"], res
+  try:
+    import torch
+  except ImportError:
+    return
+  a = torch.ones((2048, 2048), dtype=torch.bfloat16, device="cuda")
+  res = harness.time_fn(lambda: torch.sin(a @ a) @ a, lambda _: torch.cuda.synchronize(), warmup=1,
+                        repeats=3, device_time=True, backend="torch")
+  assert 0 < res["device_ms"] <= 1.5 * res["ms"], res

@@ -10,6 +10,7 @@
 #   probe_odd (docs/scripts/probe_odd_lengths.py: the Triton kernel at odd lengths, pads vs kernel)
 #   grid:LENGTHS:DTYPE[:HEAD_DIMS]  (e.g. grid:4096:bf16, grid:1024+16384:bf16:128): the grid
 #     with the core implementations only ($CORE_JAX, $CORE_TORCH; set GRID_ALL=1 for all)
+# DEVICE_TIME=1: every suite also records device_ms (kernel time from a profile).
 # (tests: pytest --gpu on the gpu-marked tests (tests:EXPR: only those matching -k EXPR), failures printed as they happen, log in
 # $OUT/gpu_tests.log; it gets at most a third of the remaining time)
 # (grid_core: bf16 at T = 1024, 4096, 16384; grid_bf16 fills the other lengths)
@@ -39,7 +40,8 @@ run_step() {  # file module args...
     echo "[batch] no time left for $file $*" | tee -a "$OUT/batch.log"; return; fi
   [ -f "docs/benchmarks/$file" ] && [ ! -f "$OUT/$file" ] && cp "docs/benchmarks/$file" "$OUT/$file"
   echo "[batch] $(date +%T) $file: $* (max ${mins} min)" | tee -a "$OUT/batch.log"
-  $PY -m "$@" --output "$OUT/$file" --append --no-progress --max-minutes "$mins" 2>&1 \
+  $PY -m "$@" --output "$OUT/$file" --append --no-progress --max-minutes "$mins" \
+    ${DEVICE_TIME:+--device-time} 2>&1 \
     | grep -E "^\[harness\] (done|--max|[0-9]+ case)|^Traceback|^[A-Za-z.]*Error" | tail -5 | tee -a "$OUT/batch.log"
 }
 

@@ -106,7 +106,8 @@ def summarize(times_ms) -> dict:
 
 def time_fn(fn: Callable[[], Any], sync: Callable[[Any], Any], *, warmup: int = 2,
             repeats: int = 7, min_repeat_s: float = 0.02, max_calls: int = 1000,
-            clock: Callable[[], float] = time.perf_counter) -> dict:
+            clock: Callable[[], float] = time.perf_counter, device_time: bool = False,
+            backend: str = "jax") -> dict:
   """Times ``fn``; returns per-call ms statistics.
 
   ``fn()`` launches the work and returns something ``sync`` waits on
@@ -116,6 +117,10 @@ def time_fn(fn: Callable[[], Any], sync: Callable[[Any], Any], *, warmup: int = 
   ``min_repeat_s``; each repeat syncs once at its end, and the per-call time is
   the repeat's time / n. Returns ``summarize`` of the repeats plus
   ``calls_per_repeat`` and ``first_call_s`` (compile + first run).
+
+  ``device_time``: also ``device_ms``, the GPU kernels' summed duration per call from a
+  profile of ``n`` more calls (``backend`` "jax" or "torch"), free of the host gaps that
+  dominate short calls' wall clock; ``device_ms_error`` says why where it could not be read.
   """
   t0 = clock()
   sync(fn())
@@ -138,7 +143,66 @@ def time_fn(fn: Callable[[], Any], sync: Callable[[Any], Any], *, warmup: int = 
   res = summarize(times)
   res["calls_per_repeat"] = n
   res["first_call_s"] = first
+  if device_time:
+    try:
+      res["device_ms"] = kernel_ms(fn, sync, min(n, 50), backend)
+    except Exception as e:  # noqa: BLE001 (the wall-clock row stands without it)
+      res["device_ms_error"] = f"{type(e).__name__}: {e}"[:300]
   return res
+
+
+def kernel_ms(fn: Callable[[], Any], sync: Callable[[Any], Any], n: int, backend: str) -> float:
+  """Summed duration of the GPU kernels of ``n`` calls of ``fn``, per call, in ms (profiler:
+  ``jax.profiler`` or ``torch.profiler``)."""
+  if backend == "torch":
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+      out = None
+      for _ in range(n):
+        out = fn()
+      sync(out)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if not kernels:
+      raise RuntimeError("the torch profile has no CUDA kernel events")
+    return sum(e.time_range.elapsed_us() for e in kernels) / n / 1e3
+  import glob
+  import gzip
+  import shutil
+  import tempfile
+  import jax
+  d = tempfile.mkdtemp(prefix="probjax_trace_")
+  try:
+    with jax.profiler.trace(d, create_perfetto_trace=True):
+      out = None
+      for _ in range(n):
+        out = fn()
+      sync(out)
+    paths = glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True)
+    if not paths:
+      raise RuntimeError("jax.profiler wrote no perfetto trace")
+    with gzip.open(paths[0]) as f:
+      trace = json.load(f)
+    return gpu_stream_us(trace.get("traceEvents", []) if isinstance(trace, dict) else trace) / n / 1e3
+  finally:
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def gpu_stream_us(events: list[dict]) -> float:
+  """Summed duration (us) of the complete events on the GPU stream threads of a Chrome/Perfetto
+  trace (process "/device:GPU:*", threads "Stream ..."); raises, naming the threads seen, if
+  there are none."""
+  procs = {e["pid"]: e.get("args", {}).get("name", "") for e in events
+           if e.get("ph") == "M" and e.get("name") == "process_name"}
+  threads = {(e["pid"], e.get("tid")): e.get("args", {}).get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+  streams = {k for k, name in threads.items()
+             if procs.get(k[0], "").startswith("/device:GPU") and name.startswith("Stream")}
+  if not streams:
+    seen = sorted({f"{procs.get(p, p)}/{n}" for (p, _), n in threads.items()})[:12]
+    raise RuntimeError(f"no GPU stream threads in the trace (threads: {seen})")
+  return float(sum(e.get("dur", 0) for e in events
+                   if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams))
 
 
 # ---------------------------------------------------------------------------
@@ -387,6 +451,8 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--warmup", type=int, default=2)
   p.add_argument("--min-repeat-ms", type=float, default=10.0,
                  help="each timed repeat runs the call N times so that it lasts at least this long")
+  p.add_argument("--device-time", action="store_true",
+                 help="also record device_ms: the GPU kernels' time per call from a profile")
   p.add_argument("--no-progress", action="store_true")
 
 
@@ -397,9 +463,13 @@ def impl_selected(impl: str, args) -> bool:
 
 
 def timing_kwargs(args) -> dict:
+  """Keyword arguments of :func:`time_fn` from the command line (callers timing torch
+  add ``backend="torch"``)."""
+  device_time = bool(getattr(args, "device_time", False))
   if getattr(args, "quick", False):
-    return dict(warmup=1, repeats=3, min_repeat_s=0.0, max_calls=1)
-  return dict(warmup=args.warmup, repeats=args.repeats, min_repeat_s=args.min_repeat_ms / 1e3)
+    return dict(warmup=1, repeats=3, min_repeat_s=0.0, max_calls=1, device_time=device_time)
+  return dict(warmup=args.warmup, repeats=args.repeats, min_repeat_s=args.min_repeat_ms / 1e3,
+              device_time=device_time)
 
 
 def select_cases(spec: str, builders: dict[str, Callable[[], list[Case]]]) -> list[Case]:

@@ -386,7 +386,7 @@ def timed_case(suite, impl, dtype, batch, q_heads, kv_heads, q_len, kv_len, head
     arrays = inputs(batch, q_len, kv_len, q_heads, kv_heads, head_dim)
     try:
       fn, sync = build(impl, arrays, dtype, causal, mode, mask)
-      res = time_fn(fn, sync, **timing)
+      res = time_fn(fn, sync, **timing, backend="torch" if impl.startswith("torch_") else "jax")
       if mode == "fwd":
         try:
           import numpy as np

@@ -114,7 +114,8 @@ def cases(args):
             try:
               with _tuning_knobs(knobs):  # lowering happens at the first (warm-up) call
                 fn, sync = build(arrays, layout, causal, mode)
-                res = harness.time_fn(fn, sync, **timing)
+                res = harness.time_fn(fn, sync, **timing,
+                                      backend="torch" if impl.startswith("torch_") else "jax")
               res.update(_versions())
               return res
             finally:
