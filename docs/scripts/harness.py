@@ -118,8 +118,9 @@ def time_fn(fn: Callable[[], Any], sync: Callable[[Any], Any], *, warmup: int = 
   the repeat's time / n. Returns ``summarize`` of the repeats plus
   ``calls_per_repeat`` and ``first_call_s`` (compile + first run).
 
-  ``device_time``: also ``device_ms``, the GPU kernels' summed duration per call from a
-  profile of ``n`` more calls (``backend`` "jax" or "torch"), free of the host gaps that
+  ``device_time``: for calls of at most :data:`DEVICE_TIME_MAX_MS` (longer ones keep the
+  device busy), also ``device_ms``, the GPU kernels' summed duration per call from a profile
+  of up to 50 more calls (``backend`` "jax" or "torch"), free of the host gaps that
   dominate short calls' wall clock; ``device_ms_error`` says why where it could not be read.
   """
   t0 = clock()
@@ -143,12 +144,15 @@ def time_fn(fn: Callable[[], Any], sync: Callable[[Any], Any], *, warmup: int = 
   res = summarize(times)
   res["calls_per_repeat"] = n
   res["first_call_s"] = first
-  if device_time:
+  if device_time and res["ms"] <= DEVICE_TIME_MAX_MS:
     try:
       res["device_ms"] = kernel_ms(fn, sync, min(n, 50), backend)
     except Exception as e:  # noqa: BLE001 (the wall-clock row stands without it)
       res["device_ms_error"] = f"{type(e).__name__}: {e}"[:300]
   return res
+
+
+DEVICE_TIME_MAX_MS = 2.0  # profiling a call costs ~seconds; longer calls are device-bound
 
 
 def kernel_ms(fn: Callable[[], Any], sync: Callable[[Any], Any], n: int, backend: str) -> float:
