@@ -488,3 +488,12 @@ def test_gpu_device_time_reads_kernel_durations():
   res = harness.time_fn(lambda: torch.sin(a @ a) @ a, lambda _: torch.cuda.synchronize(), warmup=1,
                         repeats=3, device_time=True, backend="torch")
   assert 0 < res["device_ms"] <= 1.5 * res["ms"], res
+
+
+def test_device_time_section():
+  base = dict(suite="grid", impl="torch_sdpa_cudnn", dtype="bfloat16", batch=4, q_heads=8, kv_heads=8,
+              q_len=1024, kv_len=1024, head_dim=64, causal=False, mask="none", mode="fwd_bwd",
+              status="ok", device="GPU")
+  assert "No row records" in bf.device_time_section([dict(base, ms=1.0)])
+  text = bf.device_time_section([dict(base, ms=0.6, device_ms=0.2), dict(base, impl="x", ms=1.0)])
+  assert "| 3.00 |" in text and text.count("| grid |") == 1

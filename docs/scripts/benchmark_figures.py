@@ -700,6 +700,25 @@ def masked_section(rows) -> str:
 # ---------------------------------------------------------------------------
 # pages
 # ---------------------------------------------------------------------------
+def device_time_section(rows) -> str:
+  """Wall clock against kernel time (``device_ms``, from ``--device-time``) for short calls."""
+  dt = [r for r in rows if r.get("status") == "ok" and r.get("device_ms")]
+  if not dt:
+    return ("_No row records `device_ms` yet (`--device-time`, or `DEVICE_TIME=1` in "
+            "`gpu_batch.sh`)._")
+  body = [[r["suite"], label(r["impl"]), DTYPE_SHORT.get(r["dtype"], r["dtype"]), r["batch"], r["q_heads"],
+           r["q_len"], r["head_dim"], "yes" if r["causal"] else "no", r["mode"], fmt_ms(r["ms"]),
+           fmt_ms(r["device_ms"]), f"{r['ms'] / r['device_ms']:.2f}"]
+          for r in sorted(dt, key=lambda r: (r["suite"], r["q_len"], r["head_dim"], r["causal"],
+                                             r["mode"], r["impl"]))]
+  return ("Calls of at most 2 ms: the median wall-clock time per call (what the tables above "
+          "use) against the GPU kernels' summed time per call read from a profile "
+          "(`device_ms`). A wall / kernel ratio well above 1 means the host, not the GPU, set "
+          "the row's time.\n\n<details><summary>Table</summary>\n\n"
+          + md_table(["suite", "impl", "dtype", "batch", "heads", "T", "head_dim", "causal", "mode",
+                      "wall ms", "kernel ms", "wall / kernel"], body) + "\n\n</details>")
+
+
 def performance_page(all_rows, fig_dir, fig_rel) -> str:
   rows = gpu_rows(all_rows)
   cpu_rows = [r for r in all_rows if r.get("platform") == "cpu"]
@@ -763,6 +782,7 @@ def performance_page(all_rows, fig_dir, fig_rel) -> str:
             "## Short sequences and the default dispatch", "", dispatch_section(rows, fig_dir, fig_rel), "",
             "## Tile selection", "", tiles_section(rows), "",
             "## Grouped-query attention and decoding", "", gqa_section(rows, fig_dir, fig_rel), "",
+            "## Short calls: wall clock and kernel time", "", device_time_section(rows), "",
             "## CPU", "", cpu_section(cpu_rows, fig_dir, fig_rel), "",
             "## How to reproduce", "", REPRO, ""]
   return "\n".join(parts)
