@@ -152,6 +152,11 @@ def time_fn(fn: Callable[[], Any], sync: Callable[[Any], Any], *, warmup: int = 
   return res
 
 
+def backend_of(impl: str) -> str:
+  """The profiler :func:`kernel_ms` reads for an implementation name: "torch" or "jax"."""
+  return "torch" if impl.startswith("torch_") else "jax"
+
+
 DEVICE_TIME_MAX_MS = 2.0  # profiling a call costs ~seconds; longer calls are device-bound
 
 

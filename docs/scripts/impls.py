@@ -380,13 +380,13 @@ def timed_case(suite, impl, dtype, batch, q_heads, kv_heads, q_len, kv_len, head
   Forward rows also get ``max_abs_err``: the largest |difference| of the
   output slice (batch 0, head 0, first 64 queries) from a float64 reference.
   """
-  from docs.scripts.harness import Case, time_fn
+  from docs.scripts.harness import Case, backend_of, time_fn
 
   def run():
     arrays = inputs(batch, q_len, kv_len, q_heads, kv_heads, head_dim)
     try:
       fn, sync = build(impl, arrays, dtype, causal, mode, mask)
-      res = time_fn(fn, sync, **timing, backend="torch" if impl.startswith("torch_") else "jax")
+      res = time_fn(fn, sync, **timing, backend=backend_of(impl))
       if mode == "fwd":
         try:
           import numpy as np

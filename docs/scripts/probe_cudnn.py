@@ -114,8 +114,7 @@ def cases(args):
             try:
               with _tuning_knobs(knobs):  # lowering happens at the first (warm-up) call
                 fn, sync = build(arrays, layout, causal, mode)
-                res = harness.time_fn(fn, sync, **timing,
-                                      backend="torch" if impl.startswith("torch_") else "jax")
+                res = harness.time_fn(fn, sync, **timing, backend=harness.backend_of(impl))
               res.update(_versions())
               return res
             finally:
