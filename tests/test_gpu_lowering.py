@@ -25,11 +25,33 @@ MASKS = {
 }
 
 
+def _fake_triton_sm90(monkeypatch, device_kind: bool = False):
+  """Pallas lowers for an H200; the Triton backend's platform check (it sees the CPU) passes;
+  ``device_kind``: its config tables read sm_90."""
+  monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: H200)
+  monkeypatch.setattr(pt, "supports", lambda *a, **kw: None)
+  if device_kind:
+    monkeypatch.setattr(pt.config_lib, "device_kind", lambda device=None: "sm_90")
+
+
+def _fake_dispatch_sm90(monkeypatch):
+  """The dispatch sees an H200 (compute capability 9.0, 140 GiB)."""
+  from probjax.ops.attention import dispatch
+  monkeypatch.setattr(dispatch.Device, "current", classmethod(lambda cls: dispatch.Device("gpu", (9, 0), 140 << 30)))
+
+
+def _fake_cudnn(monkeypatch):
+  """jax's cuDNN attention availability checks pass (cuDNN 9.10, any compute capability)."""
+  from jax._src.cudnn import fused_attention_stablehlo as fa
+  monkeypatch.setattr(fa, "check_cudnn_version", lambda: 91000)
+  monkeypatch.setattr(fa, "check_compute_capability", lambda c: True)
+  monkeypatch.setattr(fa, "is_cuda_compute_capability_equal", lambda c: False)
+
+
 @pytest.mark.parametrize("mask_name", list(MASKS))
 @pytest.mark.parametrize("impl", ["triton_split", "triton_fused", "triton_onepass"])
 def test_lowers_for_sm90(monkeypatch, mask_name, impl):
-  monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: H200)
-  monkeypatch.setattr(pt, "supports", lambda *a, **kw: None)  # its platform check sees the CPU
+  _fake_triton_sm90(monkeypatch)
   mask = MASKS[mask_name]
   q = jax.ShapeDtypeStruct((2, 300, 8, 128), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, 300, 2, 128), jnp.bfloat16)
@@ -49,10 +71,8 @@ def test_lowers_for_sm90(monkeypatch, mask_name, impl):
 def test_api_grad_lowers_for_sm90(monkeypatch):
   """Through dot_product_attention: the forward-mode wrapper keeps the kernels' backward."""
   from probjax.nn.layers.attention import dot_product_attention
-  from probjax.ops.attention import dispatch
-  monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: H200)
-  monkeypatch.setattr(pt, "supports", lambda *a, **kw: None)
-  monkeypatch.setattr(dispatch.Device, "current", classmethod(lambda cls: dispatch.Device("gpu", (9, 0), 140 << 30)))
+  _fake_triton_sm90(monkeypatch)
+  _fake_dispatch_sm90(monkeypatch)
   q = jax.ShapeDtypeStruct((2, 300, 8, 64), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, 300, 2, 64), jnp.bfloat16)
   loss = lambda q, k, v: jnp.sum(dot_product_attention(q, k, v, mask=M.CausalMask(),
@@ -70,13 +90,9 @@ def test_default_cudnn_route_lowers_for_sm90(monkeypatch, mask):
   """The sm_90 default's cuDNN route (forward-mode wrapper included) lowers to one cuDNN
   forward and one backward call under grad (cuDNN's availability checks faked)."""
   import re
-  from jax._src.cudnn import fused_attention_stablehlo as fa
   from probjax.nn.layers.attention import dot_product_attention
-  from probjax.ops.attention import dispatch
-  monkeypatch.setattr(fa, "check_cudnn_version", lambda: 91000)
-  monkeypatch.setattr(fa, "check_compute_capability", lambda c: True)
-  monkeypatch.setattr(fa, "is_cuda_compute_capability_equal", lambda c: False)
-  monkeypatch.setattr(dispatch.Device, "current", classmethod(lambda cls: dispatch.Device("gpu", (9, 0), 140 << 30)))
+  _fake_cudnn(monkeypatch)
+  _fake_dispatch_sm90(monkeypatch)
   q = jax.ShapeDtypeStruct((4, 4096, 8, 64), jnp.bfloat16)
   loss = lambda q: jnp.sum(dot_product_attention(q, q, q, mask=mask).astype(jnp.float32))
   text = jax.jit(jax.grad(loss)).trace(q).lower(lowering_platforms=("cuda",)).as_text()
@@ -89,16 +105,10 @@ def test_default_d64_grad_runs_triton_for_sm90(monkeypatch, mask):
   """sm_90, D64 below the table's grad work limit: the primal lowers to cuDNN alone, the
   gradient to the Triton forward and backward alone."""
   import re
-  from jax._src.cudnn import fused_attention_stablehlo as fa
   from probjax.nn.layers.attention import dot_product_attention
-  from probjax.ops.attention import dispatch
-  monkeypatch.setattr(fa, "check_cudnn_version", lambda: 91000)
-  monkeypatch.setattr(fa, "check_compute_capability", lambda c: True)
-  monkeypatch.setattr(fa, "is_cuda_compute_capability_equal", lambda c: False)
-  monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: H200)
-  monkeypatch.setattr(pt, "supports", lambda *a, **kw: None)
-  monkeypatch.setattr(pt.config_lib, "device_kind", lambda device=None: "sm_90")
-  monkeypatch.setattr(dispatch.Device, "current", classmethod(lambda cls: dispatch.Device("gpu", (9, 0), 140 << 30)))
+  _fake_cudnn(monkeypatch)
+  _fake_triton_sm90(monkeypatch, device_kind=True)
+  _fake_dispatch_sm90(monkeypatch)
   q = jax.ShapeDtypeStruct((4, 2048, 8, 64), jnp.bfloat16)
   f = lambda q: jnp.sum(dot_product_attention(q, q, q, mask=mask).astype(jnp.float32))
   lower = lambda fn: jax.jit(fn).trace(q).lower(lowering_platforms=("cuda",)).as_text()
@@ -114,8 +124,7 @@ def test_default_d64_grad_runs_triton_for_sm90(monkeypatch, mask):
 @pytest.mark.parametrize("fast", [False, True])
 def test_fast_exp2_lowers_to_one_instruction(monkeypatch, fast):
   """``fast_exp2`` swaps libdevice's exp2f for ``ex2.approx.ftz.f32`` in every kernel."""
-  monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: H200)
-  monkeypatch.setattr(pt, "supports", lambda *a, **kw: None)
+  _fake_triton_sm90(monkeypatch)
   q = jax.ShapeDtypeStruct((2, 300, 8, 64), jnp.bfloat16)
   loss = lambda q, k, v: jnp.sum(pt.attention(
       q, k, v, backward_pass_impl="triton_split", forward_config=ForwardConfig(fast_exp2=fast),
@@ -132,9 +141,7 @@ def test_fast_exp2_lowers_to_one_instruction(monkeypatch, fast):
     M.SegmentMask(jnp.ones((2, 1), jnp.int32), jnp.sort(jax.random.randint(jax.random.key(1), (2, 4096), 0, 3)))])
 def test_split_kv_lowers_for_sm90(monkeypatch, mask):
   """The decoding default (split-KV forward) lowers for sm_90 with GQA packing."""
-  monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: H200)
-  monkeypatch.setattr(pt, "supports", lambda *a, **kw: None)
-  monkeypatch.setattr(pt.config_lib, "device_kind", lambda device=None: "sm_90")
+  _fake_triton_sm90(monkeypatch, device_kind=True)
   q = jax.ShapeDtypeStruct((2, 1, 32, 128), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, 4096, 8, 128), jnp.bfloat16)
   text = jax.jit(lambda q, k, v: pt.attention(q, k, v, mask=mask)).trace(q, kv, kv).lower(
