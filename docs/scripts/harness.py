@@ -152,6 +152,13 @@ def time_fn(fn: Callable[[], Any], sync: Callable[[Any], Any], *, warmup: int = 
   return res
 
 
+def require_gpu(what: str) -> None:
+  """Raises :class:`Unsupported` ("``what`` needs an NVIDIA GPU") unless JAX runs on a GPU."""
+  import jax
+  if jax.devices()[0].platform != "gpu":
+    raise Unsupported(f"{what} needs an NVIDIA GPU")
+
+
 def backend_of(impl: str) -> str:
   """The profiler :func:`kernel_ms` reads for an implementation name: "torch" or "jax"."""
   return "torch" if impl.startswith("torch_") else "jax"

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import importlib
 
-from docs.scripts.harness import Unsupported
+from docs.scripts.harness import Unsupported, require_gpu
 
 PROBJAX_IMPLS = {
     # impl name -> kwargs of probjax dot_product_attention
@@ -176,8 +176,8 @@ def build_jax_side(impl, arrays, dtype, causal, mode, mask="none", compile_only=
     kw = {"is_causal": True, "local_window_size": (512, 0)}
   if impl in JAXNN_IMPLS:
     which = JAXNN_IMPLS[impl]
-    if which == "cudnn" and jax.devices()[0].platform != "gpu":
-      raise Unsupported("cuDNN needs a CUDA GPU")
+    if which == "cudnn":
+      require_gpu("cuDNN")
     attn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation=which, **kw)
     return _jax_fn(attn, arrays, dtype, mode, compile_only)
   if impl in TOKAMAX_IMPLS:

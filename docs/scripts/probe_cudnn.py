@@ -106,9 +106,7 @@ def cases(args):
       for mode in ("fwd", "fwd_bwd"):
         for impl, layout, build in variants:
           def run(b=b, h=h, t=t, d=d, causal=causal, mode=mode, layout=layout, build=build):
-            import jax
-            if jax.devices()[0].platform != "gpu":
-              raise harness.Unsupported("cuDNN needs an NVIDIA GPU")
+            harness.require_gpu("cuDNN")
             arrays = impls.inputs(b, t, t, h, h, d)
             knobs = KNOBS[layout.rsplit("_", 1)[1]] if "_knobs_" in layout else None
             try:

@@ -46,9 +46,7 @@ def cases(args):
   for b, h, t, d in shapes:
     for variant in ("odd", "padded", "copies"):
       def run(b=b, h=h, t=t, d=d, variant=variant):
-        import jax
-        if jax.devices()[0].platform != "gpu":
-          raise harness.Unsupported("the Triton kernel needs an NVIDIA GPU")
+        harness.require_gpu("the Triton kernel")
         p = _padded(t, d)
         n = p if variant == "padded" else t
         arrays = impls.inputs(b, n, n, h, h, d)
