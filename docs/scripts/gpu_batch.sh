@@ -12,7 +12,7 @@
 #     with the core implementations only ($CORE_JAX, $CORE_TORCH; set GRID_ALL=1 for all)
 # DEVICE_TIME=1: every suite also records device_ms (kernel time from a profile).
 # (tests: pytest --gpu on the gpu-marked tests (tests:EXPR: only those matching -k EXPR), failures printed as they happen, log in
-# $OUT/gpu_tests.log; it gets at most a third of the remaining time)
+# $OUT/gpu_tests.log; it gets at most a third of the remaining time, or TESTS_MAX_S seconds)
 # (grid_core: bf16 at T = 1024, 4096, 16384; grid_bf16 fills the other lengths)
 # Each step writes $OUT/<file>.json, first copying docs/benchmarks/<file>.json
 # there so that --append skips rows already measured. After the run, copy the
@@ -70,7 +70,7 @@ core() {  # dtype file module args...: core implementations, JAX side then torch
 IFS=',' read -ra steps <<< "$PLAN"
 for s in "${steps[@]}"; do
   case "$s" in
-    tests|tests:*) t=$(python3 -c "print(int(60 * $(left_min) / 3))")
+    tests|tests:*) t=${TESTS_MAX_S:-$(python3 -c "print(int(60 * $(left_min) / 3))")}
                sel="${s#tests}"; sel="${sel#:}"
                echo "[batch] $(date +%T) tests ${sel:+-k $sel }(max ${t} s)" | tee -a "$OUT/batch.log"
                timeout "$t" $PY -m pytest tests --gpu -m gpu -q -p no:cacheprovider -n 4 --durations=8 \

@@ -4,7 +4,7 @@
 #
 #   PROBJAX_COMMIT=$(git rev-parse --short HEAD) bash docs/scripts/gpu_pair.sh PLAN0 PLAN1 [MINUTES]
 #
-# PLANs as in gpu_batch.sh. Logs: $OUT/gpu0/batch.log, $OUT/gpu1/batch.log (echoed at the end).
+# PLANs as in gpu_batch.sh. Logs (batch logs, test logs, stdout of both GPUs): $OUT/logs.txt.
 # Give the two plans different output files where possible; rows of one file measured
 # on both GPUs are merged by key (docs/scripts/merge_rows.py).
 set -u
@@ -24,4 +24,9 @@ else
 fi
 $PY -m docs.scripts.merge_rows "$OUT" "$OUT/gpu0" "$OUT/gpu1"
 rm -f "$OUT"/gpu*/*.json
-for i in 0 1; do [ -f "$OUT/gpu$i/batch.log" ] && { echo "== GPU $i"; cat "$OUT/gpu$i/batch.log"; }; done
+# At most 8 files come back from a device call: every log goes into one file.
+for i in 0 1; do
+  for f in "$OUT/gpu$i.out" "$OUT/gpu$i"/*.log; do [ -f "$f" ] && { echo "===== GPU $i: $(basename "$f")"; cat "$f"; }; done
+done > "$OUT/logs.txt"
+rm -rf "$OUT"/gpu0 "$OUT"/gpu1 "$OUT"/gpu0.out "$OUT"/gpu1.out
+grep -E "^=====|^\[batch\]|^\[harness\] done|passed|failed|^FAILED" "$OUT/logs.txt"

@@ -108,7 +108,7 @@ def cases(args):
           def run(b=b, h=h, t=t, d=d, causal=causal, mode=mode, layout=layout, build=build):
             harness.require_gpu("cuDNN")
             arrays = impls.inputs(b, t, t, h, h, d)
-            knobs = KNOBS[layout.rsplit("_", 1)[1]] if "_knobs_" in layout else None
+            knobs = KNOBS[layout.split("_knobs_", 1)[1]] if "_knobs_" in layout else None
             try:
               with _tuning_knobs(knobs):  # lowering happens at the first (warm-up) call
                 fn, sync = build(arrays, layout, causal, mode)

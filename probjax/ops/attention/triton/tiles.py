@@ -38,7 +38,7 @@ class TileMask:
   upper: int | None
   q_len: int
   kv_len: int
-  has_range: bool       # any mask or padding: per-tile loop bounds
+  has_range: bool       # a mask: per-tile loop bounds (without one, only odd lengths' last tile is masked)
   has_q_lengths: bool
   has_kv_lengths: bool
   has_segments: bool    # segment ids: per-batch tile ranges from the tile classes
@@ -110,15 +110,19 @@ def mask_operands(mask: Mask | None, batch: int, q_len: int, kv_len: int, q_pad:
   """
   m = mask if mask is not None else Mask()
   tm = TileMask(m.lower, m.upper, q_len, kv_len,
-                has_range=mask is not None or q_pad != q_len or kv_pad != kv_len,
+                has_range=mask is not None,
                 has_q_lengths=m.q_lengths is not None,
                 has_kv_lengths=m.kv_lengths is not None,
                 has_segments=m.q_segment_ids is not None)
   ops = []
   if tm.has_range:
     band = Mask(lower=m.lower, upper=m.upper)
+    # Query rows past q_len are zeros whose results are never stored: the last query tile
+    # may count as FULL (classified at the whole tile). Not so for key rows past kv_len,
+    # whose dQ contributions the onepass backward adds.
+    q_cls = round_up(q_len, block_q) if by_q else q_len
     with jax.ensure_compile_time_eval():  # static: the band has no arrays
-      full = np.asarray(band.classify_tiles(1, q_len, kv_len, block_q, block_k)[0]) == FULL
+      full = np.asarray(band.classify_tiles(1, q_cls, kv_len, block_q, block_k)[0]) == FULL
     if not by_q:
       full = full.T
     rows = []
@@ -187,7 +191,8 @@ def tile_loop(tm: TileMask, mr: MaskRefs, b, tile, n_static: int, body, carry, *
   first and after the last non-EMPTY tile -- are never loaded.
   """
   if mr.tile_range is None:
-    return jax.lax.fori_loop(0, n_static, lambda j, c: body(j, c, False), carry)
+    return _unmasked_loop(tm, tile, n_static, body, carry, by_q=by_q, block_outer=block_outer,
+                          block_inner=block_inner)
   if tm.has_segments:
     lo, hi, flo, fhi = (mr.tile_range[b, r, tile] for r in range(4))
   else:
@@ -205,6 +210,25 @@ def tile_loop(tm: TileMask, mr: MaskRefs, b, tile, n_static: int, body, carry, *
   carry = jax.lax.fori_loop(lo, b1, lambda j, c: body(j, c, True), carry)
   carry = jax.lax.fori_loop(b1, b2, lambda j, c: body(j, c, False), carry)
   return jax.lax.fori_loop(b2, hi, lambda j, c: body(j, c, True), carry)
+
+
+def _unmasked_loop(tm: TileMask, tile, n_static: int, body, carry, *, by_q: bool,
+                   block_outer: int, block_inner: int):
+  """:func:`tile_loop` without a mask: static bounds (which Triton pipelines best), the
+  element predicate only on a partial last inner tile and, for the key tiles of the dK/dV
+  kernels, on every tile of a partial outer key tile (its zero rows could otherwise reach
+  the onepass dQ as ``inf * 0``)."""
+  inner_len, outer_len = (tm.kv_len, tm.q_len) if by_q else (tm.q_len, tm.kv_len)
+  n_full, n_all = inner_len // block_inner, min(n_static, num_tiles(inner_len, block_inner))
+  unmasked = lambda j, c: body(j, c, False)
+  masked = lambda j, c: body(j, c, True)
+  if not by_q and outer_len % block_outer:
+    n_free = jnp.where((tile + 1) * block_outer <= outer_len, n_full, 0)
+    carry = jax.lax.fori_loop(0, n_free, unmasked, carry)
+    return jax.lax.fori_loop(n_free, n_all, masked, carry)
+  carry = jax.lax.fori_loop(0, n_full, unmasked, carry)
+  # A loop of one step, not a call: a traced index, as the partial tile overhangs the array.
+  return jax.lax.fori_loop(n_full, n_all, masked, carry)
 
 
 def exp2(x, fast: bool):
