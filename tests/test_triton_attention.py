@@ -334,6 +334,8 @@ GPU_CASES = [
     ("float32", 64, 1024, 1024, "causal", "triton_split"),
     ("float32", 128, 2048, 2048, "segments", "triton_fused"),
     ("float32", 128, 1024, 2048, "none", "triton_onepass"),
+    ("bfloat16", 64, 1500, 3000, "none", "triton_onepass"),   # no mask, partial tiles on both axes
+    ("bfloat16", 128, 3000, 600, "none", "triton_fused"),
     ("bfloat16", 32, 2048, 2048, "causal", "auto"),
     ("bfloat16", 96, 1024, 1024, "causal", "auto"),
     ("bfloat16", 256, 1024, 1024, "causal", "auto"),

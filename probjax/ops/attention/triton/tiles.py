@@ -223,7 +223,7 @@ def _unmasked_loop(tm: TileMask, tile, n_static: int, body, carry, *, by_q: bool
   unmasked = lambda j, c: body(j, c, False)
   masked = lambda j, c: body(j, c, True)
   if not by_q and outer_len % block_outer:
-    n_free = jnp.where((tile + 1) * block_outer <= outer_len, n_full, 0)
+    n_free = n_full * ((tile + 1) * block_outer <= outer_len).astype(jnp.int32)  # no scalar select in Pallas-Triton
     carry = jax.lax.fori_loop(0, n_free, unmasked, carry)
     return jax.lax.fori_loop(n_free, n_all, masked, carry)
   carry = jax.lax.fori_loop(0, n_full, unmasked, carry)
