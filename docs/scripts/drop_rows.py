@@ -18,7 +18,7 @@ import sys
 
 from docs.scripts import harness
 
-FIELDS = ("impl", "suite", "variant", "dtype", "mode", "mask", "commit", "q_len", "head_dim")
+FIELDS = ("impl", "suite", "variant", "dtype", "mode", "mask", "commit", "q_len", "head_dim", "causal", "status")
 
 
 def matches(row: dict, selectors: dict[str, str]) -> bool:
