@@ -372,7 +372,12 @@ def test_tiles_section_counts_auto_within_five_percent():
                forward_config={"block_q": 64})]
   text = bf.tiles_section(rows)
   assert "best in 1 of 2 shapes" in text
-  assert "| 1.11 |" in text and "2 ran / 1 rejected" in text
+  assert "| 1.11 |" in text and "2 ran / 1 rejected" in text and "| wall |" in text
+  # With kernel times on every row of a shape, they decide (the wall clock of short calls is
+  # host-bound): auto is 1.11x the best by wall clock but 1.02x by kernel time.
+  rows[0]["device_ms"], rows[1]["device_ms"] = 0.51, 0.50
+  text = bf.tiles_section(rows)
+  assert "best in 2 of 2 shapes" in text and "| 1.02 |" in text and "| kernel |" in text
 
 
 def test_drop_rows(tmp_path, capsys):

@@ -123,6 +123,11 @@ def test_sm90_fp32_rule():
     short = ((4, n, 8, 128), (4, n, 8, 128))
     assert decide(short, dtype=jnp.float32, mask=mask).formulation == "dense"
   assert decide(dtype=jnp.float32, mask=M.KVLenMask(jnp.full((4,), 100))).formulation == "dense"
+  # At small head_dims the kernel's TF32 tiles win at every length.
+  for d in (32, entry.fp32_kernel_max_head_dim):
+    assert decide(((4, 1024, 8, d), (4, 1024, 8, d)), dtype=jnp.float32).implementation == "triton"
+  d = entry.fp32_kernel_max_head_dim + 32
+  assert decide(((4, 1024, 8, d), (4, 1024, 8, d)), dtype=jnp.float32).formulation == "dense"
 
 
 @pytest.mark.parametrize("var", ["PROBJAX_ATTENTION_CUDNN", "PROBJAX_ATTENTION_DEVICE_DEFAULTS"])

@@ -30,6 +30,8 @@ class DeviceDefaults:
       XLA's dense formulation (TF32 matmuls) while it fits in memory.
     fp32_band_dense_max_len: the same limit for masks with a diagonal band (causal,
       windows), whose empty tiles the kernel skips and the dense formulation computes.
+    fp32_kernel_max_head_dim: float32 calls with ``head_dim`` up to this always run the
+      kernel (its TF32 tiles beat the dense formulation there at every measured length).
     grad_triton_max_head_dim, grad_triton_max_work: differentiated calls the cuDNN rule
       takes with ``head_dim <= grad_triton_max_head_dim`` and work below
       ``grad_triton_max_work`` run the Triton kernel's forward and backward instead (the
@@ -46,6 +48,7 @@ class DeviceDefaults:
   backward_pass_impl_band: str
   fp32_dense_max_len: int
   fp32_band_dense_max_len: int
+  fp32_kernel_max_head_dim: int
   grad_triton_max_head_dim: int
   grad_triton_max_work: int
   decode_max_q_len: int
@@ -86,14 +89,19 @@ DEVICE_DEFAULTS: dict[tuple[int, int], DeviceDefaults] = {
         # cost 2x or more on sm_90.
         backward_pass_impl="triton_split",
         backward_pass_impl_band="triton_fused",
-        # gpu_attention.json (fp32 B4 H8 D128 T4096, ms, fwd / fwd+bwd): non-causal XLA dense
-        # 2.57 / 8.48, Triton 3.24 / 14.19, jax.nn XLA 2.64 / 8.57; causal XLA dense
-        # 3.55 / 8.88, Triton 1.78 / 7.50, jax.nn XLA 3.74 / 10.41. Causal halves the
-        # kernel's work but not the dense formulation's; both are matmul-bound at these
-        # lengths, so the band limit is set at the first length where the kernel's tiles are
-        # busy (1024 and below are launch-bound and unmeasured in fp32).
+        # gpu_attention.json (fp32 B4 H8, ms, fwd / fwd+bwd, XLA dense / Triton / jax.nn
+        # XLA, same run):
+        #   D128 T4096 non-causal 2.62 / 8.44, 3.06 / 14.03, 2.65 / 8.59 -> dense;
+        #   D128 T4096 causal 3.47 / 8.64, 1.67 / 7.41, 3.75 / 10.64 -> the kernel;
+        #   D128 T1024 non-causal 0.226 / 0.726, 0.211 / 0.921, 0.223 / 0.744 -> dense;
+        #   D128 T1024 causal 0.301 / 0.716, 0.189 / 0.671 -> the kernel (band limit below
+        #   1024; shorter fp32 calls are unmeasured);
+        #   D64: the kernel at every measured shape: T1024 0.192 / 0.647, 0.078 / 0.333;
+        #   T4096 2.34 / 7.29, 1.01 / 4.94; causal T4096 3.25 / 7.53, 0.64 / 2.61.
+        # Causal halves the kernel's work but not the dense formulation's.
         fp32_dense_max_len=16384,
-        fp32_band_dense_max_len=1024,
+        fp32_band_dense_max_len=512,
+        fp32_kernel_max_head_dim=64,
         # kernel_attn_ext_gpu.json (decode suite, bf16 H32 D128, fwd ms, jax.nn cuDNN /
         # probjax Triton with split-KV): B8 KV8 Lq16 Lkv65536 1.650 / 0.753 (the default took
         # cuDNN there: 1.581); B1 KV8 Lq16 Lkv65536 0.792 / 0.087; B8 KV8 Lq16 Lkv8192

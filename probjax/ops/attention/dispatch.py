@@ -12,7 +12,7 @@ Generic rules (``implementation=None``):
   4. Otherwise the fused Triton kernel, if it computes the call exactly.
 Device table (:mod:`probjax.nn.layers.attention_device`), applied first when
 every kernel argument is at its default: cuDNN for large eligible 16-bit calls,
-XLA's dense formulation for float32 while it fits, and the device's
+XLA's dense formulation for float32 above a head_dim while it fits, and the device's
 ``backward_pass_impl``.
 """
 
@@ -199,7 +199,7 @@ def _decide(q_shape, kv_shape, dtype, *, mask, bias, dense_mask, dropout, score_
     band = mask is not None and mask.has_band
     dense_max = table.fp32_band_dense_max_len if band else table.fp32_dense_max_len
     if dtype == jnp.float32 and max(tq, tk) <= dense_max and score_mod is None \
-        and _dense_fits(q_shape, kv_shape, device):
+        and q_shape[-1] > table.fp32_kernel_max_head_dim and _dense_fits(q_shape, kv_shape, device):
       return Decision("xla", f"{cc} device table: float32 runs fastest in XLA's dense formulation (TF32)",
                       formulation="dense")
   if tk < MIN_KERNEL_KV_LEN:
