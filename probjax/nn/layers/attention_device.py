@@ -76,6 +76,9 @@ DEVICE_DEFAULTS: dict[tuple[int, int], DeviceDefaults] = {
         # gpu_attention.json B4 H8 T2048 (134M) 0.354 / 0.348, causal 0.272 / 0.259;
         # T4096 (537M) 1.223 / 1.259, causal 0.887 / 0.785. Their forwards stay on cuDNN
         # (T2048 D64 fwd 0.092 / 0.105). D128 keeps cuDNN (T2048 fwd+bwd 0.525 / 0.617).
+        # Measured as the default (fwd+bwd ms, default / jax.nn cuDNN, same run): dispatch
+        # sweep B64 T384 0.282 / 0.346, T512 0.445 / 0.520, T768 0.868 / 0.910; grid B4 H8
+        # T2048 0.351 / 0.360, causal 0.259 / 0.296; T3000 0.770 / 0.766, causal 0.502 / 0.494.
         grad_triton_max_head_dim=64,
         grad_triton_max_work=2**29,
         # gpu_attention.json (bf16 B4 H8, fwd+bwd ms, split / fused / onepass, same run):
