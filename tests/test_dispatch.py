@@ -141,9 +141,16 @@ def test_env_opt_outs(var):
   assert decide(env={var: "1"}).implementation == "cudnn"
 
 
-def test_reserved_mosaic_name_says_not_built():
-  with pytest.raises(ValueError, match="Mosaic GPU .* not built"):
-    decide(implementation="mosaic")
+def test_mosaic_only_when_requested():
+  d = decide(implementation="mosaic", mask=M.CausalMask())
+  assert d.implementation == "mosaic" and d.backward_pass_impl == "auto"  # the Triton backward's own rules
+  assert "mosaic" not in {decide(s).implementation for s in (BIG, SMALL)}
+  with pytest.raises(ValueError, match="mosaic.*float32"):
+    decide(implementation="mosaic", dtype=jnp.float32)
+  with pytest.raises(ValueError, match="sm_90"):
+    decide(implementation="mosaic", device=Device("gpu", (8, 0), 80 << 30))
+  with pytest.raises(ValueError, match="lengths"):
+    decide(implementation="mosaic", mask=M.KVLenMask(jnp.full((4,), 100)))
   # Its opt-out is accepted and changes nothing while there is no Mosaic kernel.
   assert decide(env={"PROBJAX_ATTENTION_MOSAIC": "0"}) == decide()
 

@@ -7,6 +7,8 @@ forward and one backward call, so a lowering regression fails in CI rather
 than on the device. Triton's and cuDNN's own compilation still need the GPU.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -147,3 +149,23 @@ def test_split_kv_lowers_for_sm90(monkeypatch, mask):
   text = jax.jit(lambda q, k, v: pt.attention(q, k, v, mask=mask)).trace(q, kv, kv).lower(
       lowering_platforms=("cuda",)).as_text()
   assert "probjax_attention_fwd_split_kv" in text
+
+
+@pytest.mark.parametrize("mask_name,d", [("none", 64), ("causal", 128), ("window&lengths", 256)])
+def test_mosaic_forward_and_triton_backward_lower_for_sm90(monkeypatch, mask_name, d):
+  """The Mosaic GPU forward (registers as wgmma's P operand, in-place accumulation: the
+  paths interpret mode cannot run) lowers to a Mosaic GPU kernel, and its gradient to the
+  Triton backward."""
+  from probjax.ops.attention import mosaic_gpu as pm
+  _fake_triton_sm90(monkeypatch, device_kind=True)
+  mask = {"none": None, "causal": M.CausalMask(),
+          "window&lengths": M.LocalWindowMask(100, 20) & M.LengthMask(jnp.array([300, 250]), jnp.array([300, 70]))}[mask_name]
+  q = jax.ShapeDtypeStruct((2, 300, 8, d), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, 300, 2, d), jnp.bfloat16)
+  loss = lambda q, k, v: jnp.sum(pm.attention(q, k, v, mask=mask).astype(jnp.float32))
+  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+  calls = set(re.findall(r"custom_call @([\w$.]+)", text))
+  kernels = set(re.findall(r"probjax_attention_\w+", text))
+  assert calls == {"mosaic_gpu_v2", "__gpu$xla.gpu.triton"}, calls
+  assert "probjax_attention_fwd_mosaic" in kernels and "probjax_attention_fwd" not in kernels, kernels
+  assert any(k.startswith("probjax_attention_bwd") for k in kernels), kernels

@@ -19,7 +19,7 @@ import sys
 from docs.scripts import harness, impls
 
 GRID_LENGTHS = (600, 1024, 1500, 2048, 3000, 4096, 8192, 16384)
-PROBJAX_GRID = ("probjax_default", "probjax_xla", "probjax_triton", "probjax_cudnn",
+PROBJAX_GRID = ("probjax_default", "probjax_xla", "probjax_triton", "probjax_cudnn", "probjax_mosaic",
                 "probjax_triton_onepass", "probjax_triton_fused", "probjax_triton_split")
 BWD_VARIANTS = ("probjax_triton_onepass", "probjax_triton_fused", "probjax_triton_split")
 PEERS_GRID = ("jaxnn_xla", "jaxnn_cudnn", "tokamax_mosaic", "tokamax_triton", "tokamax_cudnn",

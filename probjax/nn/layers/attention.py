@@ -40,7 +40,9 @@ BACKWARD_PASS_IMPLS = ("auto", "triton_onepass", "triton_fused", "triton_split")
 def available_implementations(device: Device | None = None) -> list[str]:
   """Implementation names that can run on ``device`` (default: the current one)."""
   device = device or Device.current()
-  return ["xla"] + (["triton", "cudnn"] if device.platform == "gpu" else [])
+  if device.platform != "gpu":
+    return ["xla"]
+  return ["xla", "triton", "cudnn"] + (["mosaic"] if device.compute_capability == (9, 0) else [])
 
 
 def explain_dispatch(q_shape, kv_shape, dtype, **kw) -> Decision:
@@ -71,7 +73,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
     module: if given, the attention weights are sown into it (dense path).
     promote_dtype: Flax's dtype promotion hook, applied to (query, key, value).
     is_causal: shorthand for ``mask & CausalMask()``.
-    implementation: None (automatic), "xla", "triton" (alias "pallas") or "cudnn".
+    implementation: None (automatic), "xla", "triton" (alias "pallas"), "cudnn" or "mosaic"
+      (sm_90: the Mosaic GPU forward with the Triton backward).
     scale: softmax scale, default ``head_dim ** -0.5``.
     score_mod: ``f(score, b, h, q_idx, kv_idx) -> score`` (see :func:`flex_attention`).
     backward_pass_impl: Triton backward: "auto", "triton_onepass", "triton_fused",
@@ -116,7 +119,8 @@ def flex_attention(query, key, value, *, mask: Mask | None = None, score_mod: Ca
       the score. Differentiable, including through arrays it closes over
       (those run on the XLA path).
     implementation, backward_pass_impl, split_kv, interpret: as in :func:`dot_product_attention`.
-    forward_config, backward_config: explicit Triton tile configs.
+    forward_config, backward_config: explicit tile configs (Triton: ``ForwardConfig``,
+      ``BackwardConfig``; "mosaic": ``MosaicForwardConfig`` and the Triton backward's ``BackwardConfig``).
 
   ALiBi as a score modifier (the slopes are differentiable too):
 
@@ -153,6 +157,13 @@ def mha(query, key, value, *, causal: bool = False, mask: Mask | None = None, sc
                         backward_config=backward_config, split_kv=split_kv, interpret=interpret)
 
 
+def _exact(query, key, device, score_mod, scale):
+  """The exact XLA formulation ``f(q, k, v, mask)`` whose jvp gives the kernels' tangents."""
+  formulation = dispatch.xla_formulation(query.shape, key.shape, device)
+  return lambda q, k, v, mask: xla_backend.attention(q, k, v, formulation=formulation, mask=mask,
+                                                     score_mod=score_mod, scale=scale)
+
+
 def _attention(query, key, value, shape: base.AttentionShape, *, bias=None, mask=None, dense_mask=None,
                score_mod=None, scale=None, dropout_rate=0.0, dropout_rng=None, broadcast_dropout=True,
                precision=None, module=None, implementation=None, backward_pass_impl="auto",
@@ -172,9 +183,15 @@ def _attention(query, key, value, shape: base.AttentionShape, *, bias=None, mask
       kernel_args_default=(backward_pass_impl == "auto" and forward_config is None
                            and backward_config is None and split_kv is None),
       device=device)
-  if (forward_config is not None or backward_config is not None) and decision.implementation != "triton":
-    raise ValueError(f"forward_config/backward_config configure the Triton kernel, but this call runs "
-                     f"{decision}; pass implementation='triton'")
+  if (forward_config is not None or backward_config is not None) and decision.implementation not in ("triton", "mosaic"):
+    raise ValueError(f"forward_config/backward_config configure the Triton or Mosaic kernel, but this call "
+                     f"runs {decision}; pass implementation='triton' or 'mosaic'")
+  if decision.implementation == "mosaic":
+    from probjax.ops.attention import mosaic_gpu as mosaic_backend
+    fast = lambda q, k, v, mask: mosaic_backend.attention(
+        q, k, v, mask=mask, scale=scale, backward_pass_impl=decision.backward_pass_impl,
+        forward_config=forward_config, backward_config=backward_config, interpret=interpret)
+    return with_forward_mode(fast, _exact(query, key, device, score_mod, scale))(query, key, value, mask)
   if decision.implementation in ("cudnn", "triton"):
     def triton_fast(q, k, v, mask):
       from probjax.ops.attention import triton as triton_backend
@@ -188,11 +205,7 @@ def _attention(query, key, value, shape: base.AttentionShape, *, bias=None, mask
     else:
       fast = triton_fast
     grad = triton_fast if decision.grad_implementation == "triton" else None
-    # jax.jvp through the kernels: the tangent comes from the exact XLA formulation.
-    formulation = dispatch.xla_formulation(query.shape, key.shape, device)
-    exact = lambda q, k, v, mask: xla_backend.attention(q, k, v, formulation=formulation, mask=mask,
-                                                        score_mod=score_mod, scale=scale)
-    return with_forward_mode(fast, exact, grad)(query, key, value, mask)
+    return with_forward_mode(fast, _exact(query, key, device, score_mod, scale), grad)(query, key, value, mask)
   return xla_backend.attention(query, key, value, formulation=decision.formulation, module=module,
                                bias=bias, mask=mask, dense_mask=dense_mask, score_mod=score_mod,
                                scale=scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,

@@ -28,12 +28,11 @@ from probjax.nn.layers import attention_device
 from probjax.ops.attention import cudnn as cudnn_backend
 from probjax.ops.attention.masks import Mask
 
-IMPLEMENTATIONS = ("xla", "triton", "cudnn")
+# "mosaic" (the Mosaic GPU forward with the Triton backward) runs only when asked for: no
+# device table entry picks it until it is measured, so PROBJAX_ATTENTION_MOSAIC=0 has
+# nothing to turn off yet.
+IMPLEMENTATIONS = ("xla", "triton", "cudnn", "mosaic")
 ALIASES = {"pallas": "triton"}
-# Names the API reserves for backends not built yet: requesting one raises ValueError saying
-# so (not "unknown"); its opt-out variable (PROBJAX_ATTENTION_MOSAIC=0) has nothing to turn off.
-NOT_BUILT = {"mosaic": "the Mosaic GPU (FA3-style, sm_90) kernel is not built in this version; "
-                       "use implementation='cudnn' or 'triton' on Hopper"}
 MIN_KERNEL_KV_LEN = 64
 # XLA's dense formulation keeps a few float32 [B, H, Tq, Tkv] arrays for the backward.
 _DENSE_BYTES_PER_SCORE = 4 * 4
@@ -75,7 +74,7 @@ class Decision:
 
   def __str__(self):
     extra = ""
-    if self.implementation == "triton":
+    if self.implementation in ("triton", "mosaic"):
       extra = f", backward={self.backward_pass_impl}"
       if self.split_kv:
         extra += f", split_kv={self.split_kv} splits"
@@ -94,8 +93,6 @@ def canonical(implementation: str | None) -> str | None:
   if not isinstance(implementation, str):
     raise TypeError(f"implementation must be a string or None, got {type(implementation).__name__}")
   name = ALIASES.get(implementation, implementation)
-  if name in NOT_BUILT:
-    raise ValueError(f"implementation={implementation!r}: {NOT_BUILT[name]}")
   if name not in IMPLEMENTATIONS:
     raise ValueError(f"unknown implementation {implementation!r}; expected None or one of "
                      f"{sorted(IMPLEMENTATIONS + tuple(ALIASES))}")
@@ -112,6 +109,17 @@ def triton_supports(q_shape, kv_shape, dtype, *, device: Device, **kw) -> str | 
     return f"Triton backend unavailable: {e}"
   # The platform was checked above against ``device`` (which tests may fake).
   return triton_backend.supports(q_shape, kv_shape, dtype, interpret=True, **kw)
+
+
+def mosaic_supports(q_shape, kv_shape, dtype, *, device: Device, **kw) -> str | None:
+  """Reason the Mosaic GPU forward cannot compute the call, or None (``device`` with no
+  compute capability: interpret mode)."""
+  if device.platform != "gpu":
+    return f"the Mosaic GPU kernel needs an sm_90 GPU (platform is {device.platform}); use interpret=True to run it on CPU"
+  if device.compute_capability not in (None, (9, 0)):
+    return "the Mosaic GPU kernel needs an sm_90 (Hopper) GPU, this is sm_%d%d" % device.compute_capability
+  from probjax.ops.attention import mosaic_gpu as mosaic_backend
+  return mosaic_backend.supports(q_shape, kv_shape, dtype, interpret=True, **kw)
 
 
 def explain_dispatch(q_shape, kv_shape, dtype, *, mask: Mask | None = None, bias: bool = False,
@@ -161,15 +169,18 @@ def _decide(q_shape, kv_shape, dtype, *, mask, bias, dense_mask, dropout, score_
 
   if impl == "xla":
     return Decision("xla", "requested", formulation=xla_formulation(q_shape, kv_shape, device))
-  if impl in ("triton", "cudnn"):
+  if impl in ("triton", "cudnn", "mosaic"):
     if impl == "triton":
       why = triton_supports(q_shape, kv_shape, dtype, device=device, **kw)
+    elif impl == "mosaic":
+      why = mosaic_supports(q_shape, kv_shape, dtype, device=device, **kw)
     else:
       why = cudnn_backend.supports(q_shape, kv_shape, dtype, platform=device.platform, **kw)
     why = why or _not_for_kernels(precision=precision, module=module)
     if why:
       raise ValueError(f"implementation={impl!r} cannot compute this call exactly: {why}")
-    return Decision(impl, "requested", _resolve_backward(backward_pass_impl, mask) if impl == "triton" else "auto")
+    backward = _resolve_backward(backward_pass_impl, mask) if impl != "cudnn" else "auto"
+    return Decision(impl, "requested", backward)
 
   # implementation=None: the default.
   if device.platform != "gpu":

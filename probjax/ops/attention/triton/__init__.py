@@ -143,6 +143,23 @@ def attention(q, k, v, *, mask: Mask | None = None, score_mod: Callable | None =
   return _attention(static, q, k, v, mask)
 
 
+def attention_with_forward(q, k, v, mask: Mask | None, *, scale: float, mosaic_config,
+                           backward_pass_impl: str = "auto", backward_config: BackwardConfig | None = None,
+                           interpret: bool = False):
+  """Attention whose forward is another kernel's (the Mosaic GPU forward, ``mosaic_config``)
+  and whose backward is this module's (same residuals: out and the natural lse). Inputs
+  are validated by the caller."""
+  device = "interpret" if interpret else config_lib.device_kind()
+  d = q.shape[-1]
+  q_len, kv_len = q.shape[1], k.shape[1]
+  fcfg = config_lib.fit_forward_config(None, q.dtype, padded_head_dim(d), q_len, kv_len, device)
+  impl = config_lib.resolve_backward_impl(backward_pass_impl, device, q.dtype, d, q_len, kv_len)
+  bcfg = config_lib.fit_backward_config(backward_config, q.dtype, padded_head_dim(d), q_len, kv_len,
+                                        device, impl)
+  static = _Static(None, float(scale), fcfg, bcfg, impl, None, bool(interpret), mosaic_config)
+  return _attention(static, q, k, v, mask)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Static:
   """Hashable bundle of the non-array arguments of the custom_vjp."""
@@ -154,6 +171,9 @@ class _Static:
   impl: str
   split: SplitKVConfig | None
   interpret: bool
+  # The Mosaic GPU forward's config when it computes the forward (out and lse, the same
+  # residuals as the Triton forward's): :func:`probjax.ops.attention.mosaic_gpu.attention`.
+  mosaic: object = None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -164,8 +184,13 @@ def _attention(st: _Static, q, k, v, mask):
 
 
 def _fwd(st: _Static, q, k, v, mask):
-  out, lse = forward_lib.forward(q, k, v, mask, scale=st.scale, score_mod=st.score_mod, config=st.fcfg,
-                     interpret=st.interpret)
+  if st.mosaic is not None:
+    from probjax.ops.attention.mosaic_gpu import forward as mosaic_forward
+    out, lse = mosaic_forward.forward(q, k, v, mask, scale=st.scale, config=st.mosaic,
+                                      interpret=st.interpret)
+  else:
+    out, lse = forward_lib.forward(q, k, v, mask, scale=st.scale, score_mod=st.score_mod,
+                                   config=st.fcfg, interpret=st.interpret)
   return out, (q, k, v, out, lse, mask)
 
 

@@ -1,0 +1,99 @@
+"""Flash attention in Pallas Mosaic GPU for Hopper (sm_90): TMA loads, wgmma, a producer
+warpgroup (FA3-style; :mod:`.forward`).
+
+Built so far: the forward (16-bit, head_dim 64/128/256, a causal/window band and per-batch
+query/key lengths with tile skipping, GQA, any length); its backward is the Triton kernels'
+(:mod:`probjax.ops.attention.triton`). Not yet: segment masks, ``score_mod``, a Mosaic
+backward, measured tiles. The default dispatch does not pick it (``implementation="mosaic"`` asks for it).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax.numpy as jnp
+
+from probjax.ops.attention.masks import Mask
+from probjax.ops.attention.mosaic_gpu import config as config_lib
+from probjax.ops.attention.mosaic_gpu.config import MosaicForwardConfig
+from probjax.ops.attention.triton import BackwardConfig, attention_with_forward
+from probjax.ops.attention.triton import config as triton_config
+
+__all__ = ["attention", "supports", "MosaicForwardConfig"]
+
+_HEAD_DIMS = (64, 128, 256)
+
+
+def supports(q_shape, kv_shape, dtype, *, mask: Mask | None = None, score_mod: Callable | None = None,
+             bias: bool = False, dense_mask: bool = False, dropout: bool = False,
+             scale: float | None = None, interpret: bool = False, device_kind: str | None = None) -> str | None:
+  """None if :func:`attention` computes the call exactly, else a short reason.
+
+  Args:
+    q_shape: ``(batch, q_len, heads, head_dim)``; kv_shape: ``(batch, kv_len, kv_heads, head_dim)``.
+    device_kind: ``"sm_90"`` etc. (default: the current device's).
+  """
+  for present, what in ((bias, "additive bias"), (dense_mask, "dense boolean mask"), (dropout, "dropout"),
+                        (score_mod is not None, "score_mod (not in the Mosaic kernel yet)")):
+    if present:
+      return what
+  if not interpret:
+    kind = device_kind or triton_config.device_kind()
+    if kind != "sm_90":
+      return f"the Mosaic GPU kernel needs an sm_90 (Hopper) GPU, this is {kind}"
+  if jnp.dtype(dtype).name not in ("bfloat16", "float16"):
+    return f"dtype {jnp.dtype(dtype).name} (the Mosaic kernel takes bfloat16 and float16)"
+  if len(q_shape) != 4 or len(kv_shape) != 4:
+    return "inputs must be [batch, seq, heads, head_dim]"
+  if q_shape[-1] not in _HEAD_DIMS or kv_shape[-1] != q_shape[-1]:
+    return f"head_dim {q_shape[-1]} (the Mosaic kernel takes {_HEAD_DIMS}, equal for q, k, v)"
+  if q_shape[0] != kv_shape[0]:
+    return "batch mismatch"
+  if q_shape[2] % kv_shape[2]:
+    return f"heads {q_shape[2]} not a multiple of kv_heads {kv_shape[2]}"
+  if q_shape[1] == 0 or kv_shape[1] == 0:
+    return "empty sequence"
+  if mask is not None:
+    if not isinstance(mask, Mask):
+      return f"mask of type {type(mask).__name__}"
+    if mask.q_segment_ids is not None:
+      return "segment masks are not in the Mosaic kernel yet (a band and per-batch lengths are)"
+  if scale is not None and not scale > 0:
+    return f"scale {scale} (the Mosaic kernel takes a positive scale)"
+  return None
+
+
+def attention(q, k, v, *, mask: Mask | None = None, scale: float | None = None,
+              backward_pass_impl: str = "auto", forward_config: MosaicForwardConfig | None = None,
+              backward_config: BackwardConfig | None = None, interpret: bool = False):
+  """Exact attention with the Mosaic GPU forward and the Triton backward.
+
+  Args:
+    q: ``[batch, q_len, heads, head_dim]``; k, v: ``[batch, kv_len, kv_heads, head_dim]``,
+      bfloat16 or float16, ``heads % kv_heads == 0``.
+    mask: None, a band (``CausalMask``, ``LocalWindowMask``), per-batch lengths (``KVLenMask``,
+      ``LengthMask``) or their ``&``; rows without a valid key give zeros.
+    backward_pass_impl: the Triton backward's variant (see :mod:`probjax.ops.attention.triton`).
+    forward_config: explicit tiles, checked against the device's shared memory.
+    backward_config: the Triton backward's tiles.
+    interpret: Mosaic GPU interpret mode (CPU testing).
+  Returns:
+    ``[batch, q_len, heads, head_dim]`` in q's dtype.
+  """
+  if forward_config is not None and not isinstance(forward_config, MosaicForwardConfig):
+    raise TypeError(f"forward_config must be a MosaicForwardConfig, got {type(forward_config).__name__}")
+  reason = supports(q.shape, k.shape, q.dtype, mask=mask, scale=scale, interpret=interpret)
+  if reason is not None:
+    raise ValueError(f"mosaic attention cannot compute this call: {reason}")
+  if k.shape != v.shape or k.dtype != q.dtype or v.dtype != q.dtype:
+    raise ValueError(f"k and v must match in shape and q's dtype; got q {q.shape} {q.dtype}, "
+                     f"k {k.shape} {k.dtype}, v {v.shape} {v.dtype}")
+  if mask is not None:
+    mask.validate(q.shape[0], q.shape[1], k.shape[1])
+  scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+  device = "interpret" if interpret else triton_config.device_kind()
+  cfg = config_lib.fit(forward_config, jnp.dtype(q.dtype).itemsize, q.shape[-1], device)
+  return attention_with_forward(q, k, v, mask, scale=scale, mosaic_config=cfg,
+                                backward_pass_impl=backward_pass_impl, backward_config=backward_config,
+                                interpret=interpret)

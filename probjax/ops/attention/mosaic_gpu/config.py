@@ -1,0 +1,59 @@
+"""Launch configuration of the Mosaic GPU forward kernel, validated against shared memory.
+
+Shared-memory model (bytes, ``s`` = itemsize, ``D`` = head_dim): the query tiles of the
+compute warpgroups (reused for the output), ``num_stages`` K and V slots, the log-sum-exp
+rows and the barriers: ``wgs*bq*D*s + 2*stages*bk*D*s + wgs*bq*4 + 8*(wgs + 4*stages)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from probjax.ops.attention.triton.config import smem_limit
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicForwardConfig:
+  """``block_q`` query rows per compute warpgroup (wgmma's M: 64), ``compute_wgs`` compute
+  warpgroups per CTA, ``block_k`` keys per step, ``num_stages`` K/V slots in flight."""
+  block_q: int = 64
+  block_k: int = 128
+  num_stages: int = 2
+  compute_wgs: int = 2
+
+  def __post_init__(self):
+    if self.block_q != 64:
+      raise ValueError(f"block_q must be 64 (one wgmma M tile per warpgroup), got {self.block_q!r}")
+    if not isinstance(self.block_k, int) or self.block_k < 64 or self.block_k % 64:
+      raise ValueError(f"block_k must be a positive multiple of 64, got {self.block_k!r}")
+    if not isinstance(self.num_stages, int) or self.num_stages < 2:
+      raise ValueError(f"num_stages must be an int >= 2, got {self.num_stages!r}")
+    if self.compute_wgs not in (1, 2):
+      raise ValueError(f"compute_wgs must be 1 or 2, got {self.compute_wgs!r}")
+
+  def smem_bytes(self, itemsize: int, head_dim: int) -> int:
+    wgs, bq, bk, st = self.compute_wgs, self.block_q, self.block_k, self.num_stages
+    return (wgs * bq * head_dim * itemsize + 2 * st * bk * head_dim * itemsize + wgs * bq * 4
+            + 8 * (wgs + 4 * st))
+
+
+# Unmeasured starting points (sm_90, 16-bit): the largest K/V ring that fits beside the
+# query tiles. The tile sweep on the device replaces them.
+DEFAULTS = {64: MosaicForwardConfig(64, 128, 4, 2), 128: MosaicForwardConfig(64, 128, 2, 2),
+            256: MosaicForwardConfig(64, 64, 2, 2)}
+
+
+def fit(config: MosaicForwardConfig | None, itemsize: int, head_dim: int, device: str) -> MosaicForwardConfig:
+  """``config`` (or the default for ``head_dim``) checked against ``device``'s shared memory;
+  a default that does not fit drops stages, an explicit one raises ``ValueError``."""
+  limit = smem_limit(device)
+  explicit = config is not None
+  cfg = config if explicit else DEFAULTS[head_dim]
+  if limit is None:
+    return cfg
+  while cfg.smem_bytes(itemsize, head_dim) > limit:
+    if explicit or cfg.num_stages == 2:
+      raise ValueError(f"{cfg} needs {cfg.smem_bytes(itemsize, head_dim)} bytes of shared memory at "
+                       f"head_dim {head_dim}; {device} has {limit}")
+    cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
+  return cfg

@@ -1,0 +1,231 @@
+"""Flash-attention forward kernel in Pallas Mosaic GPU (Hopper: TMA loads, wgmma).
+
+One CTA per (query tile, batch, query head) with ``compute_wgs + 1`` warpgroups: each
+compute warpgroup owns ``block_q`` query rows (wgmma's M is 64 per warpgroup) and runs the
+float32 online softmax in base 2; the last warpgroup only issues the TMA copies of the
+K/V tiles into a ring of ``num_stages`` shared-memory slots. Per slot, a "ready" barrier
+(completed by the copy) and a "free" barrier (one arrival per compute warpgroup) hand it
+back and forth.
+
+The key tiles of a CTA are ``[lo, hi)`` from the mask's band and this batch element's key
+length (tiles they empty are never loaded); ``[full_lo, full_hi)`` inside it are tiles the
+band and the lengths fill completely for every row of the CTA, which skip the element
+predicate. Sequence axes are
+padded to whole tiles around the kernel (key rows past ``kv_len`` are masked).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from probjax.ops.attention.masks import Mask, num_tiles, pad_axis, round_up
+from probjax.ops.attention.mosaic_gpu.config import MosaicForwardConfig
+
+LOG2E = math.log2(math.e)
+
+
+def band_tiles(mask: Mask | None, q_start, rows: int, kv_len: int, block_k: int,
+               q_valid=None, kv_valid=None):
+  """``(lo, hi, full_lo, full_hi)``: the key tiles the band allows for query rows
+  ``[q_start, q_start + rows)`` and the run of them it fills completely (traced ints; the
+  padded query rows past the true length are included, their outputs are dropped).
+
+  ``q_valid``/``kv_valid``: this batch element's query/key lengths (traced; None: all):
+  keys past ``kv_valid`` are never loaded, and a CTA with rows past ``q_valid`` has no full
+  tile (those rows must come out zero, which the element predicate does)."""
+  lo, hi, flo, fhi = _band_only(mask, q_start, rows, kv_len, block_k)
+  if kv_valid is not None:
+    hi = jnp.maximum(lo, jnp.minimum(hi, (kv_valid + block_k - 1) // block_k))
+    fhi = jnp.minimum(fhi, kv_valid // block_k)
+  if q_valid is not None:
+    hi = jnp.where(q_start < q_valid, hi, lo)
+    fhi = jnp.where(q_start + rows <= q_valid, fhi, flo)
+  flo = jnp.clip(flo, lo, hi)
+  return lo, hi, flo, jnp.clip(fhi, flo, hi)
+
+
+def _band_only(mask: Mask | None, q_start, rows: int, kv_len: int, block_k: int):
+  lower = None if mask is None else mask.lower
+  upper = None if mask is None else mask.upper
+  q_last = q_start + rows - 1
+  lo_k = jnp.int32(0) if lower is None else jnp.maximum(0, q_start + lower)
+  hi_k = jnp.int32(kv_len) if upper is None else jnp.minimum(kv_len, q_last + upper + 1)
+  lo = lo_k // block_k
+  hi = jnp.maximum(lo, (hi_k + block_k - 1) // block_k)
+  # Tile j is full when j*bk - q_last >= lower, (j+1)*bk - 1 - q_start <= upper, (j+1)*bk <= kv_len.
+  flo = lo if lower is None else jnp.maximum(lo, (q_last + lower + block_k - 1) // block_k)
+  fhi = jnp.int32(kv_len // block_k) if upper is None else jnp.minimum(
+      kv_len // block_k, jnp.maximum(0, q_start + upper + 1) // block_k)
+  return lo, hi, flo, fhi  # band_tiles clips the full run into [lo, hi)
+
+
+def _accumulate_pv(acc, p, v_slot, p_smem):
+  """``acc + p @ v``: ``p`` from registers, accumulated in place by wgmma. With ``p_smem``
+  (interpret mode, whose wgmma reads only shared memory and cannot accumulate in place),
+  ``p`` goes through shared memory and the product is added."""
+  if p_smem is None:
+    def pv(acc_ref):
+      plgpu.wgmma(acc_ref, p, v_slot)
+    return pl.run_state(pv)(plgpu.ACC.init(acc))
+  p_smem[...] = p
+  plgpu.commit_smem()
+
+  def pv_scoped(acc_ref):
+    plgpu.wgmma(acc_ref, p_smem, v_slot)
+    return acc_ref[...]
+  return acc + pl.run_scoped(pv_scoped, plgpu.ACC(acc.shape, jnp.float32))
+
+
+def _kernel(q_ref, k_ref, v_ref, len_ref, o_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem, q_bar,
+            k_ready, v_ready, k_free, v_free, p_smem=None, *, band: Mask | None, lengths: bool,
+            scale: float, groups: int, cfg, kv_len: int, dtype, interpret: bool):
+  bq, bk, stages, wgs = cfg.block_q, cfg.block_k, cfg.num_stages, cfg.compute_wgs
+  b, h, i = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_tiles")
+  wg = lax.axis_index("wg")
+  cta_start = i * (wgs * bq)
+  q_valid, kv_valid = (len_ref[0, b], len_ref[1, b]) if lengths else (None, None)
+  lo, hi, flo, fhi = band_tiles(band, cta_start, wgs * bq, kv_len, bk, q_valid, kv_valid)
+  c = scale * LOG2E
+
+  @pl.when(wg < wgs)
+  def _compute():
+    q_start = cta_start + wg * bq
+    rows = pl.ds(q_start, bq)
+    plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[wg], q_bar.at[wg])
+    plgpu.barrier_wait(q_bar.at[wg])
+    d = q_smem.shape[-1]
+    carry = (plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA),
+             plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+             plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
+
+    def step(j, carry, masked: bool):
+      acc, m, l = carry
+      slot = lax.rem(j - lo, jnp.int32(stages))
+      plgpu.barrier_wait(k_ready.at[slot])
+
+      def qk(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].T)
+        return acc_ref[...]
+      t = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
+      plgpu.barrier_arrive(k_free.at[slot])
+      if masked:
+        qi = q_start + plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA)
+        ki = j * bk + plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
+        ok = ki < kv_len
+        if band is not None:
+          ok &= band.element(qi, ki)
+        if lengths:
+          ok &= (qi < q_valid) & (ki < kv_valid)
+        t = jnp.where(ok, t, -jnp.inf)
+      m_new = jnp.maximum(m, t.max(axis=1) * c)
+      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows that have seen no valid key
+      alpha = jnp.exp2(m - m_safe)
+      p = jnp.exp2(t * c - lax.broadcast_in_dim(m_safe, t.shape, [0]))
+      l = l * alpha + p.sum(axis=1)
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      plgpu.barrier_wait(v_ready.at[slot])
+      acc = _accumulate_pv(acc, p.astype(dtype), v_smem.at[slot], p_smem.at[wg] if interpret else None)
+      plgpu.barrier_arrive(v_free.at[slot])
+      return acc, m_new, l
+
+    carry = lax.fori_loop(lo, flo, functools.partial(step, masked=True), carry)
+    carry = lax.fori_loop(flo, fhi, functools.partial(step, masked=False), carry)
+    acc, m, l = lax.fori_loop(fhi, hi, functools.partial(step, masked=True), carry)
+    empty = l == 0.0
+    l = jnp.where(empty, 1.0, l)
+    out = acc / lax.broadcast_in_dim(l, acc.shape, [0])
+    q_smem.at[wg][...] = out.astype(dtype)  # the query tile is no longer needed
+    lse_smem.at[wg][...] = jnp.where(empty, jnp.inf, (m + jnp.log2(l)) * (1.0 / LOG2E))
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_smem.at[wg], o_ref.at[b, rows, h])
+    plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, rows])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == wgs)
+  def _load():
+    hkv = h // groups
+
+    def issue(j, slot):
+      tile = (b, pl.ds(j * bk, bk), hkv)
+      plgpu.copy_gmem_to_smem(k_ref.at[tile], k_smem.at[slot], k_ready.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[tile], v_smem.at[slot], v_ready.at[slot])
+
+    @pl.loop(lo, jnp.minimum(hi, lo + stages))
+    def _fill(j):
+      issue(j, j - lo)
+
+    @pl.loop(lo + stages, hi)
+    def _refill(j):
+      slot = lax.rem(j - lo, jnp.int32(stages))
+      plgpu.barrier_wait(k_free.at[slot])  # every compute warpgroup is done with tile j - stages
+      plgpu.barrier_wait(v_free.at[slot])
+      issue(j, slot)
+
+    @pl.loop(jnp.maximum(lo, hi - stages), hi)
+    def _drain(j):  # the last tiles' releases: every barrier phase is observed before the CTA ends
+      slot = lax.rem(j - lo, jnp.int32(stages))
+      plgpu.barrier_wait(k_free.at[slot])
+      plgpu.barrier_wait(v_free.at[slot])
+
+
+def forward(q, k, v, mask: Mask | None, *, scale: float, config: MosaicForwardConfig,
+            interpret: bool):
+  """Attention forward.
+
+  Args:
+    q: ``[batch, q_len, heads, head_dim]``; k, v: ``[batch, kv_len, kv_heads, head_dim]``;
+      bfloat16 or float16, head_dim a multiple of 64; mask: a band and per-batch lengths,
+      no segment ids (see :func:`probjax.ops.attention.mosaic_gpu.supports`).
+  Returns:
+    ``(out [batch, q_len, heads, head_dim], lse [batch, heads, q_len] float32)``, lse the
+    natural log-sum-exp (``+inf`` for rows without a valid key).
+  """
+  batch, q_len, heads, d = q.shape
+  kv_len, kv_heads = k.shape[1], k.shape[2]
+  cfg = config
+  rows = cfg.block_q * cfg.compute_wgs
+  q_pad, kv_pad = round_up(q_len, rows), round_up(kv_len, cfg.block_k)
+  qp = pad_axis(q, 1, q_pad)
+  kp, vp = (pad_axis(x, 1, kv_pad) for x in (k, v))
+  tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  scratch = [
+      plgpu.SMEM((cfg.compute_wgs, cfg.block_q, d), q.dtype, transforms=tiled),
+      plgpu.SMEM((cfg.num_stages, cfg.block_k, d), q.dtype, transforms=tiled),
+      plgpu.SMEM((cfg.num_stages, cfg.block_k, d), q.dtype, transforms=tiled),
+      plgpu.SMEM((cfg.compute_wgs, cfg.block_q), jnp.float32),
+      plgpu.Barrier(num_barriers=cfg.compute_wgs),
+      plgpu.Barrier(num_barriers=cfg.num_stages),
+      plgpu.Barrier(num_barriers=cfg.num_stages),
+      plgpu.Barrier(num_arrivals=cfg.compute_wgs, num_barriers=cfg.num_stages),
+      plgpu.Barrier(num_arrivals=cfg.compute_wgs, num_barriers=cfg.num_stages),
+  ]
+  if interpret:  # P's staging buffer (see _accumulate_pv)
+    scratch.append(plgpu.SMEM((cfg.compute_wgs, cfg.block_q, cfg.block_k), q.dtype, transforms=tiled))
+  m = mask if mask is not None else Mask()
+  band = Mask(lower=m.lower, upper=m.upper) if m.has_band else None
+  lengths = m.q_lengths is not None or m.kv_lengths is not None
+  full = lambda x, n: jnp.broadcast_to(jnp.asarray(n if x is None else x, jnp.int32), (batch,))
+  lens = jnp.stack([full(m.q_lengths, q_len), full(m.kv_lengths, kv_len)])  # [2, batch]
+  kernel = functools.partial(_kernel, band=band, lengths=lengths, scale=scale, groups=heads // kv_heads,
+                             cfg=cfg, kv_len=kv_len, dtype=q.dtype, interpret=interpret)
+  out, lse = plgpu.kernel(
+      kernel,
+      out_type=(jax.ShapeDtypeStruct((batch, q_pad, heads, d), q.dtype),
+                jax.ShapeDtypeStruct((batch, heads, q_pad), jnp.float32)),
+      scratch_types=scratch,
+      grid=(num_tiles(q_pad, rows), batch, heads),
+      grid_names=("q_tiles", "batch", "heads"),
+      num_threads=cfg.compute_wgs + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=plgpu.InterpretGPUParams() if interpret else False,
+      kernel_name="probjax_attention_fwd_mosaic",
+  )(qp, kp, vp, lens)
+  return out[:, :q_len], lse[:, :, :q_len]

@@ -1,0 +1,118 @@
+"""The Mosaic GPU forward (with the Triton backward) against the float64 reference.
+
+Interpret mode (``plgpu.InterpretGPUParams``: simulated warpgroups, TMA and barriers on
+CPU) at small shapes in CI; the full-size cases are marked ``gpu``.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from probjax.ops.attention import masks as M
+from probjax.ops.attention import mosaic_gpu as pm
+from probjax.ops.attention.mosaic_gpu import config as mcfg
+from probjax.ops.attention.mosaic_gpu.forward import band_tiles
+from probjax.testing import check_against_reference, make_inputs, make_mask
+
+SMALL = pm.MosaicForwardConfig(block_q=64, block_k=64, num_stages=2, compute_wgs=2)
+
+
+def _attn(mask, cfg=SMALL, interpret=True, **kw):
+  return lambda q, k, v, _: pm.attention(q, k, v, mask=mask, forward_config=cfg, interpret=interpret, **kw)
+
+
+@pytest.mark.parametrize("mask_name", ["none", "causal", "causal_offset", "window", "window_right", "kv_len",
+                                       "kv_len_zero", "lengths", "causal&kv_len"])
+def test_masks_values_and_grads(mask_name):
+  x = make_inputs(1, 2, 150, 200, 2, 1, 64, jnp.bfloat16)  # odd lengths, GQA 2:1
+  mask = make_mask(mask_name, 2, 150, 200)
+  check_against_reference(_attn(mask), x, mask=mask)
+
+
+@pytest.mark.parametrize("tq,tk,d,dtype,cfg", [
+    (64, 64, 64, jnp.float16, SMALL),
+    (70, 300, 128, jnp.bfloat16, pm.MosaicForwardConfig(64, 128, 3, 1)),  # 1 compute warpgroup, 3 slots
+    (130, 65, 64, jnp.bfloat16, pm.MosaicForwardConfig(64, 64, 4, 2)),    # fewer tiles than slots
+])
+def test_shapes_dtypes_configs(tq, tk, d, dtype, cfg):
+  x = make_inputs(2, 2, tq, tk, 2, 2, d, dtype)
+  check_against_reference(_attn(None, cfg), x, grads=False)
+
+
+def test_rows_without_keys_are_zero():
+  # CausalMask(-40): the first 40 queries see no key.
+  x = make_inputs(3, 1, 100, 100, 1, 1, 64, jnp.bfloat16)
+  mask = M.CausalMask(-40)
+  out = pm.attention(x.q, x.k, x.v, mask=mask, forward_config=SMALL, interpret=True)
+  assert bool(jnp.all(out[:, :40] == 0)) and bool(jnp.isfinite(out).all())
+  check_against_reference(_attn(mask), x, mask=mask)
+
+
+def test_band_tiles_match_classification():
+  """The kernel's per-CTA ranges agree with Mask.classify_tiles: every non-EMPTY tile is in
+  [lo, hi), and tiles called full are FULL for every row of the CTA."""
+  rows, bk, kv_len = 128, 64, 500
+  for mask in (None, M.CausalMask(), M.CausalMask(-70), M.LocalWindowMask(100, 30), M.Mask(lower=5, upper=200),
+               M.LengthMask(jnp.array([300]), jnp.array([170])) & M.CausalMask()):
+    full = mask or M.Mask()
+    cls = full.classify_tiles(1, 640, kv_len, rows, bk)[0]
+    lens = {} if mask is None or mask.q_lengths is None else dict(q_valid=300, kv_valid=170)
+    for t in range(cls.shape[0]):
+      lo, hi, flo, fhi = (int(v) for v in band_tiles(mask, t * rows, rows, kv_len, bk, **lens))
+      live = [j for j in range(cls.shape[1]) if int(cls[t, j]) != M.EMPTY]
+      assert all(lo <= j < hi for j in live), (mask, t, lo, hi, live)
+      assert all(int(cls[t, j]) == M.FULL for j in range(flo, fhi)), (mask, t, flo, fhi)
+
+
+def test_supports_reasons():
+  s = lambda **kw: pm.supports((1, 128, 4, kw.pop("d", 64)), (1, 128, 2, 64), kw.pop("dtype", jnp.bfloat16),
+                               interpret=True, **kw)
+  assert s() is None and s(mask=M.CausalMask()) is None
+  assert "float32" in s(dtype=jnp.float32)
+  assert "head_dim" in s(d=96)
+  assert s(mask=M.KVLenMask(jnp.array([5])) & M.CausalMask()) is None
+  assert "segment" in s(mask=M.SegmentMask(jnp.zeros((1, 128), jnp.int32)))
+  assert "score_mod" in s(score_mod=lambda x, *a: x)
+  assert "scale" in s(scale=-1.0)
+  assert "sm_90" in pm.supports((1, 128, 4, 64), (1, 128, 4, 64), jnp.bfloat16, device_kind="sm_80")
+  x = make_inputs(0, 1, 64, 64, 1, 1, 64, jnp.float32)
+  with pytest.raises(ValueError, match="mosaic attention cannot compute this call: dtype float32"):
+    pm.attention(x.q, x.k, x.v, interpret=True)
+
+
+def test_config_validation_and_fit():
+  for kw in (dict(block_q=128), dict(block_k=96), dict(num_stages=1), dict(compute_wgs=3)):
+    with pytest.raises(ValueError):
+      pm.MosaicForwardConfig(**kw)
+  for d, cfg in mcfg.DEFAULTS.items():
+    assert mcfg.fit(None, 2, d, "sm_90").smem_bytes(2, d) <= 232448
+  with pytest.raises(ValueError, match="shared memory"):
+    mcfg.fit(pm.MosaicForwardConfig(64, 256, 8, 2), 2, 128, "sm_90")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask_name,tq,tk,d", [("none", 4096, 4096, 128), ("causal", 3000, 3000, 64),
+                                               ("window", 2048, 3000, 128), ("none", 1024, 2048, 256),
+                                               ("causal&kv_len", 3000, 3000, 128), ("lengths", 1500, 600, 64)])
+def test_gpu_full_size(mask_name, tq, tk, d):
+  x = make_inputs(tq + d, 2, tq, tk, 8, 2, d, jnp.bfloat16)
+  mask = make_mask(mask_name, 2, tq, tk)
+  check_against_reference(lambda q, k, v, _: pm.attention(q, k, v, mask=mask), x, mask=mask)
+
+
+def test_through_dot_product_attention_with_jvp():
+  from probjax.nn.layers.attention import available_implementations, dot_product_attention
+  from probjax.ops.attention.dispatch import Device
+  x = make_inputs(4, 1, 96, 96, 2, 2, 64, jnp.bfloat16)
+  mask = M.CausalMask()
+  f = lambda q, k, v, _: dot_product_attention(q, k, v, mask=mask, implementation="mosaic", interpret=True)
+  check_against_reference(f, x, mask=mask)
+  # jax.jvp: the tangent of the exact XLA formulation (the kernels define only a vjp),
+  # against jax.nn's in float32.
+  _, t = jax.jvp(lambda q: f(q, x.k, x.v, None), (x.q,), (x.do,))
+  up = lambda a: a.astype(jnp.float32)
+  _, t_ref = jax.jvp(lambda q: jax.nn.dot_product_attention(q, up(x.k), up(x.v), is_causal=True),
+                     (up(x.q),), (up(x.do),))
+  assert float(jnp.max(jnp.abs(t.astype(jnp.float32) - t_ref.astype(jnp.float32)))) < 0.05
+  assert "mosaic" in available_implementations(Device("gpu", (9, 0), 1 << 30))
+  assert "mosaic" not in available_implementations(Device("gpu", (8, 0), 1 << 30))
