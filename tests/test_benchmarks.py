@@ -316,6 +316,7 @@ def test_readme_section(tmp_path):
 QUICK = [
     ("benchmark_gpu_attention", []),
     ("benchmark_gpu_attention_tiles", []),
+    ("benchmark_gpu_attention_tiles", ["--kernel", "mosaic"]),
     ("benchmark_kernel_attn_gpu", ["--suite", "dispatch,residuals,peak"]),
     ("benchmark_kernel_attn_ext", ["--suite", "gqa,decode"]),
     ("benchmark_kernel_attn_cpu", ["--torch-python", "/nonexistent/python"]),
@@ -324,7 +325,7 @@ QUICK = [
 ]
 
 
-@pytest.mark.parametrize("module,extra", QUICK, ids=[q[0] for q in QUICK])
+@pytest.mark.parametrize("module,extra", QUICK, ids=[" ".join([q[0], *q[1]]) for q in QUICK])
 def test_quick_suite(tmp_path, module, extra):
   out = tmp_path / f"{module}.json"
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)

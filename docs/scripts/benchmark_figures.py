@@ -551,9 +551,10 @@ def tiles_section(rows) -> str:
   if not t:
     return NOT_MEASURED
   body, within = [], 0
-  keys = sorted({(r["dtype"], r["head_dim"], r["q_len"], r["mode"]) for r in t})
-  for key in keys:
-    sub = [r for r in t if (r["dtype"], r["head_dim"], r["q_len"], r["mode"]) == key]
+  shape = lambda r: (r["impl"], r["dtype"], r["head_dim"], r["q_len"], r["mode"])
+  keys = sorted({shape(r) for r in t})
+  for impl, *key in keys:
+    sub = [r for r in t if shape(r) == (impl, *key)]
     auto = next((r for r in sub if r.get("variant") == "auto"), None)
     libdev = next((r for r in sub if r.get("variant") == "auto_libdevice_exp2"), None)
     forced = [r for r in sub if r.get("variant") not in ("auto", "auto_libdevice_exp2")]
@@ -572,7 +573,7 @@ def tiles_section(rows) -> str:
     auto_cfg = (auto or {}).get("auto_config", "—")
     if isinstance(auto_cfg, dict):
       auto_cfg = auto_cfg.get("forward" if key[3] == "fwd" else "backward", "—")
-    body.append([DTYPE_SHORT.get(key[0], key[0]), key[1], key[2], MODE_LABEL.get(key[3], key[3]),
+    body.append([label(impl), DTYPE_SHORT.get(key[0], key[0]), key[1], key[2], MODE_LABEL.get(key[3], key[3]),
                  cell(auto, field), auto_cfg, cell(best, field), best["variant"] if best else "—",
                  f"{auto[field] / best[field]:.2f}" if ok_auto else "—", cell(libdev, field), clock,
                  f"{len(okf)} ran / {len(forced) - len(okf)} rejected"])
@@ -582,7 +583,7 @@ def tiles_section(rows) -> str:
           f"the split backward's tiles, each row with auto's forward tiles. Times are kernel time "
           f"(`device_ms`) where every row of a shape has one, else wall clock (column \"clock\"). "
           f"Auto within 5% of the best in {within} of {len(keys)} shapes.\n\n"
-          + md_table(["dtype", "head_dim", "T", "mode", "auto ms", "auto config", "best forced ms",
+          + md_table(["kernel", "dtype", "head_dim", "T", "mode", "auto ms", "auto config", "best forced ms",
                       "best forced", "auto / best", "auto, libdevice exp2f ms", "clock", "configs"], body))
 
 

@@ -14,6 +14,9 @@ For each (dtype, head_dim, T) at batch 4, 8 heads, non-causal (``--lengths``, de
   "auto_libdevice_exp2"), which checks the device's ``FAST_EXP2`` entry; the tile page
   reports it beside auto and does not count it as a forced config.
 
+``--kernel mosaic``: the same for the Mosaic GPU forward (impl "probjax_mosaic", mode "fwd"):
+auto against every forced ``MosaicForwardConfig(64, block_k, num_stages, compute_wgs)``.
+
 Configurations that do not fit shared memory are refused before launch
 (status "unsupported" with the message).
 """
@@ -38,6 +41,9 @@ BWD_DKV = ((32, 128), (64, 128), (64, 64))
 BWD_DQ = ((128, 32), (128, 64), (64, 64))
 BWD_WARPS = (4, 8)
 BWD_STAGES = (2, 3, 4)
+MOSAIC_BLOCKS_K = (64, 128, 192)
+MOSAIC_STAGES = (2, 3, 4)
+MOSAIC_WGS = (1, 2)
 
 
 def _auto_description(dtype, head_dim, t):
@@ -96,16 +102,54 @@ def tile_case(dtype, d, t, b, h, mode, cfg, timing):
                       run=run, variant=variant, extra={"config": variant})
 
 
+def mosaic_tile_case(dtype, d, t, b, h, cfg, timing):
+  """One forward row of the Mosaic kernel: ``cfg`` None (auto) or (block_k, stages, compute_wgs)."""
+  from probjax.ops.attention.mosaic_gpu import MosaicForwardConfig
+  from probjax.ops.attention.mosaic_gpu import config as MC
+  if cfg is None:
+    variant, kw = "auto", {}
+  else:
+    bk, st, wgs = cfg
+    variant = f"mosaic_bk{bk}_s{st}_wg{wgs}"
+    kw = {"forward_config": MosaicForwardConfig(64, bk, st, wgs)}
+
+  def run():
+    from probjax.nn.layers.attention import flex_attention
+    from probjax.ops.attention.triton import config as C
+    attn = lambda q, k, v: flex_attention(q, k, v, implementation="mosaic", **kw)
+    fn, sync = impls._jax_fn(attn, impls.inputs(b, t, t, h, h, d), dtype, "fwd")
+    try:
+      res = harness.time_fn(fn, sync, **timing)
+      if cfg is None:
+        auto = MC.fit(None, impls.jnp_dtype(dtype).itemsize, d, C.device_kind())
+        res["auto_config"] = {"forward": dataclasses.asdict(auto)}
+      return res
+    finally:
+      impls.free_memory()
+
+  return harness.Case(suite="tiles", impl="probjax_mosaic", dtype=dtype, batch=b, q_heads=h,
+                      kv_heads=h, q_len=t, kv_len=t, head_dim=d, causal=False, mode="fwd",
+                      run=run, variant=variant, extra={"config": variant})
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   harness.add_common_args(p)
   p.add_argument("--dtypes", default="bf16,fp32")
   p.add_argument("--head-dims", default="64,128")
   p.add_argument("--lengths", default="4096", help="comma-separated T (Lq = Lkv); one swept shape each")
+  p.add_argument("--kernel", default="triton", choices=("triton", "mosaic"))
   args = p.parse_args(argv)
   timing = harness.timing_kwargs(args)
   cases = []
-  if args.quick:
+  if args.kernel == "mosaic":
+    shapes = [("bfloat16", 64, 128, 1, 2)] if args.quick else [
+        (harness.DTYPE_NAMES[dt], d, int(t), 4, 8) for dt in args.dtypes.split(",")
+        for d in map(int, args.head_dims.split(",")) for t in args.lengths.split(",") if t]
+    configs = [None] + list(itertools.product(MOSAIC_BLOCKS_K, MOSAIC_STAGES, MOSAIC_WGS))
+    cases = [mosaic_tile_case(dtype, d, t, b, h, c, timing) for dtype, d, t, b, h in shapes
+             for c in (configs[:2] if args.quick else configs)]
+  elif args.quick:
     cases = [tile_case("float32", 16, 64, 1, 2, "fwd", cfg, timing)
              for cfg in (None, "libdevice_exp2", (32, 32, 1, 4))]
     cases.append(tile_case("float32", 16, 64, 1, 2, "fwd_bwd", ((32, 32), (32, 32), 4, 1), timing))
