@@ -29,6 +29,9 @@ from probjax.ops.attention.masks import Mask, num_tiles, pad_axis, round_up
 from probjax.ops.attention.mosaic_gpu.config import MosaicForwardConfig
 
 LOG2E = math.log2(math.e)
+# Registers per thread after reallocation (setmaxnreg, per warpgroup of 128 threads): two
+# compute warpgroups at 232 and the producer at 40 take 128 * 504 = 64,512 of the SM's 65,536.
+COMPUTE_REGISTERS, PRODUCER_REGISTERS = 232, 40
 
 
 def band_tiles(mask: Mask | None, q_start, rows: int, kv_len: int, block_k: int,
@@ -96,6 +99,7 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, o_ref, lse_ref, q_smem, k_smem, v_smem
 
   @pl.when(wg < wgs)
   def _compute():
+    plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")  # the producer needs few
     q_start = cta_start + wg * bq
     rows = pl.ds(q_start, bq)
     plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[wg], q_bar.at[wg])
@@ -150,6 +154,7 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, o_ref, lse_ref, q_smem, k_smem, v_smem
 
   @pl.when(wg == wgs)
   def _load():
+    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
     hkv = h // groups
 
     def issue(j, slot):
