@@ -11,7 +11,7 @@ import pytest
 from probjax.ops.attention import masks as M
 from probjax.ops.attention import mosaic_gpu as pm
 from probjax.ops.attention.mosaic_gpu import config as mcfg
-from probjax.ops.attention.mosaic_gpu.forward import band_tiles
+from probjax.ops.attention.mosaic_gpu.common import kv_tiles
 from probjax.testing import check_against_reference, make_inputs, make_mask
 
 SMALL = pm.MosaicForwardConfig(block_q=64, block_k=64, num_stages=2, compute_wgs=2)
@@ -58,7 +58,7 @@ def test_band_tiles_match_classification():
     cls = full.classify_tiles(1, 640, kv_len, rows, bk)[0]
     lens = {} if mask is None or mask.q_lengths is None else dict(q_valid=300, kv_valid=170)
     for t in range(cls.shape[0]):
-      lo, hi, flo, fhi = (int(v) for v in band_tiles(mask, t * rows, rows, kv_len, bk, **lens))
+      lo, hi, flo, fhi = (int(v) for v in kv_tiles(mask, t * rows, rows, kv_len, bk, **lens))
       live = [j for j in range(cls.shape[1]) if int(cls[t, j]) != M.EMPTY]
       assert all(lo <= j < hi for j in live), (mask, t, lo, hi, live)
       assert all(int(cls[t, j]) == M.FULL for j in range(flo, fhi)), (mask, t, flo, fhi)

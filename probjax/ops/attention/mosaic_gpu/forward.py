@@ -17,7 +17,6 @@ padded to whole tiles around the kernel (key rows past ``kv_len`` are masked).
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -26,80 +25,23 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from probjax.ops.attention.masks import Mask, num_tiles, pad_axis, round_up
+from probjax.ops.attention.mosaic_gpu import common as C
 from probjax.ops.attention.mosaic_gpu.config import MosaicForwardConfig
-
-LOG2E = math.log2(math.e)
-# Registers per thread after reallocation (setmaxnreg, per warpgroup of 128 threads): two
-# compute warpgroups at 232 and the producer at 40 take 128 * 504 = 64,512 of the SM's 65,536.
-COMPUTE_REGISTERS, PRODUCER_REGISTERS = 232, 40
-
-
-def band_tiles(mask: Mask | None, q_start, rows: int, kv_len: int, block_k: int,
-               q_valid=None, kv_valid=None):
-  """``(lo, hi, full_lo, full_hi)``: the key tiles the band allows for query rows
-  ``[q_start, q_start + rows)`` and the run of them it fills completely (traced ints; the
-  padded query rows past the true length are included, their outputs are dropped).
-
-  ``q_valid``/``kv_valid``: this batch element's query/key lengths (traced; None: all):
-  keys past ``kv_valid`` are never loaded, and a CTA with rows past ``q_valid`` has no full
-  tile (those rows must come out zero, which the element predicate does)."""
-  lo, hi, flo, fhi = _band_only(mask, q_start, rows, kv_len, block_k)
-  if kv_valid is not None:
-    hi = jnp.maximum(lo, jnp.minimum(hi, (kv_valid + block_k - 1) // block_k))
-    fhi = jnp.minimum(fhi, kv_valid // block_k)
-  if q_valid is not None:
-    hi = jnp.where(q_start < q_valid, hi, lo)
-    fhi = jnp.where(q_start + rows <= q_valid, fhi, flo)
-  flo = jnp.clip(flo, lo, hi)
-  return lo, hi, flo, jnp.clip(fhi, flo, hi)
-
-
-def _band_only(mask: Mask | None, q_start, rows: int, kv_len: int, block_k: int):
-  lower = None if mask is None else mask.lower
-  upper = None if mask is None else mask.upper
-  q_last = q_start + rows - 1
-  lo_k = jnp.int32(0) if lower is None else jnp.maximum(0, q_start + lower)
-  hi_k = jnp.int32(kv_len) if upper is None else jnp.minimum(kv_len, q_last + upper + 1)
-  lo = lo_k // block_k
-  hi = jnp.maximum(lo, (hi_k + block_k - 1) // block_k)
-  # Tile j is full when j*bk - q_last >= lower, (j+1)*bk - 1 - q_start <= upper, (j+1)*bk <= kv_len.
-  flo = lo if lower is None else jnp.maximum(lo, (q_last + lower + block_k - 1) // block_k)
-  fhi = jnp.int32(kv_len // block_k) if upper is None else jnp.minimum(
-      kv_len // block_k, jnp.maximum(0, q_start + upper + 1) // block_k)
-  return lo, hi, flo, fhi  # band_tiles clips the full run into [lo, hi)
-
-
-def _accumulate_pv(acc, p, v_slot, p_smem):
-  """``acc + p @ v``: ``p`` from registers, accumulated in place by wgmma. With ``p_smem``
-  (interpret mode, whose wgmma reads only shared memory and cannot accumulate in place),
-  ``p`` goes through shared memory and the product is added."""
-  if p_smem is None:
-    def pv(acc_ref):
-      plgpu.wgmma(acc_ref, p, v_slot)
-    return pl.run_state(pv)(plgpu.ACC.init(acc))
-  p_smem[...] = p
-  plgpu.commit_smem()
-
-  def pv_scoped(acc_ref):
-    plgpu.wgmma(acc_ref, p_smem, v_slot)
-    return acc_ref[...]
-  return acc + pl.run_scoped(pv_scoped, plgpu.ACC(acc.shape, jnp.float32))
-
 
 def _kernel(q_ref, k_ref, v_ref, len_ref, o_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem, q_bar,
             k_ready, v_ready, k_free, v_free, p_smem=None, *, band: Mask | None, lengths: bool,
-            scale: float, groups: int, cfg, kv_len: int, dtype, interpret: bool):
+            scale: float, groups: int, cfg, q_len: int, kv_len: int, dtype):
   bq, bk, stages, wgs = cfg.block_q, cfg.block_k, cfg.num_stages, cfg.compute_wgs
   b, h, i = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_tiles")
   wg = lax.axis_index("wg")
   cta_start = i * (wgs * bq)
-  q_valid, kv_valid = (len_ref[0, b], len_ref[1, b]) if lengths else (None, None)
-  lo, hi, flo, fhi = band_tiles(band, cta_start, wgs * bq, kv_len, bk, q_valid, kv_valid)
-  c = scale * LOG2E
+  valid = (len_ref[0, b], len_ref[1, b]) if lengths else (None, None)
+  lo, hi, flo, fhi = C.kv_tiles(band, cta_start, wgs * bq, kv_len, bk, *valid)
+  c = scale * C.LOG2E
 
   @pl.when(wg < wgs)
   def _compute():
-    plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")  # the producer needs few
+    plgpu.set_max_registers(C.COMPUTE_REGISTERS, action="increase")  # the producer needs few
     q_start = cta_start + wg * bq
     rows = pl.ds(q_start, bq)
     plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[wg], q_bar.at[wg])
@@ -113,21 +55,11 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, o_ref, lse_ref, q_smem, k_smem, v_smem
       acc, m, l = carry
       slot = lax.rem(j - lo, jnp.int32(stages))
       plgpu.barrier_wait(k_ready.at[slot])
-
-      def qk(acc_ref):
-        plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].T)
-        return acc_ref[...]
-      t = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
+      t = C.mma(q_smem.at[wg], k_smem.at[slot].T, (bq, bk))
       plgpu.barrier_arrive(k_free.at[slot])
       if masked:
-        qi = q_start + plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA)
-        ki = j * bk + plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
-        ok = ki < kv_len
-        if band is not None:
-          ok &= band.element(qi, ki)
-        if lengths:
-          ok &= (qi < q_valid) & (ki < kv_valid)
-        t = jnp.where(ok, t, -jnp.inf)
+        qi, ki = C.iotas(bq, bk, q_start, j * bk)
+        t = jnp.where(C.element_ok(band, qi, ki, q_len, kv_len, *valid), t, -jnp.inf)
       m_new = jnp.maximum(m, t.max(axis=1) * c)
       m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows that have seen no valid key
       alpha = jnp.exp2(m - m_safe)
@@ -135,7 +67,7 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, o_ref, lse_ref, q_smem, k_smem, v_smem
       l = l * alpha + p.sum(axis=1)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       plgpu.barrier_wait(v_ready.at[slot])
-      acc = _accumulate_pv(acc, p.astype(dtype), v_smem.at[slot], p_smem.at[wg] if interpret else None)
+      acc = C.mma_acc(acc, p.astype(dtype), v_smem.at[slot], None if p_smem is None else p_smem.at[wg])
       plgpu.barrier_arrive(v_free.at[slot])
       return acc, m_new, l
 
@@ -146,7 +78,7 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, o_ref, lse_ref, q_smem, k_smem, v_smem
     l = jnp.where(empty, 1.0, l)
     out = acc / lax.broadcast_in_dim(l, acc.shape, [0])
     q_smem.at[wg][...] = out.astype(dtype)  # the query tile is no longer needed
-    lse_smem.at[wg][...] = jnp.where(empty, jnp.inf, (m + jnp.log2(l)) * (1.0 / LOG2E))
+    lse_smem.at[wg][...] = jnp.where(empty, jnp.inf, (m + jnp.log2(l)) * (1.0 / C.LOG2E))
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_smem.at[wg], o_ref.at[b, rows, h])
     plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, rows])
@@ -154,30 +86,14 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, o_ref, lse_ref, q_smem, k_smem, v_smem
 
   @pl.when(wg == wgs)
   def _load():
-    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+    plgpu.set_max_registers(C.PRODUCER_REGISTERS, action="decrease")
     hkv = h // groups
 
     def issue(j, slot):
       tile = (b, pl.ds(j * bk, bk), hkv)
       plgpu.copy_gmem_to_smem(k_ref.at[tile], k_smem.at[slot], k_ready.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[tile], v_smem.at[slot], v_ready.at[slot])
-
-    @pl.loop(lo, jnp.minimum(hi, lo + stages))
-    def _fill(j):
-      issue(j, j - lo)
-
-    @pl.loop(lo + stages, hi)
-    def _refill(j):
-      slot = lax.rem(j - lo, jnp.int32(stages))
-      plgpu.barrier_wait(k_free.at[slot])  # every compute warpgroup is done with tile j - stages
-      plgpu.barrier_wait(v_free.at[slot])
-      issue(j, slot)
-
-    @pl.loop(jnp.maximum(lo, hi - stages), hi)
-    def _drain(j):  # the last tiles' releases: every barrier phase is observed before the CTA ends
-      slot = lax.rem(j - lo, jnp.int32(stages))
-      plgpu.barrier_wait(k_free.at[slot])
-      plgpu.barrier_wait(v_free.at[slot])
+    C.produce(lo, hi, stages, issue, (k_free, v_free))
 
 
 def forward(q, k, v, mask: Mask | None, *, scale: float, config: MosaicForwardConfig,
@@ -199,7 +115,7 @@ def forward(q, k, v, mask: Mask | None, *, scale: float, config: MosaicForwardCo
   q_pad, kv_pad = round_up(q_len, rows), round_up(kv_len, cfg.block_k)
   qp = pad_axis(q, 1, q_pad)
   kp, vp = (pad_axis(x, 1, kv_pad) for x in (k, v))
-  tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  tiled = C.TILED
   scratch = [
       plgpu.SMEM((cfg.compute_wgs, cfg.block_q, d), q.dtype, transforms=tiled),
       plgpu.SMEM((cfg.num_stages, cfg.block_k, d), q.dtype, transforms=tiled),
@@ -211,15 +127,11 @@ def forward(q, k, v, mask: Mask | None, *, scale: float, config: MosaicForwardCo
       plgpu.Barrier(num_arrivals=cfg.compute_wgs, num_barriers=cfg.num_stages),
       plgpu.Barrier(num_arrivals=cfg.compute_wgs, num_barriers=cfg.num_stages),
   ]
-  if interpret:  # P's staging buffer (see _accumulate_pv)
+  if interpret:  # P's staging buffer (see common.mma_acc)
     scratch.append(plgpu.SMEM((cfg.compute_wgs, cfg.block_q, cfg.block_k), q.dtype, transforms=tiled))
-  m = mask if mask is not None else Mask()
-  band = Mask(lower=m.lower, upper=m.upper) if m.has_band else None
-  lengths = m.q_lengths is not None or m.kv_lengths is not None
-  full = lambda x, n: jnp.broadcast_to(jnp.asarray(n if x is None else x, jnp.int32), (batch,))
-  lens = jnp.stack([full(m.q_lengths, q_len), full(m.kv_lengths, kv_len)])  # [2, batch]
+  band, lengths, lens = C.split_mask(mask, batch, q_len, kv_len)
   kernel = functools.partial(_kernel, band=band, lengths=lengths, scale=scale, groups=heads // kv_heads,
-                             cfg=cfg, kv_len=kv_len, dtype=q.dtype, interpret=interpret)
+                             cfg=cfg, q_len=q_len, kv_len=kv_len, dtype=q.dtype)
   out, lse = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((batch, q_pad, heads, d), q.dtype),

@@ -1,0 +1,149 @@
+"""Pieces shared by the Mosaic GPU kernels: tile ranges of a mask, the producer warpgroup's
+TMA ring, the element predicate and the wgmma helpers."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from probjax.ops.attention.masks import Mask
+
+LOG2E = math.log2(math.e)
+# Registers per thread after reallocation (setmaxnreg, per warpgroup of 128 threads): two
+# compute warpgroups at 232 and the producer at 40 take 128 * 504 = 64,512 of the SM's 65,536.
+COMPUTE_REGISTERS, PRODUCER_REGISTERS = 232, 40
+ROWS = 64  # rows of one wgmma (M) per warpgroup
+TILED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
+def split_mask(mask: Mask | None, batch: int, q_len: int, kv_len: int):
+  """``(band, has_lengths, lengths)``: the static band (None without one), whether the mask
+  has per-batch lengths, and the ``[2, batch]`` int32 operand of query and key lengths the
+  kernels read their scalars from (the full lengths where the mask has none)."""
+  m = mask if mask is not None else Mask()
+  band = Mask(lower=m.lower, upper=m.upper) if m.has_band else None
+  full = lambda x, n: jnp.broadcast_to(jnp.asarray(n if x is None else x, jnp.int32), (batch,))
+  lens = jnp.stack([full(m.q_lengths, q_len), full(m.kv_lengths, kv_len)])
+  return band, m.q_lengths is not None or m.kv_lengths is not None, lens
+
+
+def _clip(lo, hi, flo, fhi):
+  flo = jnp.clip(flo, lo, hi)
+  return lo, hi, flo, jnp.clip(fhi, flo, hi)
+
+
+def kv_tiles(band: Mask | None, q_start, rows: int, kv_len: int, block_k: int, q_valid=None,
+             kv_valid=None):
+  """``(lo, hi, full_lo, full_hi)`` (traced ints): the key tiles that query rows
+  ``[q_start, q_start + rows)`` may see, and the run of them every row sees completely (no
+  element predicate). ``q_valid``/``kv_valid``: this batch element's lengths (None: all);
+  keys past ``kv_valid`` are never loaded and a block with rows past ``q_valid`` has no
+  full tile (those rows must come out zero)."""
+  lower = None if band is None else band.lower
+  upper = None if band is None else band.upper
+  q_last = q_start + rows - 1
+  lo = (jnp.int32(0) if lower is None else jnp.maximum(0, q_start + lower)) // block_k
+  hi_k = jnp.int32(kv_len) if upper is None else jnp.minimum(kv_len, q_last + upper + 1)
+  hi = jnp.maximum(lo, (hi_k + block_k - 1) // block_k)
+  # Tile j is full when j*bk - q_last >= lower, (j+1)*bk - 1 - q_start <= upper, (j+1)*bk <= kv_len.
+  flo = lo if lower is None else (q_last + lower + block_k - 1) // block_k
+  fhi = jnp.int32(kv_len // block_k)
+  if upper is not None:
+    fhi = jnp.minimum(fhi, jnp.maximum(0, q_start + upper + 1) // block_k)
+  if kv_valid is not None:
+    hi = jnp.maximum(lo, jnp.minimum(hi, (kv_valid + block_k - 1) // block_k))
+    fhi = jnp.minimum(fhi, kv_valid // block_k)
+  if q_valid is not None:
+    hi = jnp.where(q_start < q_valid, hi, lo)
+    fhi = jnp.where(q_start + rows <= q_valid, fhi, flo)
+  return _clip(lo, hi, flo, fhi)
+
+
+def q_tiles(band: Mask | None, k_start, rows: int, q_len: int, block_q: int, q_valid=None,
+            kv_valid=None):
+  """:func:`kv_tiles` with the roles swapped: the query tiles that key rows
+  ``[k_start, k_start + rows)`` are seen by, and the run that sees every one of them."""
+  lower = None if band is None else band.lower
+  upper = None if band is None else band.upper
+  k_last = k_start + rows - 1
+  lo = (jnp.int32(0) if upper is None else jnp.maximum(0, k_start - upper)) // block_q
+  hi_q = jnp.int32(q_len) if lower is None else jnp.minimum(q_len, k_last - lower + 1)
+  hi = jnp.maximum(lo, (hi_q + block_q - 1) // block_q)
+  # Tile j is full when k_start - ((j+1)*bq - 1) >= lower, k_last - j*bq <= upper, (j+1)*bq <= q_len.
+  flo = lo if upper is None else (k_last - upper + block_q - 1) // block_q
+  fhi = jnp.int32(q_len // block_q)
+  if lower is not None:
+    fhi = jnp.minimum(fhi, jnp.maximum(0, k_start - lower + 1) // block_q)
+  if q_valid is not None:
+    hi = jnp.maximum(lo, jnp.minimum(hi, (q_valid + block_q - 1) // block_q))
+    fhi = jnp.minimum(fhi, q_valid // block_q)
+  if kv_valid is not None:
+    hi = jnp.where(k_start < kv_valid, hi, lo)
+    fhi = jnp.where(k_start + rows <= kv_valid, fhi, flo)
+  return _clip(lo, hi, flo, fhi)
+
+
+def element_ok(band: Mask | None, qi, ki, q_len: int, kv_len: int, q_valid=None, kv_valid=None):
+  """The mask predicate on query/key position tiles (any broadcastable layout)."""
+  ok = (qi < q_len) & (ki < kv_len)
+  if band is not None:
+    ok &= band.element(qi, ki)
+  if q_valid is not None:
+    ok &= (qi < q_valid) & (ki < kv_valid)
+  return ok
+
+
+def iotas(rows: int, cols: int, row0, col0):
+  """Row and column positions of a ``[rows, cols]`` tile in the wgmma accumulator layout."""
+  it = lambda dim: plgpu.broadcasted_iota(jnp.int32, (rows, cols), dim, layout=plgpu.Layout.WGMMA)
+  return row0 + it(0), col0 + it(1)
+
+
+def produce(lo, hi, stages: int, issue: Callable, free: tuple):
+  """The producer warpgroup's loop: ``issue(j, slot)`` starts the copies of step ``j`` in
+  ``[lo, hi)`` into ring slot ``(j - lo) % stages``, after every consumer released the slot
+  (one arrival each on every barrier in ``free``); at the end it waits for the last
+  releases too, so that every barrier phase is observed before the block ends."""
+  slot_of = lambda j: lax.rem(j - lo, jnp.int32(stages))
+
+  @pl.loop(lo, jnp.minimum(hi, lo + stages))
+  def _fill(j):
+    issue(j, j - lo)
+
+  @pl.loop(lo + stages, hi)
+  def _refill(j):
+    for bar in free:
+      plgpu.barrier_wait(bar.at[slot_of(j)])
+    issue(j, slot_of(j))
+
+  @pl.loop(jnp.maximum(lo, hi - stages), hi)
+  def _drain(j):
+    for bar in free:
+      plgpu.barrier_wait(bar.at[slot_of(j)])
+
+
+def mma(a, b, shape):
+  """``a @ b`` (float32 ``shape``) with ``a``, ``b`` shared-memory refs (``.T`` views allowed)."""
+  def run(acc_ref):
+    plgpu.wgmma(acc_ref, a, b)
+    return acc_ref[...]
+  return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+
+def mma_acc(acc, a, b, staging=None):
+  """``acc + a @ b`` with ``a`` in registers (16-bit, wgmma layout) and ``b`` a shared-memory
+  ref, accumulated in place by wgmma. ``staging`` (interpret mode, whose wgmma reads only
+  shared memory and cannot accumulate in place): a shared-memory buffer for ``a``; the
+  product is then added."""
+  if staging is None:
+    def run(acc_ref):
+      plgpu.wgmma(acc_ref, a, b)
+    return pl.run_state(run)(plgpu.ACC.init(acc))
+  staging[...] = a
+  plgpu.commit_smem()
+  return acc + mma(staging, b, acc.shape)
