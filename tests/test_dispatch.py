@@ -149,8 +149,12 @@ def test_mosaic_only_when_requested():
     decide(implementation="mosaic", dtype=jnp.float32)
   with pytest.raises(ValueError, match="sm_90"):
     decide(implementation="mosaic", device=Device("gpu", (8, 0), 80 << 30))
-  with pytest.raises(ValueError, match="lengths"):
-    decide(implementation="mosaic", mask=M.KVLenMask(jnp.full((4,), 100)))
+  with pytest.raises(ValueError, match="segment"):
+    decide(implementation="mosaic", mask=M.SegmentMask(jnp.zeros((4, 4096), jnp.int32)))
+  assert decide(implementation="mosaic", backward_pass_impl="mosaic").backward_pass_impl == "mosaic"
+  for impl in (None, "triton"):
+    with pytest.raises(ValueError, match="needs implementation='mosaic'"):
+      decide(implementation=impl, backward_pass_impl="mosaic")
   # Its opt-out is accepted and changes nothing while there is no Mosaic kernel.
   assert decide(env={"PROBJAX_ATTENTION_MOSAIC": "0"}) == decide()
 

@@ -17,8 +17,15 @@ from probjax.testing import check_against_reference, make_inputs, make_mask
 SMALL = pm.MosaicForwardConfig(block_q=64, block_k=64, num_stages=2, compute_wgs=2)
 
 
+BSMALL = pm.MosaicBackwardConfig(block_q=64, block_k=64, num_stages=2, compute_wgs=2)
+
+
 def _attn(mask, cfg=SMALL, interpret=True, **kw):
   return lambda q, k, v, _: pm.attention(q, k, v, mask=mask, forward_config=cfg, interpret=interpret, **kw)
+
+
+def _mosaic_bwd(mask, bcfg=BSMALL):
+  return _attn(mask, backward_pass_impl="mosaic", backward_config=bcfg)
 
 
 @pytest.mark.parametrize("mask_name", ["none", "causal", "causal_offset", "window", "window_right", "kv_len",
@@ -27,6 +34,41 @@ def test_masks_values_and_grads(mask_name):
   x = make_inputs(1, 2, 150, 200, 2, 1, 64, jnp.bfloat16)  # odd lengths, GQA 2:1
   mask = make_mask(mask_name, 2, 150, 200)
   check_against_reference(_attn(mask), x, mask=mask)
+
+
+@pytest.mark.parametrize("mask_name", ["none", "causal_offset", "window_right", "lengths", "kv_len_zero"])
+def test_mosaic_backward(mask_name):
+  x = make_inputs(5, 2, 150, 200, 4, 2, 64, jnp.bfloat16)  # odd lengths, GQA 2:1 (dK/dV summed over the group)
+  mask = make_mask(mask_name, 2, 150, 200)
+  check_against_reference(_mosaic_bwd(mask), x, mask=mask)
+
+
+@pytest.mark.parametrize("backward", ["mosaic", "auto"])
+def test_gradients_within_twice_a_same_precision_reference(backward):
+  """FlashAttention-style bound: each gradient's error at most 2x that of the XLA path in
+  the same dtype (a fixed bf16 bound is loose enough to hide e.g. a wrong delta term)."""
+  from probjax.nn.layers.attention import dot_product_attention
+  from probjax.ops.attention.reference import reference_vjp
+  from probjax.ops.attention.tolerances import max_error, scaled_tolerance
+  x = make_inputs(7, 2, 150, 200, 4, 2, 64, jnp.bfloat16)
+  mask = M.CausalMask(50)
+  ref = reference_vjp(x.q, x.k, x.v, x.do, mask=mask)
+  run = lambda f: (lambda o, vjp: (o, *vjp(x.do)))(*jax.vjp(f, x.q, x.k, x.v))
+  same = run(lambda q, k, v: dot_product_attention(q, k, v, mask=mask, implementation="xla"))
+  ours = run(lambda q, k, v: _attn(mask, backward_pass_impl=backward,
+                                   backward_config=BSMALL if backward == "mosaic" else None)(q, k, v, None))
+  for name, o, s_, r in zip(("out", "dq", "dk", "dv"), ours, same, ref):
+    bound = scaled_tolerance(max_error(s_, r), jnp.bfloat16, grad=name != "out")
+    assert max_error(o, r) <= bound, (name, max_error(o, r), bound)
+
+
+@pytest.mark.parametrize("tq,tk,d,dtype,bcfg", [
+    (70, 130, 128, jnp.float16, pm.MosaicBackwardConfig(128, 64, 3, 1)),
+    (200, 64, 64, jnp.bfloat16, pm.MosaicBackwardConfig(64, 128, 2, 2)),
+])
+def test_mosaic_backward_shapes_configs(tq, tk, d, dtype, bcfg):
+  x = make_inputs(6, 1, tq, tk, 2, 1, d, dtype)
+  check_against_reference(_mosaic_bwd(M.CausalMask(tk - tq), bcfg), x, mask=M.CausalMask(tk - tq))
 
 
 @pytest.mark.parametrize("tq,tk,d,dtype,cfg", [
@@ -84,10 +126,35 @@ def test_config_validation_and_fit():
   for kw in (dict(block_q=128), dict(block_k=96), dict(num_stages=1), dict(compute_wgs=3)):
     with pytest.raises(ValueError):
       pm.MosaicForwardConfig(**kw)
+  for kw in (dict(block_q=32), dict(block_k=96), dict(num_stages=1), dict(compute_wgs=0)):
+    with pytest.raises(ValueError):
+      pm.MosaicBackwardConfig(**kw)
+  from probjax.ops.attention.mosaic_gpu import backward as mb
+  for d in mb.DEFAULTS:
+    assert mb.fit(None, 2, d, "sm_90").smem_bytes(2, d) <= 232448
+  with pytest.raises(ValueError, match="shared memory"):
+    mb.fit(pm.MosaicBackwardConfig(256, 256, 4, 2), 2, 256, "sm_90")
+  x = make_inputs(0, 1, 64, 64, 1, 1, 64, jnp.bfloat16)
+  with pytest.raises(TypeError, match="MosaicBackwardConfig goes with 'mosaic'"):
+    pm.attention(x.q, x.k, x.v, backward_config=BSMALL, interpret=True)
   for d, cfg in mcfg.DEFAULTS.items():
     assert mcfg.fit(None, 2, d, "sm_90").smem_bytes(2, d) <= 232448
   with pytest.raises(ValueError, match="shared memory"):
     mcfg.fit(pm.MosaicForwardConfig(64, 256, 8, 2), 2, 128, "sm_90")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask_name,tq,tk,d", [("none", 4096, 4096, 128), ("causal", 3000, 3000, 64),
+                                               ("causal&kv_len", 2048, 3000, 128)])
+def test_gpu_mosaic_backward_is_exact_and_deterministic(mask_name, tq, tk, d):
+  x = make_inputs(tq + d + 1, 2, tq, tk, 8, 2, d, jnp.bfloat16)
+  mask = make_mask(mask_name, 2, tq, tk)
+  f = lambda q, k, v, _: pm.attention(q, k, v, mask=mask, backward_pass_impl="mosaic")
+  check_against_reference(f, x, mask=mask)
+  grads = lambda: jax.grad(lambda q, k, v: jnp.sum(f(q, k, v, None).astype(jnp.float32) * x.do),
+                           argnums=(0, 1, 2))(x.q, x.k, x.v)
+  for a, b in zip(grads(), grads()):  # no atomics: bitwise equal across runs
+    assert bool(jnp.all(a == b))
 
 
 @pytest.mark.gpu

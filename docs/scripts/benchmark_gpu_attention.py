@@ -20,8 +20,8 @@ from docs.scripts import harness, impls
 
 GRID_LENGTHS = (600, 1024, 1500, 2048, 3000, 4096, 8192, 16384)
 PROBJAX_GRID = ("probjax_default", "probjax_xla", "probjax_triton", "probjax_cudnn", "probjax_mosaic",
-                "probjax_triton_onepass", "probjax_triton_fused", "probjax_triton_split")
-BWD_VARIANTS = ("probjax_triton_onepass", "probjax_triton_fused", "probjax_triton_split")
+                "probjax_triton_onepass", "probjax_triton_fused", "probjax_triton_split", "probjax_mosaic_bwd")
+BWD_VARIANTS = ("probjax_triton_onepass", "probjax_triton_fused", "probjax_triton_split", "probjax_mosaic_bwd")
 PEERS_GRID = ("jaxnn_xla", "jaxnn_cudnn", "tokamax_mosaic", "tokamax_triton", "tokamax_cudnn",
               "torch_sdpa_flash", "torch_sdpa_efficient", "torch_sdpa_cudnn", "torch_sdpa_math",
               "torch_flex")
@@ -55,7 +55,7 @@ def grid_cases(args):
           for mode in modes:
             for impl in impl_list:
               if mode == "fwd" and impl in BWD_VARIANTS:
-                continue  # same forward as probjax_triton
+                continue  # the forward of probjax_triton (probjax_mosaic for the mosaic backward)
               cases.append(impls.timed_case("grid", impl, dtype, batch, heads, heads, t, t, d,
                                             causal, mode, timing))
   return cases

@@ -25,6 +25,7 @@ PROBJAX_IMPLS = {
     "probjax_pallas": {"implementation": "pallas"},
     "probjax_cudnn": {"implementation": "cudnn"},
     "probjax_mosaic": {"implementation": "mosaic"},
+    "probjax_mosaic_bwd": {"implementation": "mosaic", "backward_pass_impl": "mosaic"},
     "probjax_triton_onepass": {"implementation": "triton", "backward_pass_impl": "triton_onepass"},
     "probjax_triton_fused": {"implementation": "triton", "backward_pass_impl": "triton_fused"},
     "probjax_triton_split": {"implementation": "triton", "backward_pass_impl": "triton_split"},
@@ -36,7 +37,7 @@ TORCH_SDPA_IMPLS = {"torch_sdpa_flash": "FLASH_ATTENTION", "torch_sdpa_efficient
 TOKAMAX_IMPLS = {"tokamax_mosaic": "mosaic", "tokamax_triton": "triton", "tokamax_cudnn": "cudnn",
                  "tokamax_xla_chunked": "xla_chunked"}
 NO_FP32 = {"jaxnn_cudnn", "torch_sdpa_flash", "torch_sdpa_cudnn", "tokamax_cudnn", "probjax_cudnn",
-           "probjax_mosaic"}
+           "probjax_mosaic", "probjax_mosaic_bwd"}
 MASKS = ("none", "window512", "docs4", "docs4_causal")
 
 

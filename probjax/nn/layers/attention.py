@@ -34,7 +34,7 @@ __all__ = [
     "Mask", "CausalMask", "KVLenMask", "LengthMask", "LocalWindowMask", "SegmentMask", "Decision",
 ]
 
-BACKWARD_PASS_IMPLS = ("auto", "triton_onepass", "triton_fused", "triton_split")
+BACKWARD_PASS_IMPLS = ("auto", "triton_onepass", "triton_fused", "triton_split", "mosaic")
 
 
 def available_implementations(device: Device | None = None) -> list[str]:
@@ -78,12 +78,12 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
     scale: softmax scale, default ``head_dim ** -0.5``.
     score_mod: ``f(score, b, h, q_idx, kv_idx) -> score`` (see :func:`flex_attention`).
     backward_pass_impl: Triton backward: "auto", "triton_onepass", "triton_fused",
-      "triton_split".
+      "triton_split"; or "mosaic" (with ``implementation="mosaic"``: the Mosaic GPU backward).
     split_kv: Triton split-KV forward for decoding: None (automatic: at most 64
       queries, at least 1024 keys, two or more splits), False (never), True or a
       ``SplitKVConfig`` (whenever the call allows; ValueError otherwise). Under
       ``jax.grad`` the regular kernel runs.
-    interpret: run the Triton kernel in Pallas interpret mode (CPU testing).
+    interpret: run the Triton or Mosaic kernels in Pallas interpret mode (CPU testing).
   Returns:
     ``[batch, q_len, heads, head_dim]`` in the input dtype. Rows with no valid
     key are zero.

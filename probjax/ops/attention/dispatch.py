@@ -166,6 +166,9 @@ def _decide(q_shape, kv_shape, dtype, *, mask, bias, dense_mask, dropout, score_
   dtype = jnp.dtype(dtype)
   impl = canonical(implementation)
   kw = dict(mask=mask, score_mod=score_mod, bias=bias, dense_mask=dense_mask, dropout=dropout)
+  if backward_pass_impl == "mosaic" and impl != "mosaic":
+    raise ValueError("backward_pass_impl='mosaic' is the Mosaic GPU kernel's backward: it needs "
+                     f"implementation='mosaic', got {implementation!r}")
 
   if impl == "xla":
     return Decision("xla", "requested", formulation=xla_formulation(q_shape, kv_shape, device))

@@ -1,26 +1,33 @@
 """Flash attention in Pallas Mosaic GPU for Hopper (sm_90): TMA loads, wgmma, a producer
 warpgroup (FA3-style; :mod:`.forward`).
 
-Built so far: the forward (16-bit, head_dim 64/128/256, a causal/window band and per-batch
-query/key lengths with tile skipping, GQA, any length); its backward is the Triton kernels'
-(:mod:`probjax.ops.attention.triton`). Not yet: segment masks, ``score_mod``, a Mosaic
-backward, measured tiles. The default dispatch does not pick it (``implementation="mosaic"`` asks for it).
+Built so far (16-bit, head_dim 64/128/256, a causal/window band and per-batch query/key
+lengths with tile skipping, GQA, any length): the forward (:mod:`.forward`) and a
+deterministic two-kernel backward (:mod:`.backward`, ``backward_pass_impl="mosaic"``); other
+``backward_pass_impl`` values run the Triton kernels' backward on the same residuals. Not
+yet: segment masks, ``score_mod``, measured tiles. The default dispatch does not pick it (``implementation="mosaic"`` asks for it).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
 
 from probjax.ops.attention.masks import Mask
+from probjax.ops.attention.mosaic_gpu import backward as backward_lib
 from probjax.ops.attention.mosaic_gpu import config as config_lib
+from probjax.ops.attention.mosaic_gpu import forward as forward_lib
+from probjax.ops.attention.mosaic_gpu.backward import MosaicBackwardConfig
 from probjax.ops.attention.mosaic_gpu.config import MosaicForwardConfig
 from probjax.ops.attention.triton import BackwardConfig, attention_with_forward
 from probjax.ops.attention.triton import config as triton_config
 
-__all__ = ["attention", "supports", "MosaicForwardConfig"]
+__all__ = ["attention", "supports", "MosaicForwardConfig", "MosaicBackwardConfig"]
 
 _HEAD_DIMS = (64, 128, 256)
 
@@ -66,7 +73,8 @@ def supports(q_shape, kv_shape, dtype, *, mask: Mask | None = None, score_mod: C
 
 def attention(q, k, v, *, mask: Mask | None = None, scale: float | None = None,
               backward_pass_impl: str = "auto", forward_config: MosaicForwardConfig | None = None,
-              backward_config: BackwardConfig | None = None, interpret: bool = False):
+              backward_config: BackwardConfig | MosaicBackwardConfig | None = None,
+              interpret: bool = False):
   """Exact attention with the Mosaic GPU forward and the Triton backward.
 
   Args:
@@ -74,9 +82,12 @@ def attention(q, k, v, *, mask: Mask | None = None, scale: float | None = None,
       bfloat16 or float16, ``heads % kv_heads == 0``.
     mask: None, a band (``CausalMask``, ``LocalWindowMask``), per-batch lengths (``KVLenMask``,
       ``LengthMask``) or their ``&``; rows without a valid key give zeros.
-    backward_pass_impl: the Triton backward's variant (see :mod:`probjax.ops.attention.triton`).
+    backward_pass_impl: ``"mosaic"`` (this package's backward, :mod:`.backward`), or the
+      Triton backward's variant (``"auto"``, ``"triton_*"``, see :mod:`probjax.ops.attention.triton`):
+      "auto" stays on the Triton backward until the Mosaic one is measured.
     forward_config: explicit tiles, checked against the device's shared memory.
-    backward_config: the Triton backward's tiles.
+    backward_config: the backward's tiles (a ``MosaicBackwardConfig`` for "mosaic", else the
+      Triton ``BackwardConfig``).
     interpret: Mosaic GPU interpret mode (CPU testing).
   Returns:
     ``[batch, q_len, heads, head_dim]`` in q's dtype.
@@ -93,7 +104,44 @@ def attention(q, k, v, *, mask: Mask | None = None, scale: float | None = None,
     mask.validate(q.shape[0], q.shape[1], k.shape[1])
   scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
   device = "interpret" if interpret else triton_config.device_kind()
-  cfg = config_lib.fit(forward_config, jnp.dtype(q.dtype).itemsize, q.shape[-1], device)
+  itemsize, d = jnp.dtype(q.dtype).itemsize, q.shape[-1]
+  cfg = config_lib.fit(forward_config, itemsize, d, device)
+  mosaic_bwd = backward_pass_impl == "mosaic"
+  if backward_config is not None and isinstance(backward_config, MosaicBackwardConfig) != mosaic_bwd:
+    raise TypeError(f"backward_config {type(backward_config).__name__} does not match "
+                    f"backward_pass_impl={backward_pass_impl!r} (MosaicBackwardConfig goes with 'mosaic')")
+  if mosaic_bwd:
+    bcfg = backward_lib.fit(backward_config, itemsize, d, device)
+    return _attention(_Static(scale, cfg, bcfg, bool(interpret)), q, k, v, mask)
   return attention_with_forward(q, k, v, mask, scale=scale, mosaic_config=cfg,
                                 backward_pass_impl=backward_pass_impl, backward_config=backward_config,
                                 interpret=interpret)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  """Hashable non-array arguments of the all-Mosaic custom_vjp."""
+  scale: float
+  fcfg: MosaicForwardConfig
+  bcfg: MosaicBackwardConfig
+  interpret: bool
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(st: _Static, q, k, v, mask):
+  return _fwd(st, q, k, v, mask)[0]
+
+
+def _fwd(st: _Static, q, k, v, mask):
+  out, lse = forward_lib.forward(q, k, v, mask, scale=st.scale, config=st.fcfg, interpret=st.interpret)
+  return out, (q, k, v, out, lse, mask)
+
+
+def _bwd(st: _Static, res, do):
+  q, k, v, out, lse, mask = res
+  dq, dk, dv = backward_lib.backward(q, k, v, out, lse, do, mask, scale=st.scale, config=st.bcfg,
+                                     interpret=st.interpret)
+  return dq, dk, dv, jax.tree.map(lambda _: None, mask)
+
+
+_attention.defvjp(_fwd, _bwd)

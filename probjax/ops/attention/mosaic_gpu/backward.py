@@ -1,0 +1,257 @@
+"""Flash-attention backward in Pallas Mosaic GPU (Hopper): two deterministic kernels.
+
+Both follow the forward's structure (:mod:`.forward`): compute warpgroups of 64 rows and a
+producer warpgroup that streams tiles by TMA into a ring of shared-memory slots.
+
+* dK/dV: one CTA per (key tile of ``64 * compute_wgs`` rows, batch, KV head). Its K and V
+  rows stay in shared memory; the producer streams, for each query head of the group and
+  each query tile the mask allows, the Q and dO tiles and their (lse, delta) rows. On
+  transposed tiles ``S^T = K Q^T`` (``[64, block_q]``): ``P^T``, ``dV += P^T dO``,
+  ``dP^T = V dO^T``, ``dS^T = P^T (dP^T - delta)``, ``dK += dS^T Q``; dK/dV are summed over
+  the group in registers (no atomics).
+* dQ: one CTA per (query tile, batch, query head), streaming K and V tiles:
+  ``S = Q K^T``, ``P``, ``dP = dO V^T``, ``dS = P (dP - delta)``, ``dQ += dS K``.
+
+``delta = rowsum(dO * O)`` and the base-2 lse are computed in XLA and padded (+inf lse: padded
+query rows have P = 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from probjax.ops.attention.masks import Mask, num_tiles, pad_axis, round_up
+from probjax.ops.attention.mosaic_gpu import common as C
+from probjax.ops.attention.triton.config import smem_limit
+
+R = C.ROWS
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicBackwardConfig:
+  """``block_q``: query tiles the dK/dV kernel streams; ``block_k``: key tiles the dQ kernel
+  streams; ``num_stages`` ring slots; ``compute_wgs`` compute warpgroups (64 rows each)."""
+  block_q: int = 64
+  block_k: int = 64
+  num_stages: int = 2
+  compute_wgs: int = 2
+
+  def __post_init__(self):
+    for name in ("block_q", "block_k"):
+      v = getattr(self, name)
+      if not isinstance(v, int) or v < 64 or v % 64:
+        raise ValueError(f"{name} must be a positive multiple of 64, got {v!r}")
+    if not isinstance(self.num_stages, int) or self.num_stages < 2:
+      raise ValueError(f"num_stages must be an int >= 2, got {self.num_stages!r}")
+    if self.compute_wgs not in (1, 2):
+      raise ValueError(f"compute_wgs must be 1 or 2, got {self.compute_wgs!r}")
+
+  def smem_bytes(self, itemsize: int, head_dim: int) -> int:
+    """The larger of the two kernels' shared memory: resident 64-row tiles of two operands
+    per compute warpgroup (K, V or Q, dO) and ``num_stages`` slots of two streamed tiles."""
+    wgs, st, d, s = self.compute_wgs, self.num_stages, head_dim, itemsize
+    dkv = 2 * wgs * R * d * s + st * (2 * self.block_q * d * s + 2 * self.block_q * 4)
+    dq = 2 * wgs * R * d * s + wgs * 2 * R * 4 + st * 2 * self.block_k * d * s
+    return max(dkv, dq) + 8 * (4 * st + 2 * wgs)
+
+
+DEFAULTS = {64: MosaicBackwardConfig(64, 64, 3, 2), 128: MosaicBackwardConfig(64, 64, 2, 2),
+            256: MosaicBackwardConfig(64, 64, 2, 1)}
+
+
+def fit(config: MosaicBackwardConfig | None, itemsize: int, head_dim: int, device: str) -> MosaicBackwardConfig:
+  """As :func:`probjax.ops.attention.mosaic_gpu.config.fit`, for the backward."""
+  limit = smem_limit(device)
+  cfg = config if config is not None else DEFAULTS[head_dim]
+  if limit is not None and cfg.smem_bytes(itemsize, head_dim) > limit:
+    raise ValueError(f"{cfg} needs {cfg.smem_bytes(itemsize, head_dim)} bytes of shared memory at "
+                     f"head_dim {head_dim}; {device} has {limit}")
+  return cfg
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, st_ref, len_ref, dk_ref, dv_ref, k_smem, v_smem, q_smem,
+                do_smem, st_smem, kv_bar, q_ready, do_ready, st_ready, free, staging=None, *,
+                band, lengths, scale, groups, cfg, q_len, kv_len, dtype):
+  bq, stages, wgs = cfg.block_q, cfg.num_stages, cfg.compute_wgs
+  b, hkv, i = lax.axis_index("batch"), lax.axis_index("kv_heads"), lax.axis_index("kv_tiles")
+  wg = lax.axis_index("wg")
+  cta_start = i * (wgs * R)
+  valid = (len_ref[0, b], len_ref[1, b]) if lengths else (None, None)
+  lo, hi, flo, fhi = C.q_tiles(band, cta_start, wgs * R, q_len, bq, *valid)
+  nq = hi - lo
+  c = scale * C.LOG2E
+
+  @pl.when(wg < wgs)
+  def _compute():
+    plgpu.set_max_registers(C.COMPUTE_REGISTERS, action="increase")
+    k_start = cta_start + wg * R
+    rows = pl.ds(k_start, R)
+    plgpu.copy_gmem_to_smem(k_ref.at[b, rows, hkv], k_smem.at[wg], kv_bar.at[wg])
+    plgpu.copy_gmem_to_smem(v_ref.at[b, rows, hkv], v_smem.at[wg], kv_bar.at[wgs + wg])
+    plgpu.barrier_wait(kv_bar.at[wg])
+    plgpu.barrier_wait(kv_bar.at[wgs + wg])
+    d = k_smem.shape[-1]
+    zeros = plgpu.layout_cast(jnp.zeros((R, d), jnp.float32), plgpu.Layout.WGMMA)
+    stage = None if staging is None else staging.at[wg]
+    col = lambda x: lax.broadcast_in_dim(x, (R, bq), [1])
+
+    def step(j, carry, g, masked: bool):
+      dk, dv = carry
+      slot = lax.rem(g * nq + j - lo, jnp.int32(stages))
+      plgpu.barrier_wait(q_ready.at[slot])
+      plgpu.barrier_wait(st_ready.at[slot])
+      lse2 = plgpu.load(st_smem.at[slot, 0], layout=plgpu.Layout.WGMMA.reduce(0))
+      pt = jnp.exp2(C.mma(k_smem.at[wg], q_smem.at[slot].T, (R, bq)) * c - col(lse2))
+      if masked:
+        ki, qi = C.iotas(R, bq, k_start, j * bq)
+        pt = jnp.where(C.element_ok(band, qi, ki, q_len, kv_len, *valid), pt, 0.0)
+      plgpu.barrier_wait(do_ready.at[slot])
+      dv = C.mma_acc(dv, pt.astype(dtype), do_smem.at[slot], stage)
+      delta = plgpu.load(st_smem.at[slot, 1], layout=plgpu.Layout.WGMMA.reduce(0))
+      dst = pt * (C.mma(v_smem.at[wg], do_smem.at[slot].T, (R, bq)) - col(delta))
+      dk = C.mma_acc(dk, dst.astype(dtype), q_smem.at[slot], stage)
+      plgpu.barrier_arrive(free.at[slot])
+      return dk, dv
+
+    def head(g, carry):
+      carry = lax.fori_loop(lo, flo, functools.partial(step, g=g, masked=True), carry)
+      carry = lax.fori_loop(flo, fhi, functools.partial(step, g=g, masked=False), carry)
+      return lax.fori_loop(fhi, hi, functools.partial(step, g=g, masked=True), carry)
+
+    dk, dv = lax.fori_loop(0, groups, head, (zeros, zeros))
+    k_smem.at[wg][...] = (dk * scale).astype(dtype)  # K and V are no longer needed
+    v_smem.at[wg][...] = dv.astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(k_smem.at[wg], dk_ref.at[b, rows, hkv])
+    plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_ref.at[b, rows, hkv])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == wgs)
+  def _load():
+    plgpu.set_max_registers(C.PRODUCER_REGISTERS, action="decrease")
+
+    def issue(s, slot):  # step s: query head g of the group, query tile lo + s % nq
+      g, j = s // nq, lo + lax.rem(s, nq)
+      h = hkv * groups + g
+      tile = (b, pl.ds(j * bq, bq), h)
+      plgpu.copy_gmem_to_smem(q_ref.at[tile], q_smem.at[slot], q_ready.at[slot])
+      plgpu.copy_gmem_to_smem(do_ref.at[tile], do_smem.at[slot], do_ready.at[slot])
+      plgpu.copy_gmem_to_smem(st_ref.at[b, h, :, pl.ds(j * bq, bq)], st_smem.at[slot], st_ready.at[slot])
+    C.produce(jnp.int32(0), groups * nq, stages, issue, (free,))
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, st_ref, len_ref, dq_ref, q_smem, do_smem, st_smem, k_smem,
+               v_smem, row_bar, k_ready, v_ready, free, staging=None, *, band, lengths, scale, groups,
+               cfg, q_len, kv_len, dtype):
+  bk, stages, wgs = cfg.block_k, cfg.num_stages, cfg.compute_wgs
+  b, h, i = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_tiles")
+  wg = lax.axis_index("wg")
+  cta_start = i * (wgs * R)
+  valid = (len_ref[0, b], len_ref[1, b]) if lengths else (None, None)
+  lo, hi, flo, fhi = C.kv_tiles(band, cta_start, wgs * R, kv_len, bk, *valid)
+  c = scale * C.LOG2E
+
+  @pl.when(wg < wgs)
+  def _compute():
+    plgpu.set_max_registers(C.COMPUTE_REGISTERS, action="increase")
+    q_start = cta_start + wg * R
+    rows = pl.ds(q_start, R)
+    plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[wg], row_bar.at[wg])
+    plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_smem.at[wg], row_bar.at[wgs + wg])
+    plgpu.copy_gmem_to_smem(st_ref.at[b, h, :, rows], st_smem.at[wg], row_bar.at[2 * wgs + wg])
+    for r in (wg, wgs + wg, 2 * wgs + wg):
+      plgpu.barrier_wait(row_bar.at[r])
+    row = lambda x: lax.broadcast_in_dim(x, (R, bk), [0])
+    lse2 = row(plgpu.load(st_smem.at[wg, 0], layout=plgpu.Layout.WGMMA.reduce(1)))
+    delta = row(plgpu.load(st_smem.at[wg, 1], layout=plgpu.Layout.WGMMA.reduce(1)))
+    stage = None if staging is None else staging.at[wg]
+    d = q_smem.shape[-1]
+
+    def step(j, dq, masked: bool):
+      slot = lax.rem(j - lo, jnp.int32(stages))
+      plgpu.barrier_wait(k_ready.at[slot])
+      p = jnp.exp2(C.mma(q_smem.at[wg], k_smem.at[slot].T, (R, bk)) * c - lse2)
+      if masked:
+        qi, ki = C.iotas(R, bk, q_start, j * bk)
+        p = jnp.where(C.element_ok(band, qi, ki, q_len, kv_len, *valid), p, 0.0)
+      plgpu.barrier_wait(v_ready.at[slot])
+      ds = p * (C.mma(do_smem.at[wg], v_smem.at[slot].T, (R, bk)) - delta)
+      dq = C.mma_acc(dq, ds.astype(dtype), k_smem.at[slot], stage)
+      plgpu.barrier_arrive(free.at[slot])
+      return dq
+
+    dq = plgpu.layout_cast(jnp.zeros((R, d), jnp.float32), plgpu.Layout.WGMMA)
+    dq = lax.fori_loop(lo, flo, functools.partial(step, masked=True), dq)
+    dq = lax.fori_loop(flo, fhi, functools.partial(step, masked=False), dq)
+    dq = lax.fori_loop(fhi, hi, functools.partial(step, masked=True), dq)
+    q_smem.at[wg][...] = (dq * scale).astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_smem.at[wg], dq_ref.at[b, rows, h])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == wgs)
+  def _load():
+    plgpu.set_max_registers(C.PRODUCER_REGISTERS, action="decrease")
+    hkv = h // groups
+
+    def issue(j, slot):
+      tile = (b, pl.ds(j * bk, bk), hkv)
+      plgpu.copy_gmem_to_smem(k_ref.at[tile], k_smem.at[slot], k_ready.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[tile], v_smem.at[slot], v_ready.at[slot])
+    C.produce(lo, hi, stages, issue, (free,))
+
+
+def backward(q, k, v, out, lse, do, mask: Mask | None, *, scale: float, config: MosaicBackwardConfig,
+             interpret: bool):
+  """Gradients of attention (shapes as in :func:`probjax.ops.attention.mosaic_gpu.forward.forward`;
+  ``lse`` the natural log-sum-exp ``[batch, heads, q_len]``). Returns ``(dq, dk, dv)``."""
+  batch, q_len, heads, d = q.shape
+  kv_len, kv_heads = k.shape[1], k.shape[2]
+  cfg = config
+  wgs, stages = cfg.compute_wgs, cfg.num_stages
+  q_pad = round_up(q_len, math.lcm(wgs * R, cfg.block_q))   # whole tiles of both kernels
+  kv_pad = round_up(kv_len, math.lcm(wgs * R, cfg.block_k))
+  delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), do.astype(jnp.float32))
+  stats = jnp.stack([pad_axis(lse * C.LOG2E, 2, q_pad, jnp.inf), pad_axis(delta, 2, q_pad)], axis=2)
+  qp, dop = (pad_axis(x.astype(q.dtype), 1, q_pad) for x in (q, do))
+  kp, vp = (pad_axis(x, 1, kv_pad) for x in (k, v))
+  band, lengths, lens = C.split_mask(mask, batch, q_len, kv_len)
+  static = dict(band=band, lengths=lengths, scale=scale, groups=heads // kv_heads, cfg=cfg, q_len=q_len,
+                kv_len=kv_len, dtype=q.dtype)
+  smem = lambda *shape, dt=q.dtype: plgpu.SMEM(shape, dt, transforms=C.TILED)
+  barriers = lambda n, arrivals=1: plgpu.Barrier(num_arrivals=arrivals, num_barriers=n)
+  common = dict(num_threads=wgs + 1, thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True),
+                interpret=plgpu.InterpretGPUParams() if interpret else False)
+
+  dkv_scratch = [smem(wgs, R, d), smem(wgs, R, d), smem(stages, cfg.block_q, d), smem(stages, cfg.block_q, d),
+                 plgpu.SMEM((stages, 2, cfg.block_q), jnp.float32), barriers(2 * wgs), barriers(stages),
+                 barriers(stages), barriers(stages), barriers(stages, wgs)]
+  if interpret:  # P^T and dS^T staging (see common.mma_acc)
+    dkv_scratch.append(smem(wgs, R, cfg.block_q))
+  dk, dv = plgpu.kernel(
+      functools.partial(_dkv_kernel, **static),
+      out_type=(jax.ShapeDtypeStruct((batch, kv_pad, kv_heads, d), k.dtype),) * 2,
+      scratch_types=dkv_scratch, grid=(num_tiles(kv_pad, wgs * R), batch, kv_heads),
+      grid_names=("kv_tiles", "batch", "kv_heads"), kernel_name="probjax_attention_bwd_dkv_mosaic",
+      **common)(qp, kp, vp, dop, stats, lens)
+
+  dq_scratch = [smem(wgs, R, d), smem(wgs, R, d), plgpu.SMEM((wgs, 2, R), jnp.float32),
+                smem(stages, cfg.block_k, d), smem(stages, cfg.block_k, d), barriers(3 * wgs),
+                barriers(stages), barriers(stages), barriers(stages, wgs)]
+  if interpret:
+    dq_scratch.append(smem(wgs, R, cfg.block_k))
+  dq = plgpu.kernel(
+      functools.partial(_dq_kernel, **static),
+      out_type=jax.ShapeDtypeStruct((batch, q_pad, heads, d), q.dtype),
+      scratch_types=dq_scratch, grid=(num_tiles(q_pad, wgs * R), batch, heads),
+      grid_names=("q_tiles", "batch", "heads"), kernel_name="probjax_attention_bwd_dq_mosaic",
+      **common)(qp, kp, vp, dop, stats, lens)
+  return dq[:, :q_len], dk[:, :kv_len], dv[:, :kv_len]
