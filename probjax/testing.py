@@ -14,7 +14,7 @@ import numpy as np
 
 from probjax.ops.attention import masks as M
 from probjax.ops.attention.reference import reference_vjp
-from probjax.ops.attention.tolerances import max_error, tolerance
+from probjax.ops.attention.tolerances import max_error, scaled_tolerance, tolerance
 
 
 @dataclasses.dataclass
@@ -105,4 +105,20 @@ def check_against_reference(attn, x: Inputs, *, mask=None, bias=None, score_mod=
     tol = tolerance(dtype, grad=name != "out", tf32=tf32)
     errors[name] = err
     assert err <= tol, f"{name}: max error {err:.3g} > {tol:.3g} ({jnp.dtype(dtype).name}); all: {errors}"
+  return errors
+
+
+def check_against_same_precision(attn, same_precision, x: Inputs, *, mask=None, factor: float = 2.0):
+  """FlashAttention-style check: the output's and each gradient's error against the float64
+  reference at most ``factor`` x that of ``same_precision`` (another exact implementation in
+  the inputs' dtype, e.g. the XLA path). Tighter than the fixed per-dtype bound, which a wrong
+  term of the backward can stay under. Both are ``f(q, k, v) -> out``. Returns the errors."""
+  ref = reference_vjp(x.q, x.k, x.v, x.do, mask=mask)
+  run = lambda f: (lambda out, vjp: (out, *vjp(x.do)))(*jax.vjp(f, x.q, x.k, x.v))
+  errors = {}
+  for name, got, same, r in zip(("out", "dq", "dk", "dv"), run(attn), run(same_precision), ref):
+    err, bound = max_error(got, r), scaled_tolerance(max_error(same, r), x.q.dtype, factor=factor,
+                                                      grad=name != "out")
+    errors[name] = err
+    assert err <= bound, f"{name}: error {err:.3g} > {bound:.3g} ({factor}x the same-precision one); {errors}"
   return errors

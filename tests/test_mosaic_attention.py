@@ -12,7 +12,7 @@ from probjax.ops.attention import masks as M
 from probjax.ops.attention import mosaic_gpu as pm
 from probjax.ops.attention.mosaic_gpu import config as mcfg
 from probjax.ops.attention.mosaic_gpu.common import kv_tiles
-from probjax.testing import check_against_reference, make_inputs, make_mask
+from probjax.testing import check_against_reference, check_against_same_precision, make_inputs, make_mask
 
 SMALL = pm.MosaicForwardConfig(block_q=64, block_k=64, num_stages=2, compute_wgs=2)
 
@@ -45,21 +45,13 @@ def test_mosaic_backward(mask_name):
 
 @pytest.mark.parametrize("backward", ["mosaic", "auto"])
 def test_gradients_within_twice_a_same_precision_reference(backward):
-  """FlashAttention-style bound: each gradient's error at most 2x that of the XLA path in
-  the same dtype (a fixed bf16 bound is loose enough to hide e.g. a wrong delta term)."""
   from probjax.nn.layers.attention import dot_product_attention
-  from probjax.ops.attention.reference import reference_vjp
-  from probjax.ops.attention.tolerances import max_error, scaled_tolerance
   x = make_inputs(7, 2, 150, 200, 4, 2, 64, jnp.bfloat16)
   mask = M.CausalMask(50)
-  ref = reference_vjp(x.q, x.k, x.v, x.do, mask=mask)
-  run = lambda f: (lambda o, vjp: (o, *vjp(x.do)))(*jax.vjp(f, x.q, x.k, x.v))
-  same = run(lambda q, k, v: dot_product_attention(q, k, v, mask=mask, implementation="xla"))
-  ours = run(lambda q, k, v: _attn(mask, backward_pass_impl=backward,
-                                   backward_config=BSMALL if backward == "mosaic" else None)(q, k, v, None))
-  for name, o, s_, r in zip(("out", "dq", "dk", "dv"), ours, same, ref):
-    bound = scaled_tolerance(max_error(s_, r), jnp.bfloat16, grad=name != "out")
-    assert max_error(o, r) <= bound, (name, max_error(o, r), bound)
+  bcfg = BSMALL if backward == "mosaic" else None
+  check_against_same_precision(
+      lambda q, k, v: _attn(mask, backward_pass_impl=backward, backward_config=bcfg)(q, k, v, None),
+      lambda q, k, v: dot_product_attention(q, k, v, mask=mask, implementation="xla"), x, mask=mask)
 
 
 @pytest.mark.parametrize("tq,tk,d,dtype,bcfg", [

@@ -380,6 +380,18 @@ def test_any_scale(scale):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_gradients_within_twice_a_same_precision_reference(impl):
+  from probjax.nn.layers.attention import dot_product_attention
+  from probjax.testing import check_against_same_precision, make_inputs
+  x = make_inputs(13, 2, 150, 200, 4, 2, 32, jnp.bfloat16)
+  mask = CausalMask(50)
+  check_against_same_precision(
+      lambda q, k, v: pt.attention(q, k, v, mask=mask, backward_pass_impl=impl, forward_config=FC16,
+                                   backward_config=BC16, interpret=True),
+      lambda q, k, v: dot_product_attention(q, k, v, mask=mask, implementation="xla"), x, mask=mask)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_odd_lengths_with_very_negative_scores(impl):
   # Every score near -150: a key row past kv_len (zeros, score 0) would get p = exp(150) =
   # inf, and inf * 0 = NaN in the onepass dQ, unless its tile is masked.
