@@ -171,15 +171,18 @@ def test_mosaic_forward_and_triton_backward_lower_for_sm90(monkeypatch, mask_nam
   assert any(k.startswith("probjax_attention_bwd") for k in kernels), kernels
 
 
-@pytest.mark.parametrize("mask_name,d", [("none", 64), ("causal&lengths", 128)])
-def test_mosaic_backward_lowers_for_sm90(monkeypatch, mask_name, d):
+@pytest.mark.parametrize("mask_name,d,wgs", [("none", 64, 2), ("causal&lengths", 128, 2), ("none", 128, 1)])
+def test_mosaic_backward_lowers_for_sm90(monkeypatch, mask_name, d, wgs):
   """The all-Mosaic path: forward, dK/dV and dQ kernels, each one Mosaic GPU call."""
   from probjax.ops.attention import mosaic_gpu as pm
   _fake_triton_sm90(monkeypatch, device_kind=True)
   mask = None if mask_name == "none" else M.CausalMask() & M.LengthMask(jnp.array([300, 250]), jnp.array([300, 70]))
   q = jax.ShapeDtypeStruct((2, 300, 8, d), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, 300, 2, d), jnp.bfloat16)
-  loss = lambda q, k, v: jnp.sum(pm.attention(q, k, v, mask=mask, backward_pass_impl="mosaic").astype(jnp.float32))
+  cfgs = {} if wgs == 2 else dict(forward_config=pm.MosaicForwardConfig(64, 128, 3, 1),
+                                  backward_config=pm.MosaicBackwardConfig(128, 128, 2, 1))
+  loss = lambda q, k, v: jnp.sum(pm.attention(q, k, v, mask=mask, backward_pass_impl="mosaic",
+                                              **cfgs).astype(jnp.float32))
   text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
   assert set(re.findall(r"custom_call @([\w$.]+)", text)) == {"mosaic_gpu_v2"}
   kernels = set(re.findall(r"probjax_attention_\w+_mosaic\b", text))

@@ -125,7 +125,9 @@ def test_config_validation_and_fit():
   for d in mb.DEFAULTS:
     assert mb.fit(None, 2, d, "sm_90").smem_bytes(2, d) <= 232448
   with pytest.raises(ValueError, match="shared memory"):
-    mb.fit(pm.MosaicBackwardConfig(256, 256, 4, 2), 2, 256, "sm_90")
+    mb.fit(pm.MosaicBackwardConfig(256, 256, 4, 2), 2, 128, "sm_90")
+  with pytest.raises(ValueError, match="head_dim up to 128"):
+    mb.fit(None, 2, 256, "sm_90")
   x = make_inputs(0, 1, 64, 64, 1, 1, 64, jnp.bfloat16)
   with pytest.raises(TypeError, match="MosaicBackwardConfig goes with 'mosaic'"):
     pm.attention(x.q, x.k, x.v, backward_config=BSMALL, interpret=True)

@@ -63,12 +63,18 @@ class MosaicBackwardConfig:
     return max(dkv, dq) + 8 * (4 * st + 2 * wgs)
 
 
-DEFAULTS = {64: MosaicBackwardConfig(64, 64, 3, 2), 128: MosaicBackwardConfig(64, 64, 2, 2),
-            256: MosaicBackwardConfig(64, 64, 2, 1)}
+DEFAULTS = {64: MosaicBackwardConfig(64, 64, 3, 2), 128: MosaicBackwardConfig(64, 64, 2, 2)}
+# dK and dV of 64 rows stay in registers as float32: at head_dim 256 they alone would take
+# 256 registers per thread, over the 232 a compute warpgroup gets.
+MAX_HEAD_DIM = 128
 
 
 def fit(config: MosaicBackwardConfig | None, itemsize: int, head_dim: int, device: str) -> MosaicBackwardConfig:
-  """As :func:`probjax.ops.attention.mosaic_gpu.config.fit`, for the backward."""
+  """As :func:`probjax.ops.attention.mosaic_gpu.config.fit`, for the backward (head_dim up to
+  :data:`MAX_HEAD_DIM`)."""
+  if head_dim > MAX_HEAD_DIM:
+    raise ValueError(f"backward_pass_impl='mosaic' takes head_dim up to {MAX_HEAD_DIM}, got {head_dim} "
+                     "(its dK/dV accumulators would not fit the registers); use the Triton backward")
   limit = smem_limit(device)
   cfg = config if config is not None else DEFAULTS[head_dim]
   if limit is not None and cfg.smem_bytes(itemsize, head_dim) > limit:
