@@ -149,8 +149,9 @@ def test_mosaic_only_when_requested():
     decide(implementation="mosaic", dtype=jnp.float32)
   with pytest.raises(ValueError, match="sm_90"):
     decide(implementation="mosaic", device=Device("gpu", (8, 0), 80 << 30))
-  with pytest.raises(ValueError, match="segment"):
-    decide(implementation="mosaic", mask=M.SegmentMask(jnp.zeros((4, 4096), jnp.int32)))
+  with pytest.raises(ValueError, match="score_mod"):
+    decide(implementation="mosaic", score_mod=lambda s, *idx: s)
+  assert decide(implementation="mosaic", mask=M.SegmentMask(jnp.zeros((4, 4096), jnp.int32))).implementation == "mosaic"
   assert decide(implementation="mosaic", backward_pass_impl="mosaic").backward_pass_impl == "mosaic"
   for impl in (None, "triton"):
     with pytest.raises(ValueError, match="needs implementation='mosaic'"):

@@ -171,12 +171,14 @@ def test_mosaic_forward_and_triton_backward_lower_for_sm90(monkeypatch, mask_nam
   assert any(k.startswith("probjax_attention_bwd") for k in kernels), kernels
 
 
-@pytest.mark.parametrize("mask_name,d,wgs", [("none", 64, 2), ("causal&lengths", 128, 2), ("none", 128, 1)])
+@pytest.mark.parametrize("mask_name,d,wgs", [("none", 64, 2), ("causal&lengths", 128, 2), ("none", 128, 1),
+                                              ("segments", 64, 2)])
 def test_mosaic_backward_lowers_for_sm90(monkeypatch, mask_name, d, wgs):
   """The all-Mosaic path: forward, dK/dV and dQ kernels, each one Mosaic GPU call."""
   from probjax.ops.attention import mosaic_gpu as pm
   _fake_triton_sm90(monkeypatch, device_kind=True)
-  mask = None if mask_name == "none" else M.CausalMask() & M.LengthMask(jnp.array([300, 250]), jnp.array([300, 70]))
+  mask = {"none": None, "segments": MASKS["segments"],
+          "causal&lengths": M.CausalMask() & M.LengthMask(jnp.array([300, 250]), jnp.array([300, 70]))}[mask_name]
   q = jax.ShapeDtypeStruct((2, 300, 8, d), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, 300, 2, d), jnp.bfloat16)
   cfgs = {} if wgs == 2 else dict(forward_config=pm.MosaicForwardConfig(64, 128, 3, 1),

@@ -523,7 +523,7 @@ def test_longest_programs_first():
 
 def test_ranges_from_classes():
   """Per-batch tile ranges: span of non-EMPTY tiles; FULL run only when contiguous."""
-  from probjax.ops.attention.triton.tiles import ranges_from_classes
+  from probjax.ops.attention.masks import ranges_from_classes
   E, P, F = 0, 1, 2
   classes = jnp.array([[[E, P, F, F, P, E], [F, E, F, P, E, E], [E, E, E, E, E, E]]], jnp.int32)
   r = np.asarray(ranges_from_classes(classes))[0]

@@ -342,6 +342,26 @@ def _int_array(name, x, ndim):
   return x.astype(jnp.int32)
 
 
+def ranges_from_classes(classes):
+  """Per-batch inner tile ranges ``[batch, 4, n_outer]`` (lo, hi, full_lo, full_hi) from
+  tile classes ``[batch, n_outer, n_inner]``.
+
+  ``[lo, hi)`` spans every non-EMPTY tile (EMPTY ones inside it are computed with
+  the element predicate, which is exact); ``[full_lo, full_hi)`` is the run of
+  FULL tiles when they are contiguous (packed documents with sorted ids), else empty.
+  """
+  n = classes.shape[-1]
+  first = lambda x: jnp.where(x.any(-1), jnp.argmax(x, -1), n)
+  last = lambda x: jnp.where(x.any(-1), n - jnp.argmax(x[..., ::-1], -1), 0)
+  live, full = classes != EMPTY, classes == FULL
+  lo, hi = first(live), last(live)
+  hi = jnp.maximum(lo, hi)
+  flo, fhi = first(full), last(full)
+  contiguous = full.sum(-1) == fhi - flo
+  flo, fhi = jnp.where(contiguous, flo, lo), jnp.where(contiguous, fhi, lo)
+  return jnp.stack([lo, hi, flo, fhi], axis=1).astype(jnp.int32)
+
+
 def num_tiles(n: int, block: int) -> int:
   return math.ceil(n / block)
 

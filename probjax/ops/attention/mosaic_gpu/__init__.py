@@ -1,11 +1,11 @@
 """Flash attention in Pallas Mosaic GPU for Hopper (sm_90): TMA loads, wgmma, a producer
 warpgroup (FA3-style; :mod:`.forward`).
 
-Built so far (16-bit, head_dim 64/128/256, a causal/window band and per-batch query/key
-lengths with tile skipping, GQA, any length): the forward (:mod:`.forward`) and a
-deterministic two-kernel backward (:mod:`.backward`, ``backward_pass_impl="mosaic"``); other
-``backward_pass_impl`` values run the Triton kernels' backward on the same residuals. Not
-yet: segment masks, ``score_mod``, measured tiles. The default dispatch does not pick it (``implementation="mosaic"`` asks for it).
+Built so far (16-bit, head_dim 64/128/256, every position mask -- causal/window band,
+per-batch query/key lengths, segment ids -- with tile skipping, GQA, any length): the
+forward (:mod:`.forward`) and a deterministic two-kernel backward (:mod:`.backward`,
+``backward_pass_impl="mosaic"``, head_dim up to 128); other ``backward_pass_impl`` values run
+the Triton kernels' backward on the same residuals. Not yet: ``score_mod``, measured tiles. The default dispatch does not pick it (``implementation="mosaic"`` asks for it).
 """
 
 from __future__ import annotations
@@ -64,8 +64,6 @@ def supports(q_shape, kv_shape, dtype, *, mask: Mask | None = None, score_mod: C
   if mask is not None:
     if not isinstance(mask, Mask):
       return f"mask of type {type(mask).__name__}"
-    if mask.q_segment_ids is not None:
-      return "segment masks are not in the Mosaic kernel yet (a band and per-batch lengths are)"
   if scale is not None and not scale > 0:
     return f"scale {scale} (the Mosaic kernel takes a positive scale)"
   return None
@@ -80,8 +78,8 @@ def attention(q, k, v, *, mask: Mask | None = None, scale: float | None = None,
   Args:
     q: ``[batch, q_len, heads, head_dim]``; k, v: ``[batch, kv_len, kv_heads, head_dim]``,
       bfloat16 or float16, ``heads % kv_heads == 0``.
-    mask: None, a band (``CausalMask``, ``LocalWindowMask``), per-batch lengths (``KVLenMask``,
-      ``LengthMask``) or their ``&``; rows without a valid key give zeros.
+    mask: any position mask (band, per-batch lengths, segment ids, their ``&``); rows
+      without a valid key give zeros.
     backward_pass_impl: ``"mosaic"`` (this package's backward, :mod:`.backward`), or the
       Triton backward's variant (``"auto"``, ``"triton_*"``, see :mod:`probjax.ops.attention.triton`):
       "auto" stays on the Triton backward until the Mosaic one is measured.

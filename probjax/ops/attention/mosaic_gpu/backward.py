@@ -30,6 +30,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from probjax.ops.attention.masks import Mask, num_tiles, pad_axis, round_up
 from probjax.ops.attention.mosaic_gpu import common as C
+from probjax.ops.attention.mosaic_gpu.config import INTERPRET_WGS
 from probjax.ops.attention.triton.config import smem_limit
 
 R = C.ROWS
@@ -77,21 +78,25 @@ def fit(config: MosaicBackwardConfig | None, itemsize: int, head_dim: int, devic
                      "(its dK/dV accumulators would not fit the registers); use the Triton backward")
   limit = smem_limit(device)
   cfg = config if config is not None else DEFAULTS[head_dim]
+  if device == "interpret" and config is None:  # see config.INTERPRET_WGS
+    cfg = dataclasses.replace(cfg, compute_wgs=INTERPRET_WGS)
   if limit is not None and cfg.smem_bytes(itemsize, head_dim) > limit:
     raise ValueError(f"{cfg} needs {cfg.smem_bytes(itemsize, head_dim)} bytes of shared memory at "
                      f"head_dim {head_dim}; {device} has {limit}")
   return cfg
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, st_ref, len_ref, dk_ref, dv_ref, k_smem, v_smem, q_smem,
-                do_smem, st_smem, kv_bar, q_ready, do_ready, st_ready, free, staging=None, *,
-                band, lengths, scale, groups, cfg, q_len, kv_len, dtype):
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, st_ref, len_ref, rng_ref, qid_ref, kid_ref, dk_ref, dv_ref,
+                k_smem, v_smem, q_smem, do_smem, st_smem, kid_smem, qid_smem, kv_bar, q_ready, do_ready,
+                st_ready, qid_ready, free, staging=None, *, band, lengths, segments, scale, groups, cfg,
+                q_len, kv_len, dtype):
   bq, stages, wgs = cfg.block_q, cfg.num_stages, cfg.compute_wgs
   b, hkv, i = lax.axis_index("batch"), lax.axis_index("kv_heads"), lax.axis_index("kv_tiles")
   wg = lax.axis_index("wg")
   cta_start = i * (wgs * R)
-  valid = (len_ref[0, b], len_ref[1, b]) if lengths else (None, None)
-  lo, hi, flo, fhi = C.q_tiles(band, cta_start, wgs * R, q_len, bq, *valid)
+  (lo, hi, flo, fhi), valid = C.block_tiles(
+      rng_ref, len_ref, b, i, segments=segments, lengths=lengths,
+      ranges=lambda *v: C.q_tiles(band, cta_start, wgs * R, q_len, bq, *v))
   nq = hi - lo
   c = scale * C.LOG2E
 
@@ -104,6 +109,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, st_ref, len_ref, dk_ref, dv_ref, k_
     plgpu.copy_gmem_to_smem(v_ref.at[b, rows, hkv], v_smem.at[wg], kv_bar.at[wgs + wg])
     plgpu.barrier_wait(kv_bar.at[wg])
     plgpu.barrier_wait(kv_bar.at[wgs + wg])
+    if segments:
+      plgpu.copy_gmem_to_smem(kid_ref.at[b, rows], kid_smem.at[wg], kv_bar.at[2 * wgs + wg])
+      plgpu.barrier_wait(kv_bar.at[2 * wgs + wg])
     d = k_smem.shape[-1]
     zeros = plgpu.layout_cast(jnp.zeros((R, d), jnp.float32), plgpu.Layout.WGMMA)
     stage = None if staging is None else staging.at[wg]
@@ -116,9 +124,14 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, st_ref, len_ref, dk_ref, dv_ref, k_
       plgpu.barrier_wait(st_ready.at[slot])
       lse2 = plgpu.load(st_smem.at[slot, 0], layout=plgpu.Layout.WGMMA.reduce(0))
       pt = jnp.exp2(C.mma(k_smem.at[wg], q_smem.at[slot].T, (R, bq)) * c - col(lse2))
+      if segments:
+        plgpu.barrier_wait(qid_ready.at[slot])
       if masked:
         ki, qi = C.iotas(R, bq, k_start, j * bq)
-        pt = jnp.where(C.element_ok(band, qi, ki, q_len, kv_len, *valid), pt, 0.0)
+        ok = C.element_ok(band, qi, ki, q_len, kv_len, *valid)
+        if segments:
+          ok &= C.same_segment(qid_smem.at[slot], kid_smem.at[wg], R, bq, transposed=True)
+        pt = jnp.where(ok, pt, 0.0)
       plgpu.barrier_wait(do_ready.at[slot])
       dv = C.mma_acc(dv, pt.astype(dtype), do_smem.at[slot], stage)
       delta = plgpu.load(st_smem.at[slot, 1], layout=plgpu.Layout.WGMMA.reduce(0))
@@ -151,18 +164,21 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, st_ref, len_ref, dk_ref, dv_ref, k_
       plgpu.copy_gmem_to_smem(q_ref.at[tile], q_smem.at[slot], q_ready.at[slot])
       plgpu.copy_gmem_to_smem(do_ref.at[tile], do_smem.at[slot], do_ready.at[slot])
       plgpu.copy_gmem_to_smem(st_ref.at[b, h, :, pl.ds(j * bq, bq)], st_smem.at[slot], st_ready.at[slot])
+      if segments:
+        plgpu.copy_gmem_to_smem(qid_ref.at[b, pl.ds(j * bq, bq)], qid_smem.at[slot], qid_ready.at[slot])
     C.produce(jnp.int32(0), groups * nq, stages, issue, (free,))
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, st_ref, len_ref, dq_ref, q_smem, do_smem, st_smem, k_smem,
-               v_smem, row_bar, k_ready, v_ready, free, staging=None, *, band, lengths, scale, groups,
-               cfg, q_len, kv_len, dtype):
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, st_ref, len_ref, rng_ref, qid_ref, kid_ref, dq_ref, q_smem,
+               do_smem, st_smem, qid_smem, k_smem, v_smem, kid_smem, row_bar, k_ready, v_ready, kid_ready,
+               free, staging=None, *, band, lengths, segments, scale, groups, cfg, q_len, kv_len, dtype):
   bk, stages, wgs = cfg.block_k, cfg.num_stages, cfg.compute_wgs
   b, h, i = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_tiles")
   wg = lax.axis_index("wg")
   cta_start = i * (wgs * R)
-  valid = (len_ref[0, b], len_ref[1, b]) if lengths else (None, None)
-  lo, hi, flo, fhi = C.kv_tiles(band, cta_start, wgs * R, kv_len, bk, *valid)
+  (lo, hi, flo, fhi), valid = C.block_tiles(
+      rng_ref, len_ref, b, i, segments=segments, lengths=lengths,
+      ranges=lambda *v: C.kv_tiles(band, cta_start, wgs * R, kv_len, bk, *v))
   c = scale * C.LOG2E
 
   @pl.when(wg < wgs)
@@ -173,7 +189,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, st_ref, len_ref, dq_ref, q_smem, do_
     plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[wg], row_bar.at[wg])
     plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_smem.at[wg], row_bar.at[wgs + wg])
     plgpu.copy_gmem_to_smem(st_ref.at[b, h, :, rows], st_smem.at[wg], row_bar.at[2 * wgs + wg])
-    for r in (wg, wgs + wg, 2 * wgs + wg):
+    if segments:
+      plgpu.copy_gmem_to_smem(qid_ref.at[b, rows], qid_smem.at[wg], row_bar.at[3 * wgs + wg])
+    for r in (wg, wgs + wg, 2 * wgs + wg) + ((3 * wgs + wg,) if segments else ()):
       plgpu.barrier_wait(row_bar.at[r])
     row = lambda x: lax.broadcast_in_dim(x, (R, bk), [0])
     lse2 = row(plgpu.load(st_smem.at[wg, 0], layout=plgpu.Layout.WGMMA.reduce(1)))
@@ -185,9 +203,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, st_ref, len_ref, dq_ref, q_smem, do_
       slot = lax.rem(j - lo, jnp.int32(stages))
       plgpu.barrier_wait(k_ready.at[slot])
       p = jnp.exp2(C.mma(q_smem.at[wg], k_smem.at[slot].T, (R, bk)) * c - lse2)
+      if segments:
+        plgpu.barrier_wait(kid_ready.at[slot])
       if masked:
         qi, ki = C.iotas(R, bk, q_start, j * bk)
-        p = jnp.where(C.element_ok(band, qi, ki, q_len, kv_len, *valid), p, 0.0)
+        ok = C.element_ok(band, qi, ki, q_len, kv_len, *valid)
+        if segments:
+          ok &= C.same_segment(qid_smem.at[wg], kid_smem.at[slot], R, bk)
+        p = jnp.where(ok, p, 0.0)
       plgpu.barrier_wait(v_ready.at[slot])
       ds = p * (C.mma(do_smem.at[wg], v_smem.at[slot].T, (R, bk)) - delta)
       dq = C.mma_acc(dq, ds.astype(dtype), k_smem.at[slot], stage)
@@ -206,12 +229,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, st_ref, len_ref, dq_ref, q_smem, do_
   @pl.when(wg == wgs)
   def _load():
     plgpu.set_max_registers(C.PRODUCER_REGISTERS, action="decrease")
-    hkv = h // groups
-
-    def issue(j, slot):
-      tile = (b, pl.ds(j * bk, bk), hkv)
-      plgpu.copy_gmem_to_smem(k_ref.at[tile], k_smem.at[slot], k_ready.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[tile], v_smem.at[slot], v_ready.at[slot])
+    issue = C.kv_issuer(b, h // groups, bk, k_ref, v_ref, kid_ref, k_smem, v_smem, kid_smem, k_ready,
+                        v_ready, kid_ready, segments=segments)
     C.produce(lo, hi, stages, issue, (free,))
 
 
@@ -230,16 +249,20 @@ def backward(q, k, v, out, lse, do, mask: Mask | None, *, scale: float, config: 
   qp, dop = (pad_axis(x.astype(q.dtype), 1, q_pad) for x in (q, do))
   kp, vp = (pad_axis(x, 1, kv_pad) for x in (k, v))
   band, lengths, lens = C.split_mask(mask, batch, q_len, kv_len)
-  static = dict(band=band, lengths=lengths, scale=scale, groups=heads // kv_heads, cfg=cfg, q_len=q_len,
-                kv_len=kv_len, dtype=q.dtype)
+  segments = mask is not None and mask.q_segment_ids is not None
+  static = dict(band=band, lengths=lengths, segments=segments, scale=scale, groups=heads // kv_heads,
+                cfg=cfg, q_len=q_len, kv_len=kv_len, dtype=q.dtype)
+  seg = functools.partial(C.segment_operands, mask, batch, q_len, kv_len, q_pad, kv_pad)
   smem = lambda *shape, dt=q.dtype: plgpu.SMEM(shape, dt, transforms=C.TILED)
   barriers = lambda n, arrivals=1: plgpu.Barrier(num_arrivals=arrivals, num_barriers=n)
   common = dict(num_threads=wgs + 1, thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True),
                 interpret=plgpu.InterpretGPUParams() if interpret else False)
 
+  ids = lambda *shape: plgpu.SMEM(shape, jnp.int32)  # segment ids
   dkv_scratch = [smem(wgs, R, d), smem(wgs, R, d), smem(stages, cfg.block_q, d), smem(stages, cfg.block_q, d),
-                 plgpu.SMEM((stages, 2, cfg.block_q), jnp.float32), barriers(2 * wgs), barriers(stages),
-                 barriers(stages), barriers(stages), barriers(stages, wgs)]
+                 plgpu.SMEM((stages, 2, cfg.block_q), jnp.float32), ids(wgs, R), ids(stages, cfg.block_q),
+                 barriers(3 * wgs), barriers(stages), barriers(stages), barriers(stages), barriers(stages),
+                 barriers(stages, wgs)]
   if interpret:  # P^T and dS^T staging (see common.mma_acc)
     dkv_scratch.append(smem(wgs, R, cfg.block_q))
   dk, dv = plgpu.kernel(
@@ -247,11 +270,11 @@ def backward(q, k, v, out, lse, do, mask: Mask | None, *, scale: float, config: 
       out_type=(jax.ShapeDtypeStruct((batch, kv_pad, kv_heads, d), k.dtype),) * 2,
       scratch_types=dkv_scratch, grid=(num_tiles(kv_pad, wgs * R), batch, kv_heads),
       grid_names=("kv_tiles", "batch", "kv_heads"), kernel_name="probjax_attention_bwd_dkv_mosaic",
-      **common)(qp, kp, vp, dop, stats, lens)
+      **common)(qp, kp, vp, dop, stats, lens, *seg(cfg.block_q, wgs * R, by_q=False))
 
-  dq_scratch = [smem(wgs, R, d), smem(wgs, R, d), plgpu.SMEM((wgs, 2, R), jnp.float32),
-                smem(stages, cfg.block_k, d), smem(stages, cfg.block_k, d), barriers(3 * wgs),
-                barriers(stages), barriers(stages), barriers(stages, wgs)]
+  dq_scratch = [smem(wgs, R, d), smem(wgs, R, d), plgpu.SMEM((wgs, 2, R), jnp.float32), ids(wgs, R),
+                smem(stages, cfg.block_k, d), smem(stages, cfg.block_k, d), ids(stages, cfg.block_k),
+                barriers(4 * wgs), barriers(stages), barriers(stages), barriers(stages), barriers(stages, wgs)]
   if interpret:
     dq_scratch.append(smem(wgs, R, cfg.block_k))
   dq = plgpu.kernel(
@@ -259,5 +282,5 @@ def backward(q, k, v, out, lse, do, mask: Mask | None, *, scale: float, config: 
       out_type=jax.ShapeDtypeStruct((batch, q_pad, heads, d), q.dtype),
       scratch_types=dq_scratch, grid=(num_tiles(q_pad, wgs * R), batch, heads),
       grid_names=("q_tiles", "batch", "heads"), kernel_name="probjax_attention_bwd_dq_mosaic",
-      **common)(qp, kp, vp, dop, stats, lens)
+      **common)(qp, kp, vp, dop, stats, lens, *seg(wgs * R, cfg.block_k, by_q=True))
   return dq[:, :q_len], dk[:, :kv_len], dv[:, :kv_len]

@@ -11,7 +11,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from probjax.ops.attention.masks import Mask
+from probjax.ops.attention.masks import Mask, ranges_from_classes
 
 LOG2E = math.log2(math.e)
 # Registers per thread after reallocation (setmaxnreg, per warpgroup of 128 threads): two
@@ -30,6 +30,31 @@ def split_mask(mask: Mask | None, batch: int, q_len: int, kv_len: int):
   full = lambda x, n: jnp.broadcast_to(jnp.asarray(n if x is None else x, jnp.int32), (batch,))
   lens = jnp.stack([full(m.q_lengths, q_len), full(m.kv_lengths, kv_len)])
   return band, m.q_lengths is not None or m.kv_lengths is not None, lens
+
+
+def segment_operands(mask: Mask | None, batch: int, q_len: int, kv_len: int, q_pad: int, kv_pad: int,
+                     block_q: int, block_k: int, *, by_q: bool):
+  """``(ranges, q_ids, kv_ids)`` for a mask with segment ids, else small placeholders the
+  kernel never reads. ``ranges [batch, 4, n_outer]``: per batch element and outer tile
+  (query tiles of ``block_q`` rows when ``by_q``, else key tiles of ``block_k``) the inner
+  tile range and its run of FULL tiles, from the whole mask's tile classes
+  (:func:`~probjax.ops.attention.masks.ranges_from_classes`); ids padded to whole tiles with
+  values that match nothing."""
+  if mask is None or mask.q_segment_ids is None:
+    return jnp.zeros((1, 4, 1), jnp.int32), jnp.zeros((1, 64), jnp.int32), jnp.zeros((1, 64), jnp.int32)
+  classes = mask.classify_tiles(batch, q_len, kv_len, block_q, block_k)
+  ranges = ranges_from_classes(classes if by_q else jnp.swapaxes(classes, 1, 2))
+  return (ranges, *mask.padded_segment_ids(batch, q_pad, kv_pad))
+
+
+def same_segment(q_ids_smem, kv_ids_smem, rows: int, cols: int, *, transposed: bool = False):
+  """``[rows, cols]`` boolean tile (wgmma layout): query and key of the same segment.
+  ``q_ids_smem``/``kv_ids_smem``: the tile's ids in shared memory (``transposed``: rows are
+  keys, columns queries)."""
+  row_ids, col_ids = (kv_ids_smem, q_ids_smem) if transposed else (q_ids_smem, kv_ids_smem)
+  r = plgpu.load(row_ids, layout=plgpu.Layout.WGMMA.reduce(1))
+  c = plgpu.load(col_ids, layout=plgpu.Layout.WGMMA.reduce(0))
+  return lax.broadcast_in_dim(r, (rows, cols), [0]) == lax.broadcast_in_dim(c, (rows, cols), [1])
 
 
 def _clip(lo, hi, flo, fhi):
@@ -102,6 +127,29 @@ def iotas(rows: int, cols: int, row0, col0):
   """Row and column positions of a ``[rows, cols]`` tile in the wgmma accumulator layout."""
   it = lambda dim: plgpu.broadcasted_iota(jnp.int32, (rows, cols), dim, layout=plgpu.Layout.WGMMA)
   return row0 + it(0), col0 + it(1)
+
+
+def block_tiles(rng_ref, len_ref, b, i, *, segments: bool, lengths: bool, ranges: Callable):
+  """``((lo, hi, full_lo, full_hi), (q_valid, kv_valid))`` of block ``i`` of batch element
+  ``b``: from the precomputed ranges with segment ids (:func:`segment_operands`), else
+  ``ranges(q_valid, kv_valid)`` (:func:`kv_tiles` or :func:`q_tiles` of the block)."""
+  valid = (len_ref[0, b], len_ref[1, b]) if lengths else (None, None)
+  if segments:
+    return tuple(rng_ref[b, r, i] for r in range(4)), valid
+  return ranges(*valid), valid
+
+
+def kv_issuer(b, hkv, block_k: int, k_ref, v_ref, kid_ref, k_smem, v_smem, kid_smem, k_ready, v_ready,
+              kid_ready, *, segments: bool):
+  """``issue(j, slot)`` for :func:`produce`: TMA copies of key tile ``j`` of K, V (and its
+  segment ids) into ring slot ``slot``, each completing its own barrier."""
+  def issue(j, slot):
+    tile = (b, pl.ds(j * block_k, block_k), hkv)
+    plgpu.copy_gmem_to_smem(k_ref.at[tile], k_smem.at[slot], k_ready.at[slot])
+    plgpu.copy_gmem_to_smem(v_ref.at[tile], v_smem.at[slot], v_ready.at[slot])
+    if segments:
+      plgpu.copy_gmem_to_smem(kid_ref.at[b, pl.ds(j * block_k, block_k)], kid_smem.at[slot], kid_ready.at[slot])
+  return issue
 
 
 def produce(lo, hi, stages: int, issue: Callable, free: tuple):

@@ -43,12 +43,20 @@ DEFAULTS = {64: MosaicForwardConfig(64, 128, 4, 2), 128: MosaicForwardConfig(64,
             256: MosaicForwardConfig(64, 64, 2, 2)}
 
 
+# Interpret mode runs each warpgroup as a thread whose barrier waits block inside XLA host
+# callbacks; on a machine with few cores, three of them (two compute + producer) can starve
+# the producer's callbacks and hang, so default configs there use one compute warpgroup.
+INTERPRET_WGS = 1
+
+
 def fit(config: MosaicForwardConfig | None, itemsize: int, head_dim: int, device: str) -> MosaicForwardConfig:
   """``config`` (or the default for ``head_dim``) checked against ``device``'s shared memory;
   a default that does not fit drops stages, an explicit one raises ``ValueError``."""
   limit = smem_limit(device)
   explicit = config is not None
   cfg = config if explicit else DEFAULTS[head_dim]
+  if device == "interpret" and not explicit:  # see INTERPRET_WGS
+    cfg = dataclasses.replace(cfg, compute_wgs=INTERPRET_WGS)
   if limit is None:
     return cfg
   while cfg.smem_bytes(itemsize, head_dim) > limit:

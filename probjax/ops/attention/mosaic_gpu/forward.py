@@ -28,15 +28,17 @@ from probjax.ops.attention.masks import Mask, num_tiles, pad_axis, round_up
 from probjax.ops.attention.mosaic_gpu import common as C
 from probjax.ops.attention.mosaic_gpu.config import MosaicForwardConfig
 
-def _kernel(q_ref, k_ref, v_ref, len_ref, o_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem, q_bar,
-            k_ready, v_ready, k_free, v_free, p_smem=None, *, band: Mask | None, lengths: bool,
-            scale: float, groups: int, cfg, q_len: int, kv_len: int, dtype):
+def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, o_ref, lse_ref, q_smem, k_smem,
+            v_smem, lse_smem, qid_smem, kid_smem, q_bar, k_ready, v_ready, kid_ready, k_free, v_free,
+            p_smem=None, *, band: Mask | None, lengths: bool, segments: bool, scale: float, groups: int,
+            cfg, q_len: int, kv_len: int, dtype):
   bq, bk, stages, wgs = cfg.block_q, cfg.block_k, cfg.num_stages, cfg.compute_wgs
   b, h, i = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_tiles")
   wg = lax.axis_index("wg")
   cta_start = i * (wgs * bq)
-  valid = (len_ref[0, b], len_ref[1, b]) if lengths else (None, None)
-  lo, hi, flo, fhi = C.kv_tiles(band, cta_start, wgs * bq, kv_len, bk, *valid)
+  (lo, hi, flo, fhi), valid = C.block_tiles(
+      rng_ref, len_ref, b, i, segments=segments, lengths=lengths,
+      ranges=lambda *v: C.kv_tiles(band, cta_start, wgs * bq, kv_len, bk, *v))
   c = scale * C.LOG2E
 
   @pl.when(wg < wgs)
@@ -46,6 +48,9 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, o_ref, lse_ref, q_smem, k_smem, v_smem
     rows = pl.ds(q_start, bq)
     plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[wg], q_bar.at[wg])
     plgpu.barrier_wait(q_bar.at[wg])
+    if segments:
+      plgpu.copy_gmem_to_smem(qid_ref.at[b, rows], qid_smem.at[wg], q_bar.at[wgs + wg])
+      plgpu.barrier_wait(q_bar.at[wgs + wg])
     d = q_smem.shape[-1]
     carry = (plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA),
              plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
@@ -56,10 +61,16 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, o_ref, lse_ref, q_smem, k_smem, v_smem
       slot = lax.rem(j - lo, jnp.int32(stages))
       plgpu.barrier_wait(k_ready.at[slot])
       t = C.mma(q_smem.at[wg], k_smem.at[slot].T, (bq, bk))
-      plgpu.barrier_arrive(k_free.at[slot])
       if masked:
         qi, ki = C.iotas(bq, bk, q_start, j * bk)
-        t = jnp.where(C.element_ok(band, qi, ki, q_len, kv_len, *valid), t, -jnp.inf)
+        ok = C.element_ok(band, qi, ki, q_len, kv_len, *valid)
+        if segments:
+          plgpu.barrier_wait(kid_ready.at[slot])
+          ok &= C.same_segment(qid_smem.at[wg], kid_smem.at[slot], bq, bk)
+        t = jnp.where(ok, t, -jnp.inf)
+      elif segments:
+        plgpu.barrier_wait(kid_ready.at[slot])  # every copy's phase is observed
+      plgpu.barrier_arrive(k_free.at[slot])
       m_new = jnp.maximum(m, t.max(axis=1) * c)
       m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows that have seen no valid key
       alpha = jnp.exp2(m - m_safe)
@@ -87,12 +98,8 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, o_ref, lse_ref, q_smem, k_smem, v_smem
   @pl.when(wg == wgs)
   def _load():
     plgpu.set_max_registers(C.PRODUCER_REGISTERS, action="decrease")
-    hkv = h // groups
-
-    def issue(j, slot):
-      tile = (b, pl.ds(j * bk, bk), hkv)
-      plgpu.copy_gmem_to_smem(k_ref.at[tile], k_smem.at[slot], k_ready.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[tile], v_smem.at[slot], v_ready.at[slot])
+    issue = C.kv_issuer(b, h // groups, bk, k_ref, v_ref, kid_ref, k_smem, v_smem, kid_smem, k_ready,
+                        v_ready, kid_ready, segments=segments)
     C.produce(lo, hi, stages, issue, (k_free, v_free))
 
 
@@ -102,8 +109,8 @@ def forward(q, k, v, mask: Mask | None, *, scale: float, config: MosaicForwardCo
 
   Args:
     q: ``[batch, q_len, heads, head_dim]``; k, v: ``[batch, kv_len, kv_heads, head_dim]``;
-      bfloat16 or float16, head_dim a multiple of 64; mask: a band and per-batch lengths,
-      no segment ids (see :func:`probjax.ops.attention.mosaic_gpu.supports`).
+      bfloat16 or float16, head_dim a multiple of 64; mask: any position mask (band,
+      per-batch lengths, segment ids).
   Returns:
     ``(out [batch, q_len, heads, head_dim], lse [batch, heads, q_len] float32)``, lse the
     natural log-sum-exp (``+inf`` for rows without a valid key).
@@ -121,7 +128,10 @@ def forward(q, k, v, mask: Mask | None, *, scale: float, config: MosaicForwardCo
       plgpu.SMEM((cfg.num_stages, cfg.block_k, d), q.dtype, transforms=tiled),
       plgpu.SMEM((cfg.num_stages, cfg.block_k, d), q.dtype, transforms=tiled),
       plgpu.SMEM((cfg.compute_wgs, cfg.block_q), jnp.float32),
-      plgpu.Barrier(num_barriers=cfg.compute_wgs),
+      plgpu.SMEM((cfg.compute_wgs, cfg.block_q), jnp.int32),   # query segment ids
+      plgpu.SMEM((cfg.num_stages, cfg.block_k), jnp.int32),    # key segment ids per slot
+      plgpu.Barrier(num_barriers=2 * cfg.compute_wgs),
+      plgpu.Barrier(num_barriers=cfg.num_stages),
       plgpu.Barrier(num_barriers=cfg.num_stages),
       plgpu.Barrier(num_barriers=cfg.num_stages),
       plgpu.Barrier(num_arrivals=cfg.compute_wgs, num_barriers=cfg.num_stages),
@@ -130,7 +140,9 @@ def forward(q, k, v, mask: Mask | None, *, scale: float, config: MosaicForwardCo
   if interpret:  # P's staging buffer (see common.mma_acc)
     scratch.append(plgpu.SMEM((cfg.compute_wgs, cfg.block_q, cfg.block_k), q.dtype, transforms=tiled))
   band, lengths, lens = C.split_mask(mask, batch, q_len, kv_len)
-  kernel = functools.partial(_kernel, band=band, lengths=lengths, scale=scale, groups=heads // kv_heads,
+  seg_ops = C.segment_operands(mask, batch, q_len, kv_len, q_pad, kv_pad, rows, cfg.block_k, by_q=True)
+  kernel = functools.partial(_kernel, band=band, lengths=lengths, segments=mask is not None and
+                             mask.q_segment_ids is not None, scale=scale, groups=heads // kv_heads,
                              cfg=cfg, q_len=q_len, kv_len=kv_len, dtype=q.dtype)
   out, lse = plgpu.kernel(
       kernel,
@@ -144,5 +156,5 @@ def forward(q, k, v, mask: Mask | None, *, scale: float, config: MosaicForwardCo
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=plgpu.InterpretGPUParams() if interpret else False,
       kernel_name="probjax_attention_fwd_mosaic",
-  )(qp, kp, vp, lens)
+  )(qp, kp, vp, lens, *seg_ops)
   return out[:, :q_len], lse[:, :, :q_len]

@@ -21,7 +21,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from probjax.ops.attention.masks import EMPTY, FULL, Mask, num_tiles, pad_axis, round_up  # noqa: F401 (re-exported)
+from probjax.ops.attention.masks import (EMPTY, FULL, Mask, num_tiles, pad_axis,  # noqa: F401 (re-exported)
+                                        ranges_from_classes, round_up)
 
 LOG2E = math.log2(math.e)
 
@@ -105,7 +106,7 @@ def mask_operands(mask: Mask | None, batch: int, q_len: int, kv_len: int, q_pad:
   completely (:meth:`Mask.classify_tiles` of the band), which skip the element
   predicate. Per-batch lengths narrow both ranges in-kernel. With segment ids
   the ranges are per batch element, from the classes of the whole mask
-  (:func:`ranges_from_classes`): no per-tile branch in the loop, which would
+  (:func:`~probjax.ops.attention.masks.ranges_from_classes`): no per-tile branch in the loop, which would
   keep Triton from pipelining it.
   """
   m = mask if mask is not None else Mask()
@@ -150,26 +151,6 @@ def mask_operands(mask: Mask | None, batch: int, q_len: int, kv_len: int, q_pad:
   if tm.has_segments:
     ops.extend(m.padded_segment_ids(batch, q_pad, kv_pad))
   return tm, ops
-
-
-def ranges_from_classes(classes):
-  """Per-batch inner tile ranges ``[batch, 4, n_outer]`` (lo, hi, full_lo, full_hi) from
-  tile classes ``[batch, n_outer, n_inner]``.
-
-  ``[lo, hi)`` spans every non-EMPTY tile (EMPTY ones inside it are computed with
-  the element predicate, which is exact); ``[full_lo, full_hi)`` is the run of
-  FULL tiles when they are contiguous (packed documents with sorted ids), else empty.
-  """
-  n = classes.shape[-1]
-  first = lambda x: jnp.where(x.any(-1), jnp.argmax(x, -1), n)
-  last = lambda x: jnp.where(x.any(-1), n - jnp.argmax(x[..., ::-1], -1), 0)
-  live, full = classes != EMPTY, classes == FULL
-  lo, hi = first(live), last(live)
-  hi = jnp.maximum(lo, hi)
-  flo, fhi = first(full), last(full)
-  contiguous = full.sum(-1) == fhi - flo
-  flo, fhi = jnp.where(contiguous, flo, lo), jnp.where(contiguous, fhi, lo)
-  return jnp.stack([lo, hi, flo, fhi], axis=1).astype(jnp.int32)
 
 
 # -- in-kernel helpers ----------------------------------------------------------
