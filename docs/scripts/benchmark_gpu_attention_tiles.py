@@ -81,7 +81,6 @@ def tile_case(dtype, d, t, b, h, mode, cfg, timing):
     kw = {"backward_config": BackwardConfig(bqd, bkd, bqq, bkq, nw, st)}
 
   def run():
-    import jax
     from probjax.nn.layers.attention import flex_attention
     attn = lambda q, k, v: flex_attention(q, k, v, implementation="triton",
                                           backward_pass_impl="triton_split", **kw)
