@@ -11,7 +11,7 @@ import pytest
 from probjax.ops.attention import masks as M
 from probjax.ops.attention import mosaic_gpu as pm
 from probjax.ops.attention.mosaic_gpu import config as mcfg
-from probjax.ops.attention.mosaic_gpu.common import kv_tiles
+from probjax.ops.attention.mosaic_gpu.common import kv_tiles, q_tiles
 from probjax.testing import check_against_reference, check_against_same_precision, make_inputs, make_mask
 
 # One compute warpgroup on CPU: interpret mode runs each warpgroup as a thread whose barrier
@@ -102,6 +102,13 @@ def test_band_tiles_match_classification():
       live = [j for j in range(cls.shape[1]) if int(cls[t, j]) != M.EMPTY]
       assert all(lo <= j < hi for j in live), (mask, t, lo, hi, live)
       assert all(int(cls[t, j]) == M.FULL for j in range(flo, fhi)), (mask, t, flo, fhi)
+    # The dK/dV kernel's ranges: query tiles (500 queries) per block of key rows.
+    cls_t = full.classify_tiles(1, 500, 640, bk, rows)[0].T
+    for t in range(cls_t.shape[0]):
+      lo, hi, flo, fhi = (int(v) for v in q_tiles(mask, t * rows, rows, 500, bk, **lens))
+      live = [j for j in range(cls_t.shape[1]) if int(cls_t[t, j]) != M.EMPTY]
+      assert all(lo <= j < hi for j in live), (mask, t, lo, hi, live)
+      assert all(int(cls_t[t, j]) == M.FULL for j in range(flo, fhi)), (mask, t, flo, fhi)
 
 
 def test_supports_reasons():

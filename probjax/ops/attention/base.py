@@ -86,6 +86,18 @@ def check_mask(mask, s: AttentionShape):
   return None, check_broadcast("mask", mask, s, boolean=True)
 
 
+def check_kernel_call(backend: str, reason: str | None, q, k, v, mask) -> None:
+  """Raises ``ValueError`` where a kernel backend cannot compute the call (``reason``, from
+  its ``supports``) or k/v do not match q in shape and dtype; validates the mask's arrays."""
+  if reason is not None:
+    raise ValueError(f"{backend} attention cannot compute this call: {reason}")
+  if k.shape != v.shape or k.dtype != q.dtype or v.dtype != q.dtype:
+    raise ValueError(f"k and v must match in shape and q's dtype; got q {q.shape} {q.dtype}, "
+                     f"k {k.shape} {k.dtype}, v {v.shape} {v.dtype}")
+  if mask is not None:
+    mask.validate(q.shape[0], q.shape[1], k.shape[1])
+
+
 def check_scale(scale, head_dim: int) -> float:
   if scale is None:
     return 1.0 / float(np.sqrt(head_dim))

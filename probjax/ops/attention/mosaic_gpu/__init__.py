@@ -18,6 +18,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from probjax.ops.attention.base import check_kernel_call
 from probjax.ops.attention.masks import Mask
 from probjax.ops.attention.mosaic_gpu import backward as backward_lib
 from probjax.ops.attention.mosaic_gpu import config as config_lib
@@ -92,14 +93,8 @@ def attention(q, k, v, *, mask: Mask | None = None, scale: float | None = None,
   """
   if forward_config is not None and not isinstance(forward_config, MosaicForwardConfig):
     raise TypeError(f"forward_config must be a MosaicForwardConfig, got {type(forward_config).__name__}")
-  reason = supports(q.shape, k.shape, q.dtype, mask=mask, scale=scale, interpret=interpret)
-  if reason is not None:
-    raise ValueError(f"mosaic attention cannot compute this call: {reason}")
-  if k.shape != v.shape or k.dtype != q.dtype or v.dtype != q.dtype:
-    raise ValueError(f"k and v must match in shape and q's dtype; got q {q.shape} {q.dtype}, "
-                     f"k {k.shape} {k.dtype}, v {v.shape} {v.dtype}")
-  if mask is not None:
-    mask.validate(q.shape[0], q.shape[1], k.shape[1])
+  check_kernel_call("mosaic", supports(q.shape, k.shape, q.dtype, mask=mask, scale=scale, interpret=interpret),
+                    q, k, v, mask)
   scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
   device = "interpret" if interpret else triton_config.device_kind()
   itemsize, d = jnp.dtype(q.dtype).itemsize, q.shape[-1]

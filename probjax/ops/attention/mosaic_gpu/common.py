@@ -92,25 +92,11 @@ def kv_tiles(band: Mask | None, q_start, rows: int, kv_len: int, block_k: int, q
 def q_tiles(band: Mask | None, k_start, rows: int, q_len: int, block_q: int, q_valid=None,
             kv_valid=None):
   """:func:`kv_tiles` with the roles swapped: the query tiles that key rows
-  ``[k_start, k_start + rows)`` are seen by, and the run that sees every one of them."""
-  lower = None if band is None else band.lower
-  upper = None if band is None else band.upper
-  k_last = k_start + rows - 1
-  lo = (jnp.int32(0) if upper is None else jnp.maximum(0, k_start - upper)) // block_q
-  hi_q = jnp.int32(q_len) if lower is None else jnp.minimum(q_len, k_last - lower + 1)
-  hi = jnp.maximum(lo, (hi_q + block_q - 1) // block_q)
-  # Tile j is full when k_start - ((j+1)*bq - 1) >= lower, k_last - j*bq <= upper, (j+1)*bq <= q_len.
-  flo = lo if upper is None else (k_last - upper + block_q - 1) // block_q
-  fhi = jnp.int32(q_len // block_q)
-  if lower is not None:
-    fhi = jnp.minimum(fhi, jnp.maximum(0, k_start - lower + 1) // block_q)
-  if q_valid is not None:
-    hi = jnp.maximum(lo, jnp.minimum(hi, (q_valid + block_q - 1) // block_q))
-    fhi = jnp.minimum(fhi, q_valid // block_q)
-  if kv_valid is not None:
-    hi = jnp.where(k_start < kv_valid, hi, lo)
-    fhi = jnp.where(k_start + rows <= kv_valid, fhi, flo)
-  return _clip(lo, hi, flo, fhi)
+  ``[k_start, k_start + rows)`` are seen by, and the run that sees every one of them
+  (``lower <= k - q <= upper`` is ``-upper <= q - k <= -lower``)."""
+  mirrored = None if band is None else Mask(lower=None if band.upper is None else -band.upper,
+                                            upper=None if band.lower is None else -band.lower)
+  return kv_tiles(mirrored, k_start, rows, q_len, block_q, q_valid=kv_valid, kv_valid=q_valid)
 
 
 def element_ok(band: Mask | None, qi, ki, q_len: int, kv_len: int, q_valid=None, kv_valid=None):

@@ -17,6 +17,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from probjax.ops.attention.base import check_kernel_call
 from probjax.ops.attention.masks import Mask
 from probjax.ops.attention.triton import config as config_lib
 from probjax.ops.attention.triton import backward as backward_lib
@@ -120,23 +121,11 @@ def attention(q, k, v, *, mask: Mask | None = None, score_mod: Callable | None =
   Returns:
     ``[batch, q_len, heads, head_dim]`` in q's dtype.
   """
-  reason = supports(q.shape, k.shape, q.dtype, mask=mask, score_mod=score_mod, interpret=interpret)
-  if reason is not None:
-    raise ValueError(f"triton attention cannot compute this call: {reason}")
-  if k.shape != v.shape or k.dtype != q.dtype or v.dtype != q.dtype:
-    raise ValueError(f"k and v must match in shape and dtype q's dtype; got q {q.shape} {q.dtype}, "
-                     f"k {k.shape} {k.dtype}, v {v.shape} {v.dtype}")
-  if mask is not None:
-    mask.validate(q.shape[0], q.shape[1], k.shape[1])
+  check_kernel_call("triton", supports(q.shape, k.shape, q.dtype, mask=mask, score_mod=score_mod,
+                                      interpret=interpret), q, k, v, mask)
   if scale is None:
     scale = 1.0 / math.sqrt(q.shape[-1])
-  device = "interpret" if interpret else config_lib.device_kind()
-  d = q.shape[-1]
-  dp = padded_head_dim(d)
-  q_len, kv_len = q.shape[1], k.shape[1]
-  fcfg = config_lib.fit_forward_config(forward_config, q.dtype, dp, q_len, kv_len, device)
-  impl = config_lib.resolve_backward_impl(backward_pass_impl, device, q.dtype, d, q_len, kv_len)
-  bcfg = config_lib.fit_backward_config(backward_config, q.dtype, dp, q_len, kv_len, device, impl)
+  device, fcfg, impl, bcfg = _configs(q, k, forward_config, backward_config, backward_pass_impl, interpret)
   split = decode_lib.plan(q.shape, k.shape, q.dtype, mask=mask, score_mod=score_mod,
                           split_kv=split_kv, device=device)
   static = _Static(score_mod, float(scale), fcfg, bcfg, impl, split, bool(interpret))
@@ -149,15 +138,21 @@ def attention_with_forward(q, k, v, mask: Mask | None, *, scale: float, mosaic_c
   """Attention whose forward is another kernel's (the Mosaic GPU forward, ``mosaic_config``)
   and whose backward is this module's (same residuals: out and the natural lse). Inputs
   are validated by the caller."""
-  device = "interpret" if interpret else config_lib.device_kind()
-  d = q.shape[-1]
-  q_len, kv_len = q.shape[1], k.shape[1]
-  fcfg = config_lib.fit_forward_config(None, q.dtype, padded_head_dim(d), q_len, kv_len, device)
-  impl = config_lib.resolve_backward_impl(backward_pass_impl, device, q.dtype, d, q_len, kv_len)
-  bcfg = config_lib.fit_backward_config(backward_config, q.dtype, padded_head_dim(d), q_len, kv_len,
-                                        device, impl)
+  _, fcfg, impl, bcfg = _configs(q, k, None, backward_config, backward_pass_impl, interpret)
   static = _Static(None, float(scale), fcfg, bcfg, impl, None, bool(interpret), mosaic_config)
   return _attention(static, q, k, v, mask)
+
+
+def _configs(q, k, forward_config, backward_config, backward_pass_impl: str, interpret: bool):
+  """``(device, forward config, backward variant, backward config)`` of a call, fitted to the
+  device (``"interpret"`` in interpret mode)."""
+  device = "interpret" if interpret else config_lib.device_kind()
+  d, q_len, kv_len = q.shape[-1], q.shape[1], k.shape[1]
+  dp = padded_head_dim(d)
+  fcfg = config_lib.fit_forward_config(forward_config, q.dtype, dp, q_len, kv_len, device)
+  impl = config_lib.resolve_backward_impl(backward_pass_impl, device, q.dtype, d, q_len, kv_len)
+  bcfg = config_lib.fit_backward_config(backward_config, q.dtype, dp, q_len, kv_len, device, impl)
+  return device, fcfg, impl, bcfg
 
 
 @dataclasses.dataclass(frozen=True)
