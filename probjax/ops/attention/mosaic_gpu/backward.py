@@ -30,7 +30,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from probjax.ops.attention.masks import Mask, num_tiles, pad_axis, round_up
 from probjax.ops.attention.mosaic_gpu import common as C
-from probjax.ops.attention.mosaic_gpu.config import INTERPRET_WGS
+from probjax.ops.attention.mosaic_gpu.config import INTERPRET_WGS, check_tiles
 from probjax.ops.attention.triton.config import smem_limit
 
 R = C.ROWS
@@ -46,14 +46,7 @@ class MosaicBackwardConfig:
   compute_wgs: int = 2
 
   def __post_init__(self):
-    for name in ("block_q", "block_k"):
-      v = getattr(self, name)
-      if not isinstance(v, int) or v < 64 or v % 64:
-        raise ValueError(f"{name} must be a positive multiple of 64, got {v!r}")
-    if not isinstance(self.num_stages, int) or self.num_stages < 2:
-      raise ValueError(f"num_stages must be an int >= 2, got {self.num_stages!r}")
-    if self.compute_wgs not in (1, 2):
-      raise ValueError(f"compute_wgs must be 1 or 2, got {self.compute_wgs!r}")
+    check_tiles(self, ("block_q", "block_k"))
 
   def smem_bytes(self, itemsize: int, head_dim: int) -> int:
     """The larger of the two kernels' shared memory: resident 64-row tiles of two operands

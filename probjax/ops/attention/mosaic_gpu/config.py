@@ -12,6 +12,19 @@ import dataclasses
 from probjax.ops.attention.triton.config import smem_limit
 
 
+def check_tiles(cfg, blocks: tuple[str, ...]) -> None:
+  """Validates a Mosaic config: the ``blocks`` fields positive multiples of 64 (wgmma tiles),
+  ``num_stages >= 2`` (a ring), ``compute_wgs`` 1 or 2."""
+  for name in blocks:
+    v = getattr(cfg, name)
+    if not isinstance(v, int) or v < 64 or v % 64:
+      raise ValueError(f"{name} must be a positive multiple of 64, got {v!r}")
+  if not isinstance(cfg.num_stages, int) or cfg.num_stages < 2:
+    raise ValueError(f"num_stages must be an int >= 2, got {cfg.num_stages!r}")
+  if cfg.compute_wgs not in (1, 2):
+    raise ValueError(f"compute_wgs must be 1 or 2, got {cfg.compute_wgs!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class MosaicForwardConfig:
   """``block_q`` query rows per compute warpgroup (wgmma's M: 64), ``compute_wgs`` compute
@@ -24,12 +37,7 @@ class MosaicForwardConfig:
   def __post_init__(self):
     if self.block_q != 64:
       raise ValueError(f"block_q must be 64 (one wgmma M tile per warpgroup), got {self.block_q!r}")
-    if not isinstance(self.block_k, int) or self.block_k < 64 or self.block_k % 64:
-      raise ValueError(f"block_k must be a positive multiple of 64, got {self.block_k!r}")
-    if not isinstance(self.num_stages, int) or self.num_stages < 2:
-      raise ValueError(f"num_stages must be an int >= 2, got {self.num_stages!r}")
-    if self.compute_wgs not in (1, 2):
-      raise ValueError(f"compute_wgs must be 1 or 2, got {self.compute_wgs!r}")
+    check_tiles(self, ("block_k",))
 
   def smem_bytes(self, itemsize: int, head_dim: int) -> int:
     wgs, bq, bk, st = self.compute_wgs, self.block_q, self.block_k, self.num_stages
