@@ -4,8 +4,11 @@ Interpret mode (``plgpu.InterpretGPUParams``: simulated warpgroups, TMA and barr
 CPU) at small shapes in CI; the full-size cases are marked ``gpu``.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+
 import pytest
 
 from probjax.ops.attention import masks as M
@@ -148,6 +151,23 @@ def test_config_validation_and_fit():
     assert mcfg.fit(None, 2, d, "sm_90").smem_bytes(2, d) <= 232448
   with pytest.raises(ValueError, match="shared memory"):
     mcfg.fit(pm.MosaicForwardConfig(64, 256, 8, 2), 2, 128, "sm_90")
+
+
+def test_smem_model_covers_the_compilers_counts():
+  # Bytes the Mosaic compiler reported on an H200 for two forward configs (bf16, head_dim 128)
+  # before the schedule barrier (8 bytes) was added: the model must not count fewer.
+  for (bk, st), reported in (((128, 3), 235672), ((192, 2), 235632)):
+    model = pm.MosaicForwardConfig(64, bk, st, 2).smem_bytes(2, 128)
+    assert reported <= model <= reported + 64
+    with pytest.raises(ValueError, match="shared memory"):
+      mcfg.fit(pm.MosaicForwardConfig(64, bk, st, 2), 2, 128, "sm_90")
+
+
+def test_tile_sweep_records_the_auto_config():
+  from docs.scripts.benchmark_gpu_attention_tiles import mosaic_auto_config
+  for d in mcfg.DEFAULTS:
+    for dtype in ("bfloat16", "float16"):
+      assert mosaic_auto_config(dtype, d, "sm_90")["forward"] == dataclasses.asdict(mcfg.fit(None, 2, d, "sm_90"))
 
 
 @pytest.mark.gpu

@@ -28,6 +28,8 @@ import dataclasses
 import itertools
 import sys
 
+import jax.numpy as jnp
+
 from docs.scripts import harness, impls
 
 BLOCKS_Q = (64, 128)
@@ -101,10 +103,16 @@ def tile_case(dtype, d, t, b, h, mode, cfg, timing):
                       run=run, variant=variant, extra={"config": variant})
 
 
+def mosaic_auto_config(dtype: str, d: int, device: str) -> dict:
+  """The forward config the Mosaic kernel picks by default on ``device`` (recorded in auto rows)."""
+  from probjax.ops.attention.mosaic_gpu import config as MC
+  itemsize = jnp.dtype(impls.jnp_dtype(dtype)).itemsize
+  return {"forward": dataclasses.asdict(MC.fit(None, itemsize, d, device))}
+
+
 def mosaic_tile_case(dtype, d, t, b, h, cfg, timing):
   """One forward row of the Mosaic kernel: ``cfg`` None (auto) or (block_k, stages, compute_wgs)."""
   from probjax.ops.attention.mosaic_gpu import MosaicForwardConfig
-  from probjax.ops.attention.mosaic_gpu import config as MC
   if cfg is None:
     variant, kw = "auto", {}
   else:
@@ -120,8 +128,7 @@ def mosaic_tile_case(dtype, d, t, b, h, cfg, timing):
     try:
       res = harness.time_fn(fn, sync, **timing)
       if cfg is None:
-        auto = MC.fit(None, impls.jnp_dtype(dtype).itemsize, d, C.device_kind())
-        res["auto_config"] = {"forward": dataclasses.asdict(auto)}
+        res["auto_config"] = mosaic_auto_config(dtype, d, C.device_kind())
       return res
     finally:
       impls.free_memory()

@@ -30,7 +30,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from probjax.ops.attention.masks import Mask, num_tiles, pad_axis, round_up
 from probjax.ops.attention.mosaic_gpu import common as C
-from probjax.ops.attention.mosaic_gpu.config import INTERPRET_WGS, check_tiles
+from probjax.ops.attention.mosaic_gpu.config import INTERPRET_WGS, check_tiles, smem_total
 from probjax.ops.attention.triton.config import smem_limit
 
 R = C.ROWS
@@ -49,12 +49,18 @@ class MosaicBackwardConfig:
     check_tiles(self, ("block_q", "block_k"))
 
   def smem_bytes(self, itemsize: int, head_dim: int) -> int:
-    """The larger of the two kernels' shared memory: resident 64-row tiles of two operands
-    per compute warpgroup (K, V or Q, dO) and ``num_stages`` slots of two streamed tiles."""
+    """The larger of the two kernels' shared memory (:func:`.config.smem_total` of the
+    scratch in :func:`backward`): resident 64-row tiles of two operands per compute
+    warpgroup (K, V or Q, dO), ``num_stages`` slots of two streamed tiles, their float32
+    statistics and segment ids."""
     wgs, st, d, s = self.compute_wgs, self.num_stages, head_dim, itemsize
-    dkv = 2 * wgs * R * d * s + st * (2 * self.block_q * d * s + 2 * self.block_q * 4)
-    dq = 2 * wgs * R * d * s + wgs * 2 * R * 4 + st * 2 * self.block_k * d * s
-    return max(dkv, dq) + 8 * (4 * st + 2 * wgs)
+    resident = wgs * R * d * s
+    streamed_q, streamed_k = st * self.block_q * d * s, st * self.block_k * d * s
+    dkv = smem_total([resident, resident, streamed_q, streamed_q, st * 2 * self.block_q * 4, wgs * R * 4,
+                      st * self.block_q * 4], 3 * wgs + 5 * st)
+    dq = smem_total([resident, resident, wgs * 2 * R * 4, wgs * R * 4, streamed_k, streamed_k,
+                     st * self.block_k * 4], 4 * wgs + 4 * st)
+    return max(dkv, dq)
 
 
 DEFAULTS = {64: MosaicBackwardConfig(64, 64, 3, 2), 128: MosaicBackwardConfig(64, 64, 2, 2)}

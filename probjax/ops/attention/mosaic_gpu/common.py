@@ -161,23 +161,28 @@ def produce(lo, hi, stages: int, issue: Callable, free: tuple):
       plgpu.barrier_wait(bar.at[slot_of(j)])
 
 
-def mma(a, b, shape):
-  """``a @ b`` (float32 ``shape``) with ``a``, ``b`` shared-memory refs (``.T`` views allowed)."""
+def mma(a, b, shape, during: Callable | None = None):
+  """``a @ b`` (float32 ``shape``) with ``a``, ``b`` shared-memory refs (``.T`` views allowed);
+  ``during()`` runs while the wgmma is in flight."""
   def run(acc_ref):
     plgpu.wgmma(acc_ref, a, b)
+    if during is not None:
+      during()
     return acc_ref[...]
   return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
 
 
-def mma_acc(acc, a, b, staging=None):
+def mma_acc(acc, a, b, staging=None, during: Callable | None = None):
   """``acc + a @ b`` with ``a`` in registers (16-bit, wgmma layout) and ``b`` a shared-memory
-  ref, accumulated in place by wgmma. ``staging`` (interpret mode, whose wgmma reads only
-  shared memory and cannot accumulate in place): a shared-memory buffer for ``a``; the
-  product is then added."""
+  ref, accumulated in place by wgmma; ``during()`` runs while it is in flight. ``staging``
+  (interpret mode, whose wgmma reads only shared memory and cannot accumulate in place): a
+  shared-memory buffer for ``a``; the product is then added."""
   if staging is None:
     def run(acc_ref):
       plgpu.wgmma(acc_ref, a, b)
+      if during is not None:
+        during()
     return pl.run_state(run)(plgpu.ACC.init(acc))
   staging[...] = a
   plgpu.commit_smem()
-  return acc + mma(staging, b, acc.shape)
+  return acc + mma(staging, b, acc.shape, during)

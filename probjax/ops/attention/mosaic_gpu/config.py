@@ -1,15 +1,26 @@
 """Launch configuration of the Mosaic GPU forward kernel, validated against shared memory.
 
-Shared-memory model (bytes, ``s`` = itemsize, ``D`` = head_dim): the query tiles of the
-compute warpgroups (reused for the output), ``num_stages`` K and V slots, the log-sum-exp
-rows and the barriers: ``wgs*bq*D*s + 2*stages*bk*D*s + wgs*bq*4 + 8*(wgs + 4*stages)``.
+Shared-memory model (:func:`smem_total`): every scratch buffer rounded up to 1 KiB, 8 bytes
+per barrier, and 2 KiB that Mosaic GPU reserves. It reproduces the byte counts of the
+Mosaic compiler's own errors on sm_90 (235,672 for ``block_k=128, num_stages=3,
+compute_wgs=2`` and 235,632 for ``192, 2, 2`` at head_dim 128, bf16, before the schedule
+barrier: ``docs/benchmarks/gpu_attention_tiles.json``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from probjax.ops.attention.masks import round_up
 from probjax.ops.attention.triton.config import smem_limit
+
+SMEM_ALIGN, SMEM_RESERVED = 1024, 2048
+
+
+def smem_total(buffers: list[int], barriers: int) -> int:
+  """Shared-memory bytes of a Mosaic GPU kernel with scratch ``buffers`` (bytes each) and
+  ``barriers`` mbarriers."""
+  return sum(round_up(b, SMEM_ALIGN) for b in buffers) + 8 * barriers + SMEM_RESERVED
 
 
 def check_tiles(cfg, blocks: tuple[str, ...]) -> None:
@@ -40,14 +51,17 @@ class MosaicForwardConfig:
     check_tiles(self, ("block_k",))
 
   def smem_bytes(self, itemsize: int, head_dim: int) -> int:
+    """Query/output tiles, K and V rings, lse rows, query and key segment ids; the
+    barriers of :func:`.forward.forward`."""
     wgs, bq, bk, st = self.compute_wgs, self.block_q, self.block_k, self.num_stages
-    return (wgs * bq * head_dim * itemsize + 2 * st * bk * head_dim * itemsize + wgs * bq * 4
-            + 8 * (wgs + 4 * st))
+    kv = st * bk * head_dim * itemsize
+    return smem_total([wgs * bq * head_dim * itemsize, kv, kv, wgs * bq * 4, wgs * bq * 4, st * bk * 4],
+                      2 * wgs + 5 * st + 1)
 
 
-# Unmeasured starting points (sm_90, 16-bit): the largest K/V ring that fits beside the
-# query tiles. The tile sweep on the device replaces them.
-DEFAULTS = {64: MosaicForwardConfig(64, 128, 4, 2), 128: MosaicForwardConfig(64, 128, 2, 2),
+# Fastest configs of the tile sweep on the H200 (bf16, T4096, before the ping-pong schedule;
+# docs/benchmarks/gpu_attention_tiles.json); head_dim 256 is unmeasured: the largest ring that fits.
+DEFAULTS = {64: MosaicForwardConfig(64, 128, 2, 2), 128: MosaicForwardConfig(64, 128, 2, 2),
             256: MosaicForwardConfig(64, 64, 2, 2)}
 
 

@@ -30,7 +30,7 @@ from probjax.ops.attention.mosaic_gpu.config import MosaicForwardConfig
 
 def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, o_ref, lse_ref, q_smem, k_smem,
             v_smem, lse_smem, qid_smem, kid_smem, q_bar, k_ready, v_ready, kid_ready, k_free, v_free,
-            p_smem=None, *, band: Mask | None, lengths: bool, segments: bool, scale: float, groups: int,
+            sched_bar, p_smem=None, *, band: Mask | None, lengths: bool, segments: bool, scale: float, groups: int,
             cfg, q_len: int, kv_len: int, dtype):
   bq, bk, stages, wgs = cfg.block_q, cfg.block_k, cfg.num_stages, cfg.compute_wgs
   b, h, i = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_tiles")
@@ -56,11 +56,22 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, o_ref, lse_
              plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
              plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
 
+    slot_of = lambda j: lax.rem(j - lo, jnp.int32(stages))
+
+    def schedule():  # ping-pong: the two compute warpgroups take turns on the tensor cores
+      if wgs == 2:
+        plgpu.barrier_arrive(sched_bar)
+        plgpu.barrier_wait(sched_bar)
+
+    def wait_next_k(j):  # every K copy is awaited once, while the previous P @ V runs
+      @pl.when(j + 1 < hi)
+      def _():
+        plgpu.barrier_wait(k_ready.at[slot_of(j + 1)])
+
     def step(j, carry, masked: bool):
       acc, m, l = carry
-      slot = lax.rem(j - lo, jnp.int32(stages))
-      plgpu.barrier_wait(k_ready.at[slot])
-      t = C.mma(q_smem.at[wg], k_smem.at[slot].T, (bq, bk))
+      slot = slot_of(j)
+      t = C.mma(q_smem.at[wg], k_smem.at[slot].T, (bq, bk), during=schedule)
       if masked:
         qi, ki = C.iotas(bq, bk, q_start, j * bk)
         ok = C.element_ok(band, qi, ki, q_len, kv_len, *valid)
@@ -77,14 +88,28 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, o_ref, lse_
       p = jnp.exp2(t * c - lax.broadcast_in_dim(m_safe, t.shape, [0]))
       l = l * alpha + p.sum(axis=1)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      plgpu.barrier_wait(v_ready.at[slot])
-      acc = C.mma_acc(acc, p.astype(dtype), v_smem.at[slot], None if p_smem is None else p_smem.at[wg])
+      p = p.astype(dtype)
+      if wgs == 2:  # softmax done: hand the tensor cores over, take them back for P @ V
+        acc, l, m_new, p = lax.optimization_barrier((acc, l, m_new, p))
+        plgpu.barrier_arrive(sched_bar)
+        plgpu.barrier_wait(v_ready.at[slot])
+        plgpu.barrier_wait(sched_bar)
+      else:
+        plgpu.barrier_wait(v_ready.at[slot])
+      acc = C.mma_acc(acc, p, v_smem.at[slot], None if p_smem is None else p_smem.at[wg],
+                      during=lambda: wait_next_k(j))
       plgpu.barrier_arrive(v_free.at[slot])
       return acc, m_new, l
 
+    @pl.when(lo < hi)
+    def _():
+      plgpu.barrier_wait(k_ready.at[0])
+
+    pl.when(wg == 1)(schedule)  # offsets the two warpgroups by half a step
     carry = lax.fori_loop(lo, flo, functools.partial(step, masked=True), carry)
     carry = lax.fori_loop(flo, fhi, functools.partial(step, masked=False), carry)
     acc, m, l = lax.fori_loop(fhi, hi, functools.partial(step, masked=True), carry)
+    pl.when(wg == 0)(schedule)
     empty = l == 0.0
     l = jnp.where(empty, 1.0, l)
     out = acc / lax.broadcast_in_dim(l, acc.shape, [0])
@@ -136,6 +161,7 @@ def forward(q, k, v, mask: Mask | None, *, scale: float, config: MosaicForwardCo
       plgpu.Barrier(num_barriers=cfg.num_stages),
       plgpu.Barrier(num_arrivals=cfg.compute_wgs, num_barriers=cfg.num_stages),
       plgpu.Barrier(num_arrivals=cfg.compute_wgs, num_barriers=cfg.num_stages),
+      plgpu.Barrier(num_arrivals=cfg.compute_wgs),  # the ping-pong schedule
   ]
   if interpret:  # P's staging buffer (see common.mma_acc)
     scratch.append(plgpu.SMEM((cfg.compute_wgs, cfg.block_q, cfg.block_k), q.dtype, transforms=tiled))
