@@ -11,6 +11,7 @@
 #   probe_odd (docs/scripts/probe_odd_lengths.py: the Triton kernel at odd lengths, pads vs kernel)
 #   grid:LENGTHS:DTYPE[:HEAD_DIMS]  (e.g. grid:4096:bf16, grid:1024+16384:bf16:128): the grid
 #     with the core implementations only ($CORE_JAX, $CORE_TORCH; set GRID_ALL=1 for all)
+#   gridall:LENGTHS:DTYPE[:HEAD_DIMS]  the same with every implementation
 # DEVICE_TIME=1: every suite also records device_ms (kernel time from a profile).
 # (tests: pytest --gpu on the gpu-marked tests (tests:EXPR: only those matching -k EXPR), failures printed as they happen, log in
 # $OUT/gpu_tests.log; it gets at most a third of the remaining time, or TESTS_MAX_S seconds)
@@ -91,8 +92,9 @@ for s in "${steps[@]}"; do
     tiles_mosaic) run_step gpu_attention_tiles.json docs.scripts.benchmark_gpu_attention_tiles --kernel mosaic --dtypes bf16 ;;
     grid_bf16) split gpu_attention.json docs.scripts.benchmark_gpu_attention --suite grid --dtypes bf16 ;;
     grid_fp32) split gpu_attention.json docs.scripts.benchmark_gpu_attention --suite grid --dtypes fp32 ;;
-    grid:*)    IFS=':' read -r _ lens dt dims <<< "$s"
-               core "$dt" gpu_attention.json docs.scripts.benchmark_gpu_attention --suite grid --dtypes "$dt" \
+    grid:*|gridall:*) IFS=':' read -r kind lens dt dims <<< "$s"
+               all=$([ "$kind" = gridall ] && echo 1 || echo "${GRID_ALL:-0}")
+               GRID_ALL=$all core "$dt" gpu_attention.json docs.scripts.benchmark_gpu_attention --suite grid --dtypes "$dt" \
                  --lengths "${lens//+/,}" --head-dims "${dims:-64,128}" ;;
     *) echo "[batch] unknown step $s" ;;
   esac
