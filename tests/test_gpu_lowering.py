@@ -151,8 +151,9 @@ def test_split_kv_lowers_for_sm90(monkeypatch, mask):
   assert "probjax_attention_fwd_split_kv" in text
 
 
-@pytest.mark.parametrize("mask_name,d", [("none", 64), ("causal", 128), ("window&lengths", 256)])
-def test_mosaic_forward_and_triton_backward_lower_for_sm90(monkeypatch, mask_name, d):
+@pytest.mark.parametrize("mask_name,d,wgs", [("none", 64, 2), ("causal", 128, 2), ("window&lengths", 256, 2),
+                                              ("causal", 64, 3)])
+def test_mosaic_forward_and_triton_backward_lower_for_sm90(monkeypatch, mask_name, d, wgs):
   """The Mosaic GPU forward (registers as wgmma's P operand, in-place accumulation: the
   paths interpret mode cannot run) lowers to a Mosaic GPU kernel, and its gradient to the
   Triton backward."""
@@ -162,7 +163,8 @@ def test_mosaic_forward_and_triton_backward_lower_for_sm90(monkeypatch, mask_nam
           "window&lengths": M.LocalWindowMask(100, 20) & M.LengthMask(jnp.array([300, 250]), jnp.array([300, 70]))}[mask_name]
   q = jax.ShapeDtypeStruct((2, 300, 8, d), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, 300, 2, d), jnp.bfloat16)
-  loss = lambda q, k, v: jnp.sum(pm.attention(q, k, v, mask=mask).astype(jnp.float32))
+  cfg = None if wgs == 2 else pm.MosaicForwardConfig(64, 128, 2, wgs)
+  loss = lambda q, k, v: jnp.sum(pm.attention(q, k, v, mask=mask, forward_config=cfg).astype(jnp.float32))
   text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
   calls = set(re.findall(r"custom_call @([\w$.]+)", text))
   kernels = set(re.findall(r"probjax_attention_\w+", text))

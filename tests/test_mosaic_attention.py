@@ -131,10 +131,10 @@ def test_supports_reasons():
 
 
 def test_config_validation_and_fit():
-  for kw in (dict(block_q=128), dict(block_k=96), dict(num_stages=1), dict(compute_wgs=3)):
+  for kw in (dict(block_q=128), dict(block_k=96), dict(num_stages=1), dict(compute_wgs=4)):
     with pytest.raises(ValueError):
       pm.MosaicForwardConfig(**kw)
-  for kw in (dict(block_q=32), dict(block_k=96), dict(num_stages=1), dict(compute_wgs=0)):
+  for kw in (dict(block_q=32), dict(block_k=96), dict(num_stages=1), dict(compute_wgs=0), dict(compute_wgs=3)):
     with pytest.raises(ValueError):
       pm.MosaicBackwardConfig(**kw)
   from probjax.ops.attention.mosaic_gpu import backward as mb
@@ -151,6 +151,14 @@ def test_config_validation_and_fit():
     assert mcfg.fit(None, 2, d, "sm_90").smem_bytes(2, d) <= 232448
   with pytest.raises(ValueError, match="shared memory"):
     mcfg.fit(pm.MosaicForwardConfig(64, 256, 8, 2), 2, 128, "sm_90")
+
+
+def test_register_split_fits_the_sm():
+  from probjax.ops.attention.mosaic_gpu.common import registers
+  assert registers(2) == (232, 40) and registers(3) == (160, 24)
+  for wgs in (1, 2, 3):
+    compute, producer = registers(wgs)
+    assert compute % 8 == 0 and 128 * (wgs * compute + producer) <= 65536
 
 
 def test_smem_model_covers_the_compilers_counts():

@@ -45,7 +45,7 @@ BWD_WARPS = (4, 8)
 BWD_STAGES = (2, 3, 4)
 MOSAIC_BLOCKS_K = (64, 128, 192)
 MOSAIC_STAGES = (2, 3, 4)
-MOSAIC_WGS = (1, 2)
+MOSAIC_WGS = (2, 3)
 
 
 def _auto_description(dtype, head_dim, t):

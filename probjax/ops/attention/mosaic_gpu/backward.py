@@ -101,7 +101,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, st_ref, len_ref, rng_ref, qid_ref, 
 
   @pl.when(wg < wgs)
   def _compute():
-    plgpu.set_max_registers(C.COMPUTE_REGISTERS, action="increase")
+    plgpu.set_max_registers(C.registers(wgs)[0], action="increase")
     k_start = cta_start + wg * R
     rows = pl.ds(k_start, R)
     plgpu.copy_gmem_to_smem(k_ref.at[b, rows, hkv], k_smem.at[wg], kv_bar.at[wg])
@@ -154,7 +154,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, st_ref, len_ref, rng_ref, qid_ref, 
 
   @pl.when(wg == wgs)
   def _load():
-    plgpu.set_max_registers(C.PRODUCER_REGISTERS, action="decrease")
+    plgpu.set_max_registers(C.registers(wgs)[1], action="decrease")
 
     def issue(s, slot):  # step s: query head g of the group, query tile lo + s % nq
       g, j = s // nq, lo + lax.rem(s, nq)
@@ -182,7 +182,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, st_ref, len_ref, rng_ref, qid_ref, k
 
   @pl.when(wg < wgs)
   def _compute():
-    plgpu.set_max_registers(C.COMPUTE_REGISTERS, action="increase")
+    plgpu.set_max_registers(C.registers(wgs)[0], action="increase")
     q_start = cta_start + wg * R
     rows = pl.ds(q_start, R)
     plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[wg], row_bar.at[wg])
@@ -227,7 +227,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, st_ref, len_ref, rng_ref, qid_ref, k
 
   @pl.when(wg == wgs)
   def _load():
-    plgpu.set_max_registers(C.PRODUCER_REGISTERS, action="decrease")
+    plgpu.set_max_registers(C.registers(wgs)[1], action="decrease")
     issue = C.kv_issuer(b, h // groups, bk, k_ref, v_ref, kid_ref, k_smem, v_smem, kid_smem, k_ready,
                         v_ready, kid_ready, segments=segments)
     C.produce(lo, hi, stages, issue, (free,))

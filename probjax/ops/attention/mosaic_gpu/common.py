@@ -16,7 +16,16 @@ from probjax.ops.attention.masks import Mask, ranges_from_classes
 LOG2E = math.log2(math.e)
 # Registers per thread after reallocation (setmaxnreg, per warpgroup of 128 threads): two
 # compute warpgroups at 232 and the producer at 40 take 128 * 504 = 64,512 of the SM's 65,536.
-COMPUTE_REGISTERS, PRODUCER_REGISTERS = 232, 40
+REGISTERS_PER_SM = 65536
+
+
+def registers(compute_wgs: int) -> tuple[int, int]:
+  """``(compute, producer)`` registers per thread for ``setmaxnreg``: the producer keeps 40
+  (24 beside three compute warpgroups) and the compute warpgroups share the rest of the SM's
+  file, at most 232 each (multiples of 8)."""
+  producer = 40 if compute_wgs < 3 else 24
+  compute = (REGISTERS_PER_SM // 128 - producer) // compute_wgs // 8 * 8
+  return min(compute, 232), producer
 ROWS = 64  # rows of one wgmma (M) per warpgroup
 TILED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 

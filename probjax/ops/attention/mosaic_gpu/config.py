@@ -23,23 +23,25 @@ def smem_total(buffers: list[int], barriers: int) -> int:
   return sum(round_up(b, SMEM_ALIGN) for b in buffers) + 8 * barriers + SMEM_RESERVED
 
 
-def check_tiles(cfg, blocks: tuple[str, ...]) -> None:
+def check_tiles(cfg, blocks: tuple[str, ...], max_wgs: int = 2) -> None:
   """Validates a Mosaic config: the ``blocks`` fields positive multiples of 64 (wgmma tiles),
-  ``num_stages >= 2`` (a ring), ``compute_wgs`` 1 or 2."""
+  ``num_stages >= 2`` (a ring), ``compute_wgs`` from 1 to ``max_wgs``."""
   for name in blocks:
     v = getattr(cfg, name)
     if not isinstance(v, int) or v < 64 or v % 64:
       raise ValueError(f"{name} must be a positive multiple of 64, got {v!r}")
   if not isinstance(cfg.num_stages, int) or cfg.num_stages < 2:
     raise ValueError(f"num_stages must be an int >= 2, got {cfg.num_stages!r}")
-  if cfg.compute_wgs not in (1, 2):
-    raise ValueError(f"compute_wgs must be 1 or 2, got {cfg.compute_wgs!r}")
+  if not isinstance(cfg.compute_wgs, int) or not 1 <= cfg.compute_wgs <= max_wgs:
+    raise ValueError(f"compute_wgs must be an int from 1 to {max_wgs}, got {cfg.compute_wgs!r}")
 
 
 @dataclasses.dataclass(frozen=True)
 class MosaicForwardConfig:
   """``block_q`` query rows per compute warpgroup (wgmma's M: 64), ``compute_wgs`` compute
-  warpgroups per CTA, ``block_k`` keys per step, ``num_stages`` K/V slots in flight."""
+  warpgroups per CTA (two take turns on the tensor cores; three run free with fewer
+  registers each, see :func:`.common.registers`), ``block_k`` keys per step, ``num_stages``
+  K/V slots in flight."""
   block_q: int = 64
   block_k: int = 128
   num_stages: int = 2
@@ -48,7 +50,7 @@ class MosaicForwardConfig:
   def __post_init__(self):
     if self.block_q != 64:
       raise ValueError(f"block_q must be 64 (one wgmma M tile per warpgroup), got {self.block_q!r}")
-    check_tiles(self, ("block_k",))
+    check_tiles(self, ("block_k",), max_wgs=3)
 
   def smem_bytes(self, itemsize: int, head_dim: int) -> int:
     """Query/output tiles, K and V rings, lse rows, query and key segment ids; the

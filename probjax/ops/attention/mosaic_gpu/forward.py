@@ -43,7 +43,7 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, o_ref, lse_
 
   @pl.when(wg < wgs)
   def _compute():
-    plgpu.set_max_registers(C.COMPUTE_REGISTERS, action="increase")  # the producer needs few
+    plgpu.set_max_registers(C.registers(wgs)[0], action="increase")  # the producer needs few
     q_start = cta_start + wg * bq
     rows = pl.ds(q_start, bq)
     plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[wg], q_bar.at[wg])
@@ -122,7 +122,7 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, o_ref, lse_
 
   @pl.when(wg == wgs)
   def _load():
-    plgpu.set_max_registers(C.PRODUCER_REGISTERS, action="decrease")
+    plgpu.set_max_registers(C.registers(wgs)[1], action="decrease")
     issue = C.kv_issuer(b, h // groups, bk, k_ref, v_ref, kid_ref, k_smem, v_smem, kid_smem, k_ready,
                         v_ready, kid_ready, segments=segments)
     C.produce(lo, hi, stages, issue, (k_free, v_free))
