@@ -17,6 +17,7 @@ from jax._src.pallas.triton import gpu_info
 import probjax.ops.attention.triton as pt
 from probjax.ops.attention import masks as M
 from probjax.ops.attention.triton.config import BackwardConfig, ForwardConfig
+from probjax.testing import make_mask
 
 H200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
 MASKS = {
@@ -151,19 +152,21 @@ def test_split_kv_lowers_for_sm90(monkeypatch, mask):
   assert "probjax_attention_fwd_split_kv" in text
 
 
-@pytest.mark.parametrize("mask_name,d,wgs", [("none", 64, 2), ("causal", 128, 2), ("window&lengths", 256, 2),
-                                              ("causal", 64, 3)])
-def test_mosaic_forward_and_triton_backward_lower_for_sm90(monkeypatch, mask_name, d, wgs):
+@pytest.mark.parametrize("mask_name,d,wgs,persistent", [("none", 64, 2, False), ("causal", 128, 2, False),
+                                                         ("window&lengths", 256, 2, False), ("causal", 64, 3, False),
+                                                         ("none", 128, 2, True), ("segments", 64, 3, True)])
+def test_mosaic_forward_and_triton_backward_lower_for_sm90(monkeypatch, mask_name, d, wgs, persistent):
   """The Mosaic GPU forward (registers as wgmma's P operand, in-place accumulation: the
   paths interpret mode cannot run) lowers to a Mosaic GPU kernel, and its gradient to the
   Triton backward."""
   from probjax.ops.attention import mosaic_gpu as pm
   _fake_triton_sm90(monkeypatch, device_kind=True)
   mask = {"none": None, "causal": M.CausalMask(),
-          "window&lengths": M.LocalWindowMask(100, 20) & M.LengthMask(jnp.array([300, 250]), jnp.array([300, 70]))}[mask_name]
+          "window&lengths": M.LocalWindowMask(100, 20) & M.LengthMask(jnp.array([300, 250]), jnp.array([300, 70])),
+          "segments": make_mask("segments", 2, 300, 300)}[mask_name]
   q = jax.ShapeDtypeStruct((2, 300, 8, d), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, 300, 2, d), jnp.bfloat16)
-  cfg = None if wgs == 2 else pm.MosaicForwardConfig(64, 128, 2, wgs)
+  cfg = None if (wgs, persistent) == (2, False) else pm.MosaicForwardConfig(64, 128, 2, wgs, persistent)
   loss = lambda q, k, v: jnp.sum(pm.attention(q, k, v, mask=mask, forward_config=cfg).astype(jnp.float32))
   text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
   calls = set(re.findall(r"custom_call @([\w$.]+)", text))

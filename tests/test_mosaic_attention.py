@@ -44,6 +44,16 @@ def test_masks_values_and_grads(mask_name):
   check_against_reference(_attn(mask), x, mask=mask)
 
 
+@pytest.mark.parametrize("mask_name", ["none", "causal", "kv_len_zero", "window&segments"])
+def test_persistent_forward(mask_name):
+  # Two CTAs in interpret mode, each looping over several tiles: the K/V ring's slots and
+  # barrier phases carry over from one tile to the next.
+  x = make_inputs(2, 2, 150, 200, 2, 1, 64, jnp.bfloat16)
+  mask = make_mask(mask_name, 2, 150, 200)
+  cfg = dataclasses.replace(SMALL, num_stages=3, persistent=True)
+  check_against_reference(_attn(mask, cfg), x, mask=mask, grads=False)
+
+
 @pytest.mark.parametrize("mask_name", ["none", "causal_offset", "window_right", "lengths", "kv_len_zero",
                                        "segments", "window&segments"])
 def test_mosaic_backward(mask_name):

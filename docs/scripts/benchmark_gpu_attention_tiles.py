@@ -15,7 +15,8 @@ For each (dtype, head_dim, T) at batch 4, 8 heads, non-causal (``--lengths``, de
   reports it beside auto and does not count it as a forced config.
 
 ``--kernel mosaic``: the same for the Mosaic GPU forward (impl "probjax_mosaic", mode "fwd"):
-auto against every forced ``MosaicForwardConfig(64, block_k, num_stages, compute_wgs)``.
+auto against every forced ``MosaicForwardConfig(64, block_k, num_stages, compute_wgs, persistent)``
+(variant ``mosaic_bk{block_k}_s{stages}_wg{wgs}``, ``_p`` when persistent).
 
 Configurations that do not fit shared memory are refused before launch
 (status "unsupported" with the message).
@@ -46,6 +47,7 @@ BWD_STAGES = (2, 3, 4)
 MOSAIC_BLOCKS_K = (64, 128, 192)
 MOSAIC_STAGES = (2, 3, 4)
 MOSAIC_WGS = (2, 3)
+MOSAIC_PERSISTENT = (False, True)
 
 
 def _auto_description(dtype, head_dim, t):
@@ -111,14 +113,15 @@ def mosaic_auto_config(dtype: str, d: int, device: str) -> dict:
 
 
 def mosaic_tile_case(dtype, d, t, b, h, cfg, timing):
-  """One forward row of the Mosaic kernel: ``cfg`` None (auto) or (block_k, stages, compute_wgs)."""
+  """One forward row of the Mosaic kernel: ``cfg`` None (auto) or (block_k, stages, compute_wgs,
+  persistent)."""
   from probjax.ops.attention.mosaic_gpu import MosaicForwardConfig
   if cfg is None:
     variant, kw = "auto", {}
   else:
-    bk, st, wgs = cfg
-    variant = f"mosaic_bk{bk}_s{st}_wg{wgs}"
-    kw = {"forward_config": MosaicForwardConfig(64, bk, st, wgs)}
+    bk, st, wgs, persistent = cfg
+    variant = f"mosaic_bk{bk}_s{st}_wg{wgs}" + ("_p" if persistent else "")
+    kw = {"forward_config": MosaicForwardConfig(64, bk, st, wgs, persistent)}
 
   def run():
     from probjax.nn.layers.attention import flex_attention
@@ -152,7 +155,7 @@ def main(argv=None):
     shapes = [("bfloat16", 64, 128, 1, 2)] if args.quick else [
         (harness.DTYPE_NAMES[dt], d, int(t), 4, 8) for dt in args.dtypes.split(",")
         for d in map(int, args.head_dims.split(",")) for t in args.lengths.split(",") if t]
-    configs = [None] + list(itertools.product(MOSAIC_BLOCKS_K, MOSAIC_STAGES, MOSAIC_WGS))
+    configs = [None] + list(itertools.product(MOSAIC_BLOCKS_K, MOSAIC_STAGES, MOSAIC_WGS, MOSAIC_PERSISTENT))
     cases = [mosaic_tile_case(dtype, d, t, b, h, c, timing) for dtype, d, t, b, h in shapes
              for c in (configs[:2] if args.quick else configs)]
   elif args.quick:

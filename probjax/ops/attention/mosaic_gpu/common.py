@@ -147,27 +147,36 @@ def kv_issuer(b, hkv, block_k: int, k_ref, v_ref, kid_ref, k_smem, v_smem, kid_s
   return issue
 
 
-def produce(lo, hi, stages: int, issue: Callable, free: tuple):
+def produce(lo, hi, stages: int, issue: Callable, free: tuple, base=None, drain: bool = True):
   """The producer warpgroup's loop: ``issue(j, slot)`` starts the copies of step ``j`` in
-  ``[lo, hi)`` into ring slot ``(j - lo) % stages``, after every consumer released the slot
-  (one arrival each on every barrier in ``free``); at the end it waits for the last
-  releases too, so that every barrier phase is observed before the block ends."""
-  slot_of = lambda j: lax.rem(j - lo, jnp.int32(stages))
+  ``[lo, hi)`` into ring slot ``(base + j - lo) % stages`` (``base``: ring steps issued
+  before, by earlier tiles of a persistent kernel), after every consumer released the slot
+  (one arrival each on every barrier in ``free``). Returns ``base + hi - lo``; with
+  ``drain`` it then waits for the last releases too (:func:`drain_ring`)."""
+  base = 0 if base is None else base
 
-  @pl.loop(lo, jnp.minimum(hi, lo + stages))
-  def _fill(j):
-    issue(j, j - lo)
+  @pl.loop(lo, hi)
+  def _issue(j):
+    g = base + j - lo
+    @pl.when(g >= stages)
+    def _():
+      for bar in free:
+        plgpu.barrier_wait(bar.at[lax.rem(g, jnp.int32(stages))])
+    issue(j, lax.rem(g, jnp.int32(stages)))
 
-  @pl.loop(lo + stages, hi)
-  def _refill(j):
+  total = base + jnp.maximum(hi - lo, 0)
+  if drain:
+    drain_ring(total, stages, free)
+  return total
+
+
+def drain_ring(total, stages: int, free: tuple):
+  """Waits for the consumers' releases of the last ``stages`` of ``total`` ring steps, so
+  that every barrier phase is observed before the block ends."""
+  @pl.loop(jnp.maximum(total - stages, 0), total)
+  def _(g):
     for bar in free:
-      plgpu.barrier_wait(bar.at[slot_of(j)])
-    issue(j, slot_of(j))
-
-  @pl.loop(jnp.maximum(lo, hi - stages), hi)
-  def _drain(j):
-    for bar in free:
-      plgpu.barrier_wait(bar.at[slot_of(j)])
+      plgpu.barrier_wait(bar.at[lax.rem(g, jnp.int32(stages))])
 
 
 def mma(a, b, shape, during: Callable | None = None):

@@ -41,13 +41,17 @@ class MosaicForwardConfig:
   """``block_q`` query rows per compute warpgroup (wgmma's M: 64), ``compute_wgs`` compute
   warpgroups per CTA (two take turns on the tensor cores; three run free with fewer
   registers each, see :func:`.common.registers`), ``block_k`` keys per step, ``num_stages``
-  K/V slots in flight."""
+  K/V slots in flight; ``persistent``: one CTA per SM looping over the tiles, its producer
+  loading the next tile's K/V while the compute warpgroups finish the last."""
   block_q: int = 64
   block_k: int = 128
   num_stages: int = 2
   compute_wgs: int = 2
+  persistent: bool = False
 
   def __post_init__(self):
+    if not isinstance(self.persistent, bool):
+      raise ValueError(f"persistent must be a bool, got {self.persistent!r}")
     if self.block_q != 64:
       raise ValueError(f"block_q must be 64 (one wgmma M tile per warpgroup), got {self.block_q!r}")
     check_tiles(self, ("block_k",), max_wgs=3)

@@ -17,6 +17,7 @@ padded to whole tiles around the kernel (key rows past ``kv_len`` are masked).
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -30,102 +31,129 @@ from probjax.ops.attention.mosaic_gpu.config import MosaicForwardConfig
 
 def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, o_ref, lse_ref, q_smem, k_smem,
             v_smem, lse_smem, qid_smem, kid_smem, q_bar, k_ready, v_ready, kid_ready, k_free, v_free,
-            sched_bar, p_smem=None, *, band: Mask | None, lengths: bool, segments: bool, scale: float, groups: int,
-            cfg, q_len: int, kv_len: int, dtype):
+            sched_bar, p_smem=None, *, band: Mask | None, lengths: bool, segments: bool, scale: float,
+            groups: int, cfg, q_len: int, kv_len: int, dtype, tiles: tuple[int, int, int] | None):
   bq, bk, stages, wgs = cfg.block_q, cfg.block_k, cfg.num_stages, cfg.compute_wgs
-  b, h, i = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_tiles")
   wg = lax.axis_index("wg")
-  cta_start = i * (wgs * bq)
-  (lo, hi, flo, fhi), valid = C.block_tiles(
-      rng_ref, len_ref, b, i, segments=segments, lengths=lengths,
-      ranges=lambda *v: C.kv_tiles(band, cta_start, wgs * bq, kv_len, bk, *v))
   c = scale * C.LOG2E
+
+  def each_tile(body):
+    """``body((i, b, h), base) -> base'`` over this CTA's tiles (query tile, batch, head);
+    ``base`` counts the K/V ring steps of earlier tiles. ``tiles`` None: one tile per CTA."""
+    if tiles is None:
+      idx = (lax.axis_index("q_tiles"), lax.axis_index("batch"), lax.axis_index("heads"))
+      return body(idx, 0)
+    loop = plgpu.nd_loop(tiles[1:] + tiles[:1], collective_axes="sm", init_carry=jnp.int32(0))
+    return loop(lambda info, carry: body((info.index[2], info.index[0], info.index[1]), carry))
+
+  def ranges(i, b):
+    cta_start = i * (wgs * bq)
+    return cta_start, C.block_tiles(rng_ref, len_ref, b, i, segments=segments, lengths=lengths,
+                                     ranges=lambda *v: C.kv_tiles(band, cta_start, wgs * bq, kv_len, bk, *v))
 
   @pl.when(wg < wgs)
   def _compute():
     plgpu.set_max_registers(C.registers(wgs)[0], action="increase")  # the producer needs few
-    q_start = cta_start + wg * bq
-    rows = pl.ds(q_start, bq)
-    plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[wg], q_bar.at[wg])
-    plgpu.barrier_wait(q_bar.at[wg])
-    if segments:
-      plgpu.copy_gmem_to_smem(qid_ref.at[b, rows], qid_smem.at[wg], q_bar.at[wgs + wg])
-      plgpu.barrier_wait(q_bar.at[wgs + wg])
-    d = q_smem.shape[-1]
-    carry = (plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA),
-             plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
-             plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
 
-    slot_of = lambda j: lax.rem(j - lo, jnp.int32(stages))
+    def tile(idx, base):
+      i, b, h = idx
+      cta_start, ((lo, hi, flo, fhi), valid) = ranges(i, b)
+      q_start = cta_start + wg * bq
+      rows = pl.ds(q_start, bq)
+      plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[wg], q_bar.at[wg])
+      if segments:
+        plgpu.copy_gmem_to_smem(qid_ref.at[b, rows], qid_smem.at[wg], q_bar.at[wgs + wg])
+        plgpu.barrier_wait(q_bar.at[wgs + wg])
+      plgpu.barrier_wait(q_bar.at[wg])
+      d = q_smem.shape[-1]
+      carry = (plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA),
+               plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+               plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
+      slot_of = lambda j: lax.rem(base + j - lo, jnp.int32(stages))
 
-    def schedule():  # ping-pong: the two compute warpgroups take turns on the tensor cores
-      if wgs == 2:
-        plgpu.barrier_arrive(sched_bar)
-        plgpu.barrier_wait(sched_bar)
+      def schedule():  # ping-pong: the two compute warpgroups take turns on the tensor cores
+        if wgs == 2:
+          plgpu.barrier_arrive(sched_bar)
+          plgpu.barrier_wait(sched_bar)
 
-    def wait_next_k(j):  # every K copy is awaited once, while the previous P @ V runs
-      @pl.when(j + 1 < hi)
+      def wait_next_k(j):  # every K copy is awaited once, while the previous P @ V runs
+        @pl.when(j + 1 < hi)
+        def _():
+          plgpu.barrier_wait(k_ready.at[slot_of(j + 1)])
+
+      def step(j, carry, masked: bool):
+        acc, m, l = carry
+        slot = slot_of(j)
+        t = C.mma(q_smem.at[wg], k_smem.at[slot].T, (bq, bk), during=schedule)
+        if masked:
+          qi, ki = C.iotas(bq, bk, q_start, j * bk)
+          ok = C.element_ok(band, qi, ki, q_len, kv_len, *valid)
+          if segments:
+            plgpu.barrier_wait(kid_ready.at[slot])
+            ok &= C.same_segment(qid_smem.at[wg], kid_smem.at[slot], bq, bk)
+          t = jnp.where(ok, t, -jnp.inf)
+        elif segments:
+          plgpu.barrier_wait(kid_ready.at[slot])  # every copy's phase is observed
+        plgpu.barrier_arrive(k_free.at[slot])
+        m_new = jnp.maximum(m, t.max(axis=1) * c)
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows that have seen no valid key
+        alpha = jnp.exp2(m - m_safe)
+        p = jnp.exp2(t * c - lax.broadcast_in_dim(m_safe, t.shape, [0]))
+        l = l * alpha + p.sum(axis=1)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        p = p.astype(dtype)
+        if wgs == 2:  # softmax done: hand the tensor cores over, take them back for P @ V
+          acc, l, m_new, p = lax.optimization_barrier((acc, l, m_new, p))
+          plgpu.barrier_arrive(sched_bar)
+          plgpu.barrier_wait(v_ready.at[slot])
+          plgpu.barrier_wait(sched_bar)
+        else:
+          plgpu.barrier_wait(v_ready.at[slot])
+        acc = C.mma_acc(acc, p, v_smem.at[slot], None if p_smem is None else p_smem.at[wg],
+                        during=lambda: wait_next_k(j))
+        plgpu.barrier_arrive(v_free.at[slot])
+        return acc, m_new, l
+
+      @pl.when(lo < hi)
       def _():
-        plgpu.barrier_wait(k_ready.at[slot_of(j + 1)])
+        plgpu.barrier_wait(k_ready.at[slot_of(lo)])
 
-    def step(j, carry, masked: bool):
-      acc, m, l = carry
-      slot = slot_of(j)
-      t = C.mma(q_smem.at[wg], k_smem.at[slot].T, (bq, bk), during=schedule)
-      if masked:
-        qi, ki = C.iotas(bq, bk, q_start, j * bk)
-        ok = C.element_ok(band, qi, ki, q_len, kv_len, *valid)
-        if segments:
-          plgpu.barrier_wait(kid_ready.at[slot])
-          ok &= C.same_segment(qid_smem.at[wg], kid_smem.at[slot], bq, bk)
-        t = jnp.where(ok, t, -jnp.inf)
-      elif segments:
-        plgpu.barrier_wait(kid_ready.at[slot])  # every copy's phase is observed
-      plgpu.barrier_arrive(k_free.at[slot])
-      m_new = jnp.maximum(m, t.max(axis=1) * c)
-      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows that have seen no valid key
-      alpha = jnp.exp2(m - m_safe)
-      p = jnp.exp2(t * c - lax.broadcast_in_dim(m_safe, t.shape, [0]))
-      l = l * alpha + p.sum(axis=1)
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      p = p.astype(dtype)
-      if wgs == 2:  # softmax done: hand the tensor cores over, take them back for P @ V
-        acc, l, m_new, p = lax.optimization_barrier((acc, l, m_new, p))
-        plgpu.barrier_arrive(sched_bar)
-        plgpu.barrier_wait(v_ready.at[slot])
-        plgpu.barrier_wait(sched_bar)
-      else:
-        plgpu.barrier_wait(v_ready.at[slot])
-      acc = C.mma_acc(acc, p, v_smem.at[slot], None if p_smem is None else p_smem.at[wg],
-                      during=lambda: wait_next_k(j))
-      plgpu.barrier_arrive(v_free.at[slot])
-      return acc, m_new, l
+      pl.when(wg == 1)(schedule)  # offsets the two warpgroups by half a step
+      carry = lax.fori_loop(lo, flo, functools.partial(step, masked=True), carry)
+      carry = lax.fori_loop(flo, fhi, functools.partial(step, masked=False), carry)
+      acc, m, l = lax.fori_loop(fhi, hi, functools.partial(step, masked=True), carry)
+      pl.when(wg == 0)(schedule)
+      empty = l == 0.0
+      l = jnp.where(empty, 1.0, l)
+      out = acc / lax.broadcast_in_dim(l, acc.shape, [0])
+      q_smem.at[wg][...] = out.astype(dtype)  # the query tile is no longer needed
+      lse_smem.at[wg][...] = jnp.where(empty, jnp.inf, (m + jnp.log2(l)) * (1.0 / C.LOG2E))
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(q_smem.at[wg], o_ref.at[b, rows, h])
+      plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, rows])
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # before the next tile's Q lands there
+      return base + jnp.maximum(hi - lo, 0)
 
-    @pl.when(lo < hi)
-    def _():
-      plgpu.barrier_wait(k_ready.at[0])
-
-    pl.when(wg == 1)(schedule)  # offsets the two warpgroups by half a step
-    carry = lax.fori_loop(lo, flo, functools.partial(step, masked=True), carry)
-    carry = lax.fori_loop(flo, fhi, functools.partial(step, masked=False), carry)
-    acc, m, l = lax.fori_loop(fhi, hi, functools.partial(step, masked=True), carry)
-    pl.when(wg == 0)(schedule)
-    empty = l == 0.0
-    l = jnp.where(empty, 1.0, l)
-    out = acc / lax.broadcast_in_dim(l, acc.shape, [0])
-    q_smem.at[wg][...] = out.astype(dtype)  # the query tile is no longer needed
-    lse_smem.at[wg][...] = jnp.where(empty, jnp.inf, (m + jnp.log2(l)) * (1.0 / C.LOG2E))
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_smem.at[wg], o_ref.at[b, rows, h])
-    plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, rows])
+    each_tile(tile)
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == wgs)
   def _load():
     plgpu.set_max_registers(C.registers(wgs)[1], action="decrease")
-    issue = C.kv_issuer(b, h // groups, bk, k_ref, v_ref, kid_ref, k_smem, v_smem, kid_smem, k_ready,
-                        v_ready, kid_ready, segments=segments)
-    C.produce(lo, hi, stages, issue, (k_free, v_free))
+
+    def tile(idx, base):
+      i, b, h = idx
+      _, ((lo, hi, _, _), _) = ranges(i, b)
+      issue = C.kv_issuer(b, h // groups, bk, k_ref, v_ref, kid_ref, k_smem, v_smem, kid_smem, k_ready,
+                          v_ready, kid_ready, segments=segments)
+      return C.produce(lo, hi, stages, issue, (k_free, v_free), base, drain=False)
+
+    C.drain_ring(each_tile(tile), stages, (k_free, v_free))
+
+
+def _num_sms() -> int:
+  # jax's CUDA devices report their SM count; traced without one (lowering on CPU), an H100/H200's.
+  return getattr(jax.devices()[0], "core_count", None) or 132
 
 
 def forward(q, k, v, mask: Mask | None, *, scale: float, config: MosaicForwardConfig,
@@ -167,16 +195,21 @@ def forward(q, k, v, mask: Mask | None, *, scale: float, config: MosaicForwardCo
     scratch.append(plgpu.SMEM((cfg.compute_wgs, cfg.block_q, cfg.block_k), q.dtype, transforms=tiled))
   band, lengths, lens = C.split_mask(mask, batch, q_len, kv_len)
   seg_ops = C.segment_operands(mask, batch, q_len, kv_len, q_pad, kv_pad, rows, cfg.block_k, by_q=True)
+  grid = (num_tiles(q_pad, rows), batch, heads)
+  tiles, names = (None, ("q_tiles", "batch", "heads"))
+  if cfg.persistent:  # one CTA per SM, each looping over tiles
+    tiles, names = grid, ("sm",)
+    grid = (min(math.prod(grid), 2 if interpret else _num_sms()),)
   kernel = functools.partial(_kernel, band=band, lengths=lengths, segments=mask is not None and
                              mask.q_segment_ids is not None, scale=scale, groups=heads // kv_heads,
-                             cfg=cfg, q_len=q_len, kv_len=kv_len, dtype=q.dtype)
+                             cfg=cfg, q_len=q_len, kv_len=kv_len, dtype=q.dtype, tiles=tiles)
   out, lse = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((batch, q_pad, heads, d), q.dtype),
                 jax.ShapeDtypeStruct((batch, heads, q_pad), jnp.float32)),
       scratch_types=scratch,
-      grid=(num_tiles(q_pad, rows), batch, heads),
-      grid_names=("q_tiles", "batch", "heads"),
+      grid=grid,
+      grid_names=names,
       num_threads=cfg.compute_wgs + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
