@@ -212,6 +212,16 @@ def test_gpu_full_size(mask_name, tq, tk, d):
   check_against_reference(lambda q, k, v, _: pm.attention(q, k, v, mask=mask), x, mask=mask)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask_name,d,wgs", [("none", 128, 2), ("causal&kv_len", 64, 3), ("window&segments", 64, 2)])
+def test_gpu_persistent_and_three_warpgroups(mask_name, d, wgs):
+  x = make_inputs(d + wgs, 2, 3000, 3000, 8, 2, d, jnp.bfloat16)
+  mask = make_mask(mask_name, 2, 3000, 3000)
+  cfg = pm.MosaicForwardConfig(64, 128, 2, wgs, persistent=True)
+  check_against_reference(lambda q, k, v, _: pm.attention(q, k, v, mask=mask, forward_config=cfg), x,
+                          mask=mask, grads=False)
+
+
 def test_through_dot_product_attention_with_jvp():
   from probjax.nn.layers.attention import available_implementations, dot_product_attention
   from probjax.ops.attention.dispatch import Device
