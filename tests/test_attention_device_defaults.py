@@ -92,3 +92,19 @@ def test_default_d64_differentiated_runs_triton_and_is_exact():
   primal = np.asarray(f(x.q), np.float32)
   under_grad = np.asarray(jax.vjp(f, x.q)[0], np.float32)
   assert np.max(np.abs(primal - under_grad)) <= AGREE * max(1.0, np.max(np.abs(primal)))
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_default_causal_differentiated_runs_mosaic_and_is_exact(d):
+  # sm_90: the primal on cuDNN, the gradient from the Mosaic forward and the Triton backward.
+  x = make_inputs(d, 4, 2048, 2048, 8, 8, d, jnp.bfloat16)
+  x.q, x.k, x.v, x.do = x.q * 0.5, x.k * 0.5, x.v * 0.1, x.do * 0.1  # see the module docstring
+  mask = M.CausalMask()
+  dec = explain_dispatch(x.q.shape, x.k.shape, x.q.dtype, mask=mask)
+  if str(jax.devices()[0].compute_capability) == "9.0":
+    assert dec.implementation == "cudnn" and dec.grad_implementation == "mosaic", dec
+  check_against_reference(lambda q, k, v, b: dot_product_attention(q, k, v, mask=mask), x, mask=mask)
+  f = lambda q: dot_product_attention(q, x.k, x.v, mask=mask)
+  primal = np.asarray(f(x.q), np.float32)
+  under_grad = np.asarray(jax.vjp(f, x.q)[0], np.float32)
+  assert np.max(np.abs(primal - under_grad)) <= AGREE * max(1.0, np.max(np.abs(primal)))

@@ -156,8 +156,27 @@ def test_mosaic_only_when_requested():
   for impl in (None, "triton"):
     with pytest.raises(ValueError, match="needs implementation='mosaic'"):
       decide(implementation=impl, backward_pass_impl="mosaic")
-  # Its opt-out is accepted and changes nothing while there is no Mosaic kernel.
+  # Its opt-out changes only the rule that picks it (below).
   assert decide(env={"PROBJAX_ATTENTION_MOSAIC": "0"}) == decide()
+
+
+def test_sm90_differentiated_causal_runs_mosaic():
+  entry = attention_device.DEVICE_DEFAULTS[(9, 0)]
+  limits = dict(entry.grad_mosaic_band_max_work)
+  causal = M.CausalMask()
+  for d, work in limits.items():
+    n = int((work // (4 * 8)) ** 0.5)  # B4 H8 T n: at the limit
+    dec = decide(((4, n, 8, d), (4, n, 8, d)), mask=causal)
+    assert dec.implementation == "cudnn" and dec.grad_implementation == "mosaic", dec
+    assert dec.backward_pass_impl == entry.backward_pass_impl_band and "under grad mosaic" in str(dec)
+    over = decide(((4, 2 * n, 8, d), (4, 2 * n, 8, d)), mask=causal)
+    assert over.implementation == "cudnn" and over.grad_implementation in (None, "triton"), over
+    assert decide(((4, n, 8, d), (4, n, 8, d))).grad_implementation != "mosaic"  # no mask
+    off = decide(((4, n, 8, d), (4, n, 8, d)), mask=causal, env={"PROBJAX_ATTENTION_MOSAIC": "0"})
+    assert off.grad_implementation != "mosaic", off
+    window = decide(((4, n, 8, d), (4, n, 8, d)), mask=M.LocalWindowMask(256, 0))
+    assert window.grad_implementation != "mosaic", window  # unmeasured
+  assert 256 not in limits and 2**29 >= limits[64] >= limits[128]
 
 
 def test_kernel_arguments_disable_the_table():

@@ -96,6 +96,7 @@ def test_default_cudnn_route_lowers_for_sm90(monkeypatch, mask):
   from probjax.nn.layers.attention import dot_product_attention
   _fake_cudnn(monkeypatch)
   _fake_dispatch_sm90(monkeypatch)
+  monkeypatch.setenv("PROBJAX_ATTENTION_MOSAIC", "0")  # the causal grad rule: see below
   q = jax.ShapeDtypeStruct((4, 4096, 8, 64), jnp.bfloat16)
   loss = lambda q: jnp.sum(dot_product_attention(q, q, q, mask=mask).astype(jnp.float32))
   text = jax.jit(jax.grad(loss)).trace(q).lower(lowering_platforms=("cuda",)).as_text()
@@ -112,6 +113,7 @@ def test_default_d64_grad_runs_triton_for_sm90(monkeypatch, mask):
   _fake_cudnn(monkeypatch)
   _fake_triton_sm90(monkeypatch, device_kind=True)
   _fake_dispatch_sm90(monkeypatch)
+  monkeypatch.setenv("PROBJAX_ATTENTION_MOSAIC", "0")  # causal: the Mosaic rule (below) goes first
   q = jax.ShapeDtypeStruct((4, 2048, 8, 64), jnp.bfloat16)
   f = lambda q: jnp.sum(dot_product_attention(q, q, q, mask=mask).astype(jnp.float32))
   lower = lambda fn: jax.jit(fn).trace(q).lower(lowering_platforms=("cuda",)).as_text()
@@ -122,6 +124,25 @@ def test_default_d64_grad_runs_triton_for_sm90(monkeypatch, mask):
   assert "probjax_attention_fwd" in grad and "probjax_attention_bwd" in grad
   # split (no band): forward, dK/dV, dQ; fused (causal band): forward, one backward.
   assert grad.count("custom_call @__gpu$xla.gpu.triton") == (3 if mask is None else 2)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_default_causal_grad_runs_mosaic_for_sm90(monkeypatch, d):
+  """sm_90, causal within the table's Mosaic work limits: the primal lowers to cuDNN alone,
+  the gradient to the Mosaic forward and the Triton (fused, band) backward."""
+  import re
+  from probjax.nn.layers.attention import dot_product_attention
+  _fake_cudnn(monkeypatch)
+  _fake_triton_sm90(monkeypatch, device_kind=True)
+  _fake_dispatch_sm90(monkeypatch)
+  q = jax.ShapeDtypeStruct((4, 2048, 8, d), jnp.bfloat16)
+  f = lambda q: jnp.sum(dot_product_attention(q, q, q, mask=M.CausalMask()).astype(jnp.float32))
+  lower = lambda fn: jax.jit(fn).trace(q).lower(lowering_platforms=("cuda",)).as_text()
+  primal, grad = lower(f), lower(jax.grad(f))
+  assert re.findall(r"custom_call @(__cudnn\$fmha\w*)", primal) == ["__cudnn$fmhaSoftmax"]
+  assert "probjax_attention" not in primal and "__cudnn$fmha" not in grad
+  assert grad.count("custom_call @mosaic_gpu_v2") == 1 and "probjax_attention_fwd_mosaic" in grad
+  assert grad.count("custom_call @__gpu$xla.gpu.triton") == 1 and "probjax_attention_bwd" in grad
 
 
 @pytest.mark.parametrize("fast", [False, True])

@@ -186,12 +186,14 @@ def _attention(query, key, value, shape: base.AttentionShape, *, bias=None, mask
   if (forward_config is not None or backward_config is not None) and decision.implementation not in ("triton", "mosaic"):
     raise ValueError(f"forward_config/backward_config configure the Triton or Mosaic kernel, but this call "
                      f"runs {decision}; pass implementation='triton' or 'mosaic'")
-  if decision.implementation == "mosaic":
+  def mosaic_fast(q, k, v, mask):
     from probjax.ops.attention import mosaic_gpu as mosaic_backend
-    fast = lambda q, k, v, mask: mosaic_backend.attention(
+    return mosaic_backend.attention(
         q, k, v, mask=mask, scale=scale, backward_pass_impl=decision.backward_pass_impl,
         forward_config=forward_config, backward_config=backward_config, interpret=interpret)
-    return with_forward_mode(fast, _exact(query, key, device, score_mod, scale))(query, key, value, mask)
+
+  if decision.implementation == "mosaic":
+    return with_forward_mode(mosaic_fast, _exact(query, key, device, score_mod, scale))(query, key, value, mask)
   if decision.implementation in ("cudnn", "triton"):
     def triton_fast(q, k, v, mask):
       from probjax.ops.attention import triton as triton_backend
@@ -204,7 +206,7 @@ def _attention(query, key, value, shape: base.AttentionShape, *, bias=None, mask
       fast = lambda q, k, v, mask: cudnn_backend.attention(q, k, v, mask=mask, scale=scale)
     else:
       fast = triton_fast
-    grad = triton_fast if decision.grad_implementation == "triton" else None
+    grad = {"triton": triton_fast, "mosaic": mosaic_fast}.get(decision.grad_implementation)
     return with_forward_mode(fast, _exact(query, key, device, score_mod, scale), grad)(query, key, value, mask)
   return xla_backend.attention(query, key, value, formulation=decision.formulation, module=module,
                                bias=bias, mask=mask, dense_mask=dense_mask, score_mod=score_mod,

@@ -36,6 +36,11 @@ class DeviceDefaults:
       takes with ``head_dim <= grad_triton_max_head_dim`` and work below
       ``grad_triton_max_work`` run the Triton kernel's forward and backward instead (the
       primal, e.g. at inference, stays on cuDNN).
+    grad_mosaic_band_max_work: ``((head_dim, work), ...)``: differentiated calls the cuDNN
+      rule takes with a causal mask (``CausalMask()`` alone), that ``head_dim`` and at most
+      that work run the Mosaic
+      GPU forward with the Triton backward instead (before the rule above;
+      ``PROBJAX_ATTENTION_MOSAIC=0`` turns it off).
     decode_max_q_len, decode_min_kv_len: calls with at most ``decode_max_q_len`` queries
       against at least ``decode_min_kv_len`` keys (decoding) skip the cuDNN rule and run
       the Triton kernel, whose split-KV forward spreads the keys over the device.
@@ -51,6 +56,7 @@ class DeviceDefaults:
   fp32_kernel_max_head_dim: int
   grad_triton_max_head_dim: int
   grad_triton_max_work: int
+  grad_mosaic_band_max_work: tuple[tuple[int, int], ...]
   decode_max_q_len: int
   decode_min_kv_len: int
   evidence: tuple[str, ...]
@@ -81,6 +87,15 @@ DEVICE_DEFAULTS: dict[tuple[int, int], DeviceDefaults] = {
         # T2048 0.351 / 0.360, causal 0.259 / 0.296; T3000 0.770 / 0.766, causal 0.502 / 0.494.
         grad_triton_max_head_dim=64,
         grad_triton_max_work=2**29,
+        # Causal fwd+bwd (gpu_attention.json, bf16 B4 H8, ms, default on cuDNN or the Triton
+        # grad rule / Mosaic forward + Triton backward / jax.nn cuDNN, same runs):
+        #   D64:  T2048 (2^27) 0.259 / 0.233 / 0.296; T4096 (2^29) 0.779 / 0.709 / 0.819;
+        #         T8192 2.484 / 2.552 / 2.698 -> up to 2^29;
+        #   D128: T2048 0.405 / 0.377 / 0.403; T4096 1.162 / 1.264 / 1.164 -> up to 2^27.
+        #   (T1024, below the cuDNN threshold: D64 0.106 / 0.100, D128 0.147 / 0.136 -- left
+        #   to the Triton rule.) Mosaic's forward is what differs: T4096 D64 causal forward
+        #   0.201 against Triton's 0.265.
+        grad_mosaic_band_max_work=((64, 2**29), (128, 2**27)),
         # gpu_attention.json (bf16 B4 H8, fwd+bwd ms, split / fused / onepass, same run):
         #   non-causal: D64 T4096 1.288 / 1.275 / 2.773; D128 T4096 2.349 / 2.354 / 5.475;
         #               D64 T16384 19.81 / 19.20 / 40.93; D128 T16384 36.52 / 36.97 / 84.73;

@@ -28,9 +28,9 @@ from probjax.nn.layers import attention_device
 from probjax.ops.attention import cudnn as cudnn_backend
 from probjax.ops.attention.masks import Mask
 
-# "mosaic" (the Mosaic GPU forward with the Triton backward) runs only when asked for: no
-# device table entry picks it until it is measured, so PROBJAX_ATTENTION_MOSAIC=0 has
-# nothing to turn off yet.
+# "mosaic": the Mosaic GPU forward with the Triton backward (sm_90). The default picks it
+# only where the device table measured it faster (differentiated causal calls, see
+# attention_device); PROBJAX_ATTENTION_MOSAIC=0 turns that off.
 IMPLEMENTATIONS = ("xla", "triton", "cudnn", "mosaic")
 ALIASES = {"pallas": "triton"}
 MIN_KERNEL_KV_LEN = 64
@@ -204,6 +204,13 @@ def _decide(q_shape, kv_shape, dtype, *, mask, bias, dense_mask, dropout, score_
         and q_shape[-1] >= table.cudnn_min_head_dim and not decoding):
       if cudnn_backend.supports(q_shape, kv_shape, dtype, platform="gpu", **kw) is None:
         rule = f"{cc} device table: eligible 16-bit call above the cuDNN work threshold"
+        mosaic_max = dict(table.grad_mosaic_band_max_work).get(q_shape[-1], -1)
+        if (mask is not None and mask.is_causal() and b * h * tq * tk <= mosaic_max
+            and not _env_off("PROBJAX_ATTENTION_MOSAIC", env)
+            and mosaic_supports(q_shape, kv_shape, dtype, device=device, **kw) is None):
+          return Decision("cudnn", rule + "; differentiated causal: the Mosaic forward with "
+                          "the Triton backward is faster at this head_dim and work",
+                          _resolve_backward(backward_pass_impl, mask, table), grad_implementation="mosaic")
         if (q_shape[-1] <= table.grad_triton_max_head_dim and b * h * tq * tk < table.grad_triton_max_work
             and triton_supports(q_shape, kv_shape, dtype, device=device, **kw) is None):
           return Decision("cudnn", rule + "; differentiated: the Triton kernel's backward is faster "

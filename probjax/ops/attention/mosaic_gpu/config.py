@@ -65,10 +65,14 @@ class MosaicForwardConfig:
                       2 * wgs + 5 * st + 1)
 
 
-# Fastest configs of the tile sweep on the H200 (bf16, T4096, before the ping-pong schedule;
-# docs/benchmarks/gpu_attention_tiles.json); head_dim 256 is unmeasured: the largest ring that fits.
-DEFAULTS = {64: MosaicForwardConfig(64, 128, 2, 2), 128: MosaicForwardConfig(64, 128, 2, 2),
-            256: MosaicForwardConfig(64, 64, 2, 2)}
+# Tile sweep on the H200 (bf16 B4 H8 T4096 non-causal, forward ms; docs/benchmarks/
+# gpu_attention_tiles.json): block_k 128 with two compute warpgroups is the fastest family at
+# both head dims, and persistent CTAs save 3-4% there: head_dim 64 0.352 (s2) / 0.344 (s4)
+# persistent against 0.353-0.423 (s2) / 0.354 (s4) not; head_dim 128 0.451 against 0.471
+# (s3, s4 and block_k 192 do not fit). Three compute warpgroups are not faster (0.354-0.371
+# at head_dim 64, 0.511-0.519 at 128). Head_dim 256 is unmeasured: the largest ring that fits.
+DEFAULTS = {64: MosaicForwardConfig(64, 128, 2, 2, True), 128: MosaicForwardConfig(64, 128, 2, 2, True),
+            256: MosaicForwardConfig(64, 64, 2, 2, True)}
 
 
 # Interpret mode runs each warpgroup as a thread whose barrier waits block inside XLA host
@@ -77,12 +81,18 @@ DEFAULTS = {64: MosaicForwardConfig(64, 128, 2, 2), 128: MosaicForwardConfig(64,
 INTERPRET_WGS = 1
 
 
-def fit(config: MosaicForwardConfig | None, itemsize: int, head_dim: int, device: str) -> MosaicForwardConfig:
+def fit(config: MosaicForwardConfig | None, itemsize: int, head_dim: int, device: str,
+        band: bool = False) -> MosaicForwardConfig:
   """``config`` (or the default for ``head_dim``) checked against ``device``'s shared memory;
-  a default that does not fit drops stages, an explicit one raises ``ValueError``."""
+  a default that does not fit drops stages, an explicit one raises ``ValueError``. ``band``:
+  the mask has a diagonal band (causal, windows), whose query tiles differ in work: the
+  default then launches a CTA per tile (the hardware's block scheduler balances them)
+  instead of a persistent grid's fixed share per SM."""
   limit = smem_limit(device)
   explicit = config is not None
   cfg = config if explicit else DEFAULTS[head_dim]
+  if not explicit and band:
+    cfg = dataclasses.replace(cfg, persistent=False)
   if device == "interpret" and not explicit:  # see INTERPRET_WGS
     cfg = dataclasses.replace(cfg, compute_wgs=INTERPRET_WGS)
   if limit is None:
