@@ -1,0 +1,64 @@
+"""ptxas's register and spill report for the Mosaic GPU forward kernels (sm_90 only).
+
+  python -m docs.scripts.probe_mosaic_ptxas --output docs/benchmarks/mosaic_ptxas.json
+
+Compiles the forward (bf16, B4 H8 T4096) for each head_dim, mask (none, causal) and
+persistent setting in a child process with ``MOSAIC_GPU_DUMP_PTXAS=1`` (ptxas writes to the
+process's stdout) and records ptxas's lines on registers, spill stores/loads and stack
+frames. One JSON object per case; a case that does not compile records its error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+
+CHILD = r"""
+import jax, jax.numpy as jnp
+from probjax.ops.attention import mosaic_gpu as pm
+from probjax.ops.attention import masks as M
+d, causal, persistent = {d}, {causal}, {persistent}
+cfg = pm.MosaicForwardConfig(64, 128, 2, 2, persistent)
+x = jax.ShapeDtypeStruct((4, 4096, 8, d), jnp.bfloat16)
+f = lambda q, k, v: pm.attention(q, k, v, mask=M.CausalMask() if causal else None, forward_config=cfg)
+jax.jit(f).trace(x, x, x).lower().compile()
+print("PROBE-DONE", flush=True)
+"""
+
+
+def probe(d: int, causal: bool, persistent: bool) -> dict:
+  env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1")
+  p = subprocess.run([sys.executable, "-c", CHILD.format(d=d, causal=causal, persistent=persistent)],
+                     env=env, capture_output=True, text=True, timeout=300)
+  lines = [l.strip() for l in (p.stdout + p.stderr).splitlines()
+           if re.search(r"registers|spill|stack frame|Compiling entry", l)]
+  row = {"head_dim": d, "causal": causal, "persistent": persistent, "ok": "PROBE-DONE" in p.stdout,
+         "ptxas": lines}
+  if not row["ok"]:
+    row["error"] = (p.stderr or p.stdout)[-1500:]
+  return row
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--output", required=True)
+  ap.add_argument("--cases", default="64:0:0,64:1:0,128:0:0,128:1:0,64:0:1,128:0:1",
+                  help="head_dim:causal:persistent, comma-separated")
+  args = ap.parse_args(argv)
+  rows = []
+  for case in args.cases.split(","):
+    d, causal, persistent = (int(v) for v in case.split(":"))
+    row = probe(d, bool(causal), bool(persistent))
+    rows.append(row)
+    print(f"[ptxas] {case}: " + " | ".join(row["ptxas"])[:600], flush=True)
+    with open(args.output, "w") as f:  # after every case: a cut-short run keeps what it has
+      json.dump(rows, f, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
