@@ -49,14 +49,18 @@ def main(argv=None):
   ap.add_argument("--cases", default="64:0:0,64:1:0,128:0:0,128:1:0,64:0:1,128:0:1",
                   help="head_dim:causal:persistent, comma-separated")
   args = ap.parse_args(argv)
-  rows = []
+  import jax
+  from docs.scripts import harness
+  out = {"command": " ".join(["python -m docs.scripts.probe_mosaic_ptxas"] + (argv or sys.argv[1:])),
+         "device": jax.devices()[0].device_kind, "commit": harness.code_commit(), "rows": []}
+  rows = out["rows"]
   for case in args.cases.split(","):
     d, causal, persistent = (int(v) for v in case.split(":"))
     row = probe(d, bool(causal), bool(persistent))
     rows.append(row)
     print(f"[ptxas] {case}: " + " | ".join(row["ptxas"])[:600], flush=True)
     with open(args.output, "w") as f:  # after every case: a cut-short run keeps what it has
-      json.dump(rows, f, indent=1)
+      json.dump(out, f, indent=1)
   return 0
 
 

@@ -94,7 +94,9 @@ DEVICE_DEFAULTS: dict[tuple[int, int], DeviceDefaults] = {
         #   D128: T2048 0.405 / 0.377 / 0.403; T4096 1.162 / 1.264 / 1.164 -> up to 2^27.
         #   (T1024, below the cuDNN threshold: D64 0.106 / 0.100, D128 0.147 / 0.136 -- left
         #   to the Triton rule.) Mosaic's forward is what differs: T4096 D64 causal forward
-        #   0.201 against Triton's 0.265.
+        #   0.201 against Triton's 0.265. Measured with one CTA per tile; the default Mosaic
+        #   config has since become persistent, 4-8% faster on causal forwards
+        #   (mosaic_causal_persistent.json), so these limits are conservative.
         grad_mosaic_band_max_work=((64, 2**29), (128, 2**27)),
         # gpu_attention.json (bf16 B4 H8, fwd+bwd ms, split / fused / onepass, same run):
         #   non-causal: D64 T4096 1.288 / 1.275 / 2.773; D128 T4096 2.349 / 2.354 / 5.475;

@@ -98,7 +98,7 @@ def attention(q, k, v, *, mask: Mask | None = None, scale: float | None = None,
   scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
   device = "interpret" if interpret else triton_config.device_kind()
   itemsize, d = jnp.dtype(q.dtype).itemsize, q.shape[-1]
-  cfg = config_lib.fit(forward_config, itemsize, d, device, band=mask is not None and mask.has_band)
+  cfg = config_lib.fit(forward_config, itemsize, d, device)
   mosaic_bwd = backward_pass_impl == "mosaic"
   if backward_config is not None and isinstance(backward_config, MosaicBackwardConfig) != mosaic_bwd:
     raise TypeError(f"backward_config {type(backward_config).__name__} does not match "

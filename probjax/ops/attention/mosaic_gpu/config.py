@@ -70,7 +70,10 @@ class MosaicForwardConfig:
 # both head dims, and persistent CTAs save 3-4% there: head_dim 64 0.352 (s2) / 0.344 (s4)
 # persistent against 0.353-0.423 (s2) / 0.354 (s4) not; head_dim 128 0.451 against 0.471
 # (s3, s4 and block_k 192 do not fit). Three compute warpgroups are not faster (0.354-0.371
-# at head_dim 64, 0.511-0.519 at 128). Head_dim 256 is unmeasured: the largest ring that fits.
+# at head_dim 64, 0.511-0.519 at 128). Causal, whose tiles differ in work, gains from
+# persistence too (docs/benchmarks/mosaic_causal_persistent.json, kernel ms one CTA per tile /
+# persistent): T4096 D64 0.196 / 0.188, D128 0.289 / 0.268; wall ms at T16384 D64 2.87 / 2.58,
+# D128 4.39 / 4.23. Head_dim 256 is unmeasured: the largest ring that fits.
 DEFAULTS = {64: MosaicForwardConfig(64, 128, 2, 2, True), 128: MosaicForwardConfig(64, 128, 2, 2, True),
             256: MosaicForwardConfig(64, 64, 2, 2, True)}
 
@@ -81,18 +84,12 @@ DEFAULTS = {64: MosaicForwardConfig(64, 128, 2, 2, True), 128: MosaicForwardConf
 INTERPRET_WGS = 1
 
 
-def fit(config: MosaicForwardConfig | None, itemsize: int, head_dim: int, device: str,
-        band: bool = False) -> MosaicForwardConfig:
+def fit(config: MosaicForwardConfig | None, itemsize: int, head_dim: int, device: str) -> MosaicForwardConfig:
   """``config`` (or the default for ``head_dim``) checked against ``device``'s shared memory;
-  a default that does not fit drops stages, an explicit one raises ``ValueError``. ``band``:
-  the mask has a diagonal band (causal, windows), whose query tiles differ in work: the
-  default then launches a CTA per tile (the hardware's block scheduler balances them)
-  instead of a persistent grid's fixed share per SM."""
+  a default that does not fit drops stages, an explicit one raises ``ValueError``."""
   limit = smem_limit(device)
   explicit = config is not None
   cfg = config if explicit else DEFAULTS[head_dim]
-  if not explicit and band:
-    cfg = dataclasses.replace(cfg, persistent=False)
   if device == "interpret" and not explicit:  # see INTERPRET_WGS
     cfg = dataclasses.replace(cfg, compute_wgs=INTERPRET_WGS)
   if limit is None:
