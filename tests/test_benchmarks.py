@@ -503,3 +503,13 @@ def test_device_time_section():
   assert "No row records" in bf.device_time_section([dict(base, ms=1.0)])
   text = bf.device_time_section([dict(base, ms=0.6, device_ms=0.2), dict(base, impl="x", ms=1.0)])
   assert "| 3.00 |" in text and text.count("| grid |") == 1
+
+
+@pytest.mark.parametrize("module", ["probe_mosaic_ptxas", "probe_mosaic_persistent"])
+def test_mosaic_probes_say_they_need_a_gpu(tmp_path, module):
+  out = tmp_path / "probe.json"
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+  p = subprocess.run([sys.executable, "-m", f"docs.scripts.{module}", "--output", str(out)], cwd=ROOT,
+                     env=env, capture_output=True, text=True, timeout=240)
+  assert p.returncode == 0, p.stderr[-3000:]
+  assert json.load(open(out)) == {"rows": [], "skipped": "needs an sm_90 GPU"}

@@ -38,10 +38,15 @@ REPRO = """```bash
 # Diagnostics: jax.nn's cuDNN route vs torch's; the Triton kernel at odd lengths.
 python -m docs.scripts.probe_cudnn --output docs/benchmarks/cudnn_probe.json
 python -m docs.scripts.probe_odd_lengths --output docs/benchmarks/odd_probe.json
+# The Mosaic GPU forward: ptxas registers/spills; persistent vs one CTA per tile, causal.
+python -m docs.scripts.probe_mosaic_ptxas --output docs/benchmarks/mosaic_ptxas.json
+python -m docs.scripts.probe_mosaic_persistent --output docs/benchmarks/mosaic_causal_persistent.json
 
 # Cross-library grid + masked cases, and the tile sweep (CUDA GPU; torch, tokamax optional).
 python -m docs.scripts.benchmark_gpu_attention --output docs/benchmarks/gpu_attention.json
 python -m docs.scripts.benchmark_gpu_attention_tiles --output docs/benchmarks/gpu_attention_tiles.json
+python -m docs.scripts.benchmark_gpu_attention_tiles --kernel mosaic --dtypes bf16 \\
+  --output docs/benchmarks/gpu_attention_tiles.json --append
 
 # Short-sequence sweep, device peak / largest length, residuals.
 python -m docs.scripts.benchmark_kernel_attn_gpu --device gpu --suite dispatch \\
