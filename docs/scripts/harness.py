@@ -308,6 +308,20 @@ def device_info() -> dict:
   return info
 
 
+def gpu_probe_head(module: str, output: str, argv) -> dict | None:
+  """The JSON head of a GPU-only probe ``docs.scripts.<module>``: its command, device and
+  commit, with an empty ``rows`` list. Without a GPU (e.g. CPU CI) it writes
+  ``{"rows": [], "skipped": ...}`` to ``output``, says so and returns None."""
+  import jax
+  if jax.devices()[0].platform != "gpu":
+    with open(output, "w") as f:
+      json.dump({"rows": [], "skipped": "needs an sm_90 GPU"}, f)
+    print("[probe] needs an sm_90 GPU: nothing measured", flush=True)
+    return None
+  return {"command": " ".join([f"python -m docs.scripts.{module}"] + list(argv or sys.argv[1:])),
+          "device": jax.devices()[0].device_kind, "commit": code_commit(), "rows": []}
+
+
 def code_commit() -> str | None:
   """The probjax commit measured: $PROBJAX_COMMIT (set by gpu_batch.sh, whose machine gets the
   working tree without .git), else ``git rev-parse HEAD`` with ``+dirty`` for local edits."""

@@ -20,16 +20,11 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--output", required=True)
   args = ap.parse_args(argv)
-  import jax
   from probjax.ops.attention import masks as M
   from probjax.ops.attention import mosaic_gpu as pm
-  if jax.devices()[0].platform != "gpu":  # e.g. CPU CI: say so instead of failing
-    with open(args.output, "w") as f:
-      json.dump({"rows": [], "skipped": "needs an sm_90 GPU"}, f)
-    print("[probe] needs an sm_90 GPU: nothing measured", flush=True)
+  out = harness.gpu_probe_head("probe_mosaic_persistent", args.output, argv)
+  if out is None:
     return 0
-  out = {"command": " ".join(["python -m docs.scripts.probe_mosaic_persistent"] + (argv or sys.argv[1:])),
-         "device": jax.devices()[0].device_kind, "commit": harness.code_commit(), "rows": []}
   for t in (4096, 16384):
     for d in (64, 128):
       for persistent in (False, True):

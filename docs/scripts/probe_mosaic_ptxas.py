@@ -49,15 +49,10 @@ def main(argv=None):
   ap.add_argument("--cases", default="64:0:0,64:1:0,128:0:0,128:1:0,64:0:1,128:0:1",
                   help="head_dim:causal:persistent, comma-separated")
   args = ap.parse_args(argv)
-  import jax
   from docs.scripts import harness
-  if jax.devices()[0].platform != "gpu":  # e.g. CPU CI: say so instead of failing
-    with open(args.output, "w") as f:
-      json.dump({"rows": [], "skipped": "needs an sm_90 GPU"}, f)
-    print("[probe] needs an sm_90 GPU: nothing measured", flush=True)
+  out = harness.gpu_probe_head("probe_mosaic_ptxas", args.output, argv)
+  if out is None:
     return 0
-  out = {"command": " ".join(["python -m docs.scripts.probe_mosaic_ptxas"] + (argv or sys.argv[1:])),
-         "device": jax.devices()[0].device_kind, "commit": harness.code_commit(), "rows": []}
   rows = out["rows"]
   for case in args.cases.split(","):
     d, causal, persistent = (int(v) for v in case.split(":"))
