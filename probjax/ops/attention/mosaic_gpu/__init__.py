@@ -83,7 +83,8 @@ def attention(q, k, v, *, mask: Mask | None = None, scale: float | None = None,
       without a valid key give zeros.
     backward_pass_impl: ``"mosaic"`` (this package's backward, :mod:`.backward`), or the
       Triton backward's variant (``"auto"``, ``"triton_*"``, see :mod:`probjax.ops.attention.triton`):
-      "auto" stays on the Triton backward until the Mosaic one is measured.
+      "auto" is the Triton backward (with the Mosaic forward, fwd+bwd bf16 T4096: D64 1.22 ms
+      against the Mosaic backward's 1.42; D128 2.18 against 2.09, its tiles unswept).
     forward_config: explicit tiles, checked against the device's shared memory.
     backward_config: the backward's tiles (a ``MosaicBackwardConfig`` for "mosaic", else the
       Triton ``BackwardConfig``).
