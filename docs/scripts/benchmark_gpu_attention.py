@@ -25,8 +25,8 @@ BWD_VARIANTS = ("probjax_triton_onepass", "probjax_triton_fused", "probjax_trito
 PEERS_GRID = ("jaxnn_xla", "jaxnn_cudnn", "tokamax_mosaic", "tokamax_triton", "tokamax_cudnn",
               "torch_sdpa_flash", "torch_sdpa_efficient", "torch_sdpa_cudnn", "torch_sdpa_math",
               "torch_flex")
-MASKED_IMPLS = ("probjax_default", "probjax_triton", "torch_flex", "jaxnn_cudnn", "tokamax_mosaic",
-                "tokamax_triton")
+MASKED_IMPLS = ("probjax_default", "probjax_triton", "probjax_mosaic", "probjax_mosaic_bwd", "torch_flex",
+                "jaxnn_cudnn", "tokamax_mosaic", "tokamax_triton")
 
 
 def _csv(s, conv=str):
