@@ -14,20 +14,19 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from probjax.ops.attention.masks import Mask, ranges_from_classes
 
 LOG2E = math.log2(math.e)
-# Registers per thread after reallocation (setmaxnreg, per warpgroup of 128 threads): two
-# compute warpgroups at 232 and the producer at 40 take 128 * 504 = 64,512 of the SM's 65,536.
 REGISTERS_PER_SM = 65536
+ROWS = 64  # rows of one wgmma (M) per warpgroup
+TILED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
 
 def registers(compute_wgs: int) -> tuple[int, int]:
-  """``(compute, producer)`` registers per thread for ``setmaxnreg``: the producer keeps 40
-  (24 beside three compute warpgroups) and the compute warpgroups share the rest of the SM's
-  file, at most 232 each (multiples of 8)."""
+  """``(compute, producer)`` registers per thread after reallocation (``setmaxnreg``, per
+  warpgroup of 128 threads): the producer keeps 40 (24 beside three compute warpgroups) and
+  the compute warpgroups share the rest of the SM's file, at most 232 each (multiples of 8);
+  two at 232 and the producer take 128 * 504 = 64,512 of 65,536."""
   producer = 40 if compute_wgs < 3 else 24
   compute = (REGISTERS_PER_SM // 128 - producer) // compute_wgs // 8 * 8
   return min(compute, 232), producer
-ROWS = 64  # rows of one wgmma (M) per warpgroup
-TILED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
 
 def split_mask(mask: Mask | None, batch: int, q_len: int, kv_len: int):
@@ -158,11 +157,13 @@ def produce(lo, hi, stages: int, issue: Callable, free: tuple, base=None, drain:
   @pl.loop(lo, hi)
   def _issue(j):
     g = base + j - lo
+    slot = lax.rem(g, jnp.int32(stages))
+
     @pl.when(g >= stages)
     def _():
       for bar in free:
-        plgpu.barrier_wait(bar.at[lax.rem(g, jnp.int32(stages))])
-    issue(j, lax.rem(g, jnp.int32(stages)))
+        plgpu.barrier_wait(bar.at[slot])
+    issue(j, slot)
 
   total = base + jnp.maximum(hi - lo, 0)
   if drain:
