@@ -1,17 +1,19 @@
 """Flash-attention forward kernel in Pallas Mosaic GPU (Hopper: TMA loads, wgmma).
 
-One CTA per (query tile, batch, query head) with ``compute_wgs + 1`` warpgroups: each
-compute warpgroup owns ``block_q`` query rows (wgmma's M is 64 per warpgroup) and runs the
-float32 online softmax in base 2; the last warpgroup only issues the TMA copies of the
-K/V tiles into a ring of ``num_stages`` shared-memory slots. Per slot, a "ready" barrier
-(completed by the copy) and a "free" barrier (one arrival per compute warpgroup) hand it
-back and forth.
+One CTA per (query tile, batch, query head), or with ``persistent`` one per SM looping over
+them, with ``compute_wgs + 1`` warpgroups: each compute warpgroup owns ``block_q`` query
+rows (wgmma's M is 64 per warpgroup) and runs the float32 online softmax in base 2; the
+last warpgroup only issues the TMA copies of the K/V tiles into a ring of ``num_stages``
+shared-memory slots. Per slot, a "ready" barrier (completed by the copy) and a "free"
+barrier (one arrival per compute warpgroup) hand it back and forth. Two compute
+warpgroups take turns on the tensor cores (FA3's ping-pong): a shared barrier passed after
+each QK^T is issued and after each softmax lets one's softmax overlap the other's matmuls.
 
 The key tiles of a CTA are ``[lo, hi)`` from the mask's band and this batch element's key
 length (tiles they empty are never loaded); ``[full_lo, full_hi)`` inside it are tiles the
 band and the lengths fill completely for every row of the CTA, which skip the element
-predicate. Sequence axes are
-padded to whole tiles around the kernel (key rows past ``kv_len`` are masked).
+predicate. Sequence axes are padded to whole tiles around the kernel (key rows past
+``kv_len`` are masked).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from probjax.ops.attention.masks import Mask, num_tiles, pad_axis, round_up
 from probjax.ops.attention.mosaic_gpu import common as C
 from probjax.ops.attention.mosaic_gpu.config import MosaicForwardConfig
+
 
 def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, o_ref, lse_ref, q_smem, k_smem,
             v_smem, lse_smem, qid_smem, kid_smem, q_bar, k_ready, v_ready, kid_ready, k_free, v_free,
