@@ -46,7 +46,7 @@ BWD_WARPS = (4, 8)
 BWD_STAGES = (2, 3, 4)
 MOSAIC_BLOCKS_K = (64, 128, 192)
 MOSAIC_STAGES = (2, 3, 4)
-MOSAIC_WGS = (2, 3)
+MOSAIC_WGS = (1, 2, 3)  # one: 64-row CTAs, more of them at short T
 MOSAIC_PERSISTENT = (False, True)
 
 

@@ -6,7 +6,8 @@
 #
 # PLAN: all (default; priority order below), or a comma list of steps:
 #   tests dispatch grid_core peak residuals ext masked tiles tiles_1024 grid_bf16 grid_fp32 tiles_fp32
-#   tiles_mosaic (the Mosaic GPU forward's tile sweep, bf16 T4096)
+#   tiles_mosaic (the Mosaic GPU forward's tile sweep, bf16 T4096), tiles_mosaic_1024 (T1024,
+#     where one compute warpgroup's 64-row CTAs may fill the SMs better)
 #   probe (docs/scripts/probe_cudnn.py: jax.nn's cuDNN route against torch's, layouts and versions)
 #   probe_odd (docs/scripts/probe_odd_lengths.py: the Triton kernel at odd lengths, pads vs kernel)
 #   grid:LENGTHS:DTYPE[:HEAD_DIMS]  (e.g. grid:4096:bf16, grid:1024+16384:bf16:128): the grid
@@ -90,6 +91,7 @@ for s in "${steps[@]}"; do
     tiles_1024) run_step gpu_attention_tiles.json docs.scripts.benchmark_gpu_attention_tiles --dtypes bf16 --lengths 1024 ;;
     tiles_fp32) run_step gpu_attention_tiles.json docs.scripts.benchmark_gpu_attention_tiles --dtypes fp32 ;;
     tiles_mosaic) run_step gpu_attention_tiles.json docs.scripts.benchmark_gpu_attention_tiles --kernel mosaic --dtypes bf16 ;;
+    tiles_mosaic_1024) run_step gpu_attention_tiles.json docs.scripts.benchmark_gpu_attention_tiles --kernel mosaic --dtypes bf16 --lengths 1024 ;;
     grid_bf16) split gpu_attention.json docs.scripts.benchmark_gpu_attention --suite grid --dtypes bf16 ;;
     grid_fp32) split gpu_attention.json docs.scripts.benchmark_gpu_attention --suite grid --dtypes fp32 ;;
     grid:*|gridall:*) IFS=':' read -r kind lens dt dims <<< "$s"
