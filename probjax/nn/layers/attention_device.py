@@ -38,9 +38,8 @@ class DeviceDefaults:
       primal, e.g. at inference, stays on cuDNN).
     grad_mosaic_band_max_work: ``((head_dim, work), ...)``: differentiated calls the cuDNN
       rule takes with a causal mask (``CausalMask()`` alone), that ``head_dim`` and at most
-      that work run the Mosaic
-      GPU forward with the Triton backward instead (before the rule above;
-      ``PROBJAX_ATTENTION_MOSAIC=0`` turns it off).
+      that work run the Mosaic GPU forward with the Triton backward instead (before the
+      rule above; ``PROBJAX_ATTENTION_MOSAIC=0`` turns it off).
     decode_max_q_len, decode_min_kv_len: calls with at most ``decode_max_q_len`` queries
       against at least ``decode_min_kv_len`` keys (decoding) skip the cuDNN rule and run
       the Triton kernel, whose split-KV forward spreads the keys over the device.
