@@ -505,8 +505,16 @@ def test_device_time_section():
   assert "| 3.00 |" in text and text.count("| grid |") == 1
 
 
-@pytest.mark.parametrize("module", ["probe_mosaic_ptxas", "probe_mosaic_persistent"])
-def test_mosaic_probes_say_they_need_a_gpu(tmp_path, module):
+def test_idle_profile_counts_device_waits_per_call():
+  # Two calls: kernels [0, 10) and [12, 20) overlapping [15, 18), then [40, 50).
+  prof = harness.idle_profile([(0.0, 10.0), (12.0, 8.0), (15.0, 3.0), (40.0, 10.0)], 2)
+  assert prof == {"busy_us": 15.5, "span_us": 25.0, "idle_us": 9.5, "kernels": 2.0, "max_gap_us": 20.0}
+  with pytest.raises(ValueError, match="no kernel intervals"):
+    harness.idle_profile([], 1)
+
+
+@pytest.mark.parametrize("module", ["probe_mosaic_ptxas", "probe_mosaic_persistent", "probe_dispatch_gap"])
+def test_gpu_probes_say_they_need_a_gpu(tmp_path, module):
   out = tmp_path / "probe.json"
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
   p = subprocess.run([sys.executable, "-m", f"docs.scripts.{module}", "--output", str(out)], cwd=ROOT,

@@ -10,6 +10,7 @@
 #     where one compute warpgroup's 64-row CTAs may fill the SMs better)
 #   probe (docs/scripts/probe_cudnn.py: jax.nn's cuDNN route against torch's, layouts and versions)
 #   probe_odd (docs/scripts/probe_odd_lengths.py: the Triton kernel at odd lengths, pads vs kernel)
+#   probe_gap (docs/scripts/probe_dispatch_gap.py: JAX's wall clock beyond kernel time, per setting)
 #   grid:LENGTHS:DTYPE[:HEAD_DIMS]  (e.g. grid:4096:bf16, grid:1024+16384:bf16:128): the grid
 #     with the core implementations only ($CORE_JAX, $CORE_TORCH; set GRID_ALL=1 for all)
 #   gridall:LENGTHS:DTYPE[:HEAD_DIMS]  the same with every implementation
@@ -87,6 +88,9 @@ for s in "${steps[@]}"; do
     masked)    split gpu_attention.json docs.scripts.benchmark_gpu_attention --suite masked ;;
     probe)     run_step cudnn_probe.json docs.scripts.probe_cudnn ;;
     probe_odd) run_step odd_probe.json docs.scripts.probe_odd_lengths ;;
+    probe_gap) echo "[batch] $(date +%T) probe_gap" | tee -a "$OUT/batch.log"
+               $PY -m docs.scripts.probe_dispatch_gap --output "$OUT/dispatch_gap.json" 2>&1 | tail -40 \
+                 | tee -a "$OUT/batch.log" ;;
     tiles)     run_step gpu_attention_tiles.json docs.scripts.benchmark_gpu_attention_tiles --dtypes bf16 ;;
     tiles_1024) run_step gpu_attention_tiles.json docs.scripts.benchmark_gpu_attention_tiles --dtypes bf16 --lengths 1024 ;;
     tiles_fp32) run_step gpu_attention_tiles.json docs.scripts.benchmark_gpu_attention_tiles --dtypes fp32 ;;

@@ -171,6 +171,13 @@ DEVICE_TIME_MAX_MS = 2.0  # profiling a call costs ~seconds; longer calls are de
 def kernel_ms(fn: Callable[[], Any], sync: Callable[[Any], Any], n: int, backend: str) -> float:
   """Summed duration of the GPU kernels of ``n`` calls of ``fn``, per call, in ms (profiler:
   ``jax.profiler`` or ``torch.profiler``)."""
+  return sum(d for _, d in kernel_intervals(fn, sync, n, backend)) / n / 1e3
+
+
+def kernel_intervals(fn: Callable[[], Any], sync: Callable[[Any], Any], n: int,
+                     backend: str) -> list[tuple[float, float]]:
+  """(start, duration) in us of every GPU kernel of ``n`` calls of ``fn``, sorted by start
+  (profiler: ``jax.profiler`` or ``torch.profiler``)."""
   if backend == "torch":
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -182,7 +189,7 @@ def kernel_ms(fn: Callable[[], Any], sync: Callable[[Any], Any], n: int, backend
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     if not kernels:
       raise RuntimeError("the torch profile has no CUDA kernel events")
-    return sum(e.time_range.elapsed_us() for e in kernels) / n / 1e3
+    return sorted((float(e.time_range.start), float(e.time_range.elapsed_us())) for e in kernels)
   import glob
   import gzip
   import shutil
@@ -200,15 +207,15 @@ def kernel_ms(fn: Callable[[], Any], sync: Callable[[Any], Any], n: int, backend
       raise RuntimeError("jax.profiler wrote no perfetto trace")
     with gzip.open(paths[0]) as f:
       trace = json.load(f)
-    return gpu_stream_us(trace.get("traceEvents", []) if isinstance(trace, dict) else trace) / n / 1e3
+    return gpu_stream_intervals(trace.get("traceEvents", []) if isinstance(trace, dict) else trace)
   finally:
     shutil.rmtree(d, ignore_errors=True)
 
 
-def gpu_stream_us(events: list[dict]) -> float:
-  """Summed duration (us) of the complete events on the GPU stream threads of a Chrome/Perfetto
-  trace (process "/device:GPU:*", threads "Stream ..."); raises, naming the threads seen, if
-  there are none."""
+def gpu_stream_intervals(events: list[dict]) -> list[tuple[float, float]]:
+  """(start, duration) in us of the complete events on the GPU stream threads of a
+  Chrome/Perfetto trace (process "/device:GPU:*", threads "Stream ..."), sorted by start;
+  raises, naming the threads seen, if there are none."""
   procs = {e["pid"]: e.get("args", {}).get("name", "") for e in events
            if e.get("ph") == "M" and e.get("name") == "process_name"}
   threads = {(e["pid"], e.get("tid")): e.get("args", {}).get("name", "") for e in events
@@ -218,8 +225,29 @@ def gpu_stream_us(events: list[dict]) -> float:
   if not streams:
     seen = sorted({f"{procs.get(p, p)}/{n}" for (p, _), n in threads.items()})[:12]
     raise RuntimeError(f"no GPU stream threads in the trace (threads: {seen})")
-  return float(sum(e.get("dur", 0) for e in events
-                   if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams))
+  return sorted((float(e.get("ts", 0)), float(e.get("dur", 0))) for e in events
+                if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams)
+
+
+def gpu_stream_us(events: list[dict]) -> float:
+  """Summed duration (us) of :func:`gpu_stream_intervals`."""
+  return sum(d for _, d in gpu_stream_intervals(events))
+
+
+def idle_profile(intervals: list[tuple[float, float]], n: int) -> dict:
+  """Per call of ``n`` calls whose GPU kernels are ``intervals`` (start, duration in us):
+  ``busy_us`` (kernel time), ``span_us`` (first start to last end), ``idle_us`` (their
+  difference: the device waiting), ``kernels`` and ``max_gap_us`` (the longest wait)."""
+  if not intervals:
+    raise ValueError("idle_profile: no kernel intervals")
+  busy = sum(d for _, d in intervals)
+  span = max(s + d for s, d in intervals) - intervals[0][0]
+  gaps, end = [], intervals[0][0] + intervals[0][1]
+  for s, d in intervals[1:]:
+    gaps.append(max(0.0, s - end))
+    end = max(end, s + d)
+  return {"busy_us": busy / n, "span_us": span / n, "idle_us": (span - busy) / n,
+          "kernels": len(intervals) / n, "max_gap_us": max(gaps, default=0.0)}
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,119 @@
+"""Where a JAX call's wall clock exceeds its kernel time (sm_90 probe).
+
+  python -m docs.scripts.probe_dispatch_gap --output docs/benchmarks/dispatch_gap.json
+
+JAX attention rows take ~19 us per call more wall clock than their summed kernel time, torch
+SDPA's ~3 us (``device_ms`` rows of gpu_attention.json): at T4096 that is the whole issue-4
+gap to torch's cuDNN. This probe separates the candidates, per case and per runtime setting:
+
+* ``launch_ms``: the host's time to return from a call (no sync), per call of a long loop.
+  Near ``ms`` means the host is the bottleneck (the call blocks or is slow to enqueue).
+* ``idle_us`` / ``max_gap_us``: the device waiting between kernels, from a profile
+  (:func:`harness.idle_profile`); ``kernels``: kernels per call.
+* cases: one bf16 4096^3 matmul (no attention at all), 8 dependent matmuls in one jit (the
+  per-executable cost amortized), the default and the Triton kernel at T4096 D64 forward, and
+  torch's matmul and SDPA cuDNN on the same inputs.
+* settings (one child process each, JAX cases only for the last two): the suites' allocator
+  setting (``XLA_PYTHON_CLIENT_PREALLOCATE=false``), without CUDA graphs
+  (``--xla_gpu_enable_command_buffer=``), and JAX's default preallocation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+from docs.scripts import harness, impls
+
+SETTINGS = {
+    "suites": {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
+    "no_command_buffer": {"XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+                          "XLA_FLAGS": "--xla_gpu_enable_command_buffer="},
+    "preallocate": {"XLA_PYTHON_CLIENT_PREALLOCATE": "true"},
+}
+N_PROFILE = 40
+
+
+def _cases(with_torch: bool):
+  """(name, backend, fn, sync) for every case of one process."""
+  import jax
+  import jax.numpy as jnp
+  key = jax.random.PRNGKey(0)
+  a = jax.random.normal(key, (4096, 4096), jnp.bfloat16)
+  b = jax.random.normal(jax.random.fold_in(key, 1), (4096, 4096), jnp.bfloat16) / 64
+  mm = jax.jit(lambda a, b: a @ b)
+
+  def chain(a, b):
+    for _ in range(8):
+      a = a @ b
+    return a
+  mm8 = jax.jit(chain)
+  yield "jax_matmul", "jax", (lambda: mm(a, b)), jax.block_until_ready
+  yield "jax_matmul_x8_one_jit", "jax", (lambda: mm8(a, b)), jax.block_until_ready
+  arrays = impls.inputs(4, 4096, 4096, 8, 8, 64)
+  for impl in ("probjax_default", "probjax_triton", "jaxnn_cudnn"):
+    fn, sync = impls.build(impl, arrays, "bfloat16", False, "fwd")
+    yield f"{impl}_t4096_d64_fwd", "jax", fn, sync
+  if not with_torch:
+    return
+  torch = impls.torch_mod()
+  ta = torch.from_numpy(jax.device_get(a).astype("float32")).cuda().to(torch.bfloat16)
+  tb = torch.from_numpy(jax.device_get(b).astype("float32")).cuda().to(torch.bfloat16)
+  tsync = lambda _x: torch.cuda.synchronize()
+  yield "torch_matmul", "torch", (lambda: ta @ tb), tsync
+  fn, sync = impls.build("torch_sdpa_cudnn", arrays, "bfloat16", False, "fwd")
+  yield "torch_sdpa_cudnn_t4096_d64_fwd", "torch", fn, sync
+
+
+def measure(setting: str, with_torch: bool) -> list[dict]:
+  rows = []
+  for name, backend, fn, sync in _cases(with_torch):
+    r = harness.time_fn(fn, sync)
+    n = max(50, r["calls_per_repeat"])
+    t0 = time.perf_counter()
+    out = None
+    for _ in range(n):
+      out = fn()
+    launch = (time.perf_counter() - t0) / n * 1e3
+    sync(out)
+    prof = harness.idle_profile(harness.kernel_intervals(fn, sync, N_PROFILE, backend), N_PROFILE)
+    rows.append(dict(setting=setting, case=name, ms=r["ms"], p10_ms=r["p10_ms"], p90_ms=r["p90_ms"],
+                     launch_ms=launch, **prof))
+    print(rows[-1], flush=True)
+  return rows
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--output", required=True)
+  ap.add_argument("--child", choices=sorted(SETTINGS), help=argparse.SUPPRESS)
+  args, _ = ap.parse_known_args(argv)
+  if args.child:
+    rows = measure(args.child, with_torch=args.child == "suites")
+    with open(args.output, "w") as f:
+      json.dump(rows, f)
+    return 0
+  out = harness.gpu_probe_head("probe_dispatch_gap", args.output, argv)
+  if out is None:
+    return 0
+  for setting, env in SETTINGS.items():
+    part = args.output + f".{setting}.part"
+    p = subprocess.run([sys.executable, "-m", "docs.scripts.probe_dispatch_gap", "--output", part,
+                        "--child", setting], env={**os.environ, **env}, timeout=300)
+    if p.returncode == 0 and os.path.exists(part):
+      with open(part) as f:
+        out["rows"] += json.load(f)
+      os.remove(part)
+    else:
+      out["rows"].append(dict(setting=setting, status="error", rc=p.returncode))
+    with open(args.output, "w") as f:
+      json.dump(out, f, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
