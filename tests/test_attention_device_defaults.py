@@ -81,12 +81,13 @@ def test_cudnn_causal_window_is_exact():
                           x, mask=mask)
 
 
-def test_default_d64_differentiated_runs_triton_and_is_exact():
-  # sm_90: the primal on cuDNN, the gradient from the Triton forward and backward.
+def test_default_d64_differentiated_runs_kernels_and_is_exact():
+  # sm_90: the primal on cuDNN, the gradient from the Mosaic forward (T >= the table's
+  # mosaic_min_len) and the Triton backward.
   x = make_inputs(1, 4, 2048, 2048, 8, 8, 64, jnp.bfloat16)
   d = explain_dispatch(x.q.shape, x.k.shape, x.q.dtype)
   if str(jax.devices()[0].compute_capability) == "9.0":
-    assert d.implementation == "cudnn" and d.grad_implementation == "triton", d
+    assert d.implementation == "cudnn" and d.grad_implementation == "mosaic", d
   check_against_reference(lambda q, k, v, b: dot_product_attention(q, k, v), x)
   f = lambda q: dot_product_attention(q, x.k, x.v)
   primal = np.asarray(f(x.q), np.float32)
@@ -108,3 +109,17 @@ def test_default_causal_differentiated_runs_mosaic_and_is_exact(d):
   primal = np.asarray(f(x.q), np.float32)
   under_grad = np.asarray(jax.vjp(f, x.q)[0], np.float32)
   assert np.max(np.abs(primal - under_grad)) <= AGREE * max(1.0, np.max(np.abs(primal)))
+
+
+@pytest.mark.parametrize("d,t,mask_name", [(128, 4096, "segments"), (64, 2048, "window_right")])
+def test_default_long_masked_runs_mosaic_and_is_exact(d, t, mask_name):
+  # sm_90, masks cuDNN cannot take on long calls: the Mosaic forward, and at D128 from the
+  # table's work limit the Mosaic backward (else the Triton backward).
+  from probjax.testing import make_mask
+  x = make_inputs(t + d, 4, t, t, 8, 8, d, jnp.bfloat16)
+  mask = make_mask("segments", 4, t, t) if mask_name == "segments" else M.LocalWindowMask(300, 5)
+  dec = explain_dispatch(x.q.shape, x.k.shape, x.q.dtype, mask=mask)
+  if str(jax.devices()[0].compute_capability) == "9.0":
+    assert dec.implementation == "mosaic", dec
+    assert (dec.backward_pass_impl == "mosaic") == (d == 128), dec
+  check_against_reference(lambda q, k, v, b: dot_product_attention(q, k, v, mask=mask), x, mask=mask)

@@ -414,6 +414,12 @@ def test_merge_rows_keeps_measured_rows(tmp_path):
   assert rows[("probjax_triton", 64)]["ms"] == 1.0      # an error never replaces a measurement
   assert rows[("probjax_triton", 128)]["ms"] == 2.0     # a measurement replaces a failure
   assert rows[("torch_flex", 64)]["ms"] == 3.0
+  (a / "one.json").write_text(json.dumps(dict(base, ms=1.0, status="ok")) + "\n")  # one row
+  probe = {"command": "python -m docs.scripts.probe_dispatch_gap", "rows": [{"case": "x", "ms": 1.0}]}
+  (b / "probe.json").write_text(json.dumps(probe, indent=1))
+  assert merge_rows.main([str(out), str(a), str(b)]) == 0
+  assert json.load(open(out / "probe.json")) == probe                  # copied, not read as rows
+  assert [r["ms"] for r in harness.load_rows(str(out / "one.json"))] == [1.0]
 
 
 def test_cudnn_probe_section():

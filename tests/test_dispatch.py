@@ -69,11 +69,39 @@ def test_sm90_table_routes_to_cudnn(mask):
     (None, ((4, 4096, 8, 32 + 4), (4, 4096, 8, 36))),  # head_dim not a multiple of 8
 ])
 def test_sm90_table_falls_back_to_triton_where_cudnn_cannot(mask, shapes):
-  d = decide(shapes, mask=mask)
-  assert d.implementation == "triton"
   entry = attention_device.DEVICE_DEFAULTS[(9, 0)]
   want = entry.backward_pass_impl_band if mask is not None and mask.has_band else entry.backward_pass_impl
-  assert d.backward_pass_impl == want
+  d = decide(shapes, mask=mask, env={"PROBJAX_ATTENTION_MOSAIC": "0"})
+  assert d.implementation == "triton" and d.backward_pass_impl == want
+  d = decide(shapes, mask=mask)  # long calls: the Mosaic kernel where it takes the call (below)
+  assert d.implementation == ("triton" if shapes[0][-1] == 36 else "mosaic"), d
+
+
+def test_sm90_long_calls_run_mosaic_where_triton_would():
+  entry = attention_device.DEVICE_DEFAULTS[(9, 0)]
+  n, docs = entry.mosaic_min_len, M.SegmentMask(jnp.zeros((4, 8192), jnp.int32))
+  bwd_min = dict(entry.mosaic_backward_min_work)
+  for d in (64, 128, 256):
+    shapes = ((4, n, 8, d), (4, n, 8, d))
+    dec = decide(shapes, mask=M.SegmentMask(jnp.zeros((4, n), jnp.int32)))
+    assert dec.implementation == "mosaic" and "Mosaic forward" in dec.rule, dec
+    assert dec.backward_pass_impl == entry.backward_pass_impl  # below every Mosaic-backward limit
+    for env in ({"PROBJAX_ATTENTION_MOSAIC": "0"}, {"PROBJAX_ATTENTION_DEVICE_DEFAULTS": "0"}):
+      assert decide(shapes, mask=M.SegmentMask(jnp.zeros((4, n), jnp.int32)), env=env).implementation == "triton"
+    short = ((4, n - 1, 8, d), (4, n, 8, d))
+    assert decide(short, mask=M.SegmentMask(jnp.zeros((4, n - 1), jnp.int32))).implementation == "triton"
+    long = decide(((4, 8192, 8, d), (4, 8192, 8, d)), mask=docs)
+    assert long.backward_pass_impl == ("mosaic" if d in bwd_min and 4 * 8 * 8192**2 >= bwd_min[d]
+                                       else entry.backward_pass_impl), long
+    # The Mosaic kernel takes neither float32 nor score_mod: the Triton kernel keeps them.
+    assert decide(shapes, dtype=jnp.float32, mask=M.CausalMask()).implementation == "triton"
+    assert decide(shapes, score_mod=lambda s, *idx: s).implementation == "triton"
+  assert decide(((4, 8192, 8, 128), (4, 8192, 8, 128)), mask=docs).backward_pass_impl == "mosaic"
+  assert decide(((4, 8192, 8, 128), (4, 8192, 8, 128)), mask=M.LocalWindowMask(256, 0),
+                env={"PROBJAX_ATTENTION_CUDNN": "0"}).backward_pass_impl == "mosaic"
+  # Decoding keeps the split-KV Triton forward (its queries are far below the limit).
+  assert decide(((8, 16, 32, 128), (8, 65536, 8, 128))).implementation == "triton"
+  assert 2048 <= n and all(d <= 128 for d in bwd_min)  # the Mosaic backward's head_dims
 
 
 def test_sm90_decoding_skips_cudnn():
@@ -90,11 +118,16 @@ def test_sm90_decoding_skips_cudnn():
 
 def test_sm90_differentiated_d64_runs_triton():
   entry = attention_device.DEVICE_DEFAULTS[(9, 0)]
-  d64 = ((4, 2048, 8, 64), (4, 2048, 8, 64))
+  d64 = ((4, 1024, 16, 64), (4, 1024, 16, 64))  # below mosaic_min_len: the Triton forward too
   d = decide(d64)
   assert d.implementation == "cudnn" and d.grad_implementation == "triton"
   assert d.backward_pass_impl == entry.backward_pass_impl and "under grad triton" in str(d)
   assert decide(d64, mask=M.CausalMask()).backward_pass_impl == entry.backward_pass_impl_band
+  # From mosaic_min_len the Mosaic forward replaces the Triton forward under grad.
+  long = decide(((4, 2048, 8, 64), (4, 2048, 8, 64)))
+  assert long.grad_implementation == "mosaic" and long.backward_pass_impl == entry.backward_pass_impl
+  assert decide(((4, 2048, 8, 64), (4, 2048, 8, 64)),
+                env={"PROBJAX_ATTENTION_MOSAIC": "0"}).grad_implementation == "triton"
   # At the work limit, at head_dim 128, or without the table: cuDNN's own backward.
   n = int((entry.grad_triton_max_work // (4 * 8)) ** 0.5)
   assert decide(((4, n, 8, 64), (4, n, 8, 64))).grad_implementation is None
@@ -132,7 +165,7 @@ def test_sm90_fp32_rule():
 
 @pytest.mark.parametrize("var", ["PROBJAX_ATTENTION_CUDNN", "PROBJAX_ATTENTION_DEVICE_DEFAULTS"])
 def test_env_opt_outs(var):
-  d = decide(env={var: "0"})
+  d = decide(env={var: "0", "PROBJAX_ATTENTION_MOSAIC": "0"})
   assert d.implementation == "triton"
   if var == "PROBJAX_ATTENTION_DEVICE_DEFAULTS":
     assert d.backward_pass_impl == "auto"  # generic rules
@@ -232,7 +265,7 @@ def test_cudnn_argument_mapping_matches_reference(mask):
 def test_sm90_table_routes_causal_windows_to_cudnn():
   d = decide(mask=M.LocalWindowMask(512, 0))
   assert d.implementation == "cudnn"
-  assert decide(mask=M.LocalWindowMask(512, 3)).implementation == "triton"  # right window: no
+  assert decide(mask=M.LocalWindowMask(512, 3)).implementation == "mosaic"  # right window: no cuDNN
 
 
 def test_split_kv_decision():

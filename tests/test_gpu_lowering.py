@@ -145,6 +145,31 @@ def test_default_causal_grad_runs_mosaic_for_sm90(monkeypatch, d):
   assert grad.count("custom_call @__gpu$xla.gpu.triton") == 1 and "probjax_attention_bwd" in grad
 
 
+@pytest.mark.parametrize("d,t", [(64, 2048), (128, 4096)])
+def test_default_long_segments_run_mosaic_for_sm90(monkeypatch, d, t):
+  """sm_90, a mask cuDNN cannot take on a long call: the Mosaic forward; its backward at
+  D128 from the table's work limit (three Mosaic kernels), else the Triton backward."""
+  import re
+  from probjax.nn.layers import attention_device
+  from probjax.nn.layers.attention import dot_product_attention
+  _fake_triton_sm90(monkeypatch, device_kind=True)
+  _fake_dispatch_sm90(monkeypatch)
+  q = jax.ShapeDtypeStruct((4, t, 8, d), jnp.bfloat16)
+  mask = M.SegmentMask(jnp.repeat(jnp.arange(4, dtype=jnp.int32), t // 4)[None].repeat(4, 0))
+  f = lambda q: jnp.sum(dot_product_attention(q, q, q, mask=mask).astype(jnp.float32))
+  grad = jax.jit(jax.grad(f)).trace(q).lower(lowering_platforms=("cuda",)).as_text()
+  kernels = set(re.findall(r"probjax_attention_\w+", grad))
+  mosaic_bwd = 4 * 8 * t * t >= dict(attention_device.DEVICE_DEFAULTS[(9, 0)].mosaic_backward_min_work).get(d, 2**62)
+  assert mosaic_bwd == (d == 128)
+  if mosaic_bwd:
+    assert set(re.findall(r"custom_call @([\w$.]+)", grad)) == {"mosaic_gpu_v2"}
+    assert set(re.findall(r"probjax_attention_\w+_mosaic\b", grad)) == {
+        "probjax_attention_fwd_mosaic", "probjax_attention_bwd_dkv_mosaic", "probjax_attention_bwd_dq_mosaic"}
+  else:
+    assert "probjax_attention_fwd_mosaic" in kernels and "probjax_attention_fwd" not in kernels, kernels
+    assert grad.count("custom_call @__gpu$xla.gpu.triton") == 2  # split backward: dK/dV, dQ
+
+
 @pytest.mark.parametrize("fast", [False, True])
 def test_fast_exp2_lowers_to_one_instruction(monkeypatch, fast):
   """``fast_exp2`` swaps libdevice's exp2f for ``ex2.approx.ftz.f32`` in every kernel."""

@@ -5,7 +5,9 @@
 Every ``*.json`` in a batch directory is merged into ``OUT_DIR/<same name>``: rows are
 keyed as ``--append`` keys them (:func:`harness.row_key`); a later batch's row replaces an
 earlier one with the same key, and a measured row ("ok") is never replaced by one that
-is not. Used by ``gpu_pair.sh``, whose two batches run on two GPUs of one host.
+is not. A probe's file (one JSON object, not rows) is copied as it is; when several batches
+wrote one, the last batch's copy is kept. Used by ``gpu_pair.sh``, whose two batches run on
+two GPUs of one host.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import sys
 
 from docs.scripts import harness
@@ -30,6 +33,16 @@ def merge(paths: list[str]) -> list[dict]:
   return list(by_key.values())
 
 
+def _is_probe(path: str) -> bool:
+  """Whether ``path`` holds one JSON object (a probe's output) rather than rows."""
+  try:
+    with open(path) as f:
+      obj = json.load(f)
+    return isinstance(obj, dict) and "rows" in obj  # a one-line rows file is one row
+  except json.JSONDecodeError:  # several lines: rows
+    return False
+
+
 def main(argv=None) -> int:
   argv = sys.argv[1:] if argv is None else argv
   if len(argv) < 2:
@@ -39,6 +52,10 @@ def main(argv=None) -> int:
   names = sorted({os.path.basename(p) for b in batches for p in glob.glob(os.path.join(b, "*.json"))})
   for name in names:
     paths = [p for p in (os.path.join(b, name) for b in batches) if os.path.exists(p)]
+    if _is_probe(paths[-1]):
+      shutil.copyfile(paths[-1], os.path.join(out, name))
+      print(f"[merge] {name}: a probe's JSON object, copied from {os.path.dirname(paths[-1])}")
+      continue
     rows = merge(paths)
     with open(os.path.join(out, name), "w") as f:
       f.writelines(json.dumps(r) + "\n" for r in rows)

@@ -40,6 +40,13 @@ class DeviceDefaults:
       rule takes with a causal mask (``CausalMask()`` alone), that ``head_dim`` and at most
       that work run the Mosaic GPU forward with the Triton backward instead (before the
       rule above; ``PROBJAX_ATTENTION_MOSAIC=0`` turns it off).
+    mosaic_min_len: 16-bit calls whose default would run the Triton kernel's forward (as the
+      call, or as the forward of a differentiated call by the rule above) run the Mosaic
+      GPU forward instead when ``q_len`` and ``kv_len`` are both at least this
+      (``PROBJAX_ATTENTION_MOSAIC=0`` turns it off).
+    mosaic_backward_min_work: ``((head_dim, work), ...)``: calls that rule gives the Mosaic
+      forward, with that ``head_dim`` and at least that work, run the Mosaic backward too
+      (else the Triton backward chosen by ``backward_pass_impl*``).
     decode_max_q_len, decode_min_kv_len: calls with at most ``decode_max_q_len`` queries
       against at least ``decode_min_kv_len`` keys (decoding) skip the cuDNN rule and run
       the Triton kernel, whose split-KV forward spreads the keys over the device.
@@ -56,6 +63,8 @@ class DeviceDefaults:
   grad_triton_max_head_dim: int
   grad_triton_max_work: int
   grad_mosaic_band_max_work: tuple[tuple[int, int], ...]
+  mosaic_min_len: int
+  mosaic_backward_min_work: tuple[tuple[int, int], ...]
   decode_max_q_len: int
   decode_min_kv_len: int
   evidence: tuple[str, ...]
@@ -97,6 +106,22 @@ DEVICE_DEFAULTS: dict[tuple[int, int], DeviceDefaults] = {
         #   config has since become persistent, 4-8% faster on causal forwards
         #   (mosaic_causal_persistent.json), so these limits are conservative.
         grad_mosaic_band_max_work=((64, 2**29), (128, 2**27)),
+        # Where the Triton kernel runs (masks cuDNN cannot take, PROBJAX_ATTENTION_CUDNN=0,
+        # the D64 grad rule), the Mosaic forward is ahead from T2048 (gpu_attention.json, bf16,
+        # ms, Mosaic forward / Triton forward, same runs: 3860852 B4 H8 unless said):
+        #   fwd: T2048 D64 0.102 / 0.101, causal 0.089 / 0.096; D128 0.128 / 0.166, causal
+        #   0.110 / 0.142; T4096 D64 0.338 / 0.374, D128 0.462 / 0.604; 5e15f6d masked suite
+        #   (B1 H16 T16384 D128): documents 0.928 / 1.217, causal documents 0.597 / 0.717.
+        #   fwd+bwd with the Triton backward: T2048 D64 0.347 / 0.367, causal 0.249 / 0.254.
+        #   (T1024, 5e15f6d, kernel time: D64 0.0257 / 0.0255, D128 0.0337 / 0.0392 -- left to
+        #   Triton: its wall clock is host-bound and unresolved there.)
+        mosaic_min_len=2048,
+        # fwd+bwd ms, Mosaic backward / Triton backward, both after the Mosaic forward (same
+        # runs): D128 T4096 2.088 / 2.185, causal 1.253 / 1.266; T8192 8.07 / 8.99, causal
+        # 4.39 / 4.71; T16384 33.96 / 35.47; documents (B1 H16 T16384) 4.134 / 4.740, causal
+        # documents 2.512 / 2.688. Slower at T2048 D128 (0.591 / 0.584, causal 0.429 / 0.384)
+        # and at every D64 row (T4096 1.423 / 1.216).
+        mosaic_backward_min_work=((128, 2**29),),
         # gpu_attention.json (bf16 B4 H8, fwd+bwd ms, split / fused / onepass, same run):
         #   non-causal: D64 T4096 1.288 / 1.275 / 2.773; D128 T4096 2.349 / 2.354 / 5.475;
         #               D64 T16384 19.81 / 19.20 / 40.93; D128 T16384 36.52 / 36.97 / 84.73;

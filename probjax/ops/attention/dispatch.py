@@ -12,8 +12,9 @@ Generic rules (``implementation=None``):
   4. Otherwise the fused Triton kernel, if it computes the call exactly.
 Device table (:mod:`probjax.nn.layers.attention_device`), applied first when
 every kernel argument is at its default: cuDNN for large eligible 16-bit calls,
-XLA's dense formulation for float32 above a head_dim while it fits, and the device's
-``backward_pass_impl``.
+XLA's dense formulation for float32 above a head_dim while it fits, the Mosaic GPU
+forward (sm_90) where the Triton kernel would run on long 16-bit calls, and the
+device's ``backward_pass_impl``.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ from probjax.nn.layers import attention_device
 from probjax.ops.attention import cudnn as cudnn_backend
 from probjax.ops.attention.masks import Mask
 
-# "mosaic": the Mosaic GPU forward with the Triton backward (sm_90). The default picks it
-# only where the device table measured it faster (differentiated causal calls, see
-# attention_device); PROBJAX_ATTENTION_MOSAIC=0 turns that off.
+# "mosaic": the Mosaic GPU forward with the Triton or Mosaic backward (sm_90). The default
+# picks it only where the device table measured it faster (see attention_device);
+# PROBJAX_ATTENTION_MOSAIC=0 turns that off.
 IMPLEMENTATIONS = ("xla", "triton", "cudnn", "mosaic")
 ALIASES = {"pallas": "triton"}
 MIN_KERNEL_KV_LEN = 64
@@ -213,9 +214,11 @@ def _decide(q_shape, kv_shape, dtype, *, mask, bias, dense_mask, dropout, score_
                           _resolve_backward(backward_pass_impl, mask, table), grad_implementation="mosaic")
         if (q_shape[-1] <= table.grad_triton_max_head_dim and b * h * tq * tk < table.grad_triton_max_work
             and triton_supports(q_shape, kv_shape, dtype, device=device, **kw) is None):
+          mosaic = _mosaic_forward(q_shape, kv_shape, dtype, table, device, env, kw)
           return Decision("cudnn", rule + "; differentiated: the Triton kernel's backward is faster "
-                          "at this head_dim and work", _resolve_backward(backward_pass_impl, mask, table),
-                          grad_implementation="triton")
+                          "at this head_dim and work" + (" (after the Mosaic forward)" if mosaic else ""),
+                          _resolve_backward(backward_pass_impl, mask, table),
+                          grad_implementation="mosaic" if mosaic else "triton")
         return Decision("cudnn", rule)
     band = mask is not None and mask.has_band
     dense_max = table.fp32_band_dense_max_len if band else table.fp32_dense_max_len
@@ -229,9 +232,23 @@ def _decide(q_shape, kv_shape, dtype, *, mask, bias, dense_mask, dropout, score_
   why = triton_supports(q_shape, kv_shape, dtype, device=device, **kw)
   if why is None:
     backward = _resolve_backward(backward_pass_impl, mask, table)
-    rule = "fused kernel: exact for this call"
-    return Decision("triton", rule, backward)
+    if _mosaic_forward(q_shape, kv_shape, dtype, table, device, env, kw):
+      cc = "sm_%d%d" % device.compute_capability
+      mosaic_bwd_min = dict(table.mosaic_backward_min_work).get(q_shape[-1])
+      if mosaic_bwd_min is not None and b * h * tq * tk >= mosaic_bwd_min:
+        return Decision("mosaic", f"{cc} device table: long 16-bit call, the Mosaic forward and "
+                        "backward are faster than the Triton kernel's", "mosaic")
+      return Decision("mosaic", f"{cc} device table: long 16-bit call, the Mosaic forward is faster "
+                      "than the Triton kernel's (the Triton backward)", backward)
+    return Decision("triton", "fused kernel: exact for this call", backward)
   return Decision("xla", f"the kernel cannot take it ({why})", formulation=xla_formulation(q_shape, kv_shape, device))
+
+
+def _mosaic_forward(q_shape, kv_shape, dtype, table, device: Device, env, kw) -> bool:
+  """Whether the device table's Mosaic rule replaces the Triton forward of this call."""
+  return (table is not None and min(q_shape[1], kv_shape[1]) >= table.mosaic_min_len
+          and not _env_off("PROBJAX_ATTENTION_MOSAIC", env)
+          and mosaic_supports(q_shape, kv_shape, dtype, device=device, **kw) is None)
 
 
 def _not_for_kernels(*, bias=False, dense_mask=False, dropout=False, precision=None, module=False) -> str | None:

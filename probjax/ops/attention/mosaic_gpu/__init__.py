@@ -5,7 +5,9 @@ Built so far (16-bit, head_dim 64/128/256, every position mask -- causal/window 
 per-batch query/key lengths, segment ids -- with tile skipping, GQA, any length): the
 forward (:mod:`.forward`) and a deterministic two-kernel backward (:mod:`.backward`,
 ``backward_pass_impl="mosaic"``, head_dim up to 128); other ``backward_pass_impl`` values run
-the Triton kernels' backward on the same residuals. Not yet: ``score_mod``, measured tiles. The default dispatch does not pick it (``implementation="mosaic"`` asks for it).
+the Triton kernels' backward on the same residuals. Not yet: ``score_mod``. The default
+dispatch picks it on sm_90 where the device table measured it faster
+(:mod:`probjax.nn.layers.attention_device`); ``implementation="mosaic"`` asks for it.
 """
 
 from __future__ import annotations
