@@ -513,8 +513,9 @@ def test_device_time_section():
 
 def test_idle_profile_counts_device_waits_per_call():
   # Two calls: kernels [0, 10) and [12, 20) overlapping [15, 18), then [40, 50).
-  prof = harness.idle_profile([(0.0, 10.0), (12.0, 8.0), (15.0, 3.0), (40.0, 10.0)], 2)
-  assert prof == {"busy_us": 15.5, "span_us": 25.0, "idle_us": 9.5, "kernels": 2.0, "max_gap_us": 20.0}
+  prof = harness.idle_profile([(0.0, 10.0, "a"), (12.0, 8.0, "b"), (15.0, 3.0, "c"), (40.0, 10.0, "a")], 2)
+  assert prof == {"busy_us": 15.5, "span_us": 25.0, "idle_us": 9.5, "kernels": 2.0, "max_gap_us": 20.0,
+                  "by_kernel": {"a": [1.0, 10.0], "b": [0.5, 4.0], "c": [0.5, 1.5]}}
   with pytest.raises(ValueError, match="no kernel intervals"):
     harness.idle_profile([], 1)
 

@@ -171,13 +171,13 @@ DEVICE_TIME_MAX_MS = 2.0  # profiling a call costs ~seconds; longer calls are de
 def kernel_ms(fn: Callable[[], Any], sync: Callable[[Any], Any], n: int, backend: str) -> float:
   """Summed duration of the GPU kernels of ``n`` calls of ``fn``, per call, in ms (profiler:
   ``jax.profiler`` or ``torch.profiler``)."""
-  return sum(d for _, d in kernel_intervals(fn, sync, n, backend)) / n / 1e3
+  return sum(k[1] for k in kernel_intervals(fn, sync, n, backend)) / n / 1e3
 
 
 def kernel_intervals(fn: Callable[[], Any], sync: Callable[[Any], Any], n: int,
-                     backend: str) -> list[tuple[float, float]]:
-  """(start, duration) in us of every GPU kernel of ``n`` calls of ``fn``, sorted by start
-  (profiler: ``jax.profiler`` or ``torch.profiler``)."""
+                     backend: str) -> list[tuple[float, float, str]]:
+  """(start, duration, name), times in us, of every GPU kernel of ``n`` calls of ``fn``,
+  sorted by start (profiler: ``jax.profiler`` or ``torch.profiler``)."""
   if backend == "torch":
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -189,7 +189,7 @@ def kernel_intervals(fn: Callable[[], Any], sync: Callable[[Any], Any], n: int,
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     if not kernels:
       raise RuntimeError("the torch profile has no CUDA kernel events")
-    return sorted((float(e.time_range.start), float(e.time_range.elapsed_us())) for e in kernels)
+    return sorted((float(e.time_range.start), float(e.time_range.elapsed_us()), e.name) for e in kernels)
   import glob
   import gzip
   import shutil
@@ -212,8 +212,8 @@ def kernel_intervals(fn: Callable[[], Any], sync: Callable[[Any], Any], n: int,
     shutil.rmtree(d, ignore_errors=True)
 
 
-def gpu_stream_intervals(events: list[dict]) -> list[tuple[float, float]]:
-  """(start, duration) in us of the complete events on the GPU stream threads of a
+def gpu_stream_intervals(events: list[dict]) -> list[tuple[float, float, str]]:
+  """(start, duration in us, name) of the complete events on the GPU stream threads of a
   Chrome/Perfetto trace (process "/device:GPU:*", threads "Stream ..."), sorted by start;
   raises, naming the threads seen, if there are none."""
   procs = {e["pid"]: e.get("args", {}).get("name", "") for e in events
@@ -225,29 +225,35 @@ def gpu_stream_intervals(events: list[dict]) -> list[tuple[float, float]]:
   if not streams:
     seen = sorted({f"{procs.get(p, p)}/{n}" for (p, _), n in threads.items()})[:12]
     raise RuntimeError(f"no GPU stream threads in the trace (threads: {seen})")
-  return sorted((float(e.get("ts", 0)), float(e.get("dur", 0))) for e in events
+  return sorted((float(e.get("ts", 0)), float(e.get("dur", 0)), str(e.get("name", ""))) for e in events
                 if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams)
 
 
 def gpu_stream_us(events: list[dict]) -> float:
   """Summed duration (us) of :func:`gpu_stream_intervals`."""
-  return sum(d for _, d in gpu_stream_intervals(events))
+  return sum(k[1] for k in gpu_stream_intervals(events))
 
 
-def idle_profile(intervals: list[tuple[float, float]], n: int) -> dict:
-  """Per call of ``n`` calls whose GPU kernels are ``intervals`` (start, duration in us):
-  ``busy_us`` (kernel time), ``span_us`` (first start to last end), ``idle_us`` (their
-  difference: the device waiting), ``kernels`` and ``max_gap_us`` (the longest wait)."""
+def idle_profile(intervals: list[tuple[float, float, str]], n: int) -> dict:
+  """Per call of ``n`` calls whose GPU kernels are ``intervals`` (start, duration in us,
+  name): ``busy_us`` (kernel time), ``span_us`` (first start to last end), ``idle_us``
+  (their difference: the device waiting), ``kernels``, ``max_gap_us`` (the longest wait)
+  and ``by_kernel`` (name (first 80 characters) -> [count, us] per call, longest first)."""
   if not intervals:
     raise ValueError("idle_profile: no kernel intervals")
-  busy = sum(d for _, d in intervals)
-  span = max(s + d for s, d in intervals) - intervals[0][0]
+  busy = sum(k[1] for k in intervals)
+  span = max(k[0] + k[1] for k in intervals) - intervals[0][0]
   gaps, end = [], intervals[0][0] + intervals[0][1]
-  for s, d in intervals[1:]:
+  by_kernel: dict[str, list[float]] = {}
+  for s, d, name in intervals:
     gaps.append(max(0.0, s - end))
     end = max(end, s + d)
+    entry = by_kernel.setdefault(name[:80], [0.0, 0.0])
+    entry[0] += 1 / n
+    entry[1] += d / n
   return {"busy_us": busy / n, "span_us": span / n, "idle_us": (span - busy) / n,
-          "kernels": len(intervals) / n, "max_gap_us": max(gaps, default=0.0)}
+          "kernels": len(intervals) / n, "max_gap_us": max(gaps[1:], default=0.0),
+          "by_kernel": dict(sorted(by_kernel.items(), key=lambda kv: -kv[1][1]))}
 
 
 # ---------------------------------------------------------------------------

@@ -9,10 +9,12 @@ gap to torch's cuDNN. This probe separates the candidates, per case and per runt
 * ``launch_ms``: the host's time to return from a call (no sync), per call of a long loop.
   Near ``ms`` means the host is the bottleneck (the call blocks or is slow to enqueue).
 * ``idle_us`` / ``max_gap_us``: the device waiting between kernels, from a profile
-  (:func:`harness.idle_profile`); ``kernels``: kernels per call.
+  (:func:`harness.idle_profile`); ``kernels``: kernels per call; ``by_kernel``: each
+  kernel's count and time per call.
 * cases: one bf16 4096^3 matmul (no attention at all), 8 dependent matmuls in one jit (the
-  per-executable cost amortized), the default and the Triton kernel at T4096 D64 forward, and
-  torch's matmul and SDPA cuDNN on the same inputs.
+  per-executable cost amortized), the default, jax.nn cuDNN and the Triton kernel at T4096
+  D64 forward, the default and jax.nn cuDNN at T4096 D128 forward+backward, and torch's
+  matmul and SDPA cuDNN on the same inputs.
 * settings (one child process each, JAX cases only for the last two): the suites' allocator
   setting (``XLA_PYTHON_CLIENT_PREALLOCATE=false``), without CUDA graphs
   (``--xla_gpu_enable_command_buffer=``), and JAX's default preallocation.
@@ -55,9 +57,13 @@ def _cases(with_torch: bool):
   yield "jax_matmul", "jax", (lambda: mm(a, b)), jax.block_until_ready
   yield "jax_matmul_x8_one_jit", "jax", (lambda: mm8(a, b)), jax.block_until_ready
   arrays = impls.inputs(4, 4096, 4096, 8, 8, 64)
+  arrays128 = impls.inputs(4, 4096, 4096, 8, 8, 128)
   for impl in ("probjax_default", "probjax_triton", "jaxnn_cudnn"):
     fn, sync = impls.build(impl, arrays, "bfloat16", False, "fwd")
     yield f"{impl}_t4096_d64_fwd", "jax", fn, sync
+  for impl in ("probjax_default", "jaxnn_cudnn"):
+    fn, sync = impls.build(impl, arrays128, "bfloat16", False, "fwd_bwd")
+    yield f"{impl}_t4096_d128_fwd_bwd", "jax", fn, sync
   if not with_torch:
     return
   torch = impls.torch_mod()
@@ -67,6 +73,8 @@ def _cases(with_torch: bool):
   yield "torch_matmul", "torch", (lambda: ta @ tb), tsync
   fn, sync = impls.build("torch_sdpa_cudnn", arrays, "bfloat16", False, "fwd")
   yield "torch_sdpa_cudnn_t4096_d64_fwd", "torch", fn, sync
+  fn, sync = impls.build("torch_sdpa_cudnn", arrays128, "bfloat16", False, "fwd_bwd")
+  yield "torch_sdpa_cudnn_t4096_d128_fwd_bwd", "torch", fn, sync
 
 
 def measure(setting: str, with_torch: bool) -> list[dict]:
