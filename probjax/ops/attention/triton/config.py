@@ -81,7 +81,7 @@ class ForwardConfig:
   mask computes ``q @ k^T`` of the next tile before the softmax and ``P @ V`` of this one
   (FlashAttention-3's intra-warpgroup overlap: on Hopper the dot runs as an async wgmma
   under the softmax). It keeps one more ``[block_q, block_k]`` float32 tile live in
-  registers; masked tiles (partial, band edges) run as without it. Same results.
+  registers; masked tiles (partial, band edges) run as without it. The same operations.
   """
   block_q: int = 128
   block_k: int = 64
