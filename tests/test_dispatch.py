@@ -99,6 +99,11 @@ def test_sm90_long_calls_run_mosaic_where_triton_would():
   assert decide(((4, 8192, 8, 128), (4, 8192, 8, 128)), mask=docs).backward_pass_impl == "mosaic"
   assert decide(((4, 8192, 8, 128), (4, 8192, 8, 128)), mask=M.LocalWindowMask(256, 0),
                 env={"PROBJAX_ATTENTION_CUDNN": "0"}).backward_pass_impl == "mosaic"
+  # Lengths off the Mosaic tiles: only from mosaic_ragged_min_head_dim.
+  for d in (64, 128):
+    odd = decide(((4, 3000, 8, d), (4, 3000, 8, d)), mask=M.SegmentMask(jnp.zeros((4, 3000), jnp.int32)))
+    assert odd.implementation == ("mosaic" if d >= entry.mosaic_ragged_min_head_dim else "triton"), odd
+  assert decide(((4, 3000, 8, 64), (4, 3000, 8, 64))).grad_implementation == "triton"
   # Decoding keeps the split-KV Triton forward (its queries are far below the limit).
   assert decide(((8, 16, 32, 128), (8, 65536, 8, 128))).implementation == "triton"
   assert 2048 <= n and all(d <= 128 for d in bwd_min)  # the Mosaic backward's head_dims

@@ -409,6 +409,15 @@ def test_gpu_fast_exp2(mask_name):
          bc=pt.BackwardConfig(32, 128, 128, 64, 4, 3, fast_exp2=True), interpret=False)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask_name,d,t", [("none", 64, 2048), ("causal", 128, 2048), ("segments", 128, 1500)])
+def test_gpu_prefetch_scores(mask_name, d, t):
+  q, k, v, do = _inputs(40 + d, 2, t, t, 4, 2, d, jnp.bfloat16)
+  _check(q, k, v, do, mask=_mask(mask_name, 2, t, t), impl="triton_split",
+         fc=pt.ForwardConfig(128, 64, 8 if d == 128 else 4, 3, prefetch_scores=True), bc=None,
+         interpret=False)
+
+
 @pytest.mark.parametrize("scale", [-0.3, 0.0, 2.0])
 def test_any_scale(scale):
   q, k, v, do = _inputs(11, 2, 40, 70, 2, 1, 32, jnp.float32)

@@ -56,8 +56,9 @@ split() {  # file module args...: JAX-side process, then torch-side process
   run_step "$@" --impl 'torch_*'
 }
 # The peers the issues' targets name, and every probjax implementation that times a kernel.
-CORE_JAX='probjax_default,probjax_triton*,probjax_mosaic*,jaxnn_cudnn,tokamax_triton,tokamax_mosaic'
-CORE_TORCH='torch_sdpa_flash,torch_sdpa_cudnn,torch_flex'
+# CORE_JAX / CORE_TORCH set in the environment narrow a short run to the rows it needs.
+CORE_JAX="${CORE_JAX:-probjax_default,probjax_triton*,probjax_mosaic*,jaxnn_cudnn,tokamax_triton,tokamax_mosaic}"
+CORE_TORCH="${CORE_TORCH:-torch_sdpa_flash,torch_sdpa_cudnn,torch_flex}"
 # fp32: the XLA paths (the fp32 rule's comparison) and the torch backends that take fp32.
 CORE_JAX_FP32='probjax_default,probjax_triton,probjax_xla,jaxnn_xla,jaxnn_cudnn,tokamax_triton'
 CORE_TORCH_FP32='torch_sdpa_efficient,torch_sdpa_math,torch_flex'

@@ -24,6 +24,7 @@ else
 fi
 $PY -m docs.scripts.merge_rows "$OUT" "$OUT/gpu0" "$OUT/gpu1"
 rm -f "$OUT"/gpu*/*.json
+mv "$OUT"/gpu*/*.txt "$OUT"/ 2>/dev/null   # probes' text files (e.g. dispatch_gap_hlo.txt)
 # At most 8 files come back from a device call: every log goes into one file.
 for i in 0 1; do
   for f in "$OUT/gpu$i.out" "$OUT/gpu$i"/*.log; do [ -f "$f" ] && { echo "===== GPU $i: $(basename "$f")"; cat "$f"; }; done

@@ -15,6 +15,7 @@ gap to torch's cuDNN. This probe separates the candidates, per case and per runt
   per-executable cost amortized), the default, jax.nn cuDNN and the Triton kernel at T4096
   D64 forward, the default and jax.nn cuDNN at T4096 D128 forward+backward, and torch's
   matmul and SDPA cuDNN on the same inputs.
+* ``*_hlo.txt`` beside the output: XLA's optimized HLO of the cases that call cuDNN.
 * settings (one child process each, JAX cases only for the last two): the suites' allocator
   setting (``XLA_PYTHON_CLIENT_PREALLOCATE=false``), without CUDA graphs
   (``--xla_gpu_enable_command_buffer=``), and JAX's default preallocation.
@@ -108,8 +109,11 @@ def main(argv=None):
   out = harness.gpu_probe_head("probe_dispatch_gap", args.output, argv)
   if out is None:
     return 0
+  dump = "/tmp/probe_dispatch_gap_hlo"
   for setting, env in SETTINGS.items():
     part = args.output + f".{setting}.part"
+    if setting == "suites":  # XLA's optimized HLO of every case: where its Memset kernels come from
+      env = {**env, "XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_text"}
     p = subprocess.run([sys.executable, "-m", "docs.scripts.probe_dispatch_gap", "--output", part,
                         "--child", setting], env={**os.environ, **env}, timeout=300)
     if p.returncode == 0 and os.path.exists(part):
@@ -120,7 +124,19 @@ def main(argv=None):
       out["rows"].append(dict(setting=setting, status="error", rc=p.returncode))
     with open(args.output, "w") as f:
       json.dump(out, f, indent=1)
+  _collect_hlo(dump, os.path.splitext(args.output)[0] + "_hlo.txt")
   return 0
+
+
+def _collect_hlo(dump: str, path: str) -> None:
+  """The optimized HLO modules of ``dump`` that call cuDNN, in one text file."""
+  import glob
+  with open(path, "w") as out:
+    for name in sorted(glob.glob(os.path.join(dump, "*after_optimizations.txt"))):
+      with open(name) as f:
+        text = f.read()
+      if "cudnn" in text:
+        out.write(f"===== {os.path.basename(name)}\n{text}\n")
 
 
 if __name__ == "__main__":

@@ -43,7 +43,8 @@ class DeviceDefaults:
     mosaic_min_len: 16-bit calls whose default would run the Triton kernel's forward (as the
       call, or as the forward of a differentiated call by the rule above) run the Mosaic
       GPU forward instead when ``q_len`` and ``kv_len`` are both at least this
-      (``PROBJAX_ATTENTION_MOSAIC=0`` turns it off).
+      (``PROBJAX_ATTENTION_MOSAIC=0`` turns it off); lengths that are not multiples of 128
+      (the Mosaic tiles) only from ``head_dim >= mosaic_ragged_min_head_dim``.
     mosaic_backward_min_work: ``((head_dim, work), ...)``: calls that rule gives the Mosaic
       forward, with that ``head_dim`` and at least that work, run the Mosaic backward too
       (else the Triton backward chosen by ``backward_pass_impl*``).
@@ -64,6 +65,7 @@ class DeviceDefaults:
   grad_triton_max_work: int
   grad_mosaic_band_max_work: tuple[tuple[int, int], ...]
   mosaic_min_len: int
+  mosaic_ragged_min_head_dim: int
   mosaic_backward_min_work: tuple[tuple[int, int], ...]
   decode_max_q_len: int
   decode_min_kv_len: int
@@ -116,6 +118,11 @@ DEVICE_DEFAULTS: dict[tuple[int, int], DeviceDefaults] = {
         #   (T1024, 5e15f6d, kernel time: D64 0.0257 / 0.0255, D128 0.0337 / 0.0392 -- left to
         #   Triton: its wall clock is host-bound and unresolved there.)
         mosaic_min_len=2048,
+        # Odd lengths (ab80354, B4 H8 T3000, ms, Mosaic / Triton, same run): D64 slower in
+        # every row (fwd 0.237 / 0.228, causal 0.195 / 0.169; fwd+bwd 0.821 / 0.791, causal
+        # 0.514 / 0.500); D128 ahead or level (fwd 0.325 / 0.392, causal 0.275 / 0.274;
+        # fwd+bwd 1.395 / 1.503, causal 0.837 / 0.839).
+        mosaic_ragged_min_head_dim=128,
         # fwd+bwd ms, Mosaic backward / Triton backward, both after the Mosaic forward (same
         # runs): D128 T4096 2.088 / 2.185, causal 1.253 / 1.266; T8192 8.07 / 8.99, causal
         # 4.39 / 4.71; T16384 33.96 / 35.47; documents (B1 H16 T16384) 4.134 / 4.740, causal

@@ -246,7 +246,9 @@ def _decide(q_shape, kv_shape, dtype, *, mask, bias, dense_mask, dropout, score_
 
 def _mosaic_forward(q_shape, kv_shape, dtype, table, device: Device, env, kw) -> bool:
   """Whether the device table's Mosaic rule replaces the Triton forward of this call."""
+  ragged = q_shape[1] % 128 or kv_shape[1] % 128
   return (table is not None and min(q_shape[1], kv_shape[1]) >= table.mosaic_min_len
+          and (not ragged or q_shape[-1] >= table.mosaic_ragged_min_head_dim)
           and not _env_off("PROBJAX_ATTENTION_MOSAIC", env)
           and mosaic_supports(q_shape, kv_shape, dtype, device=device, **kw) is None)
 
