@@ -71,20 +71,6 @@ def test_lowers_for_sm90(monkeypatch, mask_name, impl):
   assert text.count("custom_call @__gpu$xla.gpu.triton") >= 2  # the forward and the backward kernel(s)
 
 
-@pytest.mark.parametrize("mask_name", list(MASKS))
-def test_prefetch_scores_lowers_for_sm90(monkeypatch, mask_name):
-  """The forward with the next key tile's scores in the loop carry (``prefetch_scores``)."""
-  _fake_triton_sm90(monkeypatch)
-  q = jax.ShapeDtypeStruct((2, 300, 8, 128), jnp.bfloat16)
-  kv = jax.ShapeDtypeStruct((2, 300, 2, 128), jnp.bfloat16)
-  lower = lambda prefetch: jax.jit(lambda q, k, v: pt.attention(
-      q, k, v, mask=MASKS[mask_name], forward_config=ForwardConfig(128, 64, 8, 3, prefetch_scores=prefetch))
-  ).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
-  text = lower(True)
-  assert "probjax_attention_fwd" in text and text.count("custom_call @__gpu$xla.gpu.triton") == 1
-  assert text != lower(False)
-
-
 def test_api_grad_lowers_for_sm90(monkeypatch):
   """Through dot_product_attention: the forward-mode wrapper keeps the kernels' backward."""
   from probjax.nn.layers.attention import dot_product_attention

@@ -6,8 +6,6 @@ the same checks at full size with the default (tuned, smem-fitted) tiles.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,13 +18,11 @@ from probjax.ops.attention import masks as M
 from probjax.ops.attention.reference import reference_attention, reference_vjp
 from probjax.ops.attention.tolerances import max_error, tolerance
 from probjax.ops.attention.triton import config as cfg
-from probjax.ops.attention.triton import forward as forward_lib
 
 IMPLS = ("triton_split", "triton_fused", "triton_onepass")
 FC16 = pt.ForwardConfig(16, 16, 4, 1)
 BC16 = pt.BackwardConfig(16, 16, 16, 16, 4, 1)
 BC_MIXED = pt.BackwardConfig(32, 16, 16, 32, 4, 1)
-FC16_PREFETCH = pt.ForwardConfig(16, 16, 4, 1, prefetch_scores=True)
 
 
 def _inputs(seed, b, tq, tk, h, hkv, d, dtype):
@@ -162,10 +158,9 @@ def test_fully_masked_rows_are_zero(impl):
   assert not np.any(np.asarray(dq[0])) and not np.any(np.asarray(dk[0])) and not np.any(np.asarray(dv[0]))
 
 
-@pytest.mark.parametrize("impl,fc", [(i, FC16) for i in IMPLS] + [("triton_split", FC16_PREFETCH)])
-def test_skipped_tiles_are_not_loaded(impl, fc):
-  """Keys in tiles that the mask empties hold NaN: skipped tiles never touch them (with
-  ``prefetch_scores``, the scores computed ahead of an empty full range are dropped)."""
+@pytest.mark.parametrize("impl", IMPLS)
+def test_skipped_tiles_are_not_loaded(impl):
+  """Keys in tiles that the mask empties hold NaN: skipped tiles never touch them."""
   q, k, v, do = _inputs(16, 2, 48, 64, 4, 2, 32, jnp.float32)
   bad = jnp.arange(64)[None, :, None, None] >= 32
   k, v = jnp.where(bad, jnp.nan, k), jnp.where(bad, jnp.nan, v)
@@ -173,7 +168,7 @@ def test_skipped_tiles_are_not_loaded(impl, fc):
   masks = [KVLenMask(jnp.array([32, 16])),
            SegmentMask(jnp.broadcast_to(jnp.arange(48) // 16, (2, 48)).astype(jnp.int32), kv_seg)]
   for mask in masks:
-    f = lambda q, k, v: pt.attention(q, k, v, mask=mask, backward_pass_impl=impl, forward_config=fc,
+    f = lambda q, k, v: pt.attention(q, k, v, mask=mask, backward_pass_impl=impl, forward_config=FC16,
                                      backward_config=BC16, interpret=True)
     out, vjp = jax.vjp(f, q, k, v)
     dq, dk, dv = vjp(do)
@@ -195,36 +190,6 @@ def test_two_pass_backward_is_deterministic(impl):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("mask_name,tq,tk,h,hkv,dtype,score_mod", [
-    ("none", 100, 256, 4, 2, jnp.float32, False),   # keys a multiple of block_k: no masked tile
-    ("none", 63, 200, 4, 2, jnp.float32, False),    # a partial last key tile after the full loop
-    ("causal", 200, 200, 4, 2, jnp.float32, False),
-    ("segments", 100, 200, 4, 2, jnp.float32, False),
-    ("window_kvlen", 100, 200, 4, 2, jnp.float32, False),
-    ("none", 63, 200, 8, 1, jnp.float32, True),     # MQA, score_mod
-    ("segments_causal", 100, 200, 6, 2, jnp.float32, True),
-    ("causal_offset", 100, 200, 4, 2, jnp.bfloat16, False)])
-def test_prefetch_scores(mask_name, tq, tk, h, hkv, dtype, score_mod):
-  """The next key tile's scores computed ahead: the same output and lse (bit for bit without
-  score_mod; with it, the loop carry keeps XLA from folding score_mod's constant factors into
-  the exponent's as it does without prefetch, which rounds differently)."""
-  q, k, v, _ = _inputs(tq + tk + h, 2, tq, tk, h, hkv, 32, dtype)
-  mask, score_mod = _mask(mask_name, 2, tq, tk), _alibi_softcap if score_mod else None
-  fc = pt.ForwardConfig(32, 64, 4, 1, prefetch_scores=True)
-  run = lambda fc: forward_lib.forward(q, k, v, mask, scale=0.3, score_mod=score_mod, config=fc,
-                                       interpret=True)
-  out, lse = run(fc)
-  ref = reference_attention(q, k, v, mask=mask, score_mod=score_mod, scale=0.3)
-  assert max_error(out, ref) <= tolerance(dtype)
-  out0, lse0 = run(dataclasses.replace(fc, prefetch_scores=False))
-  if score_mod is None:
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(out0))
-    np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse0))
-  else:
-    assert max_error(out, out0) <= tolerance(dtype)
-    np.testing.assert_allclose(np.asarray(lse), np.asarray(lse0), rtol=tolerance(dtype))
-
-
 def test_jit_with_traced_mask_arrays():
   q, k, v, do = _inputs(18, 2, 30, 45, 4, 2, 32, jnp.float32)
 
@@ -242,8 +207,7 @@ def test_jit_with_traced_mask_arrays():
 
 # -- configs, shared-memory model, dispatch helpers ---------------------------------
 @pytest.mark.parametrize("kwargs", [dict(block_q=8), dict(block_k=24), dict(num_warps=3),
-                                    dict(num_stages=0), dict(block_q=128.0),
-                                    dict(prefetch_scores=1)])
+                                    dict(num_stages=0), dict(block_q=128.0)])
 def test_forward_config_validation(kwargs):
   with pytest.raises(ValueError):
     pt.ForwardConfig(**kwargs)
@@ -407,15 +371,6 @@ def test_gpu_fast_exp2(mask_name):
   _check(q, k, v, do, mask=_mask(mask_name, 2, 2048, 2048), impl="triton_split",
          fc=pt.ForwardConfig(128, 64, 4, 2, fast_exp2=True),
          bc=pt.BackwardConfig(32, 128, 128, 64, 4, 3, fast_exp2=True), interpret=False)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("mask_name,d,t", [("none", 64, 2048), ("causal", 128, 2048), ("segments", 128, 1500)])
-def test_gpu_prefetch_scores(mask_name, d, t):
-  q, k, v, do = _inputs(40 + d, 2, t, t, 4, 2, d, jnp.bfloat16)
-  _check(q, k, v, do, mask=_mask(mask_name, 2, t, t), impl="triton_split",
-         fc=pt.ForwardConfig(128, 64, 8 if d == 128 else 4, 3, prefetch_scores=True), bc=None,
-         interpret=False)
 
 
 @pytest.mark.parametrize("scale", [-0.3, 0.0, 2.0])

@@ -12,9 +12,7 @@ For each (dtype, head_dim, T) at batch 4, 8 heads, non-causal (``--lengths``, de
   ``BackwardConfig``s with the default forward tiles;
 * per mode, the auto tiles with libdevice's ``exp2f`` (``fast_exp2=False``, variant
   "auto_libdevice_exp2"), which checks the device's ``FAST_EXP2`` entry; the tile page
-  reports it beside auto and does not count it as a forced config;
-* forward only, the auto tiles with ``prefetch_scores=True`` (variant "auto_prefetch":
-  the next key tile's ``q @ k^T`` issued before this tile's softmax).
+  reports it beside auto and does not count it as a forced config.
 
 ``--kernel mosaic``: the same for the Mosaic GPU forward (impl "probjax_mosaic", mode "fwd"):
 auto against every forced ``MosaicForwardConfig(64, block_k, num_stages, compute_wgs, persistent)``
@@ -63,24 +61,20 @@ def _auto_description(dtype, head_dim, t):
 
 
 def tile_case(dtype, d, t, b, h, mode, cfg, timing):
-  """One row: ``cfg`` None (auto), "libdevice_exp2" or "prefetch" (the auto tiles with one
-  option changed), a forward tuple (bq, bk, stages, warps) or a backward tuple ((bq_dkv,
-  bk_dkv), (bq_dq, bk_dq), warps, stages)."""
+  """One row: ``cfg`` None (auto), a forward tuple (bq, bk, stages, warps) or a backward
+  tuple ((bq_dkv, bk_dkv), (bq_dq, bk_dq), warps, stages)."""
   from probjax.ops.attention.triton import BackwardConfig, ForwardConfig
   if cfg is None:
     variant, kw = "auto", {}
-  elif cfg in ("libdevice_exp2", "prefetch"):
+  elif cfg == "libdevice_exp2":  # the auto tiles with libdevice's exp2f (checks FAST_EXP2)
     from probjax.ops.attention.triton import config as C
     dt, dev = impls.jnp_dtype(dtype), C.device_kind()
     fc = C.fit_forward_config(None, dt, d, t, t, dev)
-    variant = f"auto_{cfg}"
-    if cfg == "prefetch":
-      kw = {"forward_config": dataclasses.replace(fc, prefetch_scores=True)}
-    else:  # libdevice's exp2f (checks FAST_EXP2)
-      kw = {"forward_config": dataclasses.replace(fc, fast_exp2=False)}
-      if mode == "fwd_bwd":
-        bc = C.fit_backward_config(None, dt, d, t, t, dev)
-        kw["backward_config"] = dataclasses.replace(bc, fast_exp2=False)
+    bc = C.fit_backward_config(None, dt, d, t, t, dev)
+    variant = "auto_libdevice_exp2"
+    kw = {"forward_config": dataclasses.replace(fc, fast_exp2=False)}
+    if mode == "fwd_bwd":
+      kw["backward_config"] = dataclasses.replace(bc, fast_exp2=False)
   elif mode == "fwd":
     bq, bk, st, nw = cfg
     variant = f"bq{bq}_bk{bk}_s{st}_w{nw}"
@@ -166,13 +160,13 @@ def main(argv=None):
              for c in (configs[:2] if args.quick else configs)]
   elif args.quick:
     cases = [tile_case("float32", 16, 64, 1, 2, "fwd", cfg, timing)
-             for cfg in (None, "libdevice_exp2", "prefetch", (32, 32, 1, 4))]
+             for cfg in (None, "libdevice_exp2", (32, 32, 1, 4))]
     cases.append(tile_case("float32", 16, 64, 1, 2, "fwd_bwd", ((32, 32), (32, 32), 4, 1), timing))
   else:
     for dt in args.dtypes.split(","):
       for d in map(int, args.head_dims.split(",")):
         dtype = harness.DTYPE_NAMES[dt]
-        fwd = [None, "libdevice_exp2", "prefetch"] + list(itertools.product(BLOCKS_Q, BLOCKS_K, STAGES, WARPS))
+        fwd = [None, "libdevice_exp2"] + list(itertools.product(BLOCKS_Q, BLOCKS_K, STAGES, WARPS))
         bwd = [None, "libdevice_exp2"] + list(itertools.product(BWD_DKV, BWD_DQ, BWD_WARPS, BWD_STAGES))
         for t in (int(x) for x in args.lengths.split(",") if x):
           cases += [tile_case(dtype, d, t, 4, 8, "fwd", c, timing) for c in fwd]

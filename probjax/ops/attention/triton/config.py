@@ -76,26 +76,17 @@ class ForwardConfig:
   each (probabilities below 2**-126 flush to zero) instead of libdevice's ``exp2f``;
   GPU only (interpret mode computes ``jnp.exp2``). None: the device's entry in
   :data:`FAST_EXP2`.
-
-  ``prefetch_scores`` (experimental): the loop over the key tiles that need no element
-  mask computes ``q @ k^T`` of the next tile before the softmax and ``P @ V`` of this one
-  (FlashAttention-3's intra-warpgroup overlap: on Hopper the dot runs as an async wgmma
-  under the softmax). It keeps one more ``[block_q, block_k]`` float32 tile live in
-  registers; masked tiles (partial, band edges) run as without it. The same operations.
   """
   block_q: int = 128
   block_k: int = 64
   num_warps: int = 4
   num_stages: int = 2
   fast_exp2: bool | None = None
-  prefetch_scores: bool = False
 
   def __post_init__(self):
     _pow2("block_q", self.block_q)
     _pow2("block_k", self.block_k)
     _warps_stages(self.num_warps, self.num_stages)
-    if not isinstance(self.prefetch_scores, bool):
-      raise ValueError(f"prefetch_scores must be a bool, got {self.prefetch_scores!r}")
 
   def smem_bytes(self, itemsize: int, head_dim: int) -> int:
     return (self.num_stages * 2 * self.block_k + self.block_q) * head_dim * itemsize

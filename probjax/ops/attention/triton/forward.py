@@ -2,9 +2,7 @@
 
 One program per (query tile, batch, query head); online softmax in float32 in
 base 2 (``log2(e)`` folded into the scale). Saves the output and the natural
-log-sum-exp; rows without a valid key give output 0 and lse ``+inf``. With
-``ForwardConfig.prefetch_scores`` the loop over the full key tiles computes the next
-tile's scores before this tile's softmax (:func:`tiles.prefetched_loop`).
+log-sum-exp; rows without a valid key give output 0 and lse ``+inf``.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ from probjax.ops.attention.triton.config import ForwardConfig
 
 def _forward_kernel(q_ref, k_ref, v_ref, *refs, tm: tiles.TileMask, scale: float,
                     score_mod: Callable | None, groups: int, block_q: int, block_k: int,
-                    num_kv_tiles: int, num_q_tiles: int, fast_exp2: bool, prefetch_scores: bool):
+                    num_kv_tiles: int, num_q_tiles: int, fast_exp2: bool):
   mr = tiles.MaskRefs.unpack(tm, refs[:-2])
   o_ref, lse_ref = refs[-2:]
   i = tiles.longest_first(tm, pl.program_id(0), num_q_tiles, by_q=True)
@@ -34,31 +32,19 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, tm: tiles.TileMask, scale: float
   d = q_ref.shape[-1]
   q = tiles.load_rows(q_ref.at[b, pl.ds(q_start, block_q), h, :], q_start, tm.q_len)
 
-  def load(ref, j, masked):
-    # Only masked tiles can hold the partial last tile of the keys.
-    return tiles.load_rows(ref.at[b, pl.ds(j * block_k, block_k), hkv, :], j * block_k, tm.kv_len,
-                           masked)
-
-  def tile_scores(j, k):
-    t, c, _ = tiles.scores(q, k, scale=scale, score_mod=score_mod, b=b, h=h,
-                           q_start=q_start, k_start=j * block_k)
-    return t, c
-
   def body(j, carry, masked):
-    k, v = load(k_ref, j, masked), load(v_ref, j, masked)
-    t, c = tile_scores(j, k)
+    # Only masked tiles can hold the partial last tile of the keys.
+    k_start = j * block_k
+    k = tiles.load_rows(k_ref.at[b, pl.ds(k_start, block_k), hkv, :], k_start, tm.kv_len, masked)
+    v = tiles.load_rows(v_ref.at[b, pl.ds(k_start, block_k), hkv, :], k_start, tm.kv_len, masked)
+    t, c, _ = tiles.scores(q, k, scale=scale, score_mod=score_mod, b=b, h=h,
+                           q_start=q_start, k_start=k_start)
     if masked:
-      t = jnp.where(tiles.tile_valid(tm, mr, b, q_start, j * block_k, block_q, block_k), t, -jnp.inf)
+      t = jnp.where(tiles.tile_valid(tm, mr, b, q_start, k_start, block_q, block_k), t, -jnp.inf)
     return tiles.online_softmax_step(carry, t, c, v, fast_exp2)
 
-  full_loop = None
-  if prefetch_scores:
-    full_loop = lambda lo, hi, carry: tiles.prefetched_loop(
-        lo, hi, carry, lambda j: tile_scores(j, load(k_ref, j, False)),
-        lambda j, carry, t, c: tiles.online_softmax_step(carry, t, c, load(v_ref, j, False), fast_exp2),
-        last=max(tm.kv_len // block_k - 1, 0))  # no full key tile: load_rows masks tile 0
   carry = tiles.tile_loop(tm, mr, b, i, num_kv_tiles, body, tiles.online_softmax_init(block_q, d),
-                          by_q=True, block_outer=block_q, block_inner=block_k, full_loop=full_loop)
+                         by_q=True, block_outer=block_q, block_inner=block_k)
   out, lse2, empty = tiles.online_softmax_finish(carry)
   lse = jnp.where(empty, jnp.inf, lse2 * (1.0 / tiles.LOG2E))
   tiles.store_rows(o_ref.at[b, pl.ds(q_start, block_q), h, :], out.astype(o_ref.dtype), q_start,
@@ -86,7 +72,7 @@ def forward(q, k, v, mask: Mask | None, *, scale: float, score_mod: Callable | N
   kernel = functools.partial(
       _forward_kernel, tm=tm, scale=scale, score_mod=score_mod, groups=heads // kv_heads,
       block_q=bq, block_k=bk, num_kv_tiles=kv_pad // bk, num_q_tiles=q_pad // bq,
-      fast_exp2=config.fast_exp2 and not interpret, prefetch_scores=config.prefetch_scores)
+      fast_exp2=config.fast_exp2 and not interpret)
   out, lse = pl.pallas_call(
       kernel,
       grid=(q_pad // bq, batch, heads),

@@ -163,21 +163,17 @@ def longest_first(tm: TileMask, tile, n_tiles: int, *, by_q: bool):
 
 
 def tile_loop(tm: TileMask, mr: MaskRefs, b, tile, n_static: int, body, carry, *, by_q: bool,
-              block_outer: int, block_inner: int, full_loop: Callable | None = None):
+              block_outer: int, block_inner: int):
   """Runs ``carry = body(j, carry, masked)`` over the inner tiles of outer tile ``tile``.
 
   Three loops: masked tiles below the full range, the full range (no element
   predicate), masked tiles above it. Tiles outside ``[lo, hi)`` -- out of the
   band, past this batch element's lengths, or (with segment ids) before the
-  first and after the last non-EMPTY tile -- are never loaded (but see
-  :func:`prefetched_loop`). ``full_loop(lo, hi, carry) -> carry``, if given, runs
-  the full tiles ``[lo, hi)`` instead of ``body(j, carry, False)``.
+  first and after the last non-EMPTY tile -- are never loaded.
   """
-  if full_loop is None:
-    full_loop = lambda lo, hi, c: jax.lax.fori_loop(lo, hi, lambda j, c: body(j, c, False), c)
   if mr.tile_range is None:
-    return _unmasked_loop(tm, tile, n_static, body, carry, full_loop, by_q=by_q,
-                          block_outer=block_outer, block_inner=block_inner)
+    return _unmasked_loop(tm, tile, n_static, body, carry, by_q=by_q, block_outer=block_outer,
+                          block_inner=block_inner)
   if tm.has_segments:
     lo, hi, flo, fhi = (mr.tile_range[b, r, tile] for r in range(4))
   else:
@@ -193,11 +189,11 @@ def tile_loop(tm: TileMask, mr: MaskRefs, b, tile, n_static: int, body, carry, *
   b1 = jnp.clip(flo, lo, hi)
   b2 = jnp.clip(fhi, b1, hi)
   carry = jax.lax.fori_loop(lo, b1, lambda j, c: body(j, c, True), carry)
-  carry = full_loop(b1, b2, carry)
+  carry = jax.lax.fori_loop(b1, b2, lambda j, c: body(j, c, False), carry)
   return jax.lax.fori_loop(b2, hi, lambda j, c: body(j, c, True), carry)
 
 
-def _unmasked_loop(tm: TileMask, tile, n_static: int, body, carry, full_loop, *, by_q: bool,
+def _unmasked_loop(tm: TileMask, tile, n_static: int, body, carry, *, by_q: bool,
                    block_outer: int, block_inner: int):
   """:func:`tile_loop` without a mask: static bounds (which Triton pipelines best), the
   element predicate only on a partial last inner tile and, for the key tiles of the dK/dV
@@ -205,35 +201,15 @@ def _unmasked_loop(tm: TileMask, tile, n_static: int, body, carry, full_loop, *,
   the onepass dQ as ``inf * 0``)."""
   inner_len, outer_len = (tm.kv_len, tm.q_len) if by_q else (tm.q_len, tm.kv_len)
   n_full, n_all = inner_len // block_inner, min(n_static, num_tiles(inner_len, block_inner))
+  unmasked = lambda j, c: body(j, c, False)
   masked = lambda j, c: body(j, c, True)
   if not by_q and outer_len % block_outer:
     n_free = n_full * ((tile + 1) * block_outer <= outer_len).astype(jnp.int32)  # no scalar select in Pallas-Triton
-    carry = full_loop(0, n_free, carry)
+    carry = jax.lax.fori_loop(0, n_free, unmasked, carry)
     return jax.lax.fori_loop(n_free, n_all, masked, carry)
-  carry = full_loop(0, n_full, carry)
+  carry = jax.lax.fori_loop(0, n_full, unmasked, carry)
   # A loop of one step, not a call: a traced index, as the partial tile overhangs the array.
   return jax.lax.fori_loop(n_full, n_all, masked, carry)
-
-
-def prefetched_loop(lo, hi, carry, tile_scores, step, *, last: int):
-  """``carry = step(j, carry, t, c)`` for ``j`` in ``[lo, hi)`` with ``(t, c) =
-  tile_scores(j)`` (a ``[rows, block]`` float32 tile and its static factor, as from
-  :func:`scores`) issued one iteration ahead: the body computes the next tile's scores
-  before this tile's step, so the tensor cores can run that dot (an async wgmma on
-  Hopper) under the softmax. ``t`` rides in the loop carry.
-
-  The scores of tile ``lo`` are computed before the loop, of tile ``min(lo, last)``
-  (``last``: a static tile index that loads in bounds) so that an empty range loads no
-  tile past the array; the last step reloads its own tile. Both extra tiles are dropped.
-  """
-  t, c = tile_scores(jnp.minimum(lo, last))
-
-  def body(j, state):
-    carry, t = state
-    t_next, _ = tile_scores(jnp.minimum(j + 1, hi - 1))
-    return step(j, carry, t, c), t_next
-
-  return jax.lax.fori_loop(lo, hi, body, (carry, t))[0]
 
 
 def exp2(x, fast: bool):
