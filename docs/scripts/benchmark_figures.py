@@ -562,7 +562,6 @@ def tiles_section(rows) -> str:
     sub = [r for r in t if shape(r) == (impl, *key)]
     auto = next((r for r in sub if r.get("variant") == "auto"), None)
     libdev = next((r for r in sub if r.get("variant") == "auto_libdevice_exp2"), None)
-    prefetch = next((r for r in sub if r.get("variant") == "auto_prefetch"), None)
     forced = [r for r in sub if not r.get("variant", "").startswith("auto")]
     if key[3] == "fwd_bwd" and auto is not None:
       # Backward rows include a forward: compare only those run with auto's forward tiles.
@@ -581,7 +580,7 @@ def tiles_section(rows) -> str:
       auto_cfg = auto_cfg.get("forward" if key[3] == "fwd" else "backward", "—")
     body.append([label(impl), DTYPE_SHORT.get(key[0], key[0]), key[1], key[2], MODE_LABEL.get(key[3], key[3]),
                  cell(auto, field), auto_cfg, cell(best, field), best["variant"] if best else "—",
-                 f"{auto[field] / best[field]:.2f}" if ok_auto else "—", cell(libdev, field), cell(prefetch, field), clock,
+                 f"{auto[field] / best[field]:.2f}" if ok_auto else "—", cell(libdev, field), clock,
                  f"{len(okf)} ran / {len(forced) - len(okf)} rejected"])
   r0 = t[0]
   return (f"Auto tiles against the best forced configuration, batch {r0['batch']}, {r0['q_heads']} heads "
@@ -590,8 +589,7 @@ def tiles_section(rows) -> str:
           f"(`device_ms`) where every row of a shape has one, else wall clock (column \"clock\"). "
           f"Auto within 5% of the best in {within} of {len(keys)} shapes.\n\n"
           + md_table(["kernel", "dtype", "head_dim", "T", "mode", "auto ms", "auto config", "best forced ms",
-                      "best forced", "auto / best", "auto, libdevice exp2f ms", "auto, prefetch_scores ms", "clock",
-                      "configs"], body))
+                      "best forced", "auto / best", "auto, libdevice exp2f ms", "clock", "configs"], body))
 
 
 def gqa_section(rows, fig_dir=None, fig_rel=None) -> str:

@@ -30,9 +30,6 @@ PROBJAX_IMPLS = {
     "probjax_triton_fused": {"implementation": "triton", "backward_pass_impl": "triton_fused"},
     "probjax_triton_split": {"implementation": "triton", "backward_pass_impl": "triton_split"},
     "probjax_triton_nosplit": {"implementation": "triton", "split_kv": False},  # regular forward
-    # The Triton kernel with its auto forward tiles and ForwardConfig.prefetch_scores (built in
-    # build_jax_side: the tiles depend on the shape).
-    "probjax_triton_prefetch": {"implementation": "triton"},
 }
 JAXNN_IMPLS = {"jaxnn_xla": "xla", "jaxnn_cudnn": "cudnn"}
 TORCH_SDPA_IMPLS = {"torch_sdpa_flash": "FLASH_ATTENTION", "torch_sdpa_efficient": "EFFICIENT_ATTENTION",
@@ -173,13 +170,7 @@ def build_jax_side(impl, arrays, dtype, causal, mode, mask="none", compile_only=
     if impl not in PROBJAX_IMPLS:
       raise Unsupported(f"unknown probjax impl {impl}")
     mobj, is_causal = probjax_mask(mask, causal, b, tq, tk)
-    extra = None
-    if impl == "probjax_triton_prefetch":
-      import dataclasses
-      from probjax.ops.attention.triton import config as C
-      fc = C.fit_forward_config(None, jnp_dtype(dtype), arrays[0].shape[-1], tq, tk, C.device_kind())
-      extra = {"forward_config": dataclasses.replace(fc, prefetch_scores=True)}
-    return _jax_fn(probjax_attn(impl, is_causal, mobj, extra), arrays, dtype, mode, compile_only)
+    return _jax_fn(probjax_attn(impl, is_causal, mobj), arrays, dtype, mode, compile_only)
   if mask not in ("none", "window512"):
     raise Unsupported(f"{impl} is not run with mask {mask}")
   kw = {"is_causal": causal}
