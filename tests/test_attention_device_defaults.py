@@ -140,3 +140,19 @@ def test_default_long_window_d64_runs_mosaic_and_is_exact():
   if str(jax.devices()[0].compute_capability) == "9.0":
     assert dec.implementation == "mosaic" and dec.backward_pass_impl != "mosaic", dec
   check_against_reference(lambda q, k, v, b: dot_product_attention(q, k, v, mask=mask), x, mask=mask)
+
+
+def test_default_long_unmasked_forward_runs_mosaic_and_agrees():
+  # sm_90, forward only above the table's Mosaic forward limit (B1 H32 T16384 D128: 2^33):
+  # the Mosaic forward; under grad cuDNN. Both agree with the Triton kernel.
+  x = make_inputs(9, 1, 16384, 16384, 32, 32, 128, jnp.bfloat16)
+  x.q, x.k, x.v = x.q * 0.5, x.k * 0.5, x.v * 0.1  # see the module docstring
+  dec = explain_dispatch(x.q.shape, x.k.shape, x.q.dtype)
+  if str(jax.devices()[0].compute_capability) == "9.0":
+    assert dec.implementation == "mosaic" and dec.grad_implementation == "cudnn", dec
+  f = lambda q: dot_product_attention(q, x.k, x.v)
+  want = np.asarray(dot_product_attention(x.q, x.k, x.v, implementation="triton"), np.float32)
+  for got in (f(x.q), jax.vjp(f, x.q)[0]):
+    got = np.asarray(got, np.float32)
+    assert np.all(np.isfinite(got))
+    assert np.max(np.abs(got - want)) <= AGREE * max(1.0, np.max(np.abs(want)))

@@ -217,6 +217,23 @@ def test_sm90_differentiated_causal_runs_mosaic():
   assert 256 not in limits and 2**29 >= limits[64] >= limits[128]
 
 
+def test_sm90_long_unmasked_forward_runs_mosaic():
+  entry = attention_device.DEVICE_DEFAULTS[(9, 0)]
+  for d, work in entry.mosaic_forward_min_work:
+    n = int((work // (4 * 8)) ** 0.5)  # B4 H8 T n: at the limit
+    shapes = ((4, n, 8, d), (4, n, 8, d))
+    dec = decide(shapes)
+    assert dec.implementation == "mosaic" and dec.grad_implementation == "cudnn", dec
+    assert "under grad cudnn" in str(dec)
+    below = decide(((4, n // 2, 8, d), (4, n // 2, 8, d)))
+    assert below.implementation == "cudnn", below
+    for mask in (M.CausalMask(), M.KVLenMask(jnp.full((4,), 100))):  # unmeasured with a mask
+      assert decide(shapes, mask=mask).implementation == "cudnn"
+    assert decide(shapes, env={"PROBJAX_ATTENTION_MOSAIC": "0"}).implementation == "cudnn"
+    assert decide(shapes, dtype=jnp.float32).implementation != "mosaic"
+  assert 64 not in dict(entry.mosaic_forward_min_work)  # D64: cuDNN's forward is faster
+
+
 def test_kernel_arguments_disable_the_table():
   d = decide(kernel_args_default=False, backward_pass_impl="triton_onepass")
   assert d.implementation == "triton" and d.backward_pass_impl == "triton_onepass"

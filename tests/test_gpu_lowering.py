@@ -170,6 +170,26 @@ def test_default_long_segments_run_mosaic_for_sm90(monkeypatch, d, t):
     assert grad.count("custom_call @__gpu$xla.gpu.triton") == 2  # split backward: dK/dV, dQ
 
 
+def test_default_long_unmasked_forward_runs_mosaic_for_sm90(monkeypatch):
+  """sm_90, a forward-only call above the table's Mosaic forward limit lowers to the Mosaic
+  forward alone; its gradient to cuDNN's forward and backward alone."""
+  from probjax.nn.layers import attention_device
+  from probjax.nn.layers.attention import dot_product_attention
+  _fake_cudnn(monkeypatch)
+  _fake_triton_sm90(monkeypatch, device_kind=True)
+  _fake_dispatch_sm90(monkeypatch)
+  d, work = attention_device.DEVICE_DEFAULTS[(9, 0)].mosaic_forward_min_work[0]
+  q = jax.ShapeDtypeStruct((4, int((work // 32) ** 0.5), 8, d), jnp.bfloat16)
+  f = lambda q: jnp.sum(dot_product_attention(q, q, q).astype(jnp.float32))
+  lower = lambda fn: jax.jit(fn).trace(q).lower(lowering_platforms=("cuda",)).as_text()
+  primal, grad = lower(f), lower(jax.grad(f))
+  assert set(re.findall(r"custom_call @([\w$.]+)", primal)) == {"mosaic_gpu_v2"}
+  assert "probjax_attention_fwd_mosaic" in primal
+  assert sorted(re.findall(r"custom_call @(__cudnn\$fmha\w*)", grad)) == ["__cudnn$fmhaSoftmax",
+                                                                         "__cudnn$fmhaSoftmaxBackward"]
+  assert "mosaic_gpu" not in grad
+
+
 @pytest.mark.parametrize("fast", [False, True])
 def test_fast_exp2_lowers_to_one_instruction(monkeypatch, fast):
   """``fast_exp2`` swaps libdevice's exp2f for ``ex2.approx.ftz.f32`` in every kernel."""

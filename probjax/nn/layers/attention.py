@@ -192,22 +192,18 @@ def _attention(query, key, value, shape: base.AttentionShape, *, bias=None, mask
         q, k, v, mask=mask, scale=scale, backward_pass_impl=decision.backward_pass_impl,
         forward_config=forward_config, backward_config=backward_config, interpret=interpret)
 
-  if decision.implementation == "mosaic":
-    return with_forward_mode(mosaic_fast, _exact(query, key, device, score_mod, scale))(query, key, value, mask)
-  if decision.implementation in ("cudnn", "triton"):
-    def triton_fast(q, k, v, mask):
-      from probjax.ops.attention import triton as triton_backend
-      return triton_backend.attention(
-          q, k, v, mask=mask, score_mod=score_mod, scale=scale,
-          backward_pass_impl=decision.backward_pass_impl, forward_config=forward_config,
-          backward_config=backward_config, split_kv=split_kv, interpret=interpret)
+  def triton_fast(q, k, v, mask):
+    from probjax.ops.attention import triton as triton_backend
+    return triton_backend.attention(
+        q, k, v, mask=mask, score_mod=score_mod, scale=scale,
+        backward_pass_impl=decision.backward_pass_impl, forward_config=forward_config,
+        backward_config=backward_config, split_kv=split_kv, interpret=interpret)
 
-    if decision.implementation == "cudnn":
-      fast = lambda q, k, v, mask: cudnn_backend.attention(q, k, v, mask=mask, scale=scale)
-    else:
-      fast = triton_fast
-    grad = {"triton": triton_fast, "mosaic": mosaic_fast}.get(decision.grad_implementation)
-    return with_forward_mode(fast, _exact(query, key, device, score_mod, scale), grad)(query, key, value, mask)
+  kernels = {"mosaic": mosaic_fast, "triton": triton_fast,
+             "cudnn": lambda q, k, v, mask: cudnn_backend.attention(q, k, v, mask=mask, scale=scale)}
+  if decision.implementation in kernels:
+    return with_forward_mode(kernels[decision.implementation], _exact(query, key, device, score_mod, scale),
+                             kernels.get(decision.grad_implementation))(query, key, value, mask)
   return xla_backend.attention(query, key, value, formulation=decision.formulation, module=module,
                                bias=bias, mask=mask, dense_mask=dense_mask, score_mod=score_mod,
                                scale=scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,

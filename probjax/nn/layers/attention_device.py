@@ -40,6 +40,9 @@ class DeviceDefaults:
       rule takes with a causal mask (``CausalMask()`` alone), that ``head_dim`` and at most
       that work run the Mosaic GPU forward with the Triton backward instead (before the
       rule above; ``PROBJAX_ATTENTION_MOSAIC=0`` turns it off).
+    mosaic_forward_min_work: ``((head_dim, work), ...)``: calls without a mask that the cuDNN
+      rule takes, with that ``head_dim`` and at least that work, run the Mosaic GPU forward
+      (differentiated calls stay on cuDNN, forward and backward).
     mosaic_min_len: 16-bit calls whose default would run the Triton kernel's forward (as the
       call, or as the forward of a differentiated call by the rule above) run the Mosaic
       GPU forward instead when ``q_len`` and ``kv_len`` are both at least this
@@ -64,6 +67,7 @@ class DeviceDefaults:
   grad_triton_max_head_dim: int
   grad_triton_max_work: int
   grad_mosaic_band_max_work: tuple[tuple[int, int], ...]
+  mosaic_forward_min_work: tuple[tuple[int, int], ...]
   mosaic_min_len: int
   mosaic_ragged_min_head_dim: int
   mosaic_backward_min_work: tuple[tuple[int, int], ...]
@@ -108,6 +112,11 @@ DEVICE_DEFAULTS: dict[tuple[int, int], DeviceDefaults] = {
         #   config has since become persistent, 4-8% faster on causal forwards
         #   (mosaic_causal_persistent.json), so these limits are conservative.
         grad_mosaic_band_max_work=((64, 2**29), (128, 2**27)),
+        # Forward only, no mask (gpu_attention.json, bf16 B4 H8, ms, Mosaic / jax.nn cuDNN /
+        # torch SDPA cuDNN): T16384 D128 6.745 (3860852) / 7.223 / 6.882 (3a3ba1b); T8192 D128
+        # 1.739 (77c27bd) / 1.748 / 1.655 (08ac7c2): level below 2^33; D64 behind everywhere
+        # (T16384 5.19 / 4.61).
+        mosaic_forward_min_work=((128, 2**33),),
         # Where the Triton kernel runs (masks cuDNN cannot take, PROBJAX_ATTENTION_CUDNN=0,
         # the D64 grad rule), the Mosaic forward is ahead from T2048 (gpu_attention.json, bf16,
         # ms, Mosaic forward / Triton forward, same runs: 3860852 B4 H8 unless said):

@@ -219,6 +219,11 @@ def _decide(q_shape, kv_shape, dtype, *, mask, bias, dense_mask, dropout, score_
                           "at this head_dim and work" + (" (after the Mosaic forward)" if mosaic else ""),
                           _resolve_backward(backward_pass_impl, mask, table),
                           grad_implementation="mosaic" if mosaic else "triton")
+        fwd_min = dict(table.mosaic_forward_min_work).get(q_shape[-1])
+        if (mask is None and fwd_min is not None and b * h * tq * tk >= fwd_min
+            and _mosaic_forward(q_shape, kv_shape, dtype, table, device, env, kw)):
+          return Decision("mosaic", rule + "; forward: the Mosaic kernel is faster at this head_dim "
+                          "and work", grad_implementation="cudnn")
         return Decision("cudnn", rule)
     band = mask is not None and mask.has_band
     dense_max = table.fp32_band_dense_max_len if band else table.fp32_dense_max_len
