@@ -113,9 +113,10 @@ DEVICE_DEFAULTS: dict[tuple[int, int], DeviceDefaults] = {
         #   (mosaic_causal_persistent.json), so these limits are conservative.
         grad_mosaic_band_max_work=((64, 2**29), (128, 2**27)),
         # Forward only, no mask (gpu_attention.json, bf16 B4 H8, ms, Mosaic / jax.nn cuDNN /
-        # torch SDPA cuDNN): T16384 D128 6.745 (3860852) / 7.223 / 6.882 (3a3ba1b); T8192 D128
-        # 1.739 (77c27bd) / 1.748 / 1.655 (08ac7c2): level below 2^33; D64 behind everywhere
-        # (T16384 5.19 / 4.61).
+        # torch SDPA cuDNN): T16384 D128 6.745 (3860852) / 7.223 / 6.882 (3a3ba1b); same run
+        # (11e7a28): 6.859 as the default and 7.398 as probjax_mosaic (one kernel: the spread
+        # is noise) / 7.240 / 6.371. T8192 D128 1.739 (77c27bd) / 1.748 / 1.655 (08ac7c2): level
+        # below 2^33; D64 behind everywhere (T16384 5.19 / 4.61).
         mosaic_forward_min_work=((128, 2**33),),
         # Where the Triton kernel runs (masks cuDNN cannot take, PROBJAX_ATTENTION_CUDNN=0,
         # the D64 grad rule), the Mosaic forward is ahead from T2048 (gpu_attention.json, bf16,
