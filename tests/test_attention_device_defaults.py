@@ -28,6 +28,17 @@ def _out_and_grads(impl, x, mask):
   return (out,) + vjp(x.do)
 
 
+def _assert_agree(impl, x, mask):
+  """``impl``'s output and gradients agree with the Triton kernel's to bf16 precision."""
+  a = _out_and_grads(impl, x, mask)
+  b = _out_and_grads("triton", x, mask)
+  for name, u, w in zip(("out", "dq", "dk", "dv"), a, b):
+    u, w = np.asarray(u, np.float32), np.asarray(w, np.float32)
+    assert np.all(np.isfinite(u)), name
+    diff = np.max(np.abs(u - w))
+    assert diff <= AGREE * max(1.0, np.max(np.abs(w))), f"{name}: max |{impl} - triton| = {diff}"
+
+
 @pytest.mark.parametrize("mask_name", ["none", "causal", "kv_len", "kv_len_zero"])
 @pytest.mark.parametrize("t,heads,kv_heads", [(1024, 8, 8), (2048, 16, 4)])
 def test_cudnn_agrees_with_triton(mask_name, t, heads, kv_heads):
@@ -38,13 +49,7 @@ def test_cudnn_agrees_with_triton(mask_name, t, heads, kv_heads):
   mask = {"none": None, "causal": M.CausalMask(),
           "kv_len": M.KVLenMask(jnp.asarray(rng.integers(1, t + 1, 2), jnp.int32)),
           "kv_len_zero": M.KVLenMask(jnp.array([0, t // 3], jnp.int32))}[mask_name]
-  a = _out_and_grads("cudnn", x, mask)
-  b = _out_and_grads("triton", x, mask)
-  for name, u, w in zip(("out", "dq", "dk", "dv"), a, b):
-    u, w = np.asarray(u, np.float32), np.asarray(w, np.float32)
-    assert np.all(np.isfinite(u)), name
-    diff = np.max(np.abs(u - w))
-    assert diff <= AGREE * max(1.0, np.max(np.abs(w))), f"{name}: max |cudnn - triton| = {diff}"
+  _assert_agree("cudnn", x, mask)
 
 
 def test_default_routes_to_cudnn_on_sm90_and_is_exact():
@@ -122,13 +127,7 @@ def test_default_long_segments_d128_runs_mosaic_both_ways_and_agrees():
   dec = explain_dispatch(x.q.shape, x.k.shape, x.q.dtype, mask=mask)
   if str(jax.devices()[0].compute_capability) == "9.0":
     assert dec.implementation == "mosaic" and dec.backward_pass_impl == "mosaic", dec
-  a = _out_and_grads(None, x, mask)
-  b = _out_and_grads("triton", x, mask)
-  for name, u, w in zip(("out", "dq", "dk", "dv"), a, b):
-    u, w = np.asarray(u, np.float32), np.asarray(w, np.float32)
-    assert np.all(np.isfinite(u)), name
-    diff = np.max(np.abs(u - w))
-    assert diff <= AGREE * max(1.0, np.max(np.abs(w))), f"{name}: max |default - triton| = {diff}"
+  _assert_agree(None, x, mask)
 
 
 def test_default_long_window_d64_runs_mosaic_and_is_exact():
