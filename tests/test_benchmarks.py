@@ -528,3 +528,9 @@ def test_gpu_probes_say_they_need_a_gpu(tmp_path, module):
                      env=env, capture_output=True, text=True, timeout=240)
   assert p.returncode == 0, p.stderr[-3000:]
   assert json.load(open(out)) == {"rows": [], "skipped": "needs an sm_90 GPU"}
+
+
+def test_config_key_ignores_switched_off_options():
+  assert bf._config_key({"block_q": 128, "fast_exp2": False, "prefetch_scores": False}) == bf._config_key(
+      {"block_q": 128})
+  assert bf._config_key({"block_q": 128, "fast_exp2": True}) != bf._config_key({"block_q": 128})

@@ -544,11 +544,12 @@ def dispatch_section(rows, fig_dir=None, fig_rel=None) -> str:
 
 
 def _config_key(cfg):
-  """A recorded config dict without the fields at their default (rows predating a field
-  compare equal to rows that record its default)."""
+  """A recorded config dict without its switched-off options (``False``): rows predating an
+  option, or recorded while a since-removed option existed, compare equal to rows that
+  record it off."""
   if not isinstance(cfg, dict):
     return cfg
-  return tuple(sorted((k, v) for k, v in cfg.items() if not (k == "fast_exp2" and v is False)))
+  return tuple(sorted((k, v) for k, v in cfg.items() if v is not False))
 
 
 def tiles_section(rows) -> str:
