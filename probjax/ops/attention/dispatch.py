@@ -207,8 +207,7 @@ def _decide(q_shape, kv_shape, dtype, *, mask, bias, dense_mask, dropout, score_
         rule = f"{cc} device table: eligible 16-bit call above the cuDNN work threshold"
         mosaic_max = dict(table.grad_mosaic_band_max_work).get(q_shape[-1], -1)
         if (mask is not None and mask.is_causal() and b * h * tq * tk <= mosaic_max
-            and not _env_off("PROBJAX_ATTENTION_MOSAIC", env)
-            and mosaic_supports(q_shape, kv_shape, dtype, device=device, **kw) is None):
+            and _mosaic_allowed(q_shape, kv_shape, dtype, device, env, kw)):
           return Decision("cudnn", rule + "; differentiated causal: the Mosaic forward with "
                           "the Triton backward is faster at this head_dim and work",
                           _resolve_backward(backward_pass_impl, mask, table), grad_implementation="mosaic")
@@ -237,8 +236,7 @@ def _decide(q_shape, kv_shape, dtype, *, mask, bias, dense_mask, dropout, score_
   why = triton_supports(q_shape, kv_shape, dtype, device=device, **kw)
   if why is None:
     backward = _resolve_backward(backward_pass_impl, mask, table)
-    if _mosaic_forward(q_shape, kv_shape, dtype, table, device, env, kw):
-      cc = "sm_%d%d" % device.compute_capability
+    if _mosaic_forward(q_shape, kv_shape, dtype, table, device, env, kw):  # so the table (and cc) exist
       mosaic_bwd_min = dict(table.mosaic_backward_min_work).get(q_shape[-1])
       if mosaic_bwd_min is not None and b * h * tq * tk >= mosaic_bwd_min:
         return Decision("mosaic", f"{cc} device table: long 16-bit call, the Mosaic forward and "
@@ -249,13 +247,19 @@ def _decide(q_shape, kv_shape, dtype, *, mask, bias, dense_mask, dropout, score_
   return Decision("xla", f"the kernel cannot take it ({why})", formulation=xla_formulation(q_shape, kv_shape, device))
 
 
+def _mosaic_allowed(q_shape, kv_shape, dtype, device: Device, env, kw) -> bool:
+  """Whether a device-table rule may pick the Mosaic kernel for this call: not opted out
+  (``PROBJAX_ATTENTION_MOSAIC=0``) and the kernel computes it exactly."""
+  return (not _env_off("PROBJAX_ATTENTION_MOSAIC", env)
+          and mosaic_supports(q_shape, kv_shape, dtype, device=device, **kw) is None)
+
+
 def _mosaic_forward(q_shape, kv_shape, dtype, table, device: Device, env, kw) -> bool:
   """Whether the device table's Mosaic rule replaces the Triton forward of this call."""
   ragged = q_shape[1] % 128 or kv_shape[1] % 128
   return (table is not None and min(q_shape[1], kv_shape[1]) >= table.mosaic_min_len
           and (not ragged or q_shape[-1] >= table.mosaic_ragged_min_head_dim)
-          and not _env_off("PROBJAX_ATTENTION_MOSAIC", env)
-          and mosaic_supports(q_shape, kv_shape, dtype, device=device, **kw) is None)
+          and _mosaic_allowed(q_shape, kv_shape, dtype, device, env, kw))
 
 
 def _not_for_kernels(*, bias=False, dense_mask=False, dropout=False, precision=None, module=False) -> str | None:
