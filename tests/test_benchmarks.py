@@ -455,7 +455,7 @@ def test_compare_runs(tmp_path, capsys):
   assert "new/old 0.500" in out and "other rows (noise): 1 rows, median 1.100" in out
 
 
-def test_gpu_stream_us_sums_stream_kernels_only():
+def test_gpu_stream_intervals_keep_stream_kernels_only():
   events = [
       {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
       {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
@@ -465,9 +465,9 @@ def test_gpu_stream_us_sums_stream_kernels_only():
       {"ph": "X", "pid": 1, "tid": 7, "dur": 10.0}, {"ph": "X", "pid": 1, "tid": 7, "dur": 5.0},
       {"ph": "X", "pid": 1, "tid": 8, "dur": 15.0},   # derived line: not counted twice
       {"ph": "X", "pid": 2, "tid": 7, "dur": 100.0}]  # host thread
-  assert harness.gpu_stream_us(events) == 15.0
+  assert sum(k[1] for k in harness.gpu_stream_intervals(events)) == 15.0
   with pytest.raises(RuntimeError, match="no GPU stream threads.*XLA Ops"):
-    harness.gpu_stream_us(events[:2] + events[3:4])
+    harness.gpu_stream_intervals(events[:2] + events[3:4])
 
 
 def test_device_time_is_optional_and_never_fails_a_row():

@@ -229,11 +229,6 @@ def gpu_stream_intervals(events: list[dict]) -> list[tuple[float, float, str]]:
                 if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams)
 
 
-def gpu_stream_us(events: list[dict]) -> float:
-  """Summed duration (us) of :func:`gpu_stream_intervals`."""
-  return sum(k[1] for k in gpu_stream_intervals(events))
-
-
 def idle_profile(intervals: list[tuple[float, float, str]], n: int) -> dict:
   """Per call of ``n`` calls whose GPU kernels are ``intervals`` (start, duration in us,
   name): ``busy_us`` (kernel time), ``span_us`` (first start to last end), ``idle_us``
