@@ -216,6 +216,14 @@ class Mask:
     hi = q_len if self.lower is None else min(q_len, k_end - 1 - self.lower + 1)
     return lo, max(lo, hi)
 
+  def work_grows(self, *, by_q: bool) -> bool:
+    """Whether the band gives later outer tiles more inner tiles (``by_q``: query tiles, whose
+    keys a causal band grows; else key tiles, seen by more queries under a lower bound only).
+    Schedules start the heaviest first from it."""
+    if by_q:
+      return self.upper is not None and self.lower is None
+    return self.lower is not None and self.upper is None
+
   def classify_tiles(self, batch: int, q_len: int, kv_len: int, block_q: int, block_k: int):
     """Per-tile classification, ``[batch, ceil(q_len/block_q), ceil(kv_len/block_k)]`` int32.
 

@@ -43,27 +43,33 @@ class MosaicForwardConfig:
   warpgroups per CTA (two take turns on the tensor cores; three run free with fewer
   registers each, see :func:`.common.registers`), ``block_k`` keys per step, ``num_stages``
   K/V slots in flight; ``persistent``: one CTA per SM looping over the tiles, its producer
-  loading the next tile's K/V while the compute warpgroups finish the last."""
+  loading the next tile's K/V and each compute warpgroup the next tile's queries while it
+  finishes the last (the output goes through a buffer of its own). ``heavy_first``: under a
+  band that gives later query tiles more keys (causal), the heaviest tiles start first
+  (persistent: all tiles ordered by work, alternate waves mirrored across the SMs, so each
+  SM's total is near the mean), so the kernel ends on light tiles."""
   block_q: int = 64
   block_k: int = 128
   num_stages: int = 2
   compute_wgs: int = 2
   persistent: bool = False
+  heavy_first: bool = True
 
   def __post_init__(self):
-    if not isinstance(self.persistent, bool):
-      raise ValueError(f"persistent must be a bool, got {self.persistent!r}")
+    for name in ("persistent", "heavy_first"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
     if self.block_q != 64:
       raise ValueError(f"block_q must be 64 (one wgmma M tile per warpgroup), got {self.block_q!r}")
     check_tiles(self, ("block_k",), max_wgs=3)
 
   def smem_bytes(self, itemsize: int, head_dim: int) -> int:
-    """Query/output tiles, K and V rings, lse rows, query and key segment ids; the
-    barriers of :func:`.forward.forward`."""
+    """Query tiles (and output tiles when persistent), K and V rings, lse rows, query and
+    key segment ids; the barriers of :func:`.forward.forward`."""
     wgs, bq, bk, st = self.compute_wgs, self.block_q, self.block_k, self.num_stages
     kv = st * bk * head_dim * itemsize
-    return smem_total([wgs * bq * head_dim * itemsize, kv, kv, wgs * bq * 4, wgs * bq * 4, st * bk * 4],
-                      2 * wgs + 5 * st + 1)
+    q = [wgs * bq * head_dim * itemsize] * (2 if self.persistent else 1)
+    return smem_total([*q, kv, kv, wgs * bq * 4, wgs * bq * 4, st * bk * 4], 2 * wgs + 5 * st + 1)
 
 
 # Tile sweep on the H200 (bf16 B4 H8 T4096 non-causal, forward ms; docs/benchmarks/
@@ -74,9 +80,10 @@ class MosaicForwardConfig:
 # at head_dim 64, 0.511-0.519 at 128). Causal, whose tiles differ in work, gains from
 # persistence too (docs/benchmarks/mosaic_causal_persistent.json, kernel ms one CTA per tile /
 # persistent): T4096 D64 0.196 / 0.188, D128 0.289 / 0.268; wall ms at T16384 D64 2.87 / 2.58,
-# D128 4.39 / 4.23. Head_dim 256 is unmeasured: the largest ring that fits.
+# D128 4.39 / 4.23. Head_dim 256 is unmeasured: the largest ring that fits (persistent, its
+# output buffer would not).
 DEFAULTS = {64: MosaicForwardConfig(64, 128, 2, 2, True), 128: MosaicForwardConfig(64, 128, 2, 2, True),
-            256: MosaicForwardConfig(64, 64, 2, 2, True)}
+            256: MosaicForwardConfig(64, 64, 2, 2, False)}
 
 
 # Interpret mode runs each warpgroup as a thread whose barrier waits block inside XLA host

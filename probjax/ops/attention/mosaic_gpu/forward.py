@@ -1,7 +1,7 @@
 """Flash-attention forward kernel in Pallas Mosaic GPU (Hopper: TMA loads, wgmma).
 
 One CTA per (query tile, batch, query head), or with ``persistent`` one per SM looping over
-them, with ``compute_wgs + 1`` warpgroups: each compute warpgroup owns ``block_q`` query
+them (:func:`_schedule`; the next tile's queries load while the last tile finishes), with ``compute_wgs + 1`` warpgroups: each compute warpgroup owns ``block_q`` query
 rows (wgmma's M is 64 per warpgroup) and runs the float32 online softmax in base 2; the
 last warpgroup only issues the TMA copies of the K/V tiles into a ring of ``num_stages``
 shared-memory slots. Per slot, a "ready" barrier (completed by the copy) and a "free"
@@ -34,36 +34,45 @@ from probjax.ops.attention.mosaic_gpu.config import MosaicForwardConfig
 
 def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, o_ref, lse_ref, q_smem, k_smem,
             v_smem, lse_smem, qid_smem, kid_smem, q_bar, k_ready, v_ready, kid_ready, k_free, v_free,
-            sched_bar, p_smem=None, *, band: Mask | None, lengths: bool, segments: bool, scale: float,
-            groups: int, cfg, q_len: int, kv_len: int, dtype, tiles: tuple[int, int, int] | None):
+            sched_bar, *staging, band: Mask | None, lengths: bool, segments: bool, scale: float,
+            groups: int, cfg, q_len: int, kv_len: int, dtype, grid: tuple[int, int, int], num_ctas: int):
   bq, bk, stages, wgs = cfg.block_q, cfg.block_k, cfg.num_stages, cfg.compute_wgs
   wg = lax.axis_index("wg")
   c = scale * C.LOG2E
+  # staging: the output tiles' own buffer when persistent, then P's (interpret mode only).
+  o_smem = staging[0] if cfg.persistent else q_smem
+  p_smem = staging[int(cfg.persistent)] if len(staging) > int(cfg.persistent) else None
+  n_steps, item = _schedule(grid, num_ctas, cfg.persistent,
+                            cfg.heavy_first and band is not None and band.work_grows(by_q=True))
 
   def each_tile(body):
-    """``body((i, b, h), base) -> base'`` over this CTA's tiles (query tile, batch, head);
-    ``base`` counts the K/V ring steps of earlier tiles. ``tiles`` None: one tile per CTA."""
-    if tiles is None:
-      idx = (lax.axis_index("q_tiles"), lax.axis_index("batch"), lax.axis_index("heads"))
-      return body(idx, 0)
-    loop = plgpu.nd_loop(tiles[1:] + tiles[:1], collective_axes="sm", init_carry=jnp.int32(0))
-    return loop(lambda info, carry: body((info.index[2], info.index[0], info.index[1]), carry))
+    """``body(n, base) -> base'`` over this CTA's tiles (:func:`_schedule`); ``base`` counts
+    the K/V ring steps of earlier tiles."""
+    if not cfg.persistent:
+      return body(0, jnp.int32(0))
+    return lax.fori_loop(0, n_steps, body, jnp.int32(0))
 
   def ranges(i, b):
     cta_start = i * (wgs * bq)
     return cta_start, C.block_tiles(rng_ref, len_ref, b, i, segments=segments, lengths=lengths,
                                      ranges=lambda *v: C.kv_tiles(band, cta_start, wgs * bq, kv_len, bk, *v))
 
+  def load_q(step):
+    i, b, h = item(step)
+    rows = pl.ds(i * (wgs * bq) + wg * bq, bq)
+    plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[wg], q_bar.at[wg])
+
   @pl.when(wg < wgs)
   def _compute():
     plgpu.set_max_registers(C.registers(wgs)[0], action="increase")  # the producer needs few
 
-    def tile(idx, base):
-      i, b, h = idx
+    load_q(0)
+
+    def tile(n, base):
+      i, b, h = item(n)
       cta_start, ((lo, hi, flo, fhi), valid) = ranges(i, b)
       q_start = cta_start + wg * bq
       rows = pl.ds(q_start, bq)
-      plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[wg], q_bar.at[wg])
       if segments:
         plgpu.copy_gmem_to_smem(qid_ref.at[b, rows], qid_smem.at[wg], q_bar.at[wgs + wg])
         plgpu.barrier_wait(q_bar.at[wgs + wg])
@@ -126,15 +135,17 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, o_ref, lse_
       carry = lax.fori_loop(flo, fhi, functools.partial(step, masked=False), carry)
       acc, m, l = lax.fori_loop(fhi, hi, functools.partial(step, masked=True), carry)
       pl.when(wg == 0)(schedule)
+      if cfg.persistent:  # this tile's last QK^T has completed: the query buffer is free
+        pl.when(n + 1 < n_steps)(lambda: load_q(n + 1))
       empty = l == 0.0
       l = jnp.where(empty, 1.0, l)
       out = acc / lax.broadcast_in_dim(l, acc.shape, [0])
-      q_smem.at[wg][...] = out.astype(dtype)  # the query tile is no longer needed
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's stores have read the buffers
+      o_smem.at[wg][...] = out.astype(dtype)
       lse_smem.at[wg][...] = jnp.where(empty, jnp.inf, (m + jnp.log2(l)) * (1.0 / C.LOG2E))
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(q_smem.at[wg], o_ref.at[b, rows, h])
+      plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[b, rows, h])
       plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, rows])
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # before the next tile's Q lands there
       return base + jnp.maximum(hi - lo, 0)
 
     each_tile(tile)
@@ -144,14 +155,47 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, o_ref, lse_
   def _load():
     plgpu.set_max_registers(C.registers(wgs)[1], action="decrease")
 
-    def tile(idx, base):
-      i, b, h = idx
+    def tile(n, base):
+      i, b, h = item(n)
       _, ((lo, hi, _, _), _) = ranges(i, b)
       issue = C.kv_issuer(b, h // groups, bk, k_ref, v_ref, kid_ref, k_smem, v_smem, kid_smem, k_ready,
                           v_ready, kid_ready, segments=segments)
       return C.produce(lo, hi, stages, issue, (k_free, v_free), base, drain=False)
 
     C.drain_ring(each_tile(tile), stages, (k_free, v_free))
+
+
+def _schedule(grid: tuple[int, int, int], num_ctas: int, persistent: bool, heavy_first: bool):
+  """``(n_steps, item)``: this CTA's number of tiles and ``item(step) -> (query tile, batch,
+  head)`` of its ``step``-th. ``grid``: (query tiles, batch, heads). One CTA per tile: its
+  grid position, query tiles reversed when ``heavy_first`` (the hardware hands the next CTA
+  to the first free SM). Persistent (``num_ctas`` CTAs, CTA ``c`` takes tiles ``c``,
+  ``c + num_ctas``, ...): by default query tiles run fastest, so that a wave's tiles read the
+  keys of one or two heads and share them in L2; ``heavy_first`` orders all tiles by work (query tile slowest, last first) and
+  mirrors every second full wave across the CTAs, pairing a CTA's heavier half of one wave
+  with its lighter half of the next."""
+  nq, nb, nh = grid
+  if not persistent:
+    def item(step):
+      i = lax.axis_index("q_tiles")
+      return (nq - 1 - i if heavy_first else i), lax.axis_index("batch"), lax.axis_index("heads")
+    return 1, item
+  cta, total = lax.axis_index("sm"), nq * nb * nh
+  n_steps = total // num_ctas + (cta < total % num_ctas).astype(jnp.int32)
+  return n_steps, lambda step: persistent_tile(step, cta, num_ctas, grid, heavy_first)
+
+
+def persistent_tile(step, cta, num_ctas: int, grid: tuple[int, int, int], heavy_first: bool):
+  """``(query tile, batch, head)`` of CTA ``cta``'s ``step``-th tile (:func:`_schedule`)."""
+  nq, nb, nh = grid
+  if heavy_first:
+    mirrored = (step % 2 == 1) & ((step + 1) * num_ctas <= nq * nb * nh)
+    n = step * num_ctas + jnp.where(mirrored, num_ctas - 1 - cta, cta)
+    i, bh = nq - 1 - n // (nb * nh), n % (nb * nh)
+  else:
+    n = step * num_ctas + cta
+    i, bh = n % nq, n // nq
+  return i, bh // nh, bh % nh
 
 
 def _num_sms() -> int:
@@ -194,18 +238,20 @@ def forward(q, k, v, mask: Mask | None, *, scale: float, config: MosaicForwardCo
       plgpu.Barrier(num_arrivals=cfg.compute_wgs, num_barriers=cfg.num_stages),
       plgpu.Barrier(num_arrivals=cfg.compute_wgs),  # the ping-pong schedule
   ]
+  if cfg.persistent:  # the output tiles, so that the next tile's queries can load meanwhile
+    scratch.append(plgpu.SMEM((cfg.compute_wgs, cfg.block_q, d), q.dtype, transforms=tiled))
   if interpret:  # P's staging buffer (see common.mma_acc)
     scratch.append(plgpu.SMEM((cfg.compute_wgs, cfg.block_q, cfg.block_k), q.dtype, transforms=tiled))
   band, lengths, lens = C.split_mask(mask, batch, q_len, kv_len)
   seg_ops = C.segment_operands(mask, batch, q_len, kv_len, q_pad, kv_pad, rows, cfg.block_k, by_q=True)
-  grid = (num_tiles(q_pad, rows), batch, heads)
-  tiles, names = (None, ("q_tiles", "batch", "heads"))
+  tiles = (num_tiles(q_pad, rows), batch, heads)
+  grid, names = tiles, ("q_tiles", "batch", "heads")
   if cfg.persistent:  # one CTA per SM, each looping over tiles
-    tiles, names = grid, ("sm",)
-    grid = (min(math.prod(grid), 2 if interpret else _num_sms()),)
+    grid, names = (min(math.prod(tiles), 2 if interpret else _num_sms()),), ("sm",)
   kernel = functools.partial(_kernel, band=band, lengths=lengths, segments=mask is not None and
                              mask.q_segment_ids is not None, scale=scale, groups=heads // kv_heads,
-                             cfg=cfg, q_len=q_len, kv_len=kv_len, dtype=q.dtype, tiles=tiles)
+                             cfg=cfg, q_len=q_len, kv_len=kv_len, dtype=q.dtype, grid=tiles,
+                             num_ctas=grid[0] if cfg.persistent else 0)
   out, lse = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((batch, q_pad, heads, d), q.dtype),

@@ -158,7 +158,7 @@ def longest_first(tm: TileMask, tile, n_tiles: int, *, by_q: bool):
   """Program ``tile`` -> outer tile index such that the programs with the most inner tiles
   start first (a causal band gives the last query tiles the most keys); the wave that ends
   the kernel then holds short programs, not long ones."""
-  grows = (tm.upper is not None and tm.lower is None) if by_q else (tm.lower is not None and tm.upper is None)
+  grows = Mask(lower=tm.lower, upper=tm.upper).work_grows(by_q=by_q)
   return n_tiles - 1 - tile if grows else tile
 
 
