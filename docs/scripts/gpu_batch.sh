@@ -11,9 +11,11 @@
 #   probe (docs/scripts/probe_cudnn.py: jax.nn's cuDNN route against torch's, layouts and versions)
 #   probe_odd (docs/scripts/probe_odd_lengths.py: the Triton kernel at odd lengths, pads vs kernel)
 #   probe_gap (docs/scripts/probe_dispatch_gap.py: JAX's wall clock beyond kernel time, per setting)
-#   grid:LENGTHS:DTYPE[:HEAD_DIMS]  (e.g. grid:4096:bf16, grid:1024+16384:bf16:128): the grid
-#     with the core implementations only ($CORE_JAX, $CORE_TORCH; set GRID_ALL=1 for all)
-#   gridall:LENGTHS:DTYPE[:HEAD_DIMS]  the same with every implementation
+#   probe_sched (docs/scripts/probe_mosaic_persistent.py: the Mosaic forward's schedules)
+#   probe_layout (docs/scripts/probe_layout.py: Triton kernel and torch flex, each in both layouts)
+#   grid:LENGTHS:DTYPE[:HEAD_DIMS[:MODES]]  (e.g. grid:4096:bf16, grid:1024+16384:bf16:128:fwd):
+#     the grid with the core implementations only ($CORE_JAX, $CORE_TORCH; set GRID_ALL=1 for all)
+#   gridall:LENGTHS:DTYPE[:HEAD_DIMS[:MODES]]  the same with every implementation
 # DEVICE_TIME=1: every suite also records device_ms (kernel time from a profile).
 # (tests: pytest --gpu on the gpu-marked tests (tests:EXPR: only those matching -k EXPR), failures printed as they happen, log in
 # $OUT/gpu_tests.log; it gets at most a third of the remaining time, or TESTS_MAX_S seconds)
@@ -47,6 +49,12 @@ run_step() {  # file module args...
   $PY -m "$@" --output "$OUT/$file" --append --no-progress --max-minutes "$mins" \
     ${DEVICE_TIME:+--device-time} 2>&1 \
     | grep -E "^\[harness\] (done|--max|[0-9]+ case)|^Traceback|^[A-Za-z.]*Error" | tail -5 | tee -a "$OUT/batch.log"
+}
+
+run_probe() {  # file module: a GPU probe writing its own JSON (one run, not resumed)
+  echo "[batch] $(date +%T) $2" | tee -a "$OUT/batch.log"
+  timeout "$(python3 -c "print(int(60 * $(left_min)))")" $PY -m "$2" --output "$OUT/$1" 2>&1 | tail -40 \
+    | tee -a "$OUT/batch.log"
 }
 
 # torch runs in its own process after the JAX side of a step (JAX's allocator keeps
@@ -89,6 +97,8 @@ for s in "${steps[@]}"; do
     masked)    split gpu_attention.json docs.scripts.benchmark_gpu_attention --suite masked ;;
     probe)     run_step cudnn_probe.json docs.scripts.probe_cudnn ;;
     probe_odd) run_step odd_probe.json docs.scripts.probe_odd_lengths ;;
+    probe_sched) run_probe mosaic_schedule.json docs.scripts.probe_mosaic_persistent ;;
+    probe_layout) run_probe layout_probe.json docs.scripts.probe_layout ;;
     probe_gap) echo "[batch] $(date +%T) probe_gap" | tee -a "$OUT/batch.log"
                $PY -m docs.scripts.probe_dispatch_gap --output "$OUT/dispatch_gap.json" 2>&1 | tail -40 \
                  | tee -a "$OUT/batch.log" ;;
@@ -99,10 +109,10 @@ for s in "${steps[@]}"; do
     tiles_mosaic_1024) run_step gpu_attention_tiles.json docs.scripts.benchmark_gpu_attention_tiles --kernel mosaic --dtypes bf16 --lengths 1024 ;;
     grid_bf16) split gpu_attention.json docs.scripts.benchmark_gpu_attention --suite grid --dtypes bf16 ;;
     grid_fp32) split gpu_attention.json docs.scripts.benchmark_gpu_attention --suite grid --dtypes fp32 ;;
-    grid:*|gridall:*) IFS=':' read -r kind lens dt dims <<< "$s"
+    grid:*|gridall:*) IFS=':' read -r kind lens dt dims modes <<< "$s"
                all=$([ "$kind" = gridall ] && echo 1 || echo "${GRID_ALL:-0}")
                GRID_ALL=$all core "$dt" gpu_attention.json docs.scripts.benchmark_gpu_attention --suite grid --dtypes "$dt" \
-                 --lengths "${lens//+/,}" --head-dims "${dims:-64,128}" ;;
+                 --lengths "${lens//+/,}" --head-dims "${dims:-64,128}" --modes "${modes:-fwd,fwd_bwd}" ;;
     *) echo "[batch] unknown step $s" ;;
   esac
 done
