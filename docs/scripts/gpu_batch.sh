@@ -13,8 +13,8 @@
 #   probe_gap (docs/scripts/probe_dispatch_gap.py: JAX's wall clock beyond kernel time, per setting)
 #   probe_sched (docs/scripts/probe_mosaic_persistent.py: the Mosaic forward's schedules)
 #   probe_layout (docs/scripts/probe_layout.py: Triton kernel and torch flex, each in both layouts)
-#   grid:LENGTHS:DTYPE[:HEAD_DIMS[:MODES]]  (e.g. grid:4096:bf16, grid:1024+16384:bf16:128:fwd):
-#     the grid with the core implementations only ($CORE_JAX, $CORE_TORCH; set GRID_ALL=1 for all)
+#   grid:LENGTHS:DTYPE[:HEAD_DIMS[:MODES]]  (lists joined by '+', as the plan splits on commas;
+#     e.g. grid:4096:bf16, grid:1024+16384:bf16:64+128:fwd): the grid with the core implementations only ($CORE_JAX, $CORE_TORCH; set GRID_ALL=1 for all)
 #   gridall:LENGTHS:DTYPE[:HEAD_DIMS[:MODES]]  the same with every implementation
 # DEVICE_TIME=1: every suite also records device_ms (kernel time from a profile).
 # (tests: pytest --gpu on the gpu-marked tests (tests:EXPR: only those matching -k EXPR), failures printed as they happen, log in
@@ -112,7 +112,8 @@ for s in "${steps[@]}"; do
     grid:*|gridall:*) IFS=':' read -r kind lens dt dims modes <<< "$s"
                all=$([ "$kind" = gridall ] && echo 1 || echo "${GRID_ALL:-0}")
                GRID_ALL=$all core "$dt" gpu_attention.json docs.scripts.benchmark_gpu_attention --suite grid --dtypes "$dt" \
-                 --lengths "${lens//+/,}" --head-dims "${dims:-64,128}" --modes "${modes:-fwd,fwd_bwd}" ;;
+                 --lengths "${lens//+/,}" --head-dims "$(d=${dims:-64+128}; echo "${d//+/,}")" \
+                 --modes "$(m=${modes:-fwd+fwd_bwd}; echo "${m//+/,}")" ;;
     *) echo "[batch] unknown step $s" ;;
   esac
 done

@@ -49,7 +49,7 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, o_ref, lse_
     """``body(n, base) -> base'`` over this CTA's tiles (:func:`_schedule`); ``base`` counts
     the K/V ring steps of earlier tiles."""
     if not cfg.persistent:
-      return body(0, jnp.int32(0))
+      return body(0, 0)
     return lax.fori_loop(0, n_steps, body, jnp.int32(0))
 
   def ranges(i, b):
