@@ -57,7 +57,7 @@ def test_position_masks_and_gqa_go_to_the_kernel_without_a_table(mask):
 
 @pytest.mark.parametrize("mask", [None, M.CausalMask(), M.KVLenMask(jnp.full((4,), 100))])
 def test_sm90_table_routes_to_cudnn(mask):
-  d = decide(mask=mask)
+  d = decide(mask=mask, env={"PROBJAX_ATTENTION_MOSAIC": "0"})  # (its forward rule: below)
   assert d.implementation == "cudnn" and "sm_90 device table" in d.rule
 
 
@@ -121,6 +121,11 @@ def test_sm90_decoding_skips_cudnn():
   assert decide(short_cache).implementation == "cudnn"
 
 
+def _under_grad(dec) -> str:
+  """What a differentiated call runs."""
+  return dec.grad_implementation or dec.implementation
+
+
 def test_sm90_differentiated_d64_runs_triton():
   entry = attention_device.DEVICE_DEFAULTS[(9, 0)]
   d64 = ((4, 1024, 16, 64), (4, 1024, 16, 64))  # below mosaic_min_len: the Triton forward too
@@ -136,7 +141,7 @@ def test_sm90_differentiated_d64_runs_triton():
   # At the work limit, at head_dim 128, or without the table: cuDNN's own backward.
   n = int((entry.grad_triton_max_work // (4 * 8)) ** 0.5)
   assert decide(((4, n, 8, 64), (4, n, 8, 64))).grad_implementation is None
-  assert decide(((4, 2048, 8, 128), (4, 2048, 8, 128))).grad_implementation is None
+  assert _under_grad(decide(((4, 2048, 8, 128), (4, 2048, 8, 128)))) == "cudnn"
   assert decide(d64, implementation="cudnn").grad_implementation is None
   assert decide(d64, kernel_args_default=False).implementation == "triton"
 
@@ -205,10 +210,10 @@ def test_sm90_differentiated_causal_runs_mosaic():
   for d, work in limits.items():
     n = int((work // (4 * 8)) ** 0.5)  # B4 H8 T n: at the limit
     dec = decide(((4, n, 8, d), (4, n, 8, d)), mask=causal)
-    assert dec.implementation == "cudnn" and dec.grad_implementation == "mosaic", dec
-    assert dec.backward_pass_impl == entry.backward_pass_impl_band and "under grad mosaic" in str(dec)
+    assert _under_grad(dec) == "mosaic", dec  # (its primal: the forward rule, below)
+    assert dec.backward_pass_impl == entry.backward_pass_impl_band and "Triton backward" in dec.rule
     over = decide(((4, 2 * n, 8, d), (4, 2 * n, 8, d)), mask=causal)
-    assert over.implementation == "cudnn" and over.grad_implementation in (None, "triton"), over
+    assert _under_grad(over) in ("cudnn", "triton"), over
     assert decide(((4, n, 8, d), (4, n, 8, d))).grad_implementation != "mosaic"  # no mask
     off = decide(((4, n, 8, d), (4, n, 8, d)), mask=causal, env={"PROBJAX_ATTENTION_MOSAIC": "0"})
     assert off.grad_implementation != "mosaic", off
@@ -217,21 +222,32 @@ def test_sm90_differentiated_causal_runs_mosaic():
   assert 256 not in limits and 2**29 >= limits[64] >= limits[128]
 
 
-def test_sm90_long_unmasked_forward_runs_mosaic():
+def test_sm90_forward_rule_runs_mosaic():
   entry = attention_device.DEVICE_DEFAULTS[(9, 0)]
-  for d, work in entry.mosaic_forward_min_work:
-    n = int((work // (4 * 8)) ** 0.5)  # B4 H8 T n: at the limit
-    shapes = ((4, n, 8, d), (4, n, 8, d))
-    dec = decide(shapes)
-    assert dec.implementation == "mosaic" and dec.grad_implementation == "cudnn", dec
-    assert "under grad cudnn" in str(dec)
-    below = decide(((4, n // 2, 8, d), (4, n // 2, 8, d)))
-    assert below.implementation == "cudnn", below
-    for mask in (M.CausalMask(), M.KVLenMask(jnp.full((4,), 100))):  # unmeasured with a mask
-      assert decide(shapes, mask=mask).implementation == "cudnn"
-    assert decide(shapes, env={"PROBJAX_ATTENTION_MOSAIC": "0"}).implementation == "cudnn"
-    assert decide(shapes, dtype=jnp.float32).implementation != "mosaic"
-  assert 64 not in dict(entry.mosaic_forward_min_work)  # D64: cuDNN's forward is faster
+  grad_limits = dict(entry.grad_mosaic_band_max_work)
+  side = lambda work: int(round((work // (4 * 8)) ** 0.5))  # B4 H8 T side: that work
+  for kind, d, lo, hi in entry.mosaic_forward_work:
+    mask = M.CausalMask() if kind == "causal" else None
+    for work in (lo, hi or 4 * lo):
+      n = side(work)
+      shapes = ((4, n, 8, d), (4, n, 8, d))
+      dec = decide(shapes, mask=mask)
+      assert dec.implementation == "mosaic", (kind, d, n, dec)
+      grad_mosaic = kind == "causal" and work <= grad_limits.get(d, -1)
+      assert dec.grad_implementation == (None if grad_mosaic else "cudnn"), dec
+      if grad_mosaic:  # the Mosaic forward with the Triton backward under grad
+        assert dec.backward_pass_impl == entry.backward_pass_impl_band, dec
+      assert decide(shapes, mask=mask, env={"PROBJAX_ATTENTION_MOSAIC": "0"}).implementation == "cudnn"
+      assert decide(shapes, mask=mask, dtype=jnp.float32).implementation != "mosaic"
+      # Unmeasured masks that cuDNN takes keep its forward.
+      assert decide(shapes, mask=M.KVLenMask(jnp.full((4,), n // 2))).implementation == "cudnn"
+    below = side(lo) // 2
+    assert decide(((4, below, 8, d), (4, below, 8, d)), mask=mask).implementation != "mosaic"
+    if hi is not None:
+      above = 2 * side(hi)
+      assert decide(((4, above, 8, d), (4, above, 8, d)), mask=mask).implementation != "mosaic"
+  # D64 without a mask: cuDNN's forward is faster at every measured length.
+  assert not any(kind == "none" and d == 64 for kind, d, _, _ in entry.mosaic_forward_work)
 
 
 def test_kernel_arguments_disable_the_table():

@@ -40,9 +40,11 @@ class DeviceDefaults:
       rule takes with a causal mask (``CausalMask()`` alone), that ``head_dim`` and at most
       that work run the Mosaic GPU forward with the Triton backward instead (before the
       rule above; ``PROBJAX_ATTENTION_MOSAIC=0`` turns it off).
-    mosaic_forward_min_work: ``((head_dim, work), ...)``: calls without a mask that the cuDNN
-      rule takes, with that ``head_dim`` and at least that work, run the Mosaic GPU forward
-      (differentiated calls stay on cuDNN, forward and backward).
+    mosaic_forward_work: ``((mask, head_dim, min_work, max_work), ...)``: calls that the
+      cuDNN rule takes, with ``mask`` ``"none"`` (no mask) or ``"causal"``
+      (``CausalMask()`` alone), that ``head_dim`` and work in ``[min_work, max_work]``
+      (``max_work`` None: no limit), run the Mosaic GPU forward (differentiated calls keep
+      what the rules above give them: cuDNN, or the Mosaic forward with the Triton backward).
     mosaic_min_len: 16-bit calls whose default would run the Triton kernel's forward (as the
       call, or as the forward of a differentiated call by the rule above) run the Mosaic
       GPU forward instead when ``q_len`` and ``kv_len`` are both at least this
@@ -67,7 +69,7 @@ class DeviceDefaults:
   grad_triton_max_head_dim: int
   grad_triton_max_work: int
   grad_mosaic_band_max_work: tuple[tuple[int, int], ...]
-  mosaic_forward_min_work: tuple[tuple[int, int], ...]
+  mosaic_forward_work: tuple[tuple[str, int, int, int | None], ...]
   mosaic_min_len: int
   mosaic_ragged_min_head_dim: int
   mosaic_backward_min_work: tuple[tuple[int, int], ...]
@@ -112,12 +114,19 @@ DEVICE_DEFAULTS: dict[tuple[int, int], DeviceDefaults] = {
         #   config has since become persistent, 4-8% faster on causal forwards
         #   (mosaic_causal_persistent.json), so these limits are conservative.
         grad_mosaic_band_max_work=((64, 2**29), (128, 2**27)),
-        # Forward only, no mask (gpu_attention.json, bf16 B4 H8, ms, Mosaic / jax.nn cuDNN /
-        # torch SDPA cuDNN): T16384 D128 6.745 (3860852) / 7.223 / 6.882 (3a3ba1b); same run
-        # (11e7a28): 6.859 as the default and 7.398 as probjax_mosaic (one kernel: the spread
-        # is noise) / 7.240 / 6.371. T8192 D128 1.739 (77c27bd) / 1.748 / 1.655 (08ac7c2): level
-        # below 2^33; D64 behind everywhere (T16384 5.19 / 4.61).
-        mosaic_forward_min_work=((128, 2**33),),
+        # Forward only (gpu_attention.json, bf16 B4 H8, ms, Mosaic / the default on the cuDNN
+        # route / jax.nn cuDNN, same runs: 65d300a for D128, 3257396 for D64, both with the
+        # heaviest-first schedules):
+        #   no mask, D128: T2048 (2^27) 0.123 / 0.157 / 0.139 (ab80354: 0.129 / 0.137 / 0.138);
+        #     T4096 0.440 / 0.435 / 0.462 and T8192 1.783 / 1.779 / 1.775: level -> cuDNN;
+        #     T16384 (2^33) 7.194 / 7.465 / 7.290 (11e7a28: 7.398 / 6.859 / 7.240, 3860852:
+        #     6.745 / - / 7.223). D64 behind from T4096 (T16384 5.051 / 4.799 / 4.594).
+        #   causal, D128: T2048 0.088 / 0.102 / 0.109; T4096 0.256 / 0.298 / 0.292; T8192 (2^31)
+        #     0.953 / 0.978 / 0.975; T16384 3.656 / 3.558 / 3.559 -> up to 2^31.
+        #   causal, D64: T2048 0.073 / 0.072 / 0.074 (level); T4096 (2^29) 0.188 / 0.207 /
+        #     0.204; T8192 0.650 / 0.665 / 0.676; T16384 2.523 / 2.514 / 2.470.
+        mosaic_forward_work=(("none", 128, 2**27, 2**28), ("none", 128, 2**33, None),
+                             ("causal", 128, 2**27, 2**31), ("causal", 64, 2**29, 2**31)),
         # Where the Triton kernel runs (masks cuDNN cannot take, PROBJAX_ATTENTION_CUDNN=0,
         # the D64 grad rule), the Mosaic forward is ahead from T2048 (gpu_attention.json, bf16,
         # ms, Mosaic forward / Triton forward, same runs: 3860852 B4 H8 unless said):

@@ -205,25 +205,25 @@ def _decide(q_shape, kv_shape, dtype, *, mask, bias, dense_mask, dropout, score_
         and q_shape[-1] >= table.cudnn_min_head_dim and not decoding):
       if cudnn_backend.supports(q_shape, kv_shape, dtype, platform="gpu", **kw) is None:
         rule = f"{cc} device table: eligible 16-bit call above the cuDNN work threshold"
-        mosaic_max = dict(table.grad_mosaic_band_max_work).get(q_shape[-1], -1)
-        if (mask is not None and mask.is_causal() and b * h * tq * tk <= mosaic_max
+        work, causal = b * h * tq * tk, mask is not None and mask.is_causal()
+        grad, why = "cudnn", ""
+        if (causal and work <= dict(table.grad_mosaic_band_max_work).get(q_shape[-1], -1)
             and _mosaic_allowed(q_shape, kv_shape, dtype, device, env, kw)):
-          return Decision("cudnn", rule + "; differentiated causal: the Mosaic forward with "
-                          "the Triton backward is faster at this head_dim and work",
-                          _resolve_backward(backward_pass_impl, mask, table), grad_implementation="mosaic")
-        if (q_shape[-1] <= table.grad_triton_max_head_dim and b * h * tq * tk < table.grad_triton_max_work
-            and triton_supports(q_shape, kv_shape, dtype, device=device, **kw) is None):
-          mosaic = _mosaic_forward(q_shape, kv_shape, dtype, table, device, env, kw)
-          return Decision("cudnn", rule + "; differentiated: the Triton kernel's backward is faster "
-                          "at this head_dim and work" + (" (after the Mosaic forward)" if mosaic else ""),
-                          _resolve_backward(backward_pass_impl, mask, table),
-                          grad_implementation="mosaic" if mosaic else "triton")
-        fwd_min = dict(table.mosaic_forward_min_work).get(q_shape[-1])
-        if (mask is None and fwd_min is not None and b * h * tq * tk >= fwd_min
-            and _mosaic_forward(q_shape, kv_shape, dtype, table, device, env, kw)):
-          return Decision("mosaic", rule + "; forward: the Mosaic kernel is faster at this head_dim "
-                          "and work", grad_implementation="cudnn")
-        return Decision("cudnn", rule)
+          grad, why = "mosaic", "; differentiated causal: the Mosaic forward with the Triton backward is faster"
+        elif (q_shape[-1] <= table.grad_triton_max_head_dim and work < table.grad_triton_max_work
+              and triton_supports(q_shape, kv_shape, dtype, device=device, **kw) is None):
+          grad = "mosaic" if _mosaic_forward(q_shape, kv_shape, dtype, table, device, env, kw) else "triton"
+          why = "; differentiated: the Triton kernel's backward is faster" + (
+              " (after the Mosaic forward)" if grad == "mosaic" else "")
+        kind = "causal" if causal else "none" if mask is None else None
+        fast = any(m == kind and d == q_shape[-1] and lo <= work and (hi is None or work <= hi)
+                   for m, d, lo, hi in table.mosaic_forward_work)
+        backward = "auto" if grad == "cudnn" else _resolve_backward(backward_pass_impl, mask, table)
+        if fast and _mosaic_forward(q_shape, kv_shape, dtype, table, device, env, kw):
+          return Decision("mosaic", rule + "; forward: the Mosaic kernel is faster at this mask, head_dim "
+                          "and work" + why, backward, grad_implementation=None if grad == "mosaic" else grad)
+        return Decision("cudnn", rule + (why and why + " at this head_dim and work"), backward,
+                        grad_implementation=None if grad == "cudnn" else grad)
     band = mask is not None and mask.has_band
     dense_max = table.fp32_band_dense_max_len if band else table.fp32_dense_max_len
     if dtype == jnp.float32 and max(tq, tk) <= dense_max and score_mod is None \
