@@ -10,7 +10,8 @@
 #     where one compute warpgroup's 64-row CTAs may fill the SMs better)
 #   probe (docs/scripts/probe_cudnn.py: jax.nn's cuDNN route against torch's, layouts and versions)
 #   probe_odd (docs/scripts/probe_odd_lengths.py: the Triton kernel at odd lengths, pads vs kernel)
-#   probe_gap (docs/scripts/probe_dispatch_gap.py: JAX's wall clock beyond kernel time, per setting)
+#   probe_gap (docs/scripts/probe_dispatch_gap.py: JAX's wall clock beyond kernel time, per setting;
+#     GAP_SETTINGS=suites: only the suites' setting)
 #   probe_sched (docs/scripts/probe_mosaic_persistent.py: the Mosaic forward's schedules)
 #   probe_layout (docs/scripts/probe_layout.py: Triton kernel and torch flex, each in both layouts)
 #   grid:LENGTHS:DTYPE[:HEAD_DIMS[:MODES]]  (lists joined by '+', as the plan splits on commas;
@@ -100,7 +101,8 @@ for s in "${steps[@]}"; do
     probe_sched) run_probe mosaic_schedule.json docs.scripts.probe_mosaic_persistent ;;
     probe_layout) run_probe layout_probe.json docs.scripts.probe_layout ;;
     probe_gap) echo "[batch] $(date +%T) probe_gap" | tee -a "$OUT/batch.log"
-               $PY -m docs.scripts.probe_dispatch_gap --output "$OUT/dispatch_gap.json" 2>&1 | tail -40 \
+               $PY -m docs.scripts.probe_dispatch_gap --output "$OUT/dispatch_gap.json" \
+                 ${GAP_SETTINGS:+--settings "$GAP_SETTINGS"} 2>&1 | tail -40 \
                  | tee -a "$OUT/batch.log" ;;
     tiles)     run_step gpu_attention_tiles.json docs.scripts.benchmark_gpu_attention_tiles --dtypes bf16 ;;
     tiles_1024) run_step gpu_attention_tiles.json docs.scripts.benchmark_gpu_attention_tiles --dtypes bf16 --lengths 1024 ;;

@@ -13,8 +13,8 @@ gap to torch's cuDNN. This probe separates the candidates, per case and per runt
   kernel's count and time per call.
 * cases: one bf16 4096^3 matmul (no attention at all), 8 dependent matmuls in one jit (the
   per-executable cost amortized), the default, jax.nn cuDNN and the Triton kernel at T4096
-  D64 forward, the default and jax.nn cuDNN at T4096 D128 forward+backward, and torch's
-  matmul and SDPA cuDNN on the same inputs.
+  D64 forward, the default and jax.nn cuDNN at T4096 D128 forward+backward, jax.nn cuDNN's
+  D128 forwards of :data:`D128_FORWARDS`, and torch's matmul and SDPA cuDNN on the same inputs.
 * ``*_hlo.txt`` beside the output: XLA's optimized HLO of the cases that call cuDNN.
 * settings (one child process each, JAX cases only for the last two): the suites' allocator
   setting (``XLA_PYTHON_CLIENT_PREALLOCATE=false``), without CUDA graphs
@@ -39,6 +39,9 @@ SETTINGS = {
     "preallocate": {"XLA_PYTHON_CLIENT_PREALLOCATE": "true"},
 }
 N_PROFILE = 40
+# Forward-only head_dim 128 cases (T, causal), jax.nn and torch cuDNN: where torch's forward is
+# 9-12% faster (gpu_attention.json, 65d300a), whether the two run the same cuDNN kernel.
+D128_FORWARDS = ((4096, False), (16384, False), (4096, True))
 
 
 def _cases(with_torch: bool):
@@ -65,6 +68,9 @@ def _cases(with_torch: bool):
   for impl in ("probjax_default", "jaxnn_cudnn"):
     fn, sync = impls.build(impl, arrays128, "bfloat16", False, "fwd_bwd")
     yield f"{impl}_t4096_d128_fwd_bwd", "jax", fn, sync
+  for t, causal in D128_FORWARDS:
+    fn, sync = impls.build("jaxnn_cudnn", impls.inputs(4, t, t, 8, 8, 128), "bfloat16", causal, "fwd")
+    yield f"jaxnn_cudnn_t{t}_d128_fwd" + ("_causal" if causal else ""), "jax", fn, sync
   if not with_torch:
     return
   torch = impls.torch_mod()
@@ -76,6 +82,9 @@ def _cases(with_torch: bool):
   yield "torch_sdpa_cudnn_t4096_d64_fwd", "torch", fn, sync
   fn, sync = impls.build("torch_sdpa_cudnn", arrays128, "bfloat16", False, "fwd_bwd")
   yield "torch_sdpa_cudnn_t4096_d128_fwd_bwd", "torch", fn, sync
+  for t, causal in D128_FORWARDS:
+    fn, sync = impls.build("torch_sdpa_cudnn", impls.inputs(4, t, t, 8, 8, 128), "bfloat16", causal, "fwd")
+    yield f"torch_sdpa_cudnn_t{t}_d128_fwd" + ("_causal" if causal else ""), "torch", fn, sync
 
 
 def measure(setting: str, with_torch: bool) -> list[dict]:
@@ -100,6 +109,8 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--output", required=True)
   ap.add_argument("--child", choices=sorted(SETTINGS), help=argparse.SUPPRESS)
+  ap.add_argument("--settings", default=",".join(SETTINGS),
+                  help="comma-separated runtime settings to measure (default: all)")
   args, _ = ap.parse_known_args(argv)
   if args.child:
     rows = measure(args.child, with_torch=args.child == "suites")
@@ -110,7 +121,8 @@ def main(argv=None):
   if out is None:
     return 0
   dump = "/tmp/probe_dispatch_gap_hlo"
-  for setting, env in SETTINGS.items():
+  for setting in args.settings.split(","):
+    env = SETTINGS[setting]
     part = args.output + f".{setting}.part"
     if setting == "suites":  # XLA's optimized HLO of every case: where its Memset kernels come from
       env = {**env, "XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_text"}

@@ -45,7 +45,8 @@ class MosaicForwardConfig:
   K/V slots in flight; ``persistent``: one CTA per SM looping over the tiles, its producer
   loading the next tile's K/V and each compute warpgroup the next tile's queries while it
   finishes the last (the output goes through a buffer of its own). ``heavy_first``: under a
-  band that gives later query tiles more keys (causal), the heaviest tiles start first
+  band that gives later query tiles more keys (causal, without segment ids, whose documents
+  make a tile's work a sawtooth in its position), the heaviest tiles start first
   (persistent: all tiles ordered by work, alternate waves mirrored across the SMs, so each
   SM's total is near the mean), so the kernel ends on light tiles."""
   block_q: int = 64

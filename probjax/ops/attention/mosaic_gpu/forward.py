@@ -42,8 +42,9 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, o_ref, lse_
   # staging: the output tiles' own buffer when persistent, then P's (interpret mode only).
   o_smem = staging[0] if cfg.persistent else q_smem
   p_smem = staging[int(cfg.persistent)] if len(staging) > int(cfg.persistent) else None
-  n_steps, item = _schedule(grid, num_ctas, cfg.persistent,
-                            cfg.heavy_first and band is not None and band.work_grows(by_q=True))
+  # With segment ids a tile's work follows its document, not its position: no order by work.
+  heavy_first = cfg.heavy_first and band is not None and band.work_grows(by_q=True) and not segments
+  n_steps, item = _schedule(grid, num_ctas, cfg.persistent, heavy_first)
 
   def each_tile(body):
     """``body(n, base) -> base'`` over this CTA's tiles (:func:`_schedule`); ``base`` counts
