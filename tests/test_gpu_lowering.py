@@ -227,7 +227,6 @@ def test_split_kv_lowers_for_sm90(monkeypatch, mask):
 @pytest.mark.parametrize("mask_name,d,wgs,persistent", [("none", 64, None, None), ("causal", 128, None, None),
                                                          ("window&lengths", 256, None, None), ("causal", 64, 3, False),
                                                          ("none", 128, 2, False), ("causal", 64, 2, False),
-                                                         ("causal", 128, 2, "mbarrier"),
                                                          ("none", 128, 2, True), ("segments", 64, 3, True)])
 def test_mosaic_forward_and_triton_backward_lower_for_sm90(monkeypatch, mask_name, d, wgs, persistent):
   """The Mosaic GPU forward (registers as wgmma's P operand, in-place accumulation: the
@@ -241,9 +240,7 @@ def test_mosaic_forward_and_triton_backward_lower_for_sm90(monkeypatch, mask_nam
   q = jax.ShapeDtypeStruct((2, 300, 8, d), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, 300, 2, d), jnp.bfloat16)
   # wgs None: the default config; no band or static lengths make every loop bound a constant.
-  # persistent "mbarrier": persistent, the ping-pong through an mbarrier, not named barriers.
-  cfg = None if wgs is None else pm.MosaicForwardConfig(64, 128, 2, wgs, bool(persistent),
-                                                        named_barriers=persistent != "mbarrier")
+  cfg = None if wgs is None else pm.MosaicForwardConfig(64, 128, 2, wgs, persistent)
   loss = lambda q, k, v: jnp.sum(pm.attention(q, k, v, mask=mask, forward_config=cfg).astype(jnp.float32))
   text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
   calls = set(re.findall(r"custom_call @([\w$.]+)", text))

@@ -12,8 +12,7 @@
 #   probe_odd (docs/scripts/probe_odd_lengths.py: the Triton kernel at odd lengths, pads vs kernel)
 #   probe_gap (docs/scripts/probe_dispatch_gap.py: JAX's wall clock beyond kernel time, per setting;
 #     GAP_SETTINGS=suites: only the suites' setting)
-#   probe_sched (docs/scripts/probe_mosaic_persistent.py: the Mosaic forward's schedules),
-#     probe_barriers (the same probe --barriers: its two ping-pong barriers)
+#   probe_sched (docs/scripts/probe_mosaic_persistent.py: the Mosaic forward's schedules)
 #   probe_layout (docs/scripts/probe_layout.py: Triton kernel and torch flex, each in both layouts)
 #   grid:LENGTHS:DTYPE[:HEAD_DIMS[:MODES]]  (lists joined by '+', as the plan splits on commas;
 #     e.g. grid:4096:bf16, grid:1024+16384:bf16:64+128:fwd): the grid with the core implementations only ($CORE_JAX, $CORE_TORCH; set GRID_ALL=1 for all)
@@ -53,10 +52,9 @@ run_step() {  # file module args...
     | grep -E "^\[harness\] (done|--max|[0-9]+ case)|^Traceback|^[A-Za-z.]*Error" | tail -5 | tee -a "$OUT/batch.log"
 }
 
-run_probe() {  # file module [args]: a GPU probe writing its own JSON (one run, not resumed)
-  local file="$1" module="$2"; shift 2
-  echo "[batch] $(date +%T) $module $*" | tee -a "$OUT/batch.log"
-  timeout "$(python3 -c "print(int(60 * $(left_min)))")" $PY -m "$module" --output "$OUT/$file" "$@" 2>&1 | tail -40 \
+run_probe() {  # file module: a GPU probe writing its own JSON (one run, not resumed)
+  echo "[batch] $(date +%T) $2" | tee -a "$OUT/batch.log"
+  timeout "$(python3 -c "print(int(60 * $(left_min)))")" $PY -m "$2" --output "$OUT/$1" 2>&1 | tail -40 \
     | tee -a "$OUT/batch.log"
 }
 
@@ -101,7 +99,6 @@ for s in "${steps[@]}"; do
     probe)     run_step cudnn_probe.json docs.scripts.probe_cudnn ;;
     probe_odd) run_step odd_probe.json docs.scripts.probe_odd_lengths ;;
     probe_sched) run_probe mosaic_schedule.json docs.scripts.probe_mosaic_persistent ;;
-    probe_barriers) run_probe mosaic_barriers.json docs.scripts.probe_mosaic_persistent --barriers ;;
     probe_layout) run_probe layout_probe.json docs.scripts.probe_layout ;;
     probe_gap) echo "[batch] $(date +%T) probe_gap" | tee -a "$OUT/batch.log"
                $PY -m docs.scripts.probe_dispatch_gap --output "$OUT/dispatch_gap.json" \

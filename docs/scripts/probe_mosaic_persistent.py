@@ -8,9 +8,8 @@ and 16384 and B1 H16 T16384 (the masked suite's shape), head_dim 64 and 128, eve
 schedule; unmasked, where ``heavy_first`` changes nothing, both ``persistent`` settings.
 Forward ms (wall) and kernel ms (``device_ms``). The file records the command, commit and
 device with the rows; rows are written as they are measured.
-``--barriers`` (``mosaic_barriers.json``): the default schedule with each ping-pong barrier
-(``named_barriers``). (``mosaic_causal_persistent.json``: this probe's first version, causal
-without ``heavy_first``, at 526b612.)
+(``mosaic_causal_persistent.json``: this probe's first version, causal without
+``heavy_first``, at 526b612.)
 """
 
 from __future__ import annotations
@@ -24,43 +23,35 @@ from docs.scripts import harness, impls
 SHAPES = ((4, 8, 2048), (4, 8, 4096), (4, 8, 16384), (1, 16, 16384))
 
 
-def variants(barriers: bool):
-  """``(batch, heads, t, d, causal, persistent, heavy_first, named_barriers)`` in measuring
-  order; ``barriers``: the default schedule with either ping-pong barrier instead."""
+def variants():
+  """``(batch, heads, t, d, causal, persistent, heavy_first)`` in measuring order."""
   for b, h, t in SHAPES:
     for d in (64, 128):
       for causal in (True, False):
         if not causal and (b == 1 or t == 2048):
           continue
-        if barriers:
-          for named in (False, True):
-            yield b, h, t, d, causal, True, True, named
-          continue
         for persistent in (False, True):
           for heavy_first in ((False, True) if causal else (True,)):
-            yield b, h, t, d, causal, persistent, heavy_first, True
+            yield b, h, t, d, causal, persistent, heavy_first
 
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--output", required=True)
-  ap.add_argument("--barriers", action="store_true",
-                  help="the default schedule with the named-barrier and the mbarrier ping-pong")
   args = ap.parse_args(argv)
   from probjax.ops.attention import masks as M
   from probjax.ops.attention import mosaic_gpu as pm
   out = harness.gpu_probe_head("probe_mosaic_persistent", args.output, argv)
   if out is None:
     return 0
-  for b, h, t, d, causal, persistent, heavy_first, named in variants(args.barriers):
-    cfg = pm.MosaicForwardConfig(64, 128, 2, 2, persistent, heavy_first, named)
+  for b, h, t, d, causal, persistent, heavy_first in variants():
+    cfg = pm.MosaicForwardConfig(64, 128, 2, 2, persistent, heavy_first)
     mask = M.CausalMask() if causal else None
     attn = lambda q, k, v, cfg=cfg, mask=mask: pm.attention(q, k, v, mask=mask, forward_config=cfg)
     fn, sync = impls._jax_fn(attn, impls.inputs(b, t, t, h, h, d), "bfloat16", "fwd")
     r = harness.time_fn(fn, sync, device_time=True)
     out["rows"].append(dict(batch=b, heads=h, t=t, d=d, causal=causal, persistent=persistent,
-                            heavy_first=heavy_first, named_barriers=named, ms=r.get("ms"),
-                            device_ms=r.get("device_ms")))
+                            heavy_first=heavy_first, ms=r.get("ms"), device_ms=r.get("device_ms")))
     print(out["rows"][-1], flush=True)
     with open(args.output, "w") as f:
       json.dump(out, f, indent=1)

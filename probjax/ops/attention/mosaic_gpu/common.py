@@ -9,7 +9,6 @@ from typing import Callable
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from probjax.ops.attention.masks import Mask, ranges_from_classes
@@ -28,19 +27,6 @@ def registers(compute_wgs: int) -> tuple[int, int]:
   producer = 40 if compute_wgs < 3 else 24
   compute = (REGISTERS_PER_SM // 128 - producer) // compute_wgs // 8 * 8
   return min(compute, 232), producer
-
-
-# Named hardware barriers for the ping-pong schedule (Mosaic GPU uses the lowest ids).
-SCHEDULE_BARRIER_ID = 4
-
-
-def named_barrier(op: str, barrier_id: int, num_threads: int) -> None:
-  """``bar.<op> barrier_id, num_threads`` (``op`` "sync": arrive and wait for
-  ``num_threads`` arrivals; "arrive": count this warpgroup's threads, do not wait)."""
-  @plgpu.inline_mgpu()
-  def _(_ctx):
-    mgpu_utils.inline_ptx(f"bar.{op} {barrier_id}, {num_threads};", has_side_effects=True, convergent=True)
-  _()
 
 
 def split_mask(mask: Mask | None, batch: int, q_len: int, kv_len: int):

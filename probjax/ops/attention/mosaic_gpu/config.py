@@ -48,20 +48,16 @@ class MosaicForwardConfig:
   band that gives later query tiles more keys (causal, without segment ids, whose documents
   make a tile's work a sawtooth in its position), the heaviest tiles start first
   (persistent: all tiles ordered by work, alternate waves mirrored across the SMs, so each
-  SM's total is near the mean), so the kernel ends on light tiles. ``named_barriers``: the
-  two compute warpgroups pass the tensor cores back and forth through named hardware
-  barriers (FA3's ``bar.arrive``/``bar.sync``: passing does not wait); else through an
-  mbarrier that both arrive on and wait for (interpret mode always)."""
+  SM's total is near the mean), so the kernel ends on light tiles."""
   block_q: int = 64
   block_k: int = 128
   num_stages: int = 2
   compute_wgs: int = 2
   persistent: bool = False
   heavy_first: bool = True
-  named_barriers: bool = True
 
   def __post_init__(self):
-    for name in ("persistent", "heavy_first", "named_barriers"):
+    for name in ("persistent", "heavy_first"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
     if self.block_q != 64:

@@ -7,9 +7,8 @@ rows (wgmma's M is 64 per warpgroup) and runs the float32 online softmax in base
 last warpgroup only issues the TMA copies of the K/V tiles into a ring of ``num_stages``
 shared-memory slots. Per slot, a "ready" barrier (completed by the copy) and a "free"
 barrier (one arrival per compute warpgroup) hand it back and forth. Two compute
-warpgroups take turns on the tensor cores (FA3's ping-pong, through named barriers): each
-passes the turn once its QK^T is issued and takes it back before its P @ V, so that one's
-softmax overlaps the other's matmuls.
+warpgroups take turns on the tensor cores (FA3's ping-pong): a shared barrier passed after
+each QK^T is issued and after each softmax lets one's softmax overlap the other's matmuls.
 
 The key tiles of a CTA are ``[lo, hi)`` from the mask's band and this batch element's key
 length (tiles they empty are never loaded); ``[full_lo, full_hi)`` inside it are tiles the
@@ -86,33 +85,10 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, o_ref, lse_
                plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
       slot_of = lambda j: lax.rem(base + j - lo, jnp.int32(stages))
 
-      # Ping-pong: the two compute warpgroups take turns on the tensor cores. Each passes the
-      # turn once its QK^T is issued (``pass_turn``) and takes it back before its P @ V
-      # (``take_turn``), so one's softmax runs under the other's matmuls. Named barriers
-      # (FA3's): passing does not wait; taking waits for the other's pass. Else (interpret
-      # mode) an mbarrier both arrive on and wait for at each point.
-      named = wgs == 2 and cfg.named_barriers and p_smem is None
-
-      def named_op(op, of_wg):  # bar.<op> on warpgroup ``of_wg``'s barrier
-        for w in range(2):
-          pl.when(wg == w)(lambda w=w: C.named_barrier(op, C.SCHEDULE_BARRIER_ID + (w if of_wg == "own" else 1 - w),
-                                                       2 * 128))
-
-      def rendezvous():
-        plgpu.barrier_arrive(sched_bar)
-        plgpu.barrier_wait(sched_bar)
-
-      def pass_turn():
-        if named:
-          named_op("arrive", "other")
-        elif wgs == 2:
-          rendezvous()
-
-      def take_turn():
-        if named:
-          named_op("sync", "own")
-        elif wgs == 2:
-          rendezvous()
+      def schedule():  # ping-pong: the two compute warpgroups take turns on the tensor cores
+        if wgs == 2:
+          plgpu.barrier_arrive(sched_bar)
+          plgpu.barrier_wait(sched_bar)
 
       def wait_next_k(j):  # every K copy is awaited once, while the previous P @ V runs
         @pl.when(j + 1 < hi)
@@ -122,7 +98,7 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, o_ref, lse_
       def step(j, carry, masked: bool):
         acc, m, l = carry
         slot = slot_of(j)
-        t = C.mma(q_smem.at[wg], k_smem.at[slot].T, (bq, bk), during=pass_turn)
+        t = C.mma(q_smem.at[wg], k_smem.at[slot].T, (bq, bk), during=schedule)
         if masked:
           qi, ki = C.iotas(bq, bk, q_start, j * bk)
           ok = C.element_ok(band, qi, ki, q_len, kv_len, *valid)
@@ -142,13 +118,9 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, o_ref, lse_
         p = p.astype(dtype)
         if wgs == 2:  # softmax done: hand the tensor cores over, take them back for P @ V
           acc, l, m_new, p = lax.optimization_barrier((acc, l, m_new, p))
-          if named:
-            plgpu.barrier_wait(v_ready.at[slot])
-            take_turn()
-          else:
-            plgpu.barrier_arrive(sched_bar)
-            plgpu.barrier_wait(v_ready.at[slot])
-            plgpu.barrier_wait(sched_bar)
+          plgpu.barrier_arrive(sched_bar)
+          plgpu.barrier_wait(v_ready.at[slot])
+          plgpu.barrier_wait(sched_bar)
         else:
           plgpu.barrier_wait(v_ready.at[slot])
         acc = C.mma_acc(acc, p, v_smem.at[slot], None if p_smem is None else p_smem.at[wg],
@@ -160,11 +132,11 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, o_ref, lse_
       def _():
         plgpu.barrier_wait(k_ready.at[slot_of(lo)])
 
-      pl.when(wg == 1)(take_turn)  # warpgroup 0 goes first: the two are half a step apart
+      pl.when(wg == 1)(schedule)  # offsets the two warpgroups by half a step
       carry = lax.fori_loop(lo, flo, functools.partial(step, masked=True), carry)
       carry = lax.fori_loop(flo, fhi, functools.partial(step, masked=False), carry)
       acc, m, l = lax.fori_loop(fhi, hi, functools.partial(step, masked=True), carry)
-      pl.when(wg == 0)(pass_turn)  # the turn warpgroup 1 takes for its last P @ V
+      pl.when(wg == 0)(schedule)
       if cfg.persistent:  # this tile's last QK^T has completed: the query buffer is free
         pl.when(n + 1 < n_steps)(lambda: load_q(n + 1))
       empty = l == 0.0
