@@ -351,6 +351,26 @@ def gpu_probe_head(module: str, output: str, argv) -> dict | None:
           "device": jax.devices()[0].device_kind, "commit": code_commit(), "rows": []}
 
 
+def probe_start(module: str, doc: str, argv, add_args=None):
+  """``(args, out)`` of a GPU-only probe ``docs.scripts.<module>``: its arguments (``--output``
+  and what ``add_args(parser)`` adds) and :func:`gpu_probe_head` (``out`` None without a GPU)."""
+  ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--output", required=True)
+  if add_args is not None:
+    add_args(ap)
+  args = ap.parse_args(argv)
+  return args, gpu_probe_head(module, args.output, argv)
+
+
+def probe_add(out: dict, output: str, row: dict) -> None:
+  """Appends ``row`` to a probe's ``out["rows"]``, prints it and writes ``out`` to ``output``
+  (after every row: a run cut short keeps what it measured)."""
+  out["rows"].append(row)
+  print(row, flush=True)
+  with open(output, "w") as f:
+    json.dump(out, f, indent=1)
+
+
 def code_commit() -> str | None:
   """The probjax commit measured: $PROBJAX_COMMIT (set by gpu_batch.sh, whose machine gets the
   working tree without .git), else ``git rev-parse HEAD`` with ``+dirty`` for local edits."""

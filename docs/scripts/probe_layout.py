@@ -15,8 +15,6 @@ Wall ms and kernel ms (``device_ms``) per row; rows are written as they are meas
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 
 from docs.scripts import harness, impls
@@ -50,20 +48,14 @@ def _torch_rows(b, h, t, d):
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--output", required=True)
-  args = ap.parse_args(argv)
-  out = harness.gpu_probe_head("probe_layout", args.output, argv)
+  args, out = harness.probe_start("probe_layout", __doc__, argv)
   if out is None:
     return 0
   for impl, rows in (("probjax_triton", _jax_rows), ("torch_flex", _torch_rows)):
     for t, d in CASES:
       for layout, r in rows(4, 8, t, d):
-        out["rows"].append(dict(impl=impl, layout=layout, batch=4, heads=8, t=t, d=d, ms=r.get("ms"),
-                                device_ms=r.get("device_ms")))
-        print(out["rows"][-1], flush=True)
-        with open(args.output, "w") as f:
-          json.dump(out, f, indent=1)
+        harness.probe_add(out, args.output, dict(impl=impl, layout=layout, batch=4, heads=8, t=t, d=d,
+                                                 ms=r.get("ms"), device_ms=r.get("device_ms")))
   return 0
 
 

@@ -14,8 +14,6 @@ device with the rows; rows are written as they are measured.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 
 from docs.scripts import harness, impls
@@ -36,12 +34,9 @@ def variants():
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--output", required=True)
-  args = ap.parse_args(argv)
+  args, out = harness.probe_start("probe_mosaic_persistent", __doc__, argv)
   from probjax.ops.attention import masks as M
   from probjax.ops.attention import mosaic_gpu as pm
-  out = harness.gpu_probe_head("probe_mosaic_persistent", args.output, argv)
   if out is None:
     return 0
   for b, h, t, d, causal, persistent, heavy_first in variants():
@@ -50,11 +45,8 @@ def main(argv=None):
     attn = lambda q, k, v, cfg=cfg, mask=mask: pm.attention(q, k, v, mask=mask, forward_config=cfg)
     fn, sync = impls._jax_fn(attn, impls.inputs(b, t, t, h, h, d), "bfloat16", "fwd")
     r = harness.time_fn(fn, sync, device_time=True)
-    out["rows"].append(dict(batch=b, heads=h, t=t, d=d, causal=causal, persistent=persistent,
-                            heavy_first=heavy_first, ms=r.get("ms"), device_ms=r.get("device_ms")))
-    print(out["rows"][-1], flush=True)
-    with open(args.output, "w") as f:
-      json.dump(out, f, indent=1)
+    harness.probe_add(out, args.output, dict(batch=b, heads=h, t=t, d=d, causal=causal, persistent=persistent,
+                                             heavy_first=heavy_first, ms=r.get("ms"), device_ms=r.get("device_ms")))
   return 0
 
 

@@ -10,7 +10,6 @@ frames. One JSON object per case; a case that does not compile records its error
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -44,13 +43,10 @@ def probe(d: int, causal: bool, persistent: bool) -> dict:
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--output", required=True)
-  ap.add_argument("--cases", default="64:0:0,64:1:0,128:0:0,128:1:0,64:0:1,128:0:1",
-                  help="head_dim:causal:persistent, comma-separated")
-  args = ap.parse_args(argv)
   from docs.scripts import harness
-  out = harness.gpu_probe_head("probe_mosaic_ptxas", args.output, argv)
+  args, out = harness.probe_start("probe_mosaic_ptxas", __doc__, argv, lambda ap: ap.add_argument(
+      "--cases", default="64:0:0,64:1:0,128:0:0,128:1:0,64:0:1,128:0:1",
+      help="head_dim:causal:persistent, comma-separated"))
   if out is None:
     return 0
   rows = out["rows"]
