@@ -228,12 +228,12 @@ def test_sm90_forward_rule_runs_mosaic():
   side = lambda work: int(round((work // (4 * 8)) ** 0.5))  # B4 H8 T side: that work
   for kind, d, lo, hi in entry.mosaic_forward_work:
     mask = M.CausalMask() if kind == "causal" else None
-    for work in (lo, hi or 4 * lo):
-      n = side(work)
+    first = -(-side(lo) // 128) * 128  # the range's ends in whole 128-row tiles
+    for n in (first, 4 * first if hi is None else side(hi) // 128 * 128):
       shapes = ((4, n, 8, d), (4, n, 8, d))
       dec = decide(shapes, mask=mask)
       assert dec.implementation == "mosaic", (kind, d, n, dec)
-      grad_mosaic = kind == "causal" and work <= grad_limits.get(d, -1)
+      grad_mosaic = kind == "causal" and 32 * n * n <= grad_limits.get(d, -1)
       assert dec.grad_implementation == (None if grad_mosaic else "cudnn"), dec
       if grad_mosaic:  # the Mosaic forward with the Triton backward under grad
         assert dec.backward_pass_impl == entry.backward_pass_impl_band, dec
@@ -241,6 +241,8 @@ def test_sm90_forward_rule_runs_mosaic():
       assert decide(shapes, mask=mask, dtype=jnp.float32).implementation != "mosaic"
       # Unmeasured masks that cuDNN takes keep its forward.
       assert decide(shapes, mask=M.KVLenMask(jnp.full((4,), n // 2))).implementation == "cudnn"
+      odd = ((4, n + 3, 8, d), (4, n + 3, 8, d))  # lengths off the 128-row tiles: cuDNN's forward
+      assert decide(odd, mask=mask).implementation == "cudnn", odd
     below = side(lo) // 2
     assert decide(((4, below, 8, d), (4, below, 8, d)), mask=mask).implementation != "mosaic"
     if hi is not None:

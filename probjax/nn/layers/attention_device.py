@@ -43,8 +43,9 @@ class DeviceDefaults:
     mosaic_forward_work: ``((mask, head_dim, min_work, max_work), ...)``: calls that the
       cuDNN rule takes, with ``mask`` ``"none"`` (no mask) or ``"causal"``
       (``CausalMask()`` alone), that ``head_dim`` and work in ``[min_work, max_work]``
-      (``max_work`` None: no limit), run the Mosaic GPU forward (differentiated calls keep
-      what the rules above give them: cuDNN, or the Mosaic forward with the Triton backward).
+      (``max_work`` None: no limit) and lengths that are multiples of 128, run the Mosaic GPU
+      forward (differentiated calls keep what the rules above give them: cuDNN, or the
+      Mosaic forward with the Triton backward).
     mosaic_min_len: 16-bit calls whose default would run the Triton kernel's forward (as the
       call, or as the forward of a differentiated call by the rule above) run the Mosaic
       GPU forward instead when ``q_len`` and ``kv_len`` are both at least this
@@ -125,6 +126,8 @@ DEVICE_DEFAULTS: dict[tuple[int, int], DeviceDefaults] = {
         #     0.953 / 0.978 / 0.975; T16384 3.656 / 3.558 / 3.559 -> up to 2^31.
         #   causal, D64: T2048 0.073 / 0.072 / 0.074 (level); T4096 (2^29) 0.188 / 0.207 /
         #     0.204; T8192 0.650 / 0.665 / 0.676; T16384 2.523 / 2.514 / 2.470.
+        #   Odd lengths stay on cuDNN: T3000 D128 causal took 0.226 ms through this rule against
+        #   jax.nn cuDNN's 0.180 (interleaved_probe.json, one process, 4b2d4b2).
         mosaic_forward_work=(("none", 128, 2**27, 2**28), ("none", 128, 2**33, None),
                              ("causal", 128, 2**27, 2**31), ("causal", 64, 2**29, 2**31)),
         # Where the Triton kernel runs (masks cuDNN cannot take, PROBJAX_ATTENTION_CUDNN=0,

@@ -216,8 +216,9 @@ def _decide(q_shape, kv_shape, dtype, *, mask, bias, dense_mask, dropout, score_
           why = "; differentiated: the Triton kernel's backward is faster" + (
               " (after the Mosaic forward)" if grad == "mosaic" else "")
         kind = "causal" if causal else "none" if mask is None else None
-        fast = any(m == kind and d == q_shape[-1] and lo <= work and (hi is None or work <= hi)
-                   for m, d, lo, hi in table.mosaic_forward_work)
+        fast = not _ragged(q_shape, kv_shape) and any(
+            m == kind and d == q_shape[-1] and lo <= work and (hi is None or work <= hi)
+            for m, d, lo, hi in table.mosaic_forward_work)
         backward = "auto" if grad == "cudnn" else _resolve_backward(backward_pass_impl, mask, table)
         if fast and _mosaic_forward(q_shape, kv_shape, dtype, table, device, env, kw):
           return Decision("mosaic", rule + "; forward: the Mosaic kernel is faster at this mask, head_dim "
@@ -254,11 +255,15 @@ def _mosaic_allowed(q_shape, kv_shape, dtype, device: Device, env, kw) -> bool:
           and mosaic_supports(q_shape, kv_shape, dtype, device=device, **kw) is None)
 
 
+def _ragged(q_shape, kv_shape) -> bool:
+  """Lengths that are not multiples of the Mosaic kernel's 128-row tiles (padded around it)."""
+  return bool(q_shape[1] % 128 or kv_shape[1] % 128)
+
+
 def _mosaic_forward(q_shape, kv_shape, dtype, table, device: Device, env, kw) -> bool:
   """Whether the device table's Mosaic rule replaces the Triton forward of this call."""
-  ragged = q_shape[1] % 128 or kv_shape[1] % 128
   return (table is not None and min(q_shape[1], kv_shape[1]) >= table.mosaic_min_len
-          and (not ragged or q_shape[-1] >= table.mosaic_ragged_min_head_dim)
+          and (not _ragged(q_shape, kv_shape) or q_shape[-1] >= table.mosaic_ragged_min_head_dim)
           and _mosaic_allowed(q_shape, kv_shape, dtype, device, env, kw))
 
 
