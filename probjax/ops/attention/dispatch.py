@@ -206,13 +206,14 @@ def _decide(q_shape, kv_shape, dtype, *, mask, bias, dense_mask, dropout, score_
       if cudnn_backend.supports(q_shape, kv_shape, dtype, platform="gpu", **kw) is None:
         rule = f"{cc} device table: eligible 16-bit call above the cuDNN work threshold"
         work, causal = b * h * tq * tk, mask is not None and mask.is_causal()
+        mosaic_fwd = _mosaic_forward(q_shape, kv_shape, dtype, table, device, env, kw)
         grad, why = "cudnn", ""
         if (causal and work <= dict(table.grad_mosaic_band_max_work).get(q_shape[-1], -1)
             and _mosaic_allowed(q_shape, kv_shape, dtype, device, env, kw)):
           grad, why = "mosaic", "; differentiated causal: the Mosaic forward with the Triton backward is faster"
         elif (q_shape[-1] <= table.grad_triton_max_head_dim and work < table.grad_triton_max_work
               and triton_supports(q_shape, kv_shape, dtype, device=device, **kw) is None):
-          grad = "mosaic" if _mosaic_forward(q_shape, kv_shape, dtype, table, device, env, kw) else "triton"
+          grad = "mosaic" if mosaic_fwd else "triton"
           why = "; differentiated: the Triton kernel's backward is faster" + (
               " (after the Mosaic forward)" if grad == "mosaic" else "")
         kind = "causal" if causal else "none" if mask is None else None
@@ -220,7 +221,7 @@ def _decide(q_shape, kv_shape, dtype, *, mask, bias, dense_mask, dropout, score_
             m == kind and d == q_shape[-1] and lo <= work and (hi is None or work <= hi)
             for m, d, lo, hi in table.mosaic_forward_work)
         backward = "auto" if grad == "cudnn" else _resolve_backward(backward_pass_impl, mask, table)
-        if fast and _mosaic_forward(q_shape, kv_shape, dtype, table, device, env, kw):
+        if fast and mosaic_fwd:
           return Decision("mosaic", rule + "; forward: the Mosaic kernel is faster at this mask, head_dim "
                           "and work" + why, backward, grad_implementation=None if grad == "mosaic" else grad)
         return Decision("cudnn", rule + (why and why + " at this head_dim and work"), backward,

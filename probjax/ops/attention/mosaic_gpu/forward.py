@@ -173,9 +173,9 @@ def _schedule(grid: tuple[int, int, int], num_ctas: int, persistent: bool, heavy
   grid position, query tiles reversed when ``heavy_first`` (the hardware hands the next CTA
   to the first free SM). Persistent (``num_ctas`` CTAs, CTA ``c`` takes tiles ``c``,
   ``c + num_ctas``, ...): by default query tiles run fastest, so that a wave's tiles read the
-  keys of one or two heads and share them in L2; ``heavy_first`` orders all tiles by work (query tile slowest, last first) and
-  mirrors every second full wave across the CTAs, pairing a CTA's heavier half of one wave
-  with its lighter half of the next."""
+  keys of one or two heads and share them in L2; ``heavy_first`` orders all tiles by work
+  (query tile slowest, last first) and mirrors every second full wave across the CTAs,
+  pairing a CTA's heavier half of one wave with its lighter half of the next."""
   nq, nb, nh = grid
   if not persistent:
     def item(step):
