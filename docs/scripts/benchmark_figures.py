@@ -875,7 +875,9 @@ def _device_table_text():
   return None, "no table attribute found in probjax.nn.layers.attention_device"
 
 
-def h200_page(all_rows, fig_dir, fig_rel) -> str:
+def h200_page(all_rows, fig_dir, fig_rel, probes: dict | None = None) -> str:
+  """``probes``: probe files' JSON objects by file name (see :func:`build`)."""
+  probes = probes or {}
   rows = [r for r in gpu_rows(all_rows)]
   devs = collections.Counter((r.get("device"), str(r.get("compute_capability"))) for r in rows)
   parts = ["# probjax on the NVIDIA H200", "",
@@ -942,6 +944,7 @@ def h200_page(all_rows, fig_dir, fig_rel) -> str:
     parts.append("No peer is more than 5% faster than the probjax default at T ≥ 512.")
   parts += ["", t4096_table(rows) if select(rows, suite="grid") else "", "",
             "## jax.nn's cuDNN route and torch's", "", cudnn_probe_section(rows), "",
+            interleaved_section(probes.get("interleaved_probe.json")), "",
             "## Decoding with the default", "", gqa_section([r for r in rows if r["suite"] == "decode"]), ""]
   if not devs:
     parts.insert(6, NOT_MEASURED)
@@ -978,6 +981,29 @@ def cudnn_probe_section(rows) -> str:
           + md_table(["head_dim", "T", "causal", "mode"] + [f"{label(i)} {v}" for i, v in variants], body))
 
 
+def interleaved_section(probe: dict | None) -> str:
+  """The default and both cuDNN routes timed in one process (interleaved_probe.json)."""
+  if not probe or not probe.get("rows"):
+    return NOT_MEASURED
+  by = collections.defaultdict(dict)
+  for r in probe["rows"]:
+    by[(r["t"], r["d"], r["causal"], r["mode"])][r["impl"]] = r["ms"]
+  body = []
+  for (t, d, c, mode), v in sorted(by.items()):
+    jax_ms, torch_ms, default = v.get("jaxnn_cudnn"), v.get("torch_sdpa_cudnn"), v.get("probjax_default")
+    if None in (jax_ms, torch_ms, default):
+      continue
+    body.append([t, d, "yes" if c else "no", mode, fmt_ms(default), fmt_ms(jax_ms), fmt_ms(torch_ms),
+                 f"{default / min(jax_ms, torch_ms):.3f}", f"{jax_ms / torch_ms:.3f}"])
+  r0 = probe["rows"][0]
+  return (f"The default, jax.nn cuDNN and torch SDPA cuDNN timed in one process, in rotating rounds "
+          f"(median of the rounds' medians; bf16, batch {r0['batch']}, {r0['heads']} heads; "
+          f"`{probe.get('command', '')}` at {probe.get('commit')}, {probe.get('device')}): the grid "
+          f"times torch in a process of its own.\n\n"
+          + md_table(["T", "head_dim", "causal", "mode", "default ms", "jax.nn cuDNN ms", "torch cuDNN ms",
+                      "default / faster cuDNN", "jax.nn / torch"], body))
+
+
 def _pretty(obj) -> str:
   """Readable text of the device table (dict of compute capability -> dataclass)."""
   import dataclasses as dc
@@ -998,7 +1024,13 @@ def build(bench_dir: str, docs_dir: str, fig_dir: str) -> dict:
   rows = load_all(bench_dir)
   fig_rel = os.path.relpath(fig_dir, docs_dir)
   perf = performance_page(rows, fig_dir, fig_rel)
-  h200 = h200_page(rows, fig_dir, fig_rel)
+  probes = {}
+  for name in ("interleaved_probe.json",):
+    path = os.path.join(bench_dir, name)
+    if os.path.exists(path):
+      with open(path) as f:
+        probes[name] = json.load(f)
+  h200 = h200_page(rows, fig_dir, fig_rel, probes)
   p1, p2 = os.path.join(docs_dir, "attention-performance.md"), os.path.join(docs_dir, "h200.md")
   for p, text in ((p1, perf), (p2, h200)):
     with open(p, "w") as f:
