@@ -250,6 +250,22 @@ def test_mosaic_forward_and_triton_backward_lower_for_sm90(monkeypatch, mask_nam
   assert any(k.startswith("probjax_attention_bwd") for k in kernels), kernels
 
 
+@pytest.mark.parametrize("t", [3000, 1500])
+def test_mosaic_forward_copies_no_inputs_at_odd_lengths(monkeypatch, t):
+  """Lengths off the 128-row tiles: the Mosaic forward reads q, k, v where they are (TMA fills
+  the overhang with zeros) and writes the output in place; only lengths off Mosaic's 8-row
+  TMA granule (1500) pad q, k and v (by 4 rows) and slice the output."""
+  import re
+  from probjax.ops.attention import mosaic_gpu as pm
+  _fake_triton_sm90(monkeypatch, device_kind=True)
+  q = jax.ShapeDtypeStruct((4, t, 8, 128), jnp.bfloat16)
+  text = jax.jit(lambda q, k, v: pm.attention(q, k, v, mask=M.CausalMask())).trace(q, q, q).lower(
+      lowering_platforms=("cuda",)).as_text()
+  in_place = re.search(r"custom_call @mosaic_gpu_v2\(%arg0, %arg1, %arg2,", text) is not None
+  assert in_place == (t % 8 == 0)
+  assert ("stablehlo.slice" in text) == (t % 8 != 0)  # (the forward's lse is unused here)
+
+
 @pytest.mark.parametrize("mask_name,d,wgs", [("none", 64, 2), ("causal&lengths", 128, 2), ("none", 128, 1),
                                               ("segments", 64, 2)])
 def test_mosaic_backward_lowers_for_sm90(monkeypatch, mask_name, d, wgs):

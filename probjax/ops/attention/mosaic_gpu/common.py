@@ -16,6 +16,7 @@ from probjax.ops.attention.masks import Mask, ranges_from_classes
 LOG2E = math.log2(math.e)
 REGISTERS_PER_SM = 65536
 ROWS = 64  # rows of one wgmma (M) per warpgroup
+TMA_ROWS = 8  # Mosaic GPU's TMA copies need a copied array's second-minor axis in multiples of 8
 TILED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
 

@@ -13,8 +13,8 @@ each QK^T is issued and after each softmax lets one's softmax overlap the other'
 The key tiles of a CTA are ``[lo, hi)`` from the mask's band and this batch element's key
 length (tiles they empty are never loaded); ``[full_lo, full_hi)`` inside it are tiles the
 band and the lengths fill completely for every row of the CTA, which skip the element
-predicate. Sequence axes are padded to whole tiles around the kernel (key rows past
-``kv_len`` are masked).
+predicate. Tiles that overhang the sequence ends read zeros and store only the rows that
+exist (TMA's out-of-bounds handling; key rows past ``kv_len`` are masked).
 """
 
 from __future__ import annotations
@@ -222,8 +222,15 @@ def forward(q, k, v, mask: Mask | None, *, scale: float, config: MosaicForwardCo
   cfg = config
   rows = cfg.block_q * cfg.compute_wgs
   q_pad, kv_pad = round_up(q_len, rows), round_up(kv_len, cfg.block_k)
-  qp = pad_axis(q, 1, q_pad)
-  kp, vp = (pad_axis(x, 1, kv_pad) for x in (k, v))
+  # No copies to whole tiles: a tile that overhangs the end loads zeros (TMA's out-of-bounds
+  # fill; keys there are masked, query rows there are dropped) and stores only the rows that
+  # exist. Mosaic's TMA wants the sequence axes a multiple of 8 rows and at least one tile
+  # (a copy window cannot exceed its array): pads only up to that. The lse rows stay padded
+  # to whole tiles: TMA needs their head stride a multiple of 16 bytes.
+  q_rows = max(round_up(q_len, C.TMA_ROWS), rows)
+  kv_rows = max(round_up(kv_len, C.TMA_ROWS), cfg.block_k)
+  qp = pad_axis(q, 1, q_rows)
+  kp, vp = (pad_axis(x, 1, kv_rows) for x in (k, v))
   tiled = C.TILED
   scratch = [
       plgpu.SMEM((cfg.compute_wgs, cfg.block_q, d), q.dtype, transforms=tiled),
@@ -256,7 +263,7 @@ def forward(q, k, v, mask: Mask | None, *, scale: float, config: MosaicForwardCo
                              num_ctas=grid[0] if cfg.persistent else 0)
   out, lse = plgpu.kernel(
       kernel,
-      out_type=(jax.ShapeDtypeStruct((batch, q_pad, heads, d), q.dtype),
+      out_type=(jax.ShapeDtypeStruct((batch, q_rows, heads, d), q.dtype),
                 jax.ShapeDtypeStruct((batch, heads, q_pad), jnp.float32)),
       scratch_types=scratch,
       grid=grid,
@@ -267,4 +274,4 @@ def forward(q, k, v, mask: Mask | None, *, scale: float, config: MosaicForwardCo
       interpret=plgpu.InterpretGPUParams() if interpret else False,
       kernel_name="probjax_attention_fwd_mosaic",
   )(qp, kp, vp, lens, *seg_ops)
-  return out[:, :q_len], lse[:, :, :q_len]
+  return (out if q_rows == q_len else out[:, :q_len]), lse[:, :, :q_len]
