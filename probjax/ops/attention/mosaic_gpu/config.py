@@ -44,11 +44,12 @@ class MosaicForwardConfig:
   registers each, see :func:`.common.registers`), ``block_k`` keys per step, ``num_stages``
   K/V slots in flight; ``persistent``: one CTA per SM looping over the tiles, its producer
   loading the next tile's K/V and each compute warpgroup the next tile's queries while it
-  finishes the last (the output goes through a buffer of its own). ``heavy_first``: under a
-  band that gives later query tiles more keys (causal, without segment ids, whose documents
-  make a tile's work a sawtooth in its position), the heaviest tiles start first
-  (persistent: all tiles ordered by work, alternate waves mirrored across the SMs, so each
-  SM's total is near the mean), so the kernel ends on light tiles."""
+  finishes the last (the output goes through a buffer of its own). ``heavy_first``: where
+  the mask makes tiles differ in work, the heaviest start first, so that the kernel ends on
+  light ones. Persistent, under a causal-like band, per-batch lengths or segment ids: the
+  tiles in the order of the key tiles each visits (computed from the mask), alternate waves
+  mirrored across the SMs, so each SM's total is near the mean. One CTA per tile, under a
+  causal-like band without segment ids: query tiles reversed."""
   block_q: int = 64
   block_k: int = 128
   num_stages: int = 2

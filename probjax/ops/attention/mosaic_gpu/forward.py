@@ -24,6 +24,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -33,19 +34,21 @@ from probjax.ops.attention.mosaic_gpu import common as C
 from probjax.ops.attention.mosaic_gpu.config import MosaicForwardConfig
 
 
-def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, o_ref, lse_ref, q_smem, k_smem,
+def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, order_ref, o_ref, lse_ref, q_smem, k_smem,
             v_smem, lse_smem, qid_smem, kid_smem, q_bar, k_ready, v_ready, kid_ready, k_free, v_free,
             sched_bar, *staging, band: Mask | None, lengths: bool, segments: bool, scale: float,
-            groups: int, cfg, q_len: int, kv_len: int, dtype, grid: tuple[int, int, int], num_ctas: int):
+            groups: int, cfg, q_len: int, kv_len: int, dtype, grid: tuple[int, int, int], num_ctas: int,
+            by_work: bool):
   bq, bk, stages, wgs = cfg.block_q, cfg.block_k, cfg.num_stages, cfg.compute_wgs
   wg = lax.axis_index("wg")
   c = scale * C.LOG2E
   # staging: the output tiles' own buffer when persistent, then P's (interpret mode only).
   o_smem = staging[0] if cfg.persistent else q_smem
   p_smem = staging[int(cfg.persistent)] if len(staging) > int(cfg.persistent) else None
-  # With segment ids a tile's work follows its document, not its position: no order by work.
-  heavy_first = cfg.heavy_first and band is not None and band.work_grows(by_q=True) and not segments
-  n_steps, item = _schedule(grid, num_ctas, cfg.persistent, heavy_first)
+  # One CTA per tile: a causal-like band reverses the query tiles (segment ids make a tile's
+  # work follow its document, not its position). Persistent: ``order_ref`` when ``by_work``.
+  reverse = cfg.heavy_first and band is not None and band.work_grows(by_q=True) and not segments
+  n_steps, item = _schedule(grid, num_ctas, cfg.persistent, reverse, order_ref if by_work else None)
 
   def each_tile(body):
     """``body(n, base) -> base'`` over this CTA's tiles (:func:`_schedule`); ``base`` counts
@@ -167,37 +170,55 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, o_ref, lse_
     C.drain_ring(each_tile(tile), stages, (k_free, v_free))
 
 
-def _schedule(grid: tuple[int, int, int], num_ctas: int, persistent: bool, heavy_first: bool):
+def _schedule(grid: tuple[int, int, int], num_ctas: int, persistent: bool, reverse: bool, order=None):
   """``(n_steps, item)``: this CTA's number of tiles and ``item(step) -> (query tile, batch,
   head)`` of its ``step``-th. ``grid``: (query tiles, batch, heads). One CTA per tile: its
-  grid position, query tiles reversed when ``heavy_first`` (the hardware hands the next CTA
-  to the first free SM). Persistent (``num_ctas`` CTAs, CTA ``c`` takes tiles ``c``,
-  ``c + num_ctas``, ...): by default query tiles run fastest, so that a wave's tiles read the
-  keys of one or two heads and share them in L2; ``heavy_first`` orders all tiles by work
-  (query tile slowest, last first) and mirrors every second full wave across the CTAs,
-  pairing a CTA's heavier half of one wave with its lighter half of the next."""
+  grid position, query tiles reversed when ``reverse`` (the hardware hands the next CTA to
+  the first free SM, so the heaviest start first). Persistent: :func:`persistent_tile`."""
   nq, nb, nh = grid
   if not persistent:
     def item(step):
       i = lax.axis_index("q_tiles")
-      return (nq - 1 - i if heavy_first else i), lax.axis_index("batch"), lax.axis_index("heads")
+      return (nq - 1 - i if reverse else i), lax.axis_index("batch"), lax.axis_index("heads")
     return 1, item
   cta, total = lax.axis_index("sm"), nq * nb * nh
   n_steps = total // num_ctas + (cta < total % num_ctas).astype(jnp.int32)
-  return n_steps, lambda step: persistent_tile(step, cta, num_ctas, grid, heavy_first)
+  return n_steps, lambda step: persistent_tile(step, cta, num_ctas, grid, order)
 
 
-def persistent_tile(step, cta, num_ctas: int, grid: tuple[int, int, int], heavy_first: bool):
-  """``(query tile, batch, head)`` of CTA ``cta``'s ``step``-th tile (:func:`_schedule`)."""
+def persistent_tile(step, cta, num_ctas: int, grid: tuple[int, int, int], order=None):
+  """``(query tile, batch, head)`` of CTA ``cta``'s ``step``-th tile: CTA ``c`` takes tiles
+  ``c``, ``c + num_ctas``, ... of a sequence. Without ``order``, query tiles run fastest in it,
+  so that a wave's tiles read the keys of one or two heads and share them in L2. ``order``
+  (:func:`work_order`, ``[batch * query tiles]``): the (batch, query tile) pairs heaviest
+  first, each with every head in turn, and every second full wave mirrored across the CTAs,
+  pairing a CTA's heavier half of one wave with its lighter half of the next."""
   nq, nb, nh = grid
-  if heavy_first:
-    mirrored = (step % 2 == 1) & ((step + 1) * num_ctas <= nq * nb * nh)
-    n = step * num_ctas + jnp.where(mirrored, num_ctas - 1 - cta, cta)
-    i, bh = nq - 1 - n // (nb * nh), n % (nb * nh)
-  else:
+  if order is None:
     n = step * num_ctas + cta
     i, bh = n % nq, n // nq
-  return i, bh // nh, bh % nh
+    return i, bh // nh, bh % nh
+  mirrored = (step % 2 == 1) & ((step + 1) * num_ctas <= nq * nb * nh)
+  n = step * num_ctas + jnp.where(mirrored, num_ctas - 1 - cta, cta)
+  f = order[n // nh]
+  return f % nq, f // nq, n % nh
+
+
+def work_order(work):
+  """``[batch * query tiles]`` int32: the flat ``batch * n_q + i`` indices of ``work``
+  (``[batch, n_q]`` key tiles per query tile) heaviest first, ties in index order."""
+  return jnp.argsort(-work.reshape(-1), stable=True).astype(jnp.int32)
+
+
+def tile_work(band: Mask | None, lens, ranges, *, lengths: bool, segments: bool, n_q: int, rows: int,
+              kv_len: int, block_k: int):
+  """``[batch, n_q]``: the key tiles each query tile of ``rows`` rows visits (the kernel's
+  ``[lo, hi)``): from the segment ranges, else from the band and the lengths ``lens``."""
+  if segments:
+    return ranges[:, 1] - ranges[:, 0]
+  valid = (lens[0][:, None], lens[1][:, None]) if lengths else (None, None)
+  lo, hi, _, _ = C.kv_tiles(band, jnp.arange(n_q, dtype=jnp.int32)[None] * rows, rows, kv_len, block_k, *valid)
+  return jnp.broadcast_to(hi - lo, (lens.shape[1], n_q))
 
 
 def _num_sms() -> int:
@@ -257,10 +278,22 @@ def forward(q, k, v, mask: Mask | None, *, scale: float, config: MosaicForwardCo
   grid, names = tiles, ("q_tiles", "batch", "heads")
   if cfg.persistent:  # one CTA per SM, each looping over tiles
     grid, names = (min(math.prod(tiles), 2 if interpret else _num_sms()),), ("sm",)
-  kernel = functools.partial(_kernel, band=band, lengths=lengths, segments=mask is not None and
-                             mask.q_segment_ids is not None, scale=scale, groups=heads // kv_heads,
-                             cfg=cfg, q_len=q_len, kv_len=kv_len, dtype=q.dtype, grid=tiles,
-                             num_ctas=grid[0] if cfg.persistent else 0)
+  segments = mask is not None and mask.q_segment_ids is not None
+  # Persistent CTAs take the tiles heaviest first where the mask makes their work differ.
+  by_work = cfg.persistent and cfg.heavy_first and (
+      lengths or segments or (band is not None and band.work_grows(by_q=True)))
+  order = jnp.zeros((1,), jnp.int32)
+  if by_work:
+    work = functools.partial(tile_work, band, lengths=lengths, segments=segments, n_q=tiles[0], rows=rows,
+                             kv_len=kv_len, block_k=cfg.block_k)
+    if lengths or segments:
+      order = work_order(work(lens, seg_ops[0]))
+    else:  # the band alone: a constant of the trace
+      with jax.ensure_compile_time_eval():
+        order = jnp.asarray(np.asarray(work_order(work(lens, None))))
+  kernel = functools.partial(_kernel, band=band, lengths=lengths, segments=segments, scale=scale,
+                             groups=heads // kv_heads, cfg=cfg, q_len=q_len, kv_len=kv_len, dtype=q.dtype,
+                             grid=tiles, num_ctas=grid[0] if cfg.persistent else 0, by_work=by_work)
   out, lse = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((batch, q_rows, heads, d), q.dtype),
@@ -273,5 +306,5 @@ def forward(q, k, v, mask: Mask | None, *, scale: float, config: MosaicForwardCo
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=plgpu.InterpretGPUParams() if interpret else False,
       kernel_name="probjax_attention_fwd_mosaic",
-  )(qp, kp, vp, lens, *seg_ops)
+  )(qp, kp, vp, lens, *seg_ops, order)
   return (out if q_rows == q_len else out[:, :q_len]), lse[:, :, :q_len]
