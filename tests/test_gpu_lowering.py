@@ -264,6 +264,14 @@ def test_mosaic_forward_copies_no_inputs_at_odd_lengths(monkeypatch, t):
   in_place = re.search(r"custom_call @mosaic_gpu_v2\(%arg0, %arg1, %arg2,", text) is not None
   assert in_place == (t % 8 == 0)
   assert ("stablehlo.slice" in text) == (t % 8 != 0)  # (the forward's lse is unused here)
+  # The all-Mosaic gradient: every [batch, seq, heads, head_dim] array keeps T (or T's 8-row
+  # granule) rows; only the [batch, heads, seq] statistics are padded to whole tiles.
+  loss = lambda q, k, v: jnp.sum(pm.attention(q, k, v, mask=M.CausalMask(),
+                                              backward_pass_impl="mosaic").astype(jnp.float32))
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu_v2" in grad
+  lengths = {int(n) for n in re.findall(r"tensor<4x(\d+)x8x128xbf16>", grad)}
+  assert lengths == {t, -(-t // 8) * 8}, lengths
 
 
 @pytest.mark.parametrize("mask_name,d,wgs", [("none", 64, 2), ("causal&lengths", 128, 2), ("none", 128, 1),

@@ -12,8 +12,9 @@ producer warpgroup that streams tiles by TMA into a ring of shared-memory slots.
 * dQ: one CTA per (query tile, batch, query head), streaming K and V tiles:
   ``S = Q K^T``, ``P``, ``dP = dO V^T``, ``dS = P (dP - delta)``, ``dQ += dS K``.
 
-``delta = rowsum(dO * O)`` and the base-2 lse are computed in XLA and padded (+inf lse: padded
-query rows have P = 0).
+``delta = rowsum(dO * O)`` and the base-2 lse are computed in XLA and padded to whole tiles
+(+inf lse: query rows past the end have P = 0); tiles that overhang the ends of Q, K, V and
+dO read zeros (TMA's out-of-bounds fill) and store only the gradient rows that exist.
 """
 
 from __future__ import annotations
@@ -245,8 +246,11 @@ def backward(q, k, v, out, lse, do, mask: Mask | None, *, scale: float, config: 
   kv_pad = round_up(kv_len, math.lcm(wgs * R, cfg.block_k))
   delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), do.astype(jnp.float32))
   stats = jnp.stack([pad_axis(lse * C.LOG2E, 2, q_pad, jnp.inf), pad_axis(delta, 2, q_pad)], axis=2)
-  qp, dop = (pad_axis(x.astype(q.dtype), 1, q_pad) for x in (q, do))
-  kp, vp = (pad_axis(x, 1, kv_pad) for x in (k, v))
+  # Operands and gradients are not copied to whole tiles (:func:`.common.tma_rows`): rows past
+  # the ends read as zeros, as the pads did, and their gradients are not stored.
+  q_rows, kv_rows = C.tma_rows(q_len, cfg.block_q, R), C.tma_rows(kv_len, cfg.block_k, R)
+  qp, dop = (pad_axis(x.astype(q.dtype), 1, q_rows) for x in (q, do))
+  kp, vp = (pad_axis(x, 1, kv_rows) for x in (k, v))
   band, lengths, lens = C.split_mask(mask, batch, q_len, kv_len)
   segments = mask is not None and mask.q_segment_ids is not None
   static = dict(band=band, lengths=lengths, segments=segments, scale=scale, groups=heads // kv_heads,
@@ -266,7 +270,7 @@ def backward(q, k, v, out, lse, do, mask: Mask | None, *, scale: float, config: 
     dkv_scratch.append(smem(wgs, R, cfg.block_q))
   dk, dv = plgpu.kernel(
       functools.partial(_dkv_kernel, **static),
-      out_type=(jax.ShapeDtypeStruct((batch, kv_pad, kv_heads, d), k.dtype),) * 2,
+      out_type=(jax.ShapeDtypeStruct((batch, kv_rows, kv_heads, d), k.dtype),) * 2,
       scratch_types=dkv_scratch, grid=(num_tiles(kv_pad, wgs * R), batch, kv_heads),
       grid_names=("kv_tiles", "batch", "kv_heads"), kernel_name="probjax_attention_bwd_dkv_mosaic",
       **common)(qp, kp, vp, dop, stats, lens, *seg(cfg.block_q, wgs * R, by_q=False))
@@ -278,8 +282,9 @@ def backward(q, k, v, out, lse, do, mask: Mask | None, *, scale: float, config: 
     dq_scratch.append(smem(wgs, R, cfg.block_k))
   dq = plgpu.kernel(
       functools.partial(_dq_kernel, **static),
-      out_type=jax.ShapeDtypeStruct((batch, q_pad, heads, d), q.dtype),
+      out_type=jax.ShapeDtypeStruct((batch, q_rows, heads, d), q.dtype),
       scratch_types=dq_scratch, grid=(num_tiles(q_pad, wgs * R), batch, heads),
       grid_names=("q_tiles", "batch", "heads"), kernel_name="probjax_attention_bwd_dq_mosaic",
       **common)(qp, kp, vp, dop, stats, lens, *seg(wgs * R, cfg.block_k, by_q=True))
-  return dq[:, :q_len], dk[:, :kv_len], dv[:, :kv_len]
+  cut = lambda x, n: x if x.shape[1] == n else x[:, :n]
+  return cut(dq, q_len), cut(dk, kv_len), cut(dv, kv_len)

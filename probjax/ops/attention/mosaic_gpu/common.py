@@ -17,6 +17,13 @@ LOG2E = math.log2(math.e)
 REGISTERS_PER_SM = 65536
 ROWS = 64  # rows of one wgmma (M) per warpgroup
 TMA_ROWS = 8  # Mosaic GPU's TMA copies need a copied array's second-minor axis in multiples of 8
+
+
+def tma_rows(n: int, *windows: int) -> int:
+  """The sequence length a kernel's operand of ``n`` rows is padded to: a multiple of
+  :data:`TMA_ROWS` and at least every copy window (a window cannot exceed its array). Tiles
+  past the end are otherwise read as zeros (TMA's out-of-bounds fill) and stored clipped."""
+  return max(-(-n // TMA_ROWS) * TMA_ROWS, *windows)
 TILED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
 

@@ -243,13 +243,10 @@ def forward(q, k, v, mask: Mask | None, *, scale: float, config: MosaicForwardCo
   cfg = config
   rows = cfg.block_q * cfg.compute_wgs
   q_pad, kv_pad = round_up(q_len, rows), round_up(kv_len, cfg.block_k)
-  # No copies to whole tiles: a tile that overhangs the end loads zeros (TMA's out-of-bounds
-  # fill; keys there are masked, query rows there are dropped) and stores only the rows that
-  # exist. Mosaic's TMA wants the sequence axes a multiple of 8 rows and at least one tile
-  # (a copy window cannot exceed its array): pads only up to that. The lse rows stay padded
-  # to whole tiles: TMA needs their head stride a multiple of 16 bytes.
-  q_rows = max(round_up(q_len, C.TMA_ROWS), rows)
-  kv_rows = max(round_up(kv_len, C.TMA_ROWS), cfg.block_k)
+  # No copies to whole tiles (:func:`.common.tma_rows`): keys past the end are masked, query
+  # rows past it dropped. The lse rows stay padded to whole tiles: TMA needs their head
+  # stride a multiple of 16 bytes.
+  q_rows, kv_rows = C.tma_rows(q_len, rows), C.tma_rows(kv_len, cfg.block_k)
   qp = pad_axis(q, 1, q_rows)
   kp, vp = (pad_axis(x, 1, kv_rows) for x in (k, v))
   tiled = C.TILED
