@@ -24,7 +24,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -287,7 +286,7 @@ def forward(q, k, v, mask: Mask | None, *, scale: float, config: MosaicForwardCo
       order = work_order(work(lens, seg_ops[0]))
     else:  # the band alone: a constant of the trace
       with jax.ensure_compile_time_eval():
-        order = jnp.asarray(np.asarray(work_order(work(lens, None))))
+        order = work_order(work(lens, None))
   kernel = functools.partial(_kernel, band=band, lengths=lengths, segments=segments, scale=scale,
                              groups=heads // kv_heads, cfg=cfg, q_len=q_len, kv_len=kv_len, dtype=q.dtype,
                              grid=tiles, num_ctas=grid[0] if cfg.persistent else 0, by_work=by_work)
