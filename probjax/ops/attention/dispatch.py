@@ -257,7 +257,7 @@ def _mosaic_allowed(q_shape, kv_shape, dtype, device: Device, env, kw) -> bool:
 
 
 def _ragged(q_shape, kv_shape) -> bool:
-  """Lengths that are not multiples of the Mosaic kernel's 128-row tiles (padded around it)."""
+  """Lengths that are not multiples of the Mosaic kernel's 128-row tiles (a partial last tile)."""
   return bool(q_shape[1] % 128 or kv_shape[1] % 128)
 
 

@@ -286,5 +286,4 @@ def backward(q, k, v, out, lse, do, mask: Mask | None, *, scale: float, config: 
       scratch_types=dq_scratch, grid=(num_tiles(q_pad, wgs * R), batch, heads),
       grid_names=("q_tiles", "batch", "heads"), kernel_name="probjax_attention_bwd_dq_mosaic",
       **common)(qp, kp, vp, dop, stats, lens, *seg(wgs * R, cfg.block_k, by_q=True))
-  cut = lambda x, n: x if x.shape[1] == n else x[:, :n]
-  return cut(dq, q_len), cut(dk, kv_len), cut(dv, kv_len)
+  return C.first_rows(dq, q_len), C.first_rows(dk, kv_len), C.first_rows(dv, kv_len)

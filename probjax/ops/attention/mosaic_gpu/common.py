@@ -11,20 +11,25 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from probjax.ops.attention.masks import Mask, ranges_from_classes
+from probjax.ops.attention.masks import Mask, ranges_from_classes, round_up
 
 LOG2E = math.log2(math.e)
 REGISTERS_PER_SM = 65536
 ROWS = 64  # rows of one wgmma (M) per warpgroup
 TMA_ROWS = 8  # Mosaic GPU's TMA copies need a copied array's second-minor axis in multiples of 8
+TILED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
 
 def tma_rows(n: int, *windows: int) -> int:
   """The sequence length a kernel's operand of ``n`` rows is padded to: a multiple of
   :data:`TMA_ROWS` and at least every copy window (a window cannot exceed its array). Tiles
   past the end are otherwise read as zeros (TMA's out-of-bounds fill) and stored clipped."""
-  return max(-(-n // TMA_ROWS) * TMA_ROWS, *windows)
-TILED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  return max(round_up(n, TMA_ROWS), *windows)
+
+
+def first_rows(x, n: int):
+  """``x[:, :n]`` of a ``[batch, rows, ...]`` kernel output, without a slice when it has ``n``."""
+  return x if x.shape[1] == n else x[:, :n]
 
 
 def registers(compute_wgs: int) -> tuple[int, int]:

@@ -303,4 +303,4 @@ def forward(q, k, v, mask: Mask | None, *, scale: float, config: MosaicForwardCo
       interpret=plgpu.InterpretGPUParams() if interpret else False,
       kernel_name="probjax_attention_fwd_mosaic",
   )(qp, kp, vp, lens, *seg_ops, order)
-  return (out if q_rows == q_len else out[:, :q_len]), lse[:, :, :q_len]
+  return C.first_rows(out, q_len), lse[:, :, :q_len]
