@@ -79,6 +79,18 @@ def test_default_masked_bf16_is_exact(mask_name):
   check_against_reference(lambda q, k, v, b: dot_product_attention(q, k, v, mask=mask), x, mask=mask)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_default_ragged_forward_runs_mosaic_and_is_exact(causal):
+  # sm_90, B4 H8 T3000 (off the 128-row tiles, work in mosaic_forward_ragged_work): the Mosaic
+  # forward, reading the partial last tile with TMA's zero fill.
+  x = make_inputs(7, 4, 3000, 3000, 8, 8, 64, jnp.bfloat16)
+  mask = M.CausalMask() if causal else None
+  d = explain_dispatch(x.q.shape, x.k.shape, x.q.dtype, mask=mask)
+  if str(jax.devices()[0].compute_capability) == "9.0":
+    assert d.implementation == "mosaic", d
+  check_against_reference(lambda q, k, v, b: dot_product_attention(q, k, v, mask=mask), x, mask=mask)
+
+
 def test_cudnn_causal_window_is_exact():
   """The sm_90 default routes LocalWindowMask(left, 0) to cuDNN's sliding window."""
   x = make_inputs(5, 2, 2048, 2048, 8, 8, 128, jnp.bfloat16)

@@ -99,11 +99,14 @@ def test_sm90_long_calls_run_mosaic_where_triton_would():
   assert decide(((4, 8192, 8, 128), (4, 8192, 8, 128)), mask=docs).backward_pass_impl == "mosaic"
   assert decide(((4, 8192, 8, 128), (4, 8192, 8, 128)), mask=M.LocalWindowMask(256, 0),
                 env={"PROBJAX_ATTENTION_CUDNN": "0"}).backward_pass_impl == "mosaic"
-  # Lengths off the Mosaic tiles: only from mosaic_ragged_min_head_dim.
+  # Lengths off the Mosaic tiles too (the kernel reads the partial tile with TMA's zero fill).
   for d in (64, 128):
     odd = decide(((4, 3000, 8, d), (4, 3000, 8, d)), mask=M.SegmentMask(jnp.zeros((4, 3000), jnp.int32)))
-    assert odd.implementation == ("mosaic" if d >= entry.mosaic_ragged_min_head_dim else "triton"), odd
-  assert decide(((4, 3000, 8, 64), (4, 3000, 8, 64))).grad_implementation == "triton"
+    assert odd.implementation == "mosaic", odd
+  # ... and the D64 grad rule's forward (the Triton backward follows the Mosaic forward).
+  odd = decide(((4, 3000, 8, 64), (4, 3000, 8, 64)))
+  assert (odd.implementation, odd.grad_implementation, odd.backward_pass_impl) == (
+      "mosaic", None, entry.backward_pass_impl), odd
   # Decoding keeps the split-KV Triton forward (its queries are far below the limit).
   assert decide(((8, 16, 32, 128), (8, 65536, 8, 128))).implementation == "triton"
   assert 2048 <= n and all(d <= 128 for d in bwd_min)  # the Mosaic backward's head_dims
@@ -226,8 +229,11 @@ def test_sm90_forward_rule_runs_mosaic():
   entry = attention_device.DEVICE_DEFAULTS[(9, 0)]
   grad_limits = dict(entry.grad_mosaic_band_max_work)
   side = lambda work: int(round((work // (4 * 8)) ** 0.5))  # B4 H8 T side: that work
+  masks = {"none": None, "causal": M.CausalMask(), "window": M.LocalWindowMask(512, 0)}
+  ragged = lambda n: any(k == kind and dd == d and lo_ <= 32 * n * n <= hi_
+                         for k, dd, lo_, hi_ in entry.mosaic_forward_ragged_work)
   for kind, d, lo, hi in entry.mosaic_forward_work:
-    mask = M.CausalMask() if kind == "causal" else None
+    mask = masks[kind]
     first = -(-side(lo) // 128) * 128  # the range's ends in whole 128-row tiles
     for n in (first, 4 * first if hi is None else side(hi) // 128 * 128):
       shapes = ((4, n, 8, d), (4, n, 8, d))
@@ -241,15 +247,25 @@ def test_sm90_forward_rule_runs_mosaic():
       assert decide(shapes, mask=mask, dtype=jnp.float32).implementation != "mosaic"
       # Unmeasured masks that cuDNN takes keep its forward.
       assert decide(shapes, mask=M.KVLenMask(jnp.full((4,), n // 2))).implementation == "cudnn"
-      odd = ((4, n + 3, 8, d), (4, n + 3, 8, d))  # lengths off the 128-row tiles: cuDNN's forward
-      assert decide(odd, mask=mask).implementation == "cudnn", odd
+      odd = ((4, n + 3, 8, d), (4, n + 3, 8, d))  # lengths off the 128-row tiles: their own ranges
+      assert decide(odd, mask=mask).implementation == ("mosaic" if ragged(n + 3) else "cudnn"), odd
     below = side(lo) // 2
     assert decide(((4, below, 8, d), (4, below, 8, d)), mask=mask).implementation != "mosaic"
     if hi is not None:
       above = 2 * side(hi)
       assert decide(((4, above, 8, d), (4, above, 8, d)), mask=mask).implementation != "mosaic"
-  # D64 without a mask: cuDNN's forward is faster at every measured length.
+  # D64 without a mask: cuDNN's forward is faster at every measured length in whole tiles.
   assert not any(kind == "none" and d == 64 for kind, d, _, _ in entry.mosaic_forward_work)
+  for kind, d, lo, hi in entry.mosaic_forward_ragged_work:
+    for n in (side(lo) + 1, side(hi) - 1):
+      n += 0 if n % 128 else 1  # off the tiles
+      shapes = ((4, n, 8, d), (4, n, 8, d))
+      assert decide(shapes, mask=masks[kind]).implementation == "mosaic", (kind, d, n)
+      whole = ((4, n // 128 * 128, 8, d),) * 2
+      assert decide(whole, mask=masks[kind]).implementation == (
+          "mosaic" if any(k == kind and dd == d and lo_ <= 32 * (n // 128 * 128) ** 2 <= (hi_ or 2**62)
+                          for k, dd, lo_, hi_ in entry.mosaic_forward_work) else "cudnn"), (kind, d, n)
+    assert decide(((4, 2 * side(hi) + 1, 8, d),) * 2, mask=masks[kind]).implementation == "cudnn"
 
 
 def test_kernel_arguments_disable_the_table():

@@ -41,16 +41,17 @@ class DeviceDefaults:
       that work run the Mosaic GPU forward with the Triton backward instead (before the
       rule above; ``PROBJAX_ATTENTION_MOSAIC=0`` turns it off).
     mosaic_forward_work: ``((mask, head_dim, min_work, max_work), ...)``: calls that the
-      cuDNN rule takes, with ``mask`` ``"none"`` (no mask) or ``"causal"``
-      (``CausalMask()`` alone), that ``head_dim`` and work in ``[min_work, max_work]``
-      (``max_work`` None: no limit) and lengths that are multiples of 128, run the Mosaic GPU
-      forward (differentiated calls keep what the rules above give them: cuDNN, or the
-      Mosaic forward with the Triton backward).
+      cuDNN rule takes, with ``mask`` ``"none"`` (no mask), ``"causal"`` (``CausalMask()``
+      alone) or ``"window"`` (``LocalWindowMask(left, 0)`` alone), that ``head_dim``, work in
+      ``[min_work, max_work]`` (``max_work`` None: no limit) and lengths that are multiples
+      of 128, run the Mosaic GPU forward (differentiated calls keep what the rules above give
+      them: cuDNN, or the Mosaic forward with the Triton backward).
+    mosaic_forward_ragged_work: the same for lengths that are not multiples of 128 (a
+      partial last tile, which the two kernels handle differently).
     mosaic_min_len: 16-bit calls whose default would run the Triton kernel's forward (as the
       call, or as the forward of a differentiated call by the rule above) run the Mosaic
       GPU forward instead when ``q_len`` and ``kv_len`` are both at least this
-      (``PROBJAX_ATTENTION_MOSAIC=0`` turns it off); lengths that are not multiples of 128
-      (the Mosaic tiles) only from ``head_dim >= mosaic_ragged_min_head_dim``.
+      (``PROBJAX_ATTENTION_MOSAIC=0`` turns it off).
     mosaic_backward_min_work: ``((head_dim, work), ...)``: calls that rule gives the Mosaic
       forward, with that ``head_dim`` and at least that work, run the Mosaic backward too
       (else the Triton backward chosen by ``backward_pass_impl*``).
@@ -71,8 +72,8 @@ class DeviceDefaults:
   grad_triton_max_work: int
   grad_mosaic_band_max_work: tuple[tuple[int, int], ...]
   mosaic_forward_work: tuple[tuple[str, int, int, int | None], ...]
+  mosaic_forward_ragged_work: tuple[tuple[str, int, int, int | None], ...]
   mosaic_min_len: int
-  mosaic_ragged_min_head_dim: int
   mosaic_backward_min_work: tuple[tuple[int, int], ...]
   decode_max_q_len: int
   decode_min_kv_len: int
@@ -126,10 +127,19 @@ DEVICE_DEFAULTS: dict[tuple[int, int], DeviceDefaults] = {
         #     0.953 / 0.978 / 0.975; T16384 3.656 / 3.558 / 3.559 -> up to 2^31.
         #   causal, D64: T2048 0.073 / 0.072 / 0.074 (level); T4096 (2^29) 0.188 / 0.207 /
         #     0.204; T8192 0.650 / 0.665 / 0.676; T16384 2.523 / 2.514 / 2.470.
-        #   Odd lengths stay on cuDNN: T3000 D128 causal took 0.226 ms through this rule against
-        #   jax.nn cuDNN's 0.180 (interleaved_probe.json, one process, 4b2d4b2).
+        #   causal window (LocalWindowMask(512, 0)), D128, B1 H16 T16384 (2^32; masked suite,
+        #     86cfc22): 0.206 / 0.239 / 0.234 -> from 2^31 to 2^33 (the one measured shape).
         mosaic_forward_work=(("none", 128, 2**27, 2**28), ("none", 128, 2**33, None),
-                             ("causal", 128, 2**27, 2**31), ("causal", 64, 2**29, 2**31)),
+                             ("causal", 128, 2**27, 2**31), ("causal", 64, 2**29, 2**31),
+                             ("window", 128, 2**31, 2**33)),
+        # Lengths off the 128-row tiles (86cfc22, B4 H8 T3000, work 2^28.1, fwd ms, Mosaic /
+        # the default on the cuDNN route / jax.nn cuDNN / torch SDPA cuDNN, same run): D64
+        # 0.190 / 0.217 / 0.217 / 0.190, causal 0.120 / 0.136 / 0.126 / 0.111; D128 0.258 /
+        # 0.288 / 0.281 / 0.259, causal 0.166 / 0.180 / 0.242 / 0.161. The Mosaic kernel reads
+        # the partial tile with TMA's zero fill (no copies); with padded copies it lost there
+        # (D128 causal 0.226 against jax.nn cuDNN's 0.180, interleaved_probe.json).
+        mosaic_forward_ragged_work=tuple((kind, d, 2**28, 3 * 2**27) for kind in ("none", "causal")
+                                         for d in (64, 128)),
         # Where the Triton kernel runs (masks cuDNN cannot take, PROBJAX_ATTENTION_CUDNN=0,
         # the D64 grad rule), the Mosaic forward is ahead from T2048 (gpu_attention.json, bf16,
         # ms, Mosaic forward / Triton forward, same runs: 3860852 B4 H8 unless said):
@@ -140,11 +150,10 @@ DEVICE_DEFAULTS: dict[tuple[int, int], DeviceDefaults] = {
         #   (T1024, 5e15f6d, kernel time: D64 0.0257 / 0.0255, D128 0.0337 / 0.0392 -- left to
         #   Triton: its wall clock is host-bound and unresolved there.)
         mosaic_min_len=2048,
-        # Odd lengths (ab80354, B4 H8 T3000, ms, Mosaic / Triton, same run): D64 slower in
-        # every row (fwd 0.237 / 0.228, causal 0.195 / 0.169; fwd+bwd 0.821 / 0.791, causal
-        # 0.514 / 0.500); D128 ahead or level (fwd 0.325 / 0.392, causal 0.275 / 0.274;
-        # fwd+bwd 1.395 / 1.503, causal 0.837 / 0.839).
-        mosaic_ragged_min_head_dim=128,
+        # Odd lengths (86cfc22, B4 H8 T3000, ms, Mosaic / Triton, same run; the Mosaic kernel
+        # without padded copies): fwd D64 0.190 / 0.217, causal 0.120 / 0.174; D128 0.258 /
+        # 0.393, causal 0.166 / 0.274; fwd+bwd with the Triton backward D64 0.750 / 0.776,
+        # causal 0.437 / 0.507 (ab80354, with copies: D64 behind in every row).
         # fwd+bwd ms, Mosaic backward / Triton backward, both after the Mosaic forward (same
         # runs): D128 T4096 2.088 / 2.185, causal 1.253 / 1.266; T8192 8.07 / 8.99, causal
         # 4.39 / 4.71; T16384 33.96 / 35.47; documents (B1 H16 T16384) 4.134 / 4.740, causal

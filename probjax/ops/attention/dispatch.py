@@ -216,10 +216,9 @@ def _decide(q_shape, kv_shape, dtype, *, mask, bias, dense_mask, dropout, score_
           grad = "mosaic" if mosaic_fwd else "triton"
           why = "; differentiated: the Triton kernel's backward is faster" + (
               " (after the Mosaic forward)" if grad == "mosaic" else "")
-        kind = "causal" if causal else "none" if mask is None else None
-        fast = not _ragged(q_shape, kv_shape) and any(
-            m == kind and d == q_shape[-1] and lo <= work and (hi is None or work <= hi)
-            for m, d, lo, hi in table.mosaic_forward_work)
+        ranges = table.mosaic_forward_ragged_work if _ragged(q_shape, kv_shape) else table.mosaic_forward_work
+        fast = any(m == _mask_kind(mask) and d == q_shape[-1] and lo <= work and (hi is None or work <= hi)
+                   for m, d, lo, hi in ranges)
         backward = "auto" if grad == "cudnn" else _resolve_backward(backward_pass_impl, mask, table)
         if fast and mosaic_fwd:
           return Decision("mosaic", rule + "; forward: the Mosaic kernel is faster at this mask, head_dim "
@@ -256,6 +255,16 @@ def _mosaic_allowed(q_shape, kv_shape, dtype, device: Device, env, kw) -> bool:
           and mosaic_supports(q_shape, kv_shape, dtype, device=device, **kw) is None)
 
 
+def _mask_kind(mask: Mask | None) -> str | None:
+  """The device table's name for the masks cuDNN takes: "none", "causal" or "window" (a causal
+  sliding window, ``LocalWindowMask(left, 0)``); None for any other."""
+  if mask is None:
+    return "none"
+  if mask.is_causal():
+    return "causal"
+  return "window" if mask.components == ("window",) and mask.upper == 0 else None
+
+
 def _ragged(q_shape, kv_shape) -> bool:
   """Lengths that are not multiples of the Mosaic kernel's 128-row tiles (a partial last tile)."""
   return bool(q_shape[1] % 128 or kv_shape[1] % 128)
@@ -264,7 +273,6 @@ def _ragged(q_shape, kv_shape) -> bool:
 def _mosaic_forward(q_shape, kv_shape, dtype, table, device: Device, env, kw) -> bool:
   """Whether the device table's Mosaic rule replaces the Triton forward of this call."""
   return (table is not None and min(q_shape[1], kv_shape[1]) >= table.mosaic_min_len
-          and (not _ragged(q_shape, kv_shape) or q_shape[-1] >= table.mosaic_ragged_min_head_dim)
           and _mosaic_allowed(q_shape, kv_shape, dtype, device, env, kw))
 
 

@@ -166,7 +166,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, st_ref, len_ref, rng_ref, qid_ref, 
       plgpu.copy_gmem_to_smem(st_ref.at[b, h, :, pl.ds(j * bq, bq)], st_smem.at[slot], st_ready.at[slot])
       if segments:
         plgpu.copy_gmem_to_smem(qid_ref.at[b, pl.ds(j * bq, bq)], qid_smem.at[slot], qid_ready.at[slot])
-    C.produce(jnp.int32(0), groups * nq, stages, issue, (free,))
+    C.produce(jnp.int32(0), groups * nq, stages, (((free,), issue),))
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, st_ref, len_ref, rng_ref, qid_ref, kid_ref, dq_ref, q_smem,
@@ -229,9 +229,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, st_ref, len_ref, rng_ref, qid_ref, k
   @pl.when(wg == wgs)
   def _load():
     plgpu.set_max_registers(C.registers(wgs)[1], action="decrease")
-    issue = C.kv_issuer(b, h // groups, bk, k_ref, v_ref, kid_ref, k_smem, v_smem, kid_smem, k_ready,
-                        v_ready, kid_ready, segments=segments)
-    C.produce(lo, hi, stages, issue, (free,))
+    issue_k, issue_v = C.kv_issuer(b, h // groups, bk, k_ref, v_ref, kid_ref, k_smem, v_smem, kid_smem,
+                                   k_ready, v_ready, kid_ready, segments=segments)
+    C.produce(lo, hi, stages, (((free,), issue_k), ((), issue_v)))
 
 
 def backward(q, k, v, out, lse, do, mask: Mask | None, *, scale: float, config: MosaicBackwardConfig,

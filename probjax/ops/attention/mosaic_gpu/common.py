@@ -148,39 +148,46 @@ def block_tiles(rng_ref, len_ref, b, i, *, segments: bool, lengths: bool, ranges
 
 def kv_issuer(b, hkv, block_k: int, k_ref, v_ref, kid_ref, k_smem, v_smem, kid_smem, k_ready, v_ready,
               kid_ready, *, segments: bool):
-  """``issue(j, slot)`` for :func:`produce`: TMA copies of key tile ``j`` of K, V (and its
-  segment ids) into ring slot ``slot``, each completing its own barrier."""
-  def issue(j, slot):
-    tile = (b, pl.ds(j * block_k, block_k), hkv)
-    plgpu.copy_gmem_to_smem(k_ref.at[tile], k_smem.at[slot], k_ready.at[slot])
-    plgpu.copy_gmem_to_smem(v_ref.at[tile], v_smem.at[slot], v_ready.at[slot])
+  """``(issue_k, issue_v)`` for :func:`produce`: ``issue_k(j, slot)`` starts the TMA copy of key
+  tile ``j`` of K (and its segment ids), ``issue_v(j, slot)`` that of V, into ring slot
+  ``slot``, each completing its own barrier."""
+  tile = lambda j: (b, pl.ds(j * block_k, block_k), hkv)
+
+  def issue_k(j, slot):
+    plgpu.copy_gmem_to_smem(k_ref.at[tile(j)], k_smem.at[slot], k_ready.at[slot])
     if segments:
       plgpu.copy_gmem_to_smem(kid_ref.at[b, pl.ds(j * block_k, block_k)], kid_smem.at[slot], kid_ready.at[slot])
-  return issue
+
+  def issue_v(j, slot):
+    plgpu.copy_gmem_to_smem(v_ref.at[tile(j)], v_smem.at[slot], v_ready.at[slot])
+  return issue_k, issue_v
 
 
-def produce(lo, hi, stages: int, issue: Callable, free: tuple, base=None, drain: bool = True):
-  """The producer warpgroup's loop: ``issue(j, slot)`` starts the copies of step ``j`` in
-  ``[lo, hi)`` into ring slot ``(base + j - lo) % stages`` (``base``: ring steps issued
-  before, by earlier tiles of a persistent kernel), after every consumer released the slot
-  (one arrival each on every barrier in ``free``). Returns ``base + hi - lo``; with
-  ``drain`` it then waits for the last releases too (:func:`drain_ring`)."""
+def produce(lo, hi, stages: int, copies: tuple, base=None, drain: bool = True):
+  """The producer warpgroup's loop over steps ``j`` in ``[lo, hi)``, each into ring slot
+  ``(base + j - lo) % stages`` (``base``: ring steps issued before, by earlier tiles of a
+  persistent kernel). ``copies``: ``((free, issue), ...)`` in issue order; ``issue(j, slot)``
+  starts its copies once every consumer released the slot on each barrier in ``free`` (one
+  arrival each), so a buffer released early (K after Q K^T) refills before a later one (V
+  after P V). Returns ``base + hi - lo``; with ``drain`` it then waits for the last releases
+  too (:func:`drain_ring`)."""
   base = 0 if base is None else base
 
   @pl.loop(lo, hi)
   def _issue(j):
     g = base + j - lo
     slot = lax.rem(g, jnp.int32(stages))
-
-    @pl.when(g >= stages)
-    def _():
-      for bar in free:
-        plgpu.barrier_wait(bar.at[slot])
-    issue(j, slot)
+    for free, issue in copies:
+      if free:
+        @pl.when(g >= stages)
+        def _():
+          for bar in free:
+            plgpu.barrier_wait(bar.at[slot])
+      issue(j, slot)
 
   total = base + jnp.maximum(hi - lo, 0)
   if drain:
-    drain_ring(total, stages, free)
+    drain_ring(total, stages, tuple(bar for free, _ in copies for bar in free))
   return total
 
 

@@ -162,9 +162,9 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, order_ref, 
     def tile(n, base):
       i, b, h = item(n)
       _, ((lo, hi, _, _), _) = ranges(i, b)
-      issue = C.kv_issuer(b, h // groups, bk, k_ref, v_ref, kid_ref, k_smem, v_smem, kid_smem, k_ready,
-                          v_ready, kid_ready, segments=segments)
-      return C.produce(lo, hi, stages, issue, (k_free, v_free), base, drain=False)
+      issue_k, issue_v = C.kv_issuer(b, h // groups, bk, k_ref, v_ref, kid_ref, k_smem, v_smem, kid_smem,
+                                     k_ready, v_ready, kid_ready, segments=segments)
+      return C.produce(lo, hi, stages, (((k_free,), issue_k), ((v_free,), issue_v)), base, drain=False)
 
     C.drain_ring(each_tile(tile), stages, (k_free, v_free))
 
