@@ -520,7 +520,8 @@ def test_idle_profile_counts_device_waits_per_call():
     harness.idle_profile([], 1)
 
 
-@pytest.mark.parametrize("module", ["probe_mosaic_ptxas", "probe_mosaic_persistent", "probe_dispatch_gap", "probe_layout", "probe_interleaved"])
+@pytest.mark.parametrize("module", ["probe_mosaic_ptxas", "probe_mosaic_persistent", "probe_dispatch_gap", "probe_layout", "probe_interleaved",
+                                    "probe_ptx"])
 def test_gpu_probes_say_they_need_a_gpu(tmp_path, module):
   out = tmp_path / "probe.json"
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
@@ -534,3 +535,12 @@ def test_config_key_ignores_switched_off_options():
   assert bf._config_key({"block_q": 128, "fast_exp2": False, "prefetch_scores": False}) == bf._config_key(
       {"block_q": 128})
   assert bf._config_key({"block_q": 128, "fast_exp2": True}) != bf._config_key({"block_q": 128})
+
+
+def test_ptx_probe_counts_opcodes_and_finds_the_loop():
+  from docs.scripts import probe_ptx
+  ptx = "\n".join([".visible .entry k(", ".reqntid 256", "$L__BB0_1:", "wgmma.mma_async.sync.aligned x;",
+                    "ex2.approx.ftz.f32 a, b;", "@%p1 bra $L__BB0_1;", "ld.global.b32 c;", "ret;"])
+  assert probe_ptx.counts(ptx) == {"wgmma.mma_async": 1, "ld.global": 1, "ex2.approx": 1, "bra": 1}
+  assert probe_ptx.header(ptx) == {".reqntid": "256"}
+  assert probe_ptx.counts(probe_ptx.hottest_loop(ptx)) == {"wgmma.mma_async": 1, "ex2.approx": 1, "bra": 1}

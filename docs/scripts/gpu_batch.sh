@@ -15,6 +15,7 @@
 #   probe_sched (docs/scripts/probe_mosaic_persistent.py: the Mosaic forward's schedules)
 #   probe_layout (docs/scripts/probe_layout.py: Triton kernel and torch flex, each in both layouts)
 #   probe_interleaved (docs/scripts/probe_interleaved.py: the cuDNN routes timed in one process)
+#   probe_ptx (docs/scripts/probe_ptx.py: the Triton forward's PTX against torch flex's)
 #   grid:LENGTHS:DTYPE[:HEAD_DIMS[:MODES]]  (lists joined by '+', as the plan splits on commas;
 #     e.g. grid:4096:bf16, grid:1024+16384:bf16:64+128:fwd): the grid with the core implementations only ($CORE_JAX, $CORE_TORCH; set GRID_ALL=1 for all)
 #   gridall:LENGTHS:DTYPE[:HEAD_DIMS[:MODES]]  the same with every implementation
@@ -102,6 +103,7 @@ for s in "${steps[@]}"; do
     probe_sched) run_probe mosaic_schedule.json docs.scripts.probe_mosaic_persistent ;;
     probe_layout) run_probe layout_probe.json docs.scripts.probe_layout ;;
     probe_interleaved) run_probe interleaved_probe.json docs.scripts.probe_interleaved ;;
+    probe_ptx) run_probe ptx_probe.json docs.scripts.probe_ptx ;;
     probe_gap) echo "[batch] $(date +%T) probe_gap" | tee -a "$OUT/batch.log"
                $PY -m docs.scripts.probe_dispatch_gap --output "$OUT/dispatch_gap.json" \
                  ${GAP_SETTINGS:+--settings "$GAP_SETTINGS"} 2>&1 | tail -40 \
