@@ -74,7 +74,9 @@ def _jax_ptx(t: int, d: int, dump: str) -> tuple[str, str]:
     m = re.search(r"\.entry\s+(\w*probjax_attention_fwd\w*)", text)
     if m:
       return m.group(1), _entry(text, m.group(1))
-  raise RuntimeError(f"no probjax_attention_fwd kernel in {len(paths)} dumped PTX files")
+  names = sorted(os.path.relpath(p, dump) for p in glob.glob(os.path.join(dump, "**", "*"), recursive=True))
+  raise RuntimeError(f"no probjax_attention_fwd kernel in {len(paths)} dumped PTX files; dump has "
+                     f"{len(names)} files: {names[:12]}")
 
 
 def _entry(text: str, name: str) -> str:
@@ -107,8 +109,11 @@ def _torch_ptx(t: int, d: int, cache: str) -> tuple[str, str, dict]:
 
 
 def main(argv=None):
-  dump, cache = tempfile.mkdtemp(prefix="xla_dump_"), tempfile.mkdtemp(prefix="triton_cache_")
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}").strip()
+  # XLA reads its flags once per process: gpu_batch.sh sets them with $PROBJAX_XLA_DUMP.
+  dump = os.environ.get("PROBJAX_XLA_DUMP") or tempfile.mkdtemp(prefix="xla_dump_")
+  if f"--xla_dump_to={dump}" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}").strip()
+  cache = tempfile.mkdtemp(prefix="triton_cache_")
   os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
   os.environ["TRITON_CACHE_DIR"] = cache
   os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache, "inductor")
