@@ -103,9 +103,9 @@ for s in "${steps[@]}"; do
     probe_sched) run_probe mosaic_schedule.json docs.scripts.probe_mosaic_persistent ;;
     probe_layout) run_probe layout_probe.json docs.scripts.probe_layout ;;
     probe_interleaved) run_probe interleaved_probe.json docs.scripts.probe_interleaved ;;
-    probe_ptx) export PROBJAX_XLA_DUMP=/tmp/xla_dump_ptx
-               XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$PROBJAX_XLA_DUMP --xla_dump_hlo_as_text" \
-                 run_probe ptx_probe.json docs.scripts.probe_ptx ;;
+    probe_ptx) (export PROBJAX_XLA_DUMP=/tmp/xla_dump_ptx
+                export XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/xla_dump_ptx --xla_dump_hlo_as_text"
+                run_probe ptx_probe.json docs.scripts.probe_ptx) ;;
     probe_gap) echo "[batch] $(date +%T) probe_gap" | tee -a "$OUT/batch.log"
                $PY -m docs.scripts.probe_dispatch_gap --output "$OUT/dispatch_gap.json" \
                  ${GAP_SETTINGS:+--settings "$GAP_SETTINGS"} 2>&1 | tail -40 \
