@@ -104,7 +104,7 @@ for s in "${steps[@]}"; do
     probe_layout) run_probe layout_probe.json docs.scripts.probe_layout ;;
     probe_interleaved) run_probe interleaved_probe.json docs.scripts.probe_interleaved ;;
     probe_ptx) (export PROBJAX_XLA_DUMP=/tmp/xla_dump_ptx
-                export XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/xla_dump_ptx --xla_dump_hlo_as_text"
+                export XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/xla_dump_ptx --xla_gpu_dump_llvmir --xla_dump_emitter_re=triton"
                 run_probe ptx_probe.json docs.scripts.probe_ptx) ;;
     probe_gap) echo "[batch] $(date +%T) probe_gap" | tee -a "$OUT/batch.log"
                $PY -m docs.scripts.probe_dispatch_gap --output "$OUT/dispatch_gap.json" \

@@ -68,15 +68,16 @@ def _jax_ptx(t: int, d: int, dump: str) -> tuple[str, str]:
   fn, _ = impls._jax_fn(lambda q, k, v: dot_product_attention(q, k, v, implementation="triton"),
                         arrays, "bfloat16", "fwd")
   jax.block_until_ready(fn())
-  paths = sorted(glob.glob(os.path.join(dump, "**", "*.ptx"), recursive=True), key=os.path.getmtime)
-  for p in reversed(paths):
-    text = open(p).read()
+  paths = sorted((p for p in glob.glob(os.path.join(dump, "**", "*"), recursive=True) if os.path.isfile(p)),
+                 key=os.path.getmtime)
+  for p in reversed(paths):  # .ptx files, or Triton's emitter dumps (--xla_dump_emitter_re)
+    text = open(p, errors="replace").read()
     m = re.search(r"\.entry\s+(\w*probjax_attention_fwd\w*)", text)
     if m:
       return m.group(1), _entry(text, m.group(1))
   names = sorted(os.path.relpath(p, dump) for p in glob.glob(os.path.join(dump, "**", "*"), recursive=True))
-  raise RuntimeError(f"no probjax_attention_fwd kernel in {len(paths)} dumped PTX files; dump has "
-                     f"{len(names)} files: {names[:12]}")
+  raise RuntimeError(f"no PTX of probjax_attention_fwd among {len(names)} dumped files: "
+                     f"{[n for n in names if 'convert_element_type' not in n][:20]}")
 
 
 def _entry(text: str, name: str) -> str:
