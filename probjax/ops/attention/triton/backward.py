@@ -44,10 +44,10 @@ def _probs_and_ds(q, k, v, do, lse2, delta, *, tm, mr, b, h, q_start, k_start, m
   pos = dict(b=b, h=h, q_start=q_start, k_start=k_start, transposed=transposed)
   t, c, s_nat = tiles.scores(q, k, scale=scale, score_mod=score_mod, **pos)
   if transposed:
-    p = tiles.exp2(t * c - lse2[None, :], fast_exp2)
+    p = tiles.exp2_affine(t, c, lse2[None, :], fast_exp2)
     dp = _dot(v, do, _NT) - delta[None, :]
   else:
-    p = tiles.exp2(t * c - lse2[:, None], fast_exp2)
+    p = tiles.exp2_affine(t, c, lse2[:, None], fast_exp2)
     dp = _dot(do, v, _NT) - delta[:, None]
   if masked:  # after the exponent, so that the scale folds into its fused multiply-add
     p = jnp.where(tiles.tile_valid(tm, mr, b, q_start, k_start, bq, bk, transposed=transposed), p, 0.0)

@@ -221,6 +221,20 @@ def exp2(x, fast: bool):
   return y
 
 
+def exp2_affine(t, c: float, shift, fast: bool):
+  """``2**(t * c - shift)`` of a float32 tile ``t``, ``shift`` broadcasting against it (a row or
+  column of offsets). ``fast``: one ``fma.rn.f32`` and one ``ex2.approx.ftz.f32`` per element,
+  written out because XLA's Triton leaves the multiply and the subtraction apart (its LLVM
+  IR of the forward has an ``fmul`` and an ``fsub`` per exponent, torch flex's PTX one ``fma``)."""
+  if not fast:
+    return jnp.exp2(t * c - shift)
+  full = lambda x: jnp.broadcast_to(jnp.asarray(x, t.dtype), t.shape)
+  [y] = plgpu.elementwise_inline_asm("fma.rn.f32 $0, $1, $2, $3;\n\tex2.approx.ftz.f32 $0, $0;",
+                                     args=[t, full(c), full(-shift)], constraints="=f,f,f,f", pack=1,
+                                     result_shape_dtypes=[jax.ShapeDtypeStruct(t.shape, t.dtype)])
+  return y
+
+
 def tile_indices(q_start, k_start, block_q: int, block_k: int, *, transposed: bool = False):
   """Query and key positions of a tile, ``[block_q, 1]`` and ``[1, block_k]``
   (``transposed``: ``[1, block_q]`` and ``[block_k, 1]``, for ``[block_k, block_q]`` tiles)."""
@@ -302,7 +316,7 @@ def online_softmax_step(carry, t, c: float, v, fast_exp2: bool):
   m_new = jnp.maximum(m, jnp.max(t, axis=1) * c)
   m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
   alpha = exp2(m - m_safe, fast_exp2)
-  p = exp2(t * c - m_safe[:, None], fast_exp2)
+  p = exp2_affine(t, c, m_safe[:, None], fast_exp2)
   l = l * alpha + jnp.sum(p, axis=1)
   acc = acc * alpha[:, None] + jax.lax.dot_general(
       p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
