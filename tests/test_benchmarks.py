@@ -544,3 +544,15 @@ def test_ptx_probe_counts_opcodes_and_finds_the_loop():
   assert probe_ptx.counts(ptx) == {"wgmma.mma_async": 1, "ld.global": 1, "ex2.approx": 1, "bra": 1}
   assert probe_ptx.header(ptx) == {".reqntid": "256"}
   assert probe_ptx.counts(probe_ptx.hottest_loop(ptx)) == {"wgmma.mma_async": 1, "ex2.approx": 1, "bra": 1}
+
+
+def test_ptx_probe_splits_a_triton_pass_dump():
+  from docs.scripts import probe_ptx
+  dump = "\n".join(["// -----// IR Dump Before TritonGPUPipeline (x) //----- //", "tt.func a",
+                     "// -----// IR Dump Before ConvertTritonGPUToLLVM (y) //----- //", "ttg.async_wait",
+                     "// -----// IR Dump Before StripDebugInfoPass (z) //----- //",
+                     '%1 = "llvm.fmul"(%a, %b)', '%2 = "llvm.fsub"(%1, %c)', 'ex2.approx.ftz.f32 $0, $1;'])
+  sections = probe_ptx.ir_sections(dump)
+  assert sections["ttgir"].startswith("Before ConvertTritonGPUToLLVM") and "ttg.async_wait" in sections["ttgir"]
+  assert sections["llvm"].startswith("Before StripDebugInfoPass")
+  assert probe_ptx.llvm_counts(sections["llvm"]) == {"ex2.approx": 1, "llvm.fmul": 1, "llvm.fsub": 1}

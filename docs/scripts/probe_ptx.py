@@ -9,6 +9,11 @@ instructions that tell the two code generators apart (tensor-core ops, copies, e
 barriers, conversions), in the whole kernel and in its hottest loop (the longest basic-block
 run between a loop label and its back edge). Each PTX is saved beside the JSON
 (``<output stem>_<impl>_d<D>.ptx.txt``) for reading.
+
+XLA writes no PTX of its Triton kernels: for probjax the probe reads XLA's Triton dump
+(``--xla_dump_emitter_re=triton``, set by ``gpu_batch.sh``), keeps the TritonGPU IR before
+its conversion to LLVM (``.ttgir.txt``: pipelining, copies, waits) and the final LLVM IR
+(``.llvm.txt``), and counts the latter's operations (:data:`LLVM_OPS`).
 """
 
 from __future__ import annotations
@@ -28,6 +33,24 @@ OPS = ("wgmma.mma_async", "wgmma.fence", "wgmma.commit_group", "wgmma.wait_group
        "ld.shared", "st.shared", "st.global", "ex2.approx", "fma.rn.f32", "mul.f32", "mul.rn.f32",
        "add.f32", "sub.f32", "max.f32", "max.nan.f32", "cvt.rn.bf16x2.f32", "cvt", "selp", "setp",
        "bar.sync", "barrier.sync", "bar.arrive", "mbarrier", "fence", "setmaxnreg", "shfl.sync", "bra")
+
+
+# Operations counted in the LLVM IR of XLA's Triton dump (substrings; inline asm keeps PTX names).
+LLVM_OPS = ("wgmma.mma_async", "ex2.approx", "fma.rn.f32", '"llvm.fmul"', '"llvm.fsub"', '"llvm.fadd"',
+            '"llvm.intr.fma"', '"llvm.intr.maxnum"', '"llvm.fptrunc"', '"llvm.select"', "cp.async",
+            "nvvm.cp.async.wait.group", "shfl")
+
+
+def llvm_counts(ir: str) -> dict:
+  return {op.strip('"'): n for op in LLVM_OPS if (n := ir.count(op))}
+
+
+def ir_sections(dump: str) -> dict:
+  """``{"ttgir": ..., "llvm": ...}`` of a Triton pass dump (``// -----// IR Dump ...`` sections):
+  the TritonGPU IR right before its conversion to LLVM and the last section."""
+  parts = re.split(r"(?m)^// -----// IR Dump ", dump)
+  ttgir = next((p for p in parts if p.startswith("Before ConvertTritonGPUToLLVM")), "")
+  return {"ttgir": ttgir, "llvm": parts[-1]}
 
 
 def counts(ptx: str) -> dict:
@@ -78,8 +101,8 @@ def _jax_ptx(t: int, d: int, dump: str) -> tuple[str, str]:
       return m.group(1), _entry(text, m.group(1))
   names = sorted(os.path.relpath(p, dump) for p in glob.glob(os.path.join(dump, "**", "*"), recursive=True))
   llvm = [p for p in paths if "probjax_attention_fwd" in p and "triton-to-llvm" in p]
-  if llvm:  # XLA writes no PTX of its Triton kernels; the LLVM IR they lower to is the closest
-    return "probjax_attention_fwd (LLVM IR)", open(llvm[-1], errors="replace").read()
+  if llvm:  # XLA writes no PTX of its Triton kernels; the IR they lower to is the closest
+    return "probjax_attention_fwd (Triton dump)", open(llvm[-1], errors="replace").read()
   raise RuntimeError(f"no PTX of probjax_attention_fwd among {len(names)} dumped files: "
                      f"{[n for n in names if 'convert_element_type' not in n][:20]}")
 
@@ -134,7 +157,15 @@ def main(argv=None):
       except Exception as e:  # noqa: BLE001 (the other side's row stands)
         harness.probe_add(out, args.output, dict(impl=impl, t=t, d=d, error=f"{type(e).__name__}: {e}"[:400]))
         continue
-      with open(f"{stem}_{impl}_d{d}.{'llvm' if 'LLVM' in name else 'ptx'}.txt", "w") as f:
+      if name.endswith("(Triton dump)"):
+        sections = ir_sections(ptx)
+        for kind, text in sections.items():
+          with open(f"{stem}_{impl}_d{d}.{kind}.txt", "w") as f:
+            f.write(text)
+        harness.probe_add(out, args.output, dict(impl=impl, t=t, d=d, kernel=name,
+                                                 llvm_counts=llvm_counts(sections["llvm"])))
+        continue
+      with open(f"{stem}_{impl}_d{d}.ptx.txt", "w") as f:
         f.write(ptx)
       loop = hottest_loop(ptx)
       harness.probe_add(out, args.output, dict(
