@@ -230,8 +230,10 @@ def test_sm90_forward_rule_runs_mosaic():
   grad_limits = dict(entry.grad_mosaic_band_max_work)
   side = lambda work: int(round((work // (4 * 8)) ** 0.5))  # B4 H8 T side: that work
   masks = {"none": None, "causal": M.CausalMask(), "window": M.LocalWindowMask(512, 0)}
-  ragged = lambda n: any(k == kind and dd == d and lo_ <= 32 * n * n <= hi_
-                         for k, dd, lo_, hi_ in entry.mosaic_forward_ragged_work)
+
+  def covers(ranges, kind, d, n):  # a table range holds B4 H8 T=n at this mask and head_dim
+    return any(k == kind and dd == d and lo_ <= 32 * n * n and (hi_ is None or 32 * n * n <= hi_)
+               for k, dd, lo_, hi_ in ranges)
   for kind, d, lo, hi in entry.mosaic_forward_work:
     mask = masks[kind]
     first = -(-side(lo) // 128) * 128  # the range's ends in whole 128-row tiles
@@ -248,7 +250,8 @@ def test_sm90_forward_rule_runs_mosaic():
       # Unmeasured masks that cuDNN takes keep its forward.
       assert decide(shapes, mask=M.KVLenMask(jnp.full((4,), n // 2))).implementation == "cudnn"
       odd = ((4, n + 3, 8, d), (4, n + 3, 8, d))  # lengths off the 128-row tiles: their own ranges
-      assert decide(odd, mask=mask).implementation == ("mosaic" if ragged(n + 3) else "cudnn"), odd
+      assert decide(odd, mask=mask).implementation == (
+          "mosaic" if covers(entry.mosaic_forward_ragged_work, kind, d, n + 3) else "cudnn"), odd
     below = side(lo) // 2
     assert decide(((4, below, 8, d), (4, below, 8, d)), mask=mask).implementation != "mosaic"
     if hi is not None:
@@ -263,8 +266,7 @@ def test_sm90_forward_rule_runs_mosaic():
       assert decide(shapes, mask=masks[kind]).implementation == "mosaic", (kind, d, n)
       whole = ((4, n // 128 * 128, 8, d),) * 2
       assert decide(whole, mask=masks[kind]).implementation == (
-          "mosaic" if any(k == kind and dd == d and lo_ <= 32 * (n // 128 * 128) ** 2 <= (hi_ or 2**62)
-                          for k, dd, lo_, hi_ in entry.mosaic_forward_work) else "cudnn"), (kind, d, n)
+          "mosaic" if covers(entry.mosaic_forward_work, kind, d, n // 128 * 128) else "cudnn"), (kind, d, n)
     assert decide(((4, 2 * side(hi) + 1, 8, d),) * 2, mask=masks[kind]).implementation == "cudnn"
 
 
