@@ -2,14 +2,16 @@
 
   python -m docs.scripts.probe_mosaic_ptxas --output docs/benchmarks/mosaic_ptxas.json
 
-Compiles the forward (bf16, B4 H8 T4096) for each head_dim, mask (none, causal) and
-persistent setting in a child process with ``MOSAIC_GPU_DUMP_PTXAS=1`` (ptxas writes to the
-process's stdout) and records ptxas's lines on registers, spill stores/loads and stack
-frames. One JSON object per case; a case that does not compile records its error.
+Compiles the forward (bf16, B4 H8 T4096) for each head_dim, mask (none, causal), persistent
+and ``overlap`` setting in a child process with ``MOSAIC_GPU_DUMP_PTXAS=1`` (ptxas writes to
+the process's stdout) and records ptxas's lines on registers, spill stores/loads, stack
+frames and wgmma serialization warnings. ``--dump DIR``: each case's PTX and SASS too, in
+``DIR/<case>.log.gz`` (``MOSAIC_GPU_DUMP_PTX``/``_SASS``: the child's whole output). One JSON object per case; a case that does not compile records its error.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
@@ -20,8 +22,8 @@ CHILD = r"""
 import jax, jax.numpy as jnp
 from probjax.ops.attention import mosaic_gpu as pm
 from probjax.ops.attention import masks as M
-d, causal, persistent = {d}, {causal}, {persistent}
-cfg = pm.MosaicForwardConfig(64, 128, 2, 2, persistent)
+d, causal, persistent, overlap = {d}, {causal}, {persistent}, {overlap}
+cfg = pm.MosaicForwardConfig(64, 128, 2, 2, persistent, overlap=overlap)
 x = jax.ShapeDtypeStruct((4, 4096, 8, d), jnp.bfloat16)
 f = lambda q, k, v: pm.attention(q, k, v, mask=M.CausalMask() if causal else None, forward_config=cfg)
 jax.jit(f).trace(x, x, x).lower().compile()
@@ -29,13 +31,19 @@ print("PROBE-DONE", flush=True)
 """
 
 
-def probe(d: int, causal: bool, persistent: bool) -> dict:
+def probe(d: int, causal: bool, persistent: bool, overlap: bool, dump: str | None = None) -> dict:
   env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1")
-  p = subprocess.run([sys.executable, "-c", CHILD.format(d=d, causal=causal, persistent=persistent)],
+  if dump:
+    env.update(MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_SASS="1")
+  p = subprocess.run([sys.executable, "-c", CHILD.format(d=d, causal=causal, persistent=persistent, overlap=overlap)],
                      env=env, capture_output=True, text=True, timeout=300)
+  if dump:
+    os.makedirs(os.path.dirname(dump), exist_ok=True)
+    with gzip.open(dump + ".log.gz", "wt") as f:
+      f.write(p.stdout + p.stderr)
   lines = [l.strip() for l in (p.stdout + p.stderr).splitlines()
-           if re.search(r"registers|spill|stack frame|Compiling entry", l)]
-  row = {"head_dim": d, "causal": causal, "persistent": persistent, "ok": "PROBE-DONE" in p.stdout,
+           if re.search(r"registers|spill|stack frame|Compiling entry|ptxas.*serializ", l)]
+  row = {"head_dim": d, "causal": causal, "persistent": persistent, "overlap": overlap, "ok": "PROBE-DONE" in p.stdout,
          "ptxas": lines}
   if not row["ok"]:
     row["error"] = (p.stderr or p.stdout)[-1500:]
@@ -44,15 +52,18 @@ def probe(d: int, causal: bool, persistent: bool) -> dict:
 
 def main(argv=None):
   from docs.scripts import harness
-  args, out = harness.probe_start("probe_mosaic_ptxas", __doc__, argv, lambda ap: ap.add_argument(
-      "--cases", default="64:0:0,64:1:0,128:0:0,128:1:0,64:0:1,128:0:1",
-      help="head_dim:causal:persistent, comma-separated"))
+  def add_args(ap):
+    ap.add_argument("--cases", default="64:0:0,64:1:0,128:0:0,128:1:0,64:0:1,128:0:1",
+                    help="head_dim:causal:persistent[:overlap], comma-separated")
+    ap.add_argument("--dump", help="a folder for each case's PTX and SASS")
+  args, out = harness.probe_start("probe_mosaic_ptxas", __doc__, argv, add_args)
   if out is None:
     return 0
   rows = out["rows"]
   for case in args.cases.split(","):
-    d, causal, persistent = (int(v) for v in case.split(":"))
-    row = probe(d, bool(causal), bool(persistent))
+    d, causal, persistent, overlap = (int(v) for v in (case + ":0").split(":")[:4])
+    dump = args.dump and os.path.join(args.dump, case.replace(":", "_"))
+    row = probe(d, bool(causal), bool(persistent), bool(overlap), dump)
     rows.append(row)
     print(f"[ptxas] {case}: " + " | ".join(row["ptxas"])[:600], flush=True)
     with open(args.output, "w") as f:  # after every case: a cut-short run keeps what it has

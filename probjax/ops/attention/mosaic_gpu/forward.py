@@ -171,7 +171,9 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, order_ref, 
         turn(end=False)
 
         def between(t):
-          out = softmax(scores(t, j, masked), m, l)
+          # The barrier keeps P's conversion here, while P V runs (LLVM otherwise carries P
+          # in float32 and converts it at the next step's top, on the way to its issue).
+          out = lax.optimization_barrier(softmax(scores(t, j, masked), m, l))
           turn(end=True)
           wait_ready(j)
           return out
