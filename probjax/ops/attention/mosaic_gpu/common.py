@@ -250,4 +250,8 @@ def mma_pair(acc, a, b, p, v, between: Callable, init: tuple, staging=None, duri
         ref[...] = x
     pl.run_scoped(scoped, plgpu.ACC(shape, jnp.float32))
   acc, *outs = pl.run_state(run)((plgpu.ACC.init(acc), *init))
+  # ``p`` stays live until P V has completed: otherwise LLVM may give a value computed in
+  # ``between`` (the next P) its registers while the wgmma still reads them, and ptxas then
+  # serializes every wgmma of the kernel (C7513).
+  acc, _ = lax.optimization_barrier((acc, p))
   return acc, tuple(outs)
