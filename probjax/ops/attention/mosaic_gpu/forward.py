@@ -157,11 +157,13 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, order_ref, 
         if wgs == 2:
           (plgpu.barrier_arrive if end else plgpu.barrier_wait)(sched_bar)
 
+      masked_at = lambda j: (j < flo) | (j >= fhi)
+
       def first(carry):
         acc, m, l, _ = carry
         plgpu.barrier_wait(k_ready.at[slot_of(lo)])
         t = C.mma(q_smem.at[wg], k_smem.at[slot_of(lo)].T, (bq, bk), during=schedule)
-        p, m, l, _ = softmax(scores(t, lo, (lo < flo) | (lo >= fhi)), m, l)
+        p, m, l, _ = softmax(scores(t, lo, masked_at(lo)), m, l)
         turn(end=True)
         wait_ready(lo)
         return acc, m, l, p
@@ -194,10 +196,10 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, order_ref, 
       if cfg.overlap:
         carry = (*carry, plgpu.layout_cast(jnp.zeros((bq, bk), dtype), plgpu.Layout.WGMMA))
         carry = lax.cond(lo < hi, first, lambda c: c, carry)
-        after = lambda x: jnp.maximum(x, lo + 1)
-        carry = lax.fori_loop(lo + 1, after(flo), functools.partial(overlapped, masked=True), carry)
-        carry = lax.fori_loop(after(flo), after(fhi), functools.partial(overlapped, masked=False), carry)
-        carry = lax.fori_loop(after(fhi), hi, functools.partial(overlapped, masked=True), carry)
+        # One loop, the element mask under a branch per step: with a loop per tile class (as
+        # below), LLVM gives the P of every loop the registers ``last``'s wgmma reads, and
+        # ptxas serializes every wgmma (C7513) as they are written while a P V runs.
+        carry = lax.fori_loop(lo + 1, hi, lambda j, c: overlapped(j, c, masked_at(j)), carry)
         acc, m, l, _ = lax.cond(lo < hi, last, lambda c: c, carry)
       else:
         @pl.when(lo < hi)
