@@ -227,16 +227,14 @@ def test_split_kv_lowers_for_sm90(monkeypatch, mask):
   assert "probjax_attention_fwd_split_kv" in text
 
 
-@pytest.mark.parametrize("mask_name,d,wgs,persistent,overlap", [
-    ("none", 64, None, None, False), ("causal", 128, None, None, False), ("window&lengths", 256, None, None, False),
-    ("causal", 64, 3, False, False), ("none", 128, 2, False, False), ("causal", 64, 2, False, False),
-    ("none", 128, 2, True, False), ("segments", 64, 3, True, False),
-    ("none", 64, 2, True, True), ("causal", 128, 2, True, True), ("window&lengths", 64, 2, False, True),
-    ("segments", 128, 2, True, True)])
-def test_mosaic_forward_and_triton_backward_lower_for_sm90(monkeypatch, mask_name, d, wgs, persistent, overlap):
-  """The Mosaic GPU forward (registers as wgmma's P operand, in-place accumulation, with
-  ``overlap`` two wgmmas in flight: the paths interpret mode cannot run) lowers to a Mosaic
-  GPU kernel, and its gradient to the Triton backward."""
+@pytest.mark.parametrize("mask_name,d,wgs,persistent", [("none", 64, None, None), ("causal", 128, None, None),
+                                                         ("window&lengths", 256, None, None), ("causal", 64, 3, False),
+                                                         ("none", 128, 2, False), ("causal", 64, 2, False),
+                                                         ("none", 128, 2, True), ("segments", 64, 3, True)])
+def test_mosaic_forward_and_triton_backward_lower_for_sm90(monkeypatch, mask_name, d, wgs, persistent):
+  """The Mosaic GPU forward (registers as wgmma's P operand, in-place accumulation: the
+  paths interpret mode cannot run) lowers to a Mosaic GPU kernel, and its gradient to the
+  Triton backward."""
   from probjax.ops.attention import mosaic_gpu as pm
   _fake_triton_sm90(monkeypatch, device_kind=True)
   mask = {"none": None, "causal": M.CausalMask(),
@@ -245,7 +243,7 @@ def test_mosaic_forward_and_triton_backward_lower_for_sm90(monkeypatch, mask_nam
   q = jax.ShapeDtypeStruct((2, 300, 8, d), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, 300, 2, d), jnp.bfloat16)
   # wgs None: the default config; no band or static lengths make every loop bound a constant.
-  cfg = None if wgs is None else pm.MosaicForwardConfig(64, 128, 2, wgs, persistent, overlap=overlap)
+  cfg = None if wgs is None else pm.MosaicForwardConfig(64, 128, 2, wgs, persistent)
   loss = lambda q, k, v: jnp.sum(pm.attention(q, k, v, mask=mask, forward_config=cfg).astype(jnp.float32))
   text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
   calls = set(re.findall(r"custom_call @([\w$.]+)", text))
@@ -298,4 +296,3 @@ def test_mosaic_backward_lowers_for_sm90(monkeypatch, mask_name, d, wgs):
   kernels = set(re.findall(r"probjax_attention_\w+_mosaic\b", text))
   assert kernels == {"probjax_attention_fwd_mosaic", "probjax_attention_bwd_dkv_mosaic",
                      "probjax_attention_bwd_dq_mosaic"}, kernels
-

@@ -45,14 +45,13 @@ def test_masks_values_and_grads(mask_name):
   check_against_reference(_attn(mask), x, mask=mask)
 
 
-@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("mask_name", ["none", "causal", "kv_len_zero", "window&segments"])
-def test_persistent_forward(mask_name, overlap):
+def test_persistent_forward(mask_name):
   # Two CTAs in interpret mode, each looping over several tiles: the K/V ring's slots and
-  # barrier phases carry over from one tile to the next. ``overlap``: P V one step behind.
+  # barrier phases carry over from one tile to the next.
   x = make_inputs(2, 2, 150, 200, 2, 1, 64, jnp.bfloat16)
   mask = make_mask(mask_name, 2, 150, 200)
-  cfg = dataclasses.replace(SMALL, num_stages=3, persistent=True, overlap=overlap)
+  cfg = dataclasses.replace(SMALL, num_stages=3, persistent=True)
   check_against_reference(_attn(mask, cfg), x, mask=mask, grads=False)
 
 
@@ -215,14 +214,11 @@ def test_gpu_full_size(mask_name, tq, tk, d):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mask_name,d,wgs,overlap", [("none", 128, 2, False), ("causal&kv_len", 64, 3, False),
-                                                     ("window&segments", 64, 2, False), ("none", 64, 2, True),
-                                                     ("causal&kv_len", 128, 2, True), ("window&segments", 64, 2, True),
-                                                     ("kv_len_zero", 128, 2, True)])
-def test_gpu_persistent_and_three_warpgroups(mask_name, d, wgs, overlap):
+@pytest.mark.parametrize("mask_name,d,wgs", [("none", 128, 2), ("causal&kv_len", 64, 3), ("window&segments", 64, 2)])
+def test_gpu_persistent_and_three_warpgroups(mask_name, d, wgs):
   x = make_inputs(d + wgs, 2, 3000, 3000, 8, 2, d, jnp.bfloat16)
   mask = make_mask(mask_name, 2, 3000, 3000)
-  cfg = pm.MosaicForwardConfig(64, 128, 2, wgs, persistent=True, overlap=overlap)
+  cfg = pm.MosaicForwardConfig(64, 128, 2, wgs, persistent=True)
   check_against_reference(lambda q, k, v, _: pm.attention(q, k, v, mask=mask, forward_config=cfg), x,
                           mask=mask, grads=False)
 

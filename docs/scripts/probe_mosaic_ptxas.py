@@ -2,8 +2,8 @@
 
   python -m docs.scripts.probe_mosaic_ptxas --output docs/benchmarks/mosaic_ptxas.json
 
-Compiles the forward (bf16, B4 H8 T4096) for each head_dim, mask (none, causal), persistent
-and ``overlap`` setting in a child process with ``MOSAIC_GPU_DUMP_PTXAS=1`` (ptxas writes to
+Compiles the forward (bf16, B4 H8 T4096) for each head_dim, mask (none, causal) and
+persistent setting in a child process with ``MOSAIC_GPU_DUMP_PTXAS=1`` (ptxas writes to
 the process's stdout) and records ptxas's lines on registers, spill stores/loads, stack
 frames and wgmma serialization warnings. ``--dump DIR``: each case's PTX and SASS too, in
 ``DIR/<case>.log.gz`` (``MOSAIC_GPU_DUMP_PTX``/``_SASS``: the child's whole output). One JSON object per case; a case that does not compile records its error.
@@ -22,8 +22,8 @@ CHILD = r"""
 import jax, jax.numpy as jnp
 from probjax.ops.attention import mosaic_gpu as pm
 from probjax.ops.attention import masks as M
-d, causal, persistent, overlap = {d}, {causal}, {persistent}, {overlap}
-cfg = pm.MosaicForwardConfig(64, 128, 2, 2, persistent, overlap=overlap)
+d, causal, persistent = {d}, {causal}, {persistent}
+cfg = pm.MosaicForwardConfig(64, 128, 2, 2, persistent)
 x = jax.ShapeDtypeStruct((4, 4096, 8, d), jnp.bfloat16)
 f = lambda q, k, v: pm.attention(q, k, v, mask=M.CausalMask() if causal else None, forward_config=cfg)
 jax.jit(f).trace(x, x, x).lower().compile()
@@ -31,11 +31,11 @@ print("PROBE-DONE", flush=True)
 """
 
 
-def probe(d: int, causal: bool, persistent: bool, overlap: bool, dump: str | None = None) -> dict:
+def probe(d: int, causal: bool, persistent: bool, dump: str | None = None) -> dict:
   env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1")
   if dump:
     env.update(MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_SASS="1")
-  p = subprocess.run([sys.executable, "-c", CHILD.format(d=d, causal=causal, persistent=persistent, overlap=overlap)],
+  p = subprocess.run([sys.executable, "-c", CHILD.format(d=d, causal=causal, persistent=persistent)],
                      env=env, capture_output=True, text=True, timeout=300)
   if dump:
     os.makedirs(os.path.dirname(dump), exist_ok=True)
@@ -43,7 +43,7 @@ def probe(d: int, causal: bool, persistent: bool, overlap: bool, dump: str | Non
       f.write(p.stdout + p.stderr)
   lines = [l.strip() for l in (p.stdout + p.stderr).splitlines()
            if re.search(r"registers|spill|stack frame|Compiling entry|ptxas.*serializ", l)]
-  row = {"head_dim": d, "causal": causal, "persistent": persistent, "overlap": overlap, "ok": "PROBE-DONE" in p.stdout,
+  row = {"head_dim": d, "causal": causal, "persistent": persistent, "ok": "PROBE-DONE" in p.stdout,
          "ptxas": lines}
   if not row["ok"]:
     row["error"] = (p.stderr or p.stdout)[-1500:]
@@ -54,16 +54,16 @@ def main(argv=None):
   from docs.scripts import harness
   def add_args(ap):
     ap.add_argument("--cases", default="64:0:0,64:1:0,128:0:0,128:1:0,64:0:1,128:0:1",
-                    help="head_dim:causal:persistent[:overlap], comma-separated")
+                    help="head_dim:causal:persistent, comma-separated")
     ap.add_argument("--dump", help="a folder for each case's PTX and SASS")
   args, out = harness.probe_start("probe_mosaic_ptxas", __doc__, argv, add_args)
   if out is None:
     return 0
   rows = out["rows"]
   for case in args.cases.split(","):
-    d, causal, persistent, overlap = (int(v) for v in (case + ":0").split(":")[:4])
+    d, causal, persistent = (int(v) for v in case.split(":"))
     dump = args.dump and os.path.join(args.dump, case.replace(":", "_"))
-    row = probe(d, bool(causal), bool(persistent), bool(overlap), dump)
+    row = probe(d, bool(causal), bool(persistent), dump)
     rows.append(row)
     print(f"[ptxas] {case}: " + " | ".join(row["ptxas"])[:600], flush=True)
     with open(args.output, "w") as f:  # after every case: a cut-short run keeps what it has

@@ -225,33 +225,3 @@ def mma_acc(acc, a, b, staging=None, during: Callable | None = None):
   staging[...] = a
   plgpu.commit_smem()
   return acc + mma(staging, b, acc.shape, during)
-
-
-def mma_pair(acc, a, b, p, v, between: Callable, init: tuple, staging=None, during: Callable | None = None):
-  """``(acc + p @ v, between(a @ b))``, the two wgmmas in flight together: ``a @ b`` (shared-memory
-  refs, float32 ``[a rows, b cols]``) is issued first and awaited alone, ``between`` runs on it
-  while ``p @ v`` (``p`` in registers, as :func:`mma_acc`) still runs. ``init``: arrays of the
-  shapes and layouts of ``between``'s results; ``during()`` runs once both are issued.
-  ``staging``: see :func:`mma_acc` (interpret mode runs the two one after the other)."""
-  shape = (a.shape[0], b.shape[1])
-  if staging is not None:
-    s = mma(a, b, shape, during)
-    return mma_acc(acc, p, v, staging), between(s)
-
-  def run(refs):
-    acc_ref, *out_refs = refs
-
-    def scoped(s_ref):
-      plgpu.wgmma(s_ref, a, b)
-      plgpu.wgmma(acc_ref, p, v)
-      if during is not None:
-        during()
-      for ref, x in zip(out_refs, between(plgpu.wgmma_accumulator_load(s_ref, wait_n=1))):
-        ref[...] = x
-    pl.run_scoped(scoped, plgpu.ACC(shape, jnp.float32))
-  acc, *outs = pl.run_state(run)((plgpu.ACC.init(acc), *init))
-  # ``p`` stays live until P V has completed: otherwise LLVM may give a value computed in
-  # ``between`` (the next P) its registers while the wgmma still reads them, and ptxas then
-  # serializes every wgmma of the kernel (C7513).
-  acc, _ = lax.optimization_barrier((acc, p))
-  return acc, tuple(outs)

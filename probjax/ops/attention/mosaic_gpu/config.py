@@ -49,19 +49,16 @@ class MosaicForwardConfig:
   light ones. Persistent, under a causal-like band, per-batch lengths or segment ids: the
   tiles in the order of the key tiles each visits (computed from the mask), alternate waves
   mirrored across the SMs, so each SM's total is near the mean. One CTA per tile, under a
-  causal-like band without segment ids: query tiles reversed. ``overlap``: each step issues
-  its Q K^T together with the previous step's P V and runs its softmax while that P V is in
-  flight (FA3's intra-warpgroup pipelining; one more P tile of registers)."""
+  causal-like band without segment ids: query tiles reversed."""
   block_q: int = 64
   block_k: int = 128
   num_stages: int = 2
   compute_wgs: int = 2
   persistent: bool = False
   heavy_first: bool = True
-  overlap: bool = False
 
   def __post_init__(self):
-    for name in ("persistent", "heavy_first", "overlap"):
+    for name in ("persistent", "heavy_first"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
     if self.block_q != 64:

@@ -97,43 +97,27 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, order_ref, 
         def _():
           plgpu.barrier_wait(k_ready.at[slot_of(j + 1)])
 
-      def scores(t, j, masked):
-        """The element mask on ``t`` (the scores of key tile ``j``; ``masked`` a bool or traced),
-        then K's slot handed back (its segment ids were read)."""
+      def step(j, carry, masked: bool):
+        acc, m, l = carry
         slot = slot_of(j)
-        if segments:
-          plgpu.barrier_wait(kid_ready.at[slot])  # every copy's phase is observed
-
-        def apply(t):
+        t = C.mma(q_smem.at[wg], k_smem.at[slot].T, (bq, bk), during=schedule)
+        if masked:
           qi, ki = C.iotas(bq, bk, q_start, j * bk)
           ok = C.element_ok(band, qi, ki, q_len, kv_len, *valid)
           if segments:
+            plgpu.barrier_wait(kid_ready.at[slot])
             ok &= C.same_segment(qid_smem.at[wg], kid_smem.at[slot], bq, bk)
-          return jnp.where(ok, t, -jnp.inf)
-        if masked is True:
-          t = apply(t)
-        elif masked is not False:
-          t = lax.cond(masked, apply, lambda t: t, t)
+          t = jnp.where(ok, t, -jnp.inf)
+        elif segments:
+          plgpu.barrier_wait(kid_ready.at[slot])  # every copy's phase is observed
         plgpu.barrier_arrive(k_free.at[slot])
-        return t
-
-      def softmax(t, m, l):
-        """``(p, m', l', alpha)``: the online softmax's update for scores ``t``."""
         m_new = jnp.maximum(m, t.max(axis=1) * c)
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows that have seen no valid key
         alpha = jnp.exp2(m - m_safe)
         p = jnp.exp2(t * c - lax.broadcast_in_dim(m_safe, t.shape, [0]))
-        return p.astype(dtype), m_new, l * alpha + p.sum(axis=1), alpha
-
-      rescale = lambda acc, alpha: acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      staging = None if p_smem is None else p_smem.at[wg]
-
-      def step(j, carry, masked: bool):
-        acc, m, l = carry
-        slot = slot_of(j)
-        t = scores(C.mma(q_smem.at[wg], k_smem.at[slot].T, (bq, bk), during=schedule), j, masked)
-        p, m_new, l, alpha = softmax(t, m, l)
-        acc = rescale(acc, alpha)
+        l = l * alpha + p.sum(axis=1)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        p = p.astype(dtype)
         if wgs == 2:  # softmax done: hand the tensor cores over, take them back for P @ V
           acc, l, m_new, p = lax.optimization_barrier((acc, l, m_new, p))
           plgpu.barrier_arrive(sched_bar)
@@ -141,74 +125,19 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, order_ref, 
           plgpu.barrier_wait(sched_bar)
         else:
           plgpu.barrier_wait(v_ready.at[slot])
-        acc = C.mma_acc(acc, p, v_smem.at[slot], staging, during=lambda: wait_next_k(j))
+        acc = C.mma_acc(acc, p, v_smem.at[slot], None if p_smem is None else p_smem.at[wg],
+                        during=lambda: wait_next_k(j))
         plgpu.barrier_arrive(v_free.at[slot])
         return acc, m_new, l
 
-      # ``overlap`` (FA3's intra-warpgroup pipelining): step j issues Q K_j^T and P_{j-1} V_{j-1}
-      # together and runs the softmax of the first while the second is in flight; the carry
-      # holds P of the last step, whose P V the next step (or ``last``) issues. The warpgroups'
-      # turns on the tensor cores: one issue each, handed over once issued.
-      def wait_ready(j):  # before the turn's end: K of step j + 1 and V of step j
-        wait_next_k(j)
-        plgpu.barrier_wait(v_ready.at[slot_of(j)])
-
-      def turn(end: bool):  # the ping-pong barrier split: arrive when done, wait before issuing
-        if wgs == 2:
-          (plgpu.barrier_arrive if end else plgpu.barrier_wait)(sched_bar)
-
-      masked_at = lambda j: (j < flo) | (j >= fhi)
-
-      def first(carry):
-        acc, m, l, _ = carry
+      @pl.when(lo < hi)
+      def _():
         plgpu.barrier_wait(k_ready.at[slot_of(lo)])
-        t = C.mma(q_smem.at[wg], k_smem.at[slot_of(lo)].T, (bq, bk), during=schedule)
-        p, m, l, _ = softmax(scores(t, lo, masked_at(lo)), m, l)
-        turn(end=True)
-        wait_ready(lo)
-        return acc, m, l, p
-
-      def overlapped(j, carry, masked: bool):
-        acc, m, l, p_prev = carry
-        turn(end=False)
-
-        def between(t):
-          # The barrier keeps P's conversion here, while P V runs (LLVM otherwise carries P
-          # in float32 and converts it at the next step's top, on the way to its issue).
-          out = lax.optimization_barrier(softmax(scores(t, j, masked), m, l))
-          turn(end=True)
-          wait_ready(j)
-          return out
-        acc, (p, m, l, alpha) = C.mma_pair(acc, q_smem.at[wg], k_smem.at[slot_of(j)].T, p_prev,
-                                           v_smem.at[slot_of(j - 1)], between, (p_prev, m, l, l), staging,
-                                           during=schedule)
-        plgpu.barrier_arrive(v_free.at[slot_of(j - 1)])
-        return rescale(acc, alpha), m, l, p
-
-      def last(carry):
-        acc, m, l, p = carry
-        turn(end=False)
-        acc = C.mma_acc(acc, p, v_smem.at[slot_of(hi - 1)], staging, during=schedule)
-        plgpu.barrier_arrive(v_free.at[slot_of(hi - 1)])
-        return acc, m, l, p
 
       pl.when(wg == 1)(schedule)  # offsets the two warpgroups by half a step
-      if cfg.overlap:
-        carry = (*carry, plgpu.layout_cast(jnp.zeros((bq, bk), dtype), plgpu.Layout.WGMMA))
-        carry = lax.cond(lo < hi, first, lambda c: c, carry)
-        # One loop, the element mask under a branch per step: with a loop per tile class (as
-        # below), LLVM gives the P of every loop the registers ``last``'s wgmma reads, and
-        # ptxas serializes every wgmma (C7513) as they are written while a P V runs.
-        carry = lax.fori_loop(lo + 1, hi, lambda j, c: overlapped(j, c, masked_at(j)), carry)
-        acc, m, l, _ = lax.cond(lo < hi, last, lambda c: c, carry)
-      else:
-        @pl.when(lo < hi)
-        def _():
-          plgpu.barrier_wait(k_ready.at[slot_of(lo)])
-
-        carry = lax.fori_loop(lo, flo, functools.partial(step, masked=True), carry)
-        carry = lax.fori_loop(flo, fhi, functools.partial(step, masked=False), carry)
-        acc, m, l = lax.fori_loop(fhi, hi, functools.partial(step, masked=True), carry)
+      carry = lax.fori_loop(lo, flo, functools.partial(step, masked=True), carry)
+      carry = lax.fori_loop(flo, fhi, functools.partial(step, masked=False), carry)
+      acc, m, l = lax.fori_loop(fhi, hi, functools.partial(step, masked=True), carry)
       pl.when(wg == 0)(schedule)
       if cfg.persistent:  # this tile's last QK^T has completed: the query buffer is free
         pl.when(n + 1 < n_steps)(lambda: load_q(n + 1))
