@@ -132,6 +132,31 @@ def test_gqa_group_splits(impl, splits):
   _check(q, k, v, do, mask=_mask("window_causal", 2, 50, 70), impl=impl, bc=bc)
 
 
+@pytest.mark.parametrize("n_tiles,ny,nz,group", [(5, 3, 2, 4), (4, 2, 3, 1), (3, 2, 2, 10), (6, 1, 7, 3)])
+def test_heavy_first_order_is_a_permutation(n_tiles, ny, nz, group):
+  """Every (tile, y, z) once; within each group of pairs, the heaviest (last) tiles first."""
+  from probjax.ops.attention.triton.tiles import heavy_first_order
+  n = jnp.arange(n_tiles * ny * nz)
+  tile, y, z = (np.asarray(a) for a in heavy_first_order(n, n_tiles, ny, nz, group))
+  assert len({(int(t), int(a), int(b)) for t, a, b in zip(tile, y, z)}) == n.size
+  assert tile.min() == 0 and tile.max() == n_tiles - 1 and y.max() == ny - 1 and z.max() == nz - 1
+  chunk = (y + ny * z) // group
+  assert np.all(np.diff(chunk) >= 0)  # groups in turn
+  for c in np.unique(chunk):
+    assert np.all(np.diff(tile[chunk == c]) <= 0)  # heaviest first inside each
+  assert cfg.order_group("sm_90", 8 << 20) == 3 and cfg.order_group("sm_86", 1 << 30) == 1
+
+
+@pytest.mark.parametrize("impl", ["triton_split", "triton_onepass"])
+def test_causal_grids_in_groups_of_heads(monkeypatch, impl):
+  # Groups of 1 and 3 (batch, head) pairs, the last one smaller: each program still computes
+  # its own tile exactly.
+  q, k, v, do = _inputs(13, 2, 70, 70, 4, 2, 32, jnp.float32)
+  for group in (1, 3):
+    monkeypatch.setattr(cfg, "order_group", lambda device, nbytes, g=group: g)
+    _check(q, k, v, do, mask=CausalMask(), impl=impl)
+
+
 def test_group_splits_choice():
   bc = pt.BackwardConfig()
   assert bc.splits_for(1, 10, "sm_90") == 1                # plain MHA: nothing to split

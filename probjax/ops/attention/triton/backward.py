@@ -143,22 +143,21 @@ def _split_refs(refs, tms):
   return ops, mrs, rest
 
 
-def _dkv_kernel(*refs, tm, onepass, n_outer, **kw):
+def _dkv_kernel(*refs, tm, onepass, grid, group, **kw):
   ops, (mr,), outs = _split_refs(refs, [tm])
   if onepass:
     dq_acc, dk, dv = outs[1:]  # outs[0] is the aliased input of dq_acc
   else:
     (dk, dv), dq_acc = outs, None
-  j = tiles.longest_first(tm, pl.program_id(0), n_outer, by_q=False)
-  p, splits = pl.program_id(2), kw["splits"]
-  _dkv_program(*ops, mr, dk, dv, dq_acc, b=pl.program_id(1), hkv=p // splits, split=p % splits,
-               j=j, tm=tm, **kw)
+  j, b, p = tiles.program_tile(tm, *grid, group, by_q=False)
+  splits = kw["splits"]
+  _dkv_program(*ops, mr, dk, dv, dq_acc, b=b, hkv=p // splits, split=p % splits, j=j, tm=tm, **kw)
 
 
-def _dq_kernel(*refs, tm, n_outer, **kw):
+def _dq_kernel(*refs, tm, grid, group, **kw):
   ops, (mr,), (dq,) = _split_refs(refs, [tm])
-  i = tiles.longest_first(tm, pl.program_id(0), n_outer, by_q=True)
-  _dq_program(*ops, mr, dq, b=pl.program_id(1), h=pl.program_id(2), i=i, tm=tm, **kw)
+  i, b, h = tiles.program_tile(tm, *grid, group, by_q=True)
+  _dq_program(*ops, mr, dq, b=b, h=h, i=i, tm=tm, **kw)
 
 
 def _fused_kernel(*refs, tm_dkv, tm_dq, kv_heads, heads, num_kv_tiles, num_q_tiles, dkv_kw, dq_kw):
@@ -214,8 +213,8 @@ def backward(q, k, v, out, lse, do, mask: Mask | None, *, scale: float,
   nk_dkv, nq_dq = kv_pad // c.block_kv_dkv, q_pad // c.block_q_dq
   # Few KV heads (MQA/GQA) at short lengths leave the device idle with one dK/dV program per
   # KV tile and head: split the group over programs and add their float32 partials in XLA.
-  splits = c.splits_for(groups, nk_dkv * batch * kv_heads,
-                        "interpret" if interpret else config_lib.device_kind())
+  device = "interpret" if interpret else config_lib.device_kind()
+  splits = c.splits_for(groups, nk_dkv * batch * kv_heads, device)
   dkv_kw = dict(common, block_q=c.block_q_dkv, block_k=c.block_kv_dkv, num_q_tiles=q_pad // c.block_q_dkv,
                 splits=splits)
   dq_kw = dict(common, block_q=c.block_q_dq, block_k=c.block_kv_dq, num_kv_tiles=kv_pad // c.block_kv_dq)
@@ -226,11 +225,17 @@ def backward(q, k, v, out, lse, do, mask: Mask | None, *, scale: float,
       pl.pallas_call, interpret=interpret,
       compiler_params=plgpu.CompilerParams(num_warps=c.num_warps, num_stages=c.num_stages))
 
+  # Causal-like grids run heaviest first across groups of heads (tiles.program_tile), sized
+  # by the operands each program streams: Q and dO of its heads (dK/dV), K and V (dQ).
+  dkv_grid, dq_grid = (nk_dkv, batch, kv_heads * splits), (nq_dq, batch, heads)
+  itemsize = q.dtype.itemsize
+  dkv_order = dict(grid=dkv_grid, group=config_lib.order_group(
+      device, 2 * q_pad * dp * itemsize * groups // splits))
+  dq_order = dict(grid=dq_grid, group=config_lib.order_group(device, 2 * kv_pad * dp * itemsize))
   if impl == "triton_split":
-    dk, dv = call(functools.partial(_dkv_kernel, tm=tm_dkv, onepass=False, n_outer=nk_dkv, **dkv_kw),
-                  grid=(nk_dkv, batch, kv_heads * splits), out_shape=dkv_shape,
-                  name="probjax_attention_bwd_dkv")(*ops, *mops_dkv)
-    dq = call(functools.partial(_dq_kernel, tm=tm_dq, n_outer=nq_dq, **dq_kw), grid=(nq_dq, batch, heads),
+    dk, dv = call(functools.partial(_dkv_kernel, tm=tm_dkv, onepass=False, **dkv_order, **dkv_kw),
+                  grid=dkv_grid, out_shape=dkv_shape, name="probjax_attention_bwd_dkv")(*ops, *mops_dkv)
+    dq = call(functools.partial(_dq_kernel, tm=tm_dq, **dq_order, **dq_kw), grid=dq_grid,
               out_shape=dq_shape, name="probjax_attention_bwd_dq")(*ops, *mops_dq)
   elif impl == "triton_fused":
     dq, dk, dv = call(
@@ -241,8 +246,8 @@ def backward(q, k, v, out, lse, do, mask: Mask | None, *, scale: float,
   elif impl == "triton_onepass":  # dQ accumulates in a float32 buffer padded to whole tiles
     dq_acc = jnp.zeros((batch, q_pad, heads, dp), jnp.float32)
     n_in = len(ops) + len(mops_dkv)
-    dq, dk, dv = call(functools.partial(_dkv_kernel, tm=tm_dkv, onepass=True, n_outer=nk_dkv, **dkv_kw),
-                      grid=(nk_dkv, batch, kv_heads * splits),
+    dq, dk, dv = call(functools.partial(_dkv_kernel, tm=tm_dkv, onepass=True, **dkv_order, **dkv_kw),
+                      grid=dkv_grid,
                       out_shape=(jax.ShapeDtypeStruct(dq_acc.shape, jnp.float32), *dkv_shape),
                       input_output_aliases={n_in: 0},
                       name="probjax_attention_bwd_onepass")(*ops, *mops_dkv, dq_acc)

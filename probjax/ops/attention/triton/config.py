@@ -39,6 +39,19 @@ SMEM_LIMIT = {
 }
 DEFAULT_SMEM_LIMIT = 101376  # unknown GPUs: assume the small-SMEM class
 
+# L2 cache bytes by compute capability (vendor data sheets: H100/H200 50 MB, A100 40 MB,
+# RTX 3090 6 MB, L4 48 MB); unknown devices assume the smallest.
+L2_BYTES = {"sm_90": 50 << 20, "sm_80": 40 << 20, "sm_86": 6 << 20, "sm_89": 48 << 20}
+DEFAULT_L2_BYTES = 6 << 20
+
+
+def order_group(device: str, bytes_per_pair: int) -> int:
+  """(batch, head) pairs whose streamed operands (``bytes_per_pair`` each) fit half of
+  ``device``'s L2: the group a causal-like grid runs heaviest-first across
+  (:func:`.tiles.program_tile`)."""
+  return max(1, (L2_BYTES.get(device, DEFAULT_L2_BYTES) // 2) // max(1, bytes_per_pair))
+
+
 # Streaming multiprocessors, where the device does not report them (interpret mode).
 SM_COUNT = {"sm_90": 132, "sm_80": 108, "sm_86": 82, "sm_89": 128}
 DEFAULT_SM_COUNT = 132

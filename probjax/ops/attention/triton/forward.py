@@ -16,17 +16,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from probjax.ops.attention.masks import Mask
+from probjax.ops.attention.triton import config as config_lib
 from probjax.ops.attention.triton import tiles
 from probjax.ops.attention.triton.config import ForwardConfig
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, *refs, tm: tiles.TileMask, scale: float,
                     score_mod: Callable | None, groups: int, block_q: int, block_k: int,
-                    num_kv_tiles: int, num_q_tiles: int, fast_exp2: bool):
+                    num_kv_tiles: int, fast_exp2: bool, grid: tuple, group: int):
   mr = tiles.MaskRefs.unpack(tm, refs[:-2])
   o_ref, lse_ref = refs[-2:]
-  i = tiles.longest_first(tm, pl.program_id(0), num_q_tiles, by_q=True)
-  b, h = pl.program_id(1), pl.program_id(2)
+  i, b, h = tiles.program_tile(tm, *grid, group, by_q=True)
   hkv = h // groups
   q_start = i * block_q
   d = q_ref.shape[-1]
@@ -69,13 +69,16 @@ def forward(q, k, v, mask: Mask | None, *, scale: float, score_mod: Callable | N
   q_pad, kv_pad = tiles.round_up(q_len, bq), tiles.round_up(kv_len, bk)
   qp, kp, vp = (tiles.pad_axis(x, 3, dp) for x in (q, k, v))  # sequence axes: masked tiles
   tm, mask_ops = tiles.mask_operands(mask, batch, q_len, kv_len, q_pad, kv_pad, bq, bk, by_q=True)
+  grid = (q_pad // bq, batch, heads)
+  device = "interpret" if interpret else config_lib.device_kind()
+  group = config_lib.order_group(device, 2 * kv_pad * dp * k.dtype.itemsize)  # tiles.program_tile
   kernel = functools.partial(
       _forward_kernel, tm=tm, scale=scale, score_mod=score_mod, groups=heads // kv_heads,
-      block_q=bq, block_k=bk, num_kv_tiles=kv_pad // bk, num_q_tiles=q_pad // bq,
-      fast_exp2=config.fast_exp2 and not interpret)
+      block_q=bq, block_k=bk, num_kv_tiles=kv_pad // bk,
+      fast_exp2=config.fast_exp2 and not interpret, grid=grid, group=group)
   out, lse = pl.pallas_call(
       kernel,
-      grid=(q_pad // bq, batch, heads),
+      grid=grid,
       out_shape=(jax.ShapeDtypeStruct((batch, q_len, heads, dp), q.dtype),
                  jax.ShapeDtypeStruct((batch, heads, q_pad), jnp.float32)),
       compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),

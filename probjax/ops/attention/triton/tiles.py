@@ -162,6 +162,28 @@ def longest_first(tm: TileMask, tile, n_tiles: int, *, by_q: bool):
   return n_tiles - 1 - tile if grows else tile
 
 
+def program_tile(tm: TileMask, n_tiles: int, ny: int, nz: int, group: int, *, by_q: bool):
+  """``(outer tile, y, z)`` of this program of a ``(n_tiles, ny, nz)`` grid. The hardware
+  starts programs in grid order (axis 0 fastest). Where the band makes the outer tiles' work
+  grow (causal-like), programs run heaviest tile first across groups of ``group`` (y, z)
+  pairs (:func:`heavy_first_order`), so the kernel ends on light programs while a group's
+  streamed operands stay in L2; otherwise in grid order, one pair's tiles side by side."""
+  x, y, z = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  if not Mask(lower=tm.lower, upper=tm.upper).work_grows(by_q=by_q):
+    return x, y, z
+  return heavy_first_order(x + n_tiles * (y + ny * z), n_tiles, ny, nz, group)
+
+
+def heavy_first_order(n, n_tiles: int, ny: int, nz: int, group: int):
+  """``(tile, y, z)`` of the ``n``-th program: groups of ``group`` (y, z) pairs (y fastest) in
+  turn, each taking tile ``n_tiles - 1`` of every pair, then ``n_tiles - 2``, ..."""
+  span = n_tiles * group
+  chunk, r = n // span, n % span
+  size = jnp.minimum(group, ny * nz - chunk * group)  # the last group may be smaller
+  pair = chunk * group + r % size
+  return n_tiles - 1 - r // size, pair % ny, pair // ny
+
+
 def tile_loop(tm: TileMask, mr: MaskRefs, b, tile, n_static: int, body, carry, *, by_q: bool,
               block_outer: int, block_inner: int):
   """Runs ``carry = body(j, carry, masked)`` over the inner tiles of outer tile ``tile``.
