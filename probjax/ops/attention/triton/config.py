@@ -50,7 +50,8 @@ def order_group(device: str, bytes_per_pair: int) -> int:
   ``device``'s L2: the group a causal-like grid runs heaviest-first across
   (:func:`.tiles.program_tile`). Half the L2 was too much on the H200: causal forward B4 H8
   T8192 D128 took 1.417 ms in groups of 6 heads (24 MiB of K/V) against 1.280 in grid order
-  (gpu_attention.json, 89fb5b0 against 8e323ec), while smaller sets gained (T2048 D64
+  (triton_causal_order_half_l2.json, 89fb5b0, against gpu_attention.json at 8e323ec), while
+  smaller sets gained (T2048 D64
   0.101 -> 0.063 ms)."""
   return max(1, (L2_BYTES.get(device, DEFAULT_L2_BYTES) // 4) // max(1, bytes_per_pair))
 
