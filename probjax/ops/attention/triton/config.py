@@ -46,14 +46,13 @@ DEFAULT_L2_BYTES = 6 << 20
 
 
 def order_group(device: str, bytes_per_pair: int) -> int:
-  """(batch, head) pairs whose streamed operands (``bytes_per_pair`` each) fit a quarter of
-  ``device``'s L2: the group a causal-like grid runs heaviest-first across
-  (:func:`.tiles.program_tile`). Half the L2 was too much on the H200: causal forward B4 H8
-  T8192 D128 took 1.417 ms in groups of 6 heads (24 MiB of K/V) against 1.280 in grid order
-  (triton_causal_order_half_l2.json, 89fb5b0, against gpu_attention.json at 8e323ec), while
-  smaller sets gained (T2048 D64
-  0.101 -> 0.063 ms)."""
-  return max(1, (L2_BYTES.get(device, DEFAULT_L2_BYTES) // 4) // max(1, bytes_per_pair))
+  """(batch, head) pairs whose streamed operands (``bytes_per_pair`` each) fit half of
+  ``device``'s L2: at most the group a causal-like grid runs heaviest-first across
+  (:func:`.tiles.program_tile`). On the H200, groups of 24 MiB of K/V gained where the last
+  group was not small (causal forward B4 H8 T4096 D128 0.386 -> 0.366 ms, T8192 D64 0.798 ->
+  0.743); a last group of 2 heads cost more than that (T8192 D128 1.280 -> 1.417):
+  ``triton_causal_order_half_l2.json`` (89fb5b0); hence groups of near-equal size."""
+  return max(1, (L2_BYTES.get(device, DEFAULT_L2_BYTES) // 2) // max(1, bytes_per_pair))
 
 
 # Streaming multiprocessors, where the device does not report them (interpret mode).

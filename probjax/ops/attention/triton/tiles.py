@@ -175,12 +175,18 @@ def program_tile(tm: TileMask, n_tiles: int, ny: int, nz: int, group: int, *, by
 
 
 def heavy_first_order(n, n_tiles: int, ny: int, nz: int, group: int):
-  """``(tile, y, z)`` of the ``n``-th program: groups of ``group`` (y, z) pairs (y fastest) in
-  turn, each taking tile ``n_tiles - 1`` of every pair, then ``n_tiles - 2``, ..."""
-  span = n_tiles * group
-  chunk, r = n // span, n % span
-  size = jnp.minimum(group, ny * nz - chunk * group)  # the last group may be smaller
-  pair = chunk * group + r % size
+  """``(tile, y, z)`` of the ``n``-th program: the (y, z) pairs (y fastest) in
+  ``ceil(pairs / group)`` groups of near-equal size (a small last group would end the kernel
+  on a few heavy programs), in turn, each taking tile ``n_tiles - 1`` of every pair, then
+  ``n_tiles - 2``, ..."""
+  pairs = ny * nz
+  n_groups = -(-pairs // group)
+  first = lambda c: c * pairs // n_groups  # the group's first pair
+  done = n // n_tiles  # whole pairs' worth of programs before this one
+  c = ((done + 1) * n_groups + pairs - 1) // pairs - 1
+  start, size = first(c), first(c + 1) - first(c)
+  r = n - start * n_tiles
+  pair = start + r % size
   return n_tiles - 1 - r // size, pair % ny, pair // ny
 
 
