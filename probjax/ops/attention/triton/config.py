@@ -48,10 +48,10 @@ DEFAULT_L2_BYTES = 6 << 20
 def order_group(device: str, bytes_per_pair: int) -> int:
   """(batch, head) pairs whose streamed operands (``bytes_per_pair`` each) fit half of
   ``device``'s L2: at most the group a causal-like grid runs heaviest-first across
-  (:func:`.tiles.program_tile`). On the H200, groups of 24 MiB of K/V gained where the last
-  group was not small (causal forward B4 H8 T4096 D128 0.386 -> 0.366 ms, T8192 D64 0.798 ->
-  0.743); a last group of 2 heads cost more than that (T8192 D128 1.280 -> 1.417):
-  ``triton_causal_order_half_l2.json`` (89fb5b0); hence groups of near-equal size."""
+  (:func:`.tiles.program_tile`, groups of near-equal size). H200, causal Triton forward B4 H8,
+  grid order -> near-equal groups (gpu_attention.json, ce006fd): T2048 D64 0.101 -> 0.061 ms,
+  T8192 D128 1.280 -> 1.205. Groups split unevenly, a last group of 2 heads took T8192 D128 to
+  1.417 (docs/benchmarks/experiments/, with a quarter of the L2 too)."""
   return max(1, (L2_BYTES.get(device, DEFAULT_L2_BYTES) // 2) // max(1, bytes_per_pair))
 
 
