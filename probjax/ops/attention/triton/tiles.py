@@ -171,6 +171,9 @@ def program_tile(tm: TileMask, n_tiles: int, ny: int, nz: int, group: int, *, by
   x, y, z = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   if not Mask(lower=tm.lower, upper=tm.upper).work_grows(by_q=by_q):
     return x, y, z
+  pairs = ny * nz
+  if max(n_tiles, -(-pairs // group)) * pairs >= 2**31:  # int32 index arithmetic: within a pair only
+    return n_tiles - 1 - x, y, z
   return heavy_first_order(x + n_tiles * (y + ny * z), n_tiles, ny, nz, group)
 
 
