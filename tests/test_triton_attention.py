@@ -154,14 +154,15 @@ def test_heavy_first_order_is_a_permutation(n_tiles, ny, nz, group):
   assert cfg.order_group("sm_90", 8 << 20) == 3 and cfg.order_group("sm_86", 1 << 30) == 1
 
 
-@pytest.mark.parametrize("impl", ["triton_split", "triton_onepass"])
-def test_causal_grids_in_groups_of_heads(monkeypatch, impl):
-  # Groups of 1 and 3 (batch, head) pairs, the last one smaller: each program still computes
-  # its own tile exactly.
+@pytest.mark.parametrize("impl,mask_name", [("triton_split", "causal"), ("triton_onepass", "causal"),
+                                            ("triton_split", "segments_causal")])
+def test_causal_grids_in_groups_of_heads(monkeypatch, impl, mask_name):
+  # Groups of at most 1 and 3 (batch, head) pairs (8 pairs: 3, 3, 2): each program still
+  # computes its own tile exactly.
   q, k, v, do = _inputs(13, 2, 70, 70, 4, 2, 32, jnp.float32)
   for group in (1, 3):
     monkeypatch.setattr(cfg, "order_group", lambda device, nbytes, g=group: g)
-    _check(q, k, v, do, mask=CausalMask(), impl=impl)
+    _check(q, k, v, do, mask=_mask(mask_name, 2, 70, 70), impl=impl)
 
 
 def test_group_splits_choice():
