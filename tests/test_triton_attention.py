@@ -157,7 +157,7 @@ def test_heavy_first_order_is_a_permutation(n_tiles, ny, nz, group):
 @pytest.mark.parametrize("impl,mask_name", [("triton_split", "causal"), ("triton_onepass", "causal"),
                                             ("triton_split", "segments_causal")])
 def test_causal_grids_in_groups_of_heads(monkeypatch, impl, mask_name):
-  # Groups of at most 1 and 3 (batch, head) pairs (8 pairs: 3, 3, 2): each program still
+  # Groups of at most 1 and 3 (batch, head) pairs (the forward's 8 pairs: 2, 3, 3): each program still
   # computes its own tile exactly.
   q, k, v, do = _inputs(13, 2, 70, 70, 4, 2, 32, jnp.float32)
   for group in (1, 3):
