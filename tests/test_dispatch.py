@@ -93,7 +93,8 @@ def test_sm90_long_calls_run_mosaic_where_triton_would():
     long = decide(((4, 8192, 8, d), (4, 8192, 8, d)), mask=docs)
     assert long.backward_pass_impl == ("mosaic" if d in bwd_min and 4 * 8 * 8192**2 >= bwd_min[d]
                                        else entry.backward_pass_impl), long
-    # The Mosaic kernel takes neither float32 nor score_mod: the Triton kernel keeps them.
+    # float32 (the Mosaic kernel does not take it) and score_mod (the table's Mosaic rows have
+    # none) keep the Triton kernel.
     assert decide(shapes, dtype=jnp.float32, mask=M.CausalMask()).implementation == "triton"
     assert decide(shapes, score_mod=lambda s, *idx: s).implementation == "triton"
   assert decide(((4, 8192, 8, 128), (4, 8192, 8, 128)), mask=docs).backward_pass_impl == "mosaic"
@@ -195,8 +196,10 @@ def test_mosaic_only_when_requested():
     decide(implementation="mosaic", dtype=jnp.float32)
   with pytest.raises(ValueError, match="sm_90"):
     decide(implementation="mosaic", device=Device("gpu", (8, 0), 80 << 30))
-  with pytest.raises(ValueError, match="score_mod"):
-    decide(implementation="mosaic", score_mod=lambda s, *idx: s)
+  assert decide(implementation="mosaic", score_mod=lambda s, *idx: s).implementation == "mosaic"
+  slopes = jnp.ones(8)
+  with pytest.raises(ValueError, match="score_mod closes over arrays"):
+    decide(implementation="mosaic", score_mod=lambda s, b, h, qi, ki: s - slopes[h] * (qi - ki))
   assert decide(implementation="mosaic", mask=M.SegmentMask(jnp.zeros((4, 4096), jnp.int32))).implementation == "mosaic"
   assert decide(implementation="mosaic", backward_pass_impl="mosaic").backward_pass_impl == "mosaic"
   for impl in (None, "triton"):

@@ -93,6 +93,32 @@ def test_shapes_dtypes_configs(tq, tk, d, dtype, cfg):
   check_against_reference(_attn(None, cfg), x, grads=False)
 
 
+def _alibi_softcap(s, b, h, q_idx, kv_idx):
+  return 20.0 * jnp.tanh((s - 0.25 * (h + 1) * jnp.abs(q_idx - kv_idx).astype(jnp.float32) / 8) / 20.0)
+
+
+@pytest.mark.parametrize("mask_name,scale", [("none", 0.3), ("causal", -0.3), ("window&segments", None)])
+def test_score_mod(mask_name, scale):
+  # The score modifier in the Mosaic forward (before the mask; a negative scale is fine with
+  # one), its gradient from the Triton backward.
+  x = make_inputs(8, 2, 150, 200, 4, 2, 64, jnp.bfloat16)
+  mask = make_mask(mask_name, 2, 150, 200)
+  f = lambda q, k, v, _: pm.attention(q, k, v, mask=mask, score_mod=_alibi_softcap, scale=scale,
+                                      forward_config=SMALL, interpret=True)
+  check_against_reference(f, x, mask=mask, score_mod=_alibi_softcap, scale=scale)
+  with pytest.raises(ValueError, match="cannot differentiate score_mod"):
+    pm.attention(x.q, x.k, x.v, score_mod=_alibi_softcap, backward_pass_impl="mosaic", interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask_name,d", [("none", 128), ("causal", 64), ("segments", 128)])
+def test_gpu_score_mod(mask_name, d):
+  x = make_inputs(d + 1, 2, 2048, 2048, 8, 2, d, jnp.bfloat16)
+  mask = make_mask(mask_name, 2, 2048, 2048)
+  f = lambda q, k, v, _: pm.attention(q, k, v, mask=mask, score_mod=_alibi_softcap)
+  check_against_reference(f, x, mask=mask, score_mod=_alibi_softcap)
+
+
 def test_rows_without_keys_are_zero():
   # CausalMask(-40): the first 40 queries see no key.
   x = make_inputs(3, 1, 100, 100, 1, 1, 64, jnp.bfloat16)
@@ -133,7 +159,12 @@ def test_supports_reasons():
   assert "head_dim" in s(d=96)
   assert s(mask=M.KVLenMask(jnp.array([5])) & M.CausalMask()) is None
   assert s(mask=M.SegmentMask(jnp.zeros((1, 128), jnp.int32))) is None
-  assert "score_mod" in s(score_mod=lambda x, *a: x)
+  assert s(score_mod=lambda x, *a: x) is None and s(score_mod=lambda x, *a: x, scale=-1.0) is None
+  table = jnp.ones(4)
+  assert "closes over arrays" in s(score_mod=lambda x, b, h, qi, ki: x * table[h])
+  assert "cumsum, which Pallas Mosaic GPU cannot lower" in s(score_mod=lambda x, *a: jnp.cumsum(x, axis=1))
+  assert s(score_mod=lambda x, b, h, qi, ki: jnp.where(qi >= ki, x, -jnp.inf) + jnp.log(h + 1.0)) is None
+  assert "log1p" in s(score_mod=lambda x, *a: jnp.log1p(x))
   assert "scale" in s(scale=-1.0)
   assert "sm_90" in pm.supports((1, 128, 4, 64), (1, 128, 4, 64), jnp.bfloat16, device_kind="sm_80")
   x = make_inputs(0, 1, 64, 64, 1, 1, 64, jnp.float32)

@@ -704,7 +704,8 @@ def masked_section(rows) -> str:
   impl_list = impl_order(r["impl"] for r in m)
   return (f"Masked attention, {DTYPE_SHORT.get(r0['dtype'], r0['dtype'])}, batch {r0['batch']}, "
           f"{r0['q_heads']} heads, head_dim {r0['head_dim']}, T = {r0['q_len']} (ms; window512 = causal "
-          f"with 512 keys to the left, docs4 = 4 equal packed documents):\n\n"
+          f"with 512 keys to the left, docs4 = 4 equal packed documents, softcap30 = causal with the "
+          f"score modifier 30·tanh(s/30)):\n\n"
           + md_table(["mask", "mode"] + [label(i) for i in impl_list],
                      [[mk, md] + [cell(idx.get((i, mk, md))) for i in impl_list] for mk, md in cfgs]))
 

@@ -69,18 +69,20 @@ def masked_cases(args):
     impl_list = ("probjax_default", "torch_flex")
   else:
     shapes = [(1, 16, 16384, 128)]
-    masks = ("window512", "docs4", "docs4_causal")
+    masks = ("window512", "docs4", "docs4_causal", "softcap30")
     impl_list = MASKED_IMPLS
   cases = []
   for b, h, t, d in shapes:
     for mask in masks:
       for mode in ("fwd", "fwd_bwd"):
         for impl in impl_list:
-          if mask != "window512" and not (impl.startswith("probjax") or impl == "torch_flex"):
+          if mask == "softcap30" and impl == "jaxnn_cudnn":
+            continue  # no score modifier in jax.nn
+          if mask not in ("window512", "softcap30") and not (impl.startswith("probjax") or impl == "torch_flex"):
             continue
           dtype = "float32" if args.quick else "bfloat16"
           cases.append(impls.timed_case("masked", impl, dtype, b, h, h, t, t, d,
-                                        mask in ("window512", "docs4_causal"), mode, timing,
+                                        mask in ("window512", "docs4_causal", "softcap30"), mode, timing,
                                         mask=mask))
   return cases
 

@@ -7,7 +7,8 @@ and torch receives them transposed to [B, H, T, D]. Missing libraries or
 entry points raise :class:`harness.Unsupported` (-> status "unsupported").
 
 Mask names: "none", "window512" (causal, 512 keys to the left), "docs4"
-(4 equal packed documents), "docs4_causal".
+(4 equal packed documents), "docs4_causal", "softcap30" (causal, with the score modifier
+``30 * tanh(score / 30)``: a functional bias, Gemma-2's logit soft-capping).
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ TOKAMAX_IMPLS = {"tokamax_mosaic": "mosaic", "tokamax_triton": "triton", "tokama
                  "tokamax_xla_chunked": "xla_chunked"}
 NO_FP32 = {"jaxnn_cudnn", "torch_sdpa_flash", "torch_sdpa_cudnn", "tokamax_cudnn", "probjax_cudnn",
            "probjax_mosaic", "probjax_mosaic_bwd"}
-MASKS = ("none", "window512", "docs4", "docs4_causal")
+MASKS = ("none", "window512", "docs4", "docs4_causal", "softcap30")
+SOFTCAP = 30.0
 
 
 # ---------------------------------------------------------------------------
@@ -103,6 +105,9 @@ def probjax_mask(mask: str, causal: bool, batch: int, q_len: int, kv_len: int):
   """Returns (mask_obj or None, is_causal flag) for probjax."""
   if mask == "none":
     return None, causal
+  if mask == "softcap30":
+    from probjax.ops.attention import masks as M
+    return M.CausalMask(), False
   from probjax.ops.attention import masks as M
   if mask == "window512":
     return M.LocalWindowMask(left=512, right=0), False
@@ -170,12 +175,15 @@ def build_jax_side(impl, arrays, dtype, causal, mode, mask="none", compile_only=
     if impl not in PROBJAX_IMPLS:
       raise Unsupported(f"unknown probjax impl {impl}")
     mobj, is_causal = probjax_mask(mask, causal, b, tq, tk)
-    return _jax_fn(probjax_attn(impl, is_causal, mobj), arrays, dtype, mode, compile_only)
-  if mask not in ("none", "window512"):
+    extra = {"score_mod": softcap_score_mod(jnp_tanh())} if mask == "softcap30" else None
+    return _jax_fn(probjax_attn(impl, is_causal, mobj, extra), arrays, dtype, mode, compile_only)
+  if mask not in ("none", "window512") and not (mask == "softcap30" and impl in TOKAMAX_IMPLS):
     raise Unsupported(f"{impl} is not run with mask {mask}")
   kw = {"is_causal": causal}
   if mask == "window512":  # causal, 512 keys to the left (local_window_size=(left, right))
     kw = {"is_causal": True, "local_window_size": (512, 0)}
+  if mask == "softcap30":  # tokamax's own soft-capping argument
+    kw = {"is_causal": True, "logits_soft_cap": SOFTCAP}
   if impl in JAXNN_IMPLS:
     which = JAXNN_IMPLS[impl]
     if which == "cudnn":
@@ -251,6 +259,8 @@ def build_torch(impl, arrays, dtype, causal, mode, mask="none", device="cuda"):
     bm = None if mm is None else create_block_mask(mm, B=None, H=None, Q_LEN=tq, KV_LEN=tk, device=dev)
     _FLEX_CACHE[key] = (compiled, bm)
     kw = {"block_mask": bm}
+    if mask == "softcap30":
+      kw["score_mod"] = softcap_score_mod(torch.tanh)
     if gqa:
       kw["enable_gqa"] = True
 
@@ -271,9 +281,20 @@ def build_torch(impl, arrays, dtype, causal, mode, mask="none", device="cuda"):
   return fn, sync
 
 
+def softcap_score_mod(tanh):
+  """The "softcap30" score modifier, ``f(score, b, h, q_idx, kv_idx)``, with ``tanh`` of the
+  framework (jnp or torch)."""
+  return lambda s, b, h, qi, ki: SOFTCAP * tanh(s / SOFTCAP)
+
+
+def jnp_tanh():
+  import jax.numpy as jnp
+  return jnp.tanh
+
+
 def _flex_mask_mod(torch, mask, causal, tq, tk, dev):
-  if mask == "none":
-    if not causal:
+  if mask == "none" or mask == "softcap30":
+    if not (causal or mask == "softcap30"):
       return None
     return lambda b, h, qi, ki: qi >= ki
   if mask == "window512":
@@ -348,7 +369,9 @@ def reference_slice(arrays, dtype, causal, mask, n=CHECK_ROWS):
   s = q0 @ k0.T / np.sqrt(d)
   qi, ki = np.arange(n)[:, None], np.arange(tk)[None, :]
   valid = np.ones((n, tk), bool)
-  if causal or mask in ("window512", "docs4_causal"):
+  if mask == "softcap30":
+    s = SOFTCAP * np.tanh(s / SOFTCAP)
+  if causal or mask in ("window512", "docs4_causal", "softcap30"):
     valid &= ki <= qi
   if mask == "window512":
     valid &= ki >= qi - 512

@@ -189,7 +189,7 @@ def _attention(query, key, value, shape: base.AttentionShape, *, bias=None, mask
   def mosaic_fast(q, k, v, mask):
     from probjax.ops.attention import mosaic_gpu as mosaic_backend
     return mosaic_backend.attention(
-        q, k, v, mask=mask, scale=scale, backward_pass_impl=decision.backward_pass_impl,
+        q, k, v, mask=mask, score_mod=score_mod, scale=scale, backward_pass_impl=decision.backward_pass_impl,
         forward_config=forward_config, backward_config=backward_config, interpret=interpret)
 
   def triton_fast(q, k, v, mask):

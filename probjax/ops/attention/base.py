@@ -114,3 +114,21 @@ def check_dropout(dropout_rate, dropout_rng, deterministic):
   if dropout_rng is None:
     raise ValueError("dropout_rng is required when dropout_rate > 0 and deterministic is False")
   return float(dropout_rate), dropout_rng
+
+
+def score_mod_reason(score_mod) -> str | None:
+  """Why a kernel cannot trace ``score_mod`` on a tile (it closes over arrays, or fails on
+  float32 ``[16, 16]`` scores with scalar ``b``, ``h`` and broadcast indices), or None."""
+  if score_mod is None:
+    return None
+  args = (jax.ShapeDtypeStruct((16, 16), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32),
+          jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((16, 1), jnp.int32),
+          jax.ShapeDtypeStruct((1, 16), jnp.int32))
+  try:
+    if jax.closure_convert(score_mod, *args)[1]:
+      return "score_mod closes over traced arrays"
+    if jax.make_jaxpr(score_mod)(*args).consts:
+      return "score_mod closes over arrays"
+  except Exception as e:  # noqa: BLE001 -- any tracing failure means "not this kernel"
+    return f"score_mod not traceable on a tile ({type(e).__name__})"
+  return None

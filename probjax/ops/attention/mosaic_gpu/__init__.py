@@ -5,8 +5,8 @@ Built so far (16-bit, head_dim 64/128/256, every position mask -- causal/window 
 per-batch query/key lengths, segment ids -- with tile skipping, GQA, any length): the
 forward (:mod:`.forward`) and a deterministic two-kernel backward (:mod:`.backward`,
 ``backward_pass_impl="mosaic"``, head_dim up to 128); other ``backward_pass_impl`` values run
-the Triton kernels' backward on the same residuals. Not yet: ``score_mod``. The default
-dispatch picks it on sm_90 where the device table measured it faster
+the Triton kernels' backward on the same residuals. ``score_mod`` runs in the forward, with
+the Triton backward (the Mosaic backward does not take it). The default dispatch picks it on sm_90 where the device table measured it faster
 (:mod:`probjax.nn.layers.attention_device`); ``implementation="mosaic"`` asks for it.
 """
 
@@ -19,8 +19,9 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.extend import core as jex_core
 
-from probjax.ops.attention.base import check_kernel_call
+from probjax.ops.attention.base import check_kernel_call, score_mod_reason
 from probjax.ops.attention.masks import Mask
 from probjax.ops.attention.mosaic_gpu import backward as backward_lib
 from probjax.ops.attention.mosaic_gpu import config as config_lib
@@ -44,8 +45,7 @@ def supports(q_shape, kv_shape, dtype, *, mask: Mask | None = None, score_mod: C
     q_shape: ``(batch, q_len, heads, head_dim)``; kv_shape: ``(batch, kv_len, kv_heads, head_dim)``.
     device_kind: ``"sm_90"`` etc. (default: the current device's).
   """
-  for present, what in ((bias, "additive bias"), (dense_mask, "dense boolean mask"), (dropout, "dropout"),
-                        (score_mod is not None, "score_mod (not in the Mosaic kernel yet)")):
+  for present, what in ((bias, "additive bias"), (dense_mask, "dense boolean mask"), (dropout, "dropout")):
     if present:
       return what
   if not interpret:
@@ -67,13 +67,36 @@ def supports(q_shape, kv_shape, dtype, *, mask: Mask | None = None, score_mod: C
   if mask is not None:
     if not isinstance(mask, Mask):
       return f"mask of type {type(mask).__name__}"
-  if scale is not None and not scale > 0:
-    return f"scale {scale} (the Mosaic kernel takes a positive scale)"
+  if scale is not None and not scale > 0 and score_mod is None:
+    return f"scale {scale} (without score_mod the Mosaic kernel takes a positive scale)"
+  return score_mod_reason(score_mod) or _lowerable(score_mod)
+
+
+def _lowerable(score_mod: Callable | None) -> str | None:
+  """The first operation of ``score_mod`` (traced on a float32 ``[64, 128]`` tile with full
+  index tiles, as the kernel calls it) that Pallas Mosaic GPU has no lowering for, or None:
+  such a call is refused here rather than failing when the kernel lowers."""
+  if score_mod is None:
+    return None
+  from jax._src.pallas.mosaic_gpu import core as mgpu_core
+  from jax._src.pallas.mosaic_gpu import lowering as mgpu_lowering
+  rules = mgpu_lowering.mosaic_lowering_rules[mgpu_core.WGxWG_SEMANTICS]
+  tile = lambda dt: jax.ShapeDtypeStruct((64, 128), dt)
+  scalar = jax.ShapeDtypeStruct((), jnp.int32)
+  jaxprs = [jax.make_jaxpr(score_mod)(tile(jnp.float32), scalar, scalar, tile(jnp.int32), tile(jnp.int32)).jaxpr]
+  while jaxprs:
+    for eqn in jaxprs.pop().eqns:
+      if eqn.primitive not in rules:
+        return f"score_mod uses {eqn.primitive.name}, which Pallas Mosaic GPU cannot lower"
+      for p in eqn.params.values():
+        jaxprs += [j.jaxpr if isinstance(j, jex_core.ClosedJaxpr) else j
+                   for j in (p if isinstance(p, (tuple, list)) else (p,))
+                   if isinstance(j, (jex_core.Jaxpr, jex_core.ClosedJaxpr))]
   return None
 
 
-def attention(q, k, v, *, mask: Mask | None = None, scale: float | None = None,
-              backward_pass_impl: str = "auto", forward_config: MosaicForwardConfig | None = None,
+def attention(q, k, v, *, mask: Mask | None = None, score_mod: Callable | None = None,
+              scale: float | None = None, backward_pass_impl: str = "auto", forward_config: MosaicForwardConfig | None = None,
               backward_config: BackwardConfig | MosaicBackwardConfig | None = None,
               interpret: bool = False):
   """Exact attention with the Mosaic GPU forward and the Triton backward.
@@ -83,6 +106,9 @@ def attention(q, k, v, *, mask: Mask | None = None, scale: float | None = None,
       bfloat16 or float16, ``heads % kv_heads == 0``.
     mask: any position mask (band, per-batch lengths, segment ids, their ``&``); rows
       without a valid key give zeros.
+    score_mod: ``f(score, b, h, q_idx, kv_idx) -> score`` on float32 scores after scaling,
+      before the mask (``q_idx``/``kv_idx`` full int32 tiles of the score's shape); it must
+      not close over arrays. The Triton backward differentiates it.
     backward_pass_impl: ``"mosaic"`` (this package's backward, :mod:`.backward`), or the
       Triton backward's variant (``"auto"``, ``"triton_*"``, see :mod:`probjax.ops.attention.triton`):
       "auto" is the Triton backward (with the Mosaic forward, fwd+bwd bf16 T4096: D64 1.22 ms
@@ -96,8 +122,8 @@ def attention(q, k, v, *, mask: Mask | None = None, scale: float | None = None,
   """
   if forward_config is not None and not isinstance(forward_config, MosaicForwardConfig):
     raise TypeError(f"forward_config must be a MosaicForwardConfig, got {type(forward_config).__name__}")
-  check_kernel_call("mosaic", supports(q.shape, k.shape, q.dtype, mask=mask, scale=scale, interpret=interpret),
-                    q, k, v, mask)
+  check_kernel_call("mosaic", supports(q.shape, k.shape, q.dtype, mask=mask, score_mod=score_mod, scale=scale,
+                                      interpret=interpret), q, k, v, mask)
   scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
   device = "interpret" if interpret else triton_config.device_kind()
   itemsize, d = jnp.dtype(q.dtype).itemsize, q.shape[-1]
@@ -107,9 +133,12 @@ def attention(q, k, v, *, mask: Mask | None = None, scale: float | None = None,
     raise TypeError(f"backward_config {type(backward_config).__name__} does not match "
                     f"backward_pass_impl={backward_pass_impl!r} (MosaicBackwardConfig goes with 'mosaic')")
   if mosaic_bwd:
+    if score_mod is not None:
+      raise ValueError("backward_pass_impl='mosaic' cannot differentiate score_mod; the Triton backward "
+                       "(backward_pass_impl='auto' or 'triton_*') does")
     bcfg = backward_lib.fit(backward_config, itemsize, d, device)
     return _attention(_Static(scale, cfg, bcfg, bool(interpret)), q, k, v, mask)
-  return attention_with_forward(q, k, v, mask, scale=scale, mosaic_config=cfg,
+  return attention_with_forward(q, k, v, mask, scale=scale, mosaic_config=cfg, score_mod=score_mod,
                                 backward_pass_impl=backward_pass_impl, backward_config=backward_config,
                                 interpret=interpret)
 

@@ -36,11 +36,13 @@ from probjax.ops.attention.mosaic_gpu.config import MosaicForwardConfig
 def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, order_ref, o_ref, lse_ref, q_smem, k_smem,
             v_smem, lse_smem, qid_smem, kid_smem, q_bar, k_ready, v_ready, kid_ready, k_free, v_free,
             sched_bar, *staging, band: Mask | None, lengths: bool, segments: bool, scale: float,
-            groups: int, cfg, q_len: int, kv_len: int, dtype, grid: tuple[int, int, int], num_ctas: int,
-            by_work: bool):
+            score_mod, groups: int, cfg, q_len: int, kv_len: int, dtype, grid: tuple[int, int, int],
+            num_ctas: int, by_work: bool):
   bq, bk, stages, wgs = cfg.block_q, cfg.block_k, cfg.num_stages, cfg.compute_wgs
   wg = lax.axis_index("wg")
-  c = scale * C.LOG2E
+  # Base-2 exponent of a score t: t * c (the scale folded in), or with score_mod, which takes
+  # the scaled score, t = score_mod(scale * q k^T, ...) and c = log2(e).
+  c = C.LOG2E if score_mod is not None else scale * C.LOG2E
   # staging: the output tiles' own buffer when persistent, then P's (interpret mode only).
   o_smem = staging[0] if cfg.persistent else q_smem
   p_smem = staging[int(cfg.persistent)] if len(staging) > int(cfg.persistent) else None
@@ -101,8 +103,11 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, order_ref, 
         acc, m, l = carry
         slot = slot_of(j)
         t = C.mma(q_smem.at[wg], k_smem.at[slot].T, (bq, bk), during=schedule)
-        if masked:
+        if masked or score_mod is not None:
           qi, ki = C.iotas(bq, bk, q_start, j * bk)
+        if score_mod is not None:  # before the mask, as in the other backends
+          t = score_mod(t * scale, b, h, qi, ki)
+        if masked:
           ok = C.element_ok(band, qi, ki, q_len, kv_len, *valid)
           if segments:
             plgpu.barrier_wait(kid_ready.at[slot])
@@ -226,13 +231,14 @@ def _num_sms() -> int:
 
 
 def forward(q, k, v, mask: Mask | None, *, scale: float, config: MosaicForwardConfig,
-            interpret: bool):
+            interpret: bool, score_mod=None):
   """Attention forward.
 
   Args:
     q: ``[batch, q_len, heads, head_dim]``; k, v: ``[batch, kv_len, kv_heads, head_dim]``;
       bfloat16 or float16, head_dim a multiple of 64; mask: any position mask (band,
-      per-batch lengths, segment ids).
+      per-batch lengths, segment ids); score_mod: ``f(score, b, h, q_idx, kv_idx)`` on the
+      float32 scaled scores, before the mask (indices as full ``[64, block_k]`` tiles).
   Returns:
     ``(out [batch, q_len, heads, head_dim], lse [batch, heads, q_len] float32)``, lse the
     natural log-sum-exp (``+inf`` for rows without a valid key).
@@ -288,7 +294,7 @@ def forward(q, k, v, mask: Mask | None, *, scale: float, config: MosaicForwardCo
       with jax.ensure_compile_time_eval():
         order = work_order(work(lens, None))
   kernel = functools.partial(_kernel, band=band, lengths=lengths, segments=segments, scale=scale,
-                             groups=heads // kv_heads, cfg=cfg, q_len=q_len, kv_len=kv_len, dtype=q.dtype,
+                             score_mod=score_mod, groups=heads // kv_heads, cfg=cfg, q_len=q_len, kv_len=kv_len, dtype=q.dtype,
                              grid=tiles, num_ctas=grid[0] if cfg.persistent else 0, by_work=by_work)
   out, lse = plgpu.kernel(
       kernel,

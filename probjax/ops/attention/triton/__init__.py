@@ -17,7 +17,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from probjax.ops.attention.base import check_kernel_call
+from probjax.ops.attention.base import check_kernel_call, score_mod_reason
 from probjax.ops.attention.masks import Mask
 from probjax.ops.attention.triton import config as config_lib
 from probjax.ops.attention.triton import backward as backward_lib
@@ -30,18 +30,6 @@ __all__ = ["attention", "supports", "ForwardConfig", "BackwardConfig", "SplitKVC
 
 _HEAD_DIMS_MAX = 256
 _DTYPES = ("bfloat16", "float16", "float32")
-
-
-def _score_mod_closure(score_mod: Callable) -> str | None:
-  """Why ``score_mod`` cannot be traced inside a kernel (closed-over arrays), or None."""
-  args = (jax.ShapeDtypeStruct((16, 16), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32),
-          jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((16, 1), jnp.int32),
-          jax.ShapeDtypeStruct((1, 16), jnp.int32))
-  if jax.closure_convert(score_mod, *args)[1]:
-    return "score_mod closes over traced arrays"
-  if jax.make_jaxpr(score_mod)(*args).consts:
-    return "score_mod closes over arrays"
-  return None
 
 
 def supports(q_shape, kv_shape, dtype, *, mask: Mask | None = None,
@@ -78,14 +66,7 @@ def supports(q_shape, kv_shape, dtype, *, mask: Mask | None = None,
     return "empty sequence"
   if mask is not None and not isinstance(mask, Mask):
     return f"mask of type {type(mask).__name__}"
-  if score_mod is not None:
-    try:
-      reason = _score_mod_closure(score_mod)
-      if reason is not None:
-        return reason
-    except Exception as e:  # noqa: BLE001 -- any tracing failure means "not this kernel"
-      return f"score_mod not traceable on a tile ({type(e).__name__})"
-  return None
+  return score_mod_reason(score_mod)
 
 
 def _dtype_name(dtype) -> str:
@@ -133,13 +114,13 @@ def attention(q, k, v, *, mask: Mask | None = None, score_mod: Callable | None =
 
 
 def attention_with_forward(q, k, v, mask: Mask | None, *, scale: float, mosaic_config,
-                           backward_pass_impl: str = "auto", backward_config: BackwardConfig | None = None,
-                           interpret: bool = False):
+                           score_mod: Callable | None = None, backward_pass_impl: str = "auto",
+                           backward_config: BackwardConfig | None = None, interpret: bool = False):
   """Attention whose forward is another kernel's (the Mosaic GPU forward, ``mosaic_config``)
   and whose backward is this module's (same residuals: out and the natural lse). Inputs
   are validated by the caller."""
   _, fcfg, impl, bcfg = _configs(q, k, None, backward_config, backward_pass_impl, interpret)
-  static = _Static(None, float(scale), fcfg, bcfg, impl, None, bool(interpret), mosaic_config)
+  static = _Static(score_mod, float(scale), fcfg, bcfg, impl, None, bool(interpret), mosaic_config)
   return _attention(static, q, k, v, mask)
 
 
@@ -182,7 +163,7 @@ def _fwd(st: _Static, q, k, v, mask):
   if st.mosaic is not None:
     from probjax.ops.attention.mosaic_gpu import forward as mosaic_forward
     out, lse = mosaic_forward.forward(q, k, v, mask, scale=st.scale, config=st.mosaic,
-                                      interpret=st.interpret)
+                                      interpret=st.interpret, score_mod=st.score_mod)
   else:
     out, lse = forward_lib.forward(q, k, v, mask, scale=st.scale, score_mod=st.score_mod,
                                    config=st.fcfg, interpret=st.interpret)
