@@ -34,6 +34,18 @@ def test_generic_rules_send_non_kernel_arguments_to_xla(flag):
   assert decide(device=RTX3090, **{flag: True}).formulation == "auto"  # 8.6 GB of scores: tiled
 
 
+def test_score_mod_the_kernels_cannot_lower_goes_to_xla():
+  # jnp.round has no Pallas Triton lowering: the default takes XLA; asked for, the kernels refuse.
+  rounded = lambda s, *idx: jnp.round(s)
+  d = decide(device=RTX3090, score_mod=rounded)
+  assert d.implementation == "xla" and "round" in d.rule
+  assert decide(score_mod=rounded).implementation == "xla"
+  for impl in ("triton", "mosaic"):
+    with pytest.raises(ValueError, match="round, which Pallas"):
+      decide(implementation=impl, score_mod=rounded)
+  assert decide(device=RTX3090, score_mod=lambda s, b, h, qi, ki: jnp.where(qi >= ki, s, -jnp.inf)).implementation == "triton"
+
+
 def test_precision_goes_to_xla():
   assert decide(device=RTX3090, precision="highest").implementation == "xla"
 

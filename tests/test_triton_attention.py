@@ -323,6 +323,7 @@ def test_supports_reasons():
   s = lambda **kw: pt.supports((2, 64, 4, 64), (2, 64, 2, 64), jnp.bfloat16, interpret=True, **kw)
   assert s() is None and s(mask=CausalMask()) is None
   assert s(score_mod=_alibi_softcap) is None
+  assert s(score_mod=lambda sc, *idx: jnp.round(sc)) == "score_mod (its gradient) uses round, which Pallas Triton cannot lower"
   assert s(bias=True) == "additive bias"
   assert s(dropout=True) == "dropout"
   assert s(dense_mask=True) == "dense boolean mask"

@@ -132,3 +132,30 @@ def score_mod_reason(score_mod) -> str | None:
   except Exception as e:  # noqa: BLE001 -- any tracing failure means "not this kernel"
     return f"score_mod not traceable on a tile ({type(e).__name__})"
   return None
+
+
+def score_mod_unlowerable(score_mod, rules, backend: str, index_shapes, *, grad: bool) -> str | None:
+  """The first operation of ``score_mod`` (and of its vjp when ``grad``), traced on a float32
+  ``[64, 128]`` tile with int32 indices of ``index_shapes``, that has no entry in a Pallas
+  backend's lowering ``rules``, or None. Such a call is refused by ``supports`` (and the
+  default picks another path) rather than failing when the kernel lowers. Necessary, not
+  sufficient: a rule may still reject a dtype or layout."""
+  if score_mod is None:
+    return None
+  from jax.extend import core as jex_core
+  tile = jax.ShapeDtypeStruct((64, 128), jnp.float32)
+  scalar = jax.ShapeDtypeStruct((), jnp.int32)
+  idx = [jax.ShapeDtypeStruct(shape, jnp.int32) for shape in index_shapes]
+  fn = score_mod
+  if grad:
+    fn = lambda s, b, h, qi, ki: jax.vjp(lambda s: score_mod(s, b, h, qi, ki), s)[1](s)
+  jaxprs = [jax.make_jaxpr(fn)(tile, scalar, scalar, *idx).jaxpr]
+  while jaxprs:
+    for eqn in jaxprs.pop().eqns:
+      if eqn.primitive not in rules:
+        return f"score_mod{' (its gradient)' if grad else ''} uses {eqn.primitive.name}, which {backend} cannot lower"
+      for p in eqn.params.values():
+        jaxprs += [j.jaxpr if isinstance(j, jex_core.ClosedJaxpr) else j
+                   for j in (p if isinstance(p, (tuple, list)) else (p,))
+                   if isinstance(j, (jex_core.Jaxpr, jex_core.ClosedJaxpr))]
+  return None

@@ -19,9 +19,8 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-from jax.extend import core as jex_core
 
-from probjax.ops.attention.base import check_kernel_call, score_mod_reason
+from probjax.ops.attention.base import check_kernel_call, score_mod_reason, score_mod_unlowerable
 from probjax.ops.attention.masks import Mask
 from probjax.ops.attention.mosaic_gpu import backward as backward_lib
 from probjax.ops.attention.mosaic_gpu import config as config_lib
@@ -73,11 +72,16 @@ def supports(q_shape, kv_shape, dtype, *, mask: Mask | None = None, score_mod: C
 
 
 def _lowerable(score_mod: Callable | None) -> str | None:
-  """The first operation of ``score_mod`` (traced on a float32 ``[64, 128]`` tile with full
-  index tiles, as the kernel calls it) that Pallas Mosaic GPU has no lowering for, or None:
-  such a call is refused here rather than failing when the kernel lowers."""
+  """Why the kernels cannot lower ``score_mod``: Pallas Mosaic GPU its forward (on the score
+  tile, full index tiles), Pallas Triton its gradient (the Triton backward); or None."""
   if score_mod is None:
     return None
+  from jax._src.pallas.mosaic_gpu import core as mgpu_core
+  from jax._src.pallas.mosaic_gpu import lowering as mgpu_lowering
+  from probjax.ops.attention.triton import triton_lowerable
+  rules = mgpu_lowering.mosaic_lowering_rules[mgpu_core.WGxWG_SEMANTICS]
+  return (score_mod_unlowerable(score_mod, rules, "Pallas Mosaic GPU", ((64, 128), (64, 128)), grad=False)
+          or triton_lowerable(score_mod, grad=True))
   from jax._src.pallas.mosaic_gpu import core as mgpu_core
   from jax._src.pallas.mosaic_gpu import lowering as mgpu_lowering
   rules = mgpu_lowering.mosaic_lowering_rules[mgpu_core.WGxWG_SEMANTICS]

@@ -17,7 +17,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from probjax.ops.attention.base import check_kernel_call, score_mod_reason
+from probjax.ops.attention.base import check_kernel_call, score_mod_reason, score_mod_unlowerable
 from probjax.ops.attention.masks import Mask
 from probjax.ops.attention.triton import config as config_lib
 from probjax.ops.attention.triton import backward as backward_lib
@@ -66,7 +66,15 @@ def supports(q_shape, kv_shape, dtype, *, mask: Mask | None = None,
     return "empty sequence"
   if mask is not None and not isinstance(mask, Mask):
     return f"mask of type {type(mask).__name__}"
-  return score_mod_reason(score_mod)
+  return score_mod_reason(score_mod) or triton_lowerable(score_mod, grad=True)
+
+
+def triton_lowerable(score_mod: Callable | None, *, grad: bool) -> str | None:
+  """Why Pallas Triton cannot lower ``score_mod`` on a tile (``[bq, 1]``/``[1, bk]`` indices;
+  with ``grad``, its vjp too, for the backward), or None."""
+  from jax._src.pallas.triton import lowering as triton_lowering
+  return score_mod_unlowerable(score_mod, triton_lowering.triton_lowering_rules, "Pallas Triton",
+                               ((64, 1), (1, 128)), grad=grad)
 
 
 def _dtype_name(dtype) -> str:
