@@ -27,7 +27,7 @@ from probjax.ops.attention.mosaic_gpu import config as config_lib
 from probjax.ops.attention.mosaic_gpu import forward as forward_lib
 from probjax.ops.attention.mosaic_gpu.backward import MosaicBackwardConfig
 from probjax.ops.attention.mosaic_gpu.config import MosaicForwardConfig
-from probjax.ops.attention.triton import BackwardConfig, attention_with_forward
+from probjax.ops.attention.triton import BackwardConfig, attention_with_forward, triton_lowerable
 from probjax.ops.attention.triton import config as triton_config
 
 __all__ = ["attention", "supports", "MosaicForwardConfig", "MosaicBackwardConfig"]
@@ -78,29 +78,14 @@ def _lowerable(score_mod: Callable | None) -> str | None:
     return None
   from jax._src.pallas.mosaic_gpu import core as mgpu_core
   from jax._src.pallas.mosaic_gpu import lowering as mgpu_lowering
-  from probjax.ops.attention.triton import triton_lowerable
   rules = mgpu_lowering.mosaic_lowering_rules[mgpu_core.WGxWG_SEMANTICS]
   return (score_mod_unlowerable(score_mod, rules, "Pallas Mosaic GPU", ((64, 128), (64, 128)), grad=False)
           or triton_lowerable(score_mod, grad=True))
-  from jax._src.pallas.mosaic_gpu import core as mgpu_core
-  from jax._src.pallas.mosaic_gpu import lowering as mgpu_lowering
-  rules = mgpu_lowering.mosaic_lowering_rules[mgpu_core.WGxWG_SEMANTICS]
-  tile = lambda dt: jax.ShapeDtypeStruct((64, 128), dt)
-  scalar = jax.ShapeDtypeStruct((), jnp.int32)
-  jaxprs = [jax.make_jaxpr(score_mod)(tile(jnp.float32), scalar, scalar, tile(jnp.int32), tile(jnp.int32)).jaxpr]
-  while jaxprs:
-    for eqn in jaxprs.pop().eqns:
-      if eqn.primitive not in rules:
-        return f"score_mod uses {eqn.primitive.name}, which Pallas Mosaic GPU cannot lower"
-      for p in eqn.params.values():
-        jaxprs += [j.jaxpr if isinstance(j, jex_core.ClosedJaxpr) else j
-                   for j in (p if isinstance(p, (tuple, list)) else (p,))
-                   if isinstance(j, (jex_core.Jaxpr, jex_core.ClosedJaxpr))]
-  return None
 
 
 def attention(q, k, v, *, mask: Mask | None = None, score_mod: Callable | None = None,
-              scale: float | None = None, backward_pass_impl: str = "auto", forward_config: MosaicForwardConfig | None = None,
+              scale: float | None = None, backward_pass_impl: str = "auto",
+              forward_config: MosaicForwardConfig | None = None,
               backward_config: BackwardConfig | MosaicBackwardConfig | None = None,
               interpret: bool = False):
   """Exact attention with the Mosaic GPU forward and the Triton backward.
