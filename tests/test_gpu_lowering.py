@@ -298,15 +298,21 @@ def test_mosaic_backward_lowers_for_sm90(monkeypatch, mask_name, d, wgs):
                      "probjax_attention_bwd_dq_mosaic"}, kernels
 
 
-@pytest.mark.parametrize("mask_name", ["none", "causal"])
-def test_mosaic_forward_with_score_mod_lowers_for_sm90(monkeypatch, mask_name):
+@pytest.mark.parametrize("mask_name,backward", [("none", "auto"), ("causal", "auto"), ("segments", "mosaic"),
+                                               ("causal", "mosaic")])
+def test_mosaic_forward_with_score_mod_lowers_for_sm90(monkeypatch, mask_name, backward):
   """A score modifier (tanh soft-cap of an ALiBi-like bias: int32 abs, convert, tanh) inside
-  the Mosaic forward lowers for sm_90; its gradient runs the Triton backward."""
+  the Mosaic forward lowers for sm_90, and its gradient in the Triton backward ("auto") or
+  in the Mosaic backward (its vjp inside both Mosaic backward kernels)."""
   from probjax.ops.attention import mosaic_gpu as pm
   _fake_triton_sm90(monkeypatch, device_kind=True)
   mod = lambda s, b, h, qi, ki: 20.0 * jnp.tanh((s - 0.25 * (h + 1) * jnp.abs(qi - ki).astype(jnp.float32)) / 20.0)
   q = jax.ShapeDtypeStruct((2, 300, 8, 128), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, 300, 2, 128), jnp.bfloat16)
-  loss = lambda q, k, v: jnp.sum(pm.attention(q, k, v, mask=MASKS[mask_name], score_mod=mod).astype(jnp.float32))
+  mask = MASKS[mask_name] if mask_name != "segments" else make_mask("segments", 2, 300, 300)
+  loss = lambda q, k, v: jnp.sum(pm.attention(q, k, v, mask=mask, score_mod=mod,
+                                              backward_pass_impl=backward).astype(jnp.float32))
   text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
   assert "probjax_attention_fwd_mosaic" in text and "probjax_attention_bwd" in text
+  if backward == "mosaic":
+    assert "probjax_attention_bwd_dkv_mosaic" in text and "probjax_attention_bwd_dq_mosaic" in text

@@ -106,16 +106,43 @@ def test_score_mod(mask_name, scale):
   f = lambda q, k, v, _: pm.attention(q, k, v, mask=mask, score_mod=_alibi_softcap, scale=scale,
                                       forward_config=SMALL, interpret=True)
   check_against_reference(f, x, mask=mask, score_mod=_alibi_softcap, scale=scale)
-  with pytest.raises(ValueError, match="cannot differentiate score_mod"):
-    pm.attention(x.q, x.k, x.v, score_mod=_alibi_softcap, backward_pass_impl="mosaic", interpret=True)
+
+
+@pytest.mark.parametrize("mask_name", ["none", "causal_offset", "window&segments"])
+def test_score_mod_mosaic_backward(mask_name):
+  # dK/dV summed over the GQA group: score_mod sees each query head's own h.
+  x = make_inputs(9, 2, 150, 200, 4, 2, 64, jnp.bfloat16)
+  mask = make_mask(mask_name, 2, 150, 200)
+  f = lambda q, k, v, _: pm.attention(q, k, v, mask=mask, score_mod=_alibi_softcap, forward_config=SMALL,
+                                      backward_pass_impl="mosaic", backward_config=BSMALL, interpret=True)
+  check_against_reference(f, x, mask=mask, score_mod=_alibi_softcap)
+  # A modifier whose gradient Mosaic GPU cannot lower (none of jnp's elementwise functions
+  # with a lowerable forward, once add_any is rewritten) is refused, not lowered.
+  checker = pm._lowerable
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(pm, "_lowerable", lambda f, mosaic_grad=False: "its gradient uses X" if mosaic_grad else checker(f))
+    with pytest.raises(ValueError, match="backward_pass_impl='mosaic' cannot compute this call: its gradient"):
+      pm.attention(x.q, x.k, x.v, score_mod=_alibi_softcap, backward_pass_impl="mosaic", interpret=True)
+  assert "its gradient) uses sinh" in checker(lambda s, *a: jnp.sinh(s), mosaic_grad=True)
+
+
+def test_score_mod_pullback_is_the_vjp():
+  # Fan-out (cotangent sums, add_any) and nested jit: the rewritten pullback equals jax.vjp.
+  from probjax.ops.attention.base import score_mod_pullback
+  mod = lambda s, b, h, qi, ki: jnp.sqrt(jnp.abs(s) + 1.0) * jnp.tanh(s) + jnp.clip(s, -1.0, 1.0) * (qi - ki)
+  s, ds = jax.random.normal(jax.random.key(0), (2, 8, 16))
+  qi, ki = jnp.arange(8)[:, None], jnp.arange(16)[None, :]
+  want = jax.vjp(lambda s: mod(s, 0, 1, qi, ki), s)[1](ds)[0]
+  np.testing.assert_allclose(score_mod_pullback(mod, s, ds, 0, 1, qi, ki), want, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mask_name,d", [("none", 128), ("causal", 64), ("segments", 128)])
-def test_gpu_score_mod(mask_name, d):
+@pytest.mark.parametrize("mask_name,d,backward", [("none", 128, "auto"), ("causal", 64, "auto"),
+                                                  ("segments", 128, "mosaic"), ("causal", 64, "mosaic")])
+def test_gpu_score_mod(mask_name, d, backward):
   x = make_inputs(d + 1, 2, 2048, 2048, 8, 2, d, jnp.bfloat16)
   mask = make_mask(mask_name, 2, 2048, 2048)
-  f = lambda q, k, v, _: pm.attention(q, k, v, mask=mask, score_mod=_alibi_softcap)
+  f = lambda q, k, v, _: pm.attention(q, k, v, mask=mask, score_mod=_alibi_softcap, backward_pass_impl=backward)
   check_against_reference(f, x, mask=mask, score_mod=_alibi_softcap)
 
 

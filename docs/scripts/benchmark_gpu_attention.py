@@ -76,8 +76,8 @@ def masked_cases(args):
     for mask in masks:
       for mode in ("fwd", "fwd_bwd"):
         for impl in impl_list:
-          if mask == "softcap30" and impl in ("jaxnn_cudnn", "probjax_mosaic_bwd"):
-            continue  # no score modifier in jax.nn nor in the Mosaic backward
+          if mask == "softcap30" and impl == "jaxnn_cudnn":
+            continue  # no score modifier in jax.nn
           if mask not in ("window512", "softcap30") and not (impl.startswith("probjax") or impl == "torch_flex"):
             continue
           dtype = "float32" if args.quick else "bfloat16"

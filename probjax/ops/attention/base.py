@@ -148,7 +148,7 @@ def score_mod_unlowerable(score_mod, rules, backend: str, index_shapes, *, grad:
   idx = [jax.ShapeDtypeStruct(shape, jnp.int32) for shape in index_shapes]
   fn = score_mod
   if grad:
-    fn = lambda s, b, h, qi, ki: jax.vjp(lambda s: score_mod(s, b, h, qi, ki), s)[1](s)
+    fn = lambda s, b, h, qi, ki: score_mod_pullback(score_mod, s, s, b, h, qi, ki)
   jaxprs = [jax.make_jaxpr(fn)(tile, scalar, scalar, *idx).jaxpr]
   while jaxprs:
     for eqn in jaxprs.pop().eqns:
@@ -159,3 +159,31 @@ def score_mod_unlowerable(score_mod, rules, backend: str, index_shapes, *, grad:
                    for j in (p if isinstance(p, (tuple, list)) else (p,))
                    if isinstance(j, (jex_core.Jaxpr, jex_core.ClosedJaxpr))]
   return None
+
+
+def score_mod_pullback(score_mod, s, ds, b, h, qi, ki):
+  """``ds`` (w.r.t. ``score_mod(s, b, h, qi, ki)``) pulled back to ``s``: ``jax.vjp`` of the
+  elementwise modifier, its ``add_any`` (cotangent sums; no Pallas Mosaic GPU lowering) written
+  as ``add`` and nested ``jit`` calls inlined."""
+  from jax._src import ad_util
+  from jax._src import pjit
+  from jax.extend import core as jex_core
+  closed = jax.make_jaxpr(lambda s, ds, b, h, qi, ki: jax.vjp(lambda s: score_mod(s, b, h, qi, ki), s)[1](ds))(
+      s, ds, b, h, qi, ki)
+
+  def run(jaxpr, consts, args):
+    env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
+    read = lambda v: v.val if isinstance(v, jex_core.Literal) else env[v]
+    for eqn in jaxpr.eqns:
+      ins = [read(v) for v in eqn.invars]
+      if eqn.primitive is ad_util.add_jaxvals_p:
+        outs = [jax.lax.add(*ins)]
+      elif eqn.primitive is pjit.jit_p:
+        inner = eqn.params["jaxpr"]
+        outs = run(inner.jaxpr, inner.consts, ins)
+      else:
+        outs = eqn.primitive.bind(*ins, **eqn.params)
+        outs = outs if eqn.primitive.multiple_results else [outs]
+      env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
+  return run(closed.jaxpr, closed.consts, (s, ds, b, h, qi, ki))[0]

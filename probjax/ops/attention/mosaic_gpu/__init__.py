@@ -5,8 +5,8 @@ Built so far (16-bit, head_dim 64/128/256, every position mask -- causal/window 
 per-batch query/key lengths, segment ids -- with tile skipping, GQA, any length): the
 forward (:mod:`.forward`) and a deterministic two-kernel backward (:mod:`.backward`,
 ``backward_pass_impl="mosaic"``, head_dim up to 128); other ``backward_pass_impl`` values run
-the Triton kernels' backward on the same residuals. ``score_mod`` runs in the forward, with
-the Triton backward (the Mosaic backward does not take it). The default dispatch picks it on sm_90 where the device table measured it faster
+the Triton kernels' backward on the same residuals. ``score_mod`` runs in both kernels (its
+gradient per tile by ``jax.vjp``). The default dispatch picks it on sm_90 where the device table measured it faster
 (:mod:`probjax.nn.layers.attention_device`); ``implementation="mosaic"`` asks for it.
 """
 
@@ -71,14 +71,17 @@ def supports(q_shape, kv_shape, dtype, *, mask: Mask | None = None, score_mod: C
   return score_mod_reason(score_mod) or _lowerable(score_mod)
 
 
-def _lowerable(score_mod: Callable | None) -> str | None:
+def _lowerable(score_mod: Callable | None, *, mosaic_grad: bool = False) -> str | None:
   """Why the kernels cannot lower ``score_mod``: Pallas Mosaic GPU its forward (on the score
-  tile, full index tiles), Pallas Triton its gradient (the Triton backward); or None."""
+  tile, full index tiles; with ``mosaic_grad`` its vjp too, for the Mosaic backward), Pallas
+  Triton its gradient (the Triton backward); or None."""
   if score_mod is None:
     return None
   from jax._src.pallas.mosaic_gpu import core as mgpu_core
   from jax._src.pallas.mosaic_gpu import lowering as mgpu_lowering
   rules = mgpu_lowering.mosaic_lowering_rules[mgpu_core.WGxWG_SEMANTICS]
+  if mosaic_grad:
+    return score_mod_unlowerable(score_mod, rules, "Pallas Mosaic GPU", ((64, 128), (64, 128)), grad=True)
   return (score_mod_unlowerable(score_mod, rules, "Pallas Mosaic GPU", ((64, 128), (64, 128)), grad=False)
           or triton_lowerable(score_mod, grad=True))
 
@@ -97,7 +100,7 @@ def attention(q, k, v, *, mask: Mask | None = None, score_mod: Callable | None =
       without a valid key give zeros.
     score_mod: ``f(score, b, h, q_idx, kv_idx) -> score`` on float32 scores after scaling,
       before the mask (``q_idx``/``kv_idx`` full int32 tiles of the score's shape); it must
-      not close over arrays. The Triton backward differentiates it.
+      not close over arrays. Both backwards differentiate it.
     backward_pass_impl: ``"mosaic"`` (this package's backward, :mod:`.backward`), or the
       Triton backward's variant (``"auto"``, ``"triton_*"``, see :mod:`probjax.ops.attention.triton`):
       "auto" is the Triton backward (with the Mosaic forward, fwd+bwd bf16 T4096: D64 1.22 ms
@@ -122,11 +125,11 @@ def attention(q, k, v, *, mask: Mask | None = None, score_mod: Callable | None =
     raise TypeError(f"backward_config {type(backward_config).__name__} does not match "
                     f"backward_pass_impl={backward_pass_impl!r} (MosaicBackwardConfig goes with 'mosaic')")
   if mosaic_bwd:
-    if score_mod is not None:
-      raise ValueError("backward_pass_impl='mosaic' cannot differentiate score_mod; the Triton backward "
-                       "(backward_pass_impl='auto' or 'triton_*') does")
+    why = _lowerable(score_mod, mosaic_grad=True)
+    if why:
+      raise ValueError(f"backward_pass_impl='mosaic' cannot compute this call: {why}")
     bcfg = backward_lib.fit(backward_config, itemsize, d, device)
-    return _attention(_Static(scale, cfg, bcfg, bool(interpret)), q, k, v, mask)
+    return _attention(_Static(scale, cfg, bcfg, bool(interpret), score_mod), q, k, v, mask)
   return attention_with_forward(q, k, v, mask, scale=scale, mosaic_config=cfg, score_mod=score_mod,
                                 backward_pass_impl=backward_pass_impl, backward_config=backward_config,
                                 interpret=interpret)
@@ -139,6 +142,7 @@ class _Static:
   fcfg: MosaicForwardConfig
   bcfg: MosaicBackwardConfig
   interpret: bool
+  score_mod: Callable | None = None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -147,14 +151,15 @@ def _attention(st: _Static, q, k, v, mask):
 
 
 def _fwd(st: _Static, q, k, v, mask):
-  out, lse = forward_lib.forward(q, k, v, mask, scale=st.scale, config=st.fcfg, interpret=st.interpret)
+  out, lse = forward_lib.forward(q, k, v, mask, scale=st.scale, config=st.fcfg, interpret=st.interpret,
+                                 score_mod=st.score_mod)
   return out, (q, k, v, out, lse, mask)
 
 
 def _bwd(st: _Static, res, do):
   q, k, v, out, lse, mask = res
   dq, dk, dv = backward_lib.backward(q, k, v, out, lse, do, mask, scale=st.scale, config=st.bcfg,
-                                     interpret=st.interpret)
+                                     interpret=st.interpret, score_mod=st.score_mod)
   return dq, dk, dv, jax.tree.map(lambda _: None, mask)
 
 

@@ -88,8 +88,8 @@ def fit(config: MosaicBackwardConfig | None, itemsize: int, head_dim: int, devic
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, st_ref, len_ref, rng_ref, qid_ref, kid_ref, dk_ref, dv_ref,
                 k_smem, v_smem, q_smem, do_smem, st_smem, kid_smem, qid_smem, kv_bar, q_ready, do_ready,
-                st_ready, qid_ready, free, staging=None, *, band, lengths, segments, scale, groups, cfg,
-                q_len, kv_len, dtype):
+                st_ready, qid_ready, free, staging=None, *, band, lengths, segments, scale, score_mod,
+                groups, cfg, q_len, kv_len, dtype):
   bq, stages, wgs = cfg.block_q, cfg.num_stages, cfg.compute_wgs
   b, hkv, i = lax.axis_index("batch"), lax.axis_index("kv_heads"), lax.axis_index("kv_tiles")
   wg = lax.axis_index("wg")
@@ -98,7 +98,6 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, st_ref, len_ref, rng_ref, qid_ref, 
       rng_ref, len_ref, b, i, segments=segments, lengths=lengths,
       ranges=lambda *v: C.q_tiles(band, cta_start, wgs * R, q_len, bq, *v))
   nq = hi - lo
-  c = scale * C.LOG2E
 
   @pl.when(wg < wgs)
   def _compute():
@@ -123,11 +122,13 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, st_ref, len_ref, rng_ref, qid_ref, 
       plgpu.barrier_wait(q_ready.at[slot])
       plgpu.barrier_wait(st_ready.at[slot])
       lse2 = plgpu.load(st_smem.at[slot, 0], layout=plgpu.Layout.WGMMA.reduce(0))
-      pt = jnp.exp2(C.mma(k_smem.at[wg], q_smem.at[slot].T, (R, bq)) * c - col(lse2))
+      ki, qi = C.iotas(R, bq, k_start, j * bq) if masked or score_mod is not None else (None, None)
+      x, pull = C.exponent(C.mma(k_smem.at[wg], q_smem.at[slot].T, (R, bq)), scale, score_mod, b,
+                           hkv * groups + g, qi, ki)
+      pt = jnp.exp2(x - col(lse2))
       if segments:
         plgpu.barrier_wait(qid_ready.at[slot])
       if masked:
-        ki, qi = C.iotas(R, bq, k_start, j * bq)
         ok = C.element_ok(band, qi, ki, q_len, kv_len, *valid)
         if segments:
           ok &= C.same_segment(qid_smem.at[slot], kid_smem.at[wg], R, bq, transposed=True)
@@ -135,7 +136,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, st_ref, len_ref, rng_ref, qid_ref, 
       plgpu.barrier_wait(do_ready.at[slot])
       dv = C.mma_acc(dv, pt.astype(dtype), do_smem.at[slot], stage)
       delta = plgpu.load(st_smem.at[slot, 1], layout=plgpu.Layout.WGMMA.reduce(0))
-      dst = pt * (C.mma(v_smem.at[wg], do_smem.at[slot].T, (R, bq)) - col(delta))
+      dst = pull(pt * (C.mma(v_smem.at[wg], do_smem.at[slot].T, (R, bq)) - col(delta)))
+      if masked and score_mod is not None:  # score_mod's derivative may be non-finite there
+        dst = jnp.where(ok, dst, 0.0)
       dk = C.mma_acc(dk, dst.astype(dtype), q_smem.at[slot], stage)
       plgpu.barrier_arrive(free.at[slot])
       return dk, dv
@@ -171,7 +174,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, st_ref, len_ref, rng_ref, qid_ref, 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, st_ref, len_ref, rng_ref, qid_ref, kid_ref, dq_ref, q_smem,
                do_smem, st_smem, qid_smem, k_smem, v_smem, kid_smem, row_bar, k_ready, v_ready, kid_ready,
-               free, staging=None, *, band, lengths, segments, scale, groups, cfg, q_len, kv_len, dtype):
+               free, staging=None, *, band, lengths, segments, scale, score_mod, groups, cfg, q_len, kv_len,
+               dtype):
   bk, stages, wgs = cfg.block_k, cfg.num_stages, cfg.compute_wgs
   b, h, i = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_tiles")
   wg = lax.axis_index("wg")
@@ -179,7 +183,6 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, st_ref, len_ref, rng_ref, qid_ref, k
   (lo, hi, flo, fhi), valid = C.block_tiles(
       rng_ref, len_ref, b, i, segments=segments, lengths=lengths,
       ranges=lambda *v: C.kv_tiles(band, cta_start, wgs * R, kv_len, bk, *v))
-  c = scale * C.LOG2E
 
   @pl.when(wg < wgs)
   def _compute():
@@ -202,17 +205,20 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, st_ref, len_ref, rng_ref, qid_ref, k
     def step(j, dq, masked: bool):
       slot = lax.rem(j - lo, jnp.int32(stages))
       plgpu.barrier_wait(k_ready.at[slot])
-      p = jnp.exp2(C.mma(q_smem.at[wg], k_smem.at[slot].T, (R, bk)) * c - lse2)
+      qi, ki = C.iotas(R, bk, q_start, j * bk) if masked or score_mod is not None else (None, None)
+      x, pull = C.exponent(C.mma(q_smem.at[wg], k_smem.at[slot].T, (R, bk)), scale, score_mod, b, h, qi, ki)
+      p = jnp.exp2(x - lse2)
       if segments:
         plgpu.barrier_wait(kid_ready.at[slot])
       if masked:
-        qi, ki = C.iotas(R, bk, q_start, j * bk)
         ok = C.element_ok(band, qi, ki, q_len, kv_len, *valid)
         if segments:
           ok &= C.same_segment(qid_smem.at[wg], kid_smem.at[slot], R, bk)
         p = jnp.where(ok, p, 0.0)
       plgpu.barrier_wait(v_ready.at[slot])
-      ds = p * (C.mma(do_smem.at[wg], v_smem.at[slot].T, (R, bk)) - delta)
+      ds = pull(p * (C.mma(do_smem.at[wg], v_smem.at[slot].T, (R, bk)) - delta))
+      if masked and score_mod is not None:
+        ds = jnp.where(ok, ds, 0.0)
       dq = C.mma_acc(dq, ds.astype(dtype), k_smem.at[slot], stage)
       plgpu.barrier_arrive(free.at[slot])
       return dq
@@ -235,9 +241,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, st_ref, len_ref, rng_ref, qid_ref, k
 
 
 def backward(q, k, v, out, lse, do, mask: Mask | None, *, scale: float, config: MosaicBackwardConfig,
-             interpret: bool):
+             interpret: bool, score_mod=None):
   """Gradients of attention (shapes as in :func:`probjax.ops.attention.mosaic_gpu.forward.forward`;
-  ``lse`` the natural log-sum-exp ``[batch, heads, q_len]``). Returns ``(dq, dk, dv)``."""
+  ``lse`` the natural log-sum-exp ``[batch, heads, q_len]``; ``score_mod`` that of the forward,
+  differentiated per tile with ``jax.vjp``). Returns ``(dq, dk, dv)``."""
   batch, q_len, heads, d = q.shape
   kv_len, kv_heads = k.shape[1], k.shape[2]
   cfg = config
@@ -253,8 +260,8 @@ def backward(q, k, v, out, lse, do, mask: Mask | None, *, scale: float, config: 
   kp, vp = (pad_axis(x, 1, kv_rows) for x in (k, v))
   band, lengths, lens = C.split_mask(mask, batch, q_len, kv_len)
   segments = mask is not None and mask.q_segment_ids is not None
-  static = dict(band=band, lengths=lengths, segments=segments, scale=scale, groups=heads // kv_heads,
-                cfg=cfg, q_len=q_len, kv_len=kv_len, dtype=q.dtype)
+  static = dict(band=band, lengths=lengths, segments=segments, scale=scale, score_mod=score_mod,
+                groups=heads // kv_heads, cfg=cfg, q_len=q_len, kv_len=kv_len, dtype=q.dtype)
   seg = functools.partial(C.segment_operands, mask, batch, q_len, kv_len, q_pad, kv_pad)
   smem = lambda *shape, dt=q.dtype: plgpu.SMEM(shape, dt, transforms=C.TILED)
   barriers = lambda n, arrivals=1: plgpu.Barrier(num_arrivals=arrivals, num_barriers=n)

@@ -11,6 +11,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from probjax.ops.attention.base import score_mod_pullback
 from probjax.ops.attention.masks import Mask, ranges_from_classes, round_up
 
 LOG2E = math.log2(math.e)
@@ -128,6 +129,17 @@ def element_ok(band: Mask | None, qi, ki, q_len: int, kv_len: int, q_valid=None,
   if q_valid is not None:
     ok &= (qi < q_valid) & (ki < kv_valid)
   return ok
+
+
+def exponent(t, scale: float, score_mod: Callable | None, b, h, qi, ki):
+  """``(x, pull)`` for a backward kernel's score tile ``t = q k^T`` (or its transpose, with
+  ``qi``/``ki`` laid out to match): P is ``exp2(x - lse2)``, and ``pull(ds)`` takes dS (with
+  respect to the modified score) back to the scaled score ``scale * q k^T`` through
+  ``score_mod`` (the identity without one)."""
+  if score_mod is None:
+    return t * (scale * LOG2E), lambda ds: ds
+  s_nat = t * scale
+  return score_mod(s_nat, b, h, qi, ki) * LOG2E, lambda ds: score_mod_pullback(score_mod, s_nat, ds, b, h, qi, ki)
 
 
 def iotas(rows: int, cols: int, row0, col0):
