@@ -55,6 +55,16 @@ def test_persistent_forward(mask_name):
   check_against_reference(_attn(mask, cfg), x, mask=mask, grads=False)
 
 
+def test_one_cta_per_tile_in_groups_of_heads(monkeypatch):
+  # One CTA per tile under a causal band: heaviest first across groups of 1 and 3 of the
+  # 4 (batch, head) pairs; each CTA still computes its own tile.
+  from probjax.ops.attention.mosaic_gpu import forward as F
+  x = make_inputs(10, 2, 150, 200, 2, 1, 64, jnp.bfloat16)
+  for group in (1, 3):
+    monkeypatch.setattr(F, "order_group", lambda device, nbytes, g=group: g)
+    check_against_reference(_attn(M.CausalMask(50)), x, mask=M.CausalMask(50), grads=False)
+
+
 @pytest.mark.parametrize("mask_name", ["none", "causal_offset", "window_right", "lengths", "kv_len_zero",
                                        "segments", "window&segments"])
 def test_mosaic_backward(mask_name):

@@ -137,7 +137,7 @@ def test_gqa_group_splits(impl, splits):
 def test_heavy_first_order_is_a_permutation(n_tiles, ny, nz, group):
   """Every (tile, y, z) once; within each group of pairs, the heaviest (last) tiles first; the
   groups at most ``group`` pairs and within one pair of each other in size."""
-  from probjax.ops.attention.triton.tiles import heavy_first_order
+  from probjax.ops.attention.masks import heavy_first_order
   n = jnp.arange(n_tiles * ny * nz)
   tile, y, z = (np.asarray(a) for a in heavy_first_order(n, n_tiles, ny, nz, group))
   assert len({(int(t), int(a), int(b)) for t, a, b in zip(tile, y, z)}) == n.size

@@ -388,3 +388,32 @@ def pad_axis(x, axis: int, size: int, value=0, *, broadcast: bool = False):
   widths = [(0, 0)] * x.ndim
   widths[axis] = (0, size - n)
   return jnp.pad(x, widths, constant_values=value)
+
+
+def heavy_first_program(x, y, z, n_tiles: int, ny: int, nz: int, group: int):
+  """``(tile, y, z)`` of the program at grid position ``(x, y, z)`` of an ``(n_tiles, ny, nz)``
+  grid whose later tiles are heavier. The hardware starts programs in grid order (axis 0
+  fastest): :func:`heavy_first_order` of the linear index runs the heaviest tiles of a group
+  of (y, z) pairs first, so the grid ends on light programs while a group's streamed operands
+  stay in L2; where that index arithmetic could overflow int32, heaviest first within each
+  pair only."""
+  pairs = ny * nz
+  if max(n_tiles, -(-pairs // group)) * pairs >= 2**31:
+    return n_tiles - 1 - x, y, z
+  return heavy_first_order(x + n_tiles * (y + ny * z), n_tiles, ny, nz, group)
+
+
+def heavy_first_order(n, n_tiles: int, ny: int, nz: int, group: int):
+  """``(tile, y, z)`` of the ``n``-th program: the (y, z) pairs (y fastest) in
+  ``ceil(pairs / group)`` groups of near-equal size (a small last group would end the kernel
+  on a few heavy programs), in turn, each taking tile ``n_tiles - 1`` of every pair, then
+  ``n_tiles - 2``, ..."""
+  pairs = ny * nz
+  n_groups = -(-pairs // group)
+  first = lambda c: c * pairs // n_groups  # the group's first pair
+  done = n // n_tiles  # whole pairs' worth of programs before this one
+  c = ((done + 1) * n_groups + pairs - 1) // pairs - 1
+  start, size = first(c), first(c + 1) - first(c)
+  r = n - start * n_tiles
+  pair = start + r % size
+  return n_tiles - 1 - r // size, pair % ny, pair // ny

@@ -49,7 +49,8 @@ class MosaicForwardConfig:
   light ones. Persistent, under a causal-like band, per-batch lengths or segment ids: the
   tiles in the order of the key tiles each visits (computed from the mask), alternate waves
   mirrored across the SMs, so each SM's total is near the mean. One CTA per tile, under a
-  causal-like band without segment ids: query tiles reversed."""
+  causal-like band without segment ids: the heaviest query tiles first across groups of
+  heads (as the Triton kernels' grids)."""
   block_q: int = 64
   block_k: int = 128
   num_stages: int = 2

@@ -28,16 +28,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from probjax.ops.attention.masks import Mask, num_tiles, pad_axis, round_up
+from probjax.ops.attention.masks import Mask, heavy_first_program, num_tiles, pad_axis, round_up
 from probjax.ops.attention.mosaic_gpu import common as C
 from probjax.ops.attention.mosaic_gpu.config import MosaicForwardConfig
+from probjax.ops.attention.triton.config import device_kind, order_group
 
 
 def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, order_ref, o_ref, lse_ref, q_smem, k_smem,
             v_smem, lse_smem, qid_smem, kid_smem, q_bar, k_ready, v_ready, kid_ready, k_free, v_free,
             sched_bar, *staging, band: Mask | None, lengths: bool, segments: bool, scale: float,
             score_mod, groups: int, cfg, q_len: int, kv_len: int, dtype, grid: tuple[int, int, int],
-            num_ctas: int, by_work: bool):
+            num_ctas: int, by_work: bool, group: int):
   bq, bk, stages, wgs = cfg.block_q, cfg.block_k, cfg.num_stages, cfg.compute_wgs
   wg = lax.axis_index("wg")
   # Base-2 exponent of a score t: t * c (the scale folded in), or with score_mod, which takes
@@ -49,7 +50,7 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, order_ref, 
   # One CTA per tile: a causal-like band reverses the query tiles (segment ids make a tile's
   # work follow its document, not its position). Persistent: ``order_ref`` when ``by_work``.
   reverse = cfg.heavy_first and band is not None and band.work_grows(by_q=True) and not segments
-  n_steps, item = _schedule(grid, num_ctas, cfg.persistent, reverse, order_ref if by_work else None)
+  n_steps, item = _schedule(grid, num_ctas, cfg.persistent, reverse, order_ref if by_work else None, group)
 
   def each_tile(body):
     """``body(n, base) -> base'`` over this CTA's tiles (:func:`_schedule`); ``base`` counts
@@ -174,16 +175,18 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, order_ref, 
     C.drain_ring(each_tile(tile), stages, (k_free, v_free))
 
 
-def _schedule(grid: tuple[int, int, int], num_ctas: int, persistent: bool, reverse: bool, order=None):
+def _schedule(grid: tuple[int, int, int], num_ctas: int, persistent: bool, reverse: bool, order=None,
+              group: int = 1):
   """``(n_steps, item)``: this CTA's number of tiles and ``item(step) -> (query tile, batch,
   head)`` of its ``step``-th. ``grid``: (query tiles, batch, heads). One CTA per tile: its
-  grid position, query tiles reversed when ``reverse`` (the hardware hands the next CTA to
-  the first free SM, so the heaviest start first). Persistent: :func:`persistent_tile`."""
+  grid position, or when ``reverse`` (later query tiles heavier) the heaviest first across
+  groups of ``group`` (batch, head) pairs (:func:`~probjax.ops.attention.masks.heavy_first_program`;
+  the hardware starts CTAs in grid order). Persistent: :func:`persistent_tile`."""
   nq, nb, nh = grid
   if not persistent:
     def item(step):
-      i = lax.axis_index("q_tiles")
-      return (nq - 1 - i if reverse else i), lax.axis_index("batch"), lax.axis_index("heads")
+      i, b, h = lax.axis_index("q_tiles"), lax.axis_index("batch"), lax.axis_index("heads")
+      return heavy_first_program(i, b, h, nq, nb, nh, group) if reverse else (i, b, h)
     return 1, item
   cta, total = lax.axis_index("sm"), nq * nb * nh
   n_steps = total // num_ctas + (cta < total % num_ctas).astype(jnp.int32)
@@ -295,7 +298,9 @@ def forward(q, k, v, mask: Mask | None, *, scale: float, config: MosaicForwardCo
         order = work_order(work(lens, None))
   kernel = functools.partial(_kernel, band=band, lengths=lengths, segments=segments, scale=scale,
                              score_mod=score_mod, groups=heads // kv_heads, cfg=cfg, q_len=q_len, kv_len=kv_len, dtype=q.dtype,
-                             grid=tiles, num_ctas=grid[0] if cfg.persistent else 0, by_work=by_work)
+                             grid=tiles, num_ctas=grid[0] if cfg.persistent else 0, by_work=by_work,
+                             group=order_group("interpret" if interpret else device_kind(),
+                                               2 * kv_rows * d * k.dtype.itemsize))
   out, lse = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((batch, q_rows, heads, d), q.dtype),

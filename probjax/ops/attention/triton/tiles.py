@@ -21,8 +21,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from probjax.ops.attention.masks import (EMPTY, FULL, Mask, num_tiles, pad_axis,  # noqa: F401 (re-exported)
-                                        ranges_from_classes, round_up)
+from probjax.ops.attention.masks import (EMPTY, FULL, Mask, heavy_first_program, num_tiles,  # noqa: F401
+                                        pad_axis, ranges_from_classes, round_up)  # (re-exported)
 
 LOG2E = math.log2(math.e)
 
@@ -163,34 +163,14 @@ def longest_first(tm: TileMask, tile, n_tiles: int, *, by_q: bool):
 
 
 def program_tile(tm: TileMask, n_tiles: int, ny: int, nz: int, group: int, *, by_q: bool):
-  """``(outer tile, y, z)`` of this program of a ``(n_tiles, ny, nz)`` grid. The hardware
-  starts programs in grid order (axis 0 fastest). Where the band makes the outer tiles' work
-  grow (causal-like), programs run heaviest tile first across groups of ``group`` (y, z)
-  pairs (:func:`heavy_first_order`), so the kernel ends on light programs while a group's
-  streamed operands stay in L2; otherwise in grid order, one pair's tiles side by side."""
+  """``(outer tile, y, z)`` of this program of a ``(n_tiles, ny, nz)`` grid: where the band
+  makes the outer tiles' work grow (causal-like), heaviest first across groups of ``group``
+  (y, z) pairs (:func:`~probjax.ops.attention.masks.heavy_first_program`); otherwise in grid
+  order, one pair's tiles side by side."""
   x, y, z = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   if not Mask(lower=tm.lower, upper=tm.upper).work_grows(by_q=by_q):
     return x, y, z
-  pairs = ny * nz
-  if max(n_tiles, -(-pairs // group)) * pairs >= 2**31:  # int32 index arithmetic: within a pair only
-    return n_tiles - 1 - x, y, z
-  return heavy_first_order(x + n_tiles * (y + ny * z), n_tiles, ny, nz, group)
-
-
-def heavy_first_order(n, n_tiles: int, ny: int, nz: int, group: int):
-  """``(tile, y, z)`` of the ``n``-th program: the (y, z) pairs (y fastest) in
-  ``ceil(pairs / group)`` groups of near-equal size (a small last group would end the kernel
-  on a few heavy programs), in turn, each taking tile ``n_tiles - 1`` of every pair, then
-  ``n_tiles - 2``, ..."""
-  pairs = ny * nz
-  n_groups = -(-pairs // group)
-  first = lambda c: c * pairs // n_groups  # the group's first pair
-  done = n // n_tiles  # whole pairs' worth of programs before this one
-  c = ((done + 1) * n_groups + pairs - 1) // pairs - 1
-  start, size = first(c), first(c + 1) - first(c)
-  r = n - start * n_tiles
-  pair = start + r % size
-  return n_tiles - 1 - r // size, pair % ny, pair // ny
+  return heavy_first_program(x, y, z, n_tiles, ny, nz, group)
 
 
 def tile_loop(tm: TileMask, mr: MaskRefs, b, tile, n_static: int, body, carry, *, by_q: bool,
