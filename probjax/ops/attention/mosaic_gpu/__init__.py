@@ -5,9 +5,10 @@ Built so far (16-bit, head_dim 64/128/256, every position mask -- causal/window 
 per-batch query/key lengths, segment ids -- with tile skipping, GQA, any length): the
 forward (:mod:`.forward`) and a deterministic two-kernel backward (:mod:`.backward`,
 ``backward_pass_impl="mosaic"``, head_dim up to 128); other ``backward_pass_impl`` values run
-the Triton kernels' backward on the same residuals. ``score_mod`` runs in both kernels (its
-gradient per tile by ``jax.vjp``). The default dispatch picks it on sm_90 where the device table measured it faster
-(:mod:`probjax.nn.layers.attention_device`); ``implementation="mosaic"`` asks for it.
+the Triton kernels' backward on the same residuals. ``score_mod`` runs in the forward and in
+both backwards (its gradient per tile by ``jax.vjp``). The default dispatch picks the kernel on
+sm_90 where the device table measured it faster (:mod:`probjax.nn.layers.attention_device`);
+``implementation="mosaic"`` asks for it.
 """
 
 from __future__ import annotations
