@@ -564,3 +564,22 @@ def test_ranges_from_classes():
   assert r[:, 0].tolist() == [1, 5, 2, 4]   # lo, hi, full_lo, full_hi
   assert r[:, 1].tolist() == [0, 4, 0, 0]   # FULL tiles not contiguous: no full run
   assert r[:, 2].tolist() == [6, 6, 6, 6]   # nothing to visit
+
+
+@pytest.mark.parametrize("backend", ["triton", "mosaic"])
+def test_score_mod_with_non_finite_values_under_the_mask(backend):
+  # The modifier and its derivative are NaN exactly where the causal mask hides the key (the
+  # log of a negative number): the kernels' outputs and gradients stay finite.
+  from probjax.ops.attention import mosaic_gpu as pm
+  mod = lambda s, b, h, qi, ki: s * (1.0 + jnp.log((qi - ki + 1).astype(jnp.float32)))
+  q, k, v, do = _inputs(21, 1, 64, 64, 2, 1, 64, jnp.bfloat16)
+  if backend == "triton":
+    f = lambda q, k, v: pt.attention(q, k, v, mask=CausalMask(), score_mod=mod, forward_config=FC16,
+                                     backward_config=BC16, interpret=True)
+  else:
+    f = lambda q, k, v: pm.attention(q, k, v, mask=CausalMask(), score_mod=mod, backward_pass_impl="mosaic",
+                                     forward_config=pm.MosaicForwardConfig(64, 64, 2, 1),
+                                     backward_config=pm.MosaicBackwardConfig(64, 64, 2, 1), interpret=True)
+  out, vjp = jax.vjp(f, q, k, v)
+  for x in (out, *vjp(do)):
+    assert bool(jnp.isfinite(x.astype(jnp.float32)).all())

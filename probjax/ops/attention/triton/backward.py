@@ -49,11 +49,14 @@ def _probs_and_ds(q, k, v, do, lse2, delta, *, tm, mr, b, h, q_start, k_start, m
   else:
     p = tiles.exp2_affine(t, c, lse2[:, None], fast_exp2)
     dp = _dot(do, v, _NT) - delta[:, None]
+  valid = tiles.tile_valid(tm, mr, b, q_start, k_start, bq, bk, transposed=transposed) if masked else None
   if masked:  # after the exponent, so that the scale folds into its fused multiply-add
-    p = jnp.where(tiles.tile_valid(tm, mr, b, q_start, k_start, bq, bk, transposed=transposed), p, 0.0)
+    p = jnp.where(valid, p, 0.0)
   ds = p * dp
   if score_mod is not None:
     ds = tiles.score_mod_grad(score_mod, s_nat, ds, **pos)
+    if masked:  # score_mod's derivative may be non-finite where the mask hides its value
+      ds = jnp.where(valid, ds, 0.0)
   return p, ds
 
 
