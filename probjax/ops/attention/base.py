@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -134,14 +135,28 @@ def score_mod_reason(score_mod) -> str | None:
   return None
 
 
+_UNLOWERABLE = weakref.WeakKeyDictionary()  # score_mod -> {(backend, index_shapes, grad): reason}
+
+
 def score_mod_unlowerable(score_mod, rules, backend: str, index_shapes, *, grad: bool) -> str | None:
   """The first operation of ``score_mod`` (and of its vjp when ``grad``), traced on a float32
   ``[64, 128]`` tile with int32 indices of ``index_shapes``, that has no entry in a Pallas
   backend's lowering ``rules``, or None. Such a call is refused by ``supports`` (and the
   default picks another path) rather than failing when the kernel lowers. Necessary, not
-  sufficient: a rule may still reject a dtype or layout."""
+  sufficient: a rule may still reject a dtype or layout. Cached per function (~1 ms a trace)."""
   if score_mod is None:
     return None
+  key = (backend, tuple(index_shapes), grad)
+  try:
+    cache = _UNLOWERABLE.setdefault(score_mod, {})
+  except TypeError:  # not weakly referenceable (e.g. a functools.partial of a builtin)
+    cache = {}
+  if key not in cache:
+    cache[key] = _first_unlowerable(score_mod, rules, backend, index_shapes, grad)
+  return cache[key]
+
+
+def _first_unlowerable(score_mod, rules, backend: str, index_shapes, grad: bool) -> str | None:
   from jax.extend import core as jex_core
   tile = jax.ShapeDtypeStruct((64, 128), jnp.float32)
   scalar = jax.ShapeDtypeStruct((), jnp.int32)
