@@ -118,7 +118,7 @@ def attention(q, k, v, *, mask: Mask | None = None, score_mod: Callable | None =
   check_kernel_call("mosaic", supports(q.shape, k.shape, q.dtype, mask=mask, score_mod=score_mod, scale=scale,
                                       interpret=interpret), q, k, v, mask)
   scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-  device = "interpret" if interpret else triton_config.device_kind()
+  device = triton_config.kernel_device(interpret)
   itemsize, d = jnp.dtype(q.dtype).itemsize, q.shape[-1]
   cfg = config_lib.fit(forward_config, itemsize, d, device)
   mosaic_bwd = backward_pass_impl == "mosaic"

@@ -31,7 +31,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from probjax.ops.attention.masks import Mask, heavy_first_program, num_tiles, pad_axis, round_up
 from probjax.ops.attention.mosaic_gpu import common as C
 from probjax.ops.attention.mosaic_gpu.config import MosaicForwardConfig
-from probjax.ops.attention.triton.config import device_kind, order_group
+from probjax.ops.attention.triton.config import kernel_device, order_group
 
 
 def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, order_ref, o_ref, lse_ref, q_smem, k_smem,
@@ -297,10 +297,10 @@ def forward(q, k, v, mask: Mask | None, *, scale: float, config: MosaicForwardCo
       with jax.ensure_compile_time_eval():
         order = work_order(work(lens, None))
   kernel = functools.partial(_kernel, band=band, lengths=lengths, segments=segments, scale=scale,
-                             score_mod=score_mod, groups=heads // kv_heads, cfg=cfg, q_len=q_len, kv_len=kv_len, dtype=q.dtype,
-                             grid=tiles, num_ctas=grid[0] if cfg.persistent else 0, by_work=by_work,
-                             group=order_group("interpret" if interpret else device_kind(),
-                                               2 * kv_rows * d * k.dtype.itemsize))
+                             score_mod=score_mod, groups=heads // kv_heads, cfg=cfg, q_len=q_len, kv_len=kv_len,
+                             dtype=q.dtype, grid=tiles, num_ctas=grid[0] if cfg.persistent else 0,
+                             by_work=by_work,
+                             group=order_group(kernel_device(interpret), 2 * kv_rows * d * k.dtype.itemsize))
   out, lse = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((batch, q_rows, heads, d), q.dtype),

@@ -135,7 +135,7 @@ def attention_with_forward(q, k, v, mask: Mask | None, *, scale: float, mosaic_c
 def _configs(q, k, forward_config, backward_config, backward_pass_impl: str, interpret: bool):
   """``(device, forward config, backward variant, backward config)`` of a call, fitted to the
   device (``"interpret"`` in interpret mode)."""
-  device = "interpret" if interpret else config_lib.device_kind()
+  device = config_lib.kernel_device(interpret)
   d, q_len, kv_len = q.shape[-1], q.shape[1], k.shape[1]
   dp = padded_head_dim(d)
   fcfg = config_lib.fit_forward_config(forward_config, q.dtype, dp, q_len, kv_len, device)

@@ -216,7 +216,7 @@ def backward(q, k, v, out, lse, do, mask: Mask | None, *, scale: float,
   nk_dkv, nq_dq = kv_pad // c.block_kv_dkv, q_pad // c.block_q_dq
   # Few KV heads (MQA/GQA) at short lengths leave the device idle with one dK/dV program per
   # KV tile and head: split the group over programs and add their float32 partials in XLA.
-  device = "interpret" if interpret else config_lib.device_kind()
+  device = config_lib.kernel_device(interpret)
   splits = c.splits_for(groups, nk_dkv * batch * kv_heads, device)
   dkv_kw = dict(common, block_q=c.block_q_dkv, block_k=c.block_kv_dkv, num_q_tiles=q_pad // c.block_q_dkv,
                 splits=splits)

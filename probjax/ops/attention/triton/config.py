@@ -259,6 +259,12 @@ def device_kind(device=None) -> str:
   return "sm_" + str(cc).replace(".", "")
 
 
+def kernel_device(interpret: bool) -> str:
+  """The device kind a kernel call is configured for: ``"interpret"`` in interpret mode (no
+  shared-memory limit, a small default L2), else :func:`device_kind`."""
+  return "interpret" if interpret else device_kind()
+
+
 def smem_limit(device: str) -> int | None:
   """Bytes per block for ``device``; None (unbounded) for interpret mode on CPU."""
   if not device.startswith("sm_"):

@@ -70,7 +70,7 @@ def forward(q, k, v, mask: Mask | None, *, scale: float, score_mod: Callable | N
   qp, kp, vp = (tiles.pad_axis(x, 3, dp) for x in (q, k, v))  # sequence axes: masked tiles
   tm, mask_ops = tiles.mask_operands(mask, batch, q_len, kv_len, q_pad, kv_pad, bq, bk, by_q=True)
   grid = (q_pad // bq, batch, heads)
-  device = "interpret" if interpret else config_lib.device_kind()
+  device = config_lib.kernel_device(interpret)
   group = config_lib.order_group(device, 2 * kv_pad * dp * k.dtype.itemsize)  # tiles.program_tile
   kernel = functools.partial(
       _forward_kernel, tm=tm, scale=scale, score_mod=score_mod, groups=heads // kv_heads,
