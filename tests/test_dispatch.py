@@ -105,10 +105,11 @@ def test_sm90_long_calls_run_mosaic_where_triton_would():
     long = decide(((4, 8192, 8, d), (4, 8192, 8, d)), mask=docs)
     assert long.backward_pass_impl == ("mosaic" if d in bwd_min and 4 * 8 * 8192**2 >= bwd_min[d]
                                        else entry.backward_pass_impl), long
-    # float32 (the Mosaic kernel does not take it) and score_mod (the table's Mosaic rows have
-    # none) keep the Triton kernel.
+    # float32 (the Mosaic kernel does not take it) keeps the Triton kernel; a score modifier
+    # takes the Mosaic forward too (measured: softcap30), unless it cannot lower there.
     assert decide(shapes, dtype=jnp.float32, mask=M.CausalMask()).implementation == "triton"
-    assert decide(shapes, score_mod=lambda s, *idx: s).implementation == "triton"
+    assert decide(shapes, score_mod=lambda s, *idx: 30 * jnp.tanh(s / 30)).implementation == "mosaic"
+    assert decide(shapes, score_mod=lambda s, *idx: jnp.round(s)).implementation == "xla"
   assert decide(((4, 8192, 8, 128), (4, 8192, 8, 128)), mask=docs).backward_pass_impl == "mosaic"
   assert decide(((4, 8192, 8, 128), (4, 8192, 8, 128)), mask=M.LocalWindowMask(256, 0),
                 env={"PROBJAX_ATTENTION_CUDNN": "0"}).backward_pass_impl == "mosaic"

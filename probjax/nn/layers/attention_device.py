@@ -126,12 +126,15 @@ DEVICE_DEFAULTS: dict[tuple[int, int], DeviceDefaults] = {
         #     7.116). D64 behind from T4096 (T16384 5.051 / 4.799 / 4.594).
         #   causal, D128: T2048 0.088 / 0.102 / 0.109; T4096 0.256 / 0.298 / 0.292; T8192 (2^31)
         #     0.953 / 0.978 / 0.975; T16384 3.656 / 3.558 / 3.559 -> up to 2^31.
-        #   causal, D64: T2048 0.073 / 0.072 / 0.074 (level); T4096 (2^29) 0.188 / 0.207 /
-        #     0.204; T8192 0.650 / 0.665 / 0.676; T16384 2.523 / 2.514 / 2.470.
+        #   causal, D64: T2048 (2^27) 0.073 / 0.072 / 0.074 (level; 176367c, after the
+        #     heaviest-first Triton grids: Mosaic 0.065, Triton 0.063, the cuDNN route 0.105
+        #     (p10 0.084), jax.nn cuDNN 0.085, torch SDPA cuDNN 0.081); T4096 (2^29) 0.188 /
+        #     0.207 / 0.204; T8192 0.650 / 0.665 / 0.676; T16384 2.523 / 2.514 / 2.470 -> from
+        #     2^27 (Mosaic and Triton are level at T2048: one kernel for the whole range).
         #   causal window (LocalWindowMask(512, 0)), D128, B1 H16 T16384 (2^32; masked suite,
         #     86cfc22): 0.206 / 0.239 / 0.234 -> from 2^31 to 2^33 (the one measured shape).
         mosaic_forward_work=(("none", 128, 2**27, 2**28), ("none", 128, 2**33, None),
-                             ("causal", 128, 2**27, 2**31), ("causal", 64, 2**29, 2**31),
+                             ("causal", 128, 2**27, 2**31), ("causal", 64, 2**27, 2**31),
                              ("window", 128, 2**31, 2**33)),
         # Lengths off the 128-row tiles (86cfc22, B4 H8 T3000, work 2^28.1, fwd ms, Mosaic /
         # the default on the cuDNN route / jax.nn cuDNN / torch SDPA cuDNN, same run): D64
@@ -150,6 +153,12 @@ DEVICE_DEFAULTS: dict[tuple[int, int], DeviceDefaults] = {
         #   fwd+bwd with the Triton backward: T2048 D64 0.347 / 0.367, causal 0.249 / 0.254.
         #   (T1024, 5e15f6d, kernel time: D64 0.0257 / 0.0255, D128 0.0337 / 0.0392 -- left to
         #   Triton: its wall clock is host-bound and unresolved there.)
+        #   176367c, after the heaviest-first Triton grids, causal fwd: T2048 D64 0.065 / 0.063
+        #   (level), D128 0.084 / 0.102; T4096 D64 0.188 / 0.210, D128 0.251 / 0.349.
+        #   With a score modifier (masked suite softcap30: causal, 30 tanh(s / 30), B1 H16
+        #   T16384 D128, 176367c): fwd 2.212 / 3.845; fwd+bwd 11.039 with the Mosaic backward,
+        #   12.745 with the Triton one, 14.335 Triton alone (torch flex 5.995 / 20.454, tokamax
+        #   mosaic 1.913 / 10.171) -> score modifiers take this rule too.
         mosaic_min_len=2048,
         # Odd lengths (86cfc22, B4 H8 T3000, ms, Mosaic / Triton, same run; the Mosaic kernel
         # without padded copies): fwd D64 0.190 / 0.217, causal 0.120 / 0.174; D128 0.258 /

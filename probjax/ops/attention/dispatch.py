@@ -271,10 +271,9 @@ def _ragged(q_shape, kv_shape) -> bool:
 
 
 def _mosaic_forward(q_shape, kv_shape, dtype, table, device: Device, env, kw) -> bool:
-  """Whether the device table's Mosaic rule replaces the Triton forward of this call. Calls
-  with ``score_mod`` keep the Triton forward: the table's Mosaic measurements have none."""
+  """Whether the device table's Mosaic rule replaces the Triton forward of this call."""
   return (table is not None and min(q_shape[1], kv_shape[1]) >= table.mosaic_min_len
-          and kw.get("score_mod") is None and _mosaic_allowed(q_shape, kv_shape, dtype, device, env, kw))
+          and _mosaic_allowed(q_shape, kv_shape, dtype, device, env, kw))
 
 
 def _not_for_kernels(*, bias=False, dense_mask=False, dropout=False, precision=None, module=False) -> str | None:
