@@ -55,6 +55,16 @@ def test_persistent_forward(mask_name):
   check_against_reference(_attn(mask, cfg), x, mask=mask, grads=False)
 
 
+def test_clusters_share_kv_tiles():
+  # CTA pairs on adjacent query tiles of a head (GQA 2:1), each loading half of every K/V
+  # tile for both (interpret mode copies whole tiles; the pair's release barriers are real).
+  # Persistent clusters are covered by the lowering test and the GPU test only: interpret
+  # mode hangs on them in a barrier wait (on the H200 they run).
+  x = make_inputs(3, 2, 256, 200, 2, 1, 64, jnp.bfloat16)
+  cfg = dataclasses.replace(SMALL, cluster=2)
+  check_against_reference(_attn(None, cfg), x, mask=None, grads=False)
+
+
 def test_one_cta_per_tile_in_groups_of_heads(monkeypatch):
   # One CTA per tile under a causal band: heaviest first across groups of 1 and 3 of the
   # 4 (batch, head) pairs; each CTA still computes its own tile.
@@ -210,7 +220,8 @@ def test_supports_reasons():
 
 
 def test_config_validation_and_fit():
-  for kw in (dict(block_q=128), dict(block_k=96), dict(num_stages=1), dict(compute_wgs=4)):
+  for kw in (dict(block_q=128), dict(block_k=96), dict(num_stages=1), dict(compute_wgs=4), dict(cluster=3),
+             dict(cluster=True)):
     with pytest.raises(ValueError):
       pm.MosaicForwardConfig(**kw)
   for kw in (dict(block_q=32), dict(block_k=96), dict(num_stages=1), dict(compute_wgs=0), dict(compute_wgs=3)):
@@ -289,6 +300,14 @@ def test_gpu_persistent_and_three_warpgroups(mask_name, d, wgs):
   cfg = pm.MosaicForwardConfig(64, 128, 2, wgs, persistent=True)
   check_against_reference(lambda q, k, v, _: pm.attention(q, k, v, mask=mask, forward_config=cfg), x,
                           mask=mask, grads=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,persistent,t", [(64, True, 4096), (128, True, 3000), (128, False, 4096)])
+def test_gpu_clusters(d, persistent, t):
+  x = make_inputs(d + t, 2, t, t, 8, 2, d, jnp.bfloat16)
+  cfg = pm.MosaicForwardConfig(64, 128, 2, 2, persistent=persistent, cluster=2)
+  check_against_reference(lambda q, k, v, _: pm.attention(q, k, v, forward_config=cfg), x, mask=None, grads=False)
 
 
 def test_through_dot_product_attention_with_jvp():

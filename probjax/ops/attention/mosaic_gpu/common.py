@@ -159,19 +159,21 @@ def block_tiles(rng_ref, len_ref, b, i, *, segments: bool, lengths: bool, ranges
 
 
 def kv_issuer(b, hkv, block_k: int, k_ref, v_ref, kid_ref, k_smem, v_smem, kid_smem, k_ready, v_ready,
-              kid_ready, *, segments: bool):
+              kid_ready, *, segments: bool, multicast: bool = False):
   """``(issue_k, issue_v)`` for :func:`produce`: ``issue_k(j, slot)`` starts the TMA copy of key
   tile ``j`` of K (and its segment ids), ``issue_v(j, slot)`` that of V, into ring slot
-  ``slot``, each completing its own barrier."""
+  ``slot``, each completing its own barrier. ``multicast``: every CTA of the ``"cluster"``
+  axis issues the same tiles, loads its share of them and multicasts it to all."""
   tile = lambda j: (b, pl.ds(j * block_k, block_k), hkv)
+  axes = "cluster" if multicast else None
 
   def issue_k(j, slot):
-    plgpu.copy_gmem_to_smem(k_ref.at[tile(j)], k_smem.at[slot], k_ready.at[slot])
+    plgpu.copy_gmem_to_smem(k_ref.at[tile(j)], k_smem.at[slot], k_ready.at[slot], collective_axes=axes)
     if segments:
       plgpu.copy_gmem_to_smem(kid_ref.at[b, pl.ds(j * block_k, block_k)], kid_smem.at[slot], kid_ready.at[slot])
 
   def issue_v(j, slot):
-    plgpu.copy_gmem_to_smem(v_ref.at[tile(j)], v_smem.at[slot], v_ready.at[slot])
+    plgpu.copy_gmem_to_smem(v_ref.at[tile(j)], v_smem.at[slot], v_ready.at[slot], collective_axes=axes)
   return issue_k, issue_v
 
 

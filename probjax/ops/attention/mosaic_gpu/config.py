@@ -50,18 +50,24 @@ class MosaicForwardConfig:
   tiles in the order of the key tiles each visits (computed from the mask), alternate waves
   mirrored across the SMs, so each SM's total is near the mean. One CTA per tile, under a
   causal-like band without segment ids: the heaviest query tiles first across groups of
-  heads (as the Triton kernels' grids)."""
+  heads (as the Triton kernels' grids). ``cluster``: 2 runs CTAs in pairs on adjacent query
+  tiles of one head, each loading half of every K/V tile and multicasting it to both (TMA
+  multicast: half the K/V traffic from L2); every CTA of a pair must visit the same key
+  tiles, so only calls without a mask and with an even number of query tiles take it."""
   block_q: int = 64
   block_k: int = 128
   num_stages: int = 2
   compute_wgs: int = 2
   persistent: bool = False
   heavy_first: bool = True
+  cluster: int = 1
 
   def __post_init__(self):
     for name in ("persistent", "heavy_first"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+    if self.cluster not in (1, 2) or isinstance(self.cluster, bool):
+      raise ValueError(f"cluster must be 1 or 2, got {self.cluster!r}")
     if self.block_q != 64:
       raise ValueError(f"block_q must be 64 (one wgmma M tile per warpgroup), got {self.block_q!r}")
     check_tiles(self, ("block_k",), max_wgs=3)

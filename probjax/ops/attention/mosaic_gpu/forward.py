@@ -51,6 +51,9 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, order_ref, 
   # work follow its document, not its position). Persistent: ``order_ref`` when ``by_work``.
   reverse = cfg.heavy_first and band is not None and band.work_grows(by_q=True) and not segments
   n_steps, item = _schedule(grid, num_ctas, cfg.persistent, reverse, order_ref if by_work else None, group)
+  if cfg.cluster > 1:  # ``grid`` counts pairs of query tiles; this CTA takes its own of each
+    pair_item, half = item, lax.axis_index("cluster")
+    item = lambda step: (lambda i, b, h: (i * cfg.cluster + half, b, h))(*pair_item(step))
 
   def each_tile(body):
     """``body(n, base) -> base'`` over this CTA's tiles (:func:`_schedule`); ``base`` counts
@@ -169,7 +172,8 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, order_ref, 
       i, b, h = item(n)
       _, ((lo, hi, _, _), _) = ranges(i, b)
       issue_k, issue_v = C.kv_issuer(b, h // groups, bk, k_ref, v_ref, kid_ref, k_smem, v_smem, kid_smem,
-                                     k_ready, v_ready, kid_ready, segments=segments)
+                                     k_ready, v_ready, kid_ready, segments=segments,
+                                     multicast=cfg.cluster > 1)
       return C.produce(lo, hi, stages, (((k_free,), issue_k), ((v_free,), issue_v)), base, drain=False)
 
     C.drain_ring(each_tile(tile), stages, (k_free, v_free))
@@ -228,6 +232,18 @@ def tile_work(band: Mask | None, lens, ranges, *, lengths: bool, segments: bool,
   return jnp.broadcast_to(hi - lo, (lens.shape[1], n_q))
 
 
+def cluster_refusal(mask: Mask | None, q_len: int, rows: int, cluster: int) -> str | None:
+  """Why CTAs in clusters of ``cluster`` (sharing every K/V tile) cannot compute a call, or
+  None: each CTA of a cluster must visit the same key tiles (no mask), and the query tiles
+  of ``rows`` rows must come in whole clusters."""
+  if mask is not None:
+    return "clusters share every K/V tile, so they take only calls without a mask"
+  if num_tiles(q_len, rows) % cluster:
+    return (f"q_len {q_len} has {num_tiles(q_len, rows)} query tiles of {rows} rows, not a "
+            f"multiple of the cluster size {cluster}")
+  return None
+
+
 def _num_sms() -> int:
   # jax's CUDA devices report their SM count; traced without one (lowering on CPU), an H100/H200's.
   return getattr(jax.devices()[0], "core_count", None) or 132
@@ -258,6 +274,10 @@ def forward(q, k, v, mask: Mask | None, *, scale: float, config: MosaicForwardCo
   qp = pad_axis(q, 1, q_rows)
   kp, vp = (pad_axis(x, 1, kv_rows) for x in (k, v))
   tiled = C.TILED
+  if cfg.cluster > 1 and (why := cluster_refusal(mask, q_len, rows, cfg.cluster)):
+    raise ValueError(f"{cfg} cannot run this call: {why}")
+  # A released K/V slot is released to the producers of every CTA of the cluster.
+  free = functools.partial(plgpu.ClusterBarrier, collective_axes=("cluster",)) if cfg.cluster > 1 else plgpu.Barrier
   scratch = [
       plgpu.SMEM((cfg.compute_wgs, cfg.block_q, d), q.dtype, transforms=tiled),
       plgpu.SMEM((cfg.num_stages, cfg.block_k, d), q.dtype, transforms=tiled),
@@ -269,8 +289,8 @@ def forward(q, k, v, mask: Mask | None, *, scale: float, config: MosaicForwardCo
       plgpu.Barrier(num_barriers=cfg.num_stages),
       plgpu.Barrier(num_barriers=cfg.num_stages),
       plgpu.Barrier(num_barriers=cfg.num_stages),
-      plgpu.Barrier(num_arrivals=cfg.compute_wgs, num_barriers=cfg.num_stages),
-      plgpu.Barrier(num_arrivals=cfg.compute_wgs, num_barriers=cfg.num_stages),
+      free(num_arrivals=cfg.compute_wgs, num_barriers=cfg.num_stages),
+      free(num_arrivals=cfg.compute_wgs, num_barriers=cfg.num_stages),
       plgpu.Barrier(num_arrivals=cfg.compute_wgs),  # the ping-pong schedule
   ]
   if cfg.persistent:  # the output tiles, so that the next tile's queries can load meanwhile
@@ -279,11 +299,12 @@ def forward(q, k, v, mask: Mask | None, *, scale: float, config: MosaicForwardCo
     scratch.append(plgpu.SMEM((cfg.compute_wgs, cfg.block_q, cfg.block_k), q.dtype, transforms=tiled))
   band, lengths, lens = C.split_mask(mask, batch, q_len, kv_len)
   seg_ops = C.segment_operands(mask, batch, q_len, kv_len, q_pad, kv_pad, rows, cfg.block_k, by_q=True)
-  tiles = (num_tiles(q_pad, rows), batch, heads)
-  grid, names = tiles, ("q_tiles", "batch", "heads")
-  if cfg.persistent:  # one CTA per SM, each looping over tiles
-    grid, names = (min(math.prod(tiles), 2 if interpret else _num_sms()),), ("sm",)
   segments = mask is not None and mask.q_segment_ids is not None
+  # Grid and schedule in units of ``cfg.cluster`` query tiles (a cluster's CTAs share them).
+  tiles = (num_tiles(q_pad, rows) // cfg.cluster, batch, heads)
+  grid, names = tiles, ("q_tiles", "batch", "heads")
+  if cfg.persistent:  # one CTA (or cluster) per SM (or pair of SMs), each looping over tiles
+    grid, names = (min(math.prod(tiles), (2 if interpret else _num_sms()) // cfg.cluster),), ("sm",)
   # Persistent CTAs take the tiles heaviest first where the mask makes their work differ.
   by_work = cfg.persistent and cfg.heavy_first and (
       lengths or segments or (band is not None and band.work_grows(by_q=True)))
@@ -310,6 +331,7 @@ def forward(q, k, v, mask: Mask | None, *, scale: float, config: MosaicForwardCo
       grid_names=names,
       num_threads=cfg.compute_wgs + 1,
       thread_name="wg",
+      **(dict(cluster=(cfg.cluster,), cluster_names=("cluster",)) if cfg.cluster > 1 else {}),
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=plgpu.InterpretGPUParams() if interpret else False,
       kernel_name="probjax_attention_fwd_mosaic",
