@@ -265,7 +265,15 @@ def test_tile_sweep_records_the_auto_config():
   from docs.scripts.benchmark_gpu_attention_tiles import mosaic_auto_config
   for d in mcfg.DEFAULTS:
     for dtype in ("bfloat16", "float16"):
-      assert mosaic_auto_config(dtype, d, "sm_90")["forward"] == dataclasses.asdict(mcfg.fit(None, 2, d, "sm_90"))
+      for t in (3000, 4096):
+        auto = mosaic_auto_config(dtype, d, t, "sm_90")["forward"]
+        assert auto == dataclasses.asdict(mcfg.fit(None, 2, d, "sm_90", q_len=t))
+  # CTA pairs by default at head_dim 128, where the call can take them.
+  assert mcfg.fit(None, 2, 128, "sm_90", q_len=4096).cluster == 2
+  for kw in (dict(q_len=3000 - 128), dict(q_len=4096, mask=M.CausalMask()), {}):  # 23 tiles; a mask; unknown
+    assert mcfg.fit(None, 2, 128, "sm_90", **kw).cluster == 1, kw
+  assert mcfg.fit(None, 2, 128, "interpret", q_len=4096).cluster == 1
+  assert mcfg.fit(None, 2, 64, "sm_90", q_len=4096).cluster == 1
 
 
 @pytest.mark.gpu

@@ -105,11 +105,12 @@ def tile_case(dtype, d, t, b, h, mode, cfg, timing):
                       run=run, variant=variant, extra={"config": variant})
 
 
-def mosaic_auto_config(dtype: str, d: int, device: str) -> dict:
-  """The forward config the Mosaic kernel picks by default on ``device`` (recorded in auto rows)."""
+def mosaic_auto_config(dtype: str, d: int, t: int, device: str) -> dict:
+  """The forward config the Mosaic kernel picks by default on ``device`` for an unmasked call
+  of ``t`` queries (recorded in auto rows)."""
   from probjax.ops.attention.mosaic_gpu import config as MC
   itemsize = jnp.dtype(impls.jnp_dtype(dtype)).itemsize
-  return {"forward": dataclasses.asdict(MC.fit(None, itemsize, d, device))}
+  return {"forward": dataclasses.asdict(MC.fit(None, itemsize, d, device, q_len=t))}
 
 
 def mosaic_tile_case(dtype, d, t, b, h, cfg, timing):
@@ -131,7 +132,7 @@ def mosaic_tile_case(dtype, d, t, b, h, cfg, timing):
     try:
       res = harness.time_fn(fn, sync, **timing)
       if cfg is None:
-        res["auto_config"] = mosaic_auto_config(dtype, d, C.device_kind())
+        res["auto_config"] = mosaic_auto_config(dtype, d, t, C.device_kind())
       return res
     finally:
       impls.free_memory()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from probjax.ops.attention.masks import round_up
+from probjax.ops.attention.masks import Mask, num_tiles, round_up
 from probjax.ops.attention.triton.config import smem_limit
 
 SMEM_ALIGN, SMEM_RESERVED = 1024, 2048
@@ -91,8 +91,24 @@ class MosaicForwardConfig:
 # persistent): T4096 D64 0.196 / 0.188, D128 0.289 / 0.268; wall ms at T16384 D64 2.87 / 2.58,
 # D128 4.39 / 4.23. Head_dim 256 is unmeasured: the largest ring that fits (persistent, its
 # output buffer would not).
-DEFAULTS = {64: MosaicForwardConfig(64, 128, 2, 2, True), 128: MosaicForwardConfig(64, 128, 2, 2, True),
+# CTA pairs (cluster=2, unmasked calls only; docs/benchmarks/mosaic_cluster.json, 0be15c3, B4 H8,
+# persistent, wall / kernel ms, single CTAs -> pairs): head_dim 128 T8192 1.891 / 1.867 ->
+# 1.862 / 1.787, T16384 7.766 -> 7.371 (T4096 0.457 / 0.441 -> 0.439 / 0.472: within noise);
+# head_dim 64 no gain (T4096 0.329 -> 0.333, T16384 5.069 -> 5.155): pairs at head_dim 128.
+DEFAULTS = {64: MosaicForwardConfig(64, 128, 2, 2, True), 128: MosaicForwardConfig(64, 128, 2, 2, True, cluster=2),
             256: MosaicForwardConfig(64, 64, 2, 2, False)}
+
+
+def cluster_refusal(mask: Mask | None, q_len: int, rows: int, cluster: int) -> str | None:
+  """Why CTAs in clusters of ``cluster`` (sharing every K/V tile) cannot compute a call, or
+  None: each CTA of a cluster must visit the same key tiles (no mask), and the query tiles
+  of ``rows`` rows must come in whole clusters."""
+  if mask is not None:
+    return "clusters share every K/V tile, so they take only calls without a mask"
+  if num_tiles(q_len, rows) % cluster:
+    return (f"q_len {q_len} has {num_tiles(q_len, rows)} query tiles of {rows} rows, not a "
+            f"multiple of the cluster size {cluster}")
+  return None
 
 
 # Interpret mode runs each warpgroup as a thread whose barrier waits block inside XLA host
@@ -101,14 +117,20 @@ DEFAULTS = {64: MosaicForwardConfig(64, 128, 2, 2, True), 128: MosaicForwardConf
 INTERPRET_WGS = 1
 
 
-def fit(config: MosaicForwardConfig | None, itemsize: int, head_dim: int, device: str) -> MosaicForwardConfig:
+def fit(config: MosaicForwardConfig | None, itemsize: int, head_dim: int, device: str, *,
+        mask: Mask | None = None, q_len: int | None = None) -> MosaicForwardConfig:
   """``config`` (or the default for ``head_dim``) checked against ``device``'s shared memory;
-  a default that does not fit drops stages, an explicit one raises ``ValueError``."""
+  a default that does not fit drops stages, an explicit one raises ``ValueError``. A default
+  in CTA pairs runs single CTAs where the call (``mask``, ``q_len``; None: unknown) cannot
+  take pairs (:func:`cluster_refusal`) and in interpret mode."""
   limit = smem_limit(device)
   explicit = config is not None
   cfg = config if explicit else DEFAULTS[head_dim]
   if device == "interpret" and not explicit:  # see INTERPRET_WGS
-    cfg = dataclasses.replace(cfg, compute_wgs=INTERPRET_WGS)
+    cfg = dataclasses.replace(cfg, compute_wgs=INTERPRET_WGS, cluster=1)
+  if not explicit and cfg.cluster > 1 and (
+      q_len is None or cluster_refusal(mask, q_len, cfg.block_q * cfg.compute_wgs, cfg.cluster)):
+    cfg = dataclasses.replace(cfg, cluster=1)
   if limit is None:
     return cfg
   while cfg.smem_bytes(itemsize, head_dim) > limit:

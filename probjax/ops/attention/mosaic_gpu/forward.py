@@ -30,7 +30,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from probjax.ops.attention.masks import Mask, heavy_first_program, num_tiles, pad_axis, round_up
 from probjax.ops.attention.mosaic_gpu import common as C
-from probjax.ops.attention.mosaic_gpu.config import MosaicForwardConfig
+from probjax.ops.attention.mosaic_gpu.config import MosaicForwardConfig, cluster_refusal
 from probjax.ops.attention.triton.config import kernel_device, order_group
 
 
@@ -230,18 +230,6 @@ def tile_work(band: Mask | None, lens, ranges, *, lengths: bool, segments: bool,
   valid = (lens[0][:, None], lens[1][:, None]) if lengths else (None, None)
   lo, hi, _, _ = C.kv_tiles(band, jnp.arange(n_q, dtype=jnp.int32)[None] * rows, rows, kv_len, block_k, *valid)
   return jnp.broadcast_to(hi - lo, (lens.shape[1], n_q))
-
-
-def cluster_refusal(mask: Mask | None, q_len: int, rows: int, cluster: int) -> str | None:
-  """Why CTAs in clusters of ``cluster`` (sharing every K/V tile) cannot compute a call, or
-  None: each CTA of a cluster must visit the same key tiles (no mask), and the query tiles
-  of ``rows`` rows must come in whole clusters."""
-  if mask is not None:
-    return "clusters share every K/V tile, so they take only calls without a mask"
-  if num_tiles(q_len, rows) % cluster:
-    return (f"q_len {q_len} has {num_tiles(q_len, rows)} query tiles of {rows} rows, not a "
-            f"multiple of the cluster size {cluster}")
-  return None
 
 
 def _num_sms() -> int:
