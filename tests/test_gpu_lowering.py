@@ -252,19 +252,21 @@ def test_mosaic_forward_and_triton_backward_lower_for_sm90(monkeypatch, mask_nam
 @pytest.mark.parametrize("persistent", [False, True])
 def test_mosaic_forward_clusters_lower_for_sm90(monkeypatch, persistent):
   """CTA pairs sharing K/V tiles by TMA multicast (``cluster=2``) lower to one Mosaic GPU
-  kernel launched in clusters; a mask or an odd number of query tiles is refused."""
+  kernel launched in clusters, with a band too; segment ids or an odd number of query tiles
+  are refused."""
   from probjax.ops.attention import mosaic_gpu as pm
   _fake_triton_sm90(monkeypatch, device_kind=True)
   cfg = pm.MosaicForwardConfig(64, 128, 2, 2, persistent, cluster=2)
   kv = jax.ShapeDtypeStruct((2, 700, 2, 128), jnp.bfloat16)
   lower = lambda t, mask=None: jax.jit(lambda q, k, v: pm.attention(q, k, v, mask=mask, forward_config=cfg)).trace(
       jax.ShapeDtypeStruct((2, t, 8, 128), jnp.bfloat16), kv, kv).lower(lowering_platforms=("cuda",)).as_text()
-  text = lower(500)  # 4 query tiles of 128 rows: 2 clusters per head
-  assert "probjax_attention_fwd_mosaic" in text and "mosaic_gpu_v2" in text
+  for mask in (None, M.CausalMask()):
+    text = lower(500, mask)  # 4 query tiles of 128 rows: 2 clusters per head
+    assert "probjax_attention_fwd_mosaic" in text and "mosaic_gpu_v2" in text
   with pytest.raises(ValueError, match="not a multiple of the cluster size"):
     lower(300)
-  with pytest.raises(ValueError, match="only calls without a mask"):
-    lower(500, M.CausalMask())
+  with pytest.raises(ValueError, match="segment ids"):
+    lower(500, make_mask("segments", 2, 500, 700))
 
 
 @pytest.mark.parametrize("t", [3000, 1500])

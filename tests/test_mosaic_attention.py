@@ -55,14 +55,17 @@ def test_persistent_forward(mask_name):
   check_against_reference(_attn(mask, cfg), x, mask=mask, grads=False)
 
 
-def test_clusters_share_kv_tiles():
+@pytest.mark.parametrize("mask_name", ["none", "causal", "window", "causal&kv_len", "lengths"])
+def test_clusters_share_kv_tiles(mask_name):
   # CTA pairs on adjacent query tiles of a head (GQA 2:1), each loading half of every K/V
-  # tile for both (interpret mode copies whole tiles; the pair's release barriers are real).
-  # Persistent clusters are covered by the lowering test and the GPU test only: interpret
-  # mode hangs on them in a barrier wait (on the H200 they run).
+  # tile for both (interpret mode copies whole tiles; the pair's release barriers are real);
+  # under a band or lengths the pair visits the union of its ranges. Persistent pairs are
+  # covered by the lowering test and the GPU tests only: interpret mode hangs on them in a
+  # barrier wait (the H200 runs them).
   x = make_inputs(3, 2, 256, 200, 2, 1, 64, jnp.bfloat16)
+  mask = make_mask(mask_name, 2, 256, 200)
   cfg = dataclasses.replace(SMALL, cluster=2)
-  check_against_reference(_attn(None, cfg), x, mask=None, grads=False)
+  check_against_reference(_attn(mask, cfg), x, mask=mask, grads=False)
 
 
 def test_one_cta_per_tile_in_groups_of_heads(monkeypatch):
@@ -311,11 +314,15 @@ def test_gpu_persistent_and_three_warpgroups(mask_name, d, wgs):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("d,persistent,t", [(64, True, 4096), (128, True, 3000), (128, False, 4096)])
-def test_gpu_clusters(d, persistent, t):
+@pytest.mark.parametrize("mask_name,d,persistent,t", [("none", 64, True, 4096), ("none", 128, True, 3000),
+                                                      ("none", 128, False, 4096), ("causal", 128, True, 3000),
+                                                      ("causal&kv_len", 64, True, 4096), ("window", 128, False, 4096)])
+def test_gpu_clusters(mask_name, d, persistent, t):
   x = make_inputs(d + t, 2, t, t, 8, 2, d, jnp.bfloat16)
+  mask = make_mask(mask_name, 2, t, t)
   cfg = pm.MosaicForwardConfig(64, 128, 2, 2, persistent=persistent, cluster=2)
-  check_against_reference(lambda q, k, v, _: pm.attention(q, k, v, forward_config=cfg), x, mask=None, grads=False)
+  check_against_reference(lambda q, k, v, _: pm.attention(q, k, v, mask=mask, forward_config=cfg), x, mask=mask,
+                          grads=False)
 
 
 def test_through_dot_product_attention_with_jvp():

@@ -52,8 +52,10 @@ class MosaicForwardConfig:
   causal-like band without segment ids: the heaviest query tiles first across groups of
   heads (as the Triton kernels' grids). ``cluster``: 2 runs CTAs in pairs on adjacent query
   tiles of one head, each loading half of every K/V tile and multicasting it to both (TMA
-  multicast: half the K/V traffic from L2); every CTA of a pair must visit the same key
-  tiles, so only calls without a mask and with an even number of query tiles take it."""
+  multicast: half the K/V traffic from L2); both CTAs of a pair visit the same key
+  tiles: calls with a band or lengths visit the union of the pair's key ranges (a CTA
+  releases the tiles outside its own without computing); segment ids are refused, and the
+  query tiles must come in whole pairs."""
   block_q: int = 64
   block_k: int = 128
   num_stages: int = 2
@@ -101,10 +103,10 @@ DEFAULTS = {64: MosaicForwardConfig(64, 128, 2, 2, True), 128: MosaicForwardConf
 
 def cluster_refusal(mask: Mask | None, q_len: int, rows: int, cluster: int) -> str | None:
   """Why CTAs in clusters of ``cluster`` (sharing every K/V tile) cannot compute a call, or
-  None: each CTA of a cluster must visit the same key tiles (no mask), and the query tiles
-  of ``rows`` rows must come in whole clusters."""
-  if mask is not None:
-    return "clusters share every K/V tile, so they take only calls without a mask"
+  None: the CTAs of a cluster visit the union of their key ranges, which segment ids do not
+  make contiguous, and the query tiles of ``rows`` rows must come in whole clusters."""
+  if mask is not None and mask.q_segment_ids is not None:
+    return "clusters share their K/V tiles, which segment ids do not allow"
   if num_tiles(q_len, rows) % cluster:
     return (f"q_len {q_len} has {num_tiles(q_len, rows)} query tiles of {rows} rows, not a "
             f"multiple of the cluster size {cluster}")
@@ -128,8 +130,8 @@ def fit(config: MosaicForwardConfig | None, itemsize: int, head_dim: int, device
   cfg = config if explicit else DEFAULTS[head_dim]
   if device == "interpret" and not explicit:  # see INTERPRET_WGS
     cfg = dataclasses.replace(cfg, compute_wgs=INTERPRET_WGS, cluster=1)
-  if not explicit and cfg.cluster > 1 and (
-      q_len is None or cluster_refusal(mask, q_len, cfg.block_q * cfg.compute_wgs, cfg.cluster)):
+  if not explicit and cfg.cluster > 1 and (  # pairs are measured without a mask only
+      q_len is None or mask is not None or cluster_refusal(mask, q_len, cfg.block_q * cfg.compute_wgs, cfg.cluster)):
     cfg = dataclasses.replace(cfg, cluster=1)
   if limit is None:
     return cfg

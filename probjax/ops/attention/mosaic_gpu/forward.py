@@ -67,6 +67,16 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, order_ref, 
     return cta_start, C.block_tiles(rng_ref, len_ref, b, i, segments=segments, lengths=lengths,
                                      ranges=lambda *v: C.kv_tiles(band, cta_start, wgs * bq, kv_len, bk, *v))
 
+  def visited(i, b):
+    """``(lo, hi)``: the key tiles this CTA's producer loads for query tile ``i``: its own,
+    or in a cluster those of the whole cluster's rows (a band's ranges of adjacent tiles
+    are contiguous, so their union is the range of the rows together)."""
+    if cfg.cluster == 1:
+      return ranges(i, b)[1][0][:2]
+    rows = cfg.cluster * wgs * bq
+    valid = (len_ref[0, b], len_ref[1, b]) if lengths else (None, None)
+    return C.kv_tiles(band, i // cfg.cluster * rows, rows, kv_len, bk, *valid)[:2]
+
   def load_q(step):
     i, b, h = item(step)
     rows = pl.ds(i * (wgs * bq) + wg * bq, bq)
@@ -81,6 +91,12 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, order_ref, 
     def tile(n, base):
       i, b, h = item(n)
       cta_start, ((lo, hi, flo, fhi), valid) = ranges(i, b)
+      vlo, vhi = visited(i, b)
+      if cfg.cluster > 1:  # this CTA's tiles inside the cluster's
+        lo = jnp.clip(lo, vlo, vhi)
+        hi = jnp.clip(hi, lo, vhi)
+        flo, fhi = jnp.clip(flo, lo, hi), jnp.clip(fhi, lo, hi)
+        fhi = jnp.maximum(flo, fhi)
       q_start = cta_start + wg * bq
       rows = pl.ds(q_start, bq)
       if segments:
@@ -91,7 +107,7 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, order_ref, 
       carry = (plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA),
                plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
                plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
-      slot_of = lambda j: lax.rem(base + j - lo, jnp.int32(stages))
+      slot_of = lambda j: lax.rem(base + j - vlo, jnp.int32(stages))
 
       def schedule():  # ping-pong: the two compute warpgroups take turns on the tensor cores
         if wgs == 2:
@@ -139,6 +155,15 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, order_ref, 
         plgpu.barrier_arrive(v_free.at[slot])
         return acc, m_new, l
 
+      def pass_over(j, _):  # a tile of the cluster's range outside this CTA's: release it
+        slot = slot_of(j)
+        for ready, free in ((k_ready, k_free), (v_ready, v_free)):
+          plgpu.barrier_wait(ready.at[slot])
+          plgpu.barrier_arrive(free.at[slot])
+
+      if cfg.cluster > 1:
+        pl.loop(vlo, lo)(lambda j: pass_over(j, None))
+
       @pl.when(lo < hi)
       def _():
         plgpu.barrier_wait(k_ready.at[slot_of(lo)])
@@ -148,6 +173,8 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, order_ref, 
       carry = lax.fori_loop(flo, fhi, functools.partial(step, masked=False), carry)
       acc, m, l = lax.fori_loop(fhi, hi, functools.partial(step, masked=True), carry)
       pl.when(wg == 0)(schedule)
+      if cfg.cluster > 1:
+        pl.loop(hi, vhi)(lambda j: pass_over(j, None))
       if cfg.persistent:  # this tile's last QK^T has completed: the query buffer is free
         pl.when(n + 1 < n_steps)(lambda: load_q(n + 1))
       empty = l == 0.0
@@ -159,7 +186,7 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, order_ref, 
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[b, rows, h])
       plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, rows])
-      return base + jnp.maximum(hi - lo, 0)
+      return base + jnp.maximum(vhi - vlo, 0)
 
     each_tile(tile)
     plgpu.wait_smem_to_gmem(0)
@@ -170,7 +197,7 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, order_ref, 
 
     def tile(n, base):
       i, b, h = item(n)
-      _, ((lo, hi, _, _), _) = ranges(i, b)
+      lo, hi = visited(i, b)
       issue_k, issue_v = C.kv_issuer(b, h // groups, bk, k_ref, v_ref, kid_ref, k_smem, v_smem, kid_smem,
                                      k_ready, v_ready, kid_ready, segments=segments,
                                      multicast=cfg.cluster > 1)
@@ -298,7 +325,8 @@ def forward(q, k, v, mask: Mask | None, *, scale: float, config: MosaicForwardCo
       lengths or segments or (band is not None and band.work_grows(by_q=True)))
   order = jnp.zeros((1,), jnp.int32)
   if by_work:
-    work = functools.partial(tile_work, band, lengths=lengths, segments=segments, n_q=tiles[0], rows=rows,
+    work = functools.partial(tile_work, band, lengths=lengths, segments=segments, n_q=tiles[0],
+                             rows=rows * cfg.cluster,
                              kv_len=kv_len, block_k=cfg.block_k)
     if lengths or segments:
       order = work_order(work(lens, seg_ops[0]))
