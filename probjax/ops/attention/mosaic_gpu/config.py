@@ -97,6 +97,10 @@ class MosaicForwardConfig:
 # persistent, wall / kernel ms, single CTAs -> pairs): head_dim 128 T8192 1.891 / 1.867 ->
 # 1.862 / 1.787, T16384 7.766 -> 7.371 (T4096 0.457 / 0.441 -> 0.439 / 0.472: within noise);
 # head_dim 64 no gain (T4096 0.329 -> 0.333, T16384 5.069 -> 5.155): pairs at head_dim 128.
+# Again (mosaic_cluster_445f41a.json, wall ms): D128 T8192 1.865 -> 1.843, T16384 7.514 -> 7.387.
+# Causal pairs (same file; the pair visits the union of its key ranges) lose at T4096 (D64
+# 0.179 -> 0.193, D128 0.246 -> 0.259) and T8192 (0.641 -> 0.661, 0.965 -> 0.973) and gain at
+# T16384 (2.636 -> 2.493, 4.088 -> 3.975): the default takes pairs without a mask only.
 DEFAULTS = {64: MosaicForwardConfig(64, 128, 2, 2, True), 128: MosaicForwardConfig(64, 128, 2, 2, True, cluster=2),
             256: MosaicForwardConfig(64, 64, 2, 2, False)}
 
