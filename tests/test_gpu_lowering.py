@@ -7,6 +7,7 @@ forward and one backward call, so a lowering regression fails in CI rather
 than on the device. Triton's and cuDNN's own compilation still need the GPU.
 """
 
+import dataclasses
 import re
 
 import jax
@@ -312,6 +313,22 @@ def test_mosaic_backward_lowers_for_sm90(monkeypatch, mask_name, d, wgs):
   kernels = set(re.findall(r"probjax_attention_\w+_mosaic\b", text))
   assert kernels == {"probjax_attention_fwd_mosaic", "probjax_attention_bwd_dkv_mosaic",
                      "probjax_attention_bwd_dq_mosaic"}, kernels
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_mosaic_fused_dq_backward_lowers_for_sm90(monkeypatch, d):
+  """``fused_dq``: forward and one dK/dV kernel that adds dQ into a float32 buffer in place
+  (TMA reduce-add); no dQ kernel."""
+  from probjax.ops.attention import mosaic_gpu as pm
+  _fake_triton_sm90(monkeypatch, device_kind=True)
+  q = jax.ShapeDtypeStruct((2, 300, 8, d), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, 300, 2, d), jnp.bfloat16)
+  bcfg = dataclasses.replace(pm.backward.DEFAULTS[d], fused_dq=True)
+  loss = lambda q, k, v: jnp.sum(pm.attention(q, k, v, mask=M.CausalMask(), backward_pass_impl="mosaic",
+                                              backward_config=bcfg).astype(jnp.float32))
+  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+  kernels = set(re.findall(r"probjax_attention_\w+_mosaic\b", text))
+  assert kernels == {"probjax_attention_fwd_mosaic", "probjax_attention_bwd_dkv_mosaic"}, kernels
 
 
 @pytest.mark.parametrize("mask_name,backward", [("none", "auto"), ("causal", "auto"), ("segments", "mosaic"),

@@ -86,6 +86,15 @@ def test_mosaic_backward(mask_name):
   check_against_reference(_mosaic_bwd(mask), x, mask=mask)
 
 
+@pytest.mark.parametrize("mask_name", ["none", "causal_offset", "window&segments", "kv_len_zero"])
+def test_mosaic_backward_fused_dq(mask_name):
+  # One kernel: dK/dV, and dQ added tile by tile into a float32 buffer (in interpret mode by
+  # read-add-write, the CTAs running one at a time; on the GPU by TMA reduce-add).
+  x = make_inputs(8, 2, 150, 200, 4, 2, 64, jnp.bfloat16)
+  mask = make_mask(mask_name, 2, 150, 200)
+  check_against_reference(_mosaic_bwd(mask, dataclasses.replace(BSMALL, fused_dq=True)), x, mask=mask)
+
+
 @pytest.mark.parametrize("backward", ["mosaic", "auto"])
 def test_gradients_within_twice_a_same_precision_reference(backward):
   from probjax.nn.layers.attention import dot_product_attention
@@ -227,7 +236,8 @@ def test_config_validation_and_fit():
              dict(cluster=True)):
     with pytest.raises(ValueError):
       pm.MosaicForwardConfig(**kw)
-  for kw in (dict(block_q=32), dict(block_k=96), dict(num_stages=1), dict(compute_wgs=0), dict(compute_wgs=3)):
+  for kw in (dict(block_q=32), dict(block_k=96), dict(num_stages=1), dict(compute_wgs=0), dict(compute_wgs=3),
+             dict(fused_dq=1)):
     with pytest.raises(ValueError):
       pm.MosaicBackwardConfig(**kw)
   from probjax.ops.attention.mosaic_gpu import backward as mb
@@ -291,6 +301,17 @@ def test_gpu_mosaic_backward_is_exact_and_deterministic(mask_name, tq, tk, d):
                            argnums=(0, 1, 2))(x.q, x.k, x.v)
   for a, b in zip(grads(), grads()):  # no atomics: bitwise equal across runs
     assert bool(jnp.all(a == b))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask_name,tq,tk,d", [("none", 4096, 4096, 128), ("causal", 3000, 3000, 64),
+                                               ("causal&kv_len", 2048, 3000, 128), ("window&segments", 3000, 3000, 64)])
+def test_gpu_mosaic_backward_fused_dq(mask_name, tq, tk, d):
+  x = make_inputs(tq + d + 2, 2, tq, tk, 8, 2, d, jnp.bfloat16)
+  mask = make_mask(mask_name, 2, tq, tk)
+  bcfg = dataclasses.replace(pm.backward.DEFAULTS[d], fused_dq=True)
+  check_against_reference(lambda q, k, v, _: pm.attention(q, k, v, mask=mask, backward_pass_impl="mosaic",
+                                                          backward_config=bcfg), x, mask=mask)
 
 
 @pytest.mark.gpu

@@ -14,6 +14,7 @@
 #     GAP_SETTINGS=suites: only the suites' setting)
 #   probe_sched (docs/scripts/probe_mosaic_persistent.py: the Mosaic forward's schedules)
 #   probe_cluster (docs/scripts/probe_mosaic_cluster.py: the Mosaic forward in CTA pairs, K/V multicast)
+#   probe_bwd (docs/scripts/probe_mosaic_backward.py: the Mosaic backward with dQ fused, against two kernels)
 #   probe_layout (docs/scripts/probe_layout.py: Triton kernel and torch flex, each in both layouts)
 #   probe_interleaved (docs/scripts/probe_interleaved.py: the cuDNN routes timed in one process)
 #   probe_ptx (docs/scripts/probe_ptx.py: the Triton forward's PTX against torch flex's)
@@ -103,6 +104,7 @@ for s in "${steps[@]}"; do
     probe_odd) run_step odd_probe.json docs.scripts.probe_odd_lengths ;;
     probe_sched) run_probe mosaic_schedule.json docs.scripts.probe_mosaic_persistent ;;
     probe_cluster) run_probe mosaic_cluster.json docs.scripts.probe_mosaic_cluster ;;
+    probe_bwd) run_probe mosaic_backward.json docs.scripts.probe_mosaic_backward ;;
     probe_layout) run_probe layout_probe.json docs.scripts.probe_layout ;;
     probe_interleaved) run_probe interleaved_probe.json docs.scripts.probe_interleaved ;;
     probe_ptx) (export PROBJAX_XLA_DUMP=/tmp/xla_dump_ptx

@@ -40,14 +40,21 @@ R = C.ROWS
 @dataclasses.dataclass(frozen=True)
 class MosaicBackwardConfig:
   """``block_q``: query tiles the dK/dV kernel streams; ``block_k``: key tiles the dQ kernel
-  streams; ``num_stages`` ring slots; ``compute_wgs`` compute warpgroups (64 rows each)."""
+  streams; ``num_stages`` ring slots; ``compute_wgs`` compute warpgroups (64 rows each).
+  ``fused_dq``: no dQ kernel; the dK/dV kernel also multiplies each dS tile by its K rows
+  and adds the product to a float32 dQ in global memory (TMA reduce-add): five matmuls per
+  tile pair instead of seven, dQ's float32 sums in an order that varies from run to run
+  (not bitwise deterministic; dK and dV still are)."""
   block_q: int = 64
   block_k: int = 64
   num_stages: int = 2
   compute_wgs: int = 2
+  fused_dq: bool = False
 
   def __post_init__(self):
     check_tiles(self, ("block_q", "block_k"))
+    if not isinstance(self.fused_dq, bool):
+      raise ValueError(f"fused_dq must be a bool, got {self.fused_dq!r}")
 
   def smem_bytes(self, itemsize: int, head_dim: int) -> int:
     """The larger of the two kernels' shared memory (:func:`.config.smem_total` of the
@@ -57,8 +64,11 @@ class MosaicBackwardConfig:
     wgs, st, d, s = self.compute_wgs, self.num_stages, head_dim, itemsize
     resident = wgs * R * d * s
     streamed_q, streamed_k = st * self.block_q * d * s, st * self.block_k * d * s
+    fused = [wgs * R * self.block_q * s, wgs * self.block_q * d * 4] if self.fused_dq else []  # dS^T, dQ
     dkv = smem_total([resident, resident, streamed_q, streamed_q, st * 2 * self.block_q * 4, wgs * R * 4,
-                      st * self.block_q * 4], 3 * wgs + 5 * st)
+                      st * self.block_q * 4, *fused], 3 * wgs + 5 * st)
+    if self.fused_dq:
+      return dkv
     dq = smem_total([resident, resident, wgs * 2 * R * 4, wgs * R * 4, streamed_k, streamed_k,
                      st * self.block_k * 4], 4 * wgs + 4 * st)
     return max(dkv, dq)
@@ -86,10 +96,13 @@ def fit(config: MosaicBackwardConfig | None, itemsize: int, head_dim: int, devic
   return cfg
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, st_ref, len_ref, rng_ref, qid_ref, kid_ref, dk_ref, dv_ref,
-                k_smem, v_smem, q_smem, do_smem, st_smem, kid_smem, qid_smem, kv_bar, q_ready, do_ready,
-                st_ready, qid_ready, free, staging=None, *, band, lengths, segments, scale, score_mod,
-                groups, cfg, q_len, kv_len, dtype):
+def _dkv_kernel(*refs, band, lengths, segments, scale, score_mod, groups, cfg, q_len, kv_len, dtype, interpret):
+  n_in = 9 + cfg.fused_dq  # with fused_dq, the float32 dQ accumulator (a mutable input) last
+  (q_ref, k_ref, v_ref, do_ref, st_ref, len_ref, rng_ref, qid_ref, kid_ref), dq_ref = refs[:9], refs[9:n_in]
+  (dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, st_smem, kid_smem, qid_smem, kv_bar, q_ready, do_ready,
+   st_ready, qid_ready, free, *extra) = refs[n_in:]
+  ds_smem, dq_smem = extra[:2] if cfg.fused_dq else (None, None)
+  staging = extra[2 * cfg.fused_dq] if interpret else None
   bq, stages, wgs = cfg.block_q, cfg.num_stages, cfg.compute_wgs
   b, hkv, i = lax.axis_index("batch"), lax.axis_index("kv_heads"), lax.axis_index("kv_tiles")
   wg = lax.axis_index("wg")
@@ -139,7 +152,16 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, st_ref, len_ref, rng_ref, qid_ref, 
       dst = pull(pt * (C.mma(v_smem.at[wg], do_smem.at[slot].T, (R, bq)) - col(delta)))
       if masked and score_mod is not None:  # score_mod's derivative may be non-finite there
         dst = jnp.where(ok, dst, 0.0)
-      dk = C.mma_acc(dk, dst.astype(dtype), q_smem.at[slot], stage)
+      dst = dst.astype(dtype)
+      if cfg.fused_dq:  # dS^T to shared memory, as dS (its transposed view) is dQ's A operand
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's dQ has been read
+        ds_smem.at[wg][...] = dst
+        plgpu.commit_smem()
+      dk = C.mma_acc(dk, dst, q_smem.at[slot], stage)
+      if cfg.fused_dq:
+        dq_smem.at[wg][...] = C.mma(ds_smem.at[wg].T, k_smem.at[wg], (bq, d))
+        plgpu.commit_smem()
+        _add_to(dq_smem.at[wg], dq_ref[0].at[b, pl.ds(j * bq, bq), hkv * groups + g], interpret)
       plgpu.barrier_arrive(free.at[slot])
       return dk, dv
 
@@ -170,6 +192,16 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, st_ref, len_ref, rng_ref, qid_ref, 
       if segments:
         plgpu.copy_gmem_to_smem(qid_ref.at[b, pl.ds(j * bq, bq)], qid_smem.at[slot], qid_ready.at[slot])
     C.produce(jnp.int32(0), groups * nq, stages, (((free,), issue),))
+
+
+def _add_to(src, dst, interpret: bool):
+  """``dst += src`` (a float32 tile from shared to global memory) by TMA reduce-add, which
+  interpret mode lacks: there the CTAs run one at a time and the tile is read, added and
+  written back."""
+  if interpret:
+    dst[...] = dst[...] + src[...]
+  else:
+    plgpu.copy_smem_to_gmem(src, dst, reduction_op="add")
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, st_ref, len_ref, rng_ref, qid_ref, kid_ref, dq_ref, q_smem,
@@ -273,14 +305,21 @@ def backward(q, k, v, out, lse, do, mask: Mask | None, *, scale: float, config: 
                  plgpu.SMEM((stages, 2, cfg.block_q), jnp.float32), ids(wgs, R), ids(stages, cfg.block_q),
                  barriers(3 * wgs), barriers(stages), barriers(stages), barriers(stages), barriers(stages),
                  barriers(stages, wgs)]
+  dq_acc = []
+  if cfg.fused_dq:  # dS^T (bf16) and dQ (float32) tiles; the dQ accumulator, zeroed
+    dkv_scratch += [smem(wgs, R, cfg.block_q), plgpu.SMEM((wgs, cfg.block_q, d), jnp.float32)]
+    dq_acc = [jax.new_ref(jnp.zeros((batch, q_pad, heads, d), jnp.float32))]
   if interpret:  # P^T and dS^T staging (see common.mma_acc)
     dkv_scratch.append(smem(wgs, R, cfg.block_q))
   dk, dv = plgpu.kernel(
-      functools.partial(_dkv_kernel, **static),
+      functools.partial(_dkv_kernel, **static, interpret=bool(interpret)),
       out_type=(jax.ShapeDtypeStruct((batch, kv_rows, kv_heads, d), k.dtype),) * 2,
       scratch_types=dkv_scratch, grid=(num_tiles(kv_pad, wgs * R), batch, kv_heads),
       grid_names=("kv_tiles", "batch", "kv_heads"), kernel_name="probjax_attention_bwd_dkv_mosaic",
-      **common)(qp, kp, vp, dop, stats, lens, *seg(cfg.block_q, wgs * R, by_q=False))
+      **common)(qp, kp, vp, dop, stats, lens, *seg(cfg.block_q, wgs * R, by_q=False), *dq_acc)
+  if cfg.fused_dq:
+    dq = (jax.freeze(dq_acc[0])[:, :q_len] * scale).astype(q.dtype)
+    return dq, C.first_rows(dk, kv_len), C.first_rows(dv, kv_len)
 
   dq_scratch = [smem(wgs, R, d), smem(wgs, R, d), plgpu.SMEM((wgs, 2, R), jnp.float32), ids(wgs, R),
                 smem(stages, cfg.block_k, d), smem(stages, cfg.block_k, d), ids(stages, cfg.block_k),

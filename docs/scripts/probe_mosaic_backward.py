@@ -1,0 +1,44 @@
+"""The Mosaic backward with dQ fused into the dK/dV kernel (``fused_dq``, TMA reduce-add)
+against its two-kernel form and jax.nn's cuDNN route (sm_90 only).
+
+  python -m docs.scripts.probe_mosaic_backward --output docs/benchmarks/mosaic_backward.json
+
+bf16 B4 H8, forward + backward (the Mosaic forward before both Mosaic backwards), head_dim
+64 and 128, T 3000, 4096 and 8192, no mask and causal; ms (wall) per call, rows written as
+they are measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+from docs.scripts import harness, impls
+
+
+def main(argv=None):
+  args, out = harness.probe_start("probe_mosaic_backward", __doc__, argv)
+  from probjax.ops.attention import masks as M
+  from probjax.ops.attention import mosaic_gpu as pm
+  if out is None:
+    return 0
+  for t in (3000, 4096, 8192):
+    for d in (64, 128):
+      for causal in (False, True):
+        x = impls.inputs(4, t, t, 8, 8, d)
+        mask = M.CausalMask() if causal else None
+        row = dict(batch=4, heads=8, t=t, d=d, causal=causal)
+        for fused in (False, True):
+          bcfg = dataclasses.replace(pm.backward.DEFAULTS[d], fused_dq=fused)
+          attn = lambda q, k, v, bcfg=bcfg: pm.attention(q, k, v, mask=mask, backward_pass_impl="mosaic",
+                                                         backward_config=bcfg)
+          fn, sync = impls._jax_fn(attn, x, "bfloat16", "fwd_bwd")
+          harness.probe_add(out, args.output, dict(impl="probjax_mosaic_bwd", fused_dq=fused, **row,
+                                                   ms=harness.time_fn(fn, sync)["ms"]))
+        fn, sync = impls.build("jaxnn_cudnn", x, "bfloat16", causal, "fwd_bwd")
+        harness.probe_add(out, args.output, dict(impl="jaxnn_cudnn", **row, ms=harness.time_fn(fn, sync)["ms"]))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
