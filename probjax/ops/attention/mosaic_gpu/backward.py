@@ -1,4 +1,5 @@
-"""Flash-attention backward in Pallas Mosaic GPU (Hopper): two deterministic kernels.
+"""Flash-attention backward in Pallas Mosaic GPU (Hopper): two deterministic kernels, or
+with ``MosaicBackwardConfig.fused_dq`` one (dQ added by the dK/dV kernel, not deterministic).
 
 Both follow the forward's structure (:mod:`.forward`): compute warpgroups of 64 rows and a
 producer warpgroup that streams tiles by TMA into a ring of shared-memory slots.
@@ -74,6 +75,12 @@ class MosaicBackwardConfig:
     return max(dkv, dq)
 
 
+# fused_dq stays off by default: this backward promises bitwise-equal gradients across runs.
+# Measured (docs/benchmarks/mosaic_backward.json, 3d4f96c, bf16 B4 H8 fwd+bwd ms, two kernels
+# / fused_dq / jax.nn cuDNN): head_dim 64 fused is 7-10% faster (T3000 0.802 / 0.746 / 0.742,
+# causal 0.499 / 0.459 / 0.486; T4096 1.406 / 1.300 / 1.165, causal 0.805 / 0.726 / 0.743;
+# T8192 5.335 / 4.874 / 4.500, causal 2.872 / 2.628 / 2.478); head_dim 128 it is slower
+# (T4096 2.216 / 2.393 / 1.781, T8192 8.396 / 11.088 / 7.182).
 DEFAULTS = {64: MosaicBackwardConfig(64, 64, 3, 2), 128: MosaicBackwardConfig(64, 64, 2, 2)}
 # dK and dV of 64 rows stay in registers as float32: at head_dim 256 they alone would take
 # 256 registers per thread, over the 232 a compute warpgroup gets.
