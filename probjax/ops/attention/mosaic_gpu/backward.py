@@ -105,7 +105,8 @@ def fit(config: MosaicBackwardConfig | None, itemsize: int, head_dim: int, devic
 
 def _dkv_kernel(*refs, band, lengths, segments, scale, score_mod, groups, cfg, q_len, kv_len, dtype, interpret):
   n_in = 9 + cfg.fused_dq  # with fused_dq, the float32 dQ accumulator (a mutable input) last
-  (q_ref, k_ref, v_ref, do_ref, st_ref, len_ref, rng_ref, qid_ref, kid_ref), dq_ref = refs[:9], refs[9:n_in]
+  q_ref, k_ref, v_ref, do_ref, st_ref, len_ref, rng_ref, qid_ref, kid_ref = refs[:9]
+  dq_ref = refs[9] if cfg.fused_dq else None
   (dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, st_smem, kid_smem, qid_smem, kv_bar, q_ready, do_ready,
    st_ready, qid_ready, free, *extra) = refs[n_in:]
   ds_smem, dq_smem = extra[:2] if cfg.fused_dq else (None, None)
@@ -168,7 +169,7 @@ def _dkv_kernel(*refs, band, lengths, segments, scale, score_mod, groups, cfg, q
       if cfg.fused_dq:
         dq_smem.at[wg][...] = C.mma(ds_smem.at[wg].T, k_smem.at[wg], (bq, d))
         plgpu.commit_smem()
-        _add_to(dq_smem.at[wg], dq_ref[0].at[b, pl.ds(j * bq, bq), hkv * groups + g], interpret)
+        _add_to(dq_smem.at[wg], dq_ref.at[b, pl.ds(j * bq, bq), hkv * groups + g], interpret)
       plgpu.barrier_arrive(free.at[slot])
       return dk, dv
 

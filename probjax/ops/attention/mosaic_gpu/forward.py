@@ -155,14 +155,14 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, order_ref, 
         plgpu.barrier_arrive(v_free.at[slot])
         return acc, m_new, l
 
-      def pass_over(j, _):  # a tile of the cluster's range outside this CTA's: release it
+      def pass_over(j):  # a tile of the cluster's range outside this CTA's: release it
         slot = slot_of(j)
         for ready, free in ((k_ready, k_free), (v_ready, v_free)):
           plgpu.barrier_wait(ready.at[slot])
           plgpu.barrier_arrive(free.at[slot])
 
       if cfg.cluster > 1:
-        pl.loop(vlo, lo)(lambda j: pass_over(j, None))
+        pl.loop(vlo, lo)(pass_over)
 
       @pl.when(lo < hi)
       def _():
@@ -174,7 +174,7 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, order_ref, 
       acc, m, l = lax.fori_loop(fhi, hi, functools.partial(step, masked=True), carry)
       pl.when(wg == 0)(schedule)
       if cfg.cluster > 1:
-        pl.loop(hi, vhi)(lambda j: pass_over(j, None))
+        pl.loop(hi, vhi)(pass_over)
       if cfg.persistent:  # this tile's last QK^T has completed: the query buffer is free
         pl.when(n + 1 < n_steps)(lambda: load_q(n + 1))
       empty = l == 0.0
