@@ -71,6 +71,20 @@ def test_time_fn_loops_and_median():
   assert fc.calls == 1 + 2 + 1 + 5 * 5
 
 
+def test_time_fn_long_calls_get_more_repeats():
+  fc = FakeClock(0.007)  # 7 ms per call: 2 calls per 10 ms repeat
+  res = harness.time_fn(fc.fn, lambda x: None, warmup=0, repeats=5, min_repeat_s=0.01, min_total_s=0.2,
+                        clock=fc.clock)
+  assert res["calls_per_repeat"] == 2 and res["n_repeats"] == 15  # ceil(200 / 14)
+  capped = harness.time_fn(fc.fn, lambda x: None, warmup=0, repeats=5, min_repeat_s=0.01, min_total_s=10.0,
+                           max_repeats=20, clock=fc.clock)
+  assert capped["n_repeats"] == 20
+  fast = FakeClock(0.001)
+  short = harness.time_fn(fast.fn, lambda x: None, warmup=0, repeats=5, min_repeat_s=0.05, min_total_s=0.2,
+                          clock=fast.clock)
+  assert short["n_repeats"] == 5  # already 5 x 50 ms
+
+
 def test_time_fn_spread_reported():
   costs = iter([0.001] * 4 + [0.001, 0.002, 0.003, 0.004, 0.005])
   t = [0.0]

@@ -107,6 +107,7 @@ def summarize(times_ms) -> dict:
 
 def time_fn(fn: Callable[[], Any], sync: Callable[[Any], Any], *, warmup: int = 2,
             repeats: int = 7, min_repeat_s: float = 0.02, max_calls: int = 1000,
+            min_total_s: float = 0.0, max_repeats: int = 50,
             clock: Callable[[], float] = time.perf_counter, device_time: bool = False,
             backend: str = "jax") -> dict:
   """Times ``fn``; returns per-call ms statistics.
@@ -116,7 +117,9 @@ def time_fn(fn: Callable[[], Any], sync: Callable[[Any], Any], *, warmup: int = 
   first call (compilation) and ``warmup`` calls are not timed. The number of
   calls per repeat ``n`` is chosen so that one repeat lasts at least
   ``min_repeat_s``; each repeat syncs once at its end, and the per-call time is
-  the repeat's time / n. Returns ``summarize`` of the repeats plus
+  the repeat's time / n. More than ``repeats`` repeats run where they total less than
+  ``min_total_s`` (at most ``max_repeats``), so that long calls, with few calls per
+  repeat, get as many samples as short ones. Returns ``summarize`` of the repeats plus
   ``calls_per_repeat`` and ``first_call_s`` (compile + first run).
 
   ``device_time``: for calls of at most :data:`DEVICE_TIME_MAX_MS` (longer ones keep the
@@ -134,6 +137,7 @@ def time_fn(fn: Callable[[], Any], sync: Callable[[Any], Any], *, warmup: int = 
   sync(fn())
   one = max(clock() - t0, 1e-7)
   n = int(min(max_calls, max(1, math.ceil(min_repeat_s / one))))
+  repeats = max(repeats, min(max_repeats, math.ceil(min_total_s / (n * one))))
   times = []
   for _ in range(repeats):
     t0 = clock()
@@ -531,6 +535,8 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--warmup", type=int, default=2)
   p.add_argument("--min-repeat-ms", type=float, default=10.0,
                  help="each timed repeat runs the call N times so that it lasts at least this long")
+  p.add_argument("--min-total-ms", type=float, default=200.0,
+                 help="more repeats (up to 50) until the timed repeats total at least this long")
   p.add_argument("--device-time", action="store_true",
                  help="also record device_ms: the GPU kernels' time per call from a profile")
   p.add_argument("--no-progress", action="store_true")
@@ -549,7 +555,7 @@ def timing_kwargs(args) -> dict:
   if getattr(args, "quick", False):
     return dict(warmup=1, repeats=3, min_repeat_s=0.0, max_calls=1, device_time=device_time)
   return dict(warmup=args.warmup, repeats=args.repeats, min_repeat_s=args.min_repeat_ms / 1e3,
-              device_time=device_time)
+              min_total_s=args.min_total_ms / 1e3, device_time=device_time)
 
 
 def select_cases(spec: str, builders: dict[str, Callable[[], list[Case]]]) -> list[Case]:
