@@ -91,7 +91,7 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, order_ref, 
     def tile(n, base):
       i, b, h = item(n)
       cta_start, ((lo, hi, flo, fhi), valid) = ranges(i, b)
-      vlo, vhi = visited(i, b)
+      vlo, vhi = (lo, hi) if cfg.cluster == 1 else visited(i, b)
       if cfg.cluster > 1:  # this CTA's tiles inside the cluster's
         lo = jnp.clip(lo, vlo, vhi)
         hi = jnp.clip(hi, lo, vhi)
