@@ -127,15 +127,15 @@ def fit(config: MosaicForwardConfig | None, itemsize: int, head_dim: int, device
         mask: Mask | None = None, q_len: int | None = None) -> MosaicForwardConfig:
   """``config`` (or the default for ``head_dim``) checked against ``device``'s shared memory;
   a default that does not fit drops stages, an explicit one raises ``ValueError``. A default
-  in CTA pairs runs single CTAs where the call (``mask``, ``q_len``; None: unknown) cannot
-  take pairs (:func:`cluster_refusal`) and in interpret mode."""
+  in CTA pairs runs single CTAs with a mask (pairs are measured without one), where the call
+  cannot take pairs (:func:`cluster_refusal`; ``q_len`` None: unknown) and in interpret mode."""
   limit = smem_limit(device)
   explicit = config is not None
   cfg = config if explicit else DEFAULTS[head_dim]
   if device == "interpret" and not explicit:  # see INTERPRET_WGS
     cfg = dataclasses.replace(cfg, compute_wgs=INTERPRET_WGS, cluster=1)
-  if not explicit and cfg.cluster > 1 and (  # pairs are measured without a mask only
-      q_len is None or mask is not None or cluster_refusal(mask, q_len, cfg.block_q * cfg.compute_wgs, cfg.cluster)):
+  if not explicit and cfg.cluster > 1 and (
+      q_len is None or mask is not None or cluster_refusal(None, q_len, cfg.block_q * cfg.compute_wgs, cfg.cluster)):
     cfg = dataclasses.replace(cfg, cluster=1)
   if limit is None:
     return cfg
