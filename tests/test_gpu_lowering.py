@@ -315,15 +315,16 @@ def test_mosaic_backward_lowers_for_sm90(monkeypatch, mask_name, d, wgs):
                      "probjax_attention_bwd_dq_mosaic"}, kernels
 
 
-@pytest.mark.parametrize("d", [64, 128])
-def test_mosaic_fused_dq_backward_lowers_for_sm90(monkeypatch, d):
+@pytest.mark.parametrize("d,shared", [(64, False), (128, False), (128, True)])
+def test_mosaic_fused_dq_backward_lowers_for_sm90(monkeypatch, d, shared):
   """``fused_dq``: forward and one dK/dV kernel that adds dQ into a float32 buffer in place
-  (TMA reduce-add); no dQ kernel."""
+  (TMA reduce-add); no dQ kernel. ``shared_dq``: one dQ partial per CTA, the two warpgroups
+  each taking 64 of the 128 columns."""
   from probjax.ops.attention import mosaic_gpu as pm
   _fake_triton_sm90(monkeypatch, device_kind=True)
   q = jax.ShapeDtypeStruct((2, 300, 8, d), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, 300, 2, d), jnp.bfloat16)
-  bcfg = dataclasses.replace(pm.backward.DEFAULTS[d], fused_dq=True)
+  bcfg = dataclasses.replace(pm.backward.DEFAULTS[d], fused_dq=True, shared_dq=shared)
   loss = lambda q, k, v: jnp.sum(pm.attention(q, k, v, mask=M.CausalMask(), backward_pass_impl="mosaic",
                                               backward_config=bcfg).astype(jnp.float32))
   text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()

@@ -86,13 +86,35 @@ def test_mosaic_backward(mask_name):
   check_against_reference(_mosaic_bwd(mask), x, mask=mask)
 
 
+@pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("mask_name", ["none", "causal_offset", "window&segments", "kv_len_zero"])
-def test_mosaic_backward_fused_dq(mask_name):
+def test_mosaic_backward_fused_dq(mask_name, shared):
   # One kernel: dK/dV, and dQ added tile by tile into a float32 buffer (in interpret mode by
-  # read-add-write, the CTAs running one at a time; on the GPU by TMA reduce-add).
+  # read-add-write, the CTAs running one at a time; on the GPU by TMA reduce-add). shared:
+  # through the shared dS^T buffers and their barriers (one warpgroup: one slice of head_dim).
   x = make_inputs(8, 2, 150, 200, 4, 2, 64, jnp.bfloat16)
   mask = make_mask(mask_name, 2, 150, 200)
-  check_against_reference(_mosaic_bwd(mask, dataclasses.replace(BSMALL, fused_dq=True)), x, mask=mask)
+  bcfg = dataclasses.replace(BSMALL, fused_dq=True, shared_dq=shared)
+  check_against_reference(_mosaic_bwd(mask, bcfg), x, mask=mask)
+
+
+@pytest.mark.parametrize("mask_name", ["none", "window&segments"])
+def test_mosaic_backward_shared_dq_two_warpgroups(mask_name):
+  # shared_dq's point: two warpgroups exchange dS^T tiles and each adds 64 of the 128 columns
+  # of the CTA's dQ partial. Two compute warpgroups run in interpret mode here (they do not
+  # hang at this size: one query head per CTA; causal masks do hang, in the fused dQ with or
+  # without shared_dq, so they run on the GPU only, test_gpu_mosaic_backward_fused_dq).
+  x = make_inputs(9, 1, 150, 200, 2, 1, 128, jnp.bfloat16)
+  mask = make_mask(mask_name, 1, 150, 200)
+  bcfg = dataclasses.replace(BSMALL, compute_wgs=2, fused_dq=True, shared_dq=True)
+  check_against_reference(_mosaic_bwd(mask, bcfg), x, mask=mask)
+
+
+def test_shared_dq_config_is_validated():
+  with pytest.raises(ValueError, match="needs fused_dq"):
+    pm.MosaicBackwardConfig(shared_dq=True)
+  with pytest.raises(ValueError, match="multiple of 128"):
+    pm.backward.fit(pm.MosaicBackwardConfig(fused_dq=True, shared_dq=True), 2, 64, "interpret")
 
 
 @pytest.mark.parametrize("backward", ["mosaic", "auto"])
@@ -309,9 +331,10 @@ def test_gpu_mosaic_backward_is_exact_and_deterministic(mask_name, tq, tk, d):
 def test_gpu_mosaic_backward_fused_dq(mask_name, tq, tk, d):
   x = make_inputs(tq + d + 2, 2, tq, tk, 8, 2, d, jnp.bfloat16)
   mask = make_mask(mask_name, 2, tq, tk)
-  bcfg = dataclasses.replace(pm.backward.DEFAULTS[d], fused_dq=True)
-  check_against_reference(lambda q, k, v, _: pm.attention(q, k, v, mask=mask, backward_pass_impl="mosaic",
-                                                          backward_config=bcfg), x, mask=mask)
+  for shared in (False, True) if d % 128 == 0 else (False,):
+    bcfg = dataclasses.replace(pm.backward.DEFAULTS[d], fused_dq=True, shared_dq=shared)
+    check_against_reference(lambda q, k, v, _: pm.attention(q, k, v, mask=mask, backward_pass_impl="mosaic",
+                                                            backward_config=bcfg), x, mask=mask)
 
 
 @pytest.mark.gpu

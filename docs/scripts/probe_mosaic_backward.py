@@ -1,5 +1,6 @@
-"""The Mosaic backward with dQ fused into the dK/dV kernel (``fused_dq``, TMA reduce-add)
-against its two-kernel form and jax.nn's cuDNN route (sm_90 only).
+"""The Mosaic backward with dQ fused into the dK/dV kernel (``fused_dq``, TMA reduce-add; with
+``shared_dq`` one dQ partial per CTA) against its two-kernel form and jax.nn's cuDNN route
+(sm_90 only).
 
   python -m docs.scripts.probe_mosaic_backward --output docs/benchmarks/mosaic_backward.json
 
@@ -15,6 +16,10 @@ import sys
 
 from docs.scripts import harness, impls
 
+# (fused_dq, shared_dq) per head_dim: two kernels, dQ fused with a partial per warpgroup, and
+# (head_dim 128: two slices of 64 columns) one partial per CTA.
+VARIANTS = {64: ((False, False), (True, False)), 128: ((False, False), (True, False), (True, True))}
+
 
 def main(argv=None):
   args, out = harness.probe_start("probe_mosaic_backward", __doc__, argv)
@@ -28,13 +33,13 @@ def main(argv=None):
         x = impls.inputs(4, t, t, 8, 8, d)
         mask = M.CausalMask() if causal else None
         row = dict(batch=4, heads=8, t=t, d=d, causal=causal)
-        for fused in (False, True):
-          bcfg = dataclasses.replace(pm.backward.DEFAULTS[d], fused_dq=fused)
+        for fused, shared in VARIANTS[d]:
+          bcfg = dataclasses.replace(pm.backward.DEFAULTS[d], fused_dq=fused, shared_dq=shared)
           attn = lambda q, k, v, bcfg=bcfg: pm.attention(q, k, v, mask=mask, backward_pass_impl="mosaic",
                                                          backward_config=bcfg)
           fn, sync = impls._jax_fn(attn, x, "bfloat16", "fwd_bwd")
-          harness.probe_add(out, args.output, dict(impl="probjax_mosaic_bwd", fused_dq=fused, **row,
-                                                   ms=harness.time_fn(fn, sync)["ms"]))
+          harness.probe_add(out, args.output, dict(impl="probjax_mosaic_bwd", fused_dq=fused, shared_dq=shared,
+                                                   **row, ms=harness.time_fn(fn, sync)["ms"]))
         fn, sync = impls.build("jaxnn_cudnn", x, "bfloat16", causal, "fwd_bwd")
         harness.probe_add(out, args.output, dict(impl="jaxnn_cudnn", **row, ms=harness.time_fn(fn, sync)["ms"]))
   return 0

@@ -45,17 +45,25 @@ class MosaicBackwardConfig:
   ``fused_dq``: no dQ kernel; the dK/dV kernel also multiplies each dS tile by its K rows
   and adds the product to a float32 dQ in global memory (TMA reduce-add): five matmuls per
   tile pair instead of seven, dQ's float32 sums in an order that varies from run to run
-  (not bitwise deterministic; dK and dV still are)."""
+  (not bitwise deterministic; dK and dV still are). ``shared_dq`` (with ``fused_dq``): one
+  dQ partial per CTA instead of one per compute warpgroup: the warpgroups exchange their dS^T
+  tiles through shared memory and each multiplies all of them by its slice of head_dim (a
+  multiple of 64) of the CTA's K rows: half the reduce-adds and dQ registers of two
+  warpgroups, for a barrier between them per step."""
   block_q: int = 64
   block_k: int = 64
   num_stages: int = 2
   compute_wgs: int = 2
   fused_dq: bool = False
+  shared_dq: bool = False
 
   def __post_init__(self):
     check_tiles(self, ("block_q", "block_k"))
-    if not isinstance(self.fused_dq, bool):
-      raise ValueError(f"fused_dq must be a bool, got {self.fused_dq!r}")
+    for name in ("fused_dq", "shared_dq"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+    if self.shared_dq and not self.fused_dq:
+      raise ValueError("shared_dq=True needs fused_dq=True (it shapes the fused dQ's partials)")
 
   def smem_bytes(self, itemsize: int, head_dim: int) -> int:
     """The larger of the two kernels' shared memory (:func:`.config.smem_total` of the
@@ -65,9 +73,11 @@ class MosaicBackwardConfig:
     wgs, st, d, s = self.compute_wgs, self.num_stages, head_dim, itemsize
     resident = wgs * R * d * s
     streamed_q, streamed_k = st * self.block_q * d * s, st * self.block_k * d * s
-    fused = [wgs * R * self.block_q * s, wgs * self.block_q * d * 4] if self.fused_dq else []  # dS^T, dQ
+    fused = []  # dS^T (two buffers when shared), dQ
+    if self.fused_dq:
+      fused = [(1 + self.shared_dq) * wgs * R * self.block_q * s, wgs * self.block_q * d * 4 // (1 + self.shared_dq)]
     dkv = smem_total([resident, resident, streamed_q, streamed_q, st * 2 * self.block_q * 4, wgs * R * 4,
-                      st * self.block_q * 4, *fused], 3 * wgs + 5 * st)
+                      st * self.block_q * 4, *fused], 3 * wgs + 5 * st + 3 * self.shared_dq)
     if self.fused_dq:
       return dkv
     dq = smem_total([resident, resident, wgs * 2 * R * 4, wgs * R * 4, streamed_k, streamed_k,
@@ -97,6 +107,9 @@ def fit(config: MosaicBackwardConfig | None, itemsize: int, head_dim: int, devic
   cfg = config if config is not None else DEFAULTS[head_dim]
   if device == "interpret" and config is None:  # see config.INTERPRET_WGS
     cfg = dataclasses.replace(cfg, compute_wgs=INTERPRET_WGS)
+  if cfg.shared_dq and head_dim % (R * cfg.compute_wgs):
+    raise ValueError(f"shared_dq=True splits head_dim into {cfg.compute_wgs} slices of whole 64-column "
+                     f"tiles; head_dim {head_dim} is not a multiple of {R * cfg.compute_wgs}")
   if limit is not None and cfg.smem_bytes(itemsize, head_dim) > limit:
     raise ValueError(f"{cfg} needs {cfg.smem_bytes(itemsize, head_dim)} bytes of shared memory at "
                      f"head_dim {head_dim}; {device} has {limit}")
@@ -109,8 +122,9 @@ def _dkv_kernel(*refs, band, lengths, segments, scale, score_mod, groups, cfg, q
   dq_ref = refs[9] if cfg.fused_dq else None
   (dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, st_smem, kid_smem, qid_smem, kv_bar, q_ready, do_ready,
    st_ready, qid_ready, free, *extra) = refs[n_in:]
-  ds_smem, dq_smem = extra[:2] if cfg.fused_dq else (None, None)
-  staging = extra[2 * cfg.fused_dq] if interpret else None
+  n_fused = 2 * cfg.fused_dq + 2 * cfg.shared_dq
+  ds_smem, dq_smem, ds_bar, done_bar = (extra[:n_fused] + [None] * 4)[:4]
+  staging = extra[n_fused] if interpret else None
   bq, stages, wgs = cfg.block_q, cfg.num_stages, cfg.compute_wgs
   b, hkv, i = lax.axis_index("batch"), lax.axis_index("kv_heads"), lax.axis_index("kv_tiles")
   wg = lax.axis_index("wg")
@@ -161,16 +175,28 @@ def _dkv_kernel(*refs, band, lengths, segments, scale, score_mod, groups, cfg, q
       if masked and score_mod is not None:  # score_mod's derivative may be non-finite there
         dst = jnp.where(ok, dst, 0.0)
       dst = dst.astype(dtype)
-      if cfg.fused_dq:  # dS^T to shared memory, as dS (its transposed view) is dQ's A operand
+      dq_rows = (b, pl.ds(j * bq, bq), hkv * groups + g)
+      if cfg.shared_dq:
+        # Double-buffered: a warpgroup rewrites buffer p two steps on, after the other has
+        # passed this step's ds_bar and so finished the dQ product that reads it.
+        p = lax.rem(g * nq + j - lo, jnp.int32(2))
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        ds_smem.at[p, wg][...] = dst
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(ds_bar.at[p])
+      elif cfg.fused_dq:  # dS^T to shared memory, as dS (its transposed view) is dQ's A operand
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's dQ has been read
         ds_smem.at[wg][...] = dst
         plgpu.commit_smem()
       dk = C.mma_acc(dk, dst, q_smem.at[slot], stage)
-      if cfg.fused_dq:
+      plgpu.barrier_arrive(free.at[slot])
+      if cfg.shared_dq:
+        plgpu.barrier_wait(ds_bar.at[p])
+        _shared_dq(ds_smem.at[p], k_smem, dq_smem.at[wg], dq_ref.at[dq_rows], wg, interpret)
+      elif cfg.fused_dq:
         dq_smem.at[wg][...] = C.mma(ds_smem.at[wg].T, k_smem.at[wg], (bq, d))
         plgpu.commit_smem()
-        _add_to(dq_smem.at[wg], dq_ref.at[b, pl.ds(j * bq, bq), hkv * groups + g], interpret)
-      plgpu.barrier_arrive(free.at[slot])
+        _add_to(dq_smem.at[wg], dq_ref.at[dq_rows], interpret)
       return dk, dv
 
     def head(g, carry):
@@ -179,6 +205,9 @@ def _dkv_kernel(*refs, band, lengths, segments, scale, score_mod, groups, cfg, q
       return lax.fori_loop(fhi, hi, functools.partial(step, g=g, masked=True), carry)
 
     dk, dv = lax.fori_loop(0, groups, head, (zeros, zeros))
+    if cfg.shared_dq:  # the other warpgroups' last dQ products read this warpgroup's K rows
+      plgpu.barrier_arrive(done_bar)
+      plgpu.barrier_wait(done_bar)
     k_smem.at[wg][...] = (dk * scale).astype(dtype)  # K and V are no longer needed
     v_smem.at[wg][...] = dv.astype(dtype)
     plgpu.commit_smem()
@@ -200,6 +229,21 @@ def _dkv_kernel(*refs, band, lengths, segments, scale, score_mod, groups, cfg, q
       if segments:
         plgpu.copy_gmem_to_smem(qid_ref.at[b, pl.ds(j * bq, bq)], qid_smem.at[slot], qid_ready.at[slot])
     C.produce(jnp.int32(0), groups * nq, stages, (((free,), issue),))
+
+
+def _shared_dq(ds_smem, k_smem, dq_smem, dq_dst, wg, interpret: bool):
+  """``shared_dq``: warpgroup ``wg``'s slice of head_dim of the CTA's dQ partial, ``dS K``
+  over the keys of every warpgroup (their dS^T tiles ``ds_smem [wgs, 64, block_q]``, K rows
+  ``k_smem [wgs, 64, head_dim]``), added to ``dq_dst [block_q, head_dim]`` (global memory)
+  from ``dq_smem``. The column slices are static, one branch per warpgroup."""
+  wgs, bq, dw = ds_smem.shape[0], ds_smem.shape[2], dq_smem.shape[-1]
+  for w in range(wgs):
+    @pl.when(wg == w)
+    def _():
+      cols = pl.ds(w * dw, dw)
+      dq_smem[...] = C.mma_sum([(ds_smem.at[x].T, k_smem.at[x, :, cols]) for x in range(wgs)], (bq, dw))
+      plgpu.commit_smem()
+      _add_to(dq_smem, dq_dst.at[:, cols], interpret)
 
 
 def _add_to(src, dst, interpret: bool):
@@ -314,8 +358,12 @@ def backward(q, k, v, out, lse, do, mask: Mask | None, *, scale: float, config: 
                  barriers(3 * wgs), barriers(stages), barriers(stages), barriers(stages), barriers(stages),
                  barriers(stages, wgs)]
   dq_acc = []
-  if cfg.fused_dq:  # dS^T (bf16) and dQ (float32) tiles; the dQ accumulator, zeroed
+  if cfg.shared_dq:  # two buffers of every warpgroup's dS^T, each warpgroup's dQ slice, barriers
+    dkv_scratch += [smem(2, wgs, R, cfg.block_q), plgpu.SMEM((wgs, cfg.block_q, d // wgs), jnp.float32),
+                    barriers(2, wgs), plgpu.Barrier(num_arrivals=wgs)]
+  elif cfg.fused_dq:  # dS^T (bf16) and dQ (float32) tiles
     dkv_scratch += [smem(wgs, R, cfg.block_q), plgpu.SMEM((wgs, cfg.block_q, d), jnp.float32)]
+  if cfg.fused_dq:  # the dQ accumulator, zeroed
     dq_acc = [jax.new_ref(jnp.zeros((batch, q_pad, heads, d), jnp.float32))]
   if interpret:  # P^T and dS^T staging (see common.mma_acc)
     dkv_scratch.append(smem(wgs, R, cfg.block_q))

@@ -217,8 +217,15 @@ def drain_ring(total, stages: int, free: tuple):
 def mma(a, b, shape, during: Callable | None = None):
   """``a @ b`` (float32 ``shape``) with ``a``, ``b`` shared-memory refs (``.T`` views allowed);
   ``during()`` runs while the wgmma is in flight."""
+  return mma_sum(((a, b),), shape, during)
+
+
+def mma_sum(pairs, shape, during: Callable | None = None):
+  """``sum(a @ b for a, b in pairs)`` (float32 ``shape``), as :func:`mma`: one accumulator,
+  a wgmma per pair."""
   def run(acc_ref):
-    plgpu.wgmma(acc_ref, a, b)
+    for a, b in pairs:
+      plgpu.wgmma(acc_ref, a, b)
     if during is not None:
       during()
     return acc_ref[...]
