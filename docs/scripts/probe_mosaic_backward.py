@@ -11,14 +11,29 @@ they are measured.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 
 from docs.scripts import harness, impls
 
-# (fused_dq, shared_dq) per head_dim: two kernels, dQ fused with a partial per warpgroup, and
-# (head_dim 128: two slices of 64 columns) one partial per CTA.
-VARIANTS = {64: ((False, False), (True, False)), 128: ((False, False), (True, False), (True, True))}
+# (fused_dq, shared_dq, registers) per head_dim: two kernels, dQ fused with a partial per
+# warpgroup, and (head_dim 128: two slices of 64 columns) one partial per CTA; registers > 0:
+# the compute warpgroups' count (the producer keeps 24; default: common.registers).
+VARIANTS = {64: ((False, False, 0), (True, False, 0)),
+            128: ((False, False, 0), (True, False, 0), (True, True, 0), (True, True, 240))}
+
+
+@contextlib.contextmanager
+def _registers(n: int):
+  from probjax.ops.attention.mosaic_gpu import common as C
+  default = C.registers
+  if n:
+    C.registers = lambda wgs: (n, 24)
+  try:
+    yield
+  finally:
+    C.registers = default
 
 
 def main(argv=None):
@@ -33,13 +48,16 @@ def main(argv=None):
         x = impls.inputs(4, t, t, 8, 8, d)
         mask = M.CausalMask() if causal else None
         row = dict(batch=4, heads=8, t=t, d=d, causal=causal)
-        for fused, shared in VARIANTS[d]:
+        for fused, shared, regs in VARIANTS[d]:
           bcfg = dataclasses.replace(pm.backward.DEFAULTS[d], fused_dq=fused, shared_dq=shared)
           attn = lambda q, k, v, bcfg=bcfg: pm.attention(q, k, v, mask=mask, backward_pass_impl="mosaic",
                                                          backward_config=bcfg)
           fn, sync = impls._jax_fn(attn, x, "bfloat16", "fwd_bwd")
+          with _registers(regs):  # traced and compiled on the first call
+            sync(fn())
           harness.probe_add(out, args.output, dict(impl="probjax_mosaic_bwd", fused_dq=fused, shared_dq=shared,
-                                                   **row, ms=harness.time_fn(fn, sync)["ms"]))
+                                                   registers=regs or None, **row,
+                                                   ms=harness.time_fn(fn, sync)["ms"]))
         fn, sync = impls.build("jaxnn_cudnn", x, "bfloat16", causal, "fwd_bwd")
         harness.probe_add(out, args.output, dict(impl="jaxnn_cudnn", **row, ms=harness.time_fn(fn, sync)["ms"]))
   return 0

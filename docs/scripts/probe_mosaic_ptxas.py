@@ -1,4 +1,5 @@
-"""ptxas's register and spill report for the Mosaic GPU forward kernels (sm_90 only).
+"""ptxas's register and spill report for the Mosaic GPU forward kernels, and with
+``--bwd-cases`` the backward's (sm_90 only).
 
   python -m docs.scripts.probe_mosaic_ptxas --output docs/benchmarks/mosaic_ptxas.json
 
@@ -30,13 +31,29 @@ jax.jit(f).trace(x, x, x).lower().compile()
 print("PROBE-DONE", flush=True)
 """
 
+# The backward with dQ fused (``--bwd-cases``): forward and dK/dV kernel compiled together;
+# ``regs`` > 0 sets the compute warpgroups' registers (the producer keeps 24).
+CHILD_BWD = r"""
+import dataclasses, jax, jax.numpy as jnp
+from probjax.ops.attention import mosaic_gpu as pm
+from probjax.ops.attention.mosaic_gpu import common as C
+d, fused, shared, regs = {d}, {fused}, {shared}, {regs}
+if regs:
+  C.registers = lambda wgs: (regs, 24)
+bcfg = dataclasses.replace(pm.backward.DEFAULTS[d], fused_dq=fused, shared_dq=shared)
+x = jax.ShapeDtypeStruct((4, 4096, 8, d), jnp.bfloat16)
+f = lambda q, k, v: jnp.sum(pm.attention(q, k, v, backward_pass_impl="mosaic", backward_config=bcfg))
+jax.jit(jax.grad(f, argnums=(0, 1, 2))).trace(x, x, x).lower().compile()
+print("PROBE-DONE", flush=True)
+"""
 
-def probe(d: int, causal: bool, persistent: bool, dump: str | None = None) -> dict:
+
+def probe(d: int, causal: bool, persistent: bool, dump: str | None = None, child: str | None = None) -> dict:
   env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1")
   if dump:
     env.update(MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_SASS="1")
-  p = subprocess.run([sys.executable, "-c", CHILD.format(d=d, causal=causal, persistent=persistent)],
-                     env=env, capture_output=True, text=True, timeout=300)
+  child = child or CHILD.format(d=d, causal=causal, persistent=persistent)
+  p = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=300)
   if dump:
     os.makedirs(os.path.dirname(dump), exist_ok=True)
     with gzip.open(dump + ".log.gz", "wt") as f:
@@ -55,18 +72,29 @@ def main(argv=None):
   def add_args(ap):
     ap.add_argument("--cases", default="64:0:0,64:1:0,128:0:0,128:1:0,64:0:1,128:0:1",
                     help="head_dim:causal:persistent, comma-separated")
+    ap.add_argument("--bwd-cases", default="",
+                    help="backward cases head_dim:fused_dq:shared_dq:registers, comma-separated")
     ap.add_argument("--dump", help="a folder for each case's PTX and SASS")
   args, out = harness.probe_start("probe_mosaic_ptxas", __doc__, argv, add_args)
   if out is None:
     return 0
   rows = out["rows"]
-  for case in args.cases.split(","):
+  for case in filter(None, args.cases.split(",")):
     d, causal, persistent = (int(v) for v in case.split(":"))
     dump = args.dump and os.path.join(args.dump, case.replace(":", "_"))
     row = probe(d, bool(causal), bool(persistent), dump)
     rows.append(row)
     print(f"[ptxas] {case}: " + " | ".join(row["ptxas"])[:600], flush=True)
     with open(args.output, "w") as f:  # after every case: a cut-short run keeps what it has
+      json.dump(out, f, indent=1)
+  for case in filter(None, args.bwd_cases.split(",")):
+    d, fused, shared, regs = (int(v) for v in case.split(":"))
+    dump = args.dump and os.path.join(args.dump, "bwd_" + case.replace(":", "_"))
+    row = probe(d, False, False, dump, CHILD_BWD.format(d=d, fused=bool(fused), shared=bool(shared), regs=regs))
+    row.update(kernel="backward", fused_dq=bool(fused), shared_dq=bool(shared), registers=regs or None)
+    rows.append(row)
+    print(f"[ptxas] bwd {case}: " + " | ".join(row["ptxas"])[:900], flush=True)
+    with open(args.output, "w") as f:
       json.dump(out, f, indent=1)
   return 0
 
