@@ -37,13 +37,16 @@ def _registers(n: int):
 
 
 def main(argv=None):
-  args, out = harness.probe_start("probe_mosaic_backward", __doc__, argv)
+  def add_args(ap):
+    ap.add_argument("--lengths", default="3000,4096,8192")
+    ap.add_argument("--head-dims", default="64,128")
+  args, out = harness.probe_start("probe_mosaic_backward", __doc__, argv, add_args)
   from probjax.ops.attention import masks as M
   from probjax.ops.attention import mosaic_gpu as pm
   if out is None:
     return 0
-  for t in (3000, 4096, 8192):
-    for d in (64, 128):
+  for t in map(int, args.lengths.split(",")):
+    for d in map(int, args.head_dims.split(",")):
       for causal in (False, True):
         x = impls.inputs(4, t, t, 8, 8, d)
         mask = M.CausalMask() if causal else None

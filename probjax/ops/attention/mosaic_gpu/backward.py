@@ -134,15 +134,6 @@ def _dkv_kernel(*refs, band, lengths, segments, scale, score_mod, groups, cfg, q
       ranges=lambda *v: C.q_tiles(band, cta_start, wgs * R, q_len, bq, *v))
   nq = hi - lo
 
-  def tile_of(j):
-    """The query tile of step ``j`` of a head's loop over ``[lo, hi)``. With ``fused_dq``
-    the run of full tiles starts at a different tile in each CTA: CTAs that start
-    together (the key tiles of a head) would otherwise add into the same dQ rows at once."""
-    if not cfg.fused_dq:
-      return j
-    run = fhi - flo
-    return jnp.where((j >= flo) & (j < fhi), flo + lax.rem(j - flo + i, jnp.maximum(run, 1)), j)
-
   @pl.when(wg < wgs)
   def _compute():
     plgpu.set_max_registers(C.registers(wgs)[0], action="increase")
@@ -164,7 +155,6 @@ def _dkv_kernel(*refs, band, lengths, segments, scale, score_mod, groups, cfg, q
       dk, dv = carry
       n = g * nq + j - lo  # the step's place in the ring
       slot = lax.rem(n, jnp.int32(stages))
-      j = j if masked else tile_of(j)
       plgpu.barrier_wait(q_ready.at[slot])
       plgpu.barrier_wait(st_ready.at[slot])
       lse2 = plgpu.load(st_smem.at[slot, 0], layout=plgpu.Layout.WGMMA.reduce(0))
@@ -199,7 +189,11 @@ def _dkv_kernel(*refs, band, lengths, segments, scale, score_mod, groups, cfg, q
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's dQ has been read
         ds_smem.at[wg][...] = dst
         plgpu.commit_smem()
-      dk = C.mma_acc(dk, dst, q_smem.at[slot], stage)
+      if cfg.fused_dq:  # from the shared-memory copy: dst's registers are free from here
+        ds_mine = ds_smem.at[p, wg] if cfg.shared_dq else ds_smem.at[wg]
+        dk = dk + C.mma(ds_mine, q_smem.at[slot], dk.shape) if interpret else C.mma_acc(dk, ds_mine, q_smem.at[slot])
+      else:
+        dk = C.mma_acc(dk, dst, q_smem.at[slot], stage)
       plgpu.barrier_arrive(free.at[slot])
       if cfg.shared_dq:
         plgpu.barrier_wait(ds_bar.at[p])
@@ -231,7 +225,7 @@ def _dkv_kernel(*refs, band, lengths, segments, scale, score_mod, groups, cfg, q
     plgpu.set_max_registers(C.registers(wgs)[1], action="decrease")
 
     def issue(s, slot):  # step s: query head g of the group, query tile lo + s % nq
-      g, j = s // nq, tile_of(lo + lax.rem(s, nq))
+      g, j = s // nq, lo + lax.rem(s, nq)
       h = hkv * groups + g
       tile = (b, pl.ds(j * bq, bq), h)
       plgpu.copy_gmem_to_smem(q_ref.at[tile], q_smem.at[slot], q_ready.at[slot])
