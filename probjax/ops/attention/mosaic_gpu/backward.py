@@ -90,7 +90,10 @@ class MosaicBackwardConfig:
 # / fused_dq / jax.nn cuDNN): head_dim 64 fused is 7-10% faster (T3000 0.802 / 0.746 / 0.742,
 # causal 0.499 / 0.459 / 0.486; T4096 1.406 / 1.300 / 1.165, causal 0.805 / 0.726 / 0.743;
 # T8192 5.335 / 4.874 / 4.500, causal 2.872 / 2.628 / 2.478); head_dim 128 it is slower
-# (T4096 2.216 / 2.393 / 1.781, T8192 8.396 / 11.088 / 7.182).
+# (T4096 2.216 / 2.393 / 1.781, T8192 8.396 / 11.088 / 7.182). shared_dq at head_dim 128
+# (mosaic_backward.json, 552c8fd, two kernels / fused / shared): T4096 2.168 / 2.498 / 2.305,
+# T8192 8.462 / 11.309 / 9.964, causal T8192 4.688 / 5.023 / 4.684; the fused dK/dV kernel
+# spills there (mosaic_ptxas_bwd.json), so two kernels stay the default.
 DEFAULTS = {64: MosaicBackwardConfig(64, 64, 3, 2), 128: MosaicBackwardConfig(64, 64, 2, 2)}
 # dK and dV of 64 rows stay in registers as float32: at head_dim 256 they alone would take
 # 256 registers per thread, over the 232 a compute warpgroup gets.
@@ -189,11 +192,7 @@ def _dkv_kernel(*refs, band, lengths, segments, scale, score_mod, groups, cfg, q
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's dQ has been read
         ds_smem.at[wg][...] = dst
         plgpu.commit_smem()
-      if cfg.fused_dq:  # from the shared-memory copy: dst's registers are free from here
-        ds_mine = ds_smem.at[p, wg] if cfg.shared_dq else ds_smem.at[wg]
-        dk = dk + C.mma(ds_mine, q_smem.at[slot], dk.shape) if interpret else C.mma_acc(dk, ds_mine, q_smem.at[slot])
-      else:
-        dk = C.mma_acc(dk, dst, q_smem.at[slot], stage)
+      dk = C.mma_acc(dk, dst, q_smem.at[slot], stage)
       plgpu.barrier_arrive(free.at[slot])
       if cfg.shared_dq:
         plgpu.barrier_wait(ds_bar.at[p])

@@ -233,8 +233,8 @@ def mma_sum(pairs, shape, during: Callable | None = None):
 
 
 def mma_acc(acc, a, b, staging=None, during: Callable | None = None):
-  """``acc + a @ b`` with ``a`` in registers (16-bit, wgmma layout; or, without ``staging``, a
-  shared-memory ref) and ``b`` a shared-memory ref, accumulated in place by wgmma; ``during()`` runs while it is in flight. ``staging``
+  """``acc + a @ b`` with ``a`` in registers (16-bit, wgmma layout) and ``b`` a shared-memory
+  ref, accumulated in place by wgmma; ``during()`` runs while it is in flight. ``staging``
   (interpret mode, whose wgmma reads only shared memory and cannot accumulate in place): a
   shared-memory buffer for ``a``; the product is then added."""
   if staging is None:
