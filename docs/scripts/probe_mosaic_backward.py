@@ -19,7 +19,8 @@ from docs.scripts import harness, impls
 
 # (fused_dq, shared_dq, registers) per head_dim: two kernels, dQ fused with a partial per
 # warpgroup, and (head_dim 128: two slices of 64 columns) one partial per CTA; registers > 0:
-# the compute warpgroups' count (the producer keeps 24; default: common.registers).
+# the compute warpgroups' count in every kernel of the call, the Mosaic forward's too (the
+# producer keeps 24; default: common.registers).
 VARIANTS = {64: ((False, False, 0), (True, False, 0)),
             128: ((False, False, 0), (True, False, 0), (True, True, 0), (True, True, 240))}
 
