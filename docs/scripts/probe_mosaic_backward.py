@@ -26,7 +26,9 @@ VARIANTS = {64: ((False, False, 0), (True, False, 0)),
 
 
 @contextlib.contextmanager
-def _registers(n: int):
+def compute_registers(n: int):
+  """Within: ``n`` registers per compute warpgroup in the Mosaic kernels traced (producer 24);
+  ``n == 0``: the default, :func:`probjax.ops.attention.mosaic_gpu.common.registers`."""
   from probjax.ops.attention.mosaic_gpu import common as C
   default = C.registers
   if n:
@@ -57,7 +59,7 @@ def main(argv=None):
           attn = lambda q, k, v, bcfg=bcfg: pm.attention(q, k, v, mask=mask, backward_pass_impl="mosaic",
                                                          backward_config=bcfg)
           fn, sync = impls._jax_fn(attn, x, "bfloat16", "fwd_bwd")
-          with _registers(regs):  # traced and compiled on the first call
+          with compute_registers(regs):  # traced and compiled on the first call
             sync(fn())
           harness.probe_add(out, args.output, dict(impl="probjax_mosaic_bwd", fused_dq=fused, shared_dq=shared,
                                                    registers=regs or None, **row,

@@ -32,18 +32,17 @@ print("PROBE-DONE", flush=True)
 """
 
 # The backward with dQ fused (``--bwd-cases``): forward and dK/dV kernel compiled together;
-# ``regs`` > 0 sets the compute warpgroups' registers (the producer keeps 24).
+# ``regs`` > 0 sets the compute warpgroups' registers (``probe_mosaic_backward.compute_registers``).
 CHILD_BWD = r"""
 import dataclasses, jax, jax.numpy as jnp
 from probjax.ops.attention import mosaic_gpu as pm
-from probjax.ops.attention.mosaic_gpu import common as C
+from docs.scripts.probe_mosaic_backward import compute_registers
 d, fused, shared, regs = {d}, {fused}, {shared}, {regs}
-if regs:
-  C.registers = lambda wgs: (regs, 24)
 bcfg = dataclasses.replace(pm.backward.DEFAULTS[d], fused_dq=fused, shared_dq=shared)
 x = jax.ShapeDtypeStruct((4, 4096, 8, d), jnp.bfloat16)
 f = lambda q, k, v: jnp.sum(pm.attention(q, k, v, backward_pass_impl="mosaic", backward_config=bcfg))
-jax.jit(jax.grad(f, argnums=(0, 1, 2))).trace(x, x, x).lower().compile()
+with compute_registers(regs):
+  jax.jit(jax.grad(f, argnums=(0, 1, 2))).trace(x, x, x).lower().compile()
 print("PROBE-DONE", flush=True)
 """
 
