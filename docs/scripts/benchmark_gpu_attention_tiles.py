@@ -149,6 +149,7 @@ def main(argv=None):
   p.add_argument("--head-dims", default="64,128")
   p.add_argument("--lengths", default="4096", help="comma-separated T (Lq = Lkv); one swept shape each")
   p.add_argument("--kernel", default="triton", choices=("triton", "mosaic"))
+  p.add_argument("--modes", default="fwd,fwd_bwd", help="Triton sweep: the modes swept (fwd, fwd_bwd)")
   args = p.parse_args(argv)
   timing = harness.timing_kwargs(args)
   cases = []
@@ -169,9 +170,10 @@ def main(argv=None):
         dtype = harness.DTYPE_NAMES[dt]
         fwd = [None, "libdevice_exp2"] + list(itertools.product(BLOCKS_Q, BLOCKS_K, STAGES, WARPS))
         bwd = [None, "libdevice_exp2"] + list(itertools.product(BWD_DKV, BWD_DQ, BWD_WARPS, BWD_STAGES))
+        modes = args.modes.split(",")
         for t in (int(x) for x in args.lengths.split(",") if x):
-          cases += [tile_case(dtype, d, t, 4, 8, "fwd", c, timing) for c in fwd]
-          cases += [tile_case(dtype, d, t, 4, 8, "fwd_bwd", c, timing) for c in bwd]
+          cases += [tile_case(dtype, d, t, 4, 8, "fwd", c, timing) for c in fwd if "fwd" in modes]
+          cases += [tile_case(dtype, d, t, 4, 8, "fwd_bwd", c, timing) for c in bwd if "fwd_bwd" in modes]
   harness.run_cases(cases, args)
 
 

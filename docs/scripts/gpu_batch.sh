@@ -6,6 +6,7 @@
 #
 # PLAN: all (default; priority order below), or a comma list of steps:
 #   tests dispatch grid_core peak residuals ext masked tiles tiles_1024 grid_bf16 grid_fp32 tiles_fp32
+#   tiles:LENGTHS:DTYPE[:HEAD_DIMS[:MODES]] (the Triton tile sweep at other lengths, '+'-joined lists)
 #   tiles_mosaic (the Mosaic GPU forward's tile sweep, bf16 T4096), tiles_mosaic_1024 (T1024,
 #     where one compute warpgroup's 64-row CTAs may fill the SMs better)
 #   probe (docs/scripts/probe_cudnn.py: jax.nn's cuDNN route against torch's, layouts and versions)
@@ -17,6 +18,8 @@
 #   probe_bwd (docs/scripts/probe_mosaic_backward.py: the Mosaic backward with dQ fused, against two kernels)
 #   probe_layout (docs/scripts/probe_layout.py: Triton kernel and torch flex, each in both layouts)
 #   probe_interleaved (docs/scripts/probe_interleaved.py: the cuDNN routes timed in one process)
+#   interleaved:LENGTHS:HEAD_DIMS:CAUSAL:MODES:IMPLS (the same probe for any implementations, e.g.
+#     interleaved:16384:64+128:false:fwd+fwd_bwd:probjax_triton+torch_flex+torch_sdpa_flash)
 #   probe_ptx (docs/scripts/probe_ptx.py: the Triton forward's PTX against torch flex's)
 #   grid:LENGTHS:DTYPE[:HEAD_DIMS[:MODES]]  (lists joined by '+', as the plan splits on commas;
 #     e.g. grid:4096:bf16, grid:1024+16384:bf16:64+128:fwd): the grid with the core implementations only ($CORE_JAX, $CORE_TORCH; set GRID_ALL=1 for all)
@@ -107,6 +110,11 @@ for s in "${steps[@]}"; do
     probe_bwd) run_probe mosaic_backward.json docs.scripts.probe_mosaic_backward ;;
     probe_layout) run_probe layout_probe.json docs.scripts.probe_layout ;;
     probe_interleaved) run_probe interleaved_probe.json docs.scripts.probe_interleaved ;;
+    interleaved:*) IFS=':' read -r _ lens dims causal modes impls <<< "$s"   # one process, rotating rounds
+               echo "[batch] $(date +%T) $s" | tee -a "$OUT/batch.log"
+               timeout "$(python3 -c "print(int(60 * $(left_min)))")" $PY -m docs.scripts.probe_interleaved \
+                 --output "$OUT/interleaved_${lens//+/_}.json" --lengths "${lens//+/,}" --head-dims "${dims//+/,}" \
+                 --causal "$causal" --modes "${modes//+/,}" --impls "${impls//+/,}" 2>&1 | tail -40 | tee -a "$OUT/batch.log" ;;
     probe_ptx) (export PROBJAX_XLA_DUMP=/tmp/xla_dump_ptx
                 export XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/xla_dump_ptx --xla_gpu_dump_llvmir --xla_dump_emitter_re=triton"
                 run_probe ptx_probe.json docs.scripts.probe_ptx) ;;
@@ -116,6 +124,10 @@ for s in "${steps[@]}"; do
                  | tee -a "$OUT/batch.log" ;;
     tiles)     run_step gpu_attention_tiles.json docs.scripts.benchmark_gpu_attention_tiles --dtypes bf16 ;;
     tiles_1024) run_step gpu_attention_tiles.json docs.scripts.benchmark_gpu_attention_tiles --dtypes bf16 --lengths 1024 ;;
+    tiles:*)   IFS=':' read -r _ lens dt dims modes <<< "$s"   # tiles:LENGTHS:DTYPE[:HEAD_DIMS[:MODES]]
+               run_step gpu_attention_tiles.json docs.scripts.benchmark_gpu_attention_tiles --dtypes "$dt" \
+                 --lengths "${lens//+/,}" --head-dims "$(d=${dims:-64+128}; echo "${d//+/,}")" \
+                 --modes "$(m=${modes:-fwd+fwd_bwd}; echo "${m//+/,}")" ;;
     tiles_fp32) run_step gpu_attention_tiles.json docs.scripts.benchmark_gpu_attention_tiles --dtypes fp32 ;;
     tiles_mosaic) run_step gpu_attention_tiles.json docs.scripts.benchmark_gpu_attention_tiles --kernel mosaic --dtypes bf16 ;;
     tiles_mosaic_1024) run_step gpu_attention_tiles.json docs.scripts.benchmark_gpu_attention_tiles --kernel mosaic --dtypes bf16 --lengths 1024 ;;

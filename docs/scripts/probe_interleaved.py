@@ -1,13 +1,15 @@
-"""The default, jax.nn cuDNN and torch SDPA cuDNN timed in one process, in alternation (sm_90).
+"""Implementations timed in one process, in alternation (sm_90).
 
   python -m docs.scripts.probe_interleaved --output docs/benchmarks/interleaved_probe.json
 
 The grid times torch in its own process after the JAX side; the same cuDNN kernel then
 measured 9% apart (B4 H8 T4096 D128 forward: jax.nn 0.447 ms, torch 0.411) where one
-process gave 2% (``dispatch_gap.json``). Here, per shape (bf16 B4 H8, T 3000 and 4096 or ``--lengths``,
-head_dim 64 and 128, causal or not, forward and forward+backward), every implementation is
-timed once per round, in a rotated order, for ``--rounds`` rounds; a row holds each round's
-median ms and their median. Rows are written as they are measured.
+process gave 2% (``dispatch_gap.json``). Here, per shape (bf16 B4 H8, T 3000 and 4096 or
+``--lengths``, ``--head-dims``, ``--causal``, ``--modes``), every implementation of ``--impls``
+(default: the default, jax.nn cuDNN and torch SDPA cuDNN; issue 3's rows: ``probjax_triton,
+torch_flex,torch_sdpa_flash``) is timed once per round, in a rotated order, for ``--rounds``
+rounds; a row holds each round's median ms and their median. Rows are written as they are
+measured.
 """
 
 from __future__ import annotations
@@ -18,33 +20,45 @@ import sys
 from docs.scripts import harness, impls
 
 IMPLS = ("probjax_default", "jaxnn_cudnn", "torch_sdpa_cudnn")
+CAUSAL = {"both": (False, True), "false": (False,), "true": (True,)}
 
 
-def shapes(lengths=(4096, 3000)):
+def shapes(lengths=(4096, 3000), head_dims=(64, 128), causal=(False, True), modes=("fwd", "fwd_bwd")):
   for t in lengths:
-    for d in (64, 128):
-      for causal in (False, True):
-        for mode in ("fwd", "fwd_bwd"):
-          yield t, d, causal, mode
+    for d in head_dims:
+      for c in causal:
+        for mode in modes:
+          yield t, d, c, mode
+
+
+def rotations(names, rounds):
+  """Each round's order: ``names`` rotated by the round's index."""
+  return [names[r % len(names):] + names[:r % len(names)] for r in range(rounds)]
 
 
 def main(argv=None):
   def add_args(ap):
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--lengths", default="4096,3000")
+    ap.add_argument("--head-dims", default="64,128")
+    ap.add_argument("--causal", default="both", choices=sorted(CAUSAL))
+    ap.add_argument("--modes", default="fwd,fwd_bwd")
+    ap.add_argument("--impls", default=",".join(IMPLS))
   args, out = harness.probe_start("probe_interleaved", __doc__, argv, add_args)
   if out is None:
     return 0
-  for t, d, causal, mode in shapes(tuple(map(int, args.lengths.split(",")))):
+  names = tuple(args.impls.split(","))
+  ints = lambda s: tuple(map(int, s.split(",")))
+  for t, d, causal, mode in shapes(ints(args.lengths), ints(args.head_dims), CAUSAL[args.causal],
+                                   tuple(args.modes.split(","))):
     arrays = impls.inputs(4, t, t, 8, 8, d)
-    fns = {impl: impls.build(impl, arrays, "bfloat16", causal, mode) for impl in IMPLS}
-    rounds = {impl: [] for impl in IMPLS}
-    for r in range(args.rounds):
-      order = IMPLS[r % len(IMPLS):] + IMPLS[:r % len(IMPLS)]
+    fns = {impl: impls.build(impl, arrays, "bfloat16", causal, mode) for impl in names}
+    rounds = {impl: [] for impl in names}
+    for order in rotations(names, args.rounds):
       for impl in order:
         fn, sync = fns[impl]
         rounds[impl].append(harness.time_fn(fn, sync, repeats=5)["ms"])
-    for impl in IMPLS:
+    for impl in names:
       harness.probe_add(out, args.output, dict(impl=impl, batch=4, heads=8, t=t, d=d, causal=causal, mode=mode,
                                                ms=statistics.median(rounds[impl]), round_ms=rounds[impl]))
     impls.free_memory()
