@@ -18,8 +18,9 @@
 #   probe_bwd (docs/scripts/probe_mosaic_backward.py: the Mosaic backward with dQ fused, against two kernels)
 #   probe_layout (docs/scripts/probe_layout.py: Triton kernel and torch flex, each in both layouts)
 #   probe_interleaved (docs/scripts/probe_interleaved.py: the cuDNN routes timed in one process)
-#   interleaved:LENGTHS:HEAD_DIMS:CAUSAL:MODES:IMPLS (the same probe for any implementations, e.g.
-#     interleaved:16384:64+128:false:fwd+fwd_bwd:probjax_triton+torch_flex+torch_sdpa_flash)
+#   interleaved:LENGTHS:HEAD_DIMS:CAUSAL:MODES:IMPLS[:MASK[:BATCH+HEADS]] (the same probe for any
+#     implementations, e.g. interleaved:16384:64+128:false:fwd+fwd_bwd:probjax_triton+torch_flex, or
+#     the masked suite's interleaved:16384:128:false:fwd_bwd:probjax_default+torch_flex:docs4:1+16)
 #   probe_ptx (docs/scripts/probe_ptx.py: the Triton forward's PTX against torch flex's)
 #   grid:LENGTHS:DTYPE[:HEAD_DIMS[:MODES]]  (lists joined by '+', as the plan splits on commas;
 #     e.g. grid:4096:bf16, grid:1024+16384:bf16:64+128:fwd): the grid with the core implementations only ($CORE_JAX, $CORE_TORCH; set GRID_ALL=1 for all)
@@ -110,11 +111,13 @@ for s in "${steps[@]}"; do
     probe_bwd) run_probe mosaic_backward.json docs.scripts.probe_mosaic_backward ;;
     probe_layout) run_probe layout_probe.json docs.scripts.probe_layout ;;
     probe_interleaved) run_probe interleaved_probe.json docs.scripts.probe_interleaved ;;
-    interleaved:*) IFS=':' read -r _ lens dims causal modes impls <<< "$s"   # one process, rotating rounds
+    interleaved:*) IFS=':' read -r _ lens dims causal modes impls mask bh <<< "$s"   # one process, rotating rounds
+               bh="${bh:-4+8}"; mask="${mask:-none}"
                echo "[batch] $(date +%T) $s" | tee -a "$OUT/batch.log"
                timeout "$(python3 -c "print(int(60 * $(left_min)))")" $PY -m docs.scripts.probe_interleaved \
-                 --output "$OUT/interleaved_${lens//+/_}.json" --lengths "${lens//+/,}" --head-dims "${dims//+/,}" \
-                 --causal "$causal" --modes "${modes//+/,}" --impls "${impls//+/,}" 2>&1 | tail -40 | tee -a "$OUT/batch.log" ;;
+                 --output "$OUT/interleaved_${lens//+/_}_d${dims//+/_}_${mask}.json" --lengths "${lens//+/,}" \
+                 --head-dims "${dims//+/,}" --causal "$causal" --modes "${modes//+/,}" --impls "${impls//+/,}" \
+                 --mask "$mask" --batch "${bh%+*}" --heads "${bh#*+}" 2>&1 | tail -40 | tee -a "$OUT/batch.log" ;;
     probe_ptx) (export PROBJAX_XLA_DUMP=/tmp/xla_dump_ptx
                 export XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/xla_dump_ptx --xla_gpu_dump_llvmir --xla_dump_emitter_re=triton"
                 run_probe ptx_probe.json docs.scripts.probe_ptx) ;;

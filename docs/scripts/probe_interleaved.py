@@ -5,7 +5,8 @@
 The grid times torch in its own process after the JAX side; the same cuDNN kernel then
 measured 9% apart (B4 H8 T4096 D128 forward: jax.nn 0.447 ms, torch 0.411) where one
 process gave 2% (``dispatch_gap.json``). Here, per shape (bf16 B4 H8, T 3000 and 4096 or
-``--lengths``, ``--head-dims``, ``--causal``, ``--modes``), every implementation of ``--impls``
+``--lengths``, ``--head-dims``, ``--causal``, ``--modes``; ``--batch``/``--heads`` and a benchmark
+``--mask`` such as ``docs4`` or ``window512`` for the masked suite's rows), every implementation of ``--impls``
 (default: the default, jax.nn cuDNN and torch SDPA cuDNN; issue 3's rows: ``probjax_triton,
 torch_flex,torch_sdpa_flash``) is timed once per round, in a rotated order, for ``--rounds``
 rounds; a row holds each round's median ms and their median. Rows are written as they are
@@ -44,6 +45,9 @@ def main(argv=None):
     ap.add_argument("--causal", default="both", choices=sorted(CAUSAL))
     ap.add_argument("--modes", default="fwd,fwd_bwd")
     ap.add_argument("--impls", default=",".join(IMPLS))
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--mask", default="none", help="a benchmark mask name (impls.probjax_mask)")
   args, out = harness.probe_start("probe_interleaved", __doc__, argv, add_args)
   if out is None:
     return 0
@@ -51,15 +55,15 @@ def main(argv=None):
   ints = lambda s: tuple(map(int, s.split(",")))
   for t, d, causal, mode in shapes(ints(args.lengths), ints(args.head_dims), CAUSAL[args.causal],
                                    tuple(args.modes.split(","))):
-    arrays = impls.inputs(4, t, t, 8, 8, d)
-    fns = {impl: impls.build(impl, arrays, "bfloat16", causal, mode) for impl in names}
+    arrays = impls.inputs(args.batch, t, t, args.heads, args.heads, d)
+    fns = {impl: impls.build(impl, arrays, "bfloat16", causal, mode, args.mask) for impl in names}
     rounds = {impl: [] for impl in names}
     for order in rotations(names, args.rounds):
       for impl in order:
         fn, sync = fns[impl]
         rounds[impl].append(harness.time_fn(fn, sync, repeats=5)["ms"])
     for impl in names:
-      harness.probe_add(out, args.output, dict(impl=impl, batch=4, heads=8, t=t, d=d, causal=causal, mode=mode,
+      harness.probe_add(out, args.output, dict(impl=impl, batch=args.batch, heads=args.heads, t=t, d=d, causal=causal, mode=mode, mask=args.mask,
                                                ms=statistics.median(rounds[impl]), round_ms=rounds[impl]))
     impls.free_memory()
   return 0

@@ -8,6 +8,11 @@ variant "odd" (the call at T: masked loads and stores of the partial tiles), "pa
 call at P: no partial tile) and "copies" (no kernel: the pads of q/k/v to P and the output
 slice that the kernel ran between before it masked its partial tiles, i.e. what that change
 removed). odd / padded against (T / P)^2 is what the partial tiles cost inside the kernel.
+
+Two more "odd" rows change only the forward's loop over key tiles (the kernel's
+``tiles._unmasked_loop``, patched while the row is traced): "odd_first" runs the partial key
+tile's masked step before the unmasked loop instead of after it, "odd_one_loop" runs every key
+tile through the masked body in one loop (no second loop body in the kernel).
 """
 
 from __future__ import annotations
@@ -39,26 +44,51 @@ def _copies_fn(arrays, pad_to: int):
   return (lambda: f(q, k, v)), jax.block_until_ready
 
 
+def _loop_variant(name: str):
+  """A replacement of ``tiles._unmasked_loop`` for the forward (``by_q``) with the partial key
+  tile first ("odd_first") or every tile masked in one loop ("odd_one_loop")."""
+  import jax
+  from probjax.ops.attention.masks import num_tiles
+  from probjax.ops.attention.triton import tiles
+  orig = tiles._unmasked_loop
+
+  def loop(tm, tile, n_static, body, carry, *, by_q, block_outer, block_inner):
+    if not by_q or tm.kv_len % block_inner == 0:
+      return orig(tm, tile, n_static, body, carry, by_q=by_q, block_outer=block_outer, block_inner=block_inner)
+    n_full, n_all = tm.kv_len // block_inner, min(n_static, num_tiles(tm.kv_len, block_inner))
+    masked, unmasked = (lambda j, c: body(j, c, True)), (lambda j, c: body(j, c, False))
+    if name == "odd_one_loop":
+      return jax.lax.fori_loop(0, n_all, masked, carry)
+    carry = jax.lax.fori_loop(n_full, n_all, masked, carry)
+    return jax.lax.fori_loop(0, n_full, unmasked, carry)
+  return loop
+
+
 def cases(args):
   timing = harness.timing_kwargs(args)
   shapes = [(1, 2, 40, 16)] if args.quick else [(4, 8, t, d) for t in (600, 1500, 3000) for d in (64, 128)]
   out = []
   for b, h, t, d in shapes:
-    for variant in ("odd", "padded", "copies"):
+    for variant in ("odd", "padded", "copies", "odd_first", "odd_one_loop"):
       def run(b=b, h=h, t=t, d=d, variant=variant):
         harness.require_gpu("the Triton kernel")
         p = _padded(t, d)
         n = p if variant == "padded" else t
         arrays = impls.inputs(b, n, n, h, h, d)
+        from probjax.ops.attention.triton import tiles
+        orig = tiles._unmasked_loop
         try:
           if variant == "copies":
             fn, sync = _copies_fn(arrays, p)
           else:
+            if variant.startswith("odd_"):
+              tiles._unmasked_loop = _loop_variant(variant)
             fn, sync = impls.build("probjax_triton", arrays, "bfloat16", False, "fwd")
           res = harness.time_fn(fn, sync, **timing)
           res["padded_len"] = p
           return res
         finally:
+          tiles._unmasked_loop = orig
           impls.free_memory()
       out.append(harness.Case(suite="odd_probe", impl="probjax_triton", dtype="bfloat16", batch=b,
                               q_heads=h, kv_heads=h, q_len=t, kv_len=t, head_dim=d, causal=False,
