@@ -331,6 +331,7 @@ QUICK = [
     ("benchmark_gpu_attention", []),
     ("benchmark_gpu_attention_tiles", []),
     ("benchmark_gpu_attention_tiles", ["--kernel", "mosaic"]),
+    ("benchmark_gpu_attention_tiles", ["--kernel", "mosaic_bwd"]),
     ("benchmark_kernel_attn_gpu", ["--suite", "dispatch,residuals,peak"]),
     ("benchmark_kernel_attn_ext", ["--suite", "gqa,decode"]),
     ("benchmark_kernel_attn_cpu", ["--torch-python", "/nonexistent/python"]),

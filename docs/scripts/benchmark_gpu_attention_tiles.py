@@ -18,6 +18,12 @@ For each (dtype, head_dim, T) at batch 4, 8 heads, non-causal (``--lengths``, de
 auto against every forced ``MosaicForwardConfig(64, block_k, num_stages, compute_wgs, persistent)``
 (variant ``mosaic_bk{block_k}_s{stages}_wg{wgs}``, ``_p`` when persistent).
 
+``--kernel mosaic_bwd``: the Mosaic GPU backward (impl "probjax_mosaic_bwd", mode "fwd_bwd", the
+default Mosaic forward before it): its default ``MosaicBackwardConfig`` (variant "auto") against
+every forced (block_q, block_k, num_stages, compute_wgs) with dQ in its own kernel, and with
+``fused_dq`` (block_k unused; at head_dim 128 also ``shared_dq``) (variant
+``mbwd_bq{block_q}_bk{block_k}_s{stages}_wg{wgs}``, ``_fused`` / ``_shared``).
+
 Configurations that do not fit shared memory are refused before launch
 (status "unsupported" with the message).
 """
@@ -48,6 +54,18 @@ MOSAIC_BLOCKS_K = (64, 128, 192)
 MOSAIC_STAGES = (2, 3, 4)
 MOSAIC_WGS = (1, 2, 3)  # one: 64-row CTAs, more of them at short T
 MOSAIC_PERSISTENT = (False, True)
+MBWD_BLOCKS = (64, 128)
+MBWD_STAGES = (2, 3)
+MBWD_WGS = (1, 2)
+
+
+def mosaic_bwd_configs(d: int) -> list:
+  """(block_q, block_k, stages, wgs, fused_dq, shared_dq) of the Mosaic backward sweep."""
+  two = [(bq, bk, st, wg, False, False) for bq in MBWD_BLOCKS for bk in MBWD_BLOCKS
+         for st in MBWD_STAGES for wg in MBWD_WGS]
+  fused = [(bq, 64, st, wg, True, False) for bq in MBWD_BLOCKS for st in MBWD_STAGES for wg in MBWD_WGS]
+  shared = [(bq, 64, st, 2, True, True) for bq in MBWD_BLOCKS for st in MBWD_STAGES] if d % 128 == 0 else []
+  return two + fused + shared
 
 
 def _auto_description(dtype, head_dim, t):
@@ -142,13 +160,38 @@ def mosaic_tile_case(dtype, d, t, b, h, cfg, timing):
                       run=run, variant=variant, extra={"config": variant})
 
 
+def mosaic_bwd_case(dtype, d, t, b, h, cfg, timing):
+  """One fwd+bwd row of the Mosaic backward: ``cfg`` None (its default) or a tuple of
+  :func:`mosaic_bwd_configs`."""
+  from probjax.ops.attention.mosaic_gpu import MosaicBackwardConfig
+  if cfg is None:
+    variant, kw = "auto", {}
+  else:
+    bq, bk, st, wgs, fused, shared = cfg
+    variant = f"mbwd_bq{bq}_bk{bk}_s{st}_wg{wgs}" + ("_shared" if shared else "_fused" if fused else "")
+    kw = {"backward_config": MosaicBackwardConfig(bq, bk, st, wgs, fused_dq=fused, shared_dq=shared)}
+
+  def run():
+    from probjax.nn.layers.attention import flex_attention
+    attn = lambda q, k, v: flex_attention(q, k, v, implementation="mosaic", backward_pass_impl="mosaic", **kw)
+    fn, sync = impls._jax_fn(attn, impls.inputs(b, t, t, h, h, d), dtype, "fwd_bwd")
+    try:
+      return harness.time_fn(fn, sync, **timing)
+    finally:
+      impls.free_memory()
+
+  return harness.Case(suite="tiles", impl="probjax_mosaic_bwd", dtype=dtype, batch=b, q_heads=h,
+                      kv_heads=h, q_len=t, kv_len=t, head_dim=d, causal=False, mode="fwd_bwd",
+                      run=run, variant=variant, extra={"config": variant})
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   harness.add_common_args(p)
   p.add_argument("--dtypes", default="bf16,fp32")
   p.add_argument("--head-dims", default="64,128")
   p.add_argument("--lengths", default="4096", help="comma-separated T (Lq = Lkv); one swept shape each")
-  p.add_argument("--kernel", default="triton", choices=("triton", "mosaic"))
+  p.add_argument("--kernel", default="triton", choices=("triton", "mosaic", "mosaic_bwd"))
   p.add_argument("--modes", default="fwd,fwd_bwd", help="Triton sweep: the modes swept (fwd, fwd_bwd)")
   args = p.parse_args(argv)
   timing = harness.timing_kwargs(args)
@@ -160,6 +203,12 @@ def main(argv=None):
     configs = [None] + list(itertools.product(MOSAIC_BLOCKS_K, MOSAIC_STAGES, MOSAIC_WGS, MOSAIC_PERSISTENT))
     cases = [mosaic_tile_case(dtype, d, t, b, h, c, timing) for dtype, d, t, b, h in shapes
              for c in (configs[:2] if args.quick else configs)]
+  elif args.kernel == "mosaic_bwd":
+    shapes = [("bfloat16", 64, 128, 1, 2)] if args.quick else [
+        (harness.DTYPE_NAMES[dt], d, int(t), 4, 8) for dt in args.dtypes.split(",")
+        for d in map(int, args.head_dims.split(",")) for t in args.lengths.split(",") if t]
+    cases = [mosaic_bwd_case(dtype, d, t, b, h, c, timing) for dtype, d, t, b, h in shapes
+             for c in ([None] + mosaic_bwd_configs(d))[:2 if args.quick else None]]
   elif args.quick:
     cases = [tile_case("float32", 16, 64, 1, 2, "fwd", cfg, timing)
              for cfg in (None, "libdevice_exp2", (32, 32, 1, 4))]

@@ -7,6 +7,7 @@
 # PLAN: all (default; priority order below), or a comma list of steps:
 #   tests dispatch grid_core peak residuals ext masked tiles tiles_1024 grid_bf16 grid_fp32 tiles_fp32
 #   tiles:LENGTHS:DTYPE[:HEAD_DIMS[:MODES]] (the Triton tile sweep at other lengths, '+'-joined lists)
+#   tiles_mbwd:LENGTHS[:HEAD_DIMS] (the Mosaic GPU backward's sweep, bf16)
 #   tiles_mosaic (the Mosaic GPU forward's tile sweep, bf16 T4096), tiles_mosaic_1024 (T1024,
 #     where one compute warpgroup's 64-row CTAs may fill the SMs better)
 #   probe (docs/scripts/probe_cudnn.py: jax.nn's cuDNN route against torch's, layouts and versions)
@@ -131,6 +132,9 @@ for s in "${steps[@]}"; do
                run_step gpu_attention_tiles.json docs.scripts.benchmark_gpu_attention_tiles --dtypes "$dt" \
                  --lengths "${lens//+/,}" --head-dims "$(d=${dims:-64+128}; echo "${d//+/,}")" \
                  --modes "$(m=${modes:-fwd+fwd_bwd}; echo "${m//+/,}")" ;;
+    tiles_mbwd:*) IFS=':' read -r _ lens dims <<< "$s"   # tiles_mbwd:LENGTHS[:HEAD_DIMS]: the Mosaic backward
+               run_step gpu_attention_tiles.json docs.scripts.benchmark_gpu_attention_tiles --kernel mosaic_bwd \
+                 --dtypes bf16 --lengths "${lens//+/,}" --head-dims "$(d=${dims:-64+128}; echo "${d//+/,}")" ;;
     tiles_fp32) run_step gpu_attention_tiles.json docs.scripts.benchmark_gpu_attention_tiles --dtypes fp32 ;;
     tiles_mosaic) run_step gpu_attention_tiles.json docs.scripts.benchmark_gpu_attention_tiles --kernel mosaic --dtypes bf16 ;;
     tiles_mosaic_1024) run_step gpu_attention_tiles.json docs.scripts.benchmark_gpu_attention_tiles --kernel mosaic --dtypes bf16 --lengths 1024 ;;
