@@ -94,7 +94,10 @@ class MosaicBackwardConfig:
 # (mosaic_backward.json, 552c8fd, two kernels / fused / shared): T4096 2.168 / 2.498 / 2.305,
 # T8192 8.462 / 11.309 / 9.964, causal T8192 4.688 / 5.023 / 4.684; the fused dK/dV kernel
 # spills there (mosaic_ptxas_bwd.json), so two kernels stay the default.
-DEFAULTS = {64: MosaicBackwardConfig(64, 64, 3, 2), 128: MosaicBackwardConfig(64, 64, 2, 2)}
+# Tiles from the H200 sweep (gpu_attention_tiles.json, 14a595c, variants mbwd_*, bf16 B4 H8 T4096
+# fwd+bwd ms, best two-kernel config / the former default (64, 64, 3 or 2 stages, 2 wgs) / best
+# fused): D64 128x128 s2 1.373 / 1.466 / 1.291; D128 64x128 s2 2.204 / 2.265 / 2.438 (shared).
+DEFAULTS = {64: MosaicBackwardConfig(128, 128, 2, 2), 128: MosaicBackwardConfig(64, 128, 2, 2)}
 # dK and dV of 64 rows stay in registers as float32: at head_dim 256 they alone would take
 # 256 registers per thread, over the 232 a compute warpgroup gets.
 MAX_HEAD_DIM = 128
