@@ -12,7 +12,6 @@ they are measured.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import sys
 
 from docs.scripts import harness, impls
@@ -23,6 +22,14 @@ from docs.scripts import harness, impls
 # producer keeps 24; default: common.registers).
 VARIANTS = {64: ((False, False, 0), (True, False, 0)),
             128: ((False, False, 0), (True, False, 0), (True, True, 0), (True, True, 240))}
+
+
+def variant_config(pm, d: int, fused: bool, shared: bool):
+  """The backward config of a variant: the default tiles for two kernels; for the fused dQ the
+  tile sweep's best fused tiles (gpu_attention_tiles.json, 14a595c: 64x64, 2 stages, 2 warpgroups)."""
+  if not fused:
+    return pm.backward.DEFAULTS[d]
+  return pm.MosaicBackwardConfig(64, 64, 2, 2, fused_dq=True, shared_dq=shared)
 
 
 @contextlib.contextmanager
@@ -55,7 +62,7 @@ def main(argv=None):
         mask = M.CausalMask() if causal else None
         row = dict(batch=4, heads=8, t=t, d=d, causal=causal)
         for fused, shared, regs in VARIANTS[d]:
-          bcfg = dataclasses.replace(pm.backward.DEFAULTS[d], fused_dq=fused, shared_dq=shared)
+          bcfg = variant_config(pm, d, fused, shared)
           attn = lambda q, k, v, bcfg=bcfg: pm.attention(q, k, v, mask=mask, backward_pass_impl="mosaic",
                                                          backward_config=bcfg)
           fn, sync = impls._jax_fn(attn, x, "bfloat16", "fwd_bwd")

@@ -34,11 +34,11 @@ print("PROBE-DONE", flush=True)
 # The backward with dQ fused (``--bwd-cases``): forward and dK/dV kernel compiled together;
 # ``regs`` > 0 sets the compute warpgroups' registers (``probe_mosaic_backward.compute_registers``).
 CHILD_BWD = r"""
-import dataclasses, jax, jax.numpy as jnp
+import jax, jax.numpy as jnp
 from probjax.ops.attention import mosaic_gpu as pm
-from docs.scripts.probe_mosaic_backward import compute_registers
+from docs.scripts.probe_mosaic_backward import compute_registers, variant_config
 d, fused, shared, regs = {d}, {fused}, {shared}, {regs}
-bcfg = dataclasses.replace(pm.backward.DEFAULTS[d], fused_dq=fused, shared_dq=shared)
+bcfg = variant_config(pm, d, fused, shared)
 x = jax.ShapeDtypeStruct((4, 4096, 8, d), jnp.bfloat16)
 f = lambda q, k, v: jnp.sum(pm.attention(q, k, v, backward_pass_impl="mosaic", backward_config=bcfg))
 with compute_registers(regs):
