@@ -945,7 +945,7 @@ def h200_page(all_rows, fig_dir, fig_rel, probes: dict | None = None) -> str:
     parts.append("No peer is more than 5% faster than the probjax default at T ≥ 512.")
   parts += ["", t4096_table(rows) if select(rows, suite="grid") else "", "",
             "## jax.nn's cuDNN route and torch's", "", cudnn_probe_section(rows), "",
-            interleaved_section(probes.get("interleaved_probe.json")), "",
+            interleaved_section(probes), "",
             "## Decoding with the default", "", gqa_section([r for r in rows if r["suite"] == "decode"]), ""]
   if not devs:
     parts.insert(6, NOT_MEASURED)
@@ -982,27 +982,37 @@ def cudnn_probe_section(rows) -> str:
           + md_table(["head_dim", "T", "causal", "mode"] + [f"{label(i)} {v}" for i, v in variants], body))
 
 
-def interleaved_section(probe: dict | None) -> str:
-  """The default and both cuDNN routes timed in one process (interleaved_probe.json)."""
-  if not probe or not probe.get("rows"):
+def interleaved_section(probes: dict) -> str:
+  """Implementations timed in one process in rotating rounds (``interleaved*.json`` of
+  ``docs/scripts/probe_interleaved.py``): one table per file, each implementation's ms and,
+  per probjax implementation, its time over the fastest peer's (peers: every non-probjax
+  implementation of the file)."""
+  if not probes:
     return NOT_MEASURED
-  by = collections.defaultdict(dict)
-  for r in probe["rows"]:
-    by[(r["t"], r["d"], r["causal"], r["mode"])][r["impl"]] = r["ms"]
-  body = []
-  for (t, d, c, mode), v in sorted(by.items()):
-    jax_ms, torch_ms, default = v.get("jaxnn_cudnn"), v.get("torch_sdpa_cudnn"), v.get("probjax_default")
-    if None in (jax_ms, torch_ms, default):
+  parts = ["Implementations timed in one process, in rotating rounds (median of the rounds' medians; "
+           "bf16): the grid times torch in a process of its own. probjax / peer: the probjax "
+           "implementation's ms over the fastest peer's in the row."]
+  for name, probe in sorted(probes.items()):
+    rows = probe.get("rows") or []
+    if not rows:
       continue
-    body.append([t, d, "yes" if c else "no", mode, fmt_ms(default), fmt_ms(jax_ms), fmt_ms(torch_ms),
-                 f"{default / min(jax_ms, torch_ms):.3f}", f"{jax_ms / torch_ms:.3f}"])
-  r0 = probe["rows"][0]
-  return (f"The default, jax.nn cuDNN and torch SDPA cuDNN timed in one process, in rotating rounds "
-          f"(median of the rounds' medians; bf16, batch {r0['batch']}, {r0['heads']} heads; "
-          f"`{probe.get('command', '')}` at {probe.get('commit')}, {probe.get('device')}): the grid "
-          f"times torch in a process of its own.\n\n"
-          + md_table(["T", "head_dim", "causal", "mode", "default ms", "jax.nn cuDNN ms", "torch cuDNN ms",
-                      "default / faster cuDNN", "jax.nn / torch"], body))
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    ours = [i for i in impls if i.startswith("probjax_")]
+    peers = [i for i in impls if not i.startswith("probjax_")]
+    by = collections.defaultdict(dict)
+    for r in rows:
+      by[(r["t"], r["d"], r["causal"], r["mode"], r.get("mask", "none"))][r["impl"]] = r["ms"]
+    body = []
+    for (t, d, c, mode, mask), v in sorted(by.items()):
+      best = min((v[p] for p in peers if p in v), default=None)
+      body.append([t, d, "yes" if c else "no", mode, mask] + [fmt_ms(v[i]) if i in v else "—" for i in impls]
+                  + [f"{v[i] / best:.3f}" if i in v and best else "—" for i in ours])
+    r0 = rows[0]
+    parts += ["", f"`{name}`: batch {r0['batch']}, {r0['heads']} heads; `{probe.get('command', '')}` at "
+              f"{probe.get('commit')}, {probe.get('device')}.", "",
+              md_table(["T", "head_dim", "causal", "mode", "mask"] + [f"{label(i)} ms" for i in impls]
+                       + [f"{label(i)} / peer" for i in ours], body)]
+  return "\n".join(parts)
 
 
 def _pretty(obj) -> str:
@@ -1026,10 +1036,9 @@ def build(bench_dir: str, docs_dir: str, fig_dir: str) -> dict:
   fig_rel = os.path.relpath(fig_dir, docs_dir)
   perf = performance_page(rows, fig_dir, fig_rel)
   probes = {}
-  for name in ("interleaved_probe.json",):
-    path = os.path.join(bench_dir, name)
-    if os.path.exists(path):
-      with open(path) as f:
+  for name in sorted(os.listdir(bench_dir)):
+    if name.startswith("interleaved") and name.endswith(".json"):
+      with open(os.path.join(bench_dir, name)) as f:
         probes[name] = json.load(f)
   h200 = h200_page(rows, fig_dir, fig_rel, probes)
   p1, p2 = os.path.join(docs_dir, "attention-performance.md"), os.path.join(docs_dir, "h200.md")
