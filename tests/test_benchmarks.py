@@ -296,6 +296,15 @@ def test_pages_from_synthetic_json(tmp_path):
   assert any(f.endswith(".png") for f in info["figures"])
 
 
+def test_interleaved_tables_rate_probjax_against_the_fastest_peer():
+  rows = [dict(impl=i, batch=4, heads=8, t=4096, d=128, causal=False, mode="fwd", mask="none", ms=ms)
+          for i, ms in (("probjax_triton", 2.0), ("torch_flex", 2.5), ("torch_sdpa_flash", 1.6))]
+  text = bf.interleaved_section({"interleaved_x.json": {"rows": rows, "command": "cmd", "commit": "abc"}})
+  assert "`interleaved_x.json`: batch 4, 8 heads; `cmd` at abc" in text
+  assert "| 4096 | 128 | no | fwd | none | 2.00 | 2.50 | 1.60 | 1.250 |" in text
+  assert bf.interleaved_section({}) == bf.NOT_MEASURED
+
+
 def test_pages_with_no_data(tmp_path):
   bench = tmp_path / "b"
   bench.mkdir()
