@@ -250,6 +250,24 @@ def test_mosaic_forward_and_triton_backward_lower_for_sm90(monkeypatch, mask_nam
   assert any(k.startswith("probjax_attention_bwd") for k in kernels), kernels
 
 
+@pytest.mark.parametrize("mask_name,d,wgs,persistent,cluster", [
+    ("none", 128, 2, True, 2), ("causal", 64, 2, True, 1), ("segments", 64, 1, False, 1),
+    ("window&lengths", 128, 2, False, 1)])
+def test_mosaic_forward_overlap_lowers_for_sm90(monkeypatch, mask_name, d, wgs, persistent, cluster):
+  """``overlap=True`` (Q K^T of the next tile issued with P V of this one, register P as the
+  second wgmma's operand: the path interpret mode runs one product after the other) lowers."""
+  from probjax.ops.attention import mosaic_gpu as pm
+  _fake_triton_sm90(monkeypatch, device_kind=True)
+  mask = {"none": None, "causal": M.CausalMask(),
+          "window&lengths": M.LocalWindowMask(100, 20) & M.LengthMask(jnp.array([256, 250]), jnp.array([256, 70])),
+          "segments": make_mask("segments", 2, 256, 256)}[mask_name]
+  cfg = pm.MosaicForwardConfig(64, 128, 2, wgs, persistent, cluster=cluster, overlap=True)
+  x = jax.ShapeDtypeStruct((2, 256, 4, d), jnp.bfloat16)
+  text = jax.jit(lambda q, k, v: pm.attention(q, k, v, mask=mask, forward_config=cfg)).trace(
+      x, x, x).lower(lowering_platforms=("cuda",)).as_text()
+  assert "probjax_attention_fwd_mosaic" in text and "mosaic_gpu_v2" in text
+
+
 @pytest.mark.parametrize("persistent", [False, True])
 def test_mosaic_forward_clusters_lower_for_sm90(monkeypatch, persistent):
   """CTA pairs sharing K/V tiles by TMA multicast (``cluster=2``) lower to one Mosaic GPU

@@ -55,6 +55,19 @@ def test_persistent_forward(mask_name):
   check_against_reference(_attn(mask, cfg), x, mask=mask, grads=False)
 
 
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("mask_name", ["none", "causal_offset", "window_right", "kv_len_zero", "lengths",
+                                       "window&segments"])
+def test_overlap_forward(mask_name, persistent):
+  # overlap=True: the first tile's softmax, then per tile its Q K^T with the last tile's P V,
+  # then the last P V; the three loops split at the first and last full tile (kv_len_zero: a
+  # batch element with no tile at all). Interpret mode runs the two products in order.
+  x = make_inputs(11, 2, 150, 200, 2, 1, 64, jnp.bfloat16)
+  mask = make_mask(mask_name, 2, 150, 200)
+  cfg = dataclasses.replace(SMALL, persistent=persistent, overlap=True)
+  check_against_reference(_attn(mask, cfg), x, mask=mask, grads=False)
+
+
 @pytest.mark.parametrize("mask_name", ["none", "causal", "window", "causal&kv_len", "lengths"])
 def test_clusters_share_kv_tiles(mask_name):
   # CTA pairs on adjacent query tiles of a head (GQA 2:1), each loading half of every K/V
@@ -255,7 +268,7 @@ def test_supports_reasons():
 
 def test_config_validation_and_fit():
   for kw in (dict(block_q=128), dict(block_k=96), dict(num_stages=1), dict(compute_wgs=4), dict(cluster=3),
-             dict(cluster=True)):
+             dict(cluster=True), dict(overlap=1)):
     with pytest.raises(ValueError):
       pm.MosaicForwardConfig(**kw)
   for kw in (dict(block_q=32), dict(block_k=96), dict(num_stages=1), dict(compute_wgs=0), dict(compute_wgs=3),
@@ -365,6 +378,18 @@ def test_gpu_clusters(mask_name, d, persistent, t):
   x = make_inputs(d + t, 2, t, t, 8, 2, d, jnp.bfloat16)
   mask = make_mask(mask_name, 2, t, t)
   cfg = pm.MosaicForwardConfig(64, 128, 2, 2, persistent=persistent, cluster=2)
+  check_against_reference(lambda q, k, v, _: pm.attention(q, k, v, mask=mask, forward_config=cfg), x, mask=mask,
+                          grads=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask_name,d,persistent,cluster,t", [
+    ("none", 64, True, 1, 4096), ("none", 128, True, 2, 4096), ("causal", 64, True, 1, 3000),
+    ("causal&kv_len", 128, False, 1, 3000), ("window&segments", 64, True, 1, 3000), ("lengths", 128, True, 1, 1500)])
+def test_gpu_overlap(mask_name, d, persistent, cluster, t):
+  x = make_inputs(d + t + 1, 2, t, t, 8, 2, d, jnp.bfloat16)
+  mask = make_mask(mask_name, 2, t, t)
+  cfg = pm.MosaicForwardConfig(64, 128, 2, 2, persistent=persistent, cluster=cluster, overlap=True)
   check_against_reference(lambda q, k, v, _: pm.attention(q, k, v, mask=mask, forward_config=cfg), x, mask=mask,
                           grads=False)
 

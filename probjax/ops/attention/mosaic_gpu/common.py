@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -230,6 +231,33 @@ def mma_sum(pairs, shape, during: Callable | None = None):
       during()
     return acc_ref[...]
   return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+
+def mma_overlap(acc, a, b, s_operands, s_shape, consume: Callable, init, staging=None,
+                during: Callable | None = None):
+  """``(acc + a @ b, consume(s))`` with ``s = s_operands[0] @ s_operands[1]`` (float32
+  ``s_shape``, shared-memory refs) and ``a @ b`` as in :func:`mma_acc`: both wgmmas are issued
+  together (``during()`` runs while they are in flight) and ``consume(s)`` runs as soon as
+  ``s`` is complete, while ``a @ b`` may still be. ``consume`` returns a pytree shaped as
+  ``init``. Interpret mode (``staging``): one product after the other."""
+  if staging is not None:
+    s = mma(*s_operands, s_shape, during)
+    return mma_acc(acc, a, b, staging), consume(s)
+  leaves, tree = jax.tree.flatten(init)
+
+  def body(refs):
+    acc_ref, *out_refs = refs
+
+    def issue(s_ref):
+      plgpu.wgmma(s_ref, *s_operands)
+      plgpu.wgmma(acc_ref, a, b)
+      if during is not None:
+        during()
+      return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # the first group only
+    for ref, v in zip(out_refs, jax.tree.leaves(consume(pl.run_scoped(issue, plgpu.ACC(s_shape, jnp.float32))))):
+      ref[...] = v
+  acc, *outs = pl.run_state(body)((plgpu.ACC.init(acc), *leaves))
+  return acc, jax.tree.unflatten(tree, outs)
 
 
 def mma_acc(acc, a, b, staging=None, during: Callable | None = None):

@@ -55,7 +55,9 @@ class MosaicForwardConfig:
   multicast: half the K/V traffic from L2); both CTAs of a pair visit the same key
   tiles: calls with a band or lengths visit the union of the pair's key ranges (a CTA
   releases the tiles outside its own without computing); segment ids are refused, and the
-  query tiles must come in whole pairs."""
+  query tiles must come in whole pairs. ``overlap``: each compute warpgroup issues the next
+  tile's Q K^T together with this tile's P V and runs the next softmax while P V is in flight
+  (FA3's intra-warpgroup pipelining), keeping one more P tile in registers."""
   block_q: int = 64
   block_k: int = 128
   num_stages: int = 2
@@ -63,9 +65,10 @@ class MosaicForwardConfig:
   persistent: bool = False
   heavy_first: bool = True
   cluster: int = 1
+  overlap: bool = False
 
   def __post_init__(self):
-    for name in ("persistent", "heavy_first"):
+    for name in ("persistent", "heavy_first", "overlap"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
     if self.cluster not in (1, 2) or isinstance(self.cluster, bool):

@@ -119,10 +119,9 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, order_ref, 
         def _():
           plgpu.barrier_wait(k_ready.at[slot_of(j + 1)])
 
-      def step(j, carry, masked: bool):
-        acc, m, l = carry
+      def scores(j, t, masked: bool):
+        """Score tile ``j`` after the modifier and the mask; releases its K slot."""
         slot = slot_of(j)
-        t = C.mma(q_smem.at[wg], k_smem.at[slot].T, (bq, bk), during=schedule)
         if masked or score_mod is not None:
           qi, ki = C.iotas(bq, bk, q_start, j * bk)
         if score_mod is not None:  # before the mask, as in the other backends
@@ -136,24 +135,77 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, order_ref, 
         elif segments:
           plgpu.barrier_wait(kid_ready.at[slot])  # every copy's phase is observed
         plgpu.barrier_arrive(k_free.at[slot])
+        return t
+
+      def softmax(t, m, l):
+        """``(m', alpha, p, l')``: the running max and sum after score tile ``t``, the factor
+        that rescales the accumulator and ``t``'s probabilities in ``dtype``."""
         m_new = jnp.maximum(m, t.max(axis=1) * c)
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows that have seen no valid key
         alpha = jnp.exp2(m - m_safe)
         p = jnp.exp2(t * c - lax.broadcast_in_dim(m_safe, t.shape, [0]))
-        l = l * alpha + p.sum(axis=1)
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        p = p.astype(dtype)
-        if wgs == 2:  # softmax done: hand the tensor cores over, take them back for P @ V
-          acc, l, m_new, p = lax.optimization_barrier((acc, l, m_new, p))
+        return m_new, alpha, p.astype(dtype), l * alpha + p.sum(axis=1)
+
+      def handover(x):  # softmax done: hand the tensor cores to the other warpgroup
+        if wgs == 2:
+          x = lax.optimization_barrier(x)
           plgpu.barrier_arrive(sched_bar)
-          plgpu.barrier_wait(v_ready.at[slot])
+        return x
+
+      rescale = lambda acc, alpha: acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      p_staging = None if p_smem is None else p_smem.at[wg]
+
+      def step(j, carry, masked: bool):
+        acc, m, l = carry
+        slot = slot_of(j)
+        t = scores(j, C.mma(q_smem.at[wg], k_smem.at[slot].T, (bq, bk), during=schedule), masked)
+        m_new, alpha, p, l = softmax(t, m, l)
+        acc, l, m_new, p = handover((rescale(acc, alpha), l, m_new, p))
+        plgpu.barrier_wait(v_ready.at[slot])
+        if wgs == 2:  # take the tensor cores back for P @ V
           plgpu.barrier_wait(sched_bar)
-        else:
-          plgpu.barrier_wait(v_ready.at[slot])
-        acc = C.mma_acc(acc, p, v_smem.at[slot], None if p_smem is None else p_smem.at[wg],
-                        during=lambda: wait_next_k(j))
+        acc = C.mma_acc(acc, p, v_smem.at[slot], p_staging, during=lambda: wait_next_k(j))
         plgpu.barrier_arrive(v_free.at[slot])
         return acc, m_new, l
+
+      def overlapped(n, carry, masked: bool):  # Q K_n^T with P_{n-1} V_{n-1} (cfg.overlap)
+        acc, m, l, p_prev = carry
+        slot, prev = slot_of(n), slot_of(n - 1)
+        plgpu.barrier_wait(k_ready.at[slot])
+        plgpu.barrier_wait(v_ready.at[prev])
+
+        def consume(t):
+          out = handover(softmax(scores(n, t, masked), m, l))
+          if wgs == 2:
+            plgpu.barrier_wait(sched_bar)
+          return out
+        acc, (m, alpha, p, l) = C.mma_overlap(acc, p_prev, v_smem.at[prev], (q_smem.at[wg], k_smem.at[slot].T),
+                                              (bq, bk), consume, (m, m, p_prev, l), p_staging, during=schedule)
+        plgpu.barrier_arrive(v_free.at[prev])
+        acc, _ = lax.optimization_barrier((acc, p_prev))  # P_{n-1} stays in registers until its wgmma is done
+        return rescale(acc, alpha), m, l, p
+
+      def overlapped_tiles(carry):
+        """Tiles ``[lo, hi)`` (``lo < hi``) in the pipelined order of ``cfg.overlap``: Q K^T and
+        softmax of ``lo`` (masked whether or not it is full), then per tile ``n`` its Q K^T
+        with the P V of ``n - 1``, then the last P V."""
+        acc, m, l = carry
+        plgpu.barrier_wait(k_ready.at[slot_of(lo)])
+        m, alpha, p, l = handover(softmax(scores(lo, C.mma(q_smem.at[wg], k_smem.at[slot_of(lo)].T, (bq, bk),
+                                                          during=schedule), True), m, l))
+        if wgs == 2:
+          plgpu.barrier_wait(sched_bar)
+        carry = (acc, m, l, p)
+        b1 = jnp.clip(flo, lo + 1, hi)
+        b2 = jnp.clip(fhi, b1, hi)
+        carry = lax.fori_loop(lo + 1, b1, functools.partial(overlapped, masked=True), carry)
+        carry = lax.fori_loop(b1, b2, functools.partial(overlapped, masked=False), carry)
+        acc, m, l, p = lax.fori_loop(b2, hi, functools.partial(overlapped, masked=True), carry)
+        last = slot_of(hi - 1)
+        plgpu.barrier_wait(v_ready.at[last])
+        acc = C.mma_acc(acc, p, v_smem.at[last], p_staging)
+        plgpu.barrier_arrive(v_free.at[last])
+        return acc, m, l
 
       def pass_over(j):  # a tile of the cluster's range outside this CTA's: release it
         slot = slot_of(j)
@@ -164,14 +216,18 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, order_ref, 
       if cfg.cluster > 1:
         pl.loop(vlo, lo)(pass_over)
 
-      @pl.when(lo < hi)
-      def _():
-        plgpu.barrier_wait(k_ready.at[slot_of(lo)])
+      if not cfg.overlap:
+        @pl.when(lo < hi)
+        def _():
+          plgpu.barrier_wait(k_ready.at[slot_of(lo)])
 
       pl.when(wg == 1)(schedule)  # offsets the two warpgroups by half a step
-      carry = lax.fori_loop(lo, flo, functools.partial(step, masked=True), carry)
-      carry = lax.fori_loop(flo, fhi, functools.partial(step, masked=False), carry)
-      acc, m, l = lax.fori_loop(fhi, hi, functools.partial(step, masked=True), carry)
+      if cfg.overlap:
+        acc, m, l = lax.cond(lo < hi, overlapped_tiles, lambda c: c, carry)
+      else:
+        carry = lax.fori_loop(lo, flo, functools.partial(step, masked=True), carry)
+        carry = lax.fori_loop(flo, fhi, functools.partial(step, masked=False), carry)
+        acc, m, l = lax.fori_loop(fhi, hi, functools.partial(step, masked=True), carry)
       pl.when(wg == 0)(schedule)
       if cfg.cluster > 1:
         pl.loop(hi, vhi)(pass_over)
