@@ -315,13 +315,20 @@ def test_tile_sweep_records_the_auto_config():
     for dtype in ("bfloat16", "float16"):
       for t in (3000, 4096):
         auto = mosaic_auto_config(dtype, d, t, "sm_90")["forward"]
-        assert auto == dataclasses.asdict(mcfg.fit(None, 2, d, "sm_90", q_len=t))
+        assert auto == dataclasses.asdict(mcfg.fit(None, 2, d, "sm_90", q_len=t, kv_len=t))
   # CTA pairs by default at head_dim 128, where the call can take them.
   assert mcfg.fit(None, 2, 128, "sm_90", q_len=4096).cluster == 2
   for kw in (dict(q_len=3000 - 128), dict(q_len=4096, mask=M.CausalMask()), {}):  # 23 tiles; a mask; unknown
     assert mcfg.fit(None, 2, 128, "sm_90", **kw).cluster == 1, kw
   assert mcfg.fit(None, 2, 128, "interpret", q_len=4096).cluster == 1
   assert mcfg.fit(None, 2, 64, "sm_90", q_len=4096).cluster == 1
+  # overlap by default only where the kernel has no masked tile (measured slower there).
+  for d in (64, 128):
+    assert mcfg.fit(None, 2, d, "sm_90", q_len=4096, kv_len=4096).overlap
+    for kw in (dict(kv_len=3000), dict(kv_len=4096, mask=M.CausalMask()), dict(kv_len=4096, score_mod=True), {}):
+      assert not mcfg.fit(None, 2, d, "sm_90", q_len=4096, **kw).overlap, kw
+  explicit = pm.MosaicForwardConfig(overlap=True)
+  assert mcfg.fit(explicit, 2, 64, "sm_90", mask=M.CausalMask()) == explicit  # exact, if slower
 
 
 @pytest.mark.gpu

@@ -128,7 +128,7 @@ def mosaic_auto_config(dtype: str, d: int, t: int, device: str) -> dict:
   of ``t`` queries (recorded in auto rows)."""
   from probjax.ops.attention.mosaic_gpu import config as MC
   itemsize = jnp.dtype(impls.jnp_dtype(dtype)).itemsize
-  return {"forward": dataclasses.asdict(MC.fit(None, itemsize, d, device, q_len=t))}
+  return {"forward": dataclasses.asdict(MC.fit(None, itemsize, d, device, q_len=t, kv_len=t))}
 
 
 def mosaic_tile_case(dtype, d, t, b, h, cfg, timing):

@@ -27,8 +27,9 @@ PROBJAX_IMPLS = {
     "probjax_cudnn": {"implementation": "cudnn"},
     "probjax_mosaic": {"implementation": "mosaic"},
     "probjax_mosaic_bwd": {"implementation": "mosaic", "backward_pass_impl": "mosaic"},
-    # the Mosaic forward's default config for the call with overlap=True (mosaic_overlap_config)
+    # the Mosaic forward's default config for the call with overlap on / off (mosaic_overlap_config)
     "probjax_mosaic_overlap": {"implementation": "mosaic", "forward_config": "overlap"},
+    "probjax_mosaic_no_overlap": {"implementation": "mosaic", "forward_config": "no_overlap"},
     "probjax_triton_onepass": {"implementation": "triton", "backward_pass_impl": "triton_onepass"},
     "probjax_triton_fused": {"implementation": "triton", "backward_pass_impl": "triton_fused"},
     "probjax_triton_split": {"implementation": "triton", "backward_pass_impl": "triton_split"},
@@ -40,7 +41,8 @@ TORCH_SDPA_IMPLS = {"torch_sdpa_flash": "FLASH_ATTENTION", "torch_sdpa_efficient
 TOKAMAX_IMPLS = {"tokamax_mosaic": "mosaic", "tokamax_triton": "triton", "tokamax_cudnn": "cudnn",
                  "tokamax_xla_chunked": "xla_chunked"}
 NO_FP32 = {"jaxnn_cudnn", "torch_sdpa_flash", "torch_sdpa_cudnn", "tokamax_cudnn", "probjax_cudnn",
-           "probjax_mosaic", "probjax_mosaic_bwd", "probjax_mosaic_overlap"}
+           "probjax_mosaic", "probjax_mosaic_bwd", "probjax_mosaic_overlap",
+           "probjax_mosaic_no_overlap"}
 MASKS = ("none", "window512", "docs4", "docs4_causal", "softcap30")
 SOFTCAP = 30.0
 
@@ -154,10 +156,10 @@ def probjax_attn(impl: str, causal: bool, mask_obj=None, extra_kwargs=None):
 
   def attn(q, k, v):
     kw_call = dict(kw)
-    if kw_call.get("forward_config") == "overlap":  # flex_attention: the entry point with tile configs
+    if kw_call.get("forward_config") in ("overlap", "no_overlap"):  # flex_attention takes tile configs
       _, mod = probjax_api()
       mask = mask_obj if mask_obj is not None else (mod.CausalMask() if kw_call.pop("is_causal", False) else None)
-      kw_call["forward_config"] = mosaic_overlap_config(q, mask)
+      kw_call["forward_config"] = mosaic_overlap_config(q, mask, kw_call["forward_config"] == "overlap")
       return mod.flex_attention(q, k, v, mask=mask, **kw_call)
     if mask_obj is not None:
       return dpa(q, k, v, mask=mask_obj, **kw_call)
@@ -165,14 +167,14 @@ def probjax_attn(impl: str, causal: bool, mask_obj=None, extra_kwargs=None):
   return attn
 
 
-def mosaic_overlap_config(q, mask):
+def mosaic_overlap_config(q, mask, overlap: bool):
   """The Mosaic forward's default config for a call on ``q`` (``[batch, seq, heads, head_dim]``)
-  with ``mask`` on this device, with ``overlap=True``."""
+  with ``mask`` on this device, with ``overlap`` set."""
   import dataclasses
   from probjax.ops.attention.mosaic_gpu import config as MC
   from probjax.ops.attention.triton import config as C
   cfg = MC.fit(None, q.dtype.itemsize, q.shape[-1], C.device_kind(), mask=mask, q_len=q.shape[1])
-  return dataclasses.replace(cfg, overlap=True)
+  return dataclasses.replace(cfg, overlap=overlap)
 
 
 def build_jax_side(impl, arrays, dtype, causal, mode, mask="none", compile_only=False):

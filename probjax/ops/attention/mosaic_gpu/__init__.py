@@ -120,7 +120,8 @@ def attention(q, k, v, *, mask: Mask | None = None, score_mod: Callable | None =
   scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
   device = triton_config.kernel_device(interpret)
   itemsize, d = jnp.dtype(q.dtype).itemsize, q.shape[-1]
-  cfg = config_lib.fit(forward_config, itemsize, d, device, mask=mask, q_len=q.shape[1])
+  cfg = config_lib.fit(forward_config, itemsize, d, device, mask=mask, q_len=q.shape[1], kv_len=k.shape[1],
+                       score_mod=score_mod is not None)
   mosaic_bwd = backward_pass_impl == "mosaic"
   if backward_config is not None and isinstance(backward_config, MosaicBackwardConfig) != mosaic_bwd:
     raise TypeError(f"backward_config {type(backward_config).__name__} does not match "

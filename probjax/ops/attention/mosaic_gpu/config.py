@@ -57,7 +57,8 @@ class MosaicForwardConfig:
   releases the tiles outside its own without computing); segment ids are refused, and the
   query tiles must come in whole pairs. ``overlap``: each compute warpgroup issues the next
   tile's Q K^T together with this tile's P V and runs the next softmax while P V is in flight
-  (FA3's intra-warpgroup pipelining), keeping one more P tile in registers."""
+  (FA3's intra-warpgroup pipelining), keeping one more P tile in registers. Exact with any
+  mask, but slower where the kernel has masked tiles (see :data:`DEFAULTS`)."""
   block_q: int = 64
   block_k: int = 128
   num_stages: int = 2
@@ -104,7 +105,15 @@ class MosaicForwardConfig:
 # Causal pairs (same file; the pair visits the union of its key ranges) lose at T4096 (D64
 # 0.179 -> 0.193, D128 0.246 -> 0.259) and T8192 (0.641 -> 0.661, 0.965 -> 0.973) and gain at
 # T16384 (2.636 -> 2.493, 4.088 -> 3.975): the default takes pairs without a mask only.
-DEFAULTS = {64: MosaicForwardConfig(64, 128, 2, 2, True), 128: MosaicForwardConfig(64, 128, 2, 2, True, cluster=2),
+# overlap (interleaved_mosaic_overlap.json, 785f033, B4 H8 fwd ms in one process, rotating rounds,
+# default config without / with overlap): non-causal T4096 D64 0.346 / 0.337, D128 0.491 / 0.477;
+# T16384 D64 5.188 / 5.147, D128 7.367 / 7.219 (jax.nn cuDNN 7.259, torch SDPA cuDNN 7.264). Causal
+# 0.181 / 0.250 (T4096 D64) ... 4.021 / 5.511 (T16384 D128): ptxas serializes the kernel's wgmmas
+# when a masked loop is compiled in (mosaic_ptxas_overlap.json, C7513: "non wgmma instructions
+# defining input registers of a wgmma"), so :func:`fit` keeps overlap for calls without masked
+# tiles only: no mask, no score_mod and whole key tiles.
+DEFAULTS = {64: MosaicForwardConfig(64, 128, 2, 2, True, overlap=True),
+            128: MosaicForwardConfig(64, 128, 2, 2, True, cluster=2, overlap=True),
             256: MosaicForwardConfig(64, 64, 2, 2, False)}
 
 
@@ -127,16 +136,21 @@ INTERPRET_WGS = 1
 
 
 def fit(config: MosaicForwardConfig | None, itemsize: int, head_dim: int, device: str, *,
-        mask: Mask | None = None, q_len: int | None = None) -> MosaicForwardConfig:
+        mask: Mask | None = None, q_len: int | None = None, kv_len: int | None = None,
+        score_mod: bool = False) -> MosaicForwardConfig:
   """``config`` (or the default for ``head_dim``) checked against ``device``'s shared memory;
   a default that does not fit drops stages, an explicit one raises ``ValueError``. A default
   in CTA pairs runs single CTAs with a mask (pairs are measured without one), where the call
-  cannot take pairs (:func:`cluster_refusal`; ``q_len`` None: unknown) and in interpret mode."""
+  cannot take pairs (:func:`cluster_refusal`; ``q_len`` None: unknown) and in interpret mode.
+  A default with ``overlap`` drops it where the kernel would have masked tiles (a mask, a
+  ``score_mod``, a partial last key tile; ``kv_len`` None: unknown), where it is slower."""
   limit = smem_limit(device)
   explicit = config is not None
   cfg = config if explicit else DEFAULTS[head_dim]
   if device == "interpret" and not explicit:  # see INTERPRET_WGS
     cfg = dataclasses.replace(cfg, compute_wgs=INTERPRET_WGS, cluster=1)
+  if not explicit and cfg.overlap and (mask is not None or score_mod or kv_len is None or kv_len % cfg.block_k):
+    cfg = dataclasses.replace(cfg, overlap=False)
   if not explicit and cfg.cluster > 1 and (
       q_len is None or mask is not None or cluster_refusal(None, q_len, cfg.block_q * cfg.compute_wgs, cfg.cluster)):
     cfg = dataclasses.replace(cfg, cluster=1)

@@ -119,9 +119,8 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, order_ref, 
         def _():
           plgpu.barrier_wait(k_ready.at[slot_of(j + 1)])
 
-      def scores(j, t, masked: bool):
-        """Score tile ``j`` after the modifier and the mask; releases its K slot."""
-        slot = slot_of(j)
+      def scores(j, slot, t, masked: bool):
+        """Score tile ``j`` (ring slot ``slot``) after the modifier and the mask; releases its K slot."""
         if masked or score_mod is not None:
           qi, ki = C.iotas(bq, bk, q_start, j * bk)
         if score_mod is not None:  # before the mask, as in the other backends
@@ -139,12 +138,12 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, order_ref, 
 
       def softmax(t, m, l):
         """``(m', alpha, p, l')``: the running max and sum after score tile ``t``, the factor
-        that rescales the accumulator and ``t``'s probabilities in ``dtype``."""
+        that rescales the accumulator and ``t``'s probabilities (float32)."""
         m_new = jnp.maximum(m, t.max(axis=1) * c)
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows that have seen no valid key
         alpha = jnp.exp2(m - m_safe)
         p = jnp.exp2(t * c - lax.broadcast_in_dim(m_safe, t.shape, [0]))
-        return m_new, alpha, p.astype(dtype), l * alpha + p.sum(axis=1)
+        return m_new, alpha, p, l * alpha + p.sum(axis=1)
 
       def handover(x):  # softmax done: hand the tensor cores to the other warpgroup
         if wgs == 2:
@@ -158,9 +157,10 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, order_ref, 
       def step(j, carry, masked: bool):
         acc, m, l = carry
         slot = slot_of(j)
-        t = scores(j, C.mma(q_smem.at[wg], k_smem.at[slot].T, (bq, bk), during=schedule), masked)
+        t = scores(j, slot, C.mma(q_smem.at[wg], k_smem.at[slot].T, (bq, bk), during=schedule), masked)
         m_new, alpha, p, l = softmax(t, m, l)
-        acc, l, m_new, p = handover((rescale(acc, alpha), l, m_new, p))
+        acc = rescale(acc, alpha)
+        acc, l, m_new, p = handover((acc, l, m_new, p.astype(dtype)))
         plgpu.barrier_wait(v_ready.at[slot])
         if wgs == 2:  # take the tensor cores back for P @ V
           plgpu.barrier_wait(sched_bar)
@@ -175,7 +175,8 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, order_ref, 
         plgpu.barrier_wait(v_ready.at[prev])
 
         def consume(t):
-          out = handover(softmax(scores(n, t, masked), m, l))
+          m_new, alpha, p, l_new = softmax(scores(n, slot, t, masked), m, l)
+          out = handover((m_new, alpha, p.astype(dtype), l_new))
           if wgs == 2:
             plgpu.barrier_wait(sched_bar)
           return out
@@ -190,9 +191,11 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, order_ref, 
         softmax of ``lo`` (masked whether or not it is full), then per tile ``n`` its Q K^T
         with the P V of ``n - 1``, then the last P V."""
         acc, m, l = carry
-        plgpu.barrier_wait(k_ready.at[slot_of(lo)])
-        m, alpha, p, l = handover(softmax(scores(lo, C.mma(q_smem.at[wg], k_smem.at[slot_of(lo)].T, (bq, bk),
-                                                          during=schedule), True), m, l))
+        first = slot_of(lo)
+        plgpu.barrier_wait(k_ready.at[first])
+        t = scores(lo, first, C.mma(q_smem.at[wg], k_smem.at[first].T, (bq, bk), during=schedule), True)
+        m, _, p, l = softmax(t, m, l)  # acc is still zero
+        m, p, l = handover((m, p.astype(dtype), l))
         if wgs == 2:
           plgpu.barrier_wait(sched_bar)
         carry = (acc, m, l, p)
