@@ -396,13 +396,16 @@ def test_tiles_section_counts_auto_within_five_percent():
           dict(base, mode="fwd_bwd", variant="dkv64x128_dq128x64_s2_w4", ms=3.05,
                forward_config={"block_q": 64})]
   text = bf.tiles_section(rows)
-  assert "best in 1 of 2 shapes" in text
+  assert "best in 1 of 2 shapes with an auto row." in text
   assert "| 1.11 |" in text and "2 ran / 1 rejected" in text and "| wall |" in text
   # With kernel times on every row of a shape, they decide (the wall clock of short calls is
   # host-bound): auto is 1.11x the best by wall clock but 1.02x by kernel time.
   rows[0]["device_ms"], rows[1]["device_ms"] = 0.51, 0.50
   text = bf.tiles_section(rows)
   assert "best in 2 of 2 shapes" in text and "| 1.02 |" in text and "| kernel |" in text
+  # A shape whose auto row was dropped (its default changed after the sweep) is not counted.
+  text = bf.tiles_section(rows + [dict(base, mode="fwd", q_len=8192, variant="bq64_bk64_s2_w4", ms=2.0)])
+  assert "best in 2 of 2 shapes with an auto row (1 without one" in text
 
 
 def test_drop_rows(tmp_path, capsys):

@@ -556,7 +556,7 @@ def tiles_section(rows) -> str:
   t = select(rows, suite="tiles")
   if not t:
     return NOT_MEASURED
-  body, within = [], 0
+  body, within, with_auto = [], 0, 0
   shape = lambda r: (r["impl"], r["dtype"], r["head_dim"], r["q_len"], r["mode"])
   keys = sorted({shape(r) for r in t})
   for impl, *key in keys:
@@ -575,6 +575,7 @@ def tiles_section(rows) -> str:
     field = "device_ms" if clock == "kernel" else "ms"
     best = min(okf, key=lambda r: r[field]) if okf else None
     ok_auto = best and auto and auto.get("status") == "ok"
+    with_auto += auto is not None
     within += bool(ok_auto and auto[field] <= 1.05 * best[field])
     auto_cfg = (auto or {}).get("auto_config", "—")
     if isinstance(auto_cfg, dict):
@@ -588,7 +589,9 @@ def tiles_section(rows) -> str:
           f"({r0.get('_file')}); forward: (block_q, block_k, num_stages, num_warps), forward + backward: "
           f"the split backward's tiles, each row with auto's forward tiles. Times are kernel time "
           f"(`device_ms`) where every row of a shape has one, else wall clock (column \"clock\"). "
-          f"Auto within 5% of the best in {within} of {len(keys)} shapes.\n\n"
+          f"Auto within 5% of the best in {within} of {with_auto} shapes with an auto row"
+          + (f" ({len(keys) - with_auto} without one: their auto configuration changed after the "
+             f"sweep and is not measured yet)" if with_auto < len(keys) else "") + ".\n\n"
           + md_table(["kernel", "dtype", "head_dim", "T", "mode", "auto ms", "auto config", "best forced ms",
                       "best forced", "auto / best", "auto, libdevice exp2f ms", "clock", "configs"], body))
 
