@@ -538,6 +538,19 @@ def test_device_time_section():
   assert "| 3.00 |" in text and text.count("| grid |") == 1
 
 
+def test_patched_restores_the_attribute():
+  class Obj:
+    f = 1
+  with harness.patched(Obj, "f", 2):
+    assert Obj.f == 2
+  with harness.patched(Obj, "f"):  # None: left as it is
+    assert Obj.f == 1
+  with pytest.raises(RuntimeError):
+    with harness.patched(Obj, "f", 3):
+      raise RuntimeError
+  assert Obj.f == 1
+
+
 def test_idle_profile_counts_device_waits_per_call():
   # Two calls: kernels [0, 10) and [12, 20) overlapping [15, 18), then [40, 50).
   prof = harness.idle_profile([(0.0, 10.0, "a"), (12.0, 8.0, "b"), (15.0, 3.0, "c"), (40.0, 10.0, "a")], 2)

@@ -20,6 +20,7 @@ Row schema (required fields): see :data:`REQUIRED_FIELDS`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import fnmatch
 import json
@@ -155,6 +156,19 @@ def time_fn(fn: Callable[[], Any], sync: Callable[[Any], Any], *, warmup: int = 
     except Exception as e:  # noqa: BLE001 (the wall-clock row stands without it)
       res["device_ms_error"] = f"{type(e).__name__}: {e}"[:300]
   return res
+
+
+@contextlib.contextmanager
+def patched(obj, name: str, value=None):
+  """Within: ``obj.name`` is ``value`` (``value`` None: left as it is), e.g. a kernel helper
+  replaced while a probe's variant is traced."""
+  orig = getattr(obj, name)
+  if value is not None:
+    setattr(obj, name, value)
+  try:
+    yield
+  finally:
+    setattr(obj, name, orig)
 
 
 def require_gpu(what: str) -> None:

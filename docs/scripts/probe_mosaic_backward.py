@@ -11,7 +11,6 @@ they are measured.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 
 from docs.scripts import harness, impls
@@ -32,18 +31,11 @@ def variant_config(pm, d: int, fused: bool, shared: bool):
   return pm.MosaicBackwardConfig(64, 64, 2, 2, fused_dq=True, shared_dq=shared)
 
 
-@contextlib.contextmanager
 def compute_registers(n: int):
   """Within: ``n`` registers per compute warpgroup in the Mosaic kernels traced (producer 24);
   ``n == 0``: the default, :func:`probjax.ops.attention.mosaic_gpu.common.registers`."""
   from probjax.ops.attention.mosaic_gpu import common as C
-  default = C.registers
-  if n:
-    C.registers = lambda wgs: (n, 24)
-  try:
-    yield
-  finally:
-    C.registers = default
+  return harness.patched(C, "registers", (lambda wgs: (n, 24)) if n else None)
 
 
 def main(argv=None):

@@ -16,7 +16,6 @@ fence (its cases' fifth field) for the C7513 check.
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import sys
 
@@ -25,7 +24,6 @@ from docs.scripts import harness, impls
 VARIANTS = ("off", "on", "fenced")
 
 
-@contextlib.contextmanager
 def fenced(on: bool = True):
   """Within: each overlapped step passes its accumulator and P through an optimization
   barrier before issuing its two wgmmas (``common.mma_overlap`` patched)."""
@@ -36,12 +34,7 @@ def fenced(on: bool = True):
   def mma_overlap(acc, a, b, *args, **kw):
     acc, a = lax.optimization_barrier((acc, a))
     return orig(acc, a, b, *args, **kw)
-  if on:
-    C.mma_overlap = mma_overlap
-  try:
-    yield
-  finally:
-    C.mma_overlap = orig
+  return harness.patched(C, "mma_overlap", mma_overlap if on else None)
 
 
 def main(argv=None):
