@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -152,6 +153,36 @@ def _case(impl, t=64, run=None, counter=None):
   return harness.Case(suite="grid", impl=impl, dtype="float32", batch=1, q_heads=2, kv_heads=2,
                       q_len=t, kv_len=t, head_dim=16, causal=False, mode="fwd",
                       run=run or default_run)
+
+
+def test_rounds_time_a_shapes_implementations_in_rotation(tmp_path):
+  calls, built = [], []
+
+  def prepared(impl, ms_by_round, fail_round=None):
+    def prepare():
+      built.append(impl)
+      it = iter(range(len(ms_by_round)))
+
+      def timer():
+        r = next(it)
+        calls.append(impl)
+        if r == fail_round:
+          raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+        return {"ms": ms_by_round[r], "p10_ms": ms_by_round[r], "p90_ms": ms_by_round[r], "n_repeats": 3}
+      return timer, lambda res: dict(res, checked=True)
+    c = _case(impl)
+    return dataclasses.replace(c, prepare=prepare)
+  cases = [prepared("a", [3.0, 1.0, 2.0]), prepared("b", [5.0, 5.0, 5.0], fail_round=1),
+           _case("c"), prepared("d", [1.0, 1.0, 1.0]), dataclasses.replace(prepared("e", [7.0] * 3), q_len=128)]
+  rows = harness.run_cases(cases, _args(tmp_path, rounds=3))
+  by = {r["impl"]: r for r in rows}
+  assert [r["impl"] for r in rows] == ["a", "b", "c", "d", "e"]  # the cases' order, not the rounds'
+  assert built[:3] == ["a", "b", "d"] and by["c"]["ms"] == 1.5 and "round_ms" not in by["c"]  # c: no prepare
+  assert by["a"]["round_ms"] == [3.0, 1.0, 2.0] and by["a"]["ms"] == 2.0 and by["a"]["checked"]
+  assert by["b"]["status"] == "oom" and by["b"]["ms"] is None
+  # round r starts at the r-th prepared case of the shape; b is not timed after it failed
+  assert calls[:8] == ["a", "b", "d", "b", "d", "a", "d", "a"]
+  assert by["e"]["rounds"] == 3 and by["e"]["ms"] == 7.0  # its own shape
 
 
 def test_run_cases_statuses_never_abort(tmp_path):

@@ -27,6 +27,8 @@
 #   grid:LENGTHS:DTYPE[:HEAD_DIMS[:MODES]]  (lists joined by '+', as the plan splits on commas;
 #     e.g. grid:4096:bf16, grid:1024+16384:bf16:64+128:fwd): the grid with the core implementations only ($CORE_JAX, $CORE_TORCH; set GRID_ALL=1 for all)
 #   gridall:LENGTHS:DTYPE[:HEAD_DIMS[:MODES]]  the same with every implementation
+#   gridr:LENGTHS:DTYPE[:HEAD_DIMS[:MODES]]  the core implementations, JAX and torch, in one process, each
+#     shape's timed in $ROUNDS (3) rotating rounds (harness --rounds); replaces those shapes' grid rows
 # DEVICE_TIME=1: every suite also records device_ms (kernel time from a profile).
 # (tests: pytest --gpu on the gpu-marked tests (tests:EXPR: only those matching -k EXPR), failures printed as they happen, log in
 # $OUT/gpu_tests.log; it gets at most a third of the remaining time, or TESTS_MAX_S seconds)
@@ -142,6 +144,16 @@ for s in "${steps[@]}"; do
     tiles_mosaic_1024) run_step gpu_attention_tiles.json docs.scripts.benchmark_gpu_attention_tiles --kernel mosaic --dtypes bf16 --lengths 1024 ;;
     grid_bf16) split gpu_attention.json docs.scripts.benchmark_gpu_attention --suite grid --dtypes bf16 ;;
     grid_fp32) split gpu_attention.json docs.scripts.benchmark_gpu_attention --suite grid --dtypes fp32 ;;
+    gridr:*)   IFS=':' read -r _ lens dt dims modes <<< "$s"   # the grid in one process, rotating rounds
+               dims="${dims:-64+128}"; modes="${modes:-fwd+fwd_bwd}"
+               dtname=$(python3 -c "print({'bf16': 'bfloat16', 'fp16': 'float16', 'fp32': 'float32'}['$dt'])")
+               [ -f docs/benchmarks/gpu_attention.json ] && [ ! -f "$OUT/gpu_attention.json" ] \
+                 && cp docs/benchmarks/gpu_attention.json "$OUT/gpu_attention.json"
+               [ -f "$OUT/gpu_attention.json" ] && $PY -m docs.scripts.drop_rows "$OUT/gpu_attention.json" --suite grid \
+                 --impl "$CORE_JAX,$CORE_TORCH" --dtype "$dtname" --q_len "${lens//+/,}" --head_dim "${dims//+/,}" --mode "${modes//+/,}" | tee -a "$OUT/batch.log"
+               run_step gpu_attention.json docs.scripts.benchmark_gpu_attention --suite grid --dtypes "$dt" \
+                 --lengths "${lens//+/,}" --head-dims "${dims//+/,}" --modes "${modes//+/,}" \
+                 --impl "$CORE_JAX,$CORE_TORCH" --rounds "${ROUNDS:-3}" ;;
     grid:*|gridall:*) IFS=':' read -r kind lens dt dims modes <<< "$s"
                all=$([ "$kind" = gridall ] && echo 1 || echo "${GRID_ALL:-0}")
                GRID_ALL=$all core "$dt" gpu_attention.json docs.scripts.benchmark_gpu_attention --suite grid --dtypes "$dt" \

@@ -441,6 +441,9 @@ class Case:
   variant: str = ""          # extra key part (e.g. tile config); "" for most rows
   extra: dict = dataclasses.field(default_factory=dict)
   flops: bool = True          # whether tflops is meaningful (False for masked rows)
+  # For --rounds: builds the call once and returns ``(timer, finish)``: ``timer()`` times it
+  # (a :func:`time_fn` dict), ``finish(result)`` adds what the row needs besides the timing.
+  prepare: Callable[[], tuple[Callable[[], dict], Callable[[dict], dict]]] | None = None
 
   def key(self) -> tuple:
     return row_key(dataclasses.asdict(self))
@@ -553,6 +556,9 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                  help="more repeats (up to 50) until the timed repeats total at least this long")
   p.add_argument("--device-time", action="store_true",
                  help="also record device_ms: the GPU kernels' time per call from a profile")
+  p.add_argument("--rounds", type=int, default=1,
+                 help="R > 1: time the implementations of each shape in one process, in R rounds in a "
+                      "rotated order (a row's ms: the median of its rounds' medians, round_ms: each)")
   p.add_argument("--no-progress", action="store_true")
 
 
@@ -592,6 +598,74 @@ def main_for(doc: str, build_cases: Callable[[argparse.Namespace], list[Case]], 
   run_cases(build_cases(args), args)
 
 
+def _outcome(f: Callable[[], dict | None]) -> tuple[dict | None, str, str | None]:
+  """``(result, status, error)`` of ``f()``; an exception becomes its status, never aborting a sweep."""
+  try:
+    result = f() or {}
+    return result, result.pop("status", "ok"), result.pop("error", None)
+  except Exception as e:  # noqa: BLE001
+    return (None, *classify_error(e))
+
+
+def _run_one(c: Case) -> list:
+  if c.run is None:
+    return [(None, "unsupported", c.extra.get("note", "not available"))]
+  return [_outcome(c.run)]
+
+
+def shape_groups(cases: list[Case]) -> list[list[Case]]:
+  """The cases in groups of one shape (every key field but the implementation and the
+  variant), in their first case's order: the implementations timed against each other."""
+  groups: dict[tuple, list[Case]] = {}
+  for c in cases:
+    groups.setdefault((c.suite, c.dtype, c.batch, c.q_heads, c.kv_heads, c.q_len, c.kv_len, c.head_dim,
+                       c.causal, c.mode, c.mask), []).append(c)
+  return list(groups.values())
+
+
+def _run_rounds(group: list[Case], rounds: int) -> list:
+  """``--rounds``: every case of ``group`` built once (:attr:`Case.prepare`; a case without one
+  runs on its own), then timed once per round in a rotated order; each row is its median
+  round's timing with ``round_ms`` (every round's ms) and ``ms`` their median."""
+  prepared, outcome = {}, {}
+  for i, c in enumerate(group):
+    if c.run is None or c.prepare is None:
+      outcome[i] = _run_one(c)[0]
+      continue
+    prep, status, error = _outcome(lambda c=c: {"fns": c.prepare()})
+    if status == "ok":
+      prepared[i] = prep["fns"]
+    else:
+      outcome[i] = (None, status, error)
+  timings = {i: [] for i in prepared}
+  order = list(prepared)
+  for r in range(rounds):
+    for i in order[r % len(order):] + order[:r % len(order)] if order else []:
+      if i in outcome:  # failed in an earlier round
+        continue
+      res, status, error = _outcome(prepared[i][0])
+      if status == "ok":
+        timings[i].append(res)
+      else:
+        outcome[i] = (None, status, error)
+  for i, (timer, finish) in prepared.items():
+    if i in outcome:
+      continue
+    ms = [t["ms"] for t in timings[i]]
+    median_round = sorted(timings[i], key=lambda t: t["ms"])[(len(ms) - 1) // 2]
+    outcome[i] = _outcome(lambda: finish(dict(median_round, ms=statistics.median(ms), round_ms=ms,
+                                              rounds=len(ms))))
+  prepared = timings = None
+  _free_after_group()
+  return [outcome[i] for i in range(len(group))]
+
+
+def _free_after_group() -> None:
+  """Drops a shape's compiled calls and buffers before the next (as :func:`impls.free_memory`)."""
+  from docs.scripts import impls
+  impls.free_memory()
+
+
 def run_cases(cases: Iterable[Case], args, *, on_row: Callable[[dict], None] | None = None) -> list[dict]:
   """Runs cases, writing rows to ``args.output``; returns the rows written now."""
   cases = [c for c in cases if impl_selected(c.impl, args)]
@@ -622,30 +696,28 @@ def run_cases(cases: Iterable[Case], args, *, on_row: Callable[[dict], None] | N
   if skipped:
     print(f"[harness] {skipped} case(s) already in {out}; skipping them", file=sys.stderr)
   stopped = 0
-  for i, c in enumerate(todo):
+  rounds = max(1, int(getattr(args, "rounds", 1) or 1))
+  groups = shape_groups(todo) if rounds > 1 else [[c] for c in todo]
+  done_cases = 0
+  for group in groups:
     if args.max_minutes is not None and time.monotonic() - start > 60 * args.max_minutes:
-      stopped = len(todo) - i
+      stopped = len(todo) - done_cases
       break
+    c = group[0]
     if bar is not None:
-      bar.set_description(f"{c.suite} {c.impl} {c.dtype} T={c.q_len}/{c.kv_len} D={c.head_dim} {c.mode}"[:70])
-    result, status, error = None, "ok", None
-    if c.run is None:
-      status, error = "unsupported", c.extra.get("note", "not available")
-    else:
-      try:
-        result = c.run() or {}
-        status = result.pop("status", "ok")
-        error = result.pop("error", None)
-      except Exception as e:  # noqa: BLE001 (never abort the sweep)
-        status, error = classify_error(e)
-    row = make_row(c, result, status, error)
-    with open(out, "a") as f:
-      f.write(json.dumps(row, default=_json_default) + "\n")
-    written.append(row)
-    if on_row:
-      on_row(row)
-    if bar is not None:
-      bar.update(1)
+      bar.set_description(f"{c.suite} {c.impl if len(group) == 1 else f'{len(group)} impls'} {c.dtype} "
+                          f"T={c.q_len}/{c.kv_len} D={c.head_dim} {c.mode}"[:70])
+    results = _run_one(c) if len(group) == 1 and rounds == 1 else _run_rounds(group, rounds)
+    for c, (result, status, error) in zip(group, results):
+      row = make_row(c, result, status, error)
+      with open(out, "a") as f:
+        f.write(json.dumps(row, default=_json_default) + "\n")
+      written.append(row)
+      if on_row:
+        on_row(row)
+      if bar is not None:
+        bar.update(1)
+    done_cases += len(group)
   if bar is not None:
     bar.close()
   if stopped:

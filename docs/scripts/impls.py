@@ -427,11 +427,11 @@ def timed_case(suite, impl, dtype, batch, q_heads, kv_heads, q_len, kv_len, head
   """
   from docs.scripts.harness import Case, backend_of, time_fn
 
-  def run():
+  def prepare():
     arrays = inputs(batch, q_len, kv_len, q_heads, kv_heads, head_dim)
-    try:
-      fn, sync = build(impl, arrays, dtype, causal, mode, mask)
-      res = time_fn(fn, sync, **timing, backend=backend_of(impl))
+    fn, sync = build(impl, arrays, dtype, causal, mode, mask)
+
+    def finish(res):
       if mode == "fwd":
         try:
           import numpy as np
@@ -441,14 +441,20 @@ def timed_case(suite, impl, dtype, batch, q_heads, kv_heads, q_len, kv_len, head
         except Exception as e:  # noqa: BLE001
           res["check_error"] = f"{type(e).__name__}: {e}"[:300]
       return res
+    return (lambda: time_fn(fn, sync, **timing, backend=backend_of(impl))), finish
+
+  def run():
+    try:
+      timer, finish = prepare()
+      return finish(timer())
     finally:
-      fn = sync = None
+      timer = finish = None
       free_memory()
 
   return Case(suite=suite, impl=impl, dtype=dtype, batch=batch, q_heads=q_heads,
               kv_heads=kv_heads, q_len=q_len, kv_len=kv_len, head_dim=head_dim,
               causal=causal, mode=mode, mask=mask, run=run, extra=dict(extra or {}),
-              variant=variant, flops=(mask == "none"))
+              variant=variant, flops=(mask == "none"), prepare=prepare)
 
 
 def compiled_memory(impl, arrays, dtype, causal, mode, mask="none") -> dict:
