@@ -68,6 +68,16 @@ def test_overlap_forward(mask_name, persistent):
   check_against_reference(_attn(mask, cfg), x, mask=mask, grads=False)
 
 
+@pytest.mark.parametrize("tq,tk,d,dtype,cfg", [
+    (64, 64, 64, jnp.float16, SMALL),                                      # one key tile: no loop step
+    (70, 300, 128, jnp.bfloat16, pm.MosaicForwardConfig(64, 128, 3, 1)),  # 3 slots, a partial last tile
+    (130, 65, 64, jnp.bfloat16, pm.MosaicForwardConfig(64, 64, 4, 1)),    # fewer tiles than slots
+])
+def test_overlap_shapes_dtypes_configs(tq, tk, d, dtype, cfg):
+  x = make_inputs(13, 2, tq, tk, 4, 2, d, dtype)
+  check_against_reference(_attn(None, dataclasses.replace(cfg, overlap=True)), x, grads=False)
+
+
 @pytest.mark.parametrize("mask_name", ["none", "causal", "window", "causal&kv_len", "lengths"])
 def test_clusters_share_kv_tiles(mask_name):
   # CTA pairs on adjacent query tiles of a head (GQA 2:1), each loading half of every K/V
