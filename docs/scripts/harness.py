@@ -607,6 +607,12 @@ def _outcome(f: Callable[[], dict | None]) -> tuple[dict | None, str, str | None
     return (None, *classify_error(e))
 
 
+def rotations(names, rounds: int) -> list:
+  """Each round's order of ``names``: rotated by the round's index (rotating rounds)."""
+  names = list(names)
+  return [names[r % len(names):] + names[:r % len(names)] for r in range(rounds)] if names else [[]] * rounds
+
+
 def _run_one(c: Case) -> list:
   if c.run is None:
     return [(None, "unsupported", c.extra.get("note", "not available"))]
@@ -638,9 +644,8 @@ def _run_rounds(group: list[Case], rounds: int) -> list:
     else:
       outcome[i] = (None, status, error)
   timings = {i: [] for i in prepared}
-  order = list(prepared)
-  for r in range(rounds):
-    for i in order[r % len(order):] + order[:r % len(order)] if order else []:
+  for order in rotations(prepared, rounds):
+    for i in order:
       if i in outcome:  # failed in an earlier round
         continue
       res, status, error = _outcome(prepared[i][0])
@@ -656,14 +661,9 @@ def _run_rounds(group: list[Case], rounds: int) -> list:
     outcome[i] = _outcome(lambda: finish(dict(median_round, ms=statistics.median(ms), round_ms=ms,
                                               rounds=len(ms))))
   prepared = timings = None
-  _free_after_group()
-  return [outcome[i] for i in range(len(group))]
-
-
-def _free_after_group() -> None:
-  """Drops a shape's compiled calls and buffers before the next (as :func:`impls.free_memory`)."""
   from docs.scripts import impls
-  impls.free_memory()
+  impls.free_memory()  # the shape's compiled calls and buffers, before the next shape
+  return [outcome[i] for i in range(len(group))]
 
 
 def run_cases(cases: Iterable[Case], args, *, on_row: Callable[[dict], None] | None = None) -> list[dict]:

@@ -32,11 +32,6 @@ def shapes(lengths=(4096, 3000), head_dims=(64, 128), causal=(False, True), mode
           yield t, d, c, mode
 
 
-def rotations(names, rounds):
-  """Each round's order: ``names`` rotated by the round's index."""
-  return [names[r % len(names):] + names[:r % len(names)] for r in range(rounds)]
-
-
 def main(argv=None):
   def add_args(ap):
     ap.add_argument("--rounds", type=int, default=3)
@@ -58,7 +53,7 @@ def main(argv=None):
     arrays = impls.inputs(args.batch, t, t, args.heads, args.heads, d)
     fns = {impl: impls.build(impl, arrays, "bfloat16", causal, mode, args.mask) for impl in names}
     rounds = {impl: [] for impl in names}
-    for order in rotations(names, args.rounds):
+    for order in harness.rotations(names, args.rounds):
       for impl in order:
         fn, sync = fns[impl]
         rounds[impl].append(harness.time_fn(fn, sync, repeats=5)["ms"])

@@ -44,24 +44,21 @@ def main(argv=None):
   args, out = harness.probe_start("probe_mosaic_overlap", __doc__, argv, add_args)
   if out is None:
     return 0
-  from probjax.nn.layers.attention import CausalMask, flex_attention
+  # The default Mosaic config of each call with overlap off / on (impls.mosaic_overlap_config).
+  builds = {"off": "probjax_mosaic_no_overlap", "on": "probjax_mosaic_overlap", "fenced": "probjax_mosaic_overlap"}
   for t in map(int, args.lengths.split(",")):
     for d in (64, 128):
       for causal in (False, True):
         x = impls.inputs(4, t, t, 8, 8, d)
-        mask = CausalMask() if causal else None
         fns = {}
         for v in VARIANTS:
-          def attn(q, k, v_, v=v, mask=mask):
-            cfg = impls.mosaic_overlap_config(q, mask, v != "off")
-            return flex_attention(q, k, v_, mask=mask, implementation="mosaic", forward_config=cfg)
-          fn, sync = impls._jax_fn(attn, x, "bfloat16", "fwd")
+          fn, sync = impls.build(builds[v], x, "bfloat16", causal, "fwd")
           with fenced(v == "fenced"):  # traced and compiled on the first call
             sync(fn())
           fns[v] = (fn, sync)
         rounds = {v: [] for v in VARIANTS}
-        for r in range(args.rounds):
-          for v in VARIANTS[r % 3:] + VARIANTS[:r % 3]:
+        for order in harness.rotations(VARIANTS, args.rounds):
+          for v in order:
             rounds[v].append(harness.time_fn(*fns[v], repeats=5)["ms"])
         for v in VARIANTS:
           harness.probe_add(out, args.output, dict(variant=v, batch=4, heads=8, t=t, d=d, causal=causal,
