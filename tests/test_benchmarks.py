@@ -472,6 +472,11 @@ def test_merge_rows_keeps_measured_rows(tmp_path):
   assert rows[("probjax_triton", 64)]["ms"] == 1.0      # an error never replaces a measurement
   assert rows[("probjax_triton", 128)]["ms"] == 2.0     # a measurement replaces a failure
   assert rows[("torch_flex", 64)]["ms"] == 3.0
+  # Of two measurements the more recent is kept, whichever batch holds it.
+  (a / "x.json").write_text(json.dumps(dict(base, ms=1.0, status="ok", time="2026-11-30T10:00:00")) + "\n")
+  (b / "x.json").write_text(json.dumps(dict(base, ms=5.0, status="ok", time="2026-11-29T10:00:00")) + "\n")
+  assert merge_rows.main([str(out), str(a), str(b)]) == 0
+  assert [r["ms"] for r in harness.load_rows(str(out / "x.json"))] == [1.0]
   (a / "one.json").write_text(json.dumps(dict(base, ms=1.0, status="ok")) + "\n")  # one row
   probe = {"command": "python -m docs.scripts.probe_dispatch_gap", "rows": [{"case": "x", "ms": 1.0}]}
   (b / "probe.json").write_text(json.dumps(probe, indent=1))

@@ -3,9 +3,10 @@
   python -m docs.scripts.merge_rows OUT_DIR BATCH_DIR [BATCH_DIR ...]
 
 Every ``*.json`` in a batch directory is merged into ``OUT_DIR/<same name>``: rows are
-keyed as ``--append`` keys them (:func:`harness.row_key`); a later batch's row replaces an
-earlier one with the same key, and a measured row ("ok") is never replaced by one that
-is not. A probe's file (one JSON object, not rows) is copied as it is; when several batches
+keyed as ``--append`` keys them (:func:`harness.row_key`); of two measured rows ("ok") with
+one key the more recent (``time``; on a tie, the later batch's) is kept, so that a batch's
+copy of an older row never replaces another batch's new one, and a measured row is never
+replaced by one that is not. A probe's file (one JSON object, not rows) is copied as it is; when several batches
 wrote one, the last batch's copy is kept. Used by ``gpu_pair.sh``, whose two batches run on
 two GPUs of one host.
 """
@@ -28,7 +29,8 @@ def merge(paths: list[str]) -> list[dict]:
     for row in harness.load_rows(path):
       k = harness.row_key(row)
       old = by_key.get(k)
-      if old is None or row.get("status") == "ok" or old.get("status") != "ok":
+      ok, old_ok = row.get("status") == "ok", old is not None and old.get("status") == "ok"
+      if old is None or not old_ok or (ok and row.get("time", "") >= old.get("time", "")):
         by_key[k] = row
   return list(by_key.values())
 
