@@ -198,13 +198,14 @@ def test_env_opt_outs(var):
     assert d.backward_pass_impl == "auto"  # generic rules
   else:
     assert d.backward_pass_impl == "triton_split"  # still the sm_90 table
-  assert decide(env={var: "1"}).implementation == "cudnn"
+  assert decide(env={var: "1", "PROBJAX_ATTENTION_MOSAIC": "0"}).implementation == "cudnn"
 
 
 def test_mosaic_only_when_requested():
   d = decide(implementation="mosaic", mask=M.CausalMask())
   assert d.implementation == "mosaic" and d.backward_pass_impl == "auto"  # the Triton backward's own rules
-  assert "mosaic" not in {decide(s).implementation for s in (BIG, SMALL)}
+  big64 = ((4, 4096, 8, 64), (4, 4096, 8, 64))  # unmasked D64: cuDNN's forward (the table)
+  assert "mosaic" not in {decide(s).implementation for s in (big64, SMALL)}
   with pytest.raises(ValueError, match="mosaic.*float32"):
     decide(implementation="mosaic", dtype=jnp.float32)
   with pytest.raises(ValueError, match="sm_90"):
@@ -219,7 +220,7 @@ def test_mosaic_only_when_requested():
     with pytest.raises(ValueError, match="needs implementation='mosaic'"):
       decide(implementation=impl, backward_pass_impl="mosaic")
   # Its opt-out changes only the rule that picks it (below).
-  assert decide(env={"PROBJAX_ATTENTION_MOSAIC": "0"}) == decide()
+  assert decide(big64, env={"PROBJAX_ATTENTION_MOSAIC": "0"}) == decide(big64)
 
 
 def test_sm90_differentiated_causal_runs_mosaic():

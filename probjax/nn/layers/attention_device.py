@@ -133,7 +133,13 @@ DEVICE_DEFAULTS: dict[tuple[int, int], DeviceDefaults] = {
         #     2^27 (Mosaic and Triton are level at T2048: one kernel for the whole range).
         #   causal window (LocalWindowMask(512, 0)), D128, B1 H16 T16384 (2^32; masked suite,
         #     86cfc22): 0.206 / 0.239 / 0.234 -> from 2^31 to 2^33 (the one measured shape).
-        mosaic_forward_work=(("none", 128, 2**27, 2**28), ("none", 128, 2**33, None),
+        #   With the intra-warpgroup overlap (unmasked whole tiles, MosaicForwardConfig.overlap;
+        #   785f033 interleaved_mosaic_overlap.json, one process, fwd ms without / with): T4096
+        #   D128 0.491 / 0.477, T16384 7.367 / 7.219 (jax.nn cuDNN 7.259, torch SDPA cuDNN
+        #   7.264); the grid in one process (54a36f8, gridr) has the cuDNN route at T4096 0.501
+        #   and T8192 1.885 -> unmasked D128 from 2^27 with no upper limit (measured as the
+        #   default: PENDING).
+        mosaic_forward_work=(("none", 128, 2**27, None),
                              ("causal", 128, 2**27, 2**31), ("causal", 64, 2**27, 2**31),
                              ("window", 128, 2**31, 2**33)),
         # Lengths off the 128-row tiles (86cfc22, B4 H8 T3000, work 2^28.1, fwd ms, Mosaic /
