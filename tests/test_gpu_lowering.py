@@ -268,25 +268,6 @@ def test_mosaic_forward_overlap_lowers_for_sm90(monkeypatch, mask_name, d, wgs, 
   assert "probjax_attention_fwd_mosaic" in text and "mosaic_gpu_v2" in text
 
 
-def test_mosaic_overlap_register_fence_probe_lowers_and_is_exact(monkeypatch):
-  """docs/scripts/probe_mosaic_overlap.fenced (an optimization barrier before each overlapped
-  step's wgmmas) lowers for sm_90 and computes the same attention in interpret mode."""
-  from docs.scripts.probe_mosaic_overlap import fenced
-  from probjax.ops.attention import mosaic_gpu as pm
-  from probjax.testing import check_against_reference, make_inputs
-  x = make_inputs(12, 1, 150, 200, 2, 1, 64, jnp.bfloat16)
-  small = pm.MosaicForwardConfig(64, 64, 2, 1, overlap=True)
-  with fenced():
-    check_against_reference(lambda q, k, v, _: pm.attention(q, k, v, mask=M.CausalMask(50), forward_config=small,
-                                                            interpret=True), x, mask=M.CausalMask(50), grads=False)
-    _fake_triton_sm90(monkeypatch, device_kind=True)
-    cfg = pm.MosaicForwardConfig(64, 128, 2, 2, True, overlap=True)
-    xs = jax.ShapeDtypeStruct((2, 256, 4, 64), jnp.bfloat16)
-    text = jax.jit(lambda q, k, v: pm.attention(q, k, v, mask=M.CausalMask(), forward_config=cfg)).trace(
-        xs, xs, xs).lower(lowering_platforms=("cuda",)).as_text()
-  assert "probjax_attention_fwd_mosaic" in text
-
-
 @pytest.mark.parametrize("persistent", [False, True])
 def test_mosaic_forward_clusters_lower_for_sm90(monkeypatch, persistent):
   """CTA pairs sharing K/V tiles by TMA multicast (``cluster=2``) lower to one Mosaic GPU

@@ -17,7 +17,6 @@
 #   probe_sched (docs/scripts/probe_mosaic_persistent.py: the Mosaic forward's schedules)
 #   probe_cluster (docs/scripts/probe_mosaic_cluster.py: the Mosaic forward in CTA pairs, K/V multicast)
 #   probe_bwd (docs/scripts/probe_mosaic_backward.py: the Mosaic backward with dQ fused, against two kernels)
-#   probe_overlap (docs/scripts/probe_mosaic_overlap.py: the Mosaic forward's overlap off / on / with a register fence)
 #   probe_layout (docs/scripts/probe_layout.py: Triton kernel and torch flex, each in both layouts)
 #   probe_interleaved (docs/scripts/probe_interleaved.py: the cuDNN routes timed in one process)
 #   interleaved:LENGTHS:HEAD_DIMS:CAUSAL:MODES:IMPLS[:MASK[:BATCH+HEADS]] (the same probe for any
@@ -113,7 +112,6 @@ for s in "${steps[@]}"; do
     probe_sched) run_probe mosaic_schedule.json docs.scripts.probe_mosaic_persistent ;;
     probe_cluster) run_probe mosaic_cluster.json docs.scripts.probe_mosaic_cluster ;;
     probe_bwd) run_probe mosaic_backward.json docs.scripts.probe_mosaic_backward ;;
-    probe_overlap) run_probe mosaic_overlap_fence.json docs.scripts.probe_mosaic_overlap ;;
     probe_layout) run_probe layout_probe.json docs.scripts.probe_layout ;;
     probe_interleaved) run_probe interleaved_probe.json docs.scripts.probe_interleaved ;;
     interleaved:*) IFS=':' read -r _ lens dims causal modes impls mask bh <<< "$s"   # one process, rotating rounds

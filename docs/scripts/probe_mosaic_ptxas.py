@@ -23,13 +23,11 @@ CHILD = r"""
 import jax, jax.numpy as jnp
 from probjax.ops.attention import mosaic_gpu as pm
 from probjax.ops.attention import masks as M
-from docs.scripts.probe_mosaic_overlap import fenced
-d, causal, persistent, overlap, fence = {d}, {causal}, {persistent}, {overlap}, {fence}
+d, causal, persistent, overlap = {d}, {causal}, {persistent}, {overlap}
 cfg = pm.MosaicForwardConfig(64, 128, 2, 2, persistent, overlap=overlap)
 x = jax.ShapeDtypeStruct((4, 4096, 8, d), jnp.bfloat16)
 f = lambda q, k, v: pm.attention(q, k, v, mask=M.CausalMask() if causal else None, forward_config=cfg)
-with fenced(fence):
-  jax.jit(f).trace(x, x, x).lower().compile()
+jax.jit(f).trace(x, x, x).lower().compile()
 print("PROBE-DONE", flush=True)
 """
 
@@ -50,11 +48,11 @@ print("PROBE-DONE", flush=True)
 
 
 def probe(d: int, causal: bool, persistent: bool, dump: str | None = None, child: str | None = None,
-          overlap: bool = False, fence: bool = False) -> dict:
+          overlap: bool = False) -> dict:
   env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1")
   if dump:
     env.update(MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_SASS="1")
-  child = child or CHILD.format(d=d, causal=causal, persistent=persistent, overlap=overlap, fence=fence)
+  child = child or CHILD.format(d=d, causal=causal, persistent=persistent, overlap=overlap)
   p = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=300)
   if dump:
     os.makedirs(os.path.dirname(dump), exist_ok=True)
@@ -62,7 +60,7 @@ def probe(d: int, causal: bool, persistent: bool, dump: str | None = None, child
       f.write(p.stdout + p.stderr)
   lines = [l.strip() for l in (p.stdout + p.stderr).splitlines()
            if re.search(r"registers|spill|stack frame|Compiling entry|ptxas.*serializ", l)]
-  row = {"head_dim": d, "causal": causal, "persistent": persistent, "overlap": overlap, "fence": fence,
+  row = {"head_dim": d, "causal": causal, "persistent": persistent, "overlap": overlap,
          "ok": "PROBE-DONE" in p.stdout,
          "ptxas": lines}
   if not row["ok"]:
@@ -74,8 +72,7 @@ def main(argv=None):
   from docs.scripts import harness
   def add_args(ap):
     ap.add_argument("--cases", default="64:0:0,64:1:0,128:0:0,128:1:0,64:0:1,128:0:1",
-                    help="head_dim:causal:persistent[:overlap[:fence]], comma-separated (fence: "
-                         "probe_mosaic_overlap.fenced)")
+                    help="head_dim:causal:persistent[:overlap], comma-separated")
     ap.add_argument("--bwd-cases", default="",
                     help="backward cases head_dim:fused_dq:shared_dq:registers, comma-separated")
     ap.add_argument("--dump", help="a folder for each case's PTX and SASS")
@@ -84,9 +81,9 @@ def main(argv=None):
     return 0
   rows = out["rows"]
   for case in filter(None, args.cases.split(",")):
-    d, causal, persistent, overlap, fence = (int(v) for v in (case + ":0:0").split(":")[:5])
+    d, causal, persistent, overlap = (int(v) for v in (case + ":0").split(":")[:4])
     dump = args.dump and os.path.join(args.dump, case.replace(":", "_"))
-    row = probe(d, bool(causal), bool(persistent), dump, overlap=bool(overlap), fence=bool(fence))
+    row = probe(d, bool(causal), bool(persistent), dump, overlap=bool(overlap))
     rows.append(row)
     print(f"[ptxas] {case}: " + " | ".join(row["ptxas"])[:600], flush=True)
     with open(args.output, "w") as f:  # after every case: a cut-short run keeps what it has

@@ -58,7 +58,7 @@ class MosaicForwardConfig:
   query tiles must come in whole pairs. ``overlap``: each compute warpgroup issues the next
   tile's Q K^T together with this tile's P V and runs the next softmax while P V is in flight
   (FA3's intra-warpgroup pipelining), keeping one more P tile in registers. Exact with any
-  mask, but slower where the kernel has masked tiles (see :data:`DEFAULTS`)."""
+  mask; measured slower where the kernel has masked tiles (see :data:`DEFAULTS`)."""
   block_q: int = 64
   block_k: int = 128
   num_stages: int = 2
@@ -111,7 +111,13 @@ class MosaicForwardConfig:
 # 0.181 / 0.250 (T4096 D64) ... 4.021 / 5.511 (T16384 D128): ptxas serializes the kernel's wgmmas
 # when a masked loop is compiled in (mosaic_ptxas_overlap.json, C7513: "non wgmma instructions
 # defining input registers of a wgmma"), so :func:`fit` keeps overlap for calls without masked
-# tiles only: no mask, no score_mod and whole key tiles.
+# tiles only: no mask, no score_mod and whole key tiles. The PTX (logs/mosaic_ptx_overlap_2ba33f5.txt)
+# shows why: P's registers are copied into the P V wgmma's operands after the Q K^T wgmma is
+# issued, where P is carried from one of the masked and full-tile loops into the next; the
+# kernel without masked tiles has one loop and ptxas folds the copies. A register fence before
+# the wgmmas did not help (mosaic_ptxas_fence.json, mosaic_overlap_fence.json). The overlapped
+# kernel with masked tiles now runs one loop, each tile's predicate in a branch (forward.py
+# ``masked_tiles``; exact in interpret mode, not yet compiled by ptxas or timed).
 DEFAULTS = {64: MosaicForwardConfig(64, 128, 2, 2, True, overlap=True),
             128: MosaicForwardConfig(64, 128, 2, 2, True, cluster=2, overlap=True),
             256: MosaicForwardConfig(64, 64, 2, 2, False)}

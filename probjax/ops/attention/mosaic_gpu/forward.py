@@ -41,6 +41,9 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, order_ref, 
             num_ctas: int, by_work: bool, group: int):
   bq, bk, stages, wgs = cfg.block_q, cfg.block_k, cfg.num_stages, cfg.compute_wgs
   wg = lax.axis_index("wg")
+  # Whether any key tile can need the element predicate (a band, lengths, segments, a partial
+  # last key tile).
+  masked_tiles = band is not None or lengths or segments or kv_len % bk != 0
   # Base-2 exponent of a score t: t * c (the scale folded in), or with score_mod, which takes
   # the scaled score, t = score_mod(scale * q k^T, ...) and c = log2(e).
   c = C.LOG2E if score_mod is not None else scale * C.LOG2E
@@ -119,20 +122,29 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, order_ref, 
         def _():
           plgpu.barrier_wait(k_ready.at[slot_of(j + 1)])
 
-      def scores(j, slot, t, masked: bool):
-        """Score tile ``j`` (ring slot ``slot``) after the modifier and the mask; releases its K slot."""
-        if masked or score_mod is not None:
-          qi, ki = C.iotas(bq, bk, q_start, j * bk)
+      def scores(j, slot, t, masked):
+        """Score tile ``j`` (ring slot ``slot``) after the modifier and the mask; releases its K
+        slot. ``masked``: a bool, or a traced one (the predicate then runs in a branch)."""
+        iotas = lambda: C.iotas(bq, bk, q_start, j * bk)
+        pos = iotas() if masked is True or score_mod is not None else None
         if score_mod is not None:  # before the mask, as in the other backends
-          t = score_mod(t * scale, b, h, qi, ki)
-        if masked:
-          ok = C.element_ok(band, qi, ki, q_len, kv_len, *valid)
+          t = score_mod(t * scale, b, h, *pos)
+
+        def apply_mask(t):
+          ok = C.element_ok(band, *(pos or iotas()), q_len, kv_len, *valid)
           if segments:
             plgpu.barrier_wait(kid_ready.at[slot])
             ok &= C.same_segment(qid_smem.at[wg], kid_smem.at[slot], bq, bk)
-          t = jnp.where(ok, t, -jnp.inf)
-        elif segments:
-          plgpu.barrier_wait(kid_ready.at[slot])  # every copy's phase is observed
+          return jnp.where(ok, t, -jnp.inf)
+
+        def unmasked(t):
+          if segments:
+            plgpu.barrier_wait(kid_ready.at[slot])  # every copy's phase is observed
+          return t
+        if masked is True or masked is False:
+          t = (apply_mask if masked else unmasked)(t)
+        else:
+          t = lax.cond(masked, apply_mask, unmasked, t)
         plgpu.barrier_arrive(k_free.at[slot])
         return t
 
@@ -168,7 +180,7 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, order_ref, 
         plgpu.barrier_arrive(v_free.at[slot])
         return acc, m_new, l
 
-      def overlapped(n, carry, masked: bool):  # Q K_n^T with P_{n-1} V_{n-1} (cfg.overlap)
+      def overlapped(n, carry, masked):  # Q K_n^T with P_{n-1} V_{n-1} (cfg.overlap)
         acc, m, l, p_prev = carry
         slot, prev = slot_of(n), slot_of(n - 1)
         plgpu.barrier_wait(k_ready.at[slot])
@@ -201,9 +213,15 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, order_ref, 
         carry = (acc, m, l, p)
         b1 = jnp.clip(flo, lo + 1, hi)
         b2 = jnp.clip(fhi, b1, hi)
-        carry = lax.fori_loop(lo + 1, b1, functools.partial(overlapped, masked=True), carry)
-        carry = lax.fori_loop(b1, b2, functools.partial(overlapped, masked=False), carry)
-        acc, m, l, p = lax.fori_loop(b2, hi, functools.partial(overlapped, masked=True), carry)
+        if masked_tiles:
+          # One loop, each tile's predicate in a branch of its softmax: with P and the
+          # accumulator carried from one loop into the next (three loops), ptxas serializes
+          # every wgmma of the kernel (C7513, mosaic_ptxas_overlap.json).
+          acc, m, l, p = lax.fori_loop(lo + 1, hi, lambda n, c: overlapped(n, c, (n < b1) | (n >= b2)), carry)
+        else:  # the masked loops are empty (and compiled away)
+          carry = lax.fori_loop(lo + 1, b1, functools.partial(overlapped, masked=True), carry)
+          carry = lax.fori_loop(b1, b2, functools.partial(overlapped, masked=False), carry)
+          acc, m, l, p = lax.fori_loop(b2, hi, functools.partial(overlapped, masked=True), carry)
         last = slot_of(hi - 1)
         plgpu.barrier_wait(v_ready.at[last])
         acc = C.mma_acc(acc, p, v_smem.at[last], p_staging)
