@@ -137,8 +137,10 @@ DEVICE_DEFAULTS: dict[tuple[int, int], DeviceDefaults] = {
         #   785f033 interleaved_mosaic_overlap.json, one process, fwd ms without / with): T4096
         #   D128 0.491 / 0.477, T16384 7.367 / 7.219 (jax.nn cuDNN 7.259, torch SDPA cuDNN
         #   7.264); the grid in one process (54a36f8, gridr) has the cuDNN route at T4096 0.501
-        #   and T8192 1.885 -> unmasked D128 from 2^27 with no upper limit (measured as the
-        #   default: PENDING).
+        #   and T8192 1.885 -> unmasked D128 from 2^27 with no upper limit. Measured as the
+        #   default (interleaved_mosaic_default_d128.json, 0154c01, default / jax.nn cuDNN /
+        #   torch SDPA cuDNN): T2048 0.132 / 0.133 / 0.116, T4096 0.492 / 0.462 / 0.424, T8192
+        #   1.793 / 1.806 / 1.789: level with jax.nn's cuDNN call within the rounds' spread.
         mosaic_forward_work=(("none", 128, 2**27, None),
                              ("causal", 128, 2**27, 2**31), ("causal", 64, 2**27, 2**31),
                              ("window", 128, 2**31, 2**33)),
