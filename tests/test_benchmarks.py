@@ -518,6 +518,20 @@ def test_compare_runs(tmp_path, capsys):
   assert "new/old 0.500" in out and "other rows (noise): 1 rows, median 1.100" in out
 
 
+def test_jax_kernel_times_fall_back_to_torch_profiler(monkeypatch):
+  """Once torch's profiler holds CUPTI, JAX's trace has no GPU streams: JAX calls are then
+  profiled by torch's profiler; other failures, or no torch in the process, still raise."""
+  def no_streams(*a):
+    raise RuntimeError("no GPU stream threads in the trace (threads: [])")
+  monkeypatch.setattr(harness, "_jax_intervals", no_streams)
+  monkeypatch.setattr(harness, "_torch_intervals", lambda fn, sync, n: [(0.0, 5.0 * n, "k")])
+  monkeypatch.setitem(sys.modules, "torch", sys.modules.get("torch") or object())
+  assert harness.kernel_ms(None, None, 4, "jax") == 5e-3
+  monkeypatch.delitem(sys.modules, "torch")
+  with pytest.raises(RuntimeError, match="no GPU stream"):
+    harness.kernel_ms(None, None, 4, "jax")
+
+
 def test_gpu_stream_intervals_keep_stream_kernels_only():
   events = [
       {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},

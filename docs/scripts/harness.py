@@ -195,19 +195,34 @@ def kernel_ms(fn: Callable[[], Any], sync: Callable[[Any], Any], n: int, backend
 def kernel_intervals(fn: Callable[[], Any], sync: Callable[[Any], Any], n: int,
                      backend: str) -> list[tuple[float, float, str]]:
   """(start, duration, name), times in us, of every GPU kernel of ``n`` calls of ``fn``,
-  sorted by start (profiler: ``jax.profiler`` or ``torch.profiler``)."""
+  sorted by start (profiler: ``jax.profiler`` or ``torch.profiler``). JAX calls in a process
+  where torch's profiler has run (it keeps CUPTI, and JAX's trace then has no GPU streams)
+  are profiled by torch's, which records every kernel of the process."""
   if backend == "torch":
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-      out = None
-      for _ in range(n):
-        out = fn()
-      sync(out)
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    if not kernels:
-      raise RuntimeError("the torch profile has no CUDA kernel events")
-    return sorted((float(e.time_range.start), float(e.time_range.elapsed_us()), e.name) for e in kernels)
+    return _torch_intervals(fn, sync, n)
+  try:
+    return _jax_intervals(fn, sync, n)
+  except RuntimeError as e:
+    if "no GPU stream threads" not in str(e) or "torch" not in sys.modules:
+      raise
+    return _torch_intervals(fn, sync, n)
+
+
+def _torch_intervals(fn, sync, n):
+  import torch
+  from torch.profiler import ProfilerActivity, profile
+  with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    out = None
+    for _ in range(n):
+      out = fn()
+    sync(out)
+  kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+  if not kernels:
+    raise RuntimeError("the torch profile has no CUDA kernel events")
+  return sorted((float(e.time_range.start), float(e.time_range.elapsed_us()), e.name) for e in kernels)
+
+
+def _jax_intervals(fn, sync, n):
   import glob
   import gzip
   import shutil
