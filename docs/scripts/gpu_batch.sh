@@ -28,6 +28,7 @@
 #   gridall:LENGTHS:DTYPE[:HEAD_DIMS[:MODES]]  the same with every implementation
 #   gridr:LENGTHS:DTYPE[:HEAD_DIMS[:MODES]]  the core implementations, JAX and torch, in one process, each
 #     shape's timed in $ROUNDS (3) rotating rounds (harness --rounds); replaces those shapes' grid rows
+#   gqar  the GQA suite's rows of $GQA_IMPLS the same way (kernel_attn_ext_gpu.json)
 # DEVICE_TIME=1: every suite also records device_ms (kernel time from a profile).
 # (tests: pytest --gpu on the gpu-marked tests (tests:EXPR: only those matching -k EXPR), failures printed as they happen, log in
 # $OUT/gpu_tests.log; it gets at most a third of the remaining time, or TESTS_MAX_S seconds)
@@ -69,6 +70,13 @@ run_probe() {  # file module: a GPU probe writing its own JSON (one run, not res
     | tee -a "$OUT/batch.log"
 }
 
+remeasure() {  # file drop_rows-filters...: drops those rows of $OUT/file (copied from docs/benchmarks
+  # first) so that a --rounds step measures them again in one process
+  local file="$1"; shift
+  [ -f "docs/benchmarks/$file" ] && [ ! -f "$OUT/$file" ] && cp "docs/benchmarks/$file" "$OUT/$file"
+  [ -f "$OUT/$file" ] && $PY -m docs.scripts.drop_rows "$OUT/$file" "$@" | tee -a "$OUT/batch.log"
+}
+
 # torch runs in its own process after the JAX side of a step (JAX's allocator keeps
 # the memory it grew to, which would starve torch in the same process).
 split() {  # file module args...: JAX-side process, then torch-side process
@@ -79,6 +87,8 @@ split() {  # file module args...: JAX-side process, then torch-side process
 # CORE_JAX / CORE_TORCH set in the environment narrow a short run to the rows it needs.
 CORE_JAX="${CORE_JAX:-probjax_default,probjax_triton*,probjax_mosaic*,jaxnn_cudnn,tokamax_triton,tokamax_mosaic}"
 CORE_TORCH="${CORE_TORCH:-torch_sdpa_flash,torch_sdpa_cudnn,torch_flex}"
+# Issue 4's GQA rows: the default against the peers of the GQA suite that take GQA natively.
+GQA_IMPLS="${GQA_IMPLS:-probjax_default,probjax_triton,jaxnn_cudnn,torch_sdpa_flash,torch_flex}"
 # fp32: the XLA paths (the fp32 rule's comparison) and the torch backends that take fp32.
 CORE_JAX_FP32='probjax_default,probjax_triton,probjax_xla,jaxnn_xla,jaxnn_cudnn,tokamax_triton'
 CORE_TORCH_FP32='torch_sdpa_efficient,torch_sdpa_math,torch_flex'
@@ -145,13 +155,14 @@ for s in "${steps[@]}"; do
     gridr:*)   IFS=':' read -r _ lens dt dims modes <<< "$s"   # the grid in one process, rotating rounds
                dims="${dims:-64+128}"; modes="${modes:-fwd+fwd_bwd}"
                dtname=$(python3 -c "print({'bf16': 'bfloat16', 'fp16': 'float16', 'fp32': 'float32'}['$dt'])")
-               [ -f docs/benchmarks/gpu_attention.json ] && [ ! -f "$OUT/gpu_attention.json" ] \
-                 && cp docs/benchmarks/gpu_attention.json "$OUT/gpu_attention.json"
-               [ -f "$OUT/gpu_attention.json" ] && $PY -m docs.scripts.drop_rows "$OUT/gpu_attention.json" --suite grid \
-                 --impl "$CORE_JAX,$CORE_TORCH" --dtype "$dtname" --q_len "${lens//+/,}" --head_dim "${dims//+/,}" --mode "${modes//+/,}" | tee -a "$OUT/batch.log"
+               remeasure gpu_attention.json --suite grid --impl "$CORE_JAX,$CORE_TORCH" --dtype "$dtname" \
+                 --q_len "${lens//+/,}" --head_dim "${dims//+/,}" --mode "${modes//+/,}"
                run_step gpu_attention.json docs.scripts.benchmark_gpu_attention --suite grid --dtypes "$dt" \
                  --lengths "${lens//+/,}" --head-dims "${dims//+/,}" --modes "${modes//+/,}" \
                  --impl "$CORE_JAX,$CORE_TORCH" --rounds "${ROUNDS:-3}" ;;
+    gqar)      remeasure kernel_attn_ext_gpu.json --suite gqa --impl "$GQA_IMPLS"   # the GQA suite in one process
+               run_step kernel_attn_ext_gpu.json docs.scripts.benchmark_kernel_attn_ext --device gpu --suite gqa \
+                 --impl "$GQA_IMPLS" --rounds "${ROUNDS:-3}" ;;
     grid:*|gridall:*) IFS=':' read -r kind lens dt dims modes <<< "$s"
                all=$([ "$kind" = gridall ] && echo 1 || echo "${GRID_ALL:-0}")
                GRID_ALL=$all core "$dt" gpu_attention.json docs.scripts.benchmark_gpu_attention --suite grid --dtypes "$dt" \
