@@ -121,6 +121,14 @@ def test_mosaic_backward_fused_dq(mask_name, shared):
   check_against_reference(_mosaic_bwd(mask, bcfg), x, mask=mask)
 
 
+@pytest.mark.parametrize("mask_name", ["none", "causal_offset"])
+def test_mosaic_backward_fused_dq_in_column_slices(mask_name):
+  # head_dim 128: each warpgroup's dQ partial is computed and added in two 64-column slices.
+  x = make_inputs(10, 1, 150, 200, 4, 2, 128, jnp.bfloat16)
+  mask = make_mask(mask_name, 1, 150, 200)
+  check_against_reference(_mosaic_bwd(mask, dataclasses.replace(BSMALL, fused_dq=True)), x, mask=mask)
+
+
 @pytest.mark.parametrize("mask_name", ["none", "window&segments"])
 def test_mosaic_backward_shared_dq_two_warpgroups(mask_name):
   # shared_dq's point: two warpgroups exchange dS^T tiles and each adds 64 of the 128 columns
