@@ -203,7 +203,7 @@ def _dkv_kernel(*refs, band, lengths, segments, scale, score_mod, groups, cfg, q
       if cfg.shared_dq:
         plgpu.barrier_wait(ds_bar.at[p])
         _shared_dq(ds_smem.at[p], k_smem, dq_smem.at[wg], dq_ref.at[dq_rows], wg, interpret)
-      elif cfg.fused_dq:  # in 64-column slices: a slice's accumulator is live at a time
+      elif cfg.fused_dq:  # in 64-column slices: one slice's accumulator is live at a time
         for c in range(d // R):
           cols = pl.ds(c * R, R)
           dq_smem.at[wg, c][...] = C.mma(ds_smem.at[wg].T, k_smem.at[wg, :, cols], (bq, R))

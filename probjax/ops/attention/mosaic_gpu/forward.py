@@ -141,7 +141,7 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, order_ref, 
           if segments:
             plgpu.barrier_wait(kid_ready.at[slot])  # every copy's phase is observed
           return t
-        if masked is True or masked is False:
+        if isinstance(masked, bool):
           t = (apply_mask if masked else unmasked)(t)
         else:
           t = lax.cond(masked, apply_mask, unmasked, t)
