@@ -213,15 +213,12 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, order_ref, 
         carry = (acc, m, l, p)
         b1 = jnp.clip(flo, lo + 1, hi)
         b2 = jnp.clip(fhi, b1, hi)
-        if masked_tiles:
-          # One loop, each tile's predicate in a branch of its softmax: with P and the
-          # accumulator carried from one loop into the next (three loops), ptxas serializes
-          # every wgmma of the kernel (C7513, mosaic_ptxas_overlap.json).
-          acc, m, l, p = lax.fori_loop(lo + 1, hi, lambda n, c: overlapped(n, c, (n < b1) | (n >= b2)), carry)
-        else:  # the masked loops are empty (and compiled away)
-          carry = lax.fori_loop(lo + 1, b1, functools.partial(overlapped, masked=True), carry)
-          carry = lax.fori_loop(b1, b2, functools.partial(overlapped, masked=False), carry)
-          acc, m, l, p = lax.fori_loop(b2, hi, functools.partial(overlapped, masked=True), carry)
+        # One loop, each tile's predicate (where a tile can need one) in a branch of its
+        # softmax: with P and the accumulator carried from one loop into the next (masked, full,
+        # masked tiles), ptxas serialized every wgmma of the kernel (C7513,
+        # mosaic_ptxas_overlap.json).
+        masked = (lambda n: (n < b1) | (n >= b2)) if masked_tiles else (lambda n: False)
+        acc, m, l, p = lax.fori_loop(lo + 1, hi, lambda n, c: overlapped(n, c, masked(n)), carry)
         last = slot_of(hi - 1)
         plgpu.barrier_wait(v_ready.at[last])
         acc = C.mma_acc(acc, p, v_smem.at[last], p_staging)
