@@ -335,6 +335,11 @@ def library_versions() -> dict:
       mod = sys.modules.get(pkg)
       if mod is not None and getattr(mod, "__version__", None):
         out[pkg] = mod.__version__
+  try:  # which call probjax's cuDNN route makes (its FFI extension or jax.nn)
+    from probjax.ops.attention import cudnn
+    out["probjax_cudnn_route"] = cudnn.route()
+  except Exception as e:  # noqa: BLE001
+    out["probjax_cudnn_route"] = f"unknown ({type(e).__name__})"
   _ENV_CACHE["versions"] = out
   return out
 

@@ -72,9 +72,10 @@ class Decision:
   # What differentiated calls run (forward with residuals and backward) when it differs
   # from ``implementation``; ``backward_pass_impl`` is then its backward.
   grad_implementation: str | None = None
+  route: str = ""  # cuDNN: which call runs it (:func:`probjax.ops.attention.cudnn.route`)
 
   def __str__(self):
-    extra = ""
+    extra = f", via {self.route}" if self.route else ""
     if self.implementation in ("triton", "mosaic"):
       extra = f", backward={self.backward_pass_impl}"
       if self.split_kv:
@@ -149,6 +150,8 @@ def explain_dispatch(q_shape, kv_shape, dtype, *, mask: Mask | None = None, bias
                      dropout=dropout, score_mod=score_mod, precision=precision, module=module,
                      implementation=implementation, backward_pass_impl=backward_pass_impl,
                      kernel_args_default=kernel_args_default, device=device, env=env)
+  if decision.implementation == "cudnn":
+    decision = dataclasses.replace(decision, route=cudnn_backend.route(env))
   if decision.implementation != "triton":
     if split_kv is not None and split_kv is not False:
       raise ValueError(f"split_kv={split_kv!r} configures the Triton kernel, but this call runs "

@@ -1,4 +1,6 @@
-"""The cuDNN route: ``jax.nn.dot_product_attention(implementation="cudnn")``.
+"""The cuDNN route: cuDNN's fused attention, through probjax's FFI extension
+(:mod:`probjax.ops.attention.cudnn.ffi`, without XLA's memsets of the outputs) when it is
+built, else ``jax.nn.dot_product_attention(implementation="cudnn")``.
 
 cuDNN's fused attention takes, of probjax's masks, per-batch key lengths,
 equal-length causal masking and equal-length causal sliding windows
@@ -14,6 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from probjax.ops.attention.cudnn import ffi
 from probjax.ops.attention.masks import Mask
 
 MAX_HEAD_DIM = 128
@@ -59,10 +62,20 @@ def jaxnn_arguments(mask: Mask | None, batch: int) -> dict:
   return kw
 
 
-def attention(q, k, v, *, mask: Mask | None = None, scale: float):
+def route(env=None) -> str:
+  """Which call the cuDNN route makes: ``"probjax FFI"`` or ``"jax.nn (<why not the FFI>)"``."""
+  why = ffi.unavailable(env)
+  return "probjax FFI" if why is None else f"jax.nn ({why})"
+
+
+def attention(q, k, v, *, mask: Mask | None = None, scale: float, env=None):
   """q ``[B, Tq, H, D]``, k/v ``[B, Tkv, Hkv, D]`` (bf16/fp16) → ``[B, Tq, H, D]`` via cuDNN."""
-  kw = jaxnn_arguments(mask, q.shape[0])
-  out = jax.nn.dot_product_attention(q, k, v, scale=scale, implementation="cudnn", **kw)
-  if kw["key_value_seq_lengths"] is not None:  # rows with no valid key are zeros, as on every path
-    out = jnp.where((kw["key_value_seq_lengths"] > 0)[:, None, None, None], out, 0).astype(out.dtype)
+  if ffi.unavailable(env) is None:
+    out = ffi.attention(q, k, v, mask=mask, scale=scale, env=env)
+  else:
+    kw = jaxnn_arguments(mask, q.shape[0])
+    out = jax.nn.dot_product_attention(q, k, v, scale=scale, implementation="cudnn", **kw)
+  if mask is not None and mask.kv_lengths is not None:  # rows with no valid key are zeros, as on every path
+    valid = jnp.broadcast_to(mask.kv_lengths, (q.shape[0],)) > 0
+    out = jnp.where(valid[:, None, None, None], out, 0).astype(out.dtype)
   return out

@@ -1,0 +1,349 @@
+// cuDNN fused attention (cudnn-frontend SDPA graphs) as XLA FFI custom calls.
+//
+// Why not jax.nn's cuDNN custom call: XLA's runtime zeroes every output and the
+// workspace of an fMHA custom call before each launch (ThunkEmitter sets
+// should_memzero for them), 3 memsets per forward and 9 per forward+backward.
+// Here cuDNN writes every output itself and the workspace comes from XLA's
+// scratch allocator; cuDNN's frontend zeroes only the part of it that needs it.
+//
+// Layout: q/o/dq [B, Tq, H, D], k/v/dk/dv [B, Tkv, Hkv, D] (row-major), stats
+// [B, H, Tq] float32 (cuDNN's natural-log softmax statistics), seq_q/seq_kv [B]
+// int32 (read only with `padding`). Graphs are built once per shape/dtype/mask and
+// device, and cached.
+//
+// cuDNN and the CUDA runtime are not linked: cudnn-frontend's dynamic loading finds
+// them by soname in the process (libcudnn.so.9, libcudart.so.13; the Python side
+// loads both from the nvidia packages first).
+
+#define NV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING
+
+#include <dlfcn.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+#include <vector>
+
+#include "cudnn_frontend.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+namespace fe = cudnn_frontend;
+using TensorPtr = std::shared_ptr<fe::graph::Tensor_attributes>;
+
+namespace cudnn_frontend {
+void* cudnn_dlhandle = nullptr;  // set by Run's first call
+}  // namespace cudnn_frontend
+
+namespace {
+
+struct Shape {
+  int64_t b, tq, h, tkv, hkv, d;
+};
+
+struct Options {
+  fe::DataType_t dtype;
+  float scale;
+  bool causal;
+  int64_t left_bound;  // 0: none; else keys j > i - left_bound are kept
+  bool padding;
+};
+
+struct Entry {
+  std::shared_ptr<fe::graph::Graph> graph;
+  TensorPtr q, k, v, o, stats, seq_q, seq_kv, d_o, dq, dk, dv;
+  int64_t workspace = 0;
+};
+
+// [B, T, H, D] memory seen as cuDNN's [B, H, T, D].
+std::vector<int64_t> Bhtd(int64_t b, int64_t t, int64_t h, int64_t d) { return {b, h, t, d}; }
+std::vector<int64_t> BhtdStride(int64_t t, int64_t h, int64_t d) { return {t * h * d, d, h * d, 1}; }
+
+ffi::Error Check(fe::error_t e, const char* what) {
+  if (e.is_bad()) {
+    return ffi::Error(ffi::ErrorCode::kInternal,
+                      std::string("probjax cuDNN SDPA: ") + what + ": " + e.get_message());
+  }
+  return ffi::Error::Success();
+}
+
+std::mutex& Lock() {
+  static std::mutex m;
+  return m;
+}
+
+ffi::ErrorOr<cudnnHandle_t> Handle(int device) {
+  static std::map<int, cudnnHandle_t> handles;
+  auto it = handles.find(device);
+  if (it != handles.end()) return it->second;
+  if (fe::cudnn_dlhandle == nullptr) {
+    fe::cudnn_dlhandle = dlopen("libcudnn.so.9", RTLD_NOW | RTLD_GLOBAL);
+    if (fe::cudnn_dlhandle == nullptr) {
+      return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                        std::string("probjax cuDNN SDPA: cannot load libcudnn.so.9: ") + dlerror());
+    }
+  }
+  cudnnHandle_t h;
+  if (fe::detail::create_handle(&h) != CUDNN_STATUS_SUCCESS) {
+    return ffi::Error(ffi::ErrorCode::kInternal, "probjax cuDNN SDPA: cudnnCreate failed");
+  }
+  handles[device] = h;
+  return h;
+}
+
+TensorPtr Input(fe::graph::Graph& g, const char* name, const Shape& s, bool kv) {
+  int64_t t = kv ? s.tkv : s.tq, h = kv ? s.hkv : s.h;
+  return g.tensor(fe::graph::Tensor_attributes().set_name(name).set_dim(Bhtd(s.b, t, h, s.d))
+                      .set_stride(BhtdStride(t, h, s.d)));
+}
+
+TensorPtr Stats(fe::graph::Graph& g, const Shape& s) {
+  return g.tensor(fe::graph::Tensor_attributes().set_name("stats").set_dim({s.b, s.h, s.tq, 1})
+                      .set_stride({s.h * s.tq, s.tq, 1, 1}).set_data_type(fe::DataType_t::FLOAT));
+}
+
+TensorPtr SeqLen(fe::graph::Graph& g, const char* name, int64_t b) {
+  return g.tensor(fe::graph::Tensor_attributes().set_name(name).set_dim({b, 1, 1, 1})
+                      .set_stride({1, 1, 1, 1}).set_data_type(fe::DataType_t::INT32));
+}
+
+template <typename Attributes>
+void SetMask(Attributes& a, Entry& e, fe::graph::Graph& g, const Shape& s, const Options& o) {
+  a.set_attn_scale(o.scale);
+  if (o.causal) a.set_causal_mask(true);
+  if (o.left_bound > 0) a.set_diagonal_band_left_bound(static_cast<int>(o.left_bound));
+  if (o.padding) {
+    e.seq_q = SeqLen(g, "seq_q", s.b);
+    e.seq_kv = SeqLen(g, "seq_kv", s.b);
+    a.set_padding_mask(true).set_seq_len_q(e.seq_q).set_seq_len_kv(e.seq_kv);
+  }
+}
+
+ffi::Error Build(Entry& e, cudnnHandle_t handle) {
+  auto& g = *e.graph;
+  if (auto err = Check(g.validate(), "validate"); err.failure()) return err;
+  if (auto err = Check(g.build_operation_graph(handle), "build_operation_graph"); err.failure()) return err;
+  if (auto err = Check(g.create_execution_plans({fe::HeurMode_t::A}), "create_execution_plans"); err.failure())
+    return err;
+  if (auto err = Check(g.check_support(handle), "check_support"); err.failure()) return err;
+  if (auto err = Check(g.build_plans(handle), "build_plans"); err.failure()) return err;
+  return Check(g.get_workspace_size(e.workspace), "get_workspace_size");
+}
+
+std::shared_ptr<fe::graph::Graph> NewGraph(const Options& o) {
+  auto g = std::make_shared<fe::graph::Graph>();
+  g->set_io_data_type(o.dtype)
+      .set_intermediate_data_type(fe::DataType_t::FLOAT)
+      .set_compute_data_type(fe::DataType_t::FLOAT);
+  return g;
+}
+
+using Key = std::tuple<int, int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, float, bool,
+                       int64_t, bool>;
+
+ffi::ErrorOr<Entry*> Get(int kind, const Shape& s, const Options& o, cudnnHandle_t handle, int device) {
+  // kind: 0 inference forward, 1 training forward (stats), 2 backward
+  static std::map<Key, std::unique_ptr<Entry>> cache;
+  Key key{kind, device, s.b, s.tq, s.h, s.tkv, s.hkv, s.d, static_cast<int>(o.dtype), o.scale, o.causal,
+          o.left_bound, o.padding};
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second.get();
+  auto e = std::make_unique<Entry>();
+  e->graph = NewGraph(o);
+  auto& g = *e->graph;
+  e->q = Input(g, "q", s, false);
+  e->k = Input(g, "k", s, true);
+  e->v = Input(g, "v", s, true);
+  if (kind < 2) {
+    auto a = fe::graph::SDPA_attributes().set_name("sdpa").set_generate_stats(kind == 1);
+    SetMask(a, *e, g, s, o);
+    auto [out, stats] = g.sdpa(e->q, e->k, e->v, a);
+    out->set_output(true).set_dim(Bhtd(s.b, s.tq, s.h, s.d)).set_stride(BhtdStride(s.tq, s.h, s.d));
+    e->o = out;
+    if (kind == 1) {
+      stats->set_output(true).set_data_type(fe::DataType_t::FLOAT).set_dim({s.b, s.h, s.tq, 1})
+          .set_stride({s.h * s.tq, s.tq, 1, 1});
+      e->stats = stats;
+    }
+  } else {
+    e->o = Input(g, "o", s, false);
+    e->d_o = Input(g, "do", s, false);
+    e->stats = Stats(g, s);
+    auto a = fe::graph::SDPA_backward_attributes().set_name("sdpa_backward");
+    SetMask(a, *e, g, s, o);
+    auto [dq, dk, dv] = g.sdpa_backward(e->q, e->k, e->v, e->o, e->d_o, e->stats, a);
+    dq->set_output(true).set_dim(Bhtd(s.b, s.tq, s.h, s.d)).set_stride(BhtdStride(s.tq, s.h, s.d));
+    dk->set_output(true).set_dim(Bhtd(s.b, s.tkv, s.hkv, s.d)).set_stride(BhtdStride(s.tkv, s.hkv, s.d));
+    dv->set_output(true).set_dim(Bhtd(s.b, s.tkv, s.hkv, s.d)).set_stride(BhtdStride(s.tkv, s.hkv, s.d));
+    e->dq = dq;
+    e->dk = dk;
+    e->dv = dv;
+  }
+  if (auto err = Build(*e, handle); err.failure()) return err;
+  Entry* ptr = e.get();
+  cache.emplace(key, std::move(e));
+  return ptr;
+}
+
+ffi::ErrorOr<fe::DataType_t> DataType(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::BF16: return fe::DataType_t::BFLOAT16;
+    case ffi::DataType::F16: return fe::DataType_t::HALF;
+    default: return ffi::Error::InvalidArgument("probjax cuDNN SDPA takes bfloat16 or float16");
+  }
+}
+
+ffi::ErrorOr<Shape> ShapeOf(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k) {
+  auto qd = q.dimensions(), kd = k.dimensions();
+  if (qd.size() != 4 || kd.size() != 4) {
+    return ffi::Error::InvalidArgument("probjax cuDNN SDPA: q and k must be [batch, seq, heads, head_dim]");
+  }
+  return Shape{qd[0], qd[1], qd[2], kd[1], kd[2], qd[3]};
+}
+
+enum Slot { kQ, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV };
+
+// Runs one cached graph; `slots` gives the device pointer of each of its tensors (Slot order).
+ffi::Error RunUnguarded(int kind, cudaStream_t stream, ffi::ScratchAllocator& scratch, const Shape& s, const Options& o,
+               const ffi::AnyBuffer& seq_q, const ffi::AnyBuffer& seq_kv,
+               const std::vector<std::pair<int, void*>>& slots) {
+  int device = 0;
+  if (fe::detail::cuda_get_device(&device) != cudaSuccess) {
+    return ffi::Error(ffi::ErrorCode::kInternal, "probjax cuDNN SDPA: cudaGetDevice failed");
+  }
+  std::lock_guard<std::mutex> lock(Lock());
+  auto handle = Handle(device);
+  if (handle.has_error()) return handle.error();
+  if (fe::detail::set_stream(handle.value(), stream) != CUDNN_STATUS_SUCCESS) {
+    return ffi::Error(ffi::ErrorCode::kInternal, "probjax cuDNN SDPA: cudnnSetStream failed");
+  }
+  auto entry = Get(kind, s, o, handle.value(), device);
+  if (entry.has_error()) return entry.error();
+  Entry& e = *entry.value();
+  TensorPtr named[] = {e.q, e.k, e.v, e.o, e.stats, e.d_o, e.dq, e.dk, e.dv};
+  std::unordered_map<TensorPtr, void*> pack;
+  for (auto& [slot, ptr] : slots) pack[named[slot]] = ptr;
+  if (o.padding) {
+    pack[e.seq_q] = seq_q.untyped_data();
+    pack[e.seq_kv] = seq_kv.untyped_data();
+  }
+  void* workspace = nullptr;
+  if (e.workspace > 0) {
+    auto mem = scratch.Allocate(static_cast<size_t>(e.workspace), 256);
+    if (!mem.has_value()) {
+      return ffi::Error(ffi::ErrorCode::kResourceExhausted, "probjax cuDNN SDPA: no scratch for the workspace");
+    }
+    workspace = mem.value();
+  }
+  return Check(e.graph->execute(handle.value(), pack, workspace), "execute");
+}
+
+// cudnn-frontend throws where a library or symbol cannot be loaded.
+ffi::Error Run(int kind, cudaStream_t stream, ffi::ScratchAllocator& scratch, const Shape& s, const Options& o,
+               const ffi::AnyBuffer& seq_q, const ffi::AnyBuffer& seq_kv,
+               const std::vector<std::pair<int, void*>>& slots) {
+  try {
+    return RunUnguarded(kind, stream, scratch, s, o, seq_q, seq_kv, slots);
+  } catch (const std::exception& ex) {
+    return ffi::Error(ffi::ErrorCode::kInternal, std::string("probjax cuDNN SDPA: ") + ex.what());
+  }
+}
+
+ffi::ErrorOr<Options> OptionsOf(ffi::DataType t, float scale, bool causal, int64_t left_bound, bool padding) {
+  auto dtype = DataType(t);
+  if (dtype.has_error()) return dtype.error();
+  return Options{dtype.value(), scale, causal, left_bound, padding};
+}
+
+ffi::Error Forward(bool training, cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q,
+                   ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer seq_q, ffi::AnyBuffer seq_kv,
+                   ffi::Result<ffi::AnyBuffer> o, void* stats, float scale, bool causal, int64_t left_bound,
+                   bool padding) {
+  auto s = ShapeOf(q, k);
+  if (s.has_error()) return s.error();
+  auto opts = OptionsOf(q.element_type(), scale, causal, left_bound, padding);
+  if (opts.has_error()) return opts.error();
+  std::vector<std::pair<int, void*>> slots = {{kQ, q.untyped_data()}, {kK, k.untyped_data()},
+                                              {kV, v.untyped_data()}, {kO, o->untyped_data()}};
+  if (training) slots.push_back({kStats, stats});
+  return Run(training ? 1 : 0, stream, scratch, s.value(), opts.value(), seq_q, seq_kv, slots);
+}
+
+ffi::Error ForwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                       ffi::AnyBuffer v, ffi::AnyBuffer seq_q, ffi::AnyBuffer seq_kv, ffi::Result<ffi::AnyBuffer> o,
+                       float scale, bool causal, int64_t left_bound, bool padding) {
+  return Forward(false, stream, std::move(scratch), q, k, v, seq_q, seq_kv, o, nullptr, scale, causal, left_bound,
+                 padding);
+}
+
+ffi::Error ForwardStatsImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q,
+                            ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer seq_q, ffi::AnyBuffer seq_kv,
+                            ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> stats, float scale,
+                            bool causal, int64_t left_bound, bool padding) {
+  return Forward(true, stream, std::move(scratch), q, k, v, seq_q, seq_kv, o, stats->untyped_data(), scale, causal,
+                 left_bound, padding);
+}
+
+ffi::Error BackwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                        ffi::AnyBuffer v, ffi::AnyBuffer o, ffi::AnyBuffer d_o, ffi::AnyBuffer stats,
+                        ffi::AnyBuffer seq_q, ffi::AnyBuffer seq_kv, ffi::Result<ffi::AnyBuffer> dq,
+                        ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv, float scale, bool causal,
+                        int64_t left_bound, bool padding) {
+  auto s = ShapeOf(q, k);
+  if (s.has_error()) return s.error();
+  auto opts = OptionsOf(q.element_type(), scale, causal, left_bound, padding);
+  if (opts.has_error()) return opts.error();
+  std::vector<std::pair<int, void*>> slots = {
+      {kQ, q.untyped_data()},      {kK, k.untyped_data()},       {kV, v.untyped_data()},
+      {kO, o.untyped_data()},      {kDO, d_o.untyped_data()},    {kStats, stats.untyped_data()},
+      {kDQ, dq->untyped_data()},   {kDK, dk->untyped_data()},    {kDV, dv->untyped_data()}};
+  return Run(2, stream, scratch, s.value(), opts.value(), seq_q, seq_kv, slots);
+}
+
+}  // namespace
+
+#define PROBJAX_SDPA_ATTRS                                                                 \
+  .Attr<float>("scale").Attr<bool>("causal").Attr<int64_t>("left_bound").Attr<bool>("padding")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ProbjaxCudnnSdpaForward, ForwardImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::ScratchAllocator>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>() PROBJAX_SDPA_ATTRS);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ProbjaxCudnnSdpaForwardStats, ForwardStatsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::ScratchAllocator>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>() PROBJAX_SDPA_ATTRS);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ProbjaxCudnnSdpaBackward, BackwardImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::ScratchAllocator>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>() PROBJAX_SDPA_ATTRS);

@@ -1,0 +1,134 @@
+"""probjax's own call of cuDNN's fused attention: XLA FFI custom calls (``csrc/sdpa_ffi.cc``).
+
+The same cuDNN kernels as ``jax.nn.dot_product_attention(implementation="cudnn")``,
+without what XLA's runtime adds around its fMHA custom calls: it zeroes every output
+and the workspace before each launch (3 memsets per forward, 9 per forward+backward
+at bf16 B4 H8 T4096, ``docs/benchmarks/dispatch_gap.json``). The extension is built
+by ``python -m probjax.ops.attention.cudnn.build``; without it (or with
+``PROBJAX_ATTENTION_CUDNN_FFI=0``) the cuDNN route calls jax.nn.
+
+Inputs: q ``[B, Tq, H, D]``, k/v ``[B, Tkv, Hkv, D]`` (bf16/fp16, ``H % Hkv == 0``),
+masks as :func:`probjax.ops.attention.cudnn.supports` allows them. Not yet: a
+batching rule that folds ``vmap`` into the batch axis (vmap runs the call once per
+element) and SPMD partitioning rules (under automatic sharding XLA gathers the
+operands; ``shard_map`` sees local shapes and is unaffected).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from probjax.ops.attention.cudnn import build
+from probjax.ops.attention.masks import Mask
+
+ENV = "PROBJAX_ATTENTION_CUDNN_FFI"
+LIBRARY_ENV = "PROBJAX_CUDNN_FFI_LIBRARY"
+_TARGETS = {"probjax_cudnn_sdpa_fwd": "ProbjaxCudnnSdpaForward",
+            "probjax_cudnn_sdpa_fwd_stats": "ProbjaxCudnnSdpaForwardStats",
+            "probjax_cudnn_sdpa_bwd": "ProbjaxCudnnSdpaBackward"}
+# Libraries the extension finds by soname at run time, as the NVIDIA pip packages lay them out.
+_RUNTIME_LIBRARIES = (("cudnn", "lib/libcudnn.so.9"), ("cu13", "lib/libcudart.so.13"),
+                      ("cuda_runtime", "lib/libcudart.so.13"))
+_loaded: dict[str, str | None] = {}
+
+
+def library_path(env=None) -> pathlib.Path:
+  env = os.environ if env is None else env
+  return pathlib.Path(env.get(LIBRARY_ENV) or build.LIBRARY)
+
+
+def unavailable(env=None) -> str | None:
+  """None if calls go through the FFI extension, else why they go through jax.nn.
+
+  Checks the opt-out and that the library is built; does not load it."""
+  env = os.environ if env is None else env
+  if env.get(ENV, "1").strip().lower() in ("0", "false", "off", "no"):
+    return f"{ENV}=0"
+  path = library_path(env)
+  if not path.exists():
+    return f"the FFI extension is not built ({path}; python -m probjax.ops.attention.cudnn.build)"
+  return _loaded.get(str(path))
+
+
+def _load(path: pathlib.Path) -> None:
+  """Loads the extension and registers its targets (once per process)."""
+  if str(path) in _loaded:
+    if _loaded[str(path)]:
+      raise RuntimeError(_loaded[str(path)])
+    return
+  for sub, rel in _RUNTIME_LIBRARIES:
+    d = build.nvidia_dir(sub)
+    if d is not None and (d / rel).exists():
+      ctypes.CDLL(str(d / rel), mode=os.RTLD_GLOBAL)  # so that dlopen by soname finds it
+  try:
+    lib = ctypes.CDLL(str(path))
+    for target, symbol in _TARGETS.items():
+      jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="CUDA")
+  except (OSError, AttributeError) as e:
+    _loaded[str(path)] = f"the FFI extension {path} does not load: {e}"
+    raise RuntimeError(_loaded[str(path)]) from e
+  _loaded[str(path)] = None
+
+
+def _attrs(params) -> dict:
+  scale, causal, left_bound, padding = params
+  return dict(scale=np.float32(scale), causal=causal, left_bound=np.int64(left_bound), padding=padding)
+
+
+def _forward(q, k, v, lens, params, stats: bool):
+  b, tq, h, _ = q.shape
+  out = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+  if stats:
+    out.append(jax.ShapeDtypeStruct((b, h, tq), jnp.float32))
+  target = "probjax_cudnn_sdpa_fwd_stats" if stats else "probjax_cudnn_sdpa_fwd"
+  return jax.ffi.ffi_call(target, out, vmap_method="sequential")(q, k, v, *lens, **_attrs(params))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _sdpa(q, k, v, lens, params):
+  return _forward(q, k, v, lens, params, stats=False)[0]
+
+
+def _sdpa_fwd(q, k, v, lens, params):
+  o, stats = _forward(q, k, v, lens, params, stats=True)
+  return o, (q, k, v, lens, o, stats)
+
+
+def _sdpa_bwd(params, res, do):
+  q, k, v, lens, o, stats = res
+  grads = jax.ffi.ffi_call("probjax_cudnn_sdpa_bwd",
+                           [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)],
+                           vmap_method="sequential")(q, k, v, o, do.astype(o.dtype), stats, *lens,
+                                                     **_attrs(params))
+  return (*grads, (None, None))
+
+
+_sdpa.defvjp(_sdpa_fwd, _sdpa_bwd)
+
+
+def attention(q, k, v, *, mask: Mask | None, scale: float, env=None):
+  """q ``[B, Tq, H, D]``, k/v ``[B, Tkv, Hkv, D]`` → ``[B, Tq, H, D]`` through the extension.
+
+  ``mask``: None, key lengths, ``CausalMask()`` or ``LocalWindowMask(left, 0)`` (equal
+  lengths), as :func:`probjax.ops.attention.cudnn.supports` checks."""
+  _load(library_path(env))
+  b, tq = q.shape[:2]
+  causal, left_bound, lens = False, 0, None
+  if mask is not None:
+    if mask.upper == 0:
+      causal = True
+      if mask.lower is not None:
+        left_bound = 1 - mask.lower  # cuDNN keeps keys j > i - left_bound
+    if mask.kv_lengths is not None:
+      lens = (jnp.full((b,), tq, jnp.int32), jnp.broadcast_to(mask.kv_lengths, (b,)).astype(jnp.int32))
+  padding = lens is not None
+  if lens is None:  # unread: the graph has no padding mask
+    lens = (jnp.zeros((b,), jnp.int32),) * 2
+  return _sdpa(q, k, v, lens, (float(scale), causal, int(left_bound), padding))

@@ -1,0 +1,113 @@
+"""probjax's FFI call of cuDNN (``probjax.ops.attention.cudnn.ffi``).
+
+On CPU: which call the route makes (opt-out, missing library) and how masks map to
+cuDNN's graph attributes. On the GPU (``--gpu``, with the extension built): the FFI call
+agrees with jax.nn's call of the same cuDNN kernels, output and gradients, for every
+mask the route takes, GQA, odd lengths and fp16, under jit, grad and vmap.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from probjax.nn.layers.attention import explain_dispatch
+from probjax.ops.attention import cudnn
+from probjax.ops.attention import masks as M
+from probjax.ops.attention.cudnn import ffi
+from probjax.ops.attention.dispatch import Device
+from probjax.testing import check_against_reference, make_inputs, make_mask
+
+H200 = Device("gpu", (9, 0), 140 << 30)
+BIG = ((4, 4096, 8, 64), (4, 4096, 8, 64))  # on the cuDNN route of the sm_90 table
+
+
+def test_route_opt_out_and_missing_library(tmp_path):
+  assert cudnn.route({ffi.ENV: "0"}) == f"jax.nn ({ffi.ENV}=0)"
+  missing = {ffi.LIBRARY_ENV: str(tmp_path / "none.so")}
+  assert ffi.unavailable(missing).startswith("the FFI extension is not built")
+  assert cudnn.route(missing).startswith("jax.nn (the FFI extension is not built")
+  d = explain_dispatch(*BIG, jnp.bfloat16, device=H200, env=missing)
+  assert d.implementation == "cudnn" and d.route == cudnn.route(missing)
+  assert "via jax.nn" in str(d)
+  assert explain_dispatch(*BIG, jnp.bfloat16, device=H200, env=missing, implementation="triton").route == ""
+
+
+@pytest.mark.parametrize("name,expect", [
+    ("none", (False, 0, False)),
+    ("causal", (True, 0, False)),
+    ("window", (True, 4096 // 5 + 1, False)),  # LocalWindowMask(left, 0): keys j > i - (left + 1)
+    ("kv_len", (False, 0, True)),
+])
+def test_mask_to_graph_attributes(monkeypatch, name, expect):
+  seen = {}
+  monkeypatch.setattr(ffi, "_load", lambda path: None)
+  monkeypatch.setattr(ffi, "_sdpa", lambda q, k, v, lens, params: seen.update(lens=lens, params=params) or q)
+  x = make_inputs(0, 3, 4096, 4096, 8, 2, 64, jnp.bfloat16)
+  mask = make_mask(name, 3, 4096, 4096)
+  ffi.attention(x.q, x.k, x.v, mask=mask, scale=0.125)
+  scale, causal, left_bound, padding = seen["params"]
+  assert (scale, (causal, left_bound, padding)) == (0.125, expect)
+  seq_q, seq_kv = (np.asarray(a) for a in seen["lens"])
+  assert seq_q.shape == seq_kv.shape == (3,) and seq_q.dtype == seq_kv.dtype == np.int32
+  if padding:
+    np.testing.assert_array_equal(seq_q, 4096)
+    np.testing.assert_array_equal(seq_kv, np.broadcast_to(np.asarray(mask.kv_lengths), (3,)))
+
+
+# --- GPU ----------------------------------------------------------------------------------------
+
+AGREE = 0.004  # bf16 precision, as tests/test_attention_device_defaults.py
+
+
+def _ffi_built():
+  why = ffi.unavailable()
+  if why is not None:
+    pytest.skip(f"cuDNN FFI extension: {why}")
+
+
+def _out_and_grads(x, mask, env):
+  f = jax.jit(lambda q, k, v: cudnn.attention(q, k, v, mask=mask, scale=x.q.shape[-1] ** -0.5, env=env))
+  out, vjp = jax.vjp(f, x.q, x.k, x.v)
+  return (out,) + vjp(x.do)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask_name", ["none", "causal", "window", "kv_len", "kv_len_zero"])
+@pytest.mark.parametrize("t,heads,kv_heads,d,dtype", [
+    (1024, 8, 8, 128, jnp.bfloat16), (600, 16, 4, 64, jnp.bfloat16), (1500, 8, 2, 128, jnp.float16)])
+def test_gpu_ffi_agrees_with_jaxnn(mask_name, t, heads, kv_heads, d, dtype):
+  _ffi_built()
+  x = make_inputs(t + d, 2, t, t, heads, kv_heads, d, dtype)
+  x.q, x.k = x.q * 0.5, x.k * 0.5
+  x.v, x.do = x.v * 0.1, x.do * 0.1
+  mask = make_mask(mask_name, 2, t, t, seed=t)
+  a = _out_and_grads(x, mask, None)
+  b = _out_and_grads(x, mask, {ffi.ENV: "0"})
+  for name, u, w in zip(("out", "dq", "dk", "dv"), a, b):
+    u, w = np.asarray(u, np.float32), np.asarray(w, np.float32)
+    assert np.all(np.isfinite(u)), name
+    diff = np.max(np.abs(u - w))
+    assert diff <= AGREE * max(1.0, np.max(np.abs(w))), f"{name}: max |ffi - jax.nn| = {diff}"
+  if mask_name == "kv_len_zero":  # batch element 0 has no key: zeros, as on every path
+    assert not np.any(np.asarray(a[0][0], np.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask_name", ["none", "causal", "kv_len"])
+def test_gpu_ffi_is_exact(mask_name):
+  _ffi_built()
+  x = make_inputs(3, 2, 2048, 2048, 8, 8, 128, jnp.bfloat16)
+  mask = make_mask(mask_name, 2, 2048, 2048)
+  check_against_reference(lambda q, k, v, b: cudnn.attention(q, k, v, mask=mask, scale=128 ** -0.5), x, mask=mask)
+
+
+@pytest.mark.gpu
+def test_gpu_ffi_vmap_and_repeat_calls():
+  _ffi_built()
+  x = make_inputs(4, 2, 512, 512, 4, 4, 64, jnp.bfloat16)
+  f = lambda q, k, v: cudnn.attention(q, k, v, mask=M.CausalMask(), scale=0.125)
+  stacked = jax.vmap(f)(*(jnp.stack([a, a * 0.5]) for a in (x.q, x.k, x.v)))
+  np.testing.assert_array_equal(np.asarray(stacked[0], np.float32), np.asarray(f(x.q, x.k, x.v), np.float32))
+  np.testing.assert_array_equal(np.asarray(jax.jit(f)(x.q, x.k, x.v), np.float32),
+                                np.asarray(jax.jit(f)(x.q, x.k, x.v), np.float32))
