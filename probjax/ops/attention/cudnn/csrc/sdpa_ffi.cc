@@ -233,7 +233,8 @@ ffi::Error RunUnguarded(int kind, cudaStream_t stream, ffi::ScratchAllocator& sc
   }
   void* workspace = nullptr;
   if (e.workspace > 0) {
-    auto mem = scratch.Allocate(static_cast<size_t>(e.workspace), 16)  // XLA allows <= 16; its allocator aligns to 256;
+    // XLA takes alignments up to 16; its allocator's blocks are 256-byte aligned.
+    auto mem = scratch.Allocate(static_cast<size_t>(e.workspace), 16);
     if (!mem.has_value()) {
       return ffi::Error(ffi::ErrorCode::kResourceExhausted, "probjax cuDNN SDPA: no scratch for the workspace");
     }
