@@ -11,10 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from probjax.nn.layers.attention import explain_dispatch
+from probjax.nn.layers.attention import explain_dispatch, flex_attention
 from probjax.ops.attention import cudnn
 from probjax.ops.attention import masks as M
 from probjax.ops.attention.cudnn import ffi
+from probjax.ops.attention.cudnn.config import CudnnConfig
 from probjax.ops.attention.dispatch import Device
 from probjax.testing import check_against_reference, make_inputs, make_mask
 
@@ -46,13 +47,27 @@ def test_mask_to_graph_attributes(monkeypatch, name, expect):
   x = make_inputs(0, 3, 4096, 4096, 8, 2, 64, jnp.bfloat16)
   mask = make_mask(name, 3, 4096, 4096)
   ffi.attention(x.q, x.k, x.v, mask=mask, scale=0.125)
-  scale, causal, left_bound, padding = seen["params"]
-  assert (scale, (causal, left_bound, padding)) == (0.125, expect)
+  scale, causal, left_bound, padding, config = seen["params"]
+  assert (scale, (causal, left_bound, padding), config) == (0.125, expect, CudnnConfig())
   seq_q, seq_kv = (np.asarray(a) for a in seen["lens"])
   assert seq_q.shape == seq_kv.shape == (3,) and seq_q.dtype == seq_kv.dtype == np.int32
   if padding:
     np.testing.assert_array_equal(seq_q, 4096)
     np.testing.assert_array_equal(seq_kv, np.broadcast_to(np.asarray(mask.kv_lengths), (3,)))
+
+
+def test_cudnn_config_is_validated_and_needs_the_cudnn_route(tmp_path):
+  assert CudnnConfig(sdpa="unified", autotune=True).attributes() == dict(sdpa=2, autotune=True)
+  with pytest.raises(ValueError, match="sdpa must be one of"):
+    CudnnConfig(sdpa="fast")
+  with pytest.raises(TypeError, match="autotune must be a bool"):
+    CudnnConfig(autotune=1)
+  x = make_inputs(0, 1, 128, 128, 2, 2, 32)
+  with pytest.raises(ValueError, match="pass implementation='cudnn'"):
+    flex_attention(x.q, x.k, x.v, forward_config=CudnnConfig())  # on CPU: the XLA path
+  missing = {ffi.LIBRARY_ENV: str(tmp_path / "none.so")}
+  with pytest.raises(ValueError, match="FFI call of cuDNN, which is unavailable"):
+    cudnn.attention(x.q, x.k, x.v, scale=0.1, config=CudnnConfig(), env=missing)
 
 
 # --- GPU ----------------------------------------------------------------------------------------
@@ -66,8 +81,12 @@ def _ffi_built():
     pytest.skip(f"cuDNN FFI extension: {why}")
 
 
-def _out_and_grads(x, mask, env):
-  f = jax.jit(lambda q, k, v: cudnn.attention(q, k, v, mask=mask, scale=x.q.shape[-1] ** -0.5, env=env))
+def _out_and_grads(x, mask, env, config=None):
+  f = jax.jit(lambda q, k, v: cudnn.attention(q, k, v, mask=mask, scale=x.q.shape[-1] ** -0.5, env=env,
+                                              config=config))
+  # Leave freed NaN blocks of the outputs' sizes for the allocator to hand out: an element the
+  # call does not write shows up.
+  jax.block_until_ready([jnp.full(a.shape, jnp.nan, a.dtype) for a in (x.q, x.k, x.v, x.q)])
   out, vjp = jax.vjp(f, x.q, x.k, x.v)
   return (out,) + vjp(x.do)
 
@@ -91,6 +110,21 @@ def test_gpu_ffi_agrees_with_jaxnn(mask_name, t, heads, kv_heads, d, dtype):
     assert diff <= AGREE * max(1.0, np.max(np.abs(w))), f"{name}: max |ffi - jax.nn| = {diff}"
   if mask_name == "kv_len_zero":  # batch element 0 has no key: zeros, as on every path
     assert not np.any(np.asarray(a[0][0], np.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [CudnnConfig(sdpa="composite"), CudnnConfig(sdpa="unified"),
+                                    CudnnConfig(autotune=True)])
+@pytest.mark.parametrize("mask_name", ["none", "causal", "kv_len"])
+def test_gpu_ffi_configs_agree(config, mask_name):
+  _ffi_built()
+  x = make_inputs(11, 2, 1024, 1024, 8, 4, 128, jnp.bfloat16)
+  x.v, x.do = x.v * 0.1, x.do * 0.1
+  mask = make_mask(mask_name, 2, 1024, 1024)
+  for name, u, w in zip(("out", "dq", "dk", "dv"), _out_and_grads(x, mask, None, config),
+                        _out_and_grads(x, mask, None)):
+    u, w = np.asarray(u, np.float32), np.asarray(w, np.float32)
+    assert np.all(np.isfinite(u)) and np.max(np.abs(u - w)) <= AGREE * max(1.0, np.max(np.abs(w))), name
 
 
 @pytest.mark.gpu

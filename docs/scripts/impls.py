@@ -25,6 +25,10 @@ PROBJAX_IMPLS = {
     "probjax_triton": {"implementation": "triton"},
     "probjax_pallas": {"implementation": "pallas"},
     "probjax_cudnn": {"implementation": "cudnn"},
+    # probjax's FFI call of cuDNN with other graph options (CudnnConfig fields)
+    "probjax_cudnn_composite": {"implementation": "cudnn", "forward_config": {"sdpa": "composite"}},
+    "probjax_cudnn_unified": {"implementation": "cudnn", "forward_config": {"sdpa": "unified"}},
+    "probjax_cudnn_autotune": {"implementation": "cudnn", "forward_config": {"autotune": True}},
     "probjax_mosaic": {"implementation": "mosaic"},
     "probjax_mosaic_bwd": {"implementation": "mosaic", "backward_pass_impl": "mosaic"},
     # the Mosaic forward's default config for the call with overlap on / off (mosaic_overlap_config)
@@ -41,6 +45,7 @@ TORCH_SDPA_IMPLS = {"torch_sdpa_flash": "FLASH_ATTENTION", "torch_sdpa_efficient
 TOKAMAX_IMPLS = {"tokamax_mosaic": "mosaic", "tokamax_triton": "triton", "tokamax_cudnn": "cudnn",
                  "tokamax_xla_chunked": "xla_chunked"}
 NO_FP32 = {"jaxnn_cudnn", "torch_sdpa_flash", "torch_sdpa_cudnn", "tokamax_cudnn", "probjax_cudnn",
+           "probjax_cudnn_composite", "probjax_cudnn_unified", "probjax_cudnn_autotune",
            "probjax_mosaic", "probjax_mosaic_bwd", "probjax_mosaic_overlap",
            "probjax_mosaic_no_overlap"}
 MASKS = ("none", "window512", "docs4", "docs4_causal", "softcap30")
@@ -156,10 +161,14 @@ def probjax_attn(impl: str, causal: bool, mask_obj=None, extra_kwargs=None):
 
   def attn(q, k, v):
     kw_call = dict(kw)
-    if kw_call.get("forward_config") in ("overlap", "no_overlap"):  # flex_attention takes tile configs
+    if kw_call.get("forward_config") is not None:  # flex_attention takes configs
       _, mod = probjax_api()
       mask = mask_obj if mask_obj is not None else (mod.CausalMask() if kw_call.pop("is_causal", False) else None)
-      kw_call["forward_config"] = mosaic_overlap_config(q, mask, kw_call["forward_config"] == "overlap")
+      cfg = kw_call["forward_config"]
+      if cfg in ("overlap", "no_overlap"):
+        kw_call["forward_config"] = mosaic_overlap_config(q, mask, cfg == "overlap")
+      else:
+        kw_call["forward_config"] = mod.CudnnConfig(**cfg)
       return mod.flex_attention(q, k, v, mask=mask, **kw_call)
     if mask_obj is not None:
       return dpa(q, k, v, mask=mask_obj, **kw_call)

@@ -25,6 +25,7 @@ from probjax.ops.attention import cudnn as cudnn_backend
 from probjax.ops.attention import dispatch
 from probjax.ops.attention import xla as xla_backend
 from probjax.ops.attention.autodiff import with_forward_mode
+from probjax.ops.attention.cudnn.config import CudnnConfig
 from probjax.ops.attention.dispatch import Decision, Device
 from probjax.ops.attention.masks import (CausalMask, KVLenMask, LengthMask, LocalWindowMask, Mask,
                                          SegmentMask)
@@ -32,6 +33,7 @@ from probjax.ops.attention.masks import (CausalMask, KVLenMask, LengthMask, Loca
 __all__ = [
     "dot_product_attention", "flex_attention", "mha", "explain_dispatch", "available_implementations",
     "Mask", "CausalMask", "KVLenMask", "LengthMask", "LocalWindowMask", "SegmentMask", "Decision",
+    "CudnnConfig",
 ]
 
 BACKWARD_PASS_IMPLS = ("auto", "triton_onepass", "triton_fused", "triton_split", "mosaic")
@@ -120,7 +122,8 @@ def flex_attention(query, key, value, *, mask: Mask | None = None, score_mod: Ca
       (those run on the XLA path).
     implementation, backward_pass_impl, split_kv, interpret: as in :func:`dot_product_attention`.
     forward_config, backward_config: explicit tile configs (Triton: ``ForwardConfig``,
-      ``BackwardConfig``; "mosaic": ``MosaicForwardConfig`` and the Triton backward's ``BackwardConfig``).
+      ``BackwardConfig``; "mosaic": ``MosaicForwardConfig`` and the Triton backward's ``BackwardConfig``;
+      "cudnn": a ``CudnnConfig`` as forward_config, for probjax's FFI call of cuDNN).
 
   ALiBi as a score modifier (the slopes are differentiable too):
 
@@ -183,7 +186,12 @@ def _attention(query, key, value, shape: base.AttentionShape, *, bias=None, mask
       kernel_args_default=(backward_pass_impl == "auto" and forward_config is None
                            and backward_config is None and split_kv is None),
       device=device)
-  if (forward_config is not None or backward_config is not None) and decision.implementation not in ("triton", "mosaic"):
+  cudnn_config = isinstance(forward_config, CudnnConfig)
+  if cudnn_config and (decision.implementation != "cudnn" or backward_config is not None):
+    raise ValueError(f"a CudnnConfig configures the cuDNN route (no backward_config), but this call runs "
+                     f"{decision}; pass implementation='cudnn'")
+  if (not cudnn_config and (forward_config is not None or backward_config is not None)
+      and decision.implementation not in ("triton", "mosaic")):
     raise ValueError(f"forward_config/backward_config configure the Triton or Mosaic kernel, but this call "
                      f"runs {decision}; pass implementation='triton' or 'mosaic'")
   def mosaic_fast(q, k, v, mask):
@@ -200,7 +208,8 @@ def _attention(query, key, value, shape: base.AttentionShape, *, bias=None, mask
         backward_config=backward_config, split_kv=split_kv, interpret=interpret)
 
   kernels = {"mosaic": mosaic_fast, "triton": triton_fast,
-             "cudnn": lambda q, k, v, mask: cudnn_backend.attention(q, k, v, mask=mask, scale=scale)}
+             "cudnn": lambda q, k, v, mask: cudnn_backend.attention(
+                 q, k, v, mask=mask, scale=scale, config=forward_config if cudnn_config else None)}
   if decision.implementation in kernels:
     return with_forward_mode(kernels[decision.implementation], _exact(query, key, device, score_mod, scale),
                              kernels.get(decision.grad_implementation))(query, key, value, mask)

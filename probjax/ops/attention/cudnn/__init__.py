@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from probjax.ops.attention.cudnn import ffi
+from probjax.ops.attention.cudnn.config import CudnnConfig
 from probjax.ops.attention.masks import Mask
 
 MAX_HEAD_DIM = 128
@@ -68,10 +69,15 @@ def route(env=None) -> str:
   return "probjax FFI" if why is None else f"jax.nn ({why})"
 
 
-def attention(q, k, v, *, mask: Mask | None = None, scale: float, env=None):
-  """q ``[B, Tq, H, D]``, k/v ``[B, Tkv, Hkv, D]`` (bf16/fp16) → ``[B, Tq, H, D]`` via cuDNN."""
-  if ffi.unavailable(env) is None:
-    out = ffi.attention(q, k, v, mask=mask, scale=scale, env=env)
+def attention(q, k, v, *, mask: Mask | None = None, scale: float, config: CudnnConfig | None = None, env=None):
+  """q ``[B, Tq, H, D]``, k/v ``[B, Tkv, Hkv, D]`` (bf16/fp16) → ``[B, Tq, H, D]`` via cuDNN.
+
+  ``config`` (:class:`CudnnConfig`) needs the FFI extension: without it, ValueError."""
+  why = ffi.unavailable(env)
+  if why is None:
+    out = ffi.attention(q, k, v, mask=mask, scale=scale, config=config, env=env)
+  elif config is not None:
+    raise ValueError(f"a CudnnConfig configures probjax's FFI call of cuDNN, which is unavailable: {why}")
   else:
     kw = jaxnn_arguments(mask, q.shape[0])
     out = jax.nn.dot_product_attention(q, k, v, scale=scale, implementation="cudnn", **kw)

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from probjax.ops.attention.cudnn import build
+from probjax.ops.attention.cudnn.config import CudnnConfig
 from probjax.ops.attention.masks import Mask
 
 ENV = "PROBJAX_ATTENTION_CUDNN_FFI"
@@ -78,8 +79,10 @@ def _load(path: pathlib.Path) -> None:
 
 
 def _attrs(params) -> dict:
-  scale, causal, left_bound, padding = params
-  return dict(scale=np.float32(scale), causal=causal, left_bound=np.int64(left_bound), padding=padding)
+  scale, causal, left_bound, padding, config = params
+  attrs = config.attributes()
+  return dict(scale=np.float32(scale), causal=causal, left_bound=np.int64(left_bound), padding=padding,
+              sdpa=np.int64(attrs["sdpa"]), autotune=attrs["autotune"])
 
 
 def _forward(q, k, v, lens, params, stats: bool):
@@ -113,11 +116,12 @@ def _sdpa_bwd(params, res, do):
 _sdpa.defvjp(_sdpa_fwd, _sdpa_bwd)
 
 
-def attention(q, k, v, *, mask: Mask | None, scale: float, env=None):
+def attention(q, k, v, *, mask: Mask | None, scale: float, config: CudnnConfig | None = None, env=None):
   """q ``[B, Tq, H, D]``, k/v ``[B, Tkv, Hkv, D]`` → ``[B, Tq, H, D]`` through the extension.
 
   ``mask``: None, key lengths, ``CausalMask()`` or ``LocalWindowMask(left, 0)`` (equal
-  lengths), as :func:`probjax.ops.attention.cudnn.supports` checks."""
+  lengths), as :func:`probjax.ops.attention.cudnn.supports` checks; ``config``: graph
+  options (default ``CudnnConfig()``)."""
   _load(library_path(env))
   b, tq = q.shape[:2]
   causal, left_bound, lens = False, 0, None
@@ -131,4 +135,4 @@ def attention(q, k, v, *, mask: Mask | None, scale: float, env=None):
   padding = lens is not None
   if lens is None:  # unread: the graph has no padding mask
     lens = (jnp.zeros((b,), jnp.int32),) * 2
-  return _sdpa(q, k, v, lens, (float(scale), causal, int(left_bound), padding))
+  return _sdpa(q, k, v, lens, (float(scale), causal, int(left_bound), padding, config or CudnnConfig()))

@@ -8,7 +8,7 @@
 //
 // Layout: q/o/dq [B, Tq, H, D], k/v/dk/dv [B, Tkv, Hkv, D] (row-major), stats
 // [B, H, Tq] float32 (cuDNN's natural-log softmax statistics), seq_q/seq_kv [B]
-// int32 (read only with `padding`). Graphs are built once per shape/dtype/mask and
+// int32 (read only with `padding`). 16-bit inputs only. Graphs are built once per shape/dtype/mask and
 // device, and cached.
 //
 // cuDNN and the CUDA runtime are not linked: cudnn-frontend's dynamic loading finds
@@ -51,12 +51,15 @@ struct Options {
   bool causal;
   int64_t left_bound;  // 0: none; else keys j > i - left_bound are kept
   bool padding;
+  int64_t sdpa;   // cuDNN's SDPA lowering: 0 auto, 1 composite, 2 unified
+  bool autotune;  // time every plan cuDNN's heuristics offer on the first call; else their first
 };
 
 struct Entry {
   std::shared_ptr<fe::graph::Graph> graph;
   TensorPtr q, k, v, o, stats, seq_q, seq_kv, d_o, dq, dk, dv;
   int64_t workspace = 0;
+  bool tuned = false;
 };
 
 // [B, T, H, D] memory seen as cuDNN's [B, H, T, D].
@@ -123,14 +126,17 @@ void SetMask(Attributes& a, Entry& e, fe::graph::Graph& g, const Shape& s, const
   }
 }
 
-ffi::Error Build(Entry& e, cudnnHandle_t handle) {
+ffi::Error Build(Entry& e, cudnnHandle_t handle, bool all_plans) {
   auto& g = *e.graph;
   if (auto err = Check(g.validate(), "validate"); err.failure()) return err;
   if (auto err = Check(g.build_operation_graph(handle), "build_operation_graph"); err.failure()) return err;
   if (auto err = Check(g.create_execution_plans({fe::HeurMode_t::A}), "create_execution_plans"); err.failure())
     return err;
   if (auto err = Check(g.check_support(handle), "check_support"); err.failure()) return err;
-  if (auto err = Check(g.build_plans(handle), "build_plans"); err.failure()) return err;
+  auto policy = all_plans ? fe::BuildPlanPolicy_t::ALL : fe::BuildPlanPolicy_t::HEURISTICS_CHOICE;
+  if (auto err = Check(g.build_plans(handle, policy), "build_plans"); err.failure()) return err;
+  e.workspace = all_plans ? g.get_autotune_workspace_size() : 0;
+  if (all_plans) return ffi::Error::Success();
   return Check(g.get_workspace_size(e.workspace), "get_workspace_size");
 }
 
@@ -143,13 +149,13 @@ std::shared_ptr<fe::graph::Graph> NewGraph(const Options& o) {
 }
 
 using Key = std::tuple<int, int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, float, bool,
-                       int64_t, bool>;
+                       int64_t, bool, int64_t, bool>;
 
 ffi::ErrorOr<Entry*> Get(int kind, const Shape& s, const Options& o, cudnnHandle_t handle, int device) {
   // kind: 0 inference forward, 1 training forward (stats), 2 backward
   static std::map<Key, std::unique_ptr<Entry>> cache;
   Key key{kind, device, s.b, s.tq, s.h, s.tkv, s.hkv, s.d, static_cast<int>(o.dtype), o.scale, o.causal,
-          o.left_bound, o.padding};
+          o.left_bound, o.padding, o.sdpa, o.autotune};
   auto it = cache.find(key);
   if (it != cache.end()) return it->second.get();
   auto e = std::make_unique<Entry>();
@@ -160,6 +166,10 @@ ffi::ErrorOr<Entry*> Get(int kind, const Shape& s, const Options& o, cudnnHandle
   e->v = Input(g, "v", s, true);
   if (kind < 2) {
     auto a = fe::graph::SDPA_attributes().set_name("sdpa").set_generate_stats(kind == 1);
+    const fe::AttentionImplementation_t impls[] = {fe::AttentionImplementation_t::AUTO,
+                                                   fe::AttentionImplementation_t::COMPOSITE,
+                                                   fe::AttentionImplementation_t::UNIFIED};
+    a.set_implementation(impls[o.sdpa]);
     SetMask(a, *e, g, s, o);
     auto [out, stats] = g.sdpa(e->q, e->k, e->v, a);
     out->set_output(true).set_dim(Bhtd(s.b, s.tq, s.h, s.d)).set_stride(BhtdStride(s.tq, s.h, s.d));
@@ -183,7 +193,7 @@ ffi::ErrorOr<Entry*> Get(int kind, const Shape& s, const Options& o, cudnnHandle
     e->dk = dk;
     e->dv = dv;
   }
-  if (auto err = Build(*e, handle); err.failure()) return err;
+  if (auto err = Build(*e, handle, o.autotune); err.failure()) return err;
   Entry* ptr = e.get();
   cache.emplace(key, std::move(e));
   return ptr;
@@ -231,6 +241,16 @@ ffi::Error RunUnguarded(int kind, cudaStream_t stream, ffi::ScratchAllocator& sc
     pack[e.seq_q] = seq_q.untyped_data();
     pack[e.seq_kv] = seq_kv.untyped_data();
   }
+  if (kind == 2 && o.padding) {
+    // cuDNN writes no gradient for keys past a batch element's length (nor for an element
+    // without keys); zeros there, as XLA's memsets give jax.nn's call.
+    const size_t q_bytes = 2 * s.b * s.tq * s.h * s.d, kv_bytes = 2 * s.b * s.tkv * s.hkv * s.d;
+    for (auto [slot, bytes] : {std::pair<int, size_t>{kDQ, q_bytes}, {kDK, kv_bytes}, {kDV, kv_bytes}}) {
+      if (fe::detail::cuda_mem_set_async(pack[named[slot]], 0, bytes, stream) != cudaSuccess) {
+        return ffi::Error(ffi::ErrorCode::kInternal, "probjax cuDNN SDPA: cudaMemsetAsync failed");
+      }
+    }
+  }
   void* workspace = nullptr;
   if (e.workspace > 0) {
     // XLA takes alignments up to 16; its allocator's blocks are 256-byte aligned.
@@ -239,6 +259,10 @@ ffi::Error RunUnguarded(int kind, cudaStream_t stream, ffi::ScratchAllocator& sc
       return ffi::Error(ffi::ErrorCode::kResourceExhausted, "probjax cuDNN SDPA: no scratch for the workspace");
     }
     workspace = mem.value();
+  }
+  if (!e.tuned && o.autotune) {  // synchronizes the device: once per graph
+    if (auto err = Check(e.graph->autotune(handle.value(), pack, workspace), "autotune"); err.failure()) return err;
+    e.tuned = true;
   }
   return Check(e.graph->execute(handle.value(), pack, workspace), "execute");
 }
@@ -254,61 +278,66 @@ ffi::Error Run(int kind, cudaStream_t stream, ffi::ScratchAllocator& scratch, co
   }
 }
 
-ffi::ErrorOr<Options> OptionsOf(ffi::DataType t, float scale, bool causal, int64_t left_bound, bool padding) {
+// The custom calls' attributes, in the order PROBJAX_SDPA_ATTRS binds them.
+#define PROBJAX_SDPA_ATTR_PARAMS \
+  float scale, bool causal, int64_t left_bound, bool padding, int64_t sdpa, bool autotune
+#define PROBJAX_SDPA_ATTR_ARGS scale, causal, left_bound, padding, sdpa, autotune
+
+ffi::ErrorOr<Options> OptionsOf(ffi::DataType t, PROBJAX_SDPA_ATTR_PARAMS) {
   auto dtype = DataType(t);
   if (dtype.has_error()) return dtype.error();
-  return Options{dtype.value(), scale, causal, left_bound, padding};
+  if (sdpa < 0 || sdpa > 2) return ffi::Error::InvalidArgument("probjax cuDNN SDPA: sdpa must be 0, 1 or 2");
+  return Options{dtype.value(), PROBJAX_SDPA_ATTR_ARGS};
 }
 
-ffi::Error Forward(bool training, cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q,
-                   ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer seq_q, ffi::AnyBuffer seq_kv,
-                   ffi::Result<ffi::AnyBuffer> o, void* stats, float scale, bool causal, int64_t left_bound,
-                   bool padding) {
+ffi::Error Forward(bool training, cudaStream_t stream, ffi::ScratchAllocator& scratch, const ffi::AnyBuffer& q,
+                   const ffi::AnyBuffer& k, const ffi::AnyBuffer& v, const ffi::AnyBuffer& seq_q,
+                   const ffi::AnyBuffer& seq_kv, void* o, void* stats, PROBJAX_SDPA_ATTR_PARAMS) {
   auto s = ShapeOf(q, k);
   if (s.has_error()) return s.error();
-  auto opts = OptionsOf(q.element_type(), scale, causal, left_bound, padding);
+  auto opts = OptionsOf(q.element_type(), PROBJAX_SDPA_ATTR_ARGS);
   if (opts.has_error()) return opts.error();
-  std::vector<std::pair<int, void*>> slots = {{kQ, q.untyped_data()}, {kK, k.untyped_data()},
-                                              {kV, v.untyped_data()}, {kO, o->untyped_data()}};
+  std::vector<std::pair<int, void*>> slots = {
+      {kQ, q.untyped_data()}, {kK, k.untyped_data()}, {kV, v.untyped_data()}, {kO, o}};
   if (training) slots.push_back({kStats, stats});
   return Run(training ? 1 : 0, stream, scratch, s.value(), opts.value(), seq_q, seq_kv, slots);
 }
 
 ffi::Error ForwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q, ffi::AnyBuffer k,
                        ffi::AnyBuffer v, ffi::AnyBuffer seq_q, ffi::AnyBuffer seq_kv, ffi::Result<ffi::AnyBuffer> o,
-                       float scale, bool causal, int64_t left_bound, bool padding) {
-  return Forward(false, stream, std::move(scratch), q, k, v, seq_q, seq_kv, o, nullptr, scale, causal, left_bound,
-                 padding);
+                       PROBJAX_SDPA_ATTR_PARAMS) {
+  return Forward(false, stream, scratch, q, k, v, seq_q, seq_kv, o->untyped_data(), nullptr,
+                 PROBJAX_SDPA_ATTR_ARGS);
 }
 
 ffi::Error ForwardStatsImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q,
                             ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer seq_q, ffi::AnyBuffer seq_kv,
-                            ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> stats, float scale,
-                            bool causal, int64_t left_bound, bool padding) {
-  return Forward(true, stream, std::move(scratch), q, k, v, seq_q, seq_kv, o, stats->untyped_data(), scale, causal,
-                 left_bound, padding);
+                            ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> stats,
+                            PROBJAX_SDPA_ATTR_PARAMS) {
+  return Forward(true, stream, scratch, q, k, v, seq_q, seq_kv, o->untyped_data(), stats->untyped_data(),
+                 PROBJAX_SDPA_ATTR_ARGS);
 }
 
 ffi::Error BackwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q, ffi::AnyBuffer k,
                         ffi::AnyBuffer v, ffi::AnyBuffer o, ffi::AnyBuffer d_o, ffi::AnyBuffer stats,
                         ffi::AnyBuffer seq_q, ffi::AnyBuffer seq_kv, ffi::Result<ffi::AnyBuffer> dq,
-                        ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv, float scale, bool causal,
-                        int64_t left_bound, bool padding) {
+                        ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv, PROBJAX_SDPA_ATTR_PARAMS) {
   auto s = ShapeOf(q, k);
   if (s.has_error()) return s.error();
-  auto opts = OptionsOf(q.element_type(), scale, causal, left_bound, padding);
+  auto opts = OptionsOf(q.element_type(), PROBJAX_SDPA_ATTR_ARGS);
   if (opts.has_error()) return opts.error();
   std::vector<std::pair<int, void*>> slots = {
-      {kQ, q.untyped_data()},      {kK, k.untyped_data()},       {kV, v.untyped_data()},
-      {kO, o.untyped_data()},      {kDO, d_o.untyped_data()},    {kStats, stats.untyped_data()},
-      {kDQ, dq->untyped_data()},   {kDK, dk->untyped_data()},    {kDV, dv->untyped_data()}};
+      {kQ, q.untyped_data()},    {kK, k.untyped_data()},    {kV, v.untyped_data()},
+      {kO, o.untyped_data()},    {kDO, d_o.untyped_data()}, {kStats, stats.untyped_data()},
+      {kDQ, dq->untyped_data()}, {kDK, dk->untyped_data()}, {kDV, dv->untyped_data()}};
   return Run(2, stream, scratch, s.value(), opts.value(), seq_q, seq_kv, slots);
 }
 
 }  // namespace
 
-#define PROBJAX_SDPA_ATTRS                                                                 \
-  .Attr<float>("scale").Attr<bool>("causal").Attr<int64_t>("left_bound").Attr<bool>("padding")
+#define PROBJAX_SDPA_ATTRS                                                                    \
+  .Attr<float>("scale").Attr<bool>("causal").Attr<int64_t>("left_bound").Attr<bool>("padding") \
+      .Attr<int64_t>("sdpa").Attr<bool>("autotune")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ProbjaxCudnnSdpaForward, ForwardImpl,
                               ffi::Ffi::Bind()
