@@ -62,15 +62,16 @@ def _cases(with_torch: bool):
   yield "jax_matmul_x8_one_jit", "jax", (lambda: mm8(a, b)), jax.block_until_ready
   arrays = impls.inputs(4, 4096, 4096, 8, 8, 64)
   arrays128 = impls.inputs(4, 4096, 4096, 8, 8, 128)
-  for impl in ("probjax_default", "probjax_triton", "jaxnn_cudnn"):
+  for impl in ("probjax_default", "probjax_triton", "probjax_cudnn", "jaxnn_cudnn"):
     fn, sync = impls.build(impl, arrays, "bfloat16", False, "fwd")
     yield f"{impl}_t4096_d64_fwd", "jax", fn, sync
-  for impl in ("probjax_default", "jaxnn_cudnn"):
+  for impl in ("probjax_default", "probjax_cudnn", "jaxnn_cudnn"):
     fn, sync = impls.build(impl, arrays128, "bfloat16", False, "fwd_bwd")
     yield f"{impl}_t4096_d128_fwd_bwd", "jax", fn, sync
   for t, causal in D128_FORWARDS:
-    fn, sync = impls.build("jaxnn_cudnn", impls.inputs(4, t, t, 8, 8, 128), "bfloat16", causal, "fwd")
-    yield f"jaxnn_cudnn_t{t}_d128_fwd" + ("_causal" if causal else ""), "jax", fn, sync
+    for impl in ("probjax_cudnn", "jaxnn_cudnn"):
+      fn, sync = impls.build(impl, impls.inputs(4, t, t, 8, 8, 128), "bfloat16", causal, "fwd")
+      yield f"{impl}_t{t}_d128_fwd" + ("_causal" if causal else ""), "jax", fn, sync
   if not with_torch:
     return
   torch = impls.torch_mod()
