@@ -141,8 +141,12 @@ DEVICE_DEFAULTS: dict[tuple[int, int], DeviceDefaults] = {
         #   default (interleaved_mosaic_default_d128.json, 0154c01, default / jax.nn cuDNN /
         #   torch SDPA cuDNN): T2048 0.132 / 0.133 / 0.116, T4096 0.492 / 0.462 / 0.424, T8192
         #   1.793 / 1.806 / 1.789: level with jax.nn's cuDNN call within the rounds' spread.
-        mosaic_forward_work=(("none", 128, 2**27, None),
-                             ("causal", 128, 2**27, 2**31), ("causal", 64, 2**27, 2**31),
+        #   The cuDNN route through probjax's FFI call (no XLA memsets) is ahead of it
+        #   (interleaved_cudnn_ffi_configs.json, ea988bf, one process, fwd ms, FFI cuDNN / the
+        #   default on the Mosaic forward / jax.nn cuDNN / torch SDPA cuDNN): T4096 D128 0.4625 /
+        #   0.4807 / 0.4794 / 0.4642; T16384 (dispatch_gap_ffi.json) FFI 7.316, jax.nn 7.191,
+        #   torch 7.300 -> unmasked D128 on the cuDNN route again.
+        mosaic_forward_work=(("causal", 128, 2**27, 2**31), ("causal", 64, 2**27, 2**31),
                              ("window", 128, 2**31, 2**33)),
         # Lengths off the 128-row tiles (86cfc22, B4 H8 T3000, work 2^28.1, fwd ms, Mosaic /
         # the default on the cuDNN route / jax.nn cuDNN / torch SDPA cuDNN, same run): D64

@@ -85,13 +85,19 @@ def _attrs(params) -> dict:
               sdpa=np.int64(attrs["sdpa"]), autotune=attrs["autotune"])
 
 
+def _operands(q, lens):
+  """The sequence-length operands; without a padding mask the graph reads none, and q stands in
+  for both (no buffers or kernels to make them)."""
+  return lens if lens is not None else (q, q)
+
+
 def _forward(q, k, v, lens, params, stats: bool):
   b, tq, h, _ = q.shape
   out = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
   if stats:
     out.append(jax.ShapeDtypeStruct((b, h, tq), jnp.float32))
   target = "probjax_cudnn_sdpa_fwd_stats" if stats else "probjax_cudnn_sdpa_fwd"
-  return jax.ffi.ffi_call(target, out, vmap_method="sequential")(q, k, v, *lens, **_attrs(params))
+  return jax.ffi.ffi_call(target, out, vmap_method="sequential")(q, k, v, *_operands(q, lens), **_attrs(params))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -108,9 +114,9 @@ def _sdpa_bwd(params, res, do):
   q, k, v, lens, o, stats = res
   grads = jax.ffi.ffi_call("probjax_cudnn_sdpa_bwd",
                            [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)],
-                           vmap_method="sequential")(q, k, v, o, do.astype(o.dtype), stats, *lens,
-                                                     **_attrs(params))
-  return (*grads, (None, None))
+                           vmap_method="sequential")(q, k, v, o, do.astype(o.dtype), stats,
+                                                     *_operands(q, lens), **_attrs(params))
+  return (*grads, None if lens is None else (None, None))
 
 
 _sdpa.defvjp(_sdpa_fwd, _sdpa_bwd)
@@ -133,6 +139,4 @@ def attention(q, k, v, *, mask: Mask | None, scale: float, config: CudnnConfig |
     if mask.kv_lengths is not None:
       lens = (jnp.full((b,), tq, jnp.int32), jnp.broadcast_to(mask.kv_lengths, (b,)).astype(jnp.int32))
   padding = lens is not None
-  if lens is None:  # unread: the graph has no padding mask
-    lens = (jnp.zeros((b,), jnp.int32),) * 2
   return _sdpa(q, k, v, lens, (float(scale), causal, int(left_bound), padding, config or CudnnConfig()))
