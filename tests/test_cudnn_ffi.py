@@ -125,7 +125,7 @@ def test_gpu_ffi_configs_agree(config, mask_name):
   x.v, x.do = x.v * 0.1, x.do * 0.1
   mask = make_mask(mask_name, 2, 1024, 1024)
   try:
-    got = _out_and_grads(x, mask, None, config)
+    got = jax.block_until_ready(_out_and_grads(x, mask, None, config))
   except jax.errors.JaxRuntimeError as e:  # cuDNN's unified SDPA takes masks from 9.21 (the H200 has 9.19)
     assert config.sdpa == "unified" and mask_name == "causal" and "requires cuDNN 9.21" in str(e), e
     return
