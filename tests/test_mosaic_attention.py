@@ -122,8 +122,8 @@ def test_mosaic_backward_fused_dq(mask_name, shared):
 
 
 @pytest.mark.parametrize("mask_name", ["none", "causal_offset"])
-def test_mosaic_backward_fused_dq_in_column_slices(mask_name):
-  # head_dim 128: each warpgroup's dQ partial is computed and added in two 64-column slices.
+def test_mosaic_backward_fused_dq_head_dim_128(mask_name):
+  # head_dim 128, where each warpgroup's dQ partial is 64 accumulator registers per thread.
   x = make_inputs(10, 1, 150, 200, 4, 2, 128, jnp.bfloat16)
   mask = make_mask(mask_name, 1, 150, 200)
   check_against_reference(_mosaic_bwd(mask, dataclasses.replace(BSMALL, fused_dq=True)), x, mask=mask)

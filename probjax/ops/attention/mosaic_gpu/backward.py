@@ -43,8 +43,7 @@ class MosaicBackwardConfig:
   """``block_q``: query tiles the dK/dV kernel streams; ``block_k``: key tiles the dQ kernel
   streams; ``num_stages`` ring slots; ``compute_wgs`` compute warpgroups (64 rows each).
   ``fused_dq``: no dQ kernel; the dK/dV kernel also multiplies each dS tile by its K rows
-  and adds the product to a float32 dQ in global memory (TMA reduce-add; 64 columns of
-  head_dim at a time, so one slice's accumulator is in registers at once): five matmuls per
+  and adds the product to a float32 dQ in global memory (TMA reduce-add): five matmuls per
   tile pair instead of seven, dQ's float32 sums in an order that varies from run to run
   (not bitwise deterministic; dK and dV still are). ``shared_dq`` (with ``fused_dq``): one
   dQ partial per CTA instead of one per compute warpgroup: the warpgroups exchange their dS^T
@@ -94,9 +93,9 @@ class MosaicBackwardConfig:
 # (T4096 2.216 / 2.393 / 1.781, T8192 8.396 / 11.088 / 7.182). shared_dq at head_dim 128
 # (mosaic_backward.json, 552c8fd, two kernels / fused / shared): T4096 2.168 / 2.498 / 2.305,
 # T8192 8.462 / 11.309 / 9.964, causal T8192 4.688 / 5.023 / 4.684; the fused dK/dV kernel
-# spills there (mosaic_ptxas_bwd.json), so two kernels stay the default. These fused numbers
-# predate the dQ products in 64-column slices (32 of a warpgroup's accumulator registers at
-# head_dim 128 instead of 64; not yet compiled by ptxas or timed).
+# spills there (mosaic_ptxas_bwd.json), so two kernels stay the default. Computing each
+# warpgroup's dQ in 64-column slices (half the live accumulator at head_dim 128) raised the spill
+# stores from 136 to 176 bytes (mosaic_ptxas_oneloop.json, f76d79d); reverted.
 # Tiles from the H200 sweep (gpu_attention_tiles.json, 14a595c, variants mbwd_*, bf16 B4 H8 T4096
 # fwd+bwd ms, best two-kernel config / the former default (64, 64, 3 or 2 stages, 2 wgs) / best
 # fused): D64 128x128 s2 1.373 / 1.466 / 1.291; D128 64x128 s2 2.204 / 2.265 / 2.438 (shared).
@@ -203,12 +202,10 @@ def _dkv_kernel(*refs, band, lengths, segments, scale, score_mod, groups, cfg, q
       if cfg.shared_dq:
         plgpu.barrier_wait(ds_bar.at[p])
         _shared_dq(ds_smem.at[p], k_smem, dq_smem.at[wg], dq_ref.at[dq_rows], wg, interpret)
-      elif cfg.fused_dq:  # in 64-column slices: one slice's accumulator is live at a time
-        for c in range(d // R):
-          cols = pl.ds(c * R, R)
-          dq_smem.at[wg, c][...] = C.mma(ds_smem.at[wg].T, k_smem.at[wg, :, cols], (bq, R))
-          plgpu.commit_smem()
-          _add_to(dq_smem.at[wg, c], dq_ref.at[dq_rows].at[:, cols], interpret)
+      elif cfg.fused_dq:
+        dq_smem.at[wg][...] = C.mma(ds_smem.at[wg].T, k_smem.at[wg], (bq, d))
+        plgpu.commit_smem()
+        _add_to(dq_smem.at[wg], dq_ref.at[dq_rows], interpret)
       return dk, dv
 
     def head(g, carry):
@@ -373,8 +370,8 @@ def backward(q, k, v, out, lse, do, mask: Mask | None, *, scale: float, config: 
   if cfg.shared_dq:  # two buffers of every warpgroup's dS^T, each warpgroup's dQ slice, barriers
     dkv_scratch += [smem(2, wgs, R, cfg.block_q), plgpu.SMEM((wgs, cfg.block_q, d // wgs), jnp.float32),
                     barriers(2, wgs), plgpu.Barrier(num_arrivals=wgs)]
-  elif cfg.fused_dq:  # dS^T (bf16) and dQ (float32, in 64-column slices) tiles
-    dkv_scratch += [smem(wgs, R, cfg.block_q), plgpu.SMEM((wgs, d // R, cfg.block_q, R), jnp.float32)]
+  elif cfg.fused_dq:  # dS^T (bf16) and dQ (float32) tiles
+    dkv_scratch += [smem(wgs, R, cfg.block_q), plgpu.SMEM((wgs, cfg.block_q, d), jnp.float32)]
   if cfg.fused_dq:  # the dQ accumulator, zeroed
     dq_acc = [jax.new_ref(jnp.zeros((batch, q_pad, heads, d), jnp.float32))]
   if interpret:  # P^T and dS^T staging (see common.mma_acc)
