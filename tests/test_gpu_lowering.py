@@ -44,12 +44,32 @@ def _fake_dispatch_sm90(monkeypatch):
   monkeypatch.setattr(dispatch.Device, "current", classmethod(lambda cls: dispatch.Device("gpu", (9, 0), 140 << 30)))
 
 
-def _fake_cudnn(monkeypatch):
-  """jax's cuDNN attention availability checks pass (cuDNN 9.10, any compute capability)."""
+def _fake_cudnn(monkeypatch, route="jaxnn"):
+  """The cuDNN route: jax.nn's call, with its availability checks passing (cuDNN 9.10, any
+  compute capability), or ("ffi") probjax's FFI call, which needs the built extension."""
   from jax._src.cudnn import fused_attention_stablehlo as fa
+  from probjax.ops.attention.cudnn import ffi
   monkeypatch.setattr(fa, "check_cudnn_version", lambda: 91000)
   monkeypatch.setattr(fa, "check_compute_capability", lambda c: True)
   monkeypatch.setattr(fa, "is_cuda_compute_capability_equal", lambda c: False)
+  if route == "jaxnn":
+    monkeypatch.setenv(ffi.ENV, "0")
+  elif ffi.unavailable() is not None:
+    pytest.skip(f"cuDNN FFI extension: {ffi.unavailable()}")
+
+
+# The cuDNN calls of each route: forward (with statistics under grad) and backward.
+CUDNN_CALLS = {"jaxnn": {"fwd": "__cudnn$fmhaSoftmax", "fwd_stats": "__cudnn$fmhaSoftmax",
+                         "bwd": "__cudnn$fmhaSoftmaxBackward"},
+               "ffi": {"fwd": "probjax_cudnn_sdpa_fwd", "fwd_stats": "probjax_cudnn_sdpa_fwd_stats",
+                       "bwd": "probjax_cudnn_sdpa_bwd"}}
+ROUTES = list(CUDNN_CALLS)
+
+
+def _cudnn_calls(text: str) -> list[str]:
+  """The cuDNN custom calls of lowered text, of either route, sorted."""
+  import re
+  return sorted(re.findall(r"custom_call @(__cudnn\$fmha\w*|probjax_cudnn_sdpa_\w*)", text))
 
 
 @pytest.mark.parametrize("mask_name", list(MASKS))
@@ -88,30 +108,31 @@ def test_api_grad_lowers_for_sm90(monkeypatch):
   assert grad_text.count("probjax_attention_fwd") == fwd_text.count("probjax_attention_fwd") > 0
 
 
+@pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("mask", [None, M.CausalMask(), M.LocalWindowMask(512, 0),
                                   M.KVLenMask(jnp.array([4096, 100, 5, 0]))])
-def test_default_cudnn_route_lowers_for_sm90(monkeypatch, mask):
+def test_default_cudnn_route_lowers_for_sm90(monkeypatch, mask, route):
   """The sm_90 default's cuDNN route (forward-mode wrapper included) lowers to one cuDNN
-  forward and one backward call under grad (cuDNN's availability checks faked)."""
-  import re
+  forward and one backward call under grad, and to one forward call without."""
   from probjax.nn.layers.attention import dot_product_attention
-  _fake_cudnn(monkeypatch)
+  _fake_cudnn(monkeypatch, route)
   _fake_dispatch_sm90(monkeypatch)
   monkeypatch.setenv("PROBJAX_ATTENTION_MOSAIC", "0")  # the causal grad rule: see below
   q = jax.ShapeDtypeStruct((4, 4096, 8, 64), jnp.bfloat16)
   loss = lambda q: jnp.sum(dot_product_attention(q, q, q, mask=mask).astype(jnp.float32))
-  text = jax.jit(jax.grad(loss)).trace(q).lower(lowering_platforms=("cuda",)).as_text()
-  calls = re.findall(r"custom_call @(__cudnn\$fmha\w*)", text)
-  assert sorted(calls) == ["__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"], calls
+  lower = lambda fn: jax.jit(fn).trace(q).lower(lowering_platforms=("cuda",)).as_text()
+  calls = CUDNN_CALLS[route]
+  assert _cudnn_calls(lower(jax.grad(loss))) == sorted([calls["fwd_stats"], calls["bwd"]])
+  assert _cudnn_calls(lower(loss)) == [calls["fwd"]]
 
 
+@pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("mask", [None, M.CausalMask()])
-def test_default_d64_grad_runs_triton_for_sm90(monkeypatch, mask):
+def test_default_d64_grad_runs_triton_for_sm90(monkeypatch, mask, route):
   """sm_90, D64 below the table's grad work limit: the primal lowers to cuDNN alone, the
   gradient to the Triton forward and backward alone."""
-  import re
   from probjax.nn.layers.attention import dot_product_attention
-  _fake_cudnn(monkeypatch)
+  _fake_cudnn(monkeypatch, route)
   _fake_triton_sm90(monkeypatch, device_kind=True)
   _fake_dispatch_sm90(monkeypatch)
   monkeypatch.setenv("PROBJAX_ATTENTION_MOSAIC", "0")  # causal: the Mosaic rule (below) goes first
@@ -119,9 +140,9 @@ def test_default_d64_grad_runs_triton_for_sm90(monkeypatch, mask):
   f = lambda q: jnp.sum(dot_product_attention(q, q, q, mask=mask).astype(jnp.float32))
   lower = lambda fn: jax.jit(fn).trace(q).lower(lowering_platforms=("cuda",)).as_text()
   primal, grad = lower(f), lower(jax.grad(f))
-  assert re.findall(r"custom_call @(__cudnn\$fmha\w*)", primal) == ["__cudnn$fmhaSoftmax"]
+  assert _cudnn_calls(primal) == [CUDNN_CALLS[route]["fwd"]]
   assert "probjax_attention" not in primal
-  assert "__cudnn$fmha" not in grad
+  assert _cudnn_calls(grad) == []
   assert "probjax_attention_fwd" in grad and "probjax_attention_bwd" in grad
   # split (no band): forward, dK/dV, dQ; fused (causal band): forward, one backward.
   assert grad.count("custom_call @__gpu$xla.gpu.triton") == (3 if mask is None else 2)
@@ -142,7 +163,7 @@ def test_default_causal_grad_runs_mosaic_for_sm90(monkeypatch, d):
   lower = lambda fn: jax.jit(fn).trace(q).lower(lowering_platforms=("cuda",)).as_text()
   primal, grad = lower(f), lower(jax.grad(f))
   assert set(re.findall(r"custom_call @([\w$.]+)", primal)) == {"mosaic_gpu_v2"}
-  assert "__cudnn$fmha" not in grad
+  assert _cudnn_calls(grad) == []
   assert grad.count("custom_call @mosaic_gpu_v2") == 1 and "probjax_attention_fwd_mosaic" in grad
   assert grad.count("custom_call @__gpu$xla.gpu.triton") == 1 and "probjax_attention_bwd" in grad
 
@@ -172,24 +193,27 @@ def test_default_long_segments_run_mosaic_for_sm90(monkeypatch, d, t):
     assert grad.count("custom_call @__gpu$xla.gpu.triton") == 2  # split backward: dK/dV, dQ
 
 
-def test_default_long_unmasked_forward_runs_mosaic_for_sm90(monkeypatch):
-  """sm_90, a forward-only call above the table's Mosaic forward limit lowers to the Mosaic
-  forward alone; its gradient to cuDNN's forward and backward alone."""
+@pytest.mark.parametrize("route", ROUTES)
+def test_default_causal_forward_runs_mosaic_for_sm90(monkeypatch, route):
+  """sm_90, a causal forward-only call at the top of the table's Mosaic forward range (D128,
+  2^31) lowers to the Mosaic forward alone; its gradient (above the Mosaic grad rule) to
+  cuDNN's forward and backward alone."""
+  import re
   from probjax.nn.layers import attention_device
   from probjax.nn.layers.attention import dot_product_attention
-  _fake_cudnn(monkeypatch)
+  _fake_cudnn(monkeypatch, route)
   _fake_triton_sm90(monkeypatch, device_kind=True)
   _fake_dispatch_sm90(monkeypatch)
-  [(d, work)] = [(d, lo) for kind, d, lo, hi in attention_device.DEVICE_DEFAULTS[(9, 0)].mosaic_forward_work
-                 if kind == "none" and hi is None]
-  q = jax.ShapeDtypeStruct((4, int((work // 32) ** 0.5), 8, d), jnp.bfloat16)
-  f = lambda q: jnp.sum(dot_product_attention(q, q, q).astype(jnp.float32))
+  [work] = [hi for kind, d, lo, hi in attention_device.DEVICE_DEFAULTS[(9, 0)].mosaic_forward_work
+            if kind == "causal" and d == 128]
+  q = jax.ShapeDtypeStruct((4, int((work // 32) ** 0.5), 8, 128), jnp.bfloat16)
+  f = lambda q: jnp.sum(dot_product_attention(q, q, q, mask=M.CausalMask()).astype(jnp.float32))
   lower = lambda fn: jax.jit(fn).trace(q).lower(lowering_platforms=("cuda",)).as_text()
   primal, grad = lower(f), lower(jax.grad(f))
   assert set(re.findall(r"custom_call @([\w$.]+)", primal)) == {"mosaic_gpu_v2"}
   assert "probjax_attention_fwd_mosaic" in primal
-  assert sorted(re.findall(r"custom_call @(__cudnn\$fmha\w*)", grad)) == ["__cudnn$fmhaSoftmax",
-                                                                         "__cudnn$fmhaSoftmaxBackward"]
+  calls = CUDNN_CALLS[route]
+  assert _cudnn_calls(grad) == sorted([calls["fwd_stats"], calls["bwd"]])
   assert "mosaic_gpu" not in grad
 
 
