@@ -335,45 +335,24 @@ ffi::Error BackwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi:
 
 }  // namespace
 
+// Bindings: the stream and scratch allocator, buffer arguments, buffer results, attributes.
+#define PROBJAX_BIND ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::ScratchAllocator>()
+#define PROBJAX_ARG .Arg<ffi::AnyBuffer>()
+#define PROBJAX_RET .Ret<ffi::AnyBuffer>()
 #define PROBJAX_SDPA_ATTRS                                                                    \
   .Attr<float>("scale").Attr<bool>("causal").Attr<int64_t>("left_bound").Attr<bool>("padding") \
       .Attr<int64_t>("sdpa").Attr<bool>("autotune")
 
+// q, k, v, seq_q, seq_kv -> o
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ProbjaxCudnnSdpaForward, ForwardImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>() PROBJAX_SDPA_ATTRS);
-
+                              PROBJAX_BIND PROBJAX_ARG PROBJAX_ARG PROBJAX_ARG PROBJAX_ARG PROBJAX_ARG
+                                  PROBJAX_RET PROBJAX_SDPA_ATTRS);
+// q, k, v, seq_q, seq_kv -> o, stats
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ProbjaxCudnnSdpaForwardStats, ForwardStatsImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>() PROBJAX_SDPA_ATTRS);
-
+                              PROBJAX_BIND PROBJAX_ARG PROBJAX_ARG PROBJAX_ARG PROBJAX_ARG PROBJAX_ARG
+                                  PROBJAX_RET PROBJAX_RET PROBJAX_SDPA_ATTRS);
+// q, k, v, o, do, stats, seq_q, seq_kv -> dq, dk, dv
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ProbjaxCudnnSdpaBackward, BackwardImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>() PROBJAX_SDPA_ATTRS);
+                              PROBJAX_BIND PROBJAX_ARG PROBJAX_ARG PROBJAX_ARG PROBJAX_ARG PROBJAX_ARG
+                                  PROBJAX_ARG PROBJAX_ARG PROBJAX_ARG PROBJAX_RET PROBJAX_RET PROBJAX_RET
+                                      PROBJAX_SDPA_ATTRS);
