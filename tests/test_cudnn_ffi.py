@@ -42,7 +42,6 @@ def test_route_opt_out_and_missing_library(tmp_path):
 ])
 def test_mask_to_graph_attributes(monkeypatch, name, expect):
   seen = {}
-  monkeypatch.setattr(ffi, "_load", lambda path: None)
   monkeypatch.setattr(ffi, "_sdpa", lambda q, k, v, lens, params: seen.update(lens=lens, params=params) or q)
   x = make_inputs(0, 3, 4096, 4096, 8, 2, 64, jnp.bfloat16)
   mask = make_mask(name, 3, 4096, 4096)
@@ -57,6 +56,16 @@ def test_mask_to_graph_attributes(monkeypatch, name, expect):
   if padding:
     np.testing.assert_array_equal(seq_q, 4096)
     np.testing.assert_array_equal(seq_kv, np.broadcast_to(np.asarray(mask.kv_lengths), (3,)))
+
+
+def test_library_that_does_not_load_falls_back_with_its_reason(tmp_path):
+  bad = tmp_path / "bad.so"
+  bad.write_bytes(b"not an ELF file")
+  env = {ffi.LIBRARY_ENV: str(bad)}
+  assert ffi.unavailable(env) is None  # built, not yet loaded
+  why = ffi.ready(env)
+  assert why.startswith(f"the FFI extension {bad} does not load")
+  assert ffi.unavailable(env) == why and cudnn.route(env) == f"jax.nn ({why})"
 
 
 def test_cudnn_config_is_validated_and_needs_the_cudnn_route(tmp_path):

@@ -73,7 +73,7 @@ def attention(q, k, v, *, mask: Mask | None = None, scale: float, config: CudnnC
   """q ``[B, Tq, H, D]``, k/v ``[B, Tkv, Hkv, D]`` (bf16/fp16) → ``[B, Tq, H, D]`` via cuDNN.
 
   ``config`` (:class:`CudnnConfig`) needs the FFI extension: without it, ValueError."""
-  why = ffi.unavailable(env)
+  why = ffi.ready(env)
   if why is None:
     out = ffi.attention(q, k, v, mask=mask, scale=scale, config=config, env=env)
   elif config is not None:

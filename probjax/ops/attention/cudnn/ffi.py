@@ -58,24 +58,26 @@ def unavailable(env=None) -> str | None:
   return _loaded.get(str(path))
 
 
-def _load(path: pathlib.Path) -> None:
-  """Loads the extension and registers its targets (once per process)."""
-  if str(path) in _loaded:
-    if _loaded[str(path)]:
-      raise RuntimeError(_loaded[str(path)])
-    return
-  for sub, rel in _RUNTIME_LIBRARIES:
-    d = build.nvidia_dir(sub)
-    if d is not None and (d / rel).exists():
-      ctypes.CDLL(str(d / rel), mode=os.RTLD_GLOBAL)  # so that dlopen by soname finds it
+def ready(env=None) -> str | None:
+  """:func:`unavailable`, after loading the extension and registering its targets (once per
+  process): a library that does not load gives its reason here, and calls go through jax.nn."""
+  why = unavailable(env)
+  path = library_path(env)
+  if why is not None or str(path) in _loaded:
+    return why
   try:
+    for sub, rel in _RUNTIME_LIBRARIES:
+      d = build.nvidia_dir(sub)
+      if d is not None and (d / rel).exists():
+        ctypes.CDLL(str(d / rel), mode=os.RTLD_GLOBAL)  # so that dlopen by soname finds it
     lib = ctypes.CDLL(str(path))
     for target, symbol in _TARGETS.items():
       jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="CUDA")
   except (OSError, AttributeError) as e:
     _loaded[str(path)] = f"the FFI extension {path} does not load: {e}"
-    raise RuntimeError(_loaded[str(path)]) from e
-  _loaded[str(path)] = None
+  else:
+    _loaded[str(path)] = None
+  return _loaded[str(path)]
 
 
 def _attrs(params) -> dict:
@@ -127,8 +129,7 @@ def attention(q, k, v, *, mask: Mask | None, scale: float, config: CudnnConfig |
 
   ``mask``: None, key lengths, ``CausalMask()`` or ``LocalWindowMask(left, 0)`` (equal
   lengths), as :func:`probjax.ops.attention.cudnn.supports` checks; ``config``: graph
-  options (default ``CudnnConfig()``)."""
-  _load(library_path(env))
+  options (default ``CudnnConfig()``). Call :func:`ready` first."""
   b, tq = q.shape[:2]
   causal, left_bound, lens = False, 0, None
   if mask is not None:
