@@ -53,9 +53,8 @@ def test_mask_to_graph_attributes(monkeypatch, name, expect):
     return
   seq_q, seq_kv = (np.asarray(a) for a in seen["lens"])
   assert seq_q.shape == seq_kv.shape == (3,) and seq_q.dtype == seq_kv.dtype == np.int32
-  if padding:
-    np.testing.assert_array_equal(seq_q, 4096)
-    np.testing.assert_array_equal(seq_kv, np.broadcast_to(np.asarray(mask.kv_lengths), (3,)))
+  np.testing.assert_array_equal(seq_q, 4096)
+  np.testing.assert_array_equal(seq_kv, np.broadcast_to(np.asarray(mask.kv_lengths), (3,)))
 
 
 def test_library_that_does_not_load_falls_back_with_its_reason(tmp_path):

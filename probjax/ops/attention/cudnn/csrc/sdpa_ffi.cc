@@ -36,7 +36,7 @@ namespace fe = cudnn_frontend;
 using TensorPtr = std::shared_ptr<fe::graph::Tensor_attributes>;
 
 namespace cudnn_frontend {
-void* cudnn_dlhandle = nullptr;  // set by Run's first call
+void* cudnn_dlhandle = nullptr;  // set by the first Handle()
 }  // namespace cudnn_frontend
 
 namespace {
@@ -62,9 +62,16 @@ struct Entry {
   bool tuned = false;
 };
 
-// [B, T, H, D] memory seen as cuDNN's [B, H, T, D].
-std::vector<int64_t> Bhtd(int64_t b, int64_t t, int64_t h, int64_t d) { return {b, h, t, d}; }
-std::vector<int64_t> BhtdStride(int64_t t, int64_t h, int64_t d) { return {t * h * d, d, h * d, 1}; }
+// q/o/do/dq (kv false) or k/v/dk/dv (kv true): [B, T, H, D] memory seen as cuDNN's [B, H, T, D].
+fe::graph::Tensor_attributes& Layout(fe::graph::Tensor_attributes& t, const Shape& s, bool kv) {
+  const int64_t len = kv ? s.tkv : s.tq, h = kv ? s.hkv : s.h;
+  return t.set_dim({s.b, h, len, s.d}).set_stride({len * h * s.d, s.d, h * s.d, 1});
+}
+
+// The softmax statistics: float32 [B, H, Tq, 1].
+fe::graph::Tensor_attributes& StatsLayout(fe::graph::Tensor_attributes& t, const Shape& s) {
+  return t.set_dim({s.b, s.h, s.tq, 1}).set_stride({s.h * s.tq, s.tq, 1, 1}).set_data_type(fe::DataType_t::FLOAT);
+}
 
 ffi::Error Check(fe::error_t e, const char* what) {
   if (e.is_bad()) {
@@ -99,14 +106,13 @@ ffi::ErrorOr<cudnnHandle_t> Handle(int device) {
 }
 
 TensorPtr Input(fe::graph::Graph& g, const char* name, const Shape& s, bool kv) {
-  int64_t t = kv ? s.tkv : s.tq, h = kv ? s.hkv : s.h;
-  return g.tensor(fe::graph::Tensor_attributes().set_name(name).set_dim(Bhtd(s.b, t, h, s.d))
-                      .set_stride(BhtdStride(t, h, s.d)));
+  fe::graph::Tensor_attributes t;
+  return g.tensor(Layout(t.set_name(name), s, kv));
 }
 
 TensorPtr Stats(fe::graph::Graph& g, const Shape& s) {
-  return g.tensor(fe::graph::Tensor_attributes().set_name("stats").set_dim({s.b, s.h, s.tq, 1})
-                      .set_stride({s.h * s.tq, s.tq, 1, 1}).set_data_type(fe::DataType_t::FLOAT));
+  fe::graph::Tensor_attributes t;
+  return g.tensor(StatsLayout(t.set_name("stats"), s));
 }
 
 TensorPtr SeqLen(fe::graph::Graph& g, const char* name, int64_t b) {
@@ -172,11 +178,10 @@ ffi::ErrorOr<Entry*> Get(int kind, const Shape& s, const Options& o, cudnnHandle
     a.set_implementation(impls[o.sdpa]);
     SetMask(a, *e, g, s, o);
     auto [out, stats] = g.sdpa(e->q, e->k, e->v, a);
-    out->set_output(true).set_dim(Bhtd(s.b, s.tq, s.h, s.d)).set_stride(BhtdStride(s.tq, s.h, s.d));
+    Layout(out->set_output(true), s, false);
     e->o = out;
     if (kind == 1) {
-      stats->set_output(true).set_data_type(fe::DataType_t::FLOAT).set_dim({s.b, s.h, s.tq, 1})
-          .set_stride({s.h * s.tq, s.tq, 1, 1});
+      StatsLayout(stats->set_output(true), s);
       e->stats = stats;
     }
   } else {
@@ -186,9 +191,9 @@ ffi::ErrorOr<Entry*> Get(int kind, const Shape& s, const Options& o, cudnnHandle
     auto a = fe::graph::SDPA_backward_attributes().set_name("sdpa_backward");
     SetMask(a, *e, g, s, o);
     auto [dq, dk, dv] = g.sdpa_backward(e->q, e->k, e->v, e->o, e->d_o, e->stats, a);
-    dq->set_output(true).set_dim(Bhtd(s.b, s.tq, s.h, s.d)).set_stride(BhtdStride(s.tq, s.h, s.d));
-    dk->set_output(true).set_dim(Bhtd(s.b, s.tkv, s.hkv, s.d)).set_stride(BhtdStride(s.tkv, s.hkv, s.d));
-    dv->set_output(true).set_dim(Bhtd(s.b, s.tkv, s.hkv, s.d)).set_stride(BhtdStride(s.tkv, s.hkv, s.d));
+    Layout(dq->set_output(true), s, false);
+    Layout(dk->set_output(true), s, true);
+    Layout(dv->set_output(true), s, true);
     e->dq = dq;
     e->dk = dk;
     e->dv = dv;
