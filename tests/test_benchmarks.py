@@ -333,6 +333,9 @@ def test_interleaved_tables_rate_probjax_against_the_fastest_peer():
   text = bf.interleaved_section({"interleaved_x.json": {"rows": rows, "command": "cmd", "commit": "abc"}})
   assert "`interleaved_x.json`: batch 4, 8 heads; `cmd` at abc" in text
   assert "| 4096 | 128 | no | fwd | none | 2.00 | 2.50 | 1.60 | 1.250 |" in text
+  failed = dict(rows[0], impl="probjax_cudnn_unified", ms=None, status="error", error="needs cuDNN 9.21")
+  text = bf.interleaved_section({"interleaved_x.json": {"rows": rows + [failed], "command": "cmd"}})
+  assert "| 4096 | 128 | no | fwd | none | 2.00 | 2.50 | 1.60 | — | 1.250 | — |" in text
   assert bf.interleaved_section({}) == bf.NOT_MEASURED
 
 

@@ -1004,7 +1004,8 @@ def interleaved_section(probes: dict) -> str:
     peers = [i for i in impls if not i.startswith("probjax_")]
     by = collections.defaultdict(dict)
     for r in rows:
-      by[(r["t"], r["d"], r["causal"], r["mode"], r.get("mask", "none"))][r["impl"]] = r["ms"]
+      if r.get("ms") is not None:  # a failed implementation's row (status, error) shows as "—"
+        by[(r["t"], r["d"], r["causal"], r["mode"], r.get("mask", "none"))][r["impl"]] = r["ms"]
     body = []
     for (t, d, c, mode, mask), v in sorted(by.items()):
       best = min((v[p] for p in peers if p in v), default=None)

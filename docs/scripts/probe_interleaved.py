@@ -9,8 +9,9 @@ process gave 2% (``dispatch_gap.json``). Here, per shape (bf16 B4 H8, T 3000 and
 ``--mask`` such as ``docs4`` or ``window512`` for the masked suite's rows), every implementation of ``--impls``
 (default: the default, jax.nn cuDNN and torch SDPA cuDNN; issue 3's rows: ``probjax_triton,
 torch_flex,torch_sdpa_flash``) is timed once per round, in a rotated order, for ``--rounds``
-rounds; a row holds each round's median ms and their median. Rows are written as they are
-measured.
+rounds; a row holds each round's median ms and their median. An implementation that fails
+(to build or to run) gets a row with ``ms`` None and the harness's status and error instead of
+ending the probe. Rows are written as they are measured.
 """
 
 from __future__ import annotations
@@ -51,15 +52,29 @@ def main(argv=None):
   for t, d, causal, mode in shapes(ints(args.lengths), ints(args.head_dims), CAUSAL[args.causal],
                                    tuple(args.modes.split(","))):
     arrays = impls.inputs(args.batch, t, t, args.heads, args.heads, d)
-    fns = {impl: impls.build(impl, arrays, "bfloat16", causal, mode, args.mask) for impl in names}
-    rounds = {impl: [] for impl in names}
-    for order in harness.rotations(names, args.rounds):
-      for impl in order:
-        fn, sync = fns[impl]
-        rounds[impl].append(harness.time_fn(fn, sync, repeats=5)["ms"])
+    fns, failed = {}, {}  # failed: impl -> (status, error) of harness.classify_error
     for impl in names:
-      harness.probe_add(out, args.output, dict(impl=impl, batch=args.batch, heads=args.heads, t=t, d=d, causal=causal, mode=mode, mask=args.mask,
-                                               ms=statistics.median(rounds[impl]), round_ms=rounds[impl]))
+      try:
+        fns[impl] = impls.build(impl, arrays, "bfloat16", causal, mode, args.mask)
+      except Exception as e:  # noqa: BLE001 (recorded as the row's status, as the suites do)
+        failed[impl] = harness.classify_error(e)
+    rounds = {impl: [] for impl in fns}
+    for order in harness.rotations(list(fns), args.rounds):
+      for impl in order:
+        if impl in failed:  # failed in an earlier round
+          continue
+        fn, sync = fns[impl]
+        try:
+          rounds[impl].append(harness.time_fn(fn, sync, repeats=5)["ms"])
+        except Exception as e:  # noqa: BLE001
+          failed[impl] = harness.classify_error(e)
+    for impl in names:
+      row = dict(impl=impl, batch=args.batch, heads=args.heads, t=t, d=d, causal=causal, mode=mode, mask=args.mask)
+      if impl in failed:
+        row.update(ms=None, status=failed[impl][0], error=failed[impl][1])
+      else:
+        row.update(ms=statistics.median(rounds[impl]), round_ms=rounds[impl])
+      harness.probe_add(out, args.output, row)
     impls.free_memory()
   return 0
 
