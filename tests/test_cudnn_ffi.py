@@ -158,5 +158,40 @@ def test_gpu_ffi_vmap_and_repeat_calls():
   f = lambda q, k, v: cudnn.attention(q, k, v, mask=M.CausalMask(), scale=0.125)
   stacked = jax.vmap(f)(*(jnp.stack([a, a * 0.5]) for a in (x.q, x.k, x.v)))
   np.testing.assert_array_equal(np.asarray(stacked[0], np.float32), np.asarray(f(x.q, x.k, x.v), np.float32))
+  # vmap folds into the batch (one call); gradients under vmap, k/v not batched
+  g = jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * x.do), argnums=(0, 1, 2))
+  batched = jax.jit(jax.vmap(g, in_axes=(0, None, None)))(jnp.stack([x.q, -x.q]), x.k, x.v)
+  for i, sign in enumerate((1, -1)):
+    for u, w in zip(batched, g(sign * x.q, x.k, x.v)):
+      u, w = np.asarray(u[i], np.float32), np.asarray(w, np.float32)
+      assert np.max(np.abs(u - w)) <= AGREE * max(1.0, np.max(np.abs(w)))
   np.testing.assert_array_equal(np.asarray(jax.jit(f)(x.q, x.k, x.v), np.float32),
                                 np.asarray(jax.jit(f)(x.q, x.k, x.v), np.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask_name", ["causal", "kv_len"])
+def test_gpu_ffi_is_partitioned_over_batch_and_heads(mask_name):
+  """Under automatic sharding each GPU runs the call on its shard (no gather), and the
+  results match one GPU's."""
+  _ffi_built()
+  if len(jax.devices()) < 2:
+    pytest.skip("needs 2 GPUs")
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+  x = make_inputs(6, 4, 1024, 1024, 8, 4, 128, jnp.bfloat16)
+  x.v, x.do = x.v * 0.1, x.do * 0.1
+  mask = make_mask(mask_name, 4, 1024, 1024, seed=6)
+  f = lambda q, k, v: cudnn.attention(q, k, v, mask=mask, scale=128 ** -0.5)
+  def out_and_grads(q, k, v, do):
+    out, vjp = jax.vjp(f, q, k, v)
+    return (out,) + vjp(do)
+  one = jax.jit(out_and_grads)(x.q, x.k, x.v, x.do)
+  for spec in (P("x"), P(None, None, "x")):
+    args = [jax.device_put(a, NamedSharding(mesh, spec)) for a in (x.q, x.k, x.v, x.do)]
+    g = jax.jit(out_and_grads)
+    assert "all-gather" not in g.lower(*args).compile().as_text(), spec
+    for name, u, w in zip(("out", "dq", "dk", "dv"), g(*args), one):
+      assert u.sharding.is_equivalent_to(NamedSharding(mesh, spec), u.ndim), (name, u.sharding)
+      u, w = np.asarray(u, np.float32), np.asarray(w, np.float32)
+      assert np.max(np.abs(u - w)) <= AGREE * max(1.0, np.max(np.abs(w))), (spec, name)

@@ -8,10 +8,9 @@ by ``python -m probjax.ops.attention.cudnn.build``; without it (or with
 ``PROBJAX_ATTENTION_CUDNN_FFI=0``) the cuDNN route calls jax.nn.
 
 Inputs: q ``[B, Tq, H, D]``, k/v ``[B, Tkv, Hkv, D]`` (bf16/fp16, ``H % Hkv == 0``),
-masks as :func:`probjax.ops.attention.cudnn.supports` allows them. Not yet: a
-batching rule that folds ``vmap`` into the batch axis (vmap runs the call once per
-element) and SPMD partitioning rules (under automatic sharding XLA gathers the
-operands; ``shard_map`` sees local shapes and is unaffected).
+masks as :func:`probjax.ops.attention.cudnn.supports` allows them. Each custom call is
+:func:`probjax.ops.attention.sharding.batch_head_parallel`: under automatic sharding each
+device runs it on its shard of the batch and heads, and ``vmap`` folds into the batch.
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from probjax.ops.attention import sharding
 from probjax.ops.attention.cudnn import build
 from probjax.ops.attention.cudnn.config import CudnnConfig
 from probjax.ops.attention.masks import Mask
@@ -88,18 +88,34 @@ def _attrs(params) -> dict:
 
 
 def _operands(q, lens):
-  """The sequence-length operands; without a padding mask the graph reads none, and q stands in
-  for both (no buffers or kernels to make them)."""
-  return lens if lens is not None else (q, q)
+  """The sequence-length operands and their roles; without a padding mask the graph reads
+  none, and q stands in for both (no buffers or kernels to make them)."""
+  if lens is None:
+    return (q, q), (sharding.Q, sharding.Q)
+  return lens, (sharding.BATCH, sharding.BATCH)
 
 
-def _forward(q, k, v, lens, params, stats: bool):
+def _forward_call(static, q, k, v, seq_q, seq_kv):
+  params, stats = static
   b, tq, h, _ = q.shape
   out = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
   if stats:
     out.append(jax.ShapeDtypeStruct((b, h, tq), jnp.float32))
   target = "probjax_cudnn_sdpa_fwd_stats" if stats else "probjax_cudnn_sdpa_fwd"
-  return jax.ffi.ffi_call(target, out, vmap_method="sequential")(q, k, v, *_operands(q, lens), **_attrs(params))
+  return jax.ffi.ffi_call(target, out)(q, k, v, seq_q, seq_kv, **_attrs(params))
+
+
+def _backward_call(params, q, k, v, o, do, stats, seq_q, seq_kv):
+  return jax.ffi.ffi_call("probjax_cudnn_sdpa_bwd", [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)])(
+      q, k, v, o, do, stats, seq_q, seq_kv, **_attrs(params))
+
+
+def _forward(q, k, v, lens, params, stats: bool):
+  seq, seq_roles = _operands(q, lens)
+  roles_out = (sharding.Q, sharding.STATS) if stats else (sharding.Q,)
+  call = sharding.batch_head_parallel(_forward_call, (params, stats),
+                                      (sharding.Q, sharding.KV, sharding.KV, *seq_roles), roles_out)
+  return call(q, k, v, *seq)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -114,10 +130,11 @@ def _sdpa_fwd(q, k, v, lens, params):
 
 def _sdpa_bwd(params, res, do):
   q, k, v, lens, o, stats = res
-  grads = jax.ffi.ffi_call("probjax_cudnn_sdpa_bwd",
-                           [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)],
-                           vmap_method="sequential")(q, k, v, o, do.astype(o.dtype), stats,
-                                                     *_operands(q, lens), **_attrs(params))
+  seq, seq_roles = _operands(q, lens)
+  q_, kv_ = sharding.Q, sharding.KV
+  call = sharding.batch_head_parallel(_backward_call, params, (q_, kv_, kv_, q_, q_, sharding.STATS, *seq_roles),
+                                      (q_, kv_, kv_))
+  grads = call(q, k, v, o, do.astype(o.dtype), stats, *seq)
   return (*grads, None if lens is None else (None, None))
 
 
