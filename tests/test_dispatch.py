@@ -117,10 +117,9 @@ def test_sm90_long_calls_run_mosaic_where_triton_would():
   for d in (64, 128):
     odd = decide(((4, 3000, 8, d), (4, 3000, 8, d)), mask=M.SegmentMask(jnp.zeros((4, 3000), jnp.int32)))
     assert odd.implementation == "mosaic", odd
-  # ... and the D64 grad rule's forward (the Triton backward follows the Mosaic forward).
+  # ... and the unmasked forward at 3000 keys (differentiated: cuDNN, above the D64 grad rule's keys).
   odd = decide(((4, 3000, 8, 64), (4, 3000, 8, 64)))
-  assert (odd.implementation, odd.grad_implementation, odd.backward_pass_impl) == (
-      "mosaic", None, entry.backward_pass_impl), odd
+  assert (odd.implementation, odd.grad_implementation, odd.backward_pass_impl) == ("mosaic", "cudnn", "auto"), odd
   # Decoding keeps the split-KV Triton forward (its queries are far below the limit).
   assert decide(((8, 16, 32, 128), (8, 65536, 8, 128))).implementation == "triton"
   assert 2048 <= n and all(d <= 128 for d in bwd_min)  # the Mosaic backward's head_dims
@@ -150,14 +149,12 @@ def test_sm90_differentiated_d64_runs_triton():
   assert d.implementation == "cudnn" and d.grad_implementation == "triton"
   assert d.backward_pass_impl == entry.backward_pass_impl and "under grad triton" in str(d)
   assert decide(d64, mask=M.CausalMask()).backward_pass_impl == entry.backward_pass_impl_band
-  # From mosaic_min_len the Mosaic forward replaces the Triton forward under grad.
-  long = decide(((4, 2048, 8, 64), (4, 2048, 8, 64)))
-  assert long.grad_implementation == "mosaic" and long.backward_pass_impl == entry.backward_pass_impl
-  assert decide(((4, 2048, 8, 64), (4, 2048, 8, 64)),
-                env={"PROBJAX_ATTENTION_MOSAIC": "0"}).grad_implementation == "triton"
-  # At the work limit, at head_dim 128, or without the table: cuDNN's own backward.
+  # At the work limit, above the key limit, at head_dim 128, or without the table: cuDNN's own backward.
   n = int((entry.grad_triton_max_work // (4 * 8)) ** 0.5)
   assert decide(((4, n, 8, 64), (4, n, 8, 64))).grad_implementation is None
+  t = entry.grad_triton_max_kv_len
+  assert decide(((4, t, 8, 64), (4, t, 8, 64))).grad_implementation == "triton"
+  assert decide(((4, t + 1, 8, 64), (4, t + 1, 8, 64))).grad_implementation is None
   assert _under_grad(decide(((4, 2048, 8, 128), (4, 2048, 8, 128)))) == "cudnn"
   assert decide(d64, implementation="cudnn").grad_implementation is None
   assert decide(d64, kernel_args_default=False).implementation == "triton"

@@ -32,10 +32,10 @@ class DeviceDefaults:
       windows), whose empty tiles the kernel skips and the dense formulation computes.
     fp32_kernel_max_head_dim: float32 calls with ``head_dim`` up to this always run the
       kernel (its TF32 tiles beat the dense formulation there at every measured length).
-    grad_triton_max_head_dim, grad_triton_max_work: differentiated calls the cuDNN rule
-      takes with ``head_dim <= grad_triton_max_head_dim`` and work below
-      ``grad_triton_max_work`` run the Triton kernel's forward and backward instead (the
-      primal, e.g. at inference, stays on cuDNN).
+    grad_triton_max_head_dim, grad_triton_max_work, grad_triton_max_kv_len: differentiated
+      calls the cuDNN rule takes with ``head_dim <= grad_triton_max_head_dim``, work below
+      ``grad_triton_max_work`` and at most ``grad_triton_max_kv_len`` keys run the Triton
+      kernel's forward and backward instead (the primal, e.g. at inference, stays on cuDNN).
     grad_mosaic_band_max_work: ``((head_dim, work), ...)``: differentiated calls the cuDNN
       rule takes with a causal mask (``CausalMask()`` alone), that ``head_dim`` and at most
       that work run the Mosaic GPU forward with the Triton backward instead (before the
@@ -70,6 +70,7 @@ class DeviceDefaults:
   fp32_kernel_max_head_dim: int
   grad_triton_max_head_dim: int
   grad_triton_max_work: int
+  grad_triton_max_kv_len: int
   grad_mosaic_band_max_work: tuple[tuple[int, int], ...]
   mosaic_forward_work: tuple[tuple[str, int, int, int | None], ...]
   mosaic_forward_ragged_work: tuple[tuple[str, int, int, int | None], ...]
@@ -103,8 +104,16 @@ DEVICE_DEFAULTS: dict[tuple[int, int], DeviceDefaults] = {
         # Measured as the default (fwd+bwd ms, default / jax.nn cuDNN, same run): dispatch
         # sweep B64 T384 0.282 / 0.346, T512 0.445 / 0.520, T768 0.868 / 0.910; grid B4 H8
         # T2048 0.351 / 0.360, causal 0.259 / 0.296; T3000 0.770 / 0.766, causal 0.502 / 0.494.
+        # Through probjax's FFI call of cuDNN (no XLA memsets), the cuDNN route is ahead from
+        # 2048 keys and the Triton kernel only for short, wide batches (fwd+bwd ms, the default
+        # then on Mosaic forward + Triton backward or Triton alone / FFI cuDNN / Triton / torch
+        # SDPA cuDNN, one process, a24ea77 interleaved_ffi_grad_d64_b4.json and _b64.json):
+        # B4 H8 T2048 0.333 / 0.319 / - / 0.378, T3000 0.731 / 0.710 / - / 0.692 (24537c3 interleaved_ffi_3000_d64.json:
+        # 0.726 / 0.708 / - / 0.683); B64 H8 T512 0.429 / 0.438 / 0.411, T768 0.850 / 0.832 /
+        # 0.827, T1024 (2^29, cuDNN already) 1.325 / 1.328 / 1.372 -> up to 1536 keys.
         grad_triton_max_head_dim=64,
         grad_triton_max_work=2**29,
+        grad_triton_max_kv_len=1536,
         # Causal fwd+bwd (gpu_attention.json, bf16 B4 H8, ms, default on cuDNN or the Triton
         # grad rule / Mosaic forward + Triton backward / jax.nn cuDNN, same runs):
         #   D64:  T2048 (2^27) 0.259 / 0.233 / 0.296; T4096 (2^29) 0.779 / 0.709 / 0.819;

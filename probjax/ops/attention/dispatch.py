@@ -215,10 +215,9 @@ def _decide(q_shape, kv_shape, dtype, *, mask, bias, dense_mask, dropout, score_
             and _mosaic_allowed(q_shape, kv_shape, dtype, device, env, kw)):
           grad, why = "mosaic", "; differentiated causal: the Mosaic forward with the Triton backward is faster"
         elif (q_shape[-1] <= table.grad_triton_max_head_dim and work < table.grad_triton_max_work
+              and tk <= table.grad_triton_max_kv_len
               and triton_supports(q_shape, kv_shape, dtype, device=device, **kw) is None):
-          grad = "mosaic" if mosaic_fwd else "triton"
-          why = "; differentiated: the Triton kernel's backward is faster" + (
-              " (after the Mosaic forward)" if grad == "mosaic" else "")
+          grad, why = "triton", "; differentiated: the Triton kernel's backward is faster"
         ranges = table.mosaic_forward_ragged_work if _ragged(q_shape, kv_shape) else table.mosaic_forward_work
         fast = any(m == _mask_kind(mask) and d == q_shape[-1] and lo <= work and (hi is None or work <= hi)
                    for m, d, lo, hi in ranges)
