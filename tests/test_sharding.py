@@ -5,7 +5,8 @@ On CPU: vmap folds into the batch (the call sees rank-4 operands), and on 4 CPU 
 (a subprocess with ``--xla_force_host_platform_device_count=4``) each device runs the call on
 its shard of batch and heads, GQA included, with no gather; sequence shardings are gathered,
 and heads are replicated where key/value heads do not divide. The cuDNN FFI call itself is
-checked on two GPUs in ``tests/test_cudnn_ffi.py``.
+checked on two GPUs in ``tests/test_cudnn_ffi.py``; the Triton kernel's calls (interpret
+mode), with a mask's segment ids as operands, on the 4 CPU devices here.
 """
 
 import json
@@ -95,6 +96,24 @@ _SHARDED = textwrap.dedent("""
       hlo = f.lower(*args).compile().as_text()
       results.append(dict(kv_heads=kv_heads, spec=str(spec), local=[list(s) for s in T.SEEN[-1]],
                           gathers=hlo.count("all-gather"), out_spec=str(out.sharding.spec)))
+    # The Triton kernel (interpret mode) with a mask's arrays as operands, values and gradients.
+    from probjax.ops.attention import masks as M, triton
+    from probjax.ops.attention.reference import reference_vjp
+    from probjax.ops.attention.tolerances import max_error, tolerance
+    x = make_inputs(7, 4, 32, 32, 4, 2, 16)
+    mask = M.CausalMask() & M.SegmentMask(jnp.asarray(np.repeat([[0, 1]], 16, axis=1).repeat(4, 0), jnp.int32))
+    f = lambda q, k, v: triton.attention(q, k, v, mask=mask, interpret=True)
+    g = jax.jit(lambda q, k, v, do: (f(q, k, v),) + jax.vjp(f, q, k, v)[1](do))
+    put = lambda a, sp: jax.device_put(a, NamedSharding(mesh, sp))
+    args = [put(x.q, P("data", None, "model")), put(x.k, P("data", None, "model")),
+            put(x.v, P("data", None, "model")), put(x.do, P("data", None, "model"))]
+    got = g(*args)
+    ref = reference_vjp(x.q, x.k, x.v, x.do, mask=mask)
+    errs = [max_error(a, b) for a, b in zip(got, ref)]
+    hlo = g.lower(*args).compile().as_text()
+    results.append(dict(kernel="triton", errors=errs, ok=all(e <= tolerance(jnp.float32, grad=i > 0)
+                                                             for i, e in enumerate(errs)),
+                        gathers=hlo.count("all-gather"), out_spec=str(got[0].sharding.spec)))
     json.dump(results, sys.stdout)
 """)
 
@@ -105,7 +124,8 @@ def test_partitioned_over_batch_and_heads_on_four_devices():
   p = subprocess.run([sys.executable, "-c", _SHARDED], cwd=ROOT, env=env, capture_output=True, text=True,
                      timeout=300)
   assert p.returncode == 0, p.stderr[-3000:]
-  got = {(r["kv_heads"], r["spec"]): r for r in json.loads(p.stdout.strip().splitlines()[-1])}
+  rows = json.loads(p.stdout.strip().splitlines()[-1])
+  got = {(r["kv_heads"], r["spec"]): r for r in rows if "spec" in r}
   # batch over "data", heads over "model" (GQA: 4 query heads, 2 key/value heads): local shards, no gather
   r = got[(2, "P('data', None, 'model')")]
   assert r["local"] == [[2, 16, 2, 8], [2, 24, 1, 8], [2]] and r["gathers"] == 0, r
@@ -121,3 +141,35 @@ def test_partitioned_over_batch_and_heads_on_four_devices():
   # the batch over both mesh axes
   r = got[(2, "P(('data', 'model'),)")]
   assert r["local"] == [[1, 16, 4, 8], [1, 24, 2, 8], [1]] and r["gathers"] == 0, r
+  # the Triton kernel's forward and backward, per shard with the mask's segment ids
+  r = next(r for r in rows if r.get("kernel") == "triton")
+  assert r["ok"] and r["gathers"] == 0 and r["out_spec"] == "P('data', None, 'model')", r
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,mask_name", [(1024, "segments"), (2048, "segments"), (2048, "causal"),
+                                         (4096, "none")])
+def test_gpu_default_is_partitioned_over_batch_and_heads(t, mask_name):
+  """The default path on 2 GPUs (Triton at T1024, Mosaic forward from T2048, cuDNN unmasked):
+  each GPU runs the kernels on its shard of batch and heads, values and gradients as on one GPU."""
+  if len(jax.devices()) < 2:
+    pytest.skip("needs 2 GPUs")
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from probjax.nn.layers.attention import dot_product_attention, explain_dispatch
+  from probjax.testing import make_mask
+  mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+  x = make_inputs(t, 4, t, t, 8, 4, 64, jnp.bfloat16)
+  x.v, x.do = x.v * 0.1, x.do * 0.1
+  mask = make_mask(mask_name, 4, t, t, seed=t)
+  f = lambda q, k, v: dot_product_attention(q, k, v, mask=mask)
+  g = lambda q, k, v, do: (f(q, k, v),) + jax.vjp(f, q, k, v)[1](do)
+  one = jax.jit(g)(x.q, x.k, x.v, x.do)
+  for spec in (P("x"), P(None, None, "x")):
+    args = [jax.device_put(a, NamedSharding(mesh, spec)) for a in (x.q, x.k, x.v, x.do)]
+    h = jax.jit(g)
+    assert "all-gather" not in h.lower(*args).compile().as_text(), (spec, explain_dispatch(x.q.shape, x.k.shape,
+                                                                                          x.q.dtype, mask=mask))
+    for name, u, w in zip(("out", "dq", "dk", "dv"), h(*args), one):
+      assert u.sharding.is_equivalent_to(NamedSharding(mesh, spec), u.ndim), (name, u.sharding)
+      u, w = np.asarray(u, np.float32), np.asarray(w, np.float32)
+      assert np.max(np.abs(u - w)) <= 0.004 * max(1.0, np.max(np.abs(w))), (spec, name)

@@ -16,6 +16,7 @@ head ``i // (h / g)``, so a shard of ``g`` heads serves the matching shard of ``
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Callable, Hashable
@@ -29,6 +30,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 Q, KV, STATS, BATCH = "bthd", "bsgd", "bht", "b"
 _REPLICATED = "tsd"
+# A Mask's arrays and their roles.
+_MASK_ARRAYS = (("q_lengths", "b"), ("kv_lengths", "b"), ("q_segment_ids", "bt"), ("kv_segment_ids", "bs"))
 
 
 def batch_head_parallel(fn: Callable, static: Hashable, roles_in: tuple[str, ...],
@@ -46,7 +49,9 @@ def batch_head_parallel(fn: Callable, static: Hashable, roles_in: tuple[str, ...
 
 @functools.cache
 def _wrapped(fn, static, roles_in, roles_out):
-  per_shard = lambda *xs: tuple(fn(static, *xs))
+  # jit: the kernel's constants (e.g. tile tables) stay inside its own jaxpr; custom_partitioning
+  # takes a function without constants
+  per_shard = jax.jit(lambda *xs: tuple(fn(static, *xs)))
   cp = custom_partitioning(per_shard)
 
   def axes(mesh, arg_shapes):
@@ -106,6 +111,31 @@ def _wrapped(fn, static, roles_in, roles_out):
     return tuple(o.reshape(axis_size, -1, *o.shape[1:]) for o in outs), (True,) * len(outs)
 
   return call
+
+
+def masked_call(fn: Callable, static: Hashable, operands: tuple, roles: tuple[str, ...], mask,
+                roles_out: tuple[str, ...], *, partition: bool = True) -> tuple:
+  """``fn(static, *operands, mask) -> tuple of results`` through :func:`batch_head_parallel`,
+  with the mask's arrays (lengths ``[batch]``, segment ids ``[batch, len]``) as operands;
+  ``operands[0]`` is q-shaped and ``operands[1]`` k-shaped. ``partition=False``: ``fn``
+  directly (a ``score_mod`` sees global batch and head indices, which a shard does not have)."""
+  if not partition:
+    return tuple(fn(static, *operands, mask))
+  names = () if mask is None else tuple(n for n, _ in _MASK_ARRAYS if getattr(mask, n) is not None)
+  b, tq, tk = operands[0].shape[0], operands[0].shape[1], operands[1].shape[1]
+  shapes = {"b": (b,), "bt": (b, tq), "bs": (b, tk)}
+  mask_roles = tuple(dict(_MASK_ARRAYS)[n] for n in names)
+  arrays = tuple(jnp.broadcast_to(getattr(mask, n), shapes[r]) for n, r in zip(names, mask_roles))
+  skeleton = None if mask is None else dataclasses.replace(mask, **{n: None for n in names})
+  call = batch_head_parallel(_with_mask, (fn, static, skeleton, names), (*roles, *mask_roles), roles_out)
+  return call(*operands, *arrays)
+
+
+def _with_mask(static, *xs):
+  fn, st, skeleton, names = static
+  operands, arrays = xs[:len(xs) - len(names)], xs[len(xs) - len(names):]
+  mask = None if skeleton is None else dataclasses.replace(skeleton, **dict(zip(names, arrays)))
+  return fn(st, *operands, mask)
 
 
 def _padded_spec(arg_shape) -> tuple:

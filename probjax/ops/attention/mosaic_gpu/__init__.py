@@ -21,6 +21,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from probjax.ops.attention import sharding
 from probjax.ops.attention.base import check_kernel_call, score_mod_reason, score_mod_unlowerable
 from probjax.ops.attention.masks import Mask
 from probjax.ops.attention.mosaic_gpu import backward as backward_lib
@@ -28,6 +29,7 @@ from probjax.ops.attention.mosaic_gpu import config as config_lib
 from probjax.ops.attention.mosaic_gpu import forward as forward_lib
 from probjax.ops.attention.mosaic_gpu.backward import MosaicBackwardConfig
 from probjax.ops.attention.mosaic_gpu.config import MosaicForwardConfig
+from probjax.ops.attention.sharding import KV, Q, STATS
 from probjax.ops.attention.triton import BackwardConfig, attention_with_forward, triton_lowerable
 from probjax.ops.attention.triton import config as triton_config
 
@@ -153,16 +155,33 @@ def _attention(st: _Static, q, k, v, mask):
   return _fwd(st, q, k, v, mask)[0]
 
 
+def _partitioned(st) -> bool:
+  """Whether the kernels run per shard of batch and heads (:func:`sharding.masked_call`): not
+  with a ``score_mod`` (it sees global batch and head indices) nor in interpret mode, whose
+  simulated warpgroups can stall one another inside the partitioned call (CPU test runs)."""
+  return st.score_mod is None and not st.interpret
+
+
+def _forward_shard(st: _Static, q, k, v, mask):
+  return forward_lib.forward(q, k, v, mask, scale=st.scale, config=st.fcfg, interpret=st.interpret,
+                             score_mod=st.score_mod)
+
+
+def _backward_shard(st: _Static, q, k, v, out, lse, do, mask):
+  return backward_lib.backward(q, k, v, out, lse, do, mask, scale=st.scale, config=st.bcfg,
+                               interpret=st.interpret, score_mod=st.score_mod)
+
+
 def _fwd(st: _Static, q, k, v, mask):
-  out, lse = forward_lib.forward(q, k, v, mask, scale=st.scale, config=st.fcfg, interpret=st.interpret,
-                                 score_mod=st.score_mod)
+  out, lse = sharding.masked_call(_forward_shard, st, (q, k, v), (Q, KV, KV), mask, (Q, STATS),
+                                  partition=_partitioned(st))
   return out, (q, k, v, out, lse, mask)
 
 
 def _bwd(st: _Static, res, do):
   q, k, v, out, lse, mask = res
-  dq, dk, dv = backward_lib.backward(q, k, v, out, lse, do, mask, scale=st.scale, config=st.bcfg,
-                                     interpret=st.interpret, score_mod=st.score_mod)
+  dq, dk, dv = sharding.masked_call(_backward_shard, st, (q, k, v, out, lse, do), (Q, KV, KV, Q, STATS, Q),
+                                    mask, (Q, KV, KV), partition=_partitioned(st))
   return dq, dk, dv, jax.tree.map(lambda _: None, mask)
 
 

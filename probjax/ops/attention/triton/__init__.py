@@ -17,6 +17,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from probjax.ops.attention import sharding
 from probjax.ops.attention.base import check_kernel_call, score_mod_reason, score_mod_unlowerable
 from probjax.ops.attention.masks import Mask
 from probjax.ops.attention.triton import config as config_lib
@@ -24,6 +25,7 @@ from probjax.ops.attention.triton import backward as backward_lib
 from probjax.ops.attention.triton.config import BackwardConfig, ForwardConfig, SplitKVConfig
 from probjax.ops.attention.triton import decode as decode_lib
 from probjax.ops.attention.triton import forward as forward_lib
+from probjax.ops.attention.sharding import KV, Q, STATS
 from probjax.ops.attention.triton.tiles import padded_head_dim
 
 __all__ = ["attention", "supports", "ForwardConfig", "BackwardConfig", "SplitKVConfig"]
@@ -163,25 +165,46 @@ class _Static:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(st: _Static, q, k, v, mask):
   if st.split is not None:  # primal only: the vjp's forward below saves the residuals
-    return decode_lib.forward(q, k, v, mask, scale=st.scale, config=st.split, interpret=st.interpret)
+    return sharding.masked_call(_decode_shard, st, (q, k, v), (Q, KV, KV), mask, (Q,),
+                                partition=_partitioned(st))[0]
   return _fwd(st, q, k, v, mask)[0]
 
 
-def _fwd(st: _Static, q, k, v, mask):
+def _partitioned(st: _Static) -> bool:
+  """Whether the kernels run per shard of batch and heads (:func:`sharding.masked_call`): not
+  with a ``score_mod`` (it sees global batch and head indices) nor with the Mosaic forward in
+  interpret mode (see :func:`probjax.ops.attention.mosaic_gpu._partitioned`)."""
+  return st.score_mod is None and not (st.interpret and st.mosaic is not None)
+
+
+def _decode_shard(st: _Static, q, k, v, mask):
+  return (decode_lib.forward(q, k, v, mask, scale=st.scale, config=st.split, interpret=st.interpret),)
+
+
+def _forward_shard(st: _Static, q, k, v, mask):
   if st.mosaic is not None:
     from probjax.ops.attention.mosaic_gpu import forward as mosaic_forward
-    out, lse = mosaic_forward.forward(q, k, v, mask, scale=st.scale, config=st.mosaic,
-                                      interpret=st.interpret, score_mod=st.score_mod)
-  else:
-    out, lse = forward_lib.forward(q, k, v, mask, scale=st.scale, score_mod=st.score_mod,
-                                   config=st.fcfg, interpret=st.interpret)
+    return mosaic_forward.forward(q, k, v, mask, scale=st.scale, config=st.mosaic,
+                                  interpret=st.interpret, score_mod=st.score_mod)
+  return forward_lib.forward(q, k, v, mask, scale=st.scale, score_mod=st.score_mod,
+                             config=st.fcfg, interpret=st.interpret)
+
+
+def _backward_shard(st: _Static, q, k, v, out, lse, do, mask):
+  return backward_lib.backward(q, k, v, out, lse, do, mask, scale=st.scale, score_mod=st.score_mod,
+                               impl=st.impl, config=st.bcfg, interpret=st.interpret)
+
+
+def _fwd(st: _Static, q, k, v, mask):
+  out, lse = sharding.masked_call(_forward_shard, st, (q, k, v), (Q, KV, KV), mask, (Q, STATS),
+                                  partition=_partitioned(st))
   return out, (q, k, v, out, lse, mask)
 
 
 def _bwd(st: _Static, res, do):
   q, k, v, out, lse, mask = res
-  dq, dk, dv = backward_lib.backward(q, k, v, out, lse, do, mask, scale=st.scale, score_mod=st.score_mod,
-                        impl=st.impl, config=st.bcfg, interpret=st.interpret)
+  dq, dk, dv = sharding.masked_call(_backward_shard, st, (q, k, v, out, lse, do), (Q, KV, KV, Q, STATS, Q),
+                                    mask, (Q, KV, KV), partition=_partitioned(st))
   return dq, dk, dv, jax.tree.map(lambda _: None, mask)
 
 
