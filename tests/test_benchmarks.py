@@ -613,8 +613,8 @@ def test_idle_profile_counts_device_waits_per_call():
     harness.idle_profile([], 1)
 
 
-@pytest.mark.parametrize("module", ["probe_mosaic_ptxas", "probe_mosaic_persistent", "probe_dispatch_gap", "probe_layout", "probe_interleaved",
-                                    "probe_ptx"])
+@pytest.mark.parametrize("module", ["probe_mosaic_ptxas", "probe_mosaic_persistent", "probe_dispatch_gap", "probe_layout",
+                                    "probe_interleaved", "probe_sharding", "probe_ptx"])
 def test_gpu_probes_say_they_need_a_gpu(tmp_path, module):
   out = tmp_path / "probe.json"
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)

@@ -19,6 +19,7 @@
 #   probe_bwd (docs/scripts/probe_mosaic_backward.py: the Mosaic backward with dQ fused, against two kernels)
 #   probe_layout (docs/scripts/probe_layout.py: Triton kernel and torch flex, each in both layouts)
 #   probe_interleaved (docs/scripts/probe_interleaved.py: the cuDNN routes timed in one process)
+#   probe_sharding (docs/scripts/probe_sharding.py: the default on two GPUs, batch and heads sharded)
 #   interleaved:LENGTHS:HEAD_DIMS:CAUSAL:MODES:IMPLS[:MASK[:BATCH+HEADS]] (the same probe for any
 #     implementations, e.g. interleaved:16384:64+128:false:fwd+fwd_bwd:probjax_triton+torch_flex, or
 #     the masked suite's interleaved:16384:128:false:fwd_bwd:probjax_default+torch_flex:docs4:1+16)
@@ -124,6 +125,7 @@ for s in "${steps[@]}"; do
     probe_bwd) run_probe mosaic_backward.json docs.scripts.probe_mosaic_backward ;;
     probe_layout) run_probe layout_probe.json docs.scripts.probe_layout ;;
     probe_interleaved) run_probe interleaved_probe.json docs.scripts.probe_interleaved ;;
+    probe_sharding) run_probe sharding_probe.json docs.scripts.probe_sharding ;;
     interleaved:*) IFS=':' read -r _ lens dims causal modes impls mask bh <<< "$s"   # one process, rotating rounds
                bh="${bh:-4+8}"; mask="${mask:-none}"
                echo "[batch] $(date +%T) $s" | tee -a "$OUT/batch.log"
