@@ -614,7 +614,7 @@ def test_idle_profile_counts_device_waits_per_call():
 
 
 @pytest.mark.parametrize("module", ["probe_mosaic_ptxas", "probe_mosaic_persistent", "probe_dispatch_gap", "probe_layout",
-                                    "probe_interleaved", "probe_sharding", "probe_ptx"])
+                                    "probe_interleaved", "probe_sharding", "probe_ffi_overhead", "probe_ptx"])
 def test_gpu_probes_say_they_need_a_gpu(tmp_path, module):
   out = tmp_path / "probe.json"
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
@@ -649,3 +649,17 @@ def test_ptx_probe_splits_a_triton_pass_dump():
   assert sections["ttgir"].startswith("Before ConvertTritonGPUToLLVM") and "ttg.async_wait" in sections["ttgir"]
   assert sections["llvm"].startswith("Before StripDebugInfoPass")
   assert probe_ptx.llvm_counts(sections["llvm"]) == {"ex2.approx": 1, "llvm.fmul": 1, "llvm.fsub": 1}
+
+
+def test_sharding_and_overhead_sections():
+  assert bf.sharding_section(None) == bf.NOT_MEASURED and bf.overhead_section({"rows": []}) == bf.NOT_MEASURED
+  base = dict(impl="probjax_default", batch=8, heads=8, t=4096, d=128, causal=False, mask="none", mode="fwd")
+  probe = {"command": "python -m docs.scripts.probe_sharding", "commit": "abc", "device": "H200", "rows": [
+      dict(base, setting="one", ms=1.0, speedup=1.0, all_gathers=0),
+      dict(base, setting="batch", ms=0.5, speedup=2.0, all_gathers=0),
+      dict(base, setting="heads", ms=None, status="unsupported", error="x")]}
+  text = bf.sharding_section(probe)
+  assert "| 4096 | 128 | no | none | fwd | probjax default | 1.00 | 0.500 (2.00×, 0 gathers) | unsupported |" in text
+  over = bf.overhead_section({"rows": [{"case": "probjax_one", "d": 64, "ms_per_call": 0.3},
+                                       {"case": "torch_sdpa_cudnn_one", "d": 64, "ms_per_call": 0.29}]})
+  assert "| 64 | 0.300 | 0.290 |" in over

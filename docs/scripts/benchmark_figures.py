@@ -948,7 +948,9 @@ def h200_page(all_rows, fig_dir, fig_rel, probes: dict | None = None) -> str:
     parts.append("No peer is more than 5% faster than the probjax default at T ≥ 512.")
   parts += ["", t4096_table(rows) if select(rows, suite="grid") else "", "",
             "## jax.nn's cuDNN route and torch's", "", cudnn_probe_section(rows), "",
-            interleaved_section(probes), "",
+            interleaved_section({k: v for k, v in probes.items() if k.startswith("interleaved")}), "",
+            overhead_section(probes.get(OVERHEAD_PROBE)), "",
+            "## Two GPUs: batch and heads sharded", "", sharding_section(probes.get(SHARDING_PROBE)), "",
             "## Decoding with the default", "", gqa_section([r for r in rows if r["suite"] == "decode"]), ""]
   if not devs:
     parts.insert(6, NOT_MEASURED)
@@ -983,6 +985,53 @@ def cudnn_probe_section(rows) -> str:
           f"`[batch, heads, seq, head_dim]`; knobs_*: jax.nn with other tuning knobs in its custom "
           f"call.\n\n"
           + md_table(["head_dim", "T", "causal", "mode"] + [f"{label(i)} {v}" for i, v in variants], body))
+
+
+SHARDING_PROBE, OVERHEAD_PROBE = "sharding_probe.json", "ffi_overhead_probe.json"
+
+
+def _probe_source(probe: dict) -> str:
+  return f"`{probe.get('command', '')}` at {probe.get('commit')}, {probe.get('device')}"
+
+
+def overhead_section(probe: dict | None) -> str:
+  """One cuDNN call per jitted program against eight in one program (ffi_overhead_probe.json of
+  ``docs/scripts/probe_ffi_overhead.py``), and torch's call of the same kernel."""
+  rows = (probe or {}).get("rows") or []
+  if not rows:
+    return NOT_MEASURED
+  cases = list(dict.fromkeys(r["case"] for r in rows))
+  by = {(r["d"], r["case"]): r["ms_per_call"] for r in rows}
+  body = [[d] + [fmt_ms(by.get((d, c))) for c in cases] for d in sorted({r["d"] for r in rows})]
+  return ("ms per attention call (bf16 B4 H8 T4096 forward), one call per jitted program and eight "
+          f"independent calls in one program (per-program dispatch cost would show as a difference); "
+          f"{_probe_source(probe)}.\n\n" + md_table(["head_dim"] + cases, body))
+
+
+def sharding_section(probe: dict | None) -> str:
+  """The default on one GPU and on two GPUs with the batch or the heads sharded
+  (sharding_probe.json of ``docs/scripts/probe_sharding.py``)."""
+  rows = [r for r in (probe or {}).get("rows") or [] if "setting" in r]
+  if not rows:
+    return NOT_MEASURED
+  by = {(r["t"], r["d"], r["causal"], r["mask"], r["mode"], r["impl"], r["setting"]): r for r in rows}
+  body = []
+  for t, d, c, mask, mode, impl in dict.fromkeys(k[:6] for k in by):
+    row = [t, d, "yes" if c else "no", mask, mode, label(impl)]
+    for setting in ("one", "batch", "heads"):
+      r = by.get((t, d, c, mask, mode, impl, setting))
+      if r is None or r.get("ms") is None:
+        row.append("—" if r is None else r.get("status", "—"))
+      else:
+        row.append(fmt_ms(r["ms"]) + (f" ({r['speedup']:.2f}×, {r['all_gathers']} gathers)"
+                                      if setting != "one" else ""))
+    body.append(row)
+  r0 = rows[0]
+  return (f"bf16, batch {r0['batch']}, {r0['heads']} heads: ms on one GPU and on two with the inputs "
+          "sharded along the batch or the heads (in brackets: speedup over one GPU, all-gathers in the "
+          f"compiled program); {_probe_source(probe)}.\n\n"
+          + md_table(["T", "head_dim", "causal", "mask", "mode", "implementation", "one GPU ms",
+                      "2 GPUs, batch", "2 GPUs, heads"], body))
 
 
 def interleaved_section(probes: dict) -> str:
@@ -1041,7 +1090,7 @@ def build(bench_dir: str, docs_dir: str, fig_dir: str) -> dict:
   perf = performance_page(rows, fig_dir, fig_rel)
   probes = {}
   for name in sorted(os.listdir(bench_dir)):
-    if name.startswith("interleaved") and name.endswith(".json"):
+    if (name.startswith("interleaved") or name in (SHARDING_PROBE, OVERHEAD_PROBE)) and name.endswith(".json"):
       with open(os.path.join(bench_dir, name)) as f:
         probes[name] = json.load(f)
   h200 = h200_page(rows, fig_dir, fig_rel, probes)

@@ -20,6 +20,7 @@
 #   probe_layout (docs/scripts/probe_layout.py: Triton kernel and torch flex, each in both layouts)
 #   probe_interleaved (docs/scripts/probe_interleaved.py: the cuDNN routes timed in one process)
 #   probe_sharding (docs/scripts/probe_sharding.py: the default on two GPUs, batch and heads sharded)
+#   probe_ffi_overhead (docs/scripts/probe_ffi_overhead.py: one cuDNN call per program against eight)
 #   interleaved:LENGTHS:HEAD_DIMS:CAUSAL:MODES:IMPLS[:MASK[:BATCH+HEADS]] (the same probe for any
 #     implementations, e.g. interleaved:16384:64+128:false:fwd+fwd_bwd:probjax_triton+torch_flex, or
 #     the masked suite's interleaved:16384:128:false:fwd_bwd:probjax_default+torch_flex:docs4:1+16)
@@ -126,6 +127,7 @@ for s in "${steps[@]}"; do
     probe_layout) run_probe layout_probe.json docs.scripts.probe_layout ;;
     probe_interleaved) run_probe interleaved_probe.json docs.scripts.probe_interleaved ;;
     probe_sharding) run_probe sharding_probe.json docs.scripts.probe_sharding ;;
+    probe_ffi_overhead) run_probe ffi_overhead_probe.json docs.scripts.probe_ffi_overhead ;;
     interleaved:*) IFS=':' read -r _ lens dims causal modes impls mask bh <<< "$s"   # one process, rotating rounds
                bh="${bh:-4+8}"; mask="${mask:-none}"
                echo "[batch] $(date +%T) $s" | tee -a "$OUT/batch.log"

@@ -1,0 +1,73 @@
+"""Per-executable overhead of the cuDNN route: one attention call per jitted program against
+eight independent calls in one program, and torch's call of the same cuDNN kernel (sm_90).
+
+  python -m docs.scripts.probe_ffi_overhead --output docs/benchmarks/ffi_overhead_probe.json
+
+bf16 B4 H8 T4096, head_dim 64 and 128, forward. If the eight-call program runs each call in the
+kernel's time while the one-call program does not, the difference is per program (dispatch),
+not per call. Rows: ms per attention call, rounds rotated as in probe_interleaved.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+
+from docs.scripts import harness, impls
+
+K = 8
+
+
+def jax_fns(d, implementation):
+  import jax
+  import jax.numpy as jnp
+  from probjax.nn.layers.attention import dot_product_attention
+  arrays = [impls.inputs(4, 4096, 4096, 8, 8, d, seed=i) for i in range(K)]
+  qkv = [tuple(jnp.asarray(a, jnp.bfloat16) for a in arr[:3]) for arr in arrays]
+  if implementation == "jaxnn":
+    attn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
+  else:
+    attn = lambda q, k, v: dot_product_attention(q, k, v, implementation="cudnn")
+  one = jax.jit(attn)
+  many = jax.jit(lambda xs: [attn(*x) for x in xs])
+  return {f"{implementation}_one": ((lambda: one(*qkv[0])), 1),
+          f"{implementation}_x{K}_one_program": ((lambda: many(qkv)), K)}
+
+
+def torch_fns(d):
+  torch = impls.torch_mod()
+  arrays = [impls.inputs(4, 4096, 4096, 8, 8, d, seed=i) for i in range(K)]
+  qkv = [tuple(torch.from_numpy(a).to("cuda", torch.bfloat16).transpose(1, 2).contiguous() for a in arr[:3])
+         for arr in arrays]
+  from torch.nn.attention import SDPBackend, sdpa_kernel
+  def call(xs):
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+      return [torch.nn.functional.scaled_dot_product_attention(*x) for x in xs]
+  return {"torch_sdpa_cudnn_one": ((lambda: call(qkv[:1])), 1), f"torch_sdpa_cudnn_x{K}": ((lambda: call(qkv)), K)}
+
+
+def main(argv=None):
+  def add_args(ap):
+    ap.add_argument("--rounds", type=int, default=3)
+  args, out = harness.probe_start("probe_ffi_overhead", __doc__, argv, add_args)
+  if out is None:
+    return 0
+  import jax
+  torch = impls.torch_mod()
+  for d in (64, 128):
+    fns = {**jax_fns(d, "probjax"), **jax_fns(d, "jaxnn"), **torch_fns(d)}
+    rounds = {name: [] for name in fns}
+    for order in harness.rotations(list(fns), args.rounds):
+      for name in order:
+        fn, k = fns[name]
+        sync = (lambda _x: torch.cuda.synchronize()) if name.startswith("torch") else jax.block_until_ready
+        rounds[name].append(harness.time_fn(fn, sync, repeats=7)["ms"] / k)
+    for name in fns:
+      harness.probe_add(out, args.output, dict(case=name, d=d, ms_per_call=statistics.median(rounds[name]),
+                                               round_ms=rounds[name]))
+    impls.free_memory()
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
