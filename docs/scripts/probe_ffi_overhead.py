@@ -5,7 +5,10 @@ eight independent calls in one program, and torch's call of the same cuDNN kerne
 
 bf16 B4 H8 T4096, head_dim 64 and 128, forward. If the eight-call program runs each call in the
 kernel's time while the one-call program does not, the difference is per program (dispatch),
-not per call. Rows: ms per attention call, rounds rotated as in probe_interleaved.
+not per call. Rows: ms per attention call, rounds rotated as in probe_interleaved; then, per
+head_dim, the attention kernel's launch as torch's profiler records it (grid, block, shared
+memory, registers) for torch's call and probjax's, and the device addresses of their q and
+output modulo 4096 (buffer placement).
 """
 
 from __future__ import annotations
@@ -46,6 +49,29 @@ def torch_fns(d):
   return {"torch_sdpa_cudnn_one": ((lambda: call(qkv[:1])), 1), f"torch_sdpa_cudnn_x{K}": ((lambda: call(qkv)), K)}
 
 
+def launch(fn, torch) -> dict:
+  """The attention kernel's launch attributes in torch's profiler trace, and the addresses of the
+  call's first input and output modulo 4096."""
+  import json
+  import os
+  import tempfile
+  from torch.profiler import ProfilerActivity, profile
+  with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    res = fn()
+    torch.cuda.synchronize()
+  path = os.path.join(tempfile.mkdtemp(), "trace.json")
+  prof.export_chrome_trace(path)
+  events = json.load(open(path))["traceEvents"]
+  kernels = [e for e in events if e.get("cat") == "kernel" and "sdpa" in e.get("name", "")]
+  out = res[0] if isinstance(res, (list, tuple)) else res
+  ptr = out.data_ptr() if hasattr(out, "data_ptr") else out.unsafe_buffer_pointer()
+  return dict(kernel=kernels[0]["name"][:90] if kernels else None,
+              args={k: v for k, v in (kernels[0].get("args", {}) if kernels else {}).items()
+                    if k in ("grid", "block", "shared memory", "registers per thread", "blocks per SM",
+                             "warps per SM", "est. achieved occupancy %")},
+              out_address_mod_4096=ptr % 4096, dur_us=kernels[0].get("dur") if kernels else None)
+
+
 def main(argv=None):
   def add_args(ap):
     ap.add_argument("--rounds", type=int, default=3)
@@ -65,6 +91,8 @@ def main(argv=None):
     for name in fns:
       harness.probe_add(out, args.output, dict(case=name, d=d, ms_per_call=statistics.median(rounds[name]),
                                                round_ms=rounds[name]))
+    for name in ("torch_sdpa_cudnn_one", "probjax_one"):  # torch's profiler first: it then sees JAX's kernels
+      harness.probe_add(out, args.output, dict(case=name, d=d, launch=launch(fns[name][0], torch)))
     impls.free_memory()
   return 0
 
