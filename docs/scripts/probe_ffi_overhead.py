@@ -7,8 +7,9 @@ bf16 B4 H8 T4096, head_dim 64 and 128, forward. If the eight-call program runs e
 kernel's time while the one-call program does not, the difference is per program (dispatch),
 not per call. Rows: ms per attention call, rounds rotated as in probe_interleaved; then, per
 head_dim, the attention kernel's launch as torch's profiler records it (grid, block, shared
-memory, registers) for torch's call and probjax's, and the device addresses of their q and
-output modulo 4096 (buffer placement).
+memory, registers) for torch's call and probjax's, the device address of their output modulo
+4096 (buffer placement), and every GPU operation of four back-to-back calls with the idle time
+before it.
 """
 
 from __future__ import annotations
@@ -57,19 +58,25 @@ def launch(fn, torch) -> dict:
   import tempfile
   from torch.profiler import ProfilerActivity, profile
   with profile(activities=[ProfilerActivity.CUDA]) as prof:
-    res = fn()
+    for _ in range(4):
+      res = fn()
     torch.cuda.synchronize()
   path = os.path.join(tempfile.mkdtemp(), "trace.json")
   prof.export_chrome_trace(path)
   events = json.load(open(path))["traceEvents"]
-  kernels = [e for e in events if e.get("cat") == "kernel" and "sdpa" in e.get("name", "")]
+  gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")), key=lambda e: e["ts"])
+  kernels = [e for e in gpu if e.get("cat") == "kernel" and "sdpa" in e.get("name", "")]
+  # every GPU operation of the 4 calls, with the idle time before it (us)
+  ops = [(e["name"][:40], round(e["dur"], 1), round(e["ts"] - (p["ts"] + p["dur"]), 1) if p else None)
+         for p, e in zip([None] + gpu[:-1], gpu)]
   out = res[0] if isinstance(res, (list, tuple)) else res
   ptr = out.data_ptr() if hasattr(out, "data_ptr") else out.unsafe_buffer_pointer()
   return dict(kernel=kernels[0]["name"][:90] if kernels else None,
               args={k: v for k, v in (kernels[0].get("args", {}) if kernels else {}).items()
                     if k in ("grid", "block", "shared memory", "registers per thread", "blocks per SM",
                              "warps per SM", "est. achieved occupancy %")},
-              out_address_mod_4096=ptr % 4096, dur_us=kernels[0].get("dur") if kernels else None)
+              out_address_mod_4096=ptr % 4096, dur_us=kernels[0].get("dur") if kernels else None,
+              ops=ops)
 
 
 def main(argv=None):
