@@ -8,8 +8,8 @@ kernel's time while the one-call program does not, the difference is per program
 not per call. Rows: ms per attention call, rounds rotated as in probe_interleaved; then, per
 head_dim, the attention kernel's launch as torch's profiler records it (grid, block, shared
 memory, registers) for torch's call and probjax's, the device address of their output modulo
-4096 (buffer placement), and every GPU operation of four back-to-back calls with the idle time
-before it.
+4096 (buffer placement), and the GPU's busy and idle time per call over 64 back-to-back calls
+(after the first).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import sys
 from docs.scripts import harness, impls
 
 K = 8
+CALLS = 64  # back-to-back calls in the launch profile
 
 
 def jax_fns(d, implementation):
@@ -58,7 +59,7 @@ def launch(fn, torch) -> dict:
   import tempfile
   from torch.profiler import ProfilerActivity, profile
   with profile(activities=[ProfilerActivity.CUDA]) as prof:
-    for _ in range(4):
+    for _ in range(CALLS):
       res = fn()
     torch.cuda.synchronize()
   path = os.path.join(tempfile.mkdtemp(), "trace.json")
@@ -66,9 +67,11 @@ def launch(fn, torch) -> dict:
   events = json.load(open(path))["traceEvents"]
   gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")), key=lambda e: e["ts"])
   kernels = [e for e in gpu if e.get("cat") == "kernel" and "sdpa" in e.get("name", "")]
-  # every GPU operation of the 4 calls, with the idle time before it (us)
-  ops = [(e["name"][:40], round(e["dur"], 1), round(e["ts"] - (p["ts"] + p["dur"]), 1) if p else None)
-         for p, e in zip([None] + gpu[:-1], gpu)]
+  # the idle time before each GPU operation after the first call's (us)
+  idle = [e["ts"] - (p["ts"] + p["dur"]) for p, e in zip(gpu[1:-1], gpu[2:])]
+  ops = dict(calls=CALLS, operations=len(gpu), busy_us_per_call=sum(e["dur"] for e in gpu[2:]) / (CALLS - 1),
+             idle_us_per_call=sum(idle) / (CALLS - 1), max_idle_us=max(idle, default=None),
+             idles_over_10us=sum(i > 10 for i in idle))
   out = res[0] if isinstance(res, (list, tuple)) else res
   ptr = out.data_ptr() if hasattr(out, "data_ptr") else out.unsafe_buffer_pointer()
   return dict(kernel=kernels[0]["name"][:90] if kernels else None,
