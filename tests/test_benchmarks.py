@@ -662,4 +662,9 @@ def test_sharding_and_overhead_sections():
   assert "| 4096 | 128 | no | none | fwd | probjax default | 1.00 | 0.500 (2.00×, 0 gathers) | unsupported |" in text
   over = bf.overhead_section({"rows": [{"case": "probjax_one", "d": 64, "ms_per_call": 0.3},
                                        {"case": "torch_sdpa_cudnn_one", "d": 64, "ms_per_call": 0.29}]})
-  assert "| 64 | 0.300 | 0.290 |" in over
+  assert "| 64 | 0.300 | 0.290 |" in over and "busy us" not in over
+  launch = {"case": "probjax_one", "d": 64, "launch": {"args": {"grid": [132, 1, 1], "block": [384, 1, 1]},
+            "out_address_mod_4096": 0, "ops": {"calls": 64, "busy_us_per_call": 285.7, "idle_us_per_call": 4.68,
+                                               "max_idle_us": 4.3}}}
+  over = bf.overhead_section({"rows": [{"case": "probjax_one", "d": 64, "ms_per_call": 0.3}, launch]})
+  assert "| 64 | probjax_one | [132, 1, 1] x [384, 1, 1] | None | None | 0 | 285.7 | 4.68 | 4.3 |" in over

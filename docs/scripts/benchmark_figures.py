@@ -997,15 +997,29 @@ def _probe_source(probe: dict) -> str:
 def overhead_section(probe: dict | None) -> str:
   """One cuDNN call per jitted program against eight in one program (ffi_overhead_probe.json of
   ``docs/scripts/probe_ffi_overhead.py``), and torch's call of the same kernel."""
-  rows = (probe or {}).get("rows") or []
+  rows = [r for r in (probe or {}).get("rows") or [] if "ms_per_call" in r]
   if not rows:
     return NOT_MEASURED
   cases = list(dict.fromkeys(r["case"] for r in rows))
   by = {(r["d"], r["case"]): r["ms_per_call"] for r in rows}
   body = [[d] + [fmt_ms(by.get((d, c))) for c in cases] for d in sorted({r["d"] for r in rows})]
-  return ("ms per attention call (bf16 B4 H8 T4096 forward), one call per jitted program and eight "
+  text = ("ms per attention call (bf16 B4 H8 T4096 forward), one call per jitted program and eight "
           f"independent calls in one program (per-program dispatch cost would show as a difference); "
           f"{_probe_source(probe)}.\n\n" + md_table(["head_dim"] + cases, body))
+  launches = [r for r in probe["rows"] if isinstance(r.get("launch"), dict) and "ops" in r["launch"]]
+  if launches:
+    lbody = []
+    for r in launches:
+      ln, ops = r["launch"], r["launch"]["ops"]
+      args = ln.get("args", {})
+      lbody.append([r["d"], r["case"], f"{args.get('grid')} x {args.get('block')}", args.get("shared memory"),
+                    args.get("registers per thread"), ln.get("out_address_mod_4096"),
+                    f"{ops['busy_us_per_call']:.1f}", f"{ops['idle_us_per_call']:.2f}", f"{ops['max_idle_us']:.1f}"])
+    text += ("\n\nThe attention kernel's launch in torch's profiler, and the GPU's busy and idle time per "
+             f"call over {launches[0]['launch']['ops']['calls']} back-to-back calls (after the first):\n\n"
+             + md_table(["head_dim", "caller", "grid x block", "shared memory", "registers",
+                         "output address % 4096", "busy us / call", "idle us / call", "max idle us"], lbody))
+  return text
 
 
 def sharding_section(probe: dict | None) -> str:
