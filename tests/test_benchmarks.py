@@ -86,6 +86,18 @@ def test_time_fn_long_calls_get_more_repeats():
   assert short["n_repeats"] == 5  # already 5 x 50 ms
 
 
+def test_time_fn_differenced_cancels_per_repeat_costs():
+  fc = FakeClock(0.002)  # 2 ms per call, and each sync costs 3 ms (dispatch latency + wait)
+
+  def sync(_x):
+    fc.t += 0.003
+  plain = harness.time_fn(fc.fn, sync, warmup=0, repeats=3, min_repeat_s=0.02, clock=fc.clock)
+  n = plain["calls_per_repeat"]
+  assert plain["ms"] == pytest.approx(2.0 + 3.0 / n) and "timing" not in plain
+  diff = harness.time_fn(fc.fn, sync, warmup=0, repeats=3, min_repeat_s=0.02, clock=fc.clock, differenced=True)
+  assert diff["ms"] == pytest.approx(2.0) and diff["timing"] == "differenced"
+
+
 def test_time_fn_spread_reported():
   costs = iter([0.001] * 4 + [0.001, 0.002, 0.003, 0.004, 0.005])
   t = [0.0]

@@ -32,6 +32,7 @@
 #     shape's timed in $ROUNDS (3) rotating rounds (harness --rounds); replaces those shapes' grid rows
 #   gqar  the GQA suite's rows of $GQA_IMPLS the same way (kernel_attn_ext_gpu.json)
 # DEVICE_TIME=1: every suite also records device_ms (kernel time from a profile).
+# DIFFERENCED=1: suites and interleaved probes time each repeat as (2n calls - n calls) / n.
 # (tests: pytest --gpu on the gpu-marked tests (tests:EXPR: only those matching -k EXPR), failures printed as they happen, log in
 # $OUT/gpu_tests.log; it gets at most a third of the remaining time, or TESTS_MAX_S seconds)
 # (grid_core: bf16 at T = 1024, 4096, 16384; grid_bf16 fills the other lengths)
@@ -62,7 +63,7 @@ run_step() {  # file module args...
   [ -f "docs/benchmarks/$file" ] && [ ! -f "$OUT/$file" ] && cp "docs/benchmarks/$file" "$OUT/$file"
   echo "[batch] $(date +%T) $file: $* (max ${mins} min)" | tee -a "$OUT/batch.log"
   $PY -m "$@" --output "$OUT/$file" --append --no-progress --max-minutes "$mins" \
-    ${DEVICE_TIME:+--device-time} 2>&1 \
+    ${DEVICE_TIME:+--device-time} ${DIFFERENCED:+--differenced} 2>&1 \
     | grep -E "^\[harness\] (done|--max|[0-9]+ case)|^Traceback|^[A-Za-z.]*Error" | tail -5 | tee -a "$OUT/batch.log"
 }
 
@@ -134,7 +135,7 @@ for s in "${steps[@]}"; do
                timeout "$(python3 -c "print(int(60 * $(left_min)))")" $PY -m docs.scripts.probe_interleaved \
                  --output "$OUT/interleaved_${lens//+/_}_d${dims//+/_}_${mask}.json" --lengths "${lens//+/,}" \
                  --head-dims "${dims//+/,}" --causal "$causal" --modes "${modes//+/,}" --impls "${impls//+/,}" \
-                 --mask "$mask" --batch "${bh%+*}" --heads "${bh#*+}" 2>&1 | tail -40 | tee -a "$OUT/batch.log" ;;
+                 --mask "$mask" --batch "${bh%+*}" --heads "${bh#*+}" ${DIFFERENCED:+--differenced} 2>&1 | tail -40 | tee -a "$OUT/batch.log" ;;
     probe_ptx) (export PROBJAX_XLA_DUMP=/tmp/xla_dump_ptx
                 export XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/xla_dump_ptx --xla_gpu_dump_llvmir --xla_dump_emitter_re=triton"
                 run_probe ptx_probe.json docs.scripts.probe_ptx) ;;

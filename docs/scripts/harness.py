@@ -110,7 +110,7 @@ def time_fn(fn: Callable[[], Any], sync: Callable[[Any], Any], *, warmup: int = 
             repeats: int = 7, min_repeat_s: float = 0.02, max_calls: int = 1000,
             min_total_s: float = 0.0, max_repeats: int = 50,
             clock: Callable[[], float] = time.perf_counter, device_time: bool = False,
-            backend: str = "jax") -> dict:
+            backend: str = "jax", differenced: bool = False) -> dict:
   """Times ``fn``; returns per-call ms statistics.
 
   ``fn()`` launches the work and returns something ``sync`` waits on
@@ -122,6 +122,11 @@ def time_fn(fn: Callable[[], Any], sync: Callable[[Any], Any], *, warmup: int = 
   ``min_total_s`` (at most ``max_repeats``), so that long calls, with few calls per
   repeat, get as many samples as short ones. Returns ``summarize`` of the repeats plus
   ``calls_per_repeat`` and ``first_call_s`` (compile + first run).
+
+  ``differenced``: each repeat times ``n`` and then ``2 n`` calls and takes the difference
+  over ``n``, which cancels what a repeat pays once (the first call's dispatch latency, the
+  final sync) and a plain repeat spreads over its ``n`` calls; the result says
+  ``timing: "differenced"``.
 
   ``device_time``: for calls of at most :data:`DEVICE_TIME_MAX_MS` (longer ones keep the
   device busy), also ``device_ms``, the GPU kernels' summed duration per call from a profile
@@ -139,15 +144,24 @@ def time_fn(fn: Callable[[], Any], sync: Callable[[Any], Any], *, warmup: int = 
   one = max(clock() - t0, 1e-7)
   n = int(min(max_calls, max(1, math.ceil(min_repeat_s / one))))
   repeats = max(repeats, min(max_repeats, math.ceil(min_total_s / (n * one))))
-  times = []
-  for _ in range(repeats):
+  def block(calls: int) -> float:
     t0 = clock()
     out = None
-    for _ in range(n):
+    for _ in range(calls):
       out = fn()
     sync(out)
-    times.append((clock() - t0) / n * 1e3)
+    return clock() - t0
+
+  times = []
+  for _ in range(repeats):
+    if differenced:
+      once = block(n)
+      times.append((block(2 * n) - once) / n * 1e3)
+    else:
+      times.append(block(n) / n * 1e3)
   res = summarize(times)
+  if differenced:
+    res["timing"] = "differenced"
   res["calls_per_repeat"] = n
   res["first_call_s"] = first
   if device_time and res["ms"] <= DEVICE_TIME_MAX_MS:
@@ -576,6 +590,8 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                  help="more repeats (up to 50) until the timed repeats total at least this long")
   p.add_argument("--device-time", action="store_true",
                  help="also record device_ms: the GPU kernels' time per call from a profile")
+  p.add_argument("--differenced", action="store_true",
+                 help="time each repeat as (2n calls - n calls) / n: no per-repeat dispatch or sync cost")
   p.add_argument("--rounds", type=int, default=1,
                  help="R > 1: time the implementations of each shape in one process, in R rounds in a "
                       "rotated order (a row's ms: the median of its rounds' medians, round_ms: each)")
@@ -595,7 +611,8 @@ def timing_kwargs(args) -> dict:
   if getattr(args, "quick", False):
     return dict(warmup=1, repeats=3, min_repeat_s=0.0, max_calls=1, device_time=device_time)
   return dict(warmup=args.warmup, repeats=args.repeats, min_repeat_s=args.min_repeat_ms / 1e3,
-              min_total_s=args.min_total_ms / 1e3, device_time=device_time)
+              min_total_s=args.min_total_ms / 1e3, device_time=device_time,
+              differenced=bool(getattr(args, "differenced", False)))
 
 
 def select_cases(spec: str, builders: dict[str, Callable[[], list[Case]]]) -> list[Case]:

@@ -44,6 +44,7 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--mask", default="none", help="a benchmark mask name (impls.probjax_mask)")
+    ap.add_argument("--differenced", action="store_true", help="harness.time_fn's differenced timing")
   args, out = harness.probe_start("probe_interleaved", __doc__, argv, add_args)
   if out is None:
     return 0
@@ -65,11 +66,12 @@ def main(argv=None):
           continue
         fn, sync = fns[impl]
         try:
-          rounds[impl].append(harness.time_fn(fn, sync, repeats=5)["ms"])
+          rounds[impl].append(harness.time_fn(fn, sync, repeats=5, differenced=args.differenced)["ms"])
         except Exception as e:  # noqa: BLE001
           failed[impl] = harness.classify_error(e)
     for impl in names:
-      row = dict(impl=impl, batch=args.batch, heads=args.heads, t=t, d=d, causal=causal, mode=mode, mask=args.mask)
+      row = dict(impl=impl, batch=args.batch, heads=args.heads, t=t, d=d, causal=causal, mode=mode, mask=args.mask,
+                 timing="differenced" if args.differenced else "plain")
       if impl in failed:
         row.update(ms=None, status=failed[impl][0], error=failed[impl][1])
       else:
