@@ -33,6 +33,7 @@
 #   gqar  the GQA suite's rows of $GQA_IMPLS the same way (kernel_attn_ext_gpu.json)
 # DEVICE_TIME=1: every suite also records device_ms (kernel time from a profile).
 # DIFFERENCED=1: suites and interleaved probes time each repeat as (2n calls - n calls) / n.
+# The SM clock, temperature and power are sampled every 0.5 s into $OUT/gpu_clocks.csv.
 # (tests: pytest --gpu on the gpu-marked tests (tests:EXPR: only those matching -k EXPR), failures printed as they happen, log in
 # $OUT/gpu_tests.log; it gets at most a third of the remaining time, or TESTS_MAX_S seconds)
 # (grid_core: bf16 at T = 1024, 4096, 16384; grid_bf16 fills the other lengths)
@@ -105,6 +106,12 @@ core() {  # dtype file module args...: core implementations, JAX side then torch
   fi
 }
 
+if command -v nvidia-smi >/dev/null; then
+  nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,temperature.gpu,power.draw,clocks_throttle_reasons.active \
+    --format=csv -lms 500 > "$OUT/gpu_clocks.csv" 2>/dev/null &
+  clock_pid=$!
+  trap 'kill $clock_pid 2>/dev/null' EXIT
+fi
 IFS=',' read -ra steps <<< "$PLAN"
 for s in "${steps[@]}"; do
   case "$s" in
