@@ -304,6 +304,23 @@ def test_faster_alternatives():
   assert bf.faster_alternatives(rows) == []
 
 
+def test_target_section_counts_same_run_peers_only():
+  rows = [_row(ms=1.015, commit="a", timing="differenced"),
+          _row(impl="torch_sdpa_cudnn", ms=1.0, commit="a"),
+          _row(impl="torch_sdpa_flash", ms=0.5, commit="old"),  # another run: not a peer here
+          _row(mode="fwd", ms=1.05, commit="a"), _row(mode="fwd", impl="jaxnn_cudnn", ms=1.0, commit="a"),
+          _row(mode="fwd", impl="tokamax_mosaic", ms=0.9, commit="b"),
+          _row(q_len=2048, kv_len=2048, ms=2.0, commit="a"),  # not a target length
+          _row(q_len=2048, kv_len=2048, impl="jaxnn_cudnn", ms=1.0, commit="a")]
+  text = bf.target_section(rows)
+  assert "**1 of 2 rows within 1.02**" in text
+  assert "D64 T1024 fwd (jax.nn cuDNN, 1.050)" in text and "D64 T1024 fwd_bwd (torch SDPA cuDNN, 1.015)" in text
+  assert "D64 T1024 fwd (0.900 vs 1.05 ms, tokamax at b)" in text
+  alt = [_row(ms=0.9, commit="c"), _row(impl="torch_flex", ms=1.0, commit="c")]
+  assert "the same session (`experiments/timing_methods_*.json`): 1 of 1 within 1.02" in bf.target_section(rows, alt)
+  assert bf.target_section([]) == bf.NOT_MEASURED
+
+
 # ---------------------------------------------------------------------------
 # page generator
 # ---------------------------------------------------------------------------

@@ -879,8 +879,9 @@ def _device_table_text():
   return None, "no table attribute found in probjax.nn.layers.attention_device"
 
 
-def h200_page(all_rows, fig_dir, fig_rel, probes: dict | None = None) -> str:
-  """``probes``: probe files' JSON objects by file name (see :func:`build`)."""
+def h200_page(all_rows, fig_dir, fig_rel, probes: dict | None = None, alt_rows=()) -> str:
+  """``probes``: probe files' JSON objects by file name (see :func:`build`); ``alt_rows``: see
+  :func:`target_section`."""
   probes = probes or {}
   rows = [r for r in gpu_rows(all_rows)]
   devs = collections.Counter((r.get("device"), str(r.get("compute_capability"))) for r in rows)
@@ -936,7 +937,8 @@ def h200_page(all_rows, fig_dir, fig_rel, probes: dict | None = None) -> str:
   else:
     parts += [NOT_MEASURED, ""]
   parts += why_tables(rows)
-  parts += ["## Against the peers on this GPU", ""]
+  parts += ["## The dispatch target: the default against the fastest peer", "", target_section(rows, alt_rows), "",
+            "## Against the peers on this GPU", ""]
   groups = faster_alternatives(rows)
   if not select(rows, suite="grid"):
     parts.append(NOT_MEASURED)
@@ -955,6 +957,78 @@ def h200_page(all_rows, fig_dir, fig_rel, probes: dict | None = None) -> str:
   if not devs:
     parts.insert(6, NOT_MEASURED)
   return "\n".join(parts)
+
+
+# Issue 4's target: the default within 2% of the fastest of these peers in every row.
+TARGET_PEERS = ("jaxnn_cudnn", "torch_sdpa_cudnn", "torch_sdpa_flash", "torch_flex")
+TARGET_LENGTHS = (1024, 3000, 4096, 16384)
+TARGET_RATIO = 1.02
+
+
+def _target_rows(rows):
+  """``(body, within, slower, tokamax)`` of :func:`target_section`'s table for ``rows``."""
+  cases = [r for r in select(rows, suite="grid", dtype="bfloat16", batch=4, q_heads=8, status="ok")
+           if r["q_len"] in TARGET_LENGTHS] + select(rows, suite="gqa", dtype="bfloat16", status="ok")
+  by = collections.defaultdict(dict)
+  for r in cases:
+    by[(r["suite"], r["q_heads"], r["kv_heads"], r["head_dim"], r["q_len"], r["causal"], r["mode"])][r["impl"]] = r
+  body, within, slower, tok = [], 0, [], []
+  for k in sorted(by):
+    d = by[k].get("probjax_default")
+    peers = [r for i, r in by[k].items() if i in TARGET_PEERS and d and r.get("commit") == d.get("commit")]
+    if not d or not peers:
+      continue
+    best = min(peers, key=lambda r: r["ms"])
+    ratio = d["ms"] / best["ms"]
+    within += ratio <= TARGET_RATIO
+    name = f"{'GQA ' if k[0] == 'gqa' else ''}D{k[3]} T{k[4]}{' causal' if k[5] else ''} {k[6]}"
+    if ratio > 1.0:
+      slower.append(f"{name} ({label(best['impl'])}, {ratio:.3f})")
+    tm = by[k].get("tokamax_mosaic")
+    if tm and tm.get("ms") and tm["ms"] < d["ms"]:
+      same = "same run" if tm.get("commit") == d.get("commit") else f"tokamax at {tm.get('commit')}"
+      tok.append(f"{name} ({fmt_ms(tm['ms'])} vs {fmt_ms(d['ms'])} ms, {same})")
+    body.append([f"{k[1]}/{k[2]}", k[3], k[4], "yes" if k[5] else "no", k[6], fmt_ms(d["ms"]),
+                 label(best["impl"]), fmt_ms(best["ms"]), f"{ratio:.3f}", d.get("timing", "plain"),
+                 d.get("commit", "?")])
+  return body, within, slower, tok
+
+
+TARGET_HEADER = ["heads q/kv", "D", "T", "causal", "mode", "default ms", "fastest peer", "its ms",
+                 "ratio", "timing", "commit"]
+
+
+def target_section(rows, alt_rows=()) -> str:
+  """The bf16 grid (batch 4, 8 heads) at :data:`TARGET_LENGTHS` and the GQA suite: the default
+  against the fastest of :data:`TARGET_PEERS` measured in the same run (same commit), with the
+  timing method of the rows; the fp32 D128 T4096 fwd+bwd row against jax.nn XLA; the rows
+  where tokamax's Mosaic kernel is faster than the default; and ``alt_rows`` (the same shapes
+  timed the other way, ``docs/benchmarks/experiments/timing_methods_*.json``) as a second table."""
+  body, within, slower, tok = _target_rows(rows)
+  if not body:
+    return NOT_MEASURED
+  out = [f"The default against the fastest of {', '.join(label(i) for i in TARGET_PEERS)} in the same "
+         f"run (bf16; batch 4, 8 heads; GQA: batch 1, 32 query / 8 KV heads): **{within} of {len(body)} "
+         f"rows within {TARGET_RATIO}**. Timing `differenced`: each repeat is (2n calls - n calls) / n, "
+         "without the per-repeat dispatch and sync; `plain`: n calls and one sync per repeat.", "",
+         md_table(TARGET_HEADER, body), ""]
+  out.append("Rows where a peer is faster than the default: " + ("; ".join(slower) if slower else "none") + ".")
+  out.append("")
+  out.append("Rows where tokamax's Mosaic kernel is faster than the default: "
+             + ("; ".join(tok) if tok else "none measured") + ".")
+  fp = {r["impl"]: r for r in select(rows, suite="grid", dtype="float32", head_dim=128, q_len=4096,
+                                      causal=False, mode="fwd_bwd", status="ok")}
+  if "probjax_default" in fp and "jaxnn_xla" in fp:
+    d, x = fp["probjax_default"], fp["jaxnn_xla"]
+    out += ["", f"fp32 D128 T4096 fwd+bwd: default {fmt_ms(d['ms'])} ms, jax.nn XLA {fmt_ms(x['ms'])} ms "
+                f"(ratio {d['ms'] / x['ms']:.3f}; {d.get('commit')} / {x.get('commit')})."]
+  a_body, a_within, a_slower, _ = _target_rows(list(alt_rows))
+  if a_body:
+    out += ["", f"The same shapes timed the other way in the same session "
+                f"(`experiments/timing_methods_*.json`): {a_within} of {len(a_body)} within {TARGET_RATIO}; "
+                "a peer faster in: " + ("; ".join(a_slower) if a_slower else "none") + ".", "",
+            "<details><summary>Table</summary>\n\n" + md_table(TARGET_HEADER, a_body) + "\n\n</details>"]
+  return "\n".join(out)
 
 
 def cudnn_probe_section(rows) -> str:
@@ -1107,7 +1181,9 @@ def build(bench_dir: str, docs_dir: str, fig_dir: str) -> dict:
     if (name.startswith("interleaved") or name in (SHARDING_PROBE, OVERHEAD_PROBE)) and name.endswith(".json"):
       with open(os.path.join(bench_dir, name)) as f:
         probes[name] = json.load(f)
-  h200 = h200_page(rows, fig_dir, fig_rel, probes)
+  alt = [r for path in sorted(glob.glob(os.path.join(bench_dir, "experiments", "timing_methods_*.json")))
+         for r in load_rows(path)]
+  h200 = h200_page(rows, fig_dir, fig_rel, probes, alt)
   p1, p2 = os.path.join(docs_dir, "attention-performance.md"), os.path.join(docs_dir, "h200.md")
   for p, text in ((p1, perf), (p2, h200)):
     with open(p, "w") as f:
