@@ -131,6 +131,26 @@ def masked_call(fn: Callable, static: Hashable, operands: tuple, roles: tuple[st
   return call(*operands, *arrays)
 
 
+def attention_vjp(forward_shard: Callable, backward_shard: Callable, partitioned: Callable) -> tuple:
+  """``(fwd, bwd)`` for ``defvjp`` of a ``custom_vjp`` ``f(static, q, k, v, mask)`` (static
+  non-differentiable) whose kernels run through :func:`masked_call`:
+  ``forward_shard(static, q, k, v, mask) -> (out, lse)`` and
+  ``backward_shard(static, q, k, v, out, lse, do, mask) -> (dq, dk, dv)``, per shard where
+  ``partitioned(static)``. The residuals are ``(q, k, v, out, lse, mask)``."""
+  def fwd(st, q, k, v, mask):
+    out, lse = masked_call(forward_shard, st, (q, k, v), (Q, KV, KV), mask, (Q, STATS),
+                           partition=partitioned(st))
+    return out, (q, k, v, out, lse, mask)
+
+  def bwd(st, res, do):
+    q, k, v, out, lse, mask = res
+    dq, dk, dv = masked_call(backward_shard, st, (q, k, v, out, lse, do), (Q, KV, KV, Q, STATS, Q),
+                             mask, (Q, KV, KV), partition=partitioned(st))
+    return dq, dk, dv, jax.tree.map(lambda _: None, mask)
+
+  return fwd, bwd
+
+
 def _with_mask(static, *xs):
   fn, st, skeleton, names = static
   operands, arrays = xs[:len(xs) - len(names)], xs[len(xs) - len(names):]

@@ -29,7 +29,6 @@ from probjax.ops.attention.mosaic_gpu import config as config_lib
 from probjax.ops.attention.mosaic_gpu import forward as forward_lib
 from probjax.ops.attention.mosaic_gpu.backward import MosaicBackwardConfig
 from probjax.ops.attention.mosaic_gpu.config import MosaicForwardConfig
-from probjax.ops.attention.sharding import KV, Q, STATS
 from probjax.ops.attention.triton import BackwardConfig, attention_with_forward, triton_lowerable
 from probjax.ops.attention.triton import config as triton_config
 
@@ -172,17 +171,5 @@ def _backward_shard(st: _Static, q, k, v, out, lse, do, mask):
                                interpret=st.interpret, score_mod=st.score_mod)
 
 
-def _fwd(st: _Static, q, k, v, mask):
-  out, lse = sharding.masked_call(_forward_shard, st, (q, k, v), (Q, KV, KV), mask, (Q, STATS),
-                                  partition=_partitioned(st))
-  return out, (q, k, v, out, lse, mask)
-
-
-def _bwd(st: _Static, res, do):
-  q, k, v, out, lse, mask = res
-  dq, dk, dv = sharding.masked_call(_backward_shard, st, (q, k, v, out, lse, do), (Q, KV, KV, Q, STATS, Q),
-                                    mask, (Q, KV, KV), partition=_partitioned(st))
-  return dq, dk, dv, jax.tree.map(lambda _: None, mask)
-
-
+_fwd, _bwd = sharding.attention_vjp(_forward_shard, _backward_shard, _partitioned)
 _attention.defvjp(_fwd, _bwd)

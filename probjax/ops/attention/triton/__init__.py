@@ -25,7 +25,7 @@ from probjax.ops.attention.triton import backward as backward_lib
 from probjax.ops.attention.triton.config import BackwardConfig, ForwardConfig, SplitKVConfig
 from probjax.ops.attention.triton import decode as decode_lib
 from probjax.ops.attention.triton import forward as forward_lib
-from probjax.ops.attention.sharding import KV, Q, STATS
+from probjax.ops.attention.sharding import KV, Q
 from probjax.ops.attention.triton.tiles import padded_head_dim
 
 __all__ = ["attention", "supports", "ForwardConfig", "BackwardConfig", "SplitKVConfig"]
@@ -195,17 +195,5 @@ def _backward_shard(st: _Static, q, k, v, out, lse, do, mask):
                                impl=st.impl, config=st.bcfg, interpret=st.interpret)
 
 
-def _fwd(st: _Static, q, k, v, mask):
-  out, lse = sharding.masked_call(_forward_shard, st, (q, k, v), (Q, KV, KV), mask, (Q, STATS),
-                                  partition=_partitioned(st))
-  return out, (q, k, v, out, lse, mask)
-
-
-def _bwd(st: _Static, res, do):
-  q, k, v, out, lse, mask = res
-  dq, dk, dv = sharding.masked_call(_backward_shard, st, (q, k, v, out, lse, do), (Q, KV, KV, Q, STATS, Q),
-                                    mask, (Q, KV, KV), partition=_partitioned(st))
-  return dq, dk, dv, jax.tree.map(lambda _: None, mask)
-
-
+_fwd, _bwd = sharding.attention_vjp(_forward_shard, _backward_shard, _partitioned)
 _attention.defvjp(_fwd, _bwd)
