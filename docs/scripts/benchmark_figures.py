@@ -975,8 +975,10 @@ def _target_rows(rows):
   body, within, slower, tok = [], 0, [], []
   for k in sorted(by):
     d = by[k].get("probjax_default")
-    peers = [r for i, r in by[k].items() if i in TARGET_PEERS and d and r.get("commit") == d.get("commit")]
-    if not d or not peers:
+    if d is None:
+      continue
+    peers = [r for i, r in by[k].items() if i in TARGET_PEERS and r.get("commit") == d.get("commit")]
+    if not peers:
       continue
     best = min(peers, key=lambda r: r["ms"])
     ratio = d["ms"] / best["ms"]
