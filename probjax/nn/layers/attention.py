@@ -98,6 +98,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
   pos_mask, dense_mask = base.check_mask(mask, shape)
   if is_causal:
     pos_mask = CausalMask() if pos_mask is None else pos_mask & CausalMask()
+  if pos_mask is not None:
+    pos_mask = pos_mask.clamped(shape.q_len, shape.kv_len)
   bias = base.check_broadcast("bias", bias, shape, boolean=False)
   rate, rng = base.check_dropout(dropout_rate, dropout_rng, deterministic)
   return _attention(query, key, value, shape, bias=bias, mask=pos_mask, dense_mask=dense_mask,
@@ -140,6 +142,7 @@ def flex_attention(query, key, value, *, mask: Mask | None = None, score_mod: Ca
                     "use dot_product_attention for dense boolean masks")
   if mask is not None:
     mask.validate(shape.batch, shape.q_len, shape.kv_len)
+    mask = mask.clamped(shape.q_len, shape.kv_len)
   return _attention(query, key, value, shape, mask=mask, score_mod=score_mod, scale=scale,
                     implementation=implementation, backward_pass_impl=backward_pass_impl,
                     forward_config=forward_config, backward_config=backward_config,
@@ -176,8 +179,13 @@ def _attention(query, key, value, shape: base.AttentionShape, *, bias=None, mask
   if score_mod is not None and not callable(score_mod):
     raise TypeError(f"score_mod must be callable f(score, b, h, q_idx, kv_idx), got {type(score_mod).__name__}")
   scale = base.check_scale(scale, shape.head_dim)
+  if base.is_traced(scale):
+    if dispatch.canonical(implementation) not in (None, "xla"):
+      raise ValueError(f"implementation={implementation!r} cannot take a traced scale (the kernels compile "
+                       "the scale in): pass a Python float, or implementation=None or 'xla'")
+    score_mod, bias, scale = _fold_traced_scale(scale, score_mod, bias)
   # Interpret mode emulates the GPU kernel anywhere.
-  device = Device("gpu", None, None) if interpret else Device.current()
+  device = Device("gpu", None, None, interpret=True) if interpret else Device.current()
   decision = dispatch.explain_dispatch(
       query.shape, key.shape, shape.dtype, mask=mask, bias=bias is not None,
       dense_mask=dense_mask is not None, dropout=dropout_rate > 0, score_mod=score_mod,
@@ -217,3 +225,22 @@ def _attention(query, key, value, shape: base.AttentionShape, *, bias=None, mask
                                bias=bias, mask=mask, dense_mask=dense_mask, score_mod=score_mod,
                                scale=scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
                                broadcast_dropout=broadcast_dropout, precision=precision)
+
+
+def _fold_traced_scale(scale, score_mod, bias):
+  """``(score_mod, bias, 1.0)`` computing scores at a traced ``scale``: the scores are formed at
+  scale 1 and the modifier scales them and adds the bias, in the order of the static-scale path
+  (``score_mod(scale * q k^T + bias)``). The modifier closes over traced arrays, so only the XLA
+  path runs it, and the scale (and bias) stay differentiable."""
+  user = score_mod
+
+  def mod(s, b, h, i, j):
+    s = s * scale
+    if bias is not None:
+      # bias is [b|1, h|1, q|1, k|1]; a size-1 axis broadcasts, and padded tile positions
+      # (masked later) read the last row or column.
+      at = lambda idx, n: jnp.zeros_like(idx) if n == 1 else jnp.minimum(idx, n - 1)
+      s = s + bias[at(b, bias.shape[0]), at(h, bias.shape[1]), at(i, bias.shape[2]),
+                   at(j, bias.shape[3])].astype(s.dtype)
+    return s if user is None else user(s, b, h, i, j)
+  return mod, None, 1.0

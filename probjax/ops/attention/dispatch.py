@@ -46,6 +46,7 @@ class Device:
   platform: str
   compute_capability: tuple[int, int] | None = None
   memory_bytes: int | None = None
+  interpret: bool = False  # Pallas interpret mode: the Pallas kernels emulated on any platform
 
   @classmethod
   def current(cls) -> "Device":
@@ -181,6 +182,8 @@ def _decide(q_shape, kv_shape, dtype, *, mask, bias, dense_mask, dropout, score_
       why = triton_supports(q_shape, kv_shape, dtype, device=device, **kw)
     elif impl == "mosaic":
       why = mosaic_supports(q_shape, kv_shape, dtype, device=device, **kw)
+    elif device.interpret:
+      why = "cuDNN has no interpret mode (interpret=True emulates only the Pallas kernels, Triton and Mosaic)"
     else:
       why = cudnn_backend.supports(q_shape, kv_shape, dtype, platform=device.platform, **kw)
     why = why or _not_for_kernels(precision=precision, module=module)

@@ -8,6 +8,13 @@ query index ``q`` and a key index ``k`` of batch element ``b``:
 * per-batch key lengths ``k < kv_lengths[b]``,
 * packed documents ``q_segment_ids[b, q] == kv_segment_ids[b, k]``.
 
+Lengths are clamped to ``[0, q_len]`` / ``[0, kv_len]``: concrete out-of-range lengths raise
+``ValueError``, traced ones (under ``jax.jit``) are clipped (:meth:`Mask.clamped`), on every
+backend. Keys at or past ``kv_lengths[b]`` and queries at or past ``q_lengths[b]`` may hold any
+values, NaN and inf included (a KV cache's unwritten tail): they never reach an output or a
+gradient. Positions excluded only by the band or by segment ids must be finite, since a key
+excluded for one query is read for another.
+
 Backends use two views of it: :meth:`Mask.element` (the boolean predicate on
 index grids) and :meth:`Mask.classify_tiles` (each ``block_q x block_k`` tile
 is EMPTY, PARTIAL or FULL), so that empty tiles are skipped and full tiles
@@ -152,6 +159,13 @@ class Mask:
     check("kv_lengths", self.kv_lengths, (batch,), kv_len)
     check("q_segment_ids", self.q_segment_ids, (batch, q_len))
     check("kv_segment_ids", self.kv_segment_ids, (batch, kv_len))
+
+  def clamped(self, q_len: int, kv_len: int) -> "Mask":
+    """The mask with its lengths clipped to ``[0, q_len]`` / ``[0, kv_len]``: what every
+    backend computes for traced lengths out of range (concrete ones raise in :meth:`validate`)."""
+    clip = lambda x, n: None if x is None else jnp.clip(x, 0, n).astype(jnp.int32)
+    return dataclasses.replace(self, q_lengths=clip(self.q_lengths, q_len),
+                               kv_lengths=clip(self.kv_lengths, kv_len))
 
   # -- element predicate -------------------------------------------------------
   def element(self, q_idx, k_idx, b=None):
