@@ -25,7 +25,7 @@ PYTEST_WORKERS ?= 2
 help:
 	@echo "make run    - attention report on this machine (ARGS=\"--quick\" etc.)"
 	@echo "make test   - test suite, pytest -q -n $(PYTEST_WORKERS) (PYTEST_ARGS=... to pass more)"
-	@echo "make bench-cpu - CPU benchmark JSON (docs/benchmarks/kernel_attn_cpu_cpu.json)"
+	@echo "make bench-cpu - CPU benchmark JSON (bench/results/cpu/)"
 	@echo "make docs   - figures and README performance section from the JSON"
 	@echo "make venv   - only create/refresh $(VENV)"
 
@@ -44,13 +44,13 @@ bench-cpu: venv
 	  ( python3 -m venv .torchenv && .torchenv/bin/pip install -q torch==2.13.0 numpy ) \
 	    || { echo "warning: could not create .torchenv; torch_cpu rows will be missing" >&2; rm -rf .torchenv; }; \
 	fi
-	JAX_PLATFORMS=cpu $(PY) -m docs.scripts.benchmark_kernel_attn_cpu --output docs/benchmarks/kernel_attn_cpu_cpu.json
+	JAX_PLATFORMS=cpu $(PY) -m bench.benchmark_kernel_attn_cpu --device cpu
 
-# Figures and pages (docs/attention-performance.md, docs/h200.md) and README's
-# performance section, all from the JSON in docs/benchmarks/.
+# Figures and pages (docs/attention-performance.md, docs/h200.md, docs/figures/) and README's
+# performance section, all from the JSON in bench/results/.
 docs: venv
-	$(PY) -m docs.scripts.benchmark_figures
-	$(PY) -m docs.scripts.cpu_readme_numbers
+	$(PY) -m bench.benchmark_figures
+	$(PY) -m bench.cpu_readme_numbers
 
 # Creates (or re-creates, if its Python is missing or older than 3.12) the venv,
 # and re-installs only when pyproject.toml's hash differs from the stamp's.

@@ -8,14 +8,16 @@ For each shape it runs every probjax implementation available on the present
 device (``available_implementations()``), the default (``implementation=None``)
 and ``jax.nn.dot_product_attention`` as a peer (XLA, and cuDNN on NVIDIA GPUs);
 checks output and gradients against the float64 reference; times the forward and
-the forward+backward (warm-up, median of repeats); prints a table with the
+the forward+backward (:func:`probjax.core.timing.time_fn`: the compiling call, then the
+median of single synchronised calls); prints a table with the
 implementation the default picks and the rule that picked it; and writes the
 rows to JSON (benchmark row fields: ``suite="report"``, ``impl``, ``dtype``,
 ``batch``, ``q_heads``, ``kv_heads``, ``q_len``, ``kv_len``, ``head_dim``,
 ``causal``, ``mask``, ``mode`` ("fwd"/"fwd_bwd"), ``ms``, ``status``
-("ok"/"oom"/"unsupported"/"fail"/"error"), ``device``, ``max_error``; plus
+("ok"/"oom"/"unsupported"/"fail"/"error", :func:`probjax.core.timing.classify_error`),
+``device``, ``max_error``; plus
 ``check`` ("pass"/"fail" against the dtype's tolerance), ``tolerance``,
-``error`` (message), ``default_impl`` and ``default_rule``).
+``error`` (message), ``default_impl``, ``default_rule`` and ``commit``).
 
 A failure of one implementation is recorded in its row; the report goes on.
 """
@@ -28,8 +30,6 @@ import datetime
 import json
 import math
 import os
-import platform
-import statistics
 import sys
 import time
 import traceback
@@ -37,23 +37,20 @@ from typing import Any, Callable
 
 import numpy as np
 
+from probjax.core import timing
+from probjax.core.timing import STATUSES, classify_error  # noqa: F401 (the report's statuses)
+
 MASKS = ("none", "causal", "window", "kv_len", "segments")
 DTYPES = ("float32", "bfloat16", "float16")
-STATUSES = ("ok", "oom", "unsupported", "fail", "error")
 
 
 # -----------------------------------------------------------------------------
 # cases
 # -----------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
-class Case:
+class Case(timing.Shape):
+  """A named report case: its :class:`probjax.core.timing.Shape` (passed by keyword), dtype and mask."""
   name: str
-  batch: int
-  q_heads: int
-  kv_heads: int
-  q_len: int
-  kv_len: int
-  head_dim: int
   dtype: str
   mask: str = "none"
 
@@ -122,7 +119,8 @@ def build_cases(args, platform_kind: str) -> tuple[list[Case], int]:
   if not custom:
     for name, b, h, hkv, t, d, m in preset["cases"]:
       tq, tk = t if isinstance(t, tuple) else (t, t)
-      cases.append(Case(name, args.batch or b, h, hkv, tq, tk, args.head_dim or d, dtype, m))
+      cases.append(Case(name=name, batch=args.batch or b, q_heads=h, kv_heads=hkv, q_len=tq, kv_len=tk,
+                        head_dim=args.head_dim or d, dtype=dtype, mask=m))
   else:
     b0, h0, _, t0, d0, _ = preset["cases"][0][1:]
     heads = args.heads or h0
@@ -131,7 +129,8 @@ def build_cases(args, platform_kind: str) -> tuple[list[Case], int]:
       raise SystemExit(f"--heads ({heads}) must be a multiple of --kv-heads ({kv_heads})")
     for t in seqs or [t0]:
       for m in masks or ["none"]:
-        cases.append(Case(f"T{t}-{m}", args.batch or b0, heads, kv_heads, t, t, args.head_dim or d0, dtype, m))
+        cases.append(Case(name=f"T{t}-{m}", batch=args.batch or b0, q_heads=heads, kv_heads=kv_heads,
+                          q_len=t, kv_len=t, head_dim=args.head_dim or d0, dtype=dtype, mask=m))
   return cases, max(1, repeats)
 
 
@@ -291,40 +290,25 @@ def _first_line(e: BaseException, limit: int = 300) -> str:
   return s[:limit]
 
 
-def classify_error(e: BaseException) -> str:
-  msg = f"{type(e).__name__}: {e}"
-  if "RESOURCE_EXHAUSTED" in msg or "out of memory" in msg.lower() or isinstance(e, MemoryError):
-    return "oom"
-  if "NOT_FOUND" in msg and ("autotun" in msg.lower() or "config" in msg.lower()):
-    return "fail"
-  if isinstance(e, (ValueError, TypeError, NotImplementedError)):
-    return "unsupported"
-  return "error"
-
-
 def time_call(fn: Callable, args: tuple, repeats: int) -> tuple[float, Any]:
-  """Median milliseconds of ``fn(*args)`` after one warm-up (compile) call."""
+  """Median milliseconds of single synchronised calls of ``fn(*args)`` after the compiling
+  call, and that call's output (for the check)."""
   import jax
-  out = jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append((time.perf_counter() - t0) * 1e3)
-  return statistics.median(times), out
+  first = []
+
+  def call():
+    out = fn(*args)
+    if not first:
+      first.append(out)
+    return out
+  res = timing.time_fn(call, jax.block_until_ready, warmup=0, repeats=repeats, min_repeat_s=0.0, max_calls=1)
+  return res["ms"], first[0]
 
 
 def device_info() -> tuple[str, str]:
-  """(platform kind "cpu"/"gpu"/..., device name)."""
-  import jax
-  d = jax.devices()[0]
-  kind = d.platform
-  if kind == "cuda" or kind == "rocm":
-    kind = "gpu"
-  name = getattr(d, "device_kind", "") or d.platform
-  if d.platform == "cpu":
-    name = f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
-  return kind, str(name)
+  """(platform kind "cpu"/"gpu"/..., device name) of :func:`probjax.core.timing.device_info`."""
+  info = timing.device_info()
+  return info["platform"], info["device"]
 
 
 def run_case(case: Case, impls, repeats: int, device: str, platform_kind: str,
@@ -394,7 +378,7 @@ def run_case(case: Case, impls, repeats: int, device: str, platform_kind: str,
             row["max_error"] = None
             row["error"] = "non-finite values in the result"
       except Exception as e:  # noqa: BLE001 -- recorded in the row, the report goes on
-        row["status"] = classify_error(e)
+        row["status"] = classify_error(e)[0]
         row["error"] = f"{type(e).__name__}: {_first_line(e)}"
         if os.environ.get("PROBJAX_REPORT_TRACEBACK"):
           traceback.print_exc()
@@ -501,13 +485,15 @@ def main(argv=None) -> int:
   n_bad = sum(r["status"] != "ok" for r in rows)
   n_fail = sum(r["check"] == "fail" for r in rows)
   print(f"\n{len(rows)} rows, {n_bad} did not run, {n_fail} outside tolerance; {elapsed:.1f} s")
-  meta = dict(command=" ".join(["python -m probjax.attention_report"] + list(argv if argv is not None else sys.argv[1:])),
-              jax=jax.__version__, python=platform.python_version(), device=device,
-              platform=platform_kind, repeats=repeats,
-              date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+  info = timing.device_info()
+  command = " ".join(["python -m probjax.attention_report"] + list(argv if argv is not None else sys.argv[1:]))
+  date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
   for r in rows:
-    r.setdefault("jax", meta["jax"])
-    r.setdefault("command", meta["command"])
+    r.setdefault("jax", jax.__version__)
+    r.setdefault("command", command)
+    r.setdefault("versions", info["versions"])
+    r.setdefault("commit", info["commit"])
+    r.setdefault("date", date)
   out_dir = os.path.dirname(os.path.abspath(args.output))
   os.makedirs(out_dir, exist_ok=True)
   with open(args.output, "w") as fh:

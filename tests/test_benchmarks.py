@@ -1,4 +1,5 @@
-"""Benchmark harness, row schema, page generator and --quick suites (CPU)."""
+"""Benchmark harness (bench/), row schema, results layout, tuning evidence, page generator and
+--quick suites (CPU). The repository root is on sys.path (``python -m pytest`` from it)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,11 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from bench import benchmark_figures as bf
+from bench import cpu_readme_numbers as crn
+from bench import harness
 
-from docs.scripts import benchmark_figures as bf  # noqa: E402
-from docs.scripts import cpu_readme_numbers as crn  # noqa: E402
-from docs.scripts import harness  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # ---------------------------------------------------------------------------
@@ -35,10 +35,11 @@ def test_flops_convention():
 
 
 def test_percentile_and_summary():
-  assert harness.percentile([1, 2, 3, 4, 5], 50) == 3
-  assert harness.percentile([1, 2, 3, 4, 5], 0) == 1
-  assert harness.percentile([1, 2, 3, 4, 5], 100) == 5
-  assert harness.percentile([0, 10], 10) == pytest.approx(1.0)
+  from probjax.core.timing import percentile
+  assert percentile([1, 2, 3, 4, 5], 50) == 3
+  assert percentile([1, 2, 3, 4, 5], 0) == 1
+  assert percentile([1, 2, 3, 4, 5], 100) == 5
+  assert percentile([0, 10], 10) == pytest.approx(1.0)
   s = harness.summarize([5.0, 1.0, 3.0, 100.0, 2.0])
   assert s["ms"] == 3.0 and s["n_repeats"] == 5
   assert s["p10_ms"] <= s["ms"] <= s["p90_ms"]
@@ -317,7 +318,7 @@ def test_target_section_counts_same_run_peers_only():
   assert "D64 T1024 fwd (jax.nn cuDNN, 1.050)" in text and "D64 T1024 fwd_bwd (torch SDPA cuDNN, 1.015)" in text
   assert "D64 T1024 fwd (0.900 vs 1.05 ms, tokamax at b)" in text
   alt = [_row(ms=0.9, commit="c"), _row(impl="torch_flex", ms=1.0, commit="c")]
-  assert "the same session (`experiments/timing_methods_*.json`): 1 of 1 within 1.02" in bf.target_section(rows, alt)
+  assert "the same session (`other_timing/*.json`): 1 of 1 within 1.02" in bf.target_section(rows, alt)
   assert bf.target_section([]) == bf.NOT_MEASURED
 
 
@@ -331,47 +332,51 @@ def _write_jsonl(path, rows):
 
 
 def test_pages_from_synthetic_json(tmp_path):
-  bench = tmp_path / "benchmarks"
-  bench.mkdir()
+  results = tmp_path / "results"
+  (results / "h200").mkdir(parents=True)
+  (results / "cpu").mkdir()
   grid = _synthetic_grid()
-  _write_jsonl(bench / "gpu_attention.json", grid)
-  _write_jsonl(bench / "kernel_attn_cpu_cpu.json", [
+  _write_jsonl(results / "h200" / "grid.json", grid)
+  _write_jsonl(results / "cpu" / "cpu.json", [
       _row(suite="cpu", impl=i, dtype="float32", batch=1, q_len=4096, kv_len=4096, ms=ms,
            platform="cpu", device="CPU (test)")
       for i, ms in (("probjax_default", 700.0), ("jaxnn_xla", 780.0), ("torch_cpu", 170.0))])
-  _write_jsonl(bench / "kernel_attn_gpu_memory.json", [
-      _row(suite="max_len", ms=None, max_len=65536, search_max=131072),
-      _row(suite="peak", ms=None, peak_bytes=2**30, q_len=1024, kv_len=1024)])
-  info = bf.build(str(bench), str(tmp_path), str(bench / "figures"))
+  _write_jsonl(results / "h200" / "max_len.json", [_row(suite="max_len", ms=None, max_len=65536, search_max=131072)])
+  _write_jsonl(results / "h200" / "peak.json", [_row(suite="peak", ms=None, peak_bytes=2**30, q_len=1024, kv_len=1024)])
+  info = bf.build(str(results), str(tmp_path), str(tmp_path / "figures"))
   page = (tmp_path / "attention-performance.md").read_text()
   h200 = (tmp_path / "h200.md").read_text()
   assert "## Where an alternative is faster" in page
-  assert "jax.nn cuDNN is 1.33× faster at T=8192" in page
+  assert "jax.nn cuDNN is 1.33× faster at T=8192" in page and "computed from h200/grid.json" in page
   assert "probjax default 700 ms" in page and "torch CPU SDPA 170 ms" in page
-  assert "65,536" in page
+  assert "65,536" in page and "(h200/peak.json)" in page
   # suites without data say so instead of failing
   assert "## Tile selection\n\n" + bf.NOT_MEASURED in page
   assert bf.NOT_MEASURED in page.split("## Grouped-query")[1]
   assert "# probjax on the NVIDIA H200" in h200 and "NVIDIA H200" in h200
+  assert "evidence" not in h200.split("## Device-specific defaults")[1].split("## Why")[0].split("```")[1]
   assert any(f.endswith(".png") for f in info["figures"])
 
 
 def test_interleaved_tables_rate_probjax_against_the_fastest_peer():
-  rows = [dict(impl=i, batch=4, heads=8, t=4096, d=128, causal=False, mode="fwd", mask="none", ms=ms)
+  rows = [_row(suite="interleaved", impl=i, q_len=4096, kv_len=4096, head_dim=128, mode="fwd", ms=ms,
+               commit="abc", command="cmd", timing="plain")
           for i, ms in (("probjax_triton", 2.0), ("torch_flex", 2.5), ("torch_sdpa_flash", 1.6))]
-  text = bf.interleaved_section({"interleaved_x.json": {"rows": rows, "command": "cmd", "commit": "abc"}})
-  assert "`interleaved_x.json`: batch 4, 8 heads; `cmd` at abc" in text
-  assert "| 4096 | 128 | no | fwd | none | 2.00 | 2.50 | 1.60 | 1.250 |" in text
+  text = bf.interleaved_section(rows)
+  assert "`cmd` at abc, NVIDIA H200." in text
+  assert "| B4 H8 | 4096 | 128 | no | fwd | none | plain | 2.00 | 2.50 | 1.60 | 1.250 |" in text
   failed = dict(rows[0], impl="probjax_cudnn_unified", ms=None, status="error", error="needs cuDNN 9.21")
-  text = bf.interleaved_section({"interleaved_x.json": {"rows": rows + [failed], "command": "cmd"}})
-  assert "| 4096 | 128 | no | fwd | none | 2.00 | 2.50 | 1.60 | — | 1.250 | — |" in text
-  assert bf.interleaved_section({}) == bf.NOT_MEASURED
+  text = bf.interleaved_section(rows + [failed])
+  assert "| B4 H8 | 4096 | 128 | no | fwd | none | plain | 2.00 | 2.50 | 1.60 | — | 1.250 | — |" in text
+  other_run = [dict(r, commit="def") for r in rows]
+  assert bf.interleaved_section(rows + other_run).count("`cmd` at") == 2  # one table per run
+  assert bf.interleaved_section([_row()]) == bf.NOT_MEASURED
 
 
 def test_pages_with_no_data(tmp_path):
-  bench = tmp_path / "b"
-  bench.mkdir()
-  bf.build(str(bench), str(tmp_path), str(bench / "figures"))
+  results = tmp_path / "r"
+  results.mkdir()
+  bf.build(str(results), str(tmp_path), str(tmp_path / "figures"))
   page = (tmp_path / "attention-performance.md").read_text()
   assert page.count(bf.NOT_MEASURED) >= 8
   assert "## How to reproduce" in page
@@ -407,35 +412,45 @@ QUICK = [
     ("benchmark_kernel_attn_gpu", ["--suite", "dispatch,residuals,peak"]),
     ("benchmark_kernel_attn_ext", ["--suite", "gqa,decode"]),
     ("benchmark_kernel_attn_cpu", ["--torch-python", "/nonexistent/python"]),
-    ("probe_cudnn", []),
-    ("probe_odd_lengths", []),
+    ("interleaved", []),
 ]
 
 
+@pytest.mark.slow  # a fresh interpreter per suite: tens of seconds each
 @pytest.mark.parametrize("module,extra", QUICK, ids=[" ".join([q[0], *q[1]]) for q in QUICK])
 def test_quick_suite(tmp_path, module, extra):
-  out = tmp_path / f"{module}.json"
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-  p = subprocess.run([sys.executable, "-m", f"docs.scripts.{module}", "--quick", "--no-progress",
-                      "--output", str(out)] + extra, cwd=ROOT, env=env, capture_output=True,
+  p = subprocess.run([sys.executable, "-m", f"bench.{module}", "--quick", "--no-progress",
+                      "--results-dir", str(tmp_path)] + extra, cwd=ROOT, env=env, capture_output=True,
                      text=True, timeout=240)
   assert p.returncode == 0, p.stderr[-3000:]
-  rows = harness.load_rows(str(out))
+  files = sorted((tmp_path / "cpu").glob("*.json"))
+  rows = [r for f in files for r in harness.load_rows(str(f))]
   assert rows, p.stderr[-2000:]
+  for f in files:  # one file per suite, on this device
+    assert {r["suite"] for r in harness.load_rows(str(f))} == {f.stem}
   for r in rows:
     assert harness.validate_row(r) == [], r
     assert r["status"] != "error", r.get("error")
-  if module.startswith("probe_"):  # GPU only: every row says so
-    assert all(r["status"] == "unsupported" for r in rows)
-  else:
-    assert any(r["status"] == "ok" for r in rows) or module == "benchmark_gpu_attention_tiles"
+  assert any(r["status"] == "ok" for r in rows) or module == "benchmark_gpu_attention_tiles"
   if module == "benchmark_kernel_attn_cpu":
     torch_rows = [r for r in rows if r["impl"] == "torch_cpu"]
     assert torch_rows and all(r["status"] in ("unsupported", "error") for r in torch_rows)
 
 
+def test_interleaved_suite_in_process(tmp_path):
+  from bench import interleaved
+  out = tmp_path / "rows.json"
+  assert interleaved.main(["--quick", "--no-progress", "--output", str(out)]) == 0
+  rows = harness.load_rows(str(out))
+  assert [r["impl"] for r in rows] == ["probjax_default", "jaxnn_xla"]
+  for r in rows:
+    assert harness.validate_row(r) == [] and r["suite"] == "interleaved" and r["status"] == "ok", r
+    assert r["rounds"] == 3 and len(r["round_ms"]) == 3  # rotating rounds by default
+
+
 def test_select_cases_rejects_unknown_suites():
-  from docs.scripts import harness
+  from bench import harness
   built = harness.select_cases("b,a", {"a": lambda: ["a1"], "b": lambda: ["b1", "b2"]})
   assert built == ["a1", "b1", "b2"]
   with pytest.raises(SystemExit, match="known: a, b"):
@@ -443,7 +458,7 @@ def test_select_cases_rejects_unknown_suites():
 
 
 def test_tiles_section_counts_auto_within_five_percent():
-  from docs.scripts import benchmark_figures as bf
+  from bench import benchmark_figures as bf
   base = dict(suite="tiles", impl="probjax_triton", dtype="bfloat16", batch=4, q_heads=8, kv_heads=8,
               q_len=4096, kv_len=4096, head_dim=64, causal=False, mask="none", status="ok", device="GPU")
   cfg = {"forward": {"block_q": 64, "fast_exp2": False}, "backward": "B"}
@@ -472,7 +487,7 @@ def test_tiles_section_counts_auto_within_five_percent():
 
 
 def test_drop_rows(tmp_path, capsys):
-  from docs.scripts import drop_rows
+  from bench import drop_rows
   path = tmp_path / "rows.json"
   rows = [dict(impl="probjax_triton", variant="auto"), dict(impl="probjax_default"),
           dict(impl="torch_flex", variant="auto")]
@@ -487,53 +502,38 @@ def test_drop_rows(tmp_path, capsys):
 
 
 def test_merge_rows_keeps_measured_rows(tmp_path):
-  from docs.scripts import merge_rows
+  from bench import merge_rows
   base = dict(suite="grid", impl="probjax_triton", dtype="bfloat16", batch=1, q_heads=2, kv_heads=2,
               q_len=64, kv_len=64, head_dim=16, causal=False, mask="none", mode="fwd", device="GPU")
-  a, b, out = tmp_path / "a", tmp_path / "b", tmp_path / "out"
-  for d in (a, b, out):
-    d.mkdir()
-  (a / "x.json").write_text(json.dumps(dict(base, ms=1.0, status="ok")) + "\n"
-                            + json.dumps(dict(base, q_len=128, ms=None, status="oom")) + "\n")
-  (b / "x.json").write_text(json.dumps(dict(base, ms=None, status="error")) + "\n"
-                            + json.dumps(dict(base, q_len=128, ms=2.0, status="ok")) + "\n"
-                            + json.dumps(dict(base, impl="torch_flex", ms=3.0, status="ok")) + "\n")
-  assert merge_rows.main([str(out), str(a), str(b)]) == 0
-  rows = {(r["impl"], r["q_len"]): r for r in harness.load_rows(str(out / "x.json"))}
+  a, b = tmp_path / "a" / "h200", tmp_path / "b" / "h200"
+  for d in (a, b):
+    d.mkdir(parents=True)
+  (a / "grid.json").write_text(json.dumps(dict(base, ms=1.0, status="ok")) + "\n"
+                               + json.dumps(dict(base, q_len=128, ms=None, status="oom")) + "\n")
+  (b / "grid.json").write_text(json.dumps(dict(base, ms=None, status="error")) + "\n"
+                               + json.dumps(dict(base, q_len=128, ms=2.0, status="ok")) + "\n"
+                               + json.dumps(dict(base, impl="torch_flex", ms=3.0, status="ok")) + "\n")
+  out = tmp_path / "out1"
+  assert merge_rows.main([str(out), str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+  rows = {(r["impl"], r["q_len"]): r for r in harness.load_rows(str(out / "h200" / "grid.json"))}
   assert len(rows) == 3
   assert rows[("probjax_triton", 64)]["ms"] == 1.0      # an error never replaces a measurement
   assert rows[("probjax_triton", 128)]["ms"] == 2.0     # a measurement replaces a failure
   assert rows[("torch_flex", 64)]["ms"] == 3.0
-  # Of two measurements the more recent is kept, whichever batch holds it.
-  (a / "x.json").write_text(json.dumps(dict(base, ms=1.0, status="ok", time="2026-11-30T10:00:00")) + "\n")
-  (b / "x.json").write_text(json.dumps(dict(base, ms=5.0, status="ok", time="2026-11-29T10:00:00")) + "\n")
-  assert merge_rows.main([str(out), str(a), str(b)]) == 0
-  assert [r["ms"] for r in harness.load_rows(str(out / "x.json"))] == [1.0]
-  (a / "one.json").write_text(json.dumps(dict(base, ms=1.0, status="ok")) + "\n")  # one row
-  probe = {"command": "python -m docs.scripts.probe_dispatch_gap", "rows": [{"case": "x", "ms": 1.0}]}
-  (b / "probe.json").write_text(json.dumps(probe, indent=1))
-  assert merge_rows.main([str(out), str(a), str(b)]) == 0
-  assert json.load(open(out / "probe.json")) == probe                  # copied, not read as rows
-  assert [r["ms"] for r in harness.load_rows(str(out / "one.json"))] == [1.0]
-
-
-def test_cudnn_probe_section():
-  from docs.scripts import benchmark_figures as bf
-  base = dict(suite="cudnn_probe", dtype="bfloat16", batch=4, q_heads=8, kv_heads=8, q_len=4096,
-              kv_len=4096, head_dim=64, causal=False, mask="none", mode="fwd", status="ok",
-              device="GPU", jax_cudnn=91900, torch_cudnn=91900)
-  rows = [dict(base, impl="jaxnn_cudnn", variant="btnh", ms=2.0),
-          dict(base, impl="torch_sdpa_cudnn", variant="bhtd", ms=1.8),
-          dict(base, impl="jaxnn_cudnn", variant="btnh_knobs_none", ms=None, status="error")]
-  text = bf.cudnn_probe_section(rows)
-  assert "91900 / 91900" in text and "(0.90)" in text
-  header = next(l for l in text.splitlines() if l.startswith("| head_dim"))
-  assert header.index("btnh |") < header.index("torch SDPA cuDNN bhtd")
-  assert bf.cudnn_probe_section([]) == bf.NOT_MEASURED
+  # Of two measurements the more recent is kept, whichever folder holds it; the output
+  # folder's own rows take part (merging a device run into bench/results).
+  (a / "grid.json").write_text(json.dumps(dict(base, ms=1.0, status="ok", time="2026-11-30T10:00:00")) + "\n")
+  (b / "grid.json").write_text(json.dumps(dict(base, ms=5.0, status="ok", time="2026-11-29T10:00:00")) + "\n")
+  out = tmp_path / "out2"
+  assert merge_rows.main([str(out), str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+  assert [r["ms"] for r in harness.load_rows(str(out / "h200" / "grid.json"))] == [1.0]
+  (out / "h200" / "grid.json").write_text(json.dumps(dict(base, ms=0.5, status="ok", time="2026-12-01T10:00:00")) + "\n")
+  assert merge_rows.main([str(out), str(tmp_path / "b")]) == 0
+  assert [r["ms"] for r in harness.load_rows(str(out / "h200" / "grid.json"))] == [0.5]
 
 
 def test_compare_runs(tmp_path, capsys):
-  from docs.scripts import compare_runs
+  from bench import compare_runs
   base = dict(suite="grid", dtype="bfloat16", batch=1, q_heads=2, kv_heads=2, q_len=64, kv_len=64,
               head_dim=16, causal=False, mask="none", mode="fwd", device="GPU", status="ok")
   old = [dict(base, impl="probjax_triton", ms=2.0), dict(base, impl="torch_flex", ms=1.0),
@@ -620,80 +620,107 @@ def test_device_time_section():
   assert "| 3.00 |" in text and text.count("| grid |") == 1
 
 
-def test_patched_restores_the_attribute():
-  class Obj:
-    f = 1
-  with harness.patched(Obj, "f", 2):
-    assert Obj.f == 2
-  with harness.patched(Obj, "f"):  # None: left as it is
-    assert Obj.f == 1
-  with pytest.raises(RuntimeError):
-    with harness.patched(Obj, "f", 3):
-      raise RuntimeError
-  assert Obj.f == 1
-
-
-def test_idle_profile_counts_device_waits_per_call():
-  # Two calls: kernels [0, 10) and [12, 20) overlapping [15, 18), then [40, 50).
-  prof = harness.idle_profile([(0.0, 10.0, "a"), (12.0, 8.0, "b"), (15.0, 3.0, "c"), (40.0, 10.0, "a")], 2)
-  assert prof == {"busy_us": 15.5, "span_us": 25.0, "idle_us": 9.5, "kernels": 2.0, "max_gap_us": 20.0,
-                  "by_kernel": {"a": [1.0, 10.0], "b": [0.5, 4.0], "c": [0.5, 1.5]}}
-  with pytest.raises(ValueError, match="no kernel intervals"):
-    harness.idle_profile([], 1)
-
-
-@pytest.mark.parametrize("module", ["probe_mosaic_ptxas", "probe_mosaic_persistent", "probe_dispatch_gap", "probe_layout",
-                                    "probe_interleaved", "probe_sharding", "probe_ffi_overhead", "probe_ptx"])
-def test_gpu_probes_say_they_need_a_gpu(tmp_path, module):
-  out = tmp_path / "probe.json"
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-  p = subprocess.run([sys.executable, "-m", f"docs.scripts.{module}", "--output", str(out)], cwd=ROOT,
-                     env=env, capture_output=True, text=True, timeout=240)
-  assert p.returncode == 0, p.stderr[-3000:]
-  assert json.load(open(out)) == {"rows": [], "skipped": "needs an sm_90 GPU"}
-
-
 def test_config_key_ignores_switched_off_options():
   assert bf._config_key({"block_q": 128, "fast_exp2": False, "prefetch_scores": False}) == bf._config_key(
       {"block_q": 128})
   assert bf._config_key({"block_q": 128, "fast_exp2": True}) != bf._config_key({"block_q": 128})
 
 
-def test_ptx_probe_counts_opcodes_and_finds_the_loop():
-  from docs.scripts import probe_ptx
-  ptx = "\n".join([".visible .entry k(", ".reqntid 256", "$L__BB0_1:", "wgmma.mma_async.sync.aligned x;",
-                    "ex2.approx.ftz.f32 a, b;", "@%p1 bra $L__BB0_1;", "ld.global.b32 c;", "ret;"])
-  assert probe_ptx.counts(ptx) == {"wgmma.mma_async": 1, "ld.global": 1, "ex2.approx": 1, "bra": 1}
-  assert probe_ptx.header(ptx) == {".reqntid": "256"}
-  assert probe_ptx.counts(probe_ptx.hottest_loop(ptx)) == {"wgmma.mma_async": 1, "ex2.approx": 1, "bra": 1}
+# ---------------------------------------------------------------------------
+# results layout, tuning evidence, one timing module
+# ---------------------------------------------------------------------------
+RESULTS = os.path.join(ROOT, "bench", "results")
 
 
-def test_ptx_probe_splits_a_triton_pass_dump():
-  from docs.scripts import probe_ptx
-  dump = "\n".join(["// -----// IR Dump Before TritonGPUPipeline (x) //----- //", "tt.func a",
-                     "// -----// IR Dump Before ConvertTritonGPUToLLVM (y) //----- //", "ttg.async_wait",
-                     "// -----// IR Dump Before StripDebugInfoPass (z) //----- //",
-                     '%1 = "llvm.fmul"(%a, %b)', '%2 = "llvm.fsub"(%1, %c)', 'ex2.approx.ftz.f32 $0, $1;'])
-  sections = probe_ptx.ir_sections(dump)
-  assert sections["ttgir"].startswith("Before ConvertTritonGPUToLLVM") and "ttg.async_wait" in sections["ttgir"]
-  assert sections["llvm"].startswith("Before StripDebugInfoPass")
-  assert probe_ptx.llvm_counts(sections["llvm"]) == {"ex2.approx": 1, "llvm.fmul": 1, "llvm.fsub": 1}
+def _result_files():
+  out = []
+  for dirpath, _, names in os.walk(RESULTS):
+    out += [os.path.join(dirpath, n) for n in names]
+  return sorted(out)
 
 
-def test_sharding_and_overhead_sections():
-  assert bf.sharding_section(None) == bf.NOT_MEASURED and bf.overhead_section({"rows": []}) == bf.NOT_MEASURED
-  base = dict(impl="probjax_default", batch=8, heads=8, t=4096, d=128, causal=False, mask="none", mode="fwd")
-  probe = {"command": "python -m docs.scripts.probe_sharding", "commit": "abc", "device": "H200", "rows": [
-      dict(base, setting="one", ms=1.0, speedup=1.0, all_gathers=0),
-      dict(base, setting="batch", ms=0.5, speedup=2.0, all_gathers=0),
-      dict(base, setting="heads", ms=None, status="unsupported", error="x")]}
-  text = bf.sharding_section(probe)
-  assert "| 4096 | 128 | no | none | fwd | probjax default | 1.00 | 0.500 (2.00×, 0 gathers) | unsupported |" in text
-  over = bf.overhead_section({"rows": [{"case": "probjax_one", "d": 64, "ms_per_call": 0.3},
-                                       {"case": "torch_sdpa_cudnn_one", "d": 64, "ms_per_call": 0.29}]})
-  assert "| 64 | 0.300 | 0.290 |" in over and "busy us" not in over
-  launch = {"case": "probjax_one", "d": 64, "launch": {"args": {"grid": [132, 1, 1], "block": [384, 1, 1]},
-            "out_address_mod_4096": 0, "ops": {"calls": 64, "busy_us_per_call": 285.7, "idle_us_per_call": 4.68,
-                                               "max_idle_us": 4.3}}}
-  over = bf.overhead_section({"rows": [{"case": "probjax_one", "d": 64, "ms_per_call": 0.3}, launch]})
-  assert "| 64 | probjax_one | [132, 1, 1] x [384, 1, 1] | None | None | 0 | 285.7 | 4.68 | 4.3 |" in over
+def test_results_are_one_file_per_device_and_suite_with_the_commit_in_each_row():
+  files = _result_files()
+  assert files
+  for path in files:
+    rel = os.path.relpath(path, RESULTS).split(os.sep)
+    assert path.endswith(".json") and len(rel) in (2, 3), rel  # <device>/[other_timing/]<suite>.json
+    rows = harness.load_rows(path)
+    assert rows, path
+    keys = [harness.row_key(r) for r in rows]
+    assert len(keys) == len(set(keys)), f"{path}: one row per key"
+    for r in rows:
+      assert r["suite"] == rel[-1][:-len(".json")], (path, r["suite"])
+      assert harness.validate_row(r) == [], (path, r)
+      assert r.get("commit"), (path, harness.row_id(r))
+      assert harness.device_slug(r["device"]) == rel[0], (path, r["device"])
+
+
+def test_tuning_evidence_points_at_result_rows_of_that_commit():
+  from probjax.nn.layers import attention_device
+  tuning = os.path.join(attention_device.TUNING_DIR, "sm_90.json")
+  with open(tuning) as f:
+    entries = json.load(f)["entries"]
+  entry = attention_device.DEVICE_DEFAULTS[(9, 0)]
+  assert set(entries) == set(entry.evidence)
+  cache = {}
+  for name, e in entries.items():
+    assert e["evidence"], name
+    for path, rid, commit in e["evidence"]:
+      rows = cache.setdefault(path, harness.load_rows(os.path.join(ROOT, path)))
+      row = harness.find_row(rows, rid)
+      assert row is not None, (name, path, rid)
+      assert row["commit"] == commit and row["status"] == "ok", (name, rid)
+
+
+def test_row_id_names_every_key_field():
+  r = _row(causal=True, variant="bq64")
+  assert harness.row_id(r) == "grid probjax_default bfloat16 B4 H8/8 T1024/1024 D64 causal none fwd_bwd bq64"
+  assert harness.find_row([_row(ms=1.0), _row(ms=2.0)], harness.row_id(_row())) ["ms"] == 2.0
+  assert harness.find_row([_row()], "nothing") is None
+
+
+def test_device_slug_and_results_file():
+  assert harness.device_slug("NVIDIA H200") == "h200"
+  assert harness.device_slug("NVIDIA H100 80GB HBM3") == "h100_80gb_hbm3"
+  assert harness.device_slug("CPU (AMD EPYC, 2 threads)") == "cpu"
+  assert harness.results_file("grid", "/r", "NVIDIA H200") == os.path.join("/r", "h200", "grid.json")
+
+
+def test_rows_go_to_their_suites_file_and_replace_their_keys(tmp_path, monkeypatch):
+  monkeypatch.setattr(harness, "device_slug", lambda device=None: "dev")
+  args = _args(tmp_path, output=None, results_dir=str(tmp_path))
+  a = _case("a")
+  b = dataclasses.replace(_case("b"), suite="masked")
+  harness.run_cases([a, b], args)
+  grid, masked = tmp_path / "dev" / "grid.json", tmp_path / "dev" / "masked.json"
+  assert [r["impl"] for r in harness.load_rows(str(grid))] == ["a"]
+  assert [r["impl"] for r in harness.load_rows(str(masked))] == ["b"]
+  harness.run_cases([_case("c")], args)  # no --append: other rows stay
+  harness.run_cases([_case("a", run=lambda: {"ms": 9.0})], args)  # the key's row is replaced
+  rows = harness.load_rows(str(grid))
+  assert sorted(r["impl"] for r in rows) == ["a", "c"] and [r["ms"] for r in rows if r["impl"] == "a"] == [9.0]
+
+
+def test_one_timing_module():
+  from probjax import attention_report
+  from probjax.core import timing
+  assert harness.classify_error is timing.classify_error is attention_report.classify_error
+  assert harness.Unsupported is timing.Unsupported and harness.summarize is timing.summarize
+  info = timing.device_info()
+  assert {"device", "platform", "compute_capability", "versions", "commit"} <= set(info)
+  assert info["versions"]["jax"]
+
+
+def test_probjax_and_docs_import_nothing_from_bench():
+  import ast
+  for base in ("probjax", "docs"):
+    for dirpath, _, names in os.walk(os.path.join(ROOT, base)):
+      for n in names:
+        if n.endswith(".py"):
+          path = os.path.join(dirpath, n)
+          assert base != "docs", f"{path}: docs/ holds no Python"
+          for node in ast.walk(ast.parse(open(path).read())):
+            mods = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                    else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(m.split(".")[0] in ("bench", "docs") for m in mods), (path, mods)

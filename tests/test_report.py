@@ -71,7 +71,7 @@ def test_quick_cli_writes_rows(tmp_path):
     assert row["status"] == "ok", row
     assert row["check"] == "pass", row
     assert row["max_error"] <= row["tolerance"]
-    assert row["device"].startswith("cpu")
+    assert row["device"].startswith("CPU") and row["commit"] == rows[0]["commit"]
   for row in rows:
     if row["impl"] == "probjax_default":
       assert row["default_impl"] and row["default_impl"] != "?", row
@@ -151,18 +151,33 @@ def test_build_cases_defaults_and_overrides():
                                                           (32, "causal", "bfloat16")]
 
 
-def test_classify_error():
-  assert report.classify_error(RuntimeError("RESOURCE_EXHAUSTED: Out of memory")) == "oom"
-  assert report.classify_error(ValueError("implementation 'x' cannot")) == "unsupported"
-  assert report.classify_error(RuntimeError("NOT_FOUND: no autotuning config")) == "fail"
-  assert report.classify_error(RuntimeError("other")) == "error"
+def test_classify_error_is_the_shared_one():
+  from probjax.core import timing
+  assert report.classify_error is timing.classify_error and report.STATUSES == timing.STATUSES
+  assert report.classify_error(RuntimeError("RESOURCE_EXHAUSTED: Out of memory"))[0] == "oom"
+  assert report.classify_error(ValueError("implementation 'x' cannot"))[0] == "unsupported"
+  assert report.classify_error(RuntimeError("NOT_FOUND: no autotuning config"))[0] == "fail"
+  assert report.classify_error(RuntimeError("other")) == ("error", "RuntimeError: other")
+
+
+def test_time_call_returns_the_compiling_calls_output():
+  import jax.numpy as jnp
+  calls = []
+
+  def f(x):
+    calls.append(1)
+    return x + len(calls)
+  ms, out = report.time_call(f, (jnp.zeros(()),), repeats=3)
+  assert ms >= 0 and float(out) == 1.0
+  assert len(calls) == 1 + 1 + 3  # the compiling call, the estimate, 3 repeats
 
 
 @pytest.mark.parametrize("mask", ["none", "causal", "kv_len", "segments"])
 def test_chunked_reference_matches_reference(mask):
   from probjax.ops.attention.reference import reference_vjp
   from probjax.ops.attention.tolerances import max_error
-  case = report.Case("x", 3, 4, 2, 24, 24, 8, "float32", mask)
+  case = report.Case(name="x", batch=3, q_heads=4, kv_heads=2, q_len=24, kv_len=24, head_dim=8,
+                     dtype="float32", mask=mask)
   q, k, v, do = report.make_inputs(case)
   m = report.make_mask(mask, case)
   chunked = report.reference(q, k, v, do, m, max_chunk_scores=1)  # per (batch, kv head)
