@@ -1,0 +1,55 @@
+"""Which backend computes a grouped matmul: pure rules over the call and a :class:`Device`,
+each decision with its reason (tests ask them of fake devices on CPU).
+
+Default (``implementation=None``):
+
+1. interpret mode: the Triton kernel, emulated (the kernels' CPU test path);
+2. off the GPU: XLA (``ragged_dot``), the only backend there;
+3. sm_90 and a call the Mosaic GPU kernels compute (16-bit operands, K and N multiples of 64):
+   Mosaic GPU, the wgmma kernels (the spec's H100 page: the fastest sorted MoE dispatch);
+4. any other GPU call: the Triton kernel (it computes every float call but float64);
+5. else XLA.
+
+An explicit ``implementation`` that cannot compute the call raises ValueError with the reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from probjax.core.device import Device
+from probjax.ops.grouped_matmul.call import GroupedMatmulCall
+from probjax.ops.grouped_matmul.registry import REGISTRY
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+  """The backend chosen for a call and the rule that chose it."""
+
+  implementation: str
+  rule: str
+
+  def __str__(self):
+    return f"{self.implementation} ({self.rule})"
+
+
+def decide(call: GroupedMatmulCall, device: Device, implementation: str | None = None) -> Decision:
+  """The backend for ``call`` on ``device``; raises ValueError when an explicit
+  ``implementation`` cannot compute it."""
+  name = REGISTRY.canonical(implementation)
+  if name is not None:
+    why = REGISTRY.get(name).supports(call, device)
+    if why is not None:
+      raise ValueError(f"grouped_matmul implementation={implementation!r} cannot compute this call: {why}")
+    return Decision(name, "requested")
+  if device.interpret:
+    return Decision("triton", "interpret mode: the Triton kernel, emulated")
+  if device.platform != "gpu":
+    return Decision("xla", f"{device.platform}: XLA's ragged_dot, the only backend off the GPU")
+  if device.kind == "sm_90" and REGISTRY.get("mosaic").supports(call, device) is None:
+    return Decision("mosaic", "sm_90, 16-bit operands, K and N multiples of 64: the wgmma kernels")
+  why = REGISTRY.get("triton").supports(call, device)
+  if why is None:
+    return Decision("triton", f"{device.kind}: the Triton kernel"
+                    + ("" if device.kind != "sm_90" else f" (Mosaic GPU: {REGISTRY.get('mosaic').supports(call, device)})"))
+  return Decision("xla", f"XLA's ragged_dot (Triton: {why})")
