@@ -31,8 +31,9 @@ ACTIVATIONS = ("swiglu", "gelu")
 
 
 def activate(h, activation: str):
-  """SwiGLU (``silu(gate) * up`` of the two halves, gate first) or GELU, in float32."""
-  h = h.astype(jnp.float32)
+  """SwiGLU (``silu(gate) * up`` of the two halves, gate first) or GELU, in float32 (or
+  float64)."""
+  h = h.astype(jnp.promote_types(h.dtype, jnp.float32))
   if activation == "swiglu":
     gate, up = jnp.split(h, 2, axis=-1)
     return jax.nn.silu(gate) * up

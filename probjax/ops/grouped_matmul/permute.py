@@ -75,7 +75,7 @@ def _expand_fwd(x, order, inverse, top_k):
 
 def _expand_bwd(top_k, inverse, ct):
   rows = ct[inverse].reshape(-1, top_k, *ct.shape[1:])
-  return rows.sum(1, dtype=jnp.float32).astype(ct.dtype), None, None
+  return rows.sum(1, dtype=jnp.promote_types(ct.dtype, jnp.float32)).astype(ct.dtype), None, None
 
 
 _expand.defvjp(_expand_fwd, _expand_bwd)
