@@ -10,7 +10,7 @@ Generic rules (``implementation=None``):
      attention-weights ``module`` → ``"xla"``.
   3. Fewer than ``MIN_KERNEL_KV_LEN`` keys → ``"xla"``.
   4. Otherwise the fused Triton kernel, if it computes the call exactly.
-Device table (:mod:`probjax.nn.layers.attention_device`), applied first when
+Device table (:mod:`probjax.ops.attention.tuning`), applied first when
 every kernel argument is at its default: cuDNN for large eligible 16-bit calls,
 XLA's dense formulation for float32 above a head_dim while it fits, the Mosaic GPU
 forward (sm_90) where the Triton kernel would run on long 16-bit calls, and the
@@ -25,7 +25,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from probjax.nn.layers import attention_device
+from probjax.ops.attention import tuning as attention_device
 from probjax.ops.attention import cudnn as cudnn_backend
 from probjax.ops.attention.masks import Mask
 
