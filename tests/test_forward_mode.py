@@ -14,6 +14,8 @@ from probjax.ops.attention.triton.config import BackwardConfig, ForwardConfig
 from probjax.testing import check_against_reference, make_inputs
 
 CFG = dict(forward_config=ForwardConfig(16, 16, 4, 1), backward_config=BackwardConfig(16, 16, 16, 16, 4, 1))
+# Interpret-mode kernels: a stalled run fails loudly (see tests/test_kernel_regressions.py).
+pytestmark = pytest.mark.timeout(300, method="thread")
 
 
 def _triton(mask):
@@ -93,3 +95,47 @@ def test_with_forward_mode_grad_implementation():
   np.testing.assert_allclose(g, 2.0 * k, rtol=1e-6)
   _, t = jax.jvp(lambda q: f(q, k, v, None), (q,), (jnp.ones_like(q),))
   np.testing.assert_allclose(t, 3.0 * k, rtol=1e-6)
+
+
+def _tanh_kernel(bwd_extra):
+  """``f = tanh(q) * k + v`` as a custom_vjp "kernel" whose backward also runs
+  ``bwd_extra(dq)`` (returning dq), wrapped by with_forward_mode."""
+  @jax.custom_vjp
+  def fast(q, k, v, aux):
+    return jnp.tanh(q) * k + v
+
+  def bwd(res, ct):
+    q, k = res
+    return bwd_extra(ct * k * (1 - jnp.tanh(q) ** 2)), ct * jnp.tanh(q), ct, None
+
+  fast.defvjp(lambda q, k, v, aux: (fast(q, k, v, aux), (q, k)), bwd)
+  return with_forward_mode(fast, lambda q, k, v, aux: jnp.tanh(q) * k + v)
+
+
+def test_jit_grad_threads_the_backward_s_ordered_effects():
+  """A backward with an ordered effect (Pallas Mosaic GPU interpret mode's kernels have one)
+  becomes linear_call's transposed callee under jax.grad: linear_call must report the effect,
+  or jax.jit lowers the callback without its token (KeyError: OrderedIOEffect)."""
+  from jax.experimental import io_callback
+  seen = []
+  f = _tanh_kernel(lambda dq: io_callback(lambda x: seen.append(1) or x, jax.ShapeDtypeStruct(dq.shape, dq.dtype),
+                                          dq, ordered=True))
+  q, k, v = (jnp.linspace(-1, 1, 6).reshape(2, 3) + i for i in range(3))
+  grad = jax.grad(lambda q: jnp.sum(f(q, k, v, None)))
+  np.testing.assert_allclose(jax.jit(grad)(q), k * (1 - jnp.tanh(q) ** 2), rtol=1e-6)
+  assert seen == [1]
+  assert jax.make_jaxpr(grad)(q).effects  # reported up to the top-level jaxpr
+
+
+def test_jit_grad_with_a_local_mutable_array_in_the_backward():
+  """An array ref created and frozen inside the backward (the fused-dQ Mosaic backward's float32
+  accumulator) stays local to linear_call's callee: reporting its effect would ask for a state
+  discharge rule that linear_call does not have."""
+  def accumulate(dq):
+    acc = jax.new_ref(jnp.zeros_like(dq))
+    acc[...] += dq
+    return jax.freeze(acc)
+  f = _tanh_kernel(accumulate)
+  q, k, v = (jnp.linspace(-1, 1, 6).reshape(2, 3) + i for i in range(3))
+  g = jax.jit(jax.grad(lambda q: jnp.sum(f(q, k, v, None))))(q)
+  np.testing.assert_allclose(g, k * (1 - jnp.tanh(q) ** 2), rtol=1e-6)
