@@ -1,0 +1,264 @@
+"""Mamba blocks (Flax NNX): :class:`Mamba` (Mamba-1, the selective scan) and :class:`Mamba2`
+(the SSD scan), on ``[batch, length, d_model]``.
+
+Decoding carries a state pytree (:class:`MambaState`): the causal convolution's last
+``d_conv - 1`` inputs and the scan's state. ``__call__(x, state, return_state=True)`` runs a
+whole segment from a state (prefill, or a continuation); :meth:`Mamba.step` runs one token by
+the recurrence itself. Both equal the full pass over the concatenated sequence.
+
+>>> import jax.numpy as jnp
+>>> from flax import nnx
+>>> m = Mamba(d_model=16, d_state=4, rngs=nnx.Rngs(0))
+>>> y, state = m(jnp.ones((2, 5, 16)), return_state=True)
+>>> y1, state = m.step(jnp.ones((2, 16)), state)
+>>> y.shape, y1.shape
+((2, 5, 16), (2, 16))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from probjax.ops.scan import mamba_scan, ssd_scan
+
+__all__ = ["Mamba", "Mamba2", "MambaState"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MambaState:
+  """conv ``[batch, d_conv - 1, conv_channels]``: the convolution's last inputs (oldest first);
+  ssm: the scan's state (``[batch, d_inner, d_state]`` for Mamba-1, ``[batch, heads, head_dim,
+  d_state]`` for Mamba-2), float32."""
+
+  conv: Any
+  ssm: Any
+
+
+jax.tree_util.register_dataclass(MambaState, data_fields=["conv", "ssm"], meta_fields=[])
+
+
+def _positive(**kw):
+  for name, v in kw.items():
+    if not isinstance(v, int) or v < 1:
+      raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+
+
+def _dt_bias(rngs, n, dt_min, dt_max, dt_init_floor):
+  """Mamba's dt initialisation: ``softplus(dt_bias)`` log-uniform in ``[dt_min, dt_max]``."""
+  if not 0 < dt_min <= dt_max:
+    raise ValueError(f"need 0 < dt_min <= dt_max, got dt_min={dt_min}, dt_max={dt_max}")
+  u = jax.random.uniform(rngs.params(), (n,))
+  dt = jnp.maximum(jnp.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)), dt_init_floor)
+  return dt + jnp.log(-jnp.expm1(-dt))  # the inverse of softplus
+
+
+class _Conv(nnx.Module):
+  """Causal depthwise convolution over the sequence, ``d_conv`` taps per channel."""
+
+  def __init__(self, channels, d_conv, use_bias, param_dtype, rngs):
+    bound = 1.0 / math.sqrt(d_conv)
+    self.weight = nnx.Param(jax.random.uniform(rngs.params(), (d_conv, channels), param_dtype, -bound, bound))
+    self.bias = nnx.Param(jnp.zeros((channels,), param_dtype)) if use_bias else None
+    self.d_conv = d_conv
+
+  def __call__(self, x, history):
+    """``x [b, L, c]`` after ``history [b, d_conv - 1, c]``; returns ``(y [b, L, c], the new
+    history)``."""
+    full = jnp.concatenate([history.astype(x.dtype), x], axis=1)
+    w = self.weight[...].astype(x.dtype)
+    length = x.shape[1]
+    y = sum(full[:, k:k + length] * w[k] for k in range(self.d_conv))
+    if self.bias is not None:
+      y = y + self.bias[...].astype(x.dtype)
+    return y, full[:, length:]
+
+
+class _Block(nnx.Module):
+  """What the two blocks share: projections, convolution, dt/A/D parameters, decoding state."""
+
+  def _setup(self, *, d_model, d_inner, conv_channels, in_features, d_conv, use_bias, conv_bias,
+             dt_shape, dt_min, dt_max, dt_init_floor, dtype, param_dtype, rngs):
+    _positive(d_model=d_model, d_conv=d_conv)
+    self.d_model, self.d_inner, self.d_conv = d_model, d_inner, d_conv
+    self.dtype, self.param_dtype = dtype, param_dtype
+    kw = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.in_proj = nnx.Linear(d_model, in_features, **kw)
+    self.conv = _Conv(conv_channels, d_conv, conv_bias, param_dtype, rngs)
+    self.out_proj = nnx.Linear(d_inner, d_model, **kw)
+    self.dt_bias = nnx.Param(_dt_bias(rngs, dt_shape, dt_min, dt_max, dt_init_floor).astype(param_dtype))
+    self.D = nnx.Param(jnp.ones((dt_shape,), param_dtype))
+
+  def _history(self, x, state):
+    if state is None:
+      return jnp.zeros((x.shape[0], self.d_conv - 1, x.shape[-1]), x.dtype)
+    return state.conv
+
+  def A(self):
+    """The negative decay rates, ``-exp(A_log)``."""
+    return -jnp.exp(self.A_log[...].astype(jnp.float32))
+
+  def __call__(self, x, state: MambaState | None = None, *, return_state: bool = False):
+    """``x [batch, length, d_model]`` after ``state`` (default: the start); returns y like x
+    (and the state after it)."""
+    y, state = self._forward(x, state, recurrent=False)
+    return (y, state) if return_state else y
+
+  def step(self, x, state: MambaState):
+    """One token ``x [batch, d_model]`` after ``state``, by the recurrence: ``(y [batch,
+    d_model], state)``."""
+    y, state = self._forward(x[:, None], state, recurrent=True)
+    return y[:, 0], state
+
+
+class Mamba(_Block):
+  """The Mamba-1 block: in-projection to x and z, causal depthwise convolution and SiLU,
+  x-projection to (dt, B, C), dt-projection, the selective scan (``A = -exp(A_log)``, skip D,
+  gate SiLU(z)), out-projection.
+
+  Args:
+    d_model: features in and out; ``d_inner = expand * d_model`` channels are scanned.
+    d_state: state per channel; d_conv: convolution taps; dt_rank: rank of dt's projection
+      (default ``ceil(d_model / 16)``).
+    dt_min, dt_max, dt_init_floor: the initial ``softplus(dt_bias)`` range.
+    implementation, chunk_size: passed to :func:`probjax.ops.scan.mamba_scan`.
+    dtype: compute dtype (None: from the inputs and params); param_dtype: parameter dtype.
+  """
+
+  def __init__(self, *, d_model: int, d_state: int = 16, d_conv: int = 4, expand: int = 2,
+               dt_rank: int | None = None, dt_min: float = 0.001, dt_max: float = 0.1,
+               dt_init_floor: float = 1e-4, use_bias: bool = False, conv_bias: bool = True,
+               implementation: str | None = None, chunk_size: int | None = None, dtype=None,
+               param_dtype=jnp.float32, rngs: nnx.Rngs):
+    _positive(d_state=d_state, expand=expand)
+    d_inner = expand * d_model
+    self.dt_rank = math.ceil(d_model / 16) if dt_rank is None else dt_rank
+    _positive(dt_rank=self.dt_rank)
+    self.d_state, self.implementation, self.chunk_size = d_state, implementation, chunk_size
+    self._setup(d_model=d_model, d_inner=d_inner, conv_channels=d_inner, in_features=2 * d_inner,
+                d_conv=d_conv, use_bias=use_bias, conv_bias=conv_bias, dt_shape=d_inner,
+                dt_min=dt_min, dt_max=dt_max, dt_init_floor=dt_init_floor, dtype=dtype,
+                param_dtype=param_dtype, rngs=rngs)
+    kw = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.x_proj = nnx.Linear(d_inner, self.dt_rank + 2 * d_state, **kw)
+    self.dt_proj = nnx.Linear(self.dt_rank, d_inner, **kw)  # its bias is dt_bias, added by the scan
+    a = jnp.broadcast_to(jnp.arange(1, d_state + 1, dtype=jnp.float32), (d_inner, d_state))
+    self.A_log = nnx.Param(jnp.log(a).astype(param_dtype))
+
+  def init_state(self, batch: int, dtype=None) -> MambaState:
+    """The state before the first token: zeros."""
+    dtype = dtype or self.dtype or self.param_dtype
+    return MambaState(jnp.zeros((batch, self.d_conv - 1, self.d_inner), dtype),
+                      jnp.zeros((batch, self.d_inner, self.d_state), jnp.float32))
+
+  def _forward(self, x, state, recurrent):
+    xs, z = jnp.split(self.in_proj(x), 2, axis=-1)
+    xs, history = self.conv(xs, self._history(xs, state))
+    xs = jax.nn.silu(xs)
+    dt, B, C = jnp.split(self.x_proj(xs), [self.dt_rank, self.dt_rank + self.d_state], axis=-1)
+    dt = self.dt_proj(dt)
+    h0 = None if state is None else state.ssm
+    if recurrent:
+      y, h = _mamba_step(xs[:, 0], dt[:, 0], self.A(), B[:, 0], C[:, 0], self.D[...], z[:, 0],
+                         self.dt_bias[...], h0)
+      y = y[:, None]
+    else:
+      y, h = mamba_scan(xs, dt, self.A(), B, C, self.D[...], z=z, dt_bias=self.dt_bias[...],
+                        initial_state=h0, return_final_state=True,
+                        implementation=self.implementation, chunk_size=self.chunk_size)
+    return self.out_proj(y), MambaState(history, h)
+
+
+def _mamba_step(x, dt, A, B, C, D, z, dt_bias, h):
+  """One step of the Mamba-1 recurrence: x, dt, z ``[b, d]``; B, C ``[b, n]``; h ``[b, d, n]``."""
+  f32 = lambda t: t.astype(jnp.float32)
+  dt = jax.nn.softplus(f32(dt) + f32(dt_bias))
+  h = jnp.exp(dt[..., None] * A) * h + (dt * f32(x))[..., None] * f32(B)[:, None, :]
+  y = (jnp.einsum("bdn,bn->bd", h, f32(C)) + f32(D) * f32(x)) * jax.nn.silu(f32(z))
+  return y.astype(x.dtype), h
+
+
+class Mamba2(_Block):
+  """The Mamba-2 block: one in-projection to (z, x, B, C, dt), causal depthwise convolution and
+  SiLU over (x, B, C), the SSD scan (scalar ``A = -exp(A_log)`` per head, skip D), RMS-norm of
+  ``y * SiLU(z)``, out-projection.
+
+  Args:
+    d_model: features in and out; ``d_inner = expand * d_model`` in ``d_inner / head_dim``
+      heads.
+    d_state: state per head and head_dim entry; n_groups: B/C groups (dividing the heads).
+    A_init_range: ``exp(A_log)`` starts uniform in it.
+    Others as :class:`Mamba`'s (``implementation``, ``chunk_size`` for
+    :func:`probjax.ops.scan.ssd_scan`).
+  """
+
+  def __init__(self, *, d_model: int, d_state: int = 128, d_conv: int = 4, expand: int = 2,
+               head_dim: int = 64, n_groups: int = 1, A_init_range=(1.0, 16.0),
+               dt_min: float = 0.001, dt_max: float = 0.1, dt_init_floor: float = 1e-4,
+               use_bias: bool = False, conv_bias: bool = True, implementation: str | None = None,
+               chunk_size: int | None = None, dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    _positive(d_state=d_state, expand=expand, head_dim=head_dim, n_groups=n_groups)
+    d_inner = expand * d_model
+    if d_inner % head_dim:
+      raise ValueError(f"head_dim ({head_dim}) must divide d_inner = expand * d_model ({d_inner})")
+    heads = d_inner // head_dim
+    if heads % n_groups:
+      raise ValueError(f"n_groups ({n_groups}) must divide the heads ({heads})")
+    lo, hi = A_init_range
+    if not 0 < lo <= hi:
+      raise ValueError(f"A_init_range must satisfy 0 < low <= high, got {A_init_range}")
+    self.heads, self.head_dim, self.n_groups, self.d_state = heads, head_dim, n_groups, d_state
+    self.implementation, self.chunk_size = implementation, chunk_size
+    conv_channels = d_inner + 2 * n_groups * d_state
+    self._setup(d_model=d_model, d_inner=d_inner, conv_channels=conv_channels,
+                in_features=d_inner + conv_channels + heads, d_conv=d_conv, use_bias=use_bias,
+                conv_bias=conv_bias, dt_shape=heads, dt_min=dt_min, dt_max=dt_max,
+                dt_init_floor=dt_init_floor, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    a = jax.random.uniform(rngs.params(), (heads,), jnp.float32, lo, hi)
+    self.A_log = nnx.Param(jnp.log(a).astype(param_dtype))
+    self.norm = nnx.RMSNorm(d_inner, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+  def init_state(self, batch: int, dtype=None) -> MambaState:
+    """The state before the first token: zeros."""
+    dtype = dtype or self.dtype or self.param_dtype
+    conv = self.conv.weight.shape[1]
+    return MambaState(jnp.zeros((batch, self.d_conv - 1, conv), dtype),
+                      jnp.zeros((batch, self.heads, self.head_dim, self.d_state), jnp.float32))
+
+  def _forward(self, x, state, recurrent):
+    b, length = x.shape[:2]
+    gn = self.n_groups * self.d_state
+    z, xbc, dt = jnp.split(self.in_proj(x), [self.d_inner, 2 * self.d_inner + 2 * gn], axis=-1)
+    xbc, history = self.conv(xbc, self._history(xbc, state))
+    xs, B, C = jnp.split(jax.nn.silu(xbc), [self.d_inner, self.d_inner + gn], axis=-1)
+    xs = xs.reshape(b, length, self.heads, self.head_dim)
+    B = B.reshape(b, length, self.n_groups, self.d_state)
+    C = C.reshape(b, length, self.n_groups, self.d_state)
+    h0 = None if state is None else state.ssm
+    if recurrent:
+      y, h = _ssd_step(xs[:, 0], dt[:, 0], self.A(), B[:, 0], C[:, 0], self.D[...],
+                       self.dt_bias[...], h0)
+      y = y[:, None]
+    else:
+      y, h = ssd_scan(xs, dt, self.A(), B, C, self.D[...], dt_bias=self.dt_bias[...],
+                      initial_state=h0, return_final_state=True,
+                      implementation=self.implementation, chunk_size=self.chunk_size)
+    y = self.norm(y.reshape(b, length, self.d_inner) * jax.nn.silu(z))
+    return self.out_proj(y), MambaState(history, h)
+
+
+def _ssd_step(x, dt, A, B, C, D, dt_bias, h):
+  """One step of the SSD recurrence: x ``[b, H, P]``; dt ``[b, H]``; B, C ``[b, G, N]``; h
+  ``[b, H, P, N]``."""
+  f32 = lambda t: t.astype(jnp.float32)
+  group = jnp.arange(x.shape[1]) // (x.shape[1] // B.shape[1])
+  B, C = f32(B)[:, group], f32(C)[:, group]
+  dt = jax.nn.softplus(f32(dt) + f32(dt_bias))
+  h = jnp.exp(dt * A)[..., None, None] * h + (dt[..., None] * f32(x))[..., None] * B[:, :, None]
+  y = jnp.einsum("bhpn,bhn->bhp", h, C) + f32(D)[:, None] * f32(x)
+  return y.astype(x.dtype), h

@@ -1,0 +1,154 @@
+"""``"triton"`` (alias ``"pallas"``): Pallas-Triton kernels.
+
+* Mamba-1: a forward kernel (:mod:`.mamba`); SSD: a chunked forward kernel (:mod:`.ssd`). Their
+  backward is the chunked XLA formulation's (a ``custom_vjp`` whose backward is the vjp of
+  :mod:`probjax.ops.scan.chunked_math`'s function, recomputing that forward in XLA), so a
+  differentiated call saves only its inputs.
+* RLA: forward and backward kernels (:mod:`.rla`), exact.
+
+The kernels' dots run at Triton's default precision (TF32 for float32 operands on the GPU).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from probjax.core.backend import Backend
+from probjax.core.device import Device
+from probjax.ops.scan import chunked_math
+from probjax.ops.scan.backends.triton import common
+from probjax.ops.scan.backends.triton import mamba as mamba_kernel
+from probjax.ops.scan.backends.triton import rla as rla_kernel
+from probjax.ops.scan.backends.triton import ssd as ssd_kernel
+from probjax.ops.scan.calls import MambaCall, RLACall, SSDCall
+
+DTYPES = ("float32", "bfloat16", "float16")
+# The state a program keeps in registers: [block, state] (Mamba, SSD), [features, v_head_dim]
+# (RLA) with these widths at most.
+MAX_WIDTH = 256
+# Sequence rows per chunk: the chunk's [chunk, chunk] score tile and its operands stay in
+# registers next to the state (not tuned on a GPU yet).
+CHUNK = 32
+CHUNKS = (16, 32, 64, 128)
+
+
+class _Triton:
+  name = "triton"
+  aliases = ("pallas",)
+
+  def available(self, device: Device) -> str | None:
+    if device.platform != "gpu":
+      return (f"the Triton kernels need an NVIDIA GPU (platform is {device.platform}); "
+              "interpret=True emulates them on any platform")
+    return None
+
+  def _refusal(self, call, device: Device, widths) -> str | None:
+    why = self.available(device)
+    if why:
+      return why
+    if call.dtype not in DTYPES:
+      return f"the kernels take {', '.join(DTYPES)} inputs, not {call.dtype}"
+    for name, w in widths:
+      if w > MAX_WIDTH:
+        return f"{name} = {w} is above the kernels' {MAX_WIDTH} (their state lives in registers)"
+    return None
+
+  def _chunk_refusal(self, call) -> str | None:
+    if call.chunk_size is not None and call.chunk_size not in CHUNKS:
+      return f"the kernels' chunk_size is one of {CHUNKS}, got {call.chunk_size}"
+    return None
+
+  def chunk_size(self, call) -> int:
+    """The kernel's chunk: ``CHUNK``, or the power of two (at least 16) covering a shorter call."""
+    if call.chunk_size is not None:
+      return call.chunk_size
+    return min(CHUNK, common.block(call.length, 16))
+
+
+def _xla_backward(xla_fn):
+  """Decorates a kernel call ``fn(call, *arrays)``: a ``custom_vjp`` whose backward is the vjp
+  of ``xla_fn(call, *arrays)``."""
+  def wrap(fn):
+    f = jax.custom_vjp(fn, nondiff_argnums=(0,))
+    def fwd(call, *args):
+      return fn(call, *args), args
+    def bwd(call, args, ct):
+      return jax.vjp(functools.partial(xla_fn, call), *args)[1](ct)
+    f.defvjp(fwd, bwd)
+    return f
+  return wrap
+
+
+def _mamba_xla(call, *args):
+  return chunked_math.mamba_chunked(*args, chunk=chunked_math.default_chunk(call))
+
+
+@_xla_backward(_mamba_xla)
+def _mamba(call, x, dt, A, B, C, h0):
+  return mamba_kernel.forward(x, dt, A, B, C, h0, interpret=call.interpret)
+
+
+class MambaTriton(_Triton, Backend[MambaCall]):
+  """Forward kernel; backward through the chunked XLA formulation (chunk: its default rule or
+  the call's ``chunk_size``)."""
+
+  def supports(self, call: MambaCall, device: Device) -> str | None:
+    return self._refusal(call, device, [("state", call.state)])
+
+  def chunk_size(self, call) -> None:
+    return None  # the forward kernel steps through positions
+
+  def __call__(self, x, dt, A, B, C, h0, *, call: MambaCall):
+    return _mamba(call, x, dt, A, B, C, h0)
+
+
+def _ssd_xla(call, *args):
+  return chunked_math.ssd_chunked(*args, chunk=SSDTriton().chunk_size(call))
+
+
+@_xla_backward(_ssd_xla)
+def _ssd(call, x, dt, A, B, C, h0):
+  return ssd_kernel.forward(x, dt, A, B, C, h0, chunk=SSDTriton().chunk_size(call),
+                            interpret=call.interpret)
+
+
+class SSDTriton(_Triton, Backend[SSDCall]):
+  """Chunked forward kernel; backward through the chunked XLA formulation at the same chunk."""
+
+  def supports(self, call: SSDCall, device: Device) -> str | None:
+    return (self._refusal(call, device, [("state", call.state)]) or self._chunk_refusal(call))
+
+  def __call__(self, x, dt, A, B, C, h0, *, call: SSDCall):
+    return _ssd(call, x, dt, A, B, C, h0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _rla(call, fq, fk, v, s0):
+  return rla_kernel.forward(fq, fk, v, s0, chunk=RLATriton().chunk_size(call), interpret=call.interpret)
+
+
+def _rla_fwd(call, fq, fk, v, s0):
+  return _rla(call, fq, fk, v, s0), (fq, fk, v, s0)
+
+
+def _rla_bwd(call, res, ct):
+  fq, fk, v, s0 = res
+  dq, dk, dv, ds0 = rla_kernel.backward(fq, fk, v, s0, *ct, chunk=RLATriton().chunk_size(call),
+                                        interpret=call.interpret)
+  return dq.astype(fq.dtype), dk.astype(fk.dtype), dv.astype(v.dtype), ds0.astype(s0.dtype)
+
+
+_rla.defvjp(_rla_fwd, _rla_bwd)
+
+
+class RLATriton(_Triton, Backend[RLACall]):
+  """Chunked forward and backward kernels."""
+
+  def supports(self, call: RLACall, device: Device) -> str | None:
+    return (self._refusal(call, device, [("features", call.features), ("v_head_dim", call.v_head_dim)])
+            or self._chunk_refusal(call))
+
+  def __call__(self, fq, fk, v, s0, *, call: RLACall):
+    return _rla(call, fq, fk, v, s0)

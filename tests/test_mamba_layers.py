@@ -1,0 +1,80 @@
+"""Mamba and Mamba2 blocks: token-by-token decoding, prefill + decoding and a continuation from
+a state all equal the full pass; gradients flow into every parameter."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from probjax.core.tolerances import max_error, tolerance
+from probjax.nn.layers.mamba import Mamba, Mamba2
+
+LENGTH = 11
+
+
+def layers():
+  return {"mamba": lambda **kw: Mamba(d_model=16, d_state=4, rngs=nnx.Rngs(0), **kw),
+          "mamba2": lambda **kw: Mamba2(d_model=16, d_state=8, head_dim=8, n_groups=2,
+                                        rngs=nnx.Rngs(0), **kw)}
+
+
+def _x(dtype=jnp.float32):
+  return jax.random.normal(jax.random.key(1), (2, LENGTH, 16)).astype(dtype)
+
+
+def _decode(layer, x, state, start):
+  step = nnx.jit(lambda layer, x, state: layer.step(x, state))
+  ys = []
+  for t in range(start, x.shape[1]):
+    y, state = step(layer, x[:, t], state)
+    ys.append(y)
+  return jnp.stack(ys, 1)
+
+
+@pytest.mark.parametrize("name", list(layers()))
+def test_decoding_equals_the_full_pass(name):
+  layer, x = layers()[name](), _x()
+  full = layer(x)
+  tol = tolerance(jnp.float32)
+  assert max_error(_decode(layer, x, layer.init_state(2), 0), full) <= tol
+  prefix, state = layer(x[:, :6], return_state=True)
+  assert max_error(jnp.concatenate([prefix, _decode(layer, x, state, 6)], 1), full) <= tol
+  # A continuation from a state runs the scan with an initial state.
+  rest = layer(x[:, 6:], state)
+  assert max_error(jnp.concatenate([prefix, rest], 1), full) <= tol
+
+
+@pytest.mark.parametrize("name", list(layers()))
+def test_implementations_agree_and_gradients_flow(name):
+  x = _x()
+  grads = {}
+  for impl in ("scan", "chunked"):
+    layer = layers()[name](implementation=impl, chunk_size=4)
+    loss = lambda layer: jnp.sum(layer(x) ** 2)
+    grads[impl] = nnx.grad(loss)(layer)
+  flat = {k: jax.tree.leaves(g) for k, g in grads.items()}
+  for a, b in zip(flat["scan"], flat["chunked"]):
+    assert np.all(np.isfinite(a)) and np.any(a != 0)
+    assert max_error(b, a) <= tolerance(jnp.float32, grad=True)
+
+
+@pytest.mark.parametrize("name", list(layers()))
+def test_bfloat16_layer(name):
+  layer = layers()[name](dtype=jnp.bfloat16)
+  x = _x(jnp.bfloat16)
+  y = layer(x)
+  assert y.dtype == jnp.bfloat16 and np.all(np.isfinite(np.asarray(y, np.float32)))
+  ref = layers()[name]()(x.astype(jnp.float32))
+  assert max_error(y, ref) <= 5 * tolerance(jnp.bfloat16)  # bf16 projections as well as the scan
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: Mamba(d_model=16, d_state=0, rngs=nnx.Rngs(0)), "d_state"),
+    (lambda: Mamba(d_model=16, dt_min=0.2, dt_max=0.1, rngs=nnx.Rngs(0)), "dt_min"),
+    (lambda: Mamba2(d_model=16, head_dim=12, rngs=nnx.Rngs(0)), "head_dim"),
+    (lambda: Mamba2(d_model=16, head_dim=8, n_groups=3, rngs=nnx.Rngs(0)), "n_groups"),
+])
+def test_bad_arguments(make, match):
+  with pytest.raises(ValueError, match=match):
+    make()
