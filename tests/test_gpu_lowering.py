@@ -393,3 +393,43 @@ def test_mosaic_forward_with_score_mod_lowers_for_sm90(monkeypatch, mask_name, b
   assert "probjax_attention_fwd_mosaic" in text and "probjax_attention_bwd" in text
   if backward == "mosaic":
     assert "probjax_attention_bwd_dkv_mosaic" in text and "probjax_attention_bwd_dq_mosaic" in text
+
+
+
+@pytest.mark.parametrize("impl", ["triton_split", "triton_fused", "triton_onepass"])
+def test_triton_kernels_with_lengths_lower_for_sm90(monkeypatch, impl):
+  """Query and key lengths: the loads of the tile a length cuts are row-masked against this
+  batch element's length (the rows past it may hold NaN), in the forward, the backward and
+  the split-KV forward."""
+  _fake_triton_sm90(monkeypatch, device_kind=True)
+  q = jax.ShapeDtypeStruct((2, 300, 8, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, 300, 2, 128), jnp.bfloat16)
+  mask = M.LengthMask(jnp.array([300, 141]), jnp.array([250, 77]))
+  loss = lambda q, k, v: jnp.sum(pt.attention(q, k, v, mask=mask, backward_pass_impl=impl).astype(jnp.float32))
+  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+  assert "probjax_attention_fwd" in text and "probjax_attention_bwd" in text
+  decode = M.LengthMask(jnp.array([1, 0]), jnp.array([4096, 7]))
+  text = jax.jit(lambda q, k, v: pt.attention(q, k, v, mask=decode, split_kv=True)).trace(
+      jax.ShapeDtypeStruct((2, 1, 32, 128), jnp.bfloat16), *(jax.ShapeDtypeStruct((2, 4096, 8, 128), jnp.bfloat16),) * 2
+  ).lower(lowering_platforms=("cuda",)).as_text()
+  assert "probjax_attention_fwd_split_kv" in text
+
+
+@pytest.mark.parametrize("fwd,bwd", [
+    (dict(persistent=True, cluster=2), None), (dict(compute_wgs=3), None),
+    (dict(persistent=True, overlap=True), dict(fused_dq=True)), ({}, dict(fused_dq=True, shared_dq=True))])
+def test_mosaic_kernels_with_lengths_lower_for_sm90(monkeypatch, fwd, bwd):
+  """Query and key lengths in the Mosaic kernels' variants (CTA pairs, three warpgroups,
+  overlap, the fused and shared dQ): the shared-memory tiles a length cuts are zeroed past it
+  (common.zero_rows_past) before the products."""
+  from probjax.ops.attention import mosaic_gpu as pm
+  _fake_triton_sm90(monkeypatch, device_kind=True)
+  q = jax.ShapeDtypeStruct((2, 256, 8, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, 300, 2, 128), jnp.bfloat16)
+  mask = M.LengthMask(jnp.array([256, 141]), jnp.array([250, 77]))
+  cfg = pm.MosaicForwardConfig(**{"block_k": 128, **fwd})
+  kw = {} if bwd is None else dict(backward_pass_impl="mosaic",
+                                   backward_config=dataclasses.replace(pm.backward.DEFAULTS[128], **bwd))
+  loss = lambda q, k, v: jnp.sum(pm.attention(q, k, v, mask=mask, forward_config=cfg, **kw).astype(jnp.float32))
+  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+  assert "probjax_attention_fwd_mosaic" in text and "probjax_attention_bwd" in text

@@ -34,6 +34,7 @@ from probjax.ops.attention.masks import Mask, num_tiles, pad_axis, round_up
 from probjax.ops.attention.mosaic_gpu import common as C
 from probjax.ops.attention.mosaic_gpu.config import INTERPRET_WGS, check_tiles, smem_total
 from probjax.ops.attention.triton.config import smem_limit
+from probjax.ops.attention.triton.tiles import output_delta
 
 R = C.ROWS
 
@@ -151,6 +152,11 @@ def _dkv_kernel(*refs, band, lengths, segments, scale, score_mod, groups, cfg, q
     plgpu.copy_gmem_to_smem(v_ref.at[b, rows, hkv], v_smem.at[wg], kv_bar.at[wgs + wg])
     plgpu.barrier_wait(kv_bar.at[wg])
     plgpu.barrier_wait(kv_bar.at[wgs + wg])
+    # Rows past this batch element's lengths are zeroed before the products (common.zero_rows_past):
+    # K and V's here, once (K multiplies dS into the fused dQ, V dO^T gives dP^T); Q's and dO's
+    # in the tile a query length cuts (dS^T Q, P^T dO).
+    C.zero_rows_past(k_smem.at[wg], k_start, valid[1])
+    C.zero_rows_past(v_smem.at[wg], k_start, valid[1])
     if segments:
       plgpu.copy_gmem_to_smem(kid_ref.at[b, rows], kid_smem.at[wg], kv_bar.at[2 * wgs + wg])
       plgpu.barrier_wait(kv_bar.at[2 * wgs + wg])
@@ -164,6 +170,8 @@ def _dkv_kernel(*refs, band, lengths, segments, scale, score_mod, groups, cfg, q
       n = g * nq + j - lo  # the step's place in the ring
       slot = lax.rem(n, jnp.int32(stages))
       plgpu.barrier_wait(q_ready.at[slot])
+      if masked:
+        C.zero_rows_past(q_smem.at[slot], j * bq, valid[0])
       plgpu.barrier_wait(st_ready.at[slot])
       lse2 = plgpu.load(st_smem.at[slot, 0], layout=plgpu.Layout.WGMMA.reduce(0))
       ki, qi = C.iotas(R, bq, k_start, j * bq) if masked or score_mod is not None else (None, None)
@@ -178,6 +186,8 @@ def _dkv_kernel(*refs, band, lengths, segments, scale, score_mod, groups, cfg, q
           ok &= C.same_segment(qid_smem.at[slot], kid_smem.at[wg], R, bq, transposed=True)
         pt = jnp.where(ok, pt, 0.0)
       plgpu.barrier_wait(do_ready.at[slot])
+      if masked:
+        C.zero_rows_past(do_smem.at[slot], j * bq, valid[0])
       dv = C.mma_acc(dv, pt.astype(dtype), do_smem.at[slot], stage)
       delta = plgpu.load(st_smem.at[slot, 1], layout=plgpu.Layout.WGMMA.reduce(0))
       dst = pull(pt * (C.mma(v_smem.at[wg], do_smem.at[slot].T, (R, bq)) - col(delta)))
@@ -289,6 +299,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, st_ref, len_ref, rng_ref, qid_ref, k
       plgpu.copy_gmem_to_smem(qid_ref.at[b, rows], qid_smem.at[wg], row_bar.at[3 * wgs + wg])
     for r in (wg, wgs + wg, 2 * wgs + wg) + ((3 * wgs + wg,) if segments else ()):
       plgpu.barrier_wait(row_bar.at[r])
+    # Rows past this batch element's lengths are zeroed before the products (common.zero_rows_past):
+    # dO's here (dO V^T), K's and V's in the tile a key length cuts (dS K, dO V^T). Q's need not
+    # be: its scores are masked, so P and dS are zero whatever Q holds.
+    C.zero_rows_past(do_smem.at[wg], q_start, valid[0])
     row = lambda x: lax.broadcast_in_dim(x, (R, bk), [0])
     lse2 = row(plgpu.load(st_smem.at[wg, 0], layout=plgpu.Layout.WGMMA.reduce(1)))
     delta = row(plgpu.load(st_smem.at[wg, 1], layout=plgpu.Layout.WGMMA.reduce(1)))
@@ -298,6 +312,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, st_ref, len_ref, rng_ref, qid_ref, k
     def step(j, dq, masked: bool):
       slot = lax.rem(j - lo, jnp.int32(stages))
       plgpu.barrier_wait(k_ready.at[slot])
+      if masked:
+        C.zero_rows_past(k_smem.at[slot], j * bk, valid[1])
       qi, ki = C.iotas(R, bk, q_start, j * bk) if masked or score_mod is not None else (None, None)
       x, pull = C.exponent(C.mma(q_smem.at[wg], k_smem.at[slot].T, (R, bk)), scale, score_mod, b, h, qi, ki)
       p = jnp.exp2(x - lse2)
@@ -309,6 +325,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, st_ref, len_ref, rng_ref, qid_ref, k
           ok &= C.same_segment(qid_smem.at[wg], kid_smem.at[slot], R, bk)
         p = jnp.where(ok, p, 0.0)
       plgpu.barrier_wait(v_ready.at[slot])
+      if masked:
+        C.zero_rows_past(v_smem.at[slot], j * bk, valid[1])
       ds = pull(p * (C.mma(do_smem.at[wg], v_smem.at[slot].T, (R, bk)) - delta))
       if masked and score_mod is not None:
         ds = jnp.where(ok, ds, 0.0)
@@ -344,7 +362,7 @@ def backward(q, k, v, out, lse, do, mask: Mask | None, *, scale: float, config: 
   wgs, stages = cfg.compute_wgs, cfg.num_stages
   q_pad = round_up(q_len, math.lcm(wgs * R, cfg.block_q))   # whole tiles of both kernels
   kv_pad = round_up(kv_len, math.lcm(wgs * R, cfg.block_k))
-  delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), do.astype(jnp.float32))
+  delta = output_delta(out, do, mask)
   stats = jnp.stack([pad_axis(lse * C.LOG2E, 2, q_pad, jnp.inf), pad_axis(delta, 2, q_pad)], axis=2)
   # Operands and gradients are not copied to whole tiles (:func:`.common.tma_rows`): rows past
   # the ends read as zeros, as the pads did, and their gradients are not stored.

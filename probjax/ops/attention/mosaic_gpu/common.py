@@ -132,6 +132,33 @@ def element_ok(band: Mask | None, qi, ki, q_len: int, kv_len: int, q_valid=None,
   return ok
 
 
+def zero_rows_past(tile, start, valid):
+  """Zeroes the rows of a shared-memory tile ``[rows, cols]`` (TMA-loaded, wgmma-tiled) whose
+  first row is row ``start`` of a sequence and that lie at or past ``valid``, this batch
+  element's length (a traced int32; None: nothing to do); only the 64-row slices holding such
+  rows are rewritten, and nothing where the tile lies inside the length. Those rows may hold
+  anything (a KV cache's unwritten tail: NaN, inf), and a probability of zero does not cancel
+  them in a product (``0 * nan`` is NaN). Where several warpgroups read the tile (a ring
+  slot), each zeroes it before its own products: every write stores the value already there
+  (rows before the length) or zero (rows past it), so what another warpgroup reads meanwhile
+  is the same."""
+  if valid is None:
+    return
+  rows, cols = tile.shape
+  n = valid - start  # the tile's rows before the length
+
+  @pl.when(n < rows)
+  def _():
+    for r in range(0, rows, ROWS):
+      @pl.when(n < r + ROWS)
+      def _():
+        part = tile.at[pl.ds(r, ROWS)]
+        row = plgpu.broadcasted_iota(jnp.int32, (ROWS,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
+        keep = lax.broadcast_in_dim(r + row < n, (ROWS, cols), [0])
+        part[...] = jnp.where(keep, part[...], jnp.zeros((), part.dtype))
+    plgpu.commit_smem()  # the generic-proxy writes before the wgmmas (and TMA copies) that follow
+
+
 def exponent(t, scale: float, score_mod: Callable | None, b, h, qi, ki):
   """``(x, pull)`` for a backward kernel's score tile ``t = q k^T`` (or its transpose, with
   ``qi``/``ki`` laid out to match): P is ``exp2(x - lse2)``, and ``pull(ds)`` takes dS (with

@@ -164,6 +164,10 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, order_ref, 
         return x
 
       rescale = lambda acc, alpha: acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      # V's rows past this batch element's key length are zeroed before P V: their
+      # probabilities are zero, which does not cancel NaN. K's need not be: their scores are
+      # masked (replaced by -inf) whatever they hold.
+      zero_values_past = lambda j, slot: C.zero_rows_past(v_smem.at[slot], j * bk, valid[1])
       p_staging = None if p_smem is None else p_smem.at[wg]
 
       def step(j, carry, masked: bool):
@@ -174,6 +178,8 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, order_ref, 
         acc = rescale(acc, alpha)
         acc, l, m_new, p = handover((acc, l, m_new, p.astype(dtype)))
         plgpu.barrier_wait(v_ready.at[slot])
+        if masked:  # a tile a key length cuts is masked
+          zero_values_past(j, slot)
         if wgs == 2:  # take the tensor cores back for P @ V
           plgpu.barrier_wait(sched_bar)
         acc = C.mma_acc(acc, p, v_smem.at[slot], p_staging, during=lambda: wait_next_k(j))
@@ -185,6 +191,7 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, order_ref, 
         slot, prev = slot_of(n), slot_of(n - 1)
         plgpu.barrier_wait(k_ready.at[slot])
         plgpu.barrier_wait(v_ready.at[prev])
+        zero_values_past(n - 1, prev)
 
         def consume(t):
           m_new, alpha, p, l_new = softmax(scores(n, slot, t, masked), m, l)
@@ -221,6 +228,7 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, order_ref, 
         acc, m, l, p = lax.fori_loop(lo + 1, hi, lambda n, c: overlapped(n, c, masked(n)), carry)
         last = slot_of(hi - 1)
         plgpu.barrier_wait(v_ready.at[last])
+        zero_values_past(hi - 1, last)
         acc = C.mma_acc(acc, p, v_smem.at[last], p_staging)
         plgpu.barrier_arrive(v_free.at[last])
         return acc, m, l

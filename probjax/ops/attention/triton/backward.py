@@ -73,8 +73,9 @@ def _dkv_program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mr, dk_ref, dv
   With ``dq_acc_ref`` (onepass) each tile's dQ is atomically added there too.
   """
   k_start = j * block_k
-  k = tiles.load_rows(k_ref.at[b, pl.ds(k_start, block_k), hkv, :], k_start, tm.kv_len)
-  v = tiles.load_rows(v_ref.at[b, pl.ds(k_start, block_k), hkv, :], k_start, tm.kv_len)
+  kv_valid, q_valid = mr.valid(b, keys=True), mr.valid(b, keys=False)
+  k = tiles.load_rows(k_ref.at[b, pl.ds(k_start, block_k), hkv, :], k_start, tm.kv_len, valid=kv_valid)
+  v = tiles.load_rows(v_ref.at[b, pl.ds(k_start, block_k), hkv, :], k_start, tm.kv_len, valid=kv_valid)
 
   def head(g, carry):
     h = hkv * groups + g
@@ -83,9 +84,9 @@ def _dkv_program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mr, dk_ref, dv
       dk, dv = carry
       q_start = i * block_q
       rows = pl.ds(q_start, block_q)
-      # Only masked tiles can hold the partial last tile of the queries.
-      q = tiles.load_rows(q_ref.at[b, rows, h, :], q_start, tm.q_len, masked)
-      do = tiles.load_rows(do_ref.at[b, rows, h, :], q_start, tm.q_len, masked)
+      # Only masked tiles can hold the partial last tile of the queries, or this batch element's.
+      q = tiles.load_rows(q_ref.at[b, rows, h, :], q_start, tm.q_len, masked, q_valid)
+      do = tiles.load_rows(do_ref.at[b, rows, h, :], q_start, tm.q_len, masked, q_valid)
       pt, dst = _probs_and_ds(q, k, v, do, lse_ref.at[b, h, rows][...],
                               delta_ref.at[b, h, rows][...], tm=tm, mr=mr, b=b, h=h,
                               q_start=q_start, k_start=k_start, masked=masked, scale=scale,
@@ -116,15 +117,16 @@ def _dq_program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mr, dq_ref, *, 
   hkv = h // groups
   q_start = i * block_q
   rows = pl.ds(q_start, block_q)
-  q = tiles.load_rows(q_ref.at[b, rows, h, :], q_start, tm.q_len)
-  do = tiles.load_rows(do_ref.at[b, rows, h, :], q_start, tm.q_len)
+  kv_valid, q_valid = mr.valid(b, keys=True), mr.valid(b, keys=False)
+  q = tiles.load_rows(q_ref.at[b, rows, h, :], q_start, tm.q_len, valid=q_valid)
+  do = tiles.load_rows(do_ref.at[b, rows, h, :], q_start, tm.q_len, valid=q_valid)
   lse2 = lse_ref.at[b, h, rows][...]
   delta = delta_ref.at[b, h, rows][...]
 
   def body(j, dq, masked):
     k_start = j * block_k
-    k = tiles.load_rows(k_ref.at[b, pl.ds(k_start, block_k), hkv, :], k_start, tm.kv_len, masked)
-    v = tiles.load_rows(v_ref.at[b, pl.ds(k_start, block_k), hkv, :], k_start, tm.kv_len, masked)
+    k = tiles.load_rows(k_ref.at[b, pl.ds(k_start, block_k), hkv, :], k_start, tm.kv_len, masked, kv_valid)
+    v = tiles.load_rows(v_ref.at[b, pl.ds(k_start, block_k), hkv, :], k_start, tm.kv_len, masked, kv_valid)
     _, ds = _probs_and_ds(q, k, v, do, lse2, delta, tm=tm, mr=mr, b=b, h=h, q_start=q_start,
                           k_start=k_start, masked=masked, scale=scale, score_mod=score_mod,
                           fast_exp2=fast_exp2)
@@ -203,7 +205,7 @@ def backward(q, k, v, out, lse, do, mask: Mask | None, *, scale: float,
   pad_d = lambda x: tiles.pad_axis(x, 3, dp)  # sequence axes: masked tiles, no copies
   # Preprocess (shared): delta = rowsum(dO * O); lse in base 2. Both are small
   # [batch, heads, q_len] rows, padded (+inf, 0) so their loads need no mask.
-  delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), do.astype(jnp.float32))
+  delta = tiles.output_delta(out, do, mask)
   ops = (pad_d(q), pad_d(k), pad_d(v), pad_d(do.astype(q.dtype)),
          tiles.pad_axis(lse * tiles.LOG2E, 2, q_pad, jnp.inf), tiles.pad_axis(delta, 2, q_pad))
 

@@ -125,10 +125,12 @@ def _kernel(q_ref, k_ref, v_ref, *refs, tm: tiles.TileMask, scale: float, groups
   if mr.kv_lengths is not None:
     end = jnp.minimum(end, (mr.kv_lengths[b] + block_k - 1) // block_k)
 
+  kv_valid = mr.valid(b, keys=True)
+
   def body(j, carry):
     k_start = j * block_k
-    k = tiles.load_rows(k_ref.at[b, pl.ds(k_start, block_k), hkv, :], k_start, tm.kv_len)
-    v = tiles.load_rows(v_ref.at[b, pl.ds(k_start, block_k), hkv, :], k_start, tm.kv_len)
+    k = tiles.load_rows(k_ref.at[b, pl.ds(k_start, block_k), hkv, :], k_start, tm.kv_len, valid=kv_valid)
+    v = tiles.load_rows(v_ref.at[b, pl.ds(k_start, block_k), hkv, :], k_start, tm.kv_len, valid=kv_valid)
     t, c, _ = tiles.scores(q, k, scale=scale, score_mod=None, b=b, h=None, q_start=None,
                            k_start=k_start)
     if masked:

@@ -32,11 +32,13 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, tm: tiles.TileMask, scale: float
   d = q_ref.shape[-1]
   q = tiles.load_rows(q_ref.at[b, pl.ds(q_start, block_q), h, :], q_start, tm.q_len)
 
+  kv_valid = mr.valid(b, keys=True)
+
   def body(j, carry, masked):
-    # Only masked tiles can hold the partial last tile of the keys.
+    # Only masked tiles can hold the partial last tile of the keys, or this batch element's.
     k_start = j * block_k
-    k = tiles.load_rows(k_ref.at[b, pl.ds(k_start, block_k), hkv, :], k_start, tm.kv_len, masked)
-    v = tiles.load_rows(v_ref.at[b, pl.ds(k_start, block_k), hkv, :], k_start, tm.kv_len, masked)
+    k = tiles.load_rows(k_ref.at[b, pl.ds(k_start, block_k), hkv, :], k_start, tm.kv_len, masked, kv_valid)
+    v = tiles.load_rows(v_ref.at[b, pl.ds(k_start, block_k), hkv, :], k_start, tm.kv_len, masked, kv_valid)
     t, c, _ = tiles.scores(q, k, scale=scale, score_mod=score_mod, b=b, h=h,
                            q_start=q_start, k_start=k_start)
     if masked:

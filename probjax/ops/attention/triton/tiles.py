@@ -58,6 +58,11 @@ class MaskRefs:
   def count(tm: TileMask) -> int:
     return tm.has_range + tm.has_q_lengths + tm.has_kv_lengths + 2 * tm.has_segments
 
+  def valid(self, b, *, keys: bool):
+    """Batch element ``b``'s key (``keys``) or query length, or None without one."""
+    lengths = self.kv_lengths if keys else self.q_lengths
+    return None if lengths is None else lengths[b]
+
   @classmethod
   def unpack(cls, tm: TileMask, refs) -> "MaskRefs":
     refs = list(refs)
@@ -68,17 +73,25 @@ class MaskRefs:
     return out
 
 
-def load_rows(view, start, length: int, masked: bool = True):
+def load_rows(view, start, length: int, masked: bool = True, valid=None):
   """``view[...]`` of a ``[block, ...]`` ref view whose first axis starts at row ``start`` of
   an axis of ``length`` rows. Rows at or past ``length`` read as zeros and are not touched in
   memory, so arrays need no padding to a multiple of the tile. ``masked=False`` (the caller
   knows the tile lies inside ``length``) or ``length`` a multiple of the block: a plain load
-  (unless the block is longer than the axis: the loop body is traced even where it never runs)."""
+  (unless the block is longer than the axis: the loop body is traced even where it never runs).
+
+  ``valid`` (traced; only where ``masked``): this batch element's length of the axis
+  (:meth:`MaskRefs.valid`). Rows at or past it read as zeros too: they may hold anything (a KV
+  cache's unwritten tail: NaN, inf), and a probability of zero does not cancel them in a
+  product (``0 * nan`` is NaN)."""
   block = view.shape[0]
+  rows = lambda: start + jax.lax.broadcasted_iota(jnp.int32, view.shape, 0)
+  if masked and valid is not None:
+    ok = rows() < valid
+    return plgpu.load(view, mask=ok if length % block == 0 else ok & (rows() < length), other=0)
   if length % block == 0 or (not masked and length >= block):
     return view[...]
-  rows = start + jax.lax.broadcasted_iota(jnp.int32, view.shape, 0)
-  return plgpu.load(view, mask=rows < length, other=0)
+  return plgpu.load(view, mask=rows() < length, other=0)
 
 
 def store_rows(view, val, start, length: int):
@@ -88,6 +101,17 @@ def store_rows(view, val, start, length: int):
     return
   rows = start + jax.lax.broadcasted_iota(jnp.int32, view.shape, 0)
   plgpu.store(view, val, mask=rows < length)
+
+
+def output_delta(out, do, mask: Mask | None):
+  """The backward's ``delta = rowsum(dO * O)``, ``[batch, heads, q_len]`` float32, zero for the
+  queries at or past a mask's ``q_lengths``: their outputs are zeros, but their cotangents may
+  hold anything (NaN), and the kernels multiply delta by probabilities of zero there."""
+  delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), do.astype(jnp.float32))
+  if mask is None or mask.q_lengths is None:
+    return delta
+  lengths = jnp.broadcast_to(jnp.asarray(mask.q_lengths, jnp.int32), (out.shape[0],))
+  return jnp.where(jnp.arange(out.shape[1]) < lengths[:, None, None], delta, 0.0)
 
 
 def padded_head_dim(d: int) -> int:
