@@ -4,24 +4,33 @@ Interpret mode (``plgpu.InterpretGPUParams``: simulated warpgroups, TMA and barr
 CPU) at small shapes in CI; the full-size cases are marked ``gpu``.
 """
 
-import dataclasses
+import os
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+# Interpret mode's warpgroup threads block XLA:CPU's thread pool (one thread per core by
+# default) in their barrier waits and can hang on a small machine: see
+# probjax.ops.attention.mosaic_gpu.config.INTERPRET_WGS. Read when JAX creates its CPU client.
+os.environ.setdefault("PJRT_NPROC", "8")
 
-import pytest
+import dataclasses  # noqa: E402
 
-from probjax.ops.attention import masks as M
-from probjax.ops.attention import mosaic_gpu as pm
-from probjax.ops.attention.mosaic_gpu import config as mcfg
-from probjax.ops.attention.mosaic_gpu.common import kv_tiles, q_tiles
-from probjax.testing import check_against_reference, check_against_same_precision, make_inputs, make_mask
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
-# One compute warpgroup on CPU: interpret mode runs each warpgroup as a thread whose barrier
-# waits block inside XLA host callbacks; with three (two compute + producer) on a 2-core
-# machine they can starve the producer's callbacks and hang. The two-warpgroup kernels are
-# covered by the sm_90 lowering tests and the GPU tests.
+import pytest  # noqa: E402
+
+from probjax.ops.attention import masks as M  # noqa: E402
+from probjax.ops.attention import mosaic_gpu as pm  # noqa: E402
+from probjax.ops.attention.mosaic_gpu import config as mcfg  # noqa: E402
+from probjax.ops.attention.mosaic_gpu.common import kv_tiles, q_tiles  # noqa: E402
+from probjax.testing import check_against_reference, check_against_same_precision, make_inputs, make_mask  # noqa: E402
+
+# A stalled interpret run fails loudly ("thread": it sits in XLA, where no signal reaches Python).
+pytestmark = pytest.mark.timeout(300, method="thread")
+
+# One compute warpgroup on CPU (the fewest interpreted threads: faster, and the least pool
+# pressure; see above). The two-warpgroup kernels are covered by the sm_90 lowering tests, the
+# GPU tests and test_mosaic_backward_shared_dq_two_warpgroups.
 SMALL = pm.MosaicForwardConfig(block_q=64, block_k=64, num_stages=2, compute_wgs=1)
 
 
@@ -36,9 +45,13 @@ def _mosaic_bwd(mask, bcfg=BSMALL):
   return _attn(mask, backward_pass_impl="mosaic", backward_config=bcfg)
 
 
-@pytest.mark.parametrize("mask_name", ["none", "causal", "causal_offset", "window", "window_right", "kv_len",
-                                       "kv_len_zero", "lengths", "causal&kv_len", "segments",
-                                       "window&segments"])
+SLOW = pytest.mark.slow  # interpret-mode cases over about 10 s on a 2-core machine
+
+
+@pytest.mark.parametrize("mask_name", [pytest.param("none", marks=SLOW), "causal", "causal_offset", "window",
+                                       "window_right", "kv_len", "kv_len_zero", "lengths", "causal&kv_len",
+                                       pytest.param("segments", marks=SLOW),
+                                       pytest.param("window&segments", marks=SLOW)])
 def test_masks_values_and_grads(mask_name):
   x = make_inputs(1, 2, 150, 200, 2, 1, 64, jnp.bfloat16)  # odd lengths, GQA 2:1
   mask = make_mask(mask_name, 2, 150, 200)
@@ -101,8 +114,9 @@ def test_one_cta_per_tile_in_groups_of_heads(monkeypatch):
     check_against_reference(_attn(M.CausalMask(50)), x, mask=M.CausalMask(50), grads=False)
 
 
-@pytest.mark.parametrize("mask_name", ["none", "causal_offset", "window_right", "lengths", "kv_len_zero",
-                                       "segments", "window&segments"])
+@pytest.mark.parametrize("mask_name", [pytest.param(m, marks=SLOW) for m in ("none", "causal_offset", "window_right")]
+                         + ["lengths", "kv_len_zero"]
+                         + [pytest.param(m, marks=SLOW) for m in ("segments", "window&segments")])
 def test_mosaic_backward(mask_name):
   x = make_inputs(5, 2, 150, 200, 4, 2, 64, jnp.bfloat16)  # odd lengths, GQA 2:1 (dK/dV summed over the group)
   mask = make_mask(mask_name, 2, 150, 200)
@@ -121,7 +135,7 @@ def test_mosaic_backward_fused_dq(mask_name, shared):
   check_against_reference(_mosaic_bwd(mask, bcfg), x, mask=mask)
 
 
-@pytest.mark.parametrize("mask_name", ["none", "causal_offset"])
+@pytest.mark.parametrize("mask_name", [pytest.param("none", marks=SLOW), "causal_offset"])
 def test_mosaic_backward_fused_dq_head_dim_128(mask_name):
   # head_dim 128, where each warpgroup's dQ partial is 64 accumulator registers per thread.
   x = make_inputs(10, 1, 150, 200, 4, 2, 128, jnp.bfloat16)
@@ -148,7 +162,7 @@ def test_shared_dq_config_is_validated():
     pm.backward.fit(pm.MosaicBackwardConfig(fused_dq=True, shared_dq=True), 2, 64, "interpret")
 
 
-@pytest.mark.parametrize("backward", ["mosaic", "auto"])
+@pytest.mark.parametrize("backward", [pytest.param("mosaic", marks=SLOW), "auto"])
 def test_gradients_within_twice_a_same_precision_reference(backward):
   from probjax.nn.layers.attention import dot_product_attention
   x = make_inputs(7, 2, 150, 200, 4, 2, 64, jnp.bfloat16)
@@ -193,7 +207,8 @@ def test_score_mod(mask_name, scale):
   check_against_reference(f, x, mask=mask, score_mod=_alibi_softcap, scale=scale)
 
 
-@pytest.mark.parametrize("mask_name", ["none", "causal_offset", "window&segments"])
+@pytest.mark.parametrize("mask_name", ["none"] + [pytest.param(m, marks=SLOW) for m in ("causal_offset",
+                                                                                     "window&segments")])
 def test_score_mod_mosaic_backward(mask_name):
   # dK/dV summed over the GQA group: score_mod sees each query head's own h.
   x = make_inputs(9, 2, 150, 200, 4, 2, 64, jnp.bfloat16)
@@ -328,7 +343,7 @@ def test_smem_model_covers_the_compilers_counts():
 
 
 def test_tile_sweep_records_the_auto_config():
-  from docs.scripts.benchmark_gpu_attention_tiles import mosaic_auto_config
+  from bench.benchmark_gpu_attention_tiles import mosaic_auto_config
   for d in mcfg.DEFAULTS:
     for dtype in ("bfloat16", "float16"):
       for t in (3000, 4096):
@@ -419,6 +434,7 @@ def test_gpu_overlap(mask_name, d, persistent, cluster, t):
                           grads=False)
 
 
+@SLOW
 def test_through_dot_product_attention_with_jvp():
   from probjax.nn.layers.attention import available_implementations, dot_product_attention
   from probjax.ops.attention.dispatch import Device

@@ -111,7 +111,8 @@ def attention(q, k, v, *, mask: Mask | None = None, score_mod: Callable | None =
     forward_config: explicit tiles, checked against the device's shared memory.
     backward_config: the backward's tiles (a ``MosaicBackwardConfig`` for "mosaic", else the
       Triton ``BackwardConfig``).
-    interpret: Mosaic GPU interpret mode (CPU testing).
+    interpret: Mosaic GPU interpret mode (CPU testing; where the machine has few cores, set
+      PJRT_NPROC, see :func:`.config.warn_if_interpret_may_hang`).
   Returns:
     ``[batch, q_len, heads, head_dim]`` in q's dtype.
   """
@@ -133,7 +134,11 @@ def attention(q, k, v, *, mask: Mask | None = None, score_mod: Callable | None =
     if why:
       raise ValueError(f"backward_pass_impl='mosaic' cannot compute this call: {why}")
     bcfg = backward_lib.fit(backward_config, itemsize, d, device)
+    if interpret:
+      config_lib.warn_if_interpret_may_hang(max(cfg.cluster * (cfg.compute_wgs + 1), bcfg.compute_wgs + 1))
     return _attention(_Static(scale, cfg, bcfg, bool(interpret), score_mod), q, k, v, mask)
+  if interpret:
+    config_lib.warn_if_interpret_may_hang(cfg.cluster * (cfg.compute_wgs + 1))
   return attention_with_forward(q, k, v, mask, scale=scale, mosaic_config=cfg, score_mod=score_mod,
                                 backward_pass_impl=backward_pass_impl, backward_config=backward_config,
                                 interpret=interpret)

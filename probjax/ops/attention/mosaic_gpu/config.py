@@ -11,6 +11,8 @@ were measured again since).
 from __future__ import annotations
 
 import dataclasses
+import os
+import warnings
 
 from probjax.ops.attention.masks import Mask, num_tiles, round_up
 from probjax.ops.attention.triton.config import smem_limit
@@ -135,10 +137,27 @@ def cluster_refusal(mask: Mask | None, q_len: int, rows: int, cluster: int) -> s
   return None
 
 
-# Interpret mode runs each warpgroup as a thread whose barrier waits block inside XLA host
-# callbacks; on a machine with few cores, three of them (two compute + producer) can starve
-# the producer's callbacks and hang, so default configs there use one compute warpgroup.
+# Interpret mode runs each warpgroup of a CTA (a cluster's CTAs together) as a thread whose
+# barrier waits block inside XLA:CPU host callbacks, which run on the CPU client's thread pool:
+# one thread per core unless the PJRT_NPROC environment variable (read when JAX creates the
+# client) says otherwise. The kernel launch's own callback holds one pool thread while its
+# warpgroups run; when blocked waits hold the others, the warpgroup that would arrive at the
+# barrier never gets one: a hang at 0% CPU (every time at PJRT_NPROC=1; at two cores, now and
+# then even with one compute warpgroup). Default configs there use one compute warpgroup (the
+# fewest threads); :func:`warn_if_interpret_may_hang` names the setting that avoids the hang.
 INTERPRET_WGS = 1
+
+
+def warn_if_interpret_may_hang(threads: int) -> None:
+  """Warns when the CPU client's thread pool (as PJRT_NPROC, NPROC or the usable cores give it)
+  has fewer than ``threads + 1`` threads, what an interpreted kernel of ``threads`` warpgroups
+  and its launch can hold at once (see :data:`INTERPRET_WGS`)."""
+  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  pool = os.environ.get("PJRT_NPROC") or os.environ.get("NPROC") or cores
+  if int(pool) < threads + 1:
+    warnings.warn(f"Pallas Mosaic GPU interpret mode runs this kernel as {threads} threads whose barrier waits "
+                  f"block XLA:CPU's thread pool of {pool}: it can hang. Set PJRT_NPROC={threads + 1} or more "
+                  "in the environment before JAX starts.", RuntimeWarning, stacklevel=3)
 
 
 def fit(config: MosaicForwardConfig | None, itemsize: int, head_dim: int, device: str, *,
