@@ -20,6 +20,24 @@ from probjax.ops.attention.masks import KVLenMask, Mask, SegmentMask
 XLA = functools.partial(dot_product_attention, implementation="xla")
 
 
+def numpy_init(ctor, seed=0):
+  """``ctor()``'s module with its parameters drawn in numpy (random init under jit compiles
+  slowly on CPU): norm scales ``1 + 0.2 N(0, 1)``, other floats ``0.3 N(0, 1)``; RNG keys
+  from ``seed``, counts 0."""
+  graphdef, state = nnx.split(nnx.eval_shape(ctor))
+  rng = np.random.default_rng(seed)
+
+  def fill(path, a):
+    if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+      return jax.random.split(jax.random.key(seed), a.shape) if a.shape else jax.random.key(seed)
+    if not jnp.issubdtype(a.dtype, jnp.floating):
+      return jnp.zeros(a.shape, a.dtype)
+    n = rng.standard_normal(a.shape)
+    return jnp.asarray(1 + 0.2 * n if "scale" in jax.tree_util.keystr(path) else 0.3 * n, a.dtype)
+
+  return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(fill, state))
+
+
 def jit(f):
   """``nnx.jit``: one compilation instead of many eager op-by-op ones (CPU test time)."""
   return nnx.jit(f)
@@ -66,11 +84,7 @@ def _layer(rngs=lambda: nnx.Rngs(params=0, dropout=1), **kw):
   args = dict(num_heads=4, num_kv_heads=2, in_features=24, head_dim=6, rotary=True, qk_norm=True,
               is_causal=True, attention_fn=XLA, dropout_rate=0.5)
   args.update(kw)
-  mha = jit(lambda: MultiHeadAttention(rngs=rngs(), **args))()
-  # Non-trivial q/k-norm scales so that the norm is tested.
-  for n in (mha.q_norm, mha.k_norm):
-    n.scale[...] = jnp.asarray(1 + 0.3 * np.random.default_rng(3).standard_normal(n.scale.shape), jnp.float32)
-  return mha
+  return numpy_init(lambda: MultiHeadAttention(rngs=rngs(), **args))
 
 
 @pytest.fixture(scope="module")
@@ -125,8 +139,8 @@ def test_attention_fn_swap_to_flax(mha):
                              atol=1e-5, rtol=1e-5)
   # Cross-attention with per-element context lengths.
   ctx = jnp.asarray(np.random.default_rng(2).standard_normal((2, 5, 10)), jnp.float32)
-  ours = jit(lambda: MultiHeadAttention(num_heads=4, num_kv_heads=1, in_features=24, context_features=10,
-                                        rngs=nnx.Rngs(1)))()
+  ours = numpy_init(lambda: MultiHeadAttention(num_heads=4, num_kv_heads=1, in_features=24,
+                                                context_features=10, rngs=nnx.Rngs(1)))
   f = jit(lambda m, x, c, n: m(x, c, mask=KVLenMask(n)))
   n = jnp.array([5, 3])
   np.testing.assert_allclose(f(ours, X, ctx, n), f(_swapped(ours, _flax_attention), X, ctx, n),
@@ -161,7 +175,7 @@ def test_bad_configurations_raise(mha):
     mha.prefill(jnp.ones((2, 9, 24)), cache, jnp.array([9, 4]))
   with pytest.raises(ValueError, match="max_len"):
     mha.decode_step(jnp.ones((2, 3, 24)), cache.replace(lengths=jnp.array([6, 4])))
-  lm = jit(lambda: TransformerLM(vocab_size=7, features=8, num_layers=1, num_heads=2, rngs=nnx.Rngs(0)))()
+  lm = numpy_init(lambda: TransformerLM(vocab_size=7, features=8, num_layers=1, num_heads=2, rngs=nnx.Rngs(0)))
   with pytest.raises(ValueError, match="top_k"):
     generate(lm, jnp.ones((1, 3), jnp.int32), jnp.array([3]), max_new_tokens=2, temperature=1.0, top_k=9)
   with pytest.raises(ValueError, match="max_len"):
