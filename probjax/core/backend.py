@@ -73,7 +73,7 @@ class Registry(Generic[Call]):
     name = self._aliases.get(implementation, implementation)
     if name not in self._backends:
       known = sorted((*self._backends, *self._aliases))
-      raise ValueError(f"unknown {self.op} implementation {implementation!r}; expected None or one of {known}")
+      raise ValueError(f"unknown implementation {implementation!r} of {self.op}; expected None or one of {known}")
     return name
 
   def get(self, implementation: str) -> Backend[Call]:

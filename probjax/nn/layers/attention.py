@@ -15,16 +15,16 @@ explicit ``implementation`` that cannot compute the call raises ValueError.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
-import jax
 import jax.numpy as jnp
 
 from probjax.ops.attention import base
-from probjax.ops.attention import cudnn as cudnn_backend
-from probjax.ops.attention import dispatch
+from probjax.ops.attention import dispatch, registry
 from probjax.ops.attention import xla as xla_backend
 from probjax.ops.attention.autodiff import with_forward_mode
+from probjax.ops.attention.call import AttentionCall
 from probjax.ops.attention.cudnn.config import CudnnConfig
 from probjax.ops.attention.dispatch import Decision, Device
 from probjax.ops.attention.masks import (CausalMask, KVLenMask, LengthMask, LocalWindowMask, Mask,
@@ -41,10 +41,7 @@ BACKWARD_PASS_IMPLS = ("auto", "triton_onepass", "triton_fused", "triton_split",
 
 def available_implementations(device: Device | None = None) -> list[str]:
   """Implementation names that can run on ``device`` (default: the current one)."""
-  device = device or Device.current()
-  if device.platform != "gpu":
-    return ["xla"]
-  return ["xla", "triton", "cudnn"] + (["mosaic"] if device.compute_capability == (9, 0) else [])
+  return registry.available(device or Device.current())
 
 
 def explain_dispatch(q_shape, kv_shape, dtype, **kw) -> Decision:
@@ -185,7 +182,7 @@ def _attention(query, key, value, shape: base.AttentionShape, *, bias=None, mask
                        "the scale in): pass a Python float, or implementation=None or 'xla'")
     score_mod, bias, scale = _fold_traced_scale(scale, score_mod, bias)
   # Interpret mode emulates the GPU kernel anywhere.
-  device = Device("gpu", None, None, interpret=True) if interpret else Device.current()
+  device = Device.interpreter() if interpret else Device.current()
   decision = dispatch.explain_dispatch(
       query.shape, key.shape, shape.dtype, mask=mask, bias=bias is not None,
       dense_mask=dense_mask is not None, dropout=dropout_rate > 0, score_mod=score_mod,
@@ -202,25 +199,14 @@ def _attention(query, key, value, shape: base.AttentionShape, *, bias=None, mask
       and decision.implementation not in ("triton", "mosaic")):
     raise ValueError(f"forward_config/backward_config configure the Triton or Mosaic kernel, but this call "
                      f"runs {decision}; pass implementation='triton' or 'mosaic'")
-  def mosaic_fast(q, k, v, mask):
-    from probjax.ops.attention import mosaic_gpu as mosaic_backend
-    return mosaic_backend.attention(
-        q, k, v, mask=mask, score_mod=score_mod, scale=scale, backward_pass_impl=decision.backward_pass_impl,
-        forward_config=forward_config, backward_config=backward_config, interpret=interpret)
-
-  def triton_fast(q, k, v, mask):
-    from probjax.ops.attention import triton as triton_backend
-    return triton_backend.attention(
-        q, k, v, mask=mask, score_mod=score_mod, scale=scale,
-        backward_pass_impl=decision.backward_pass_impl, forward_config=forward_config,
-        backward_config=backward_config, split_kv=split_kv, interpret=interpret)
-
-  kernels = {"mosaic": mosaic_fast, "triton": triton_fast,
-             "cudnn": lambda q, k, v, mask: cudnn_backend.attention(
-                 q, k, v, mask=mask, scale=scale, config=forward_config if cudnn_config else None)}
-  if decision.implementation in kernels:
-    return with_forward_mode(kernels[decision.implementation], _exact(query, key, device, score_mod, scale),
-                             kernels.get(decision.grad_implementation))(query, key, value, mask)
+  if decision.implementation != "xla":
+    call = AttentionCall(query.shape, key.shape, shape.dtype, mask=mask, score_mod=score_mod, scale=scale,
+                         backward_pass_impl=backward_pass_impl, split_kv=split_kv,
+                         forward_config=forward_config, backward_config=backward_config, interpret=interpret)
+    run = lambda name: None if name is None else functools.partial(
+        registry.REGISTRY.get(name), call=call, backward_pass_impl=decision.backward_pass_impl)
+    return with_forward_mode(run(decision.implementation), _exact(query, key, device, score_mod, scale),
+                             run(decision.grad_implementation))(query, key, value, mask)
   return xla_backend.attention(query, key, value, formulation=decision.formulation, module=module,
                                bias=bias, mask=mask, dense_mask=dense_mask, score_mod=score_mod,
                                scale=scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,

@@ -22,43 +22,18 @@ from __future__ import annotations
 import dataclasses
 import os
 
-import jax
 import jax.numpy as jnp
 
+from probjax.core.device import Device
 from probjax.ops.attention import tuning as attention_device
 from probjax.ops.attention import cudnn as cudnn_backend
+from probjax.ops.attention.call import AttentionCall
+from probjax.ops.attention.registry import REGISTRY
 from probjax.ops.attention.masks import Mask
 
-# "mosaic": the Mosaic GPU forward with the Triton or Mosaic backward (sm_90). The default
-# picks it only where the device table measured it faster (see attention_device);
-# PROBJAX_ATTENTION_MOSAIC=0 turns that off.
-IMPLEMENTATIONS = ("xla", "triton", "cudnn", "mosaic")
-ALIASES = {"pallas": "triton"}
 MIN_KERNEL_KV_LEN = 64
 # XLA's dense formulation keeps a few float32 [B, H, Tq, Tkv] arrays for the backward.
 _DENSE_BYTES_PER_SCORE = 4 * 4
-
-
-@dataclasses.dataclass(frozen=True)
-class Device:
-  """What dispatch needs to know about the device."""
-
-  platform: str
-  compute_capability: tuple[int, int] | None = None
-  memory_bytes: int | None = None
-  interpret: bool = False  # Pallas interpret mode: the Pallas kernels emulated on any platform
-
-  @classmethod
-  def current(cls) -> "Device":
-    d = jax.devices()[0]
-    cc = getattr(d, "compute_capability", None)
-    cc = tuple(int(x) for x in str(cc).split(".")) if cc else None
-    mem = None
-    try:
-      mem = (d.memory_stats() or {}).get("bytes_limit")
-    except Exception:  # noqa: BLE001 (memory_stats is optional per backend)
-      pass
-    return cls(d.platform, cc, mem)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,38 +66,19 @@ def _env_off(name: str, env) -> bool:
 
 
 def canonical(implementation: str | None) -> str | None:
-  if implementation is None:
-    return None
-  if not isinstance(implementation, str):
-    raise TypeError(f"implementation must be a string or None, got {type(implementation).__name__}")
-  name = ALIASES.get(implementation, implementation)
-  if name not in IMPLEMENTATIONS:
-    raise ValueError(f"unknown implementation {implementation!r}; expected None or one of "
-                     f"{sorted(IMPLEMENTATIONS + tuple(ALIASES))}")
-  return name
+  """``implementation`` with aliases resolved (the registry's names); None stays None."""
+  return REGISTRY.canonical(implementation)
 
 
 def triton_supports(q_shape, kv_shape, dtype, *, device: Device, **kw) -> str | None:
   """Reason the Triton kernel cannot compute the call, or None."""
-  if device.platform != "gpu":
-    return f"the Triton kernel needs an NVIDIA GPU (platform is {device.platform}); use interpret=True to run it on CPU"
-  try:
-    from probjax.ops.attention import triton as triton_backend
-  except ImportError as e:  # pragma: no cover (only without a GPU-capable jaxlib)
-    return f"Triton backend unavailable: {e}"
-  # The platform was checked above against ``device`` (which tests may fake).
-  return triton_backend.supports(q_shape, kv_shape, dtype, interpret=True, **kw)
+  return REGISTRY.get("triton").supports(AttentionCall(q_shape, kv_shape, dtype, **kw), device)
 
 
 def mosaic_supports(q_shape, kv_shape, dtype, *, device: Device, **kw) -> str | None:
-  """Reason the Mosaic GPU forward cannot compute the call, or None (``device`` with no
+  """Reason the Mosaic GPU kernels cannot compute the call, or None (``device`` with no
   compute capability: interpret mode)."""
-  if device.platform != "gpu":
-    return f"the Mosaic GPU kernel needs an sm_90 GPU (platform is {device.platform}); use interpret=True to run it on CPU"
-  if device.compute_capability not in (None, (9, 0)):
-    return "the Mosaic GPU kernel needs an sm_90 (Hopper) GPU, this is sm_%d%d" % device.compute_capability
-  from probjax.ops.attention import mosaic_gpu as mosaic_backend
-  return mosaic_backend.supports(q_shape, kv_shape, dtype, interpret=True, **kw)
+  return REGISTRY.get("mosaic").supports(AttentionCall(q_shape, kv_shape, dtype, **kw), device)
 
 
 def explain_dispatch(q_shape, kv_shape, dtype, *, mask: Mask | None = None, bias: bool = False,
@@ -177,16 +133,9 @@ def _decide(q_shape, kv_shape, dtype, *, mask, bias, dense_mask, dropout, score_
 
   if impl == "xla":
     return Decision("xla", "requested", formulation=xla_formulation(q_shape, kv_shape, device))
-  if impl in ("triton", "cudnn", "mosaic"):
-    if impl == "triton":
-      why = triton_supports(q_shape, kv_shape, dtype, device=device, **kw)
-    elif impl == "mosaic":
-      why = mosaic_supports(q_shape, kv_shape, dtype, device=device, **kw)
-    elif device.interpret:
-      why = "cuDNN has no interpret mode (interpret=True emulates only the Pallas kernels, Triton and Mosaic)"
-    else:
-      why = cudnn_backend.supports(q_shape, kv_shape, dtype, platform=device.platform, **kw)
-    why = why or _not_for_kernels(precision=precision, module=module)
+  if impl is not None:
+    call = AttentionCall(q_shape, kv_shape, dtype, precision=precision, module=module, **kw)
+    why = REGISTRY.get(impl).supports(call, device)
     if why:
       raise ValueError(f"implementation={impl!r} cannot compute this call exactly: {why}")
     backward = _resolve_backward(backward_pass_impl, mask) if impl != "cudnn" else "auto"
@@ -209,7 +158,7 @@ def _decide(q_shape, kv_shape, dtype, *, mask, bias, dense_mask, dropout, score_
     decoding = tq <= table.decode_max_q_len and tk >= table.decode_min_kv_len
     if (not _env_off("PROBJAX_ATTENTION_CUDNN", env) and b * h * tq * tk >= table.cudnn_min_work
         and q_shape[-1] >= table.cudnn_min_head_dim and not decoding):
-      if cudnn_backend.supports(q_shape, kv_shape, dtype, platform="gpu", **kw) is None:
+      if REGISTRY.get("cudnn").supports(AttentionCall(q_shape, kv_shape, dtype, **kw), device) is None:
         rule = f"{cc} device table: eligible 16-bit call above the cuDNN work threshold"
         work, causal = b * h * tq * tk, mask is not None and mask.is_causal()
         mosaic_fwd = _mosaic_forward(q_shape, kv_shape, dtype, table, device, env, kw)

@@ -1,0 +1,96 @@
+"""One attention call as dispatch and every backend's ``supports`` see it."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax.numpy as jnp
+
+from probjax.ops.attention.masks import Mask
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCall:
+  """The static description of a call: everything but the arrays.
+
+  Attributes:
+    q_shape: ``(batch, q_len, heads, head_dim)``; kv_shape: ``(batch, kv_len, kv_heads, head_dim)``.
+    dtype: the inputs' dtype.
+    mask: the position :class:`Mask`, or None.
+    score_mod: ``f(score, b, h, q_idx, kv_idx) -> score``, or None.
+    scale: the softmax scale (None: ``head_dim ** -0.5``).
+    bias, dense_mask, dropout, module: whether the call has an additive bias, a dense boolean
+      mask, dropout, or asks for the attention weights (only the XLA path takes those).
+    precision: the matmul precision (non-default: XLA path only).
+    backward_pass_impl: the kernels' backward ("auto" lets the backend or the device table choose).
+    split_kv: the Triton split-KV forward request (None: automatic).
+    forward_config, backward_config: explicit kernel configs.
+    interpret: Pallas interpret mode.
+  """
+
+  q_shape: tuple[int, ...]
+  kv_shape: tuple[int, ...]
+  dtype: Any
+  mask: Mask | None = None
+  score_mod: Callable | None = None
+  scale: float | None = None
+  bias: bool = False
+  dense_mask: bool = False
+  dropout: bool = False
+  module: bool = False
+  precision: Any = None
+  backward_pass_impl: str = "auto"
+  split_kv: Any = None
+  forward_config: Any = None
+  backward_config: Any = None
+  interpret: bool = False
+
+  def __post_init__(self):
+    object.__setattr__(self, "q_shape", tuple(self.q_shape))
+    object.__setattr__(self, "kv_shape", tuple(self.kv_shape))
+    object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+
+  @property
+  def batch(self) -> int:
+    return self.q_shape[0]
+
+  @property
+  def q_len(self) -> int:
+    return self.q_shape[1]
+
+  @property
+  def kv_len(self) -> int:
+    return self.kv_shape[1]
+
+  @property
+  def heads(self) -> int:
+    return self.q_shape[2]
+
+  @property
+  def kv_heads(self) -> int:
+    return self.kv_shape[2]
+
+  @property
+  def head_dim(self) -> int:
+    return self.q_shape[3]
+
+  @property
+  def work(self) -> int:
+    """``batch * heads * q_len * kv_len``: the score count the dispatch thresholds compare."""
+    return self.batch * self.heads * self.q_len * self.kv_len
+
+  @property
+  def kernel_args_default(self) -> bool:
+    """Whether every kernel argument is at its default (then the device table applies)."""
+    return (self.backward_pass_impl == "auto" and self.forward_config is None
+            and self.backward_config is None and self.split_kv is None)
+
+  def not_for_kernels(self) -> str | None:
+    """The first argument no fused kernel takes, or None."""
+    for present, what in ((self.bias, "additive bias"), (self.dense_mask, "dense boolean mask"),
+                          (self.dropout, "dropout"), (self.precision is not None, "non-default precision"),
+                          (self.module, "attention weights requested (module)")):
+      if present:
+        return what
+    return None

@@ -1,0 +1,118 @@
+"""Attention's backends, registered once: the names ``implementation=`` takes, what each
+runs on, whether it computes a call exactly, and the call itself.
+
+Each backend module keeps its own ``supports`` and ``attention``; the classes here adapt
+them to :class:`probjax.core.backend.Backend` over one :class:`AttentionCall`. The Pallas
+backends are imported only when asked for, so CPU-only installs never load them.
+"""
+
+from __future__ import annotations
+
+from probjax.core.backend import Backend, Registry
+from probjax.core.device import Device
+from probjax.ops.attention.call import AttentionCall
+
+REGISTRY: Registry[AttentionCall] = Registry("attention")
+
+
+def _flags(call: AttentionCall) -> dict:
+  return dict(mask=call.mask, score_mod=call.score_mod, bias=call.bias, dense_mask=call.dense_mask,
+              dropout=call.dropout)
+
+
+class Xla(Backend[AttentionCall]):
+  """The exact XLA formulation (every platform, every argument)."""
+
+  name = "xla"
+
+  def supports(self, call, device):
+    return None
+
+  def __call__(self, q, k, v, mask, *, call, formulation="auto", **xla_args):
+    from probjax.ops.attention import xla
+    return xla.attention(q, k, v, formulation=formulation, mask=mask, score_mod=call.score_mod,
+                         scale=call.scale, precision=call.precision, **xla_args)
+
+
+class Triton(Backend[AttentionCall]):
+  """The fused Pallas-Triton kernels (NVIDIA GPUs; anywhere in interpret mode)."""
+
+  name = "triton"
+  aliases = ("pallas",)
+
+  def available(self, device):
+    if device.platform != "gpu":
+      return f"the Triton kernel needs an NVIDIA GPU (platform is {device.platform}); use interpret=True to run it on CPU"
+    return None
+
+  def supports(self, call, device):
+    from probjax.ops.attention import triton
+    return (self.available(device) or call.not_for_kernels()
+            or triton.supports(call.q_shape, call.kv_shape, call.dtype, interpret=True, **_flags(call)))
+
+  def __call__(self, q, k, v, mask, *, call, backward_pass_impl=None):
+    from probjax.ops.attention import triton
+    return triton.attention(q, k, v, mask=mask, score_mod=call.score_mod, scale=call.scale,
+                            backward_pass_impl=backward_pass_impl or call.backward_pass_impl,
+                            forward_config=call.forward_config, backward_config=call.backward_config,
+                            split_kv=call.split_kv, interpret=call.interpret)
+
+
+class Mosaic(Backend[AttentionCall]):
+  """The Pallas Mosaic GPU kernels (sm_90; anywhere in interpret mode)."""
+
+  name = "mosaic"
+
+  def available(self, device):
+    if device.platform != "gpu":
+      return f"the Mosaic GPU kernel needs an sm_90 GPU (platform is {device.platform}); use interpret=True to run it on CPU"
+    if device.compute_capability not in (None, (9, 0)):
+      return "the Mosaic GPU kernel needs an sm_90 (Hopper) GPU, this is " + device.kind
+    return None
+
+  def supports(self, call, device):
+    why = self.available(device) or call.not_for_kernels()
+    if why:
+      return why
+    from probjax.ops.attention import mosaic_gpu
+    return mosaic_gpu.supports(call.q_shape, call.kv_shape, call.dtype, interpret=True, **_flags(call))
+
+  def __call__(self, q, k, v, mask, *, call, backward_pass_impl=None):
+    from probjax.ops.attention import mosaic_gpu
+    return mosaic_gpu.attention(q, k, v, mask=mask, score_mod=call.score_mod, scale=call.scale,
+                                backward_pass_impl=backward_pass_impl or call.backward_pass_impl,
+                                forward_config=call.forward_config, backward_config=call.backward_config,
+                                interpret=call.interpret)
+
+
+class Cudnn(Backend[AttentionCall]):
+  """cuDNN's fused attention, for the calls it computes exactly (NVIDIA GPUs, 16-bit)."""
+
+  name = "cudnn"
+
+  def available(self, device):
+    if device.interpret:
+      return "cuDNN has no interpret mode (interpret=True emulates only the Pallas kernels, Triton and Mosaic)"
+    if device.platform != "gpu":
+      return f"cuDNN needs an NVIDIA GPU (platform is {device.platform})"
+    return None
+
+  def supports(self, call, device):
+    from probjax.ops.attention import cudnn
+    return (self.available(device) or call.not_for_kernels()
+            or cudnn.supports(call.q_shape, call.kv_shape, call.dtype, platform="gpu", **_flags(call)))
+
+  def __call__(self, q, k, v, mask, *, call, backward_pass_impl=None):
+    from probjax.ops.attention import cudnn
+    from probjax.ops.attention.cudnn.config import CudnnConfig
+    config = call.forward_config if isinstance(call.forward_config, CudnnConfig) else None
+    return cudnn.attention(q, k, v, mask=mask, scale=call.scale, config=config)
+
+
+for _backend in (Xla(), Triton(), Cudnn(), Mosaic()):
+  REGISTRY.register(_backend)
+
+
+def available(device: Device) -> list[str]:
+  """Implementation names that can run on ``device``."""
+  return REGISTRY.available(device)
