@@ -1,7 +1,9 @@
 # probjax: two user commands, each self-contained on a fresh machine.
 #
 #   make run    the attention report for this machine (python -m probjax.attention_report)
-#   make test   the test suite (pytest -q -n 2)
+#   make test   the test suite without the slow cases (pytest -q -n 2 -m "not slow")
+#   make test-slow  the slow cases (interpret-mode kernels at larger sizes, thorough
+#               property profile); CI runs both
 #
 # Both create .venv with a Python >= 3.12 found on this machine (override with
 # PYTHON=/path/to/python3.12), install `pip install -e .[test,bench]` when
@@ -19,12 +21,14 @@ PYTHON      ?=
 ARGS        ?=
 PYTEST_ARGS ?=
 PYTEST_WORKERS ?= 2
+PYTEST_MARK ?= not slow
 
-.PHONY: help run test bench-cpu docs venv clean
+.PHONY: help run test test-slow bench-cpu docs venv clean
 
 help:
 	@echo "make run    - attention report on this machine (ARGS=\"--quick\" etc.)"
-	@echo "make test   - test suite, pytest -q -n $(PYTEST_WORKERS) (PYTEST_ARGS=... to pass more)"
+	@echo "make test   - test suite without slow cases, pytest -q -n $(PYTEST_WORKERS) (PYTEST_ARGS=... to pass more)"
+	@echo "make test-slow - the slow cases (CI's second step)"
 	@echo "make bench-cpu - CPU benchmark JSON (bench/results/cpu/)"
 	@echo "make docs   - figures and README performance section from the JSON"
 	@echo "make venv   - only create/refresh $(VENV)"
@@ -34,7 +38,10 @@ run: venv
 
 # pytest's exit code 5 (no tests collected) is a failure here, as every other non-zero code.
 test: venv
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) -m "$(PYTEST_MARK)" $(PYTEST_ARGS)
+
+test-slow: venv
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) -m slow $(PYTEST_ARGS)
 
 # torch (CPU build) runs in its own interpreter, .torchenv (torch 2.13.0 wheels exist for
 # the system python3); without it the torch_cpu rows are recorded as missing.
