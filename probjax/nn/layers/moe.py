@@ -222,10 +222,11 @@ class MoELayer(nnx.Module):
     return y, r.aux
 
   def _dense(self, x, r: Routing, w_in, w_out):
-    acc = r.weights.dtype
-    hp = jnp.einsum("td,edf->tef", x, w_in, preferred_element_type=acc).astype(x.dtype)
+    # Outputs in the compute dtype (XLA accumulates 16-bit products in float32), as the
+    # grouped matmuls round theirs.
+    hp = jnp.einsum("td,edf->tef", x, w_in)
     h = activate(hp, self.activation).astype(x.dtype)
-    ye = jnp.einsum("teh,ehd->ted", h, w_out, preferred_element_type=acc).astype(x.dtype)
+    ye = jnp.einsum("teh,ehd->ted", h, w_out)
     dense_w = jnp.einsum("tke,tk->te", jax.nn.one_hot(r.expert_ids, self.num_experts, dtype=r.weights.dtype),
                          r.weights)
     return jnp.einsum("te,ted->td", dense_w, ye.astype(r.weights.dtype))
