@@ -30,7 +30,7 @@ pytestmark = pytest.mark.timeout(300, method="thread")
 
 # One compute warpgroup on CPU (the fewest interpreted threads: faster, and the least pool
 # pressure; see above). The two-warpgroup kernels are covered by the sm_90 lowering tests, the
-# GPU tests and test_mosaic_backward_shared_dq_two_warpgroups.
+# GPU tests and test_mosaic_backward_fused_dq_two_warpgroups.
 SMALL = pm.MosaicForwardConfig(block_q=64, block_k=64, num_stages=2, compute_wgs=1)
 
 
@@ -143,15 +143,17 @@ def test_mosaic_backward_fused_dq_head_dim_128(mask_name):
   check_against_reference(_mosaic_bwd(mask, dataclasses.replace(BSMALL, fused_dq=True)), x, mask=mask)
 
 
-@pytest.mark.parametrize("mask_name", ["none", "window&segments"])
-def test_mosaic_backward_shared_dq_two_warpgroups(mask_name):
-  # shared_dq's point: two warpgroups exchange dS^T tiles and each adds 64 of the 128 columns
-  # of the CTA's dQ partial. Two compute warpgroups run in interpret mode here (they do not
-  # hang at this size: one query head per CTA; causal masks do hang, in the fused dQ with or
-  # without shared_dq, so they run on the GPU only, test_gpu_mosaic_backward_fused_dq).
+@pytest.mark.parametrize("shared,mask_name", [(True, "none"), (False, "causal")] + [
+    pytest.param(*case, marks=SLOW) for case in ((True, "causal"), (True, "window&segments"),
+                                                 (False, "window&segments"))])
+def test_mosaic_backward_fused_dq_two_warpgroups(shared, mask_name):
+  # Two compute warpgroups add their dS K products into one dQ: interpret mode's read, add and
+  # write of a tile takes one partial per warpgroup (two of the same rows lost sums). shared_dq's
+  # point: the warpgroups exchange dS^T tiles and each adds 64 of the 128 columns of the CTA's
+  # dQ partial.
   x = make_inputs(9, 1, 150, 200, 2, 1, 128, jnp.bfloat16)
   mask = make_mask(mask_name, 1, 150, 200)
-  bcfg = dataclasses.replace(BSMALL, compute_wgs=2, fused_dq=True, shared_dq=True)
+  bcfg = dataclasses.replace(BSMALL, compute_wgs=2, fused_dq=True, shared_dq=shared)
   check_against_reference(_mosaic_bwd(mask, bcfg), x, mask=mask)
 
 

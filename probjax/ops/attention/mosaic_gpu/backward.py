@@ -215,7 +215,7 @@ def _dkv_kernel(*refs, band, lengths, segments, scale, score_mod, groups, cfg, q
       elif cfg.fused_dq:
         dq_smem.at[wg][...] = C.mma(ds_smem.at[wg].T, k_smem.at[wg], (bq, d))
         plgpu.commit_smem()
-        _add_to(dq_smem.at[wg], dq_ref.at[dq_rows], interpret)
+        _add_to(dq_smem.at[wg], (dq_ref.at[wg] if interpret else dq_ref).at[dq_rows], interpret)
       return dk, dv
 
     def head(g, carry):
@@ -268,7 +268,9 @@ def _shared_dq(ds_smem, k_smem, dq_smem, dq_dst, wg, interpret: bool):
 def _add_to(src, dst, interpret: bool):
   """``dst += src`` (a float32 tile from shared to global memory) by TMA reduce-add, which
   interpret mode lacks: there the CTAs run one at a time and the tile is read, added and
-  written back."""
+  written back. A CTA's warpgroups run at once, so each adds into its own dQ partial
+  (:func:`backward`), or with ``shared_dq`` its own columns: two read-add-writes of the same
+  rows would lose one of the sums."""
   if interpret:
     dst[...] = dst[...] + src[...]
   else:
@@ -391,7 +393,8 @@ def backward(q, k, v, out, lse, do, mask: Mask | None, *, scale: float, config: 
   elif cfg.fused_dq:  # dS^T (bf16) and dQ (float32) tiles
     dkv_scratch += [smem(wgs, R, cfg.block_q), plgpu.SMEM((wgs, cfg.block_q, d), jnp.float32)]
   if cfg.fused_dq:  # the dQ accumulator, zeroed
-    dq_acc = [jax.new_ref(jnp.zeros((batch, q_pad, heads, d), jnp.float32))]
+    per_wg = (wgs,) if interpret and not cfg.shared_dq else ()  # see _add_to
+    dq_acc = [jax.new_ref(jnp.zeros((*per_wg, batch, q_pad, heads, d), jnp.float32))]
   if interpret:  # P^T and dS^T staging (see common.mma_acc)
     dkv_scratch.append(smem(wgs, R, cfg.block_q))
   dk, dv = plgpu.kernel(
@@ -401,7 +404,10 @@ def backward(q, k, v, out, lse, do, mask: Mask | None, *, scale: float, config: 
       grid_names=("kv_tiles", "batch", "kv_heads"), kernel_name="probjax_attention_bwd_dkv_mosaic",
       **common)(qp, kp, vp, dop, stats, lens, *seg(cfg.block_q, wgs * R, by_q=False), *dq_acc)
   if cfg.fused_dq:
-    dq = (jax.freeze(dq_acc[0])[:, :q_len] * scale).astype(q.dtype)
+    dq = jax.freeze(dq_acc[0])
+    if per_wg:
+      dq = dq.sum(0)
+    dq = (dq[:, :q_len] * scale).astype(q.dtype)
     return dq, C.first_rows(dk, kv_len), C.first_rows(dv, kv_len)
 
   dq_scratch = [smem(wgs, R, d), smem(wgs, R, d), plgpu.SMEM((wgs, 2, R), jnp.float32), ids(wgs, R),
