@@ -56,8 +56,12 @@ if ROOT not in sys.path:
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 from flax import nnx  # noqa: E402
+
+try:
+  import optax  # noqa: E402
+except ImportError:  # a device image without optax: the same AdamW written out below
+  optax = None
 
 from probjax.core.timing import classify_error, device_info, summarize  # noqa: E402
 from probjax.nn.layers.attention import dot_product_attention  # noqa: E402
@@ -96,6 +100,41 @@ class Config:
 SMOKE = Config(layers=2, d_model=64, heads=4, head_dim=16, vocab=256, seq=64, batch=2,
                docs_per_row=4, decode_kv_heads=2, decode_batch=2, prompt=16, new_tokens=8,
                cache=64, matmul_n=256)
+
+
+# -- optimizer ----------------------------------------------------------------------
+class _AdamW:
+  """optax.adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay) written out, for images without
+  optax (the rows say which ran)."""
+
+  def __init__(self, lr, weight_decay):
+    self.lr, self.wd, self.b1, self.b2, self.eps = lr, weight_decay, 0.9, 0.999, 1e-8
+
+  def init(self, params):
+    zeros = lambda: jax.tree.map(jnp.zeros_like, params)
+    return dict(m=zeros(), v=zeros(), count=jnp.zeros((), jnp.int32))
+
+  def update(self, grads, state, params):
+    count = state["count"] + 1
+    m = jax.tree.map(lambda m, g: self.b1 * m + (1 - self.b1) * g, state["m"], grads)
+    v = jax.tree.map(lambda v, g: self.b2 * v + (1 - self.b2) * g * g, state["v"], grads)
+    c1, c2 = 1 - self.b1 ** count, 1 - self.b2 ** count
+    upd = jax.tree.map(lambda m, v, p: -self.lr * ((m / c1) / (jnp.sqrt(v / c2) + self.eps) + self.wd * p),
+                       m, v, params)
+    return upd, dict(m=m, v=v, count=count)
+
+
+def adamw(lr, weight_decay):
+  return (optax.adamw(lr, weight_decay=weight_decay) if optax is not None else _AdamW(lr, weight_decay))
+
+
+def apply_updates(params, updates):
+  return jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, updates)
+
+
+def cross_entropy(logits, labels):
+  logz = jax.nn.logsumexp(logits, axis=-1)
+  return logz - jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
 
 
 # -- attention functions ----------------------------------------------------------
@@ -255,7 +294,7 @@ def run_train(c, args, bar, impls, fns, docs):
   model = make_lm(c, c.heads, jnp.float32)
   graphdef, params = nnx.split(model)
   del model
-  tx = optax.adamw(3e-4, weight_decay=0.1)
+  tx = adamw(3e-4, weight_decay=0.1)
   rng = np.random.default_rng(0)
   tokens, seg, pos = packed_inputs(c, docs, rng)
   batch = dict(tokens=jnp.asarray(tokens))
@@ -277,14 +316,14 @@ def run_train(c, args, bar, impls, fns, docs):
         # (the model adds the causal mask to either).
         mask = SegmentMask(seg) if use_segment_mask else (seg[:, :, None] == seg[:, None, :])[:, None]
         logits = m(tokens, positions=batch["pos"], mask=mask)
-      ce = optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:])
+      ce = cross_entropy(logits[:, :-1], tokens[:, 1:])
       return jnp.sum(ce * batch["valid"]) / jnp.sum(batch["valid"])
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(p, o, batch):
       loss, g = jax.value_and_grad(loss_fn)(p, batch)
       updates, o = tx.update(g, o, p)
-      return optax.apply_updates(p, updates), o, loss
+      return apply_updates(p, updates), o, loss
     return step
 
   state, info = {}, {}
@@ -321,6 +360,7 @@ def run_train(c, args, bar, impls, fns, docs):
   rows = []
   for name in impls:
     row = dict(impl=name, **info[name], **flops, tokens_per_step=c.batch * c.seq,
+               optimizer="optax.adamw" if optax is not None else "adamw (optax missing: bench/lm_step._AdamW)",
                matmul_params=matmul_params(c, c.heads),
                params=int(sum(x.size for x in jax.tree.leaves(params))))
     if name in times:
@@ -423,7 +463,8 @@ def main(argv=None):
   ap.add_argument("--repeats", type=int, default=None)
   ap.add_argument("--iters", type=int, default=None, help="training steps per timed block")
   ap.add_argument("--warmup", type=int, default=None)
-  ap.add_argument("--max-minutes", type=float, default=9.0, help="stop between groups after this")
+  ap.add_argument("--max-minutes", type=float, default=5.0,
+                  help="start no new section after this (a full-size section takes up to ~4 minutes)")
   ap.add_argument("--force", action="store_true", help="re-measure groups already in --output")
   args = ap.parse_args(argv)
   args.repeats = args.repeats or (3 if args.quick else 7)
@@ -442,8 +483,11 @@ def main(argv=None):
              "decode": ["probjax", "jaxnn_cudnn", "jaxnn_xla"] if gpu else ["probjax", "jaxnn_xla"]}
   default["train_packed"] = default["train"]
   if args.impls:
-    want = args.impls.split(",")
-    default = {k: [i for i in v if i in want] or v for k, v in default.items()}
+    want = [i for i in args.impls.split(",") if i]
+    unknown = [i for i in want if i not in fns]
+    if unknown or "probjax" not in want:
+      raise SystemExit(f"--impls: choose from {sorted(fns)}, probjax included (the reference); got {want}")
+    default = {k: want for k in default}
   if not gpu and not args.cpu_smoke:
     print("warning: not on a GPU and without --cpu-smoke: the full sizes will be slow", file=sys.stderr)
 
@@ -470,7 +514,10 @@ def main(argv=None):
   print(f"FLOPs per training step: dense 6*N*tokens = 6*{matmul_params(c, c.heads):,}*{c.batch * c.seq:,} "
         f"= {tf['dense_flops']:.4g}; attention 12*L*B*T^2*d/2 = {tf['attention_flops']:.4g} (causal; "
         f"packed: /{c.docs_per_row} more); total {tf['flops']:.4g}")
-  from tqdm.auto import tqdm
+  try:
+    from tqdm.auto import tqdm
+  except ImportError:
+    tqdm = _Progress
   bar = tqdm(total=len(todo) * args.repeats, desc="lm_step", file=sys.stdout, mininterval=1.0)
   start = time.perf_counter()
   ceiling = next((r["tflops"] for r in rows.rows.values()
@@ -499,6 +546,26 @@ def main(argv=None):
   if args.output:
     print(f"rows in {args.output}: {len(rows.rows)}")
   return list(rows.rows.values())
+
+
+class _Progress:
+  """Minimal tqdm stand-in (update, set_description, write, close)."""
+
+  def __init__(self, total, desc="", **_):
+    self.total, self.n, self.desc = total, 0, desc
+
+  def update(self, k):
+    self.n += k
+    print(f"[{self.desc}] {self.n}/{self.total}", flush=True)
+
+  def set_description(self, desc):
+    self.desc = desc
+
+  def write(self, line):
+    print(line, flush=True)
+
+  def close(self):
+    pass
 
 
 def _describe(r):

@@ -87,14 +87,22 @@ def decode_loop(model, cache: kvc.KVCache, token, rng, *, num_steps: int, temper
   b = token.shape[0]
   eos = lambda t: (t == eos_id) if eos_id is not None else jnp.zeros_like(t, bool)
 
-  # The model's state rides in the loop carry and is merged inside the body: NNX graph nodes
-  # cannot cross into a lax loop's trace.
+  # NNX graph nodes cannot cross into a lax loop's trace: the body closes over the model's
+  # arrays (loop-invariant operands) and rebuilds the model from them.
+  # With a per-layer cache, each layer's parameters are sliced from the stacked ones once, here,
+  # not in every step.
   graphdef, state = nnx.split(model)
+  per_layer = cache.per_layer and hasattr(model, "transformer")
+  layer_splits = [nnx.split(b) for b in model.transformer.unstacked()] if per_layer else []
+  leaves, treedef = jax.tree.flatten((state, [st for _, st in layer_splits]))
 
   def step(i, tok, done, cache):
-    cache, state = cache
-    logits, cache = nnx.merge(graphdef, state).decode_step(tok[:, None], cache)
-    cache = (cache, state)
+    state_i, layer_states = jax.tree.unflatten(treedef, leaves)
+    m = nnx.merge(graphdef, state_i)
+    kw = {}
+    if per_layer:
+      kw["layers"] = [nnx.merge(gd, st) for (gd, _), st in zip(layer_splits, layer_states)]
+    logits, cache = m.decode_step(tok[:, None], cache, **kw)
     nxt = sample_logits(logits[:, 0], jax.random.fold_in(rng, i), temperature=temperature, top_k=top_k)
     nxt = jnp.where(done, pad_id, nxt)
     return nxt, done | eos(nxt), cache
@@ -106,8 +114,7 @@ def decode_loop(model, cache: kvc.KVCache, token, rng, *, num_steps: int, temper
       tok, done, cache = carry
       tok, done, cache = step(i, tok, done, cache)
       return (tok, done, cache), tok
-    (_, done, (cache, _)), toks = jax.lax.scan(body, (token, done, (cache, state)),
-                                               jnp.arange(num_steps))
+    (_, done, cache), toks = jax.lax.scan(body, (token, done, cache), jnp.arange(num_steps))
     return toks.T, done, cache, jnp.asarray(num_steps, jnp.int32)
 
   def cond(c):
@@ -119,8 +126,8 @@ def decode_loop(model, cache: kvc.KVCache, token, rng, *, num_steps: int, temper
     tok, done, cache = step(i, tok, done, cache)
     return i + 1, tok, done, cache, out.at[:, i].set(tok)
 
-  i, _, done, (cache, _), out = jax.lax.while_loop(
-      cond, wbody, (jnp.zeros((), jnp.int32), token, done, (cache, state), out))
+  i, _, done, cache, out = jax.lax.while_loop(
+      cond, wbody, (jnp.zeros((), jnp.int32), token, done, cache, out))
   return out, done, cache, i
 
 

@@ -9,9 +9,9 @@ Its KV cache is one :class:`~probjax.nn.layers.kv_cache.KVCache` with one ``leng
 
 * ``"per_layer"`` (default): k and v are tuples of ``layers`` arrays ``[batch, max_len,
   kv_heads, head_dim]``. ``prefill``/``decode_step`` unroll the layer loop (``layers`` copies of
-  the block in the decode program; each layer's parameters are static slices of the stacked
-  ones, loop-invariant in a decode loop, so XLA hoists them out of it) and every layer's K/V
-  is written and read in place: the decoding layout.
+  the block in the decode program) over :meth:`Transformer.unstacked` blocks, whose
+  parameters a decode loop slices once outside the loop (``decode_step(..., layers=)``), and
+  every layer's K/V is written and read in place: the decoding layout.
 * ``"stacked"``: k and v ``[layers, batch, max_len, kv_heads, head_dim]``, carried through the
   same ``nnx.scan`` as training (one compiled block) and written in place at the layer's
   index; but each layer's K/V reaches attention as a dynamic slice of the carry, which XLA
@@ -203,14 +203,22 @@ class Transformer(nnx.Module):
     return kvc.KVCache.init(batch, max_len, kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                             dtype=dtype, num_layers=self.num_layers, layout=layout)
 
-  def _cached(self, method, x, cache, **kw):
+  def unstacked(self) -> list[TransformerBlock]:
+    """The ``num_layers`` blocks as separate modules, each with its slice of the stacked
+    parameters (copies). A decode loop slices them once, outside the loop, and passes them to
+    every step as ``layers=`` (:func:`~probjax.nn.layers.decoding.decode_loop` does)."""
+    graphdef, state = nnx.split(self.blocks)
+    return [nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state)) for i in range(self.num_layers)]
+
+  def _cached(self, method, x, cache, layers=None, **kw):
     if cache.per_layer:
       if len(cache.k) != self.num_layers:
         raise ValueError(f"the cache has {len(cache.k)} layers, the model {self.num_layers}")
-      graphdef, state = nnx.split(self.blocks)
+      layers = self.unstacked() if layers is None else layers
+      if len(layers) != self.num_layers:
+        raise ValueError(f"layers: {len(layers)} blocks given, the model has {self.num_layers}")
       ks, vs = [], []
-      for i in range(self.num_layers):
-        block = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
+      for i, block in enumerate(layers):
         x, c = getattr(block, method)(x, kvc.KVCache(cache.k[i], cache.v[i], cache.lengths), **kw)
         ks.append(c.k)
         vs.append(c.v)
@@ -220,6 +228,8 @@ class Transformer(nnx.Module):
       x, c = getattr(block, method)(x, kvc.KVCache(k, v, cache.lengths), layer=i, **kw)
       return x, c.k, c.v, i + 1
 
+    if layers is not None:
+      raise ValueError("layers= is for the per-layer cache layout")
     x, k, v, _ = nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(
         (x, cache.k, cache.v, jnp.zeros((), jnp.int32)), self.blocks)
     return x, k, v
@@ -234,13 +244,14 @@ class Transformer(nnx.Module):
     return x, kvc.KVCache(k, v, jnp.asarray(lengths, jnp.int32))
 
   def decode_step(self, x, cache: kvc.KVCache, *, positions=None, context=None, context_mask=None,
-                  film=None):
+                  film=None, layers=None):
     """``x [batch, n, features]`` new tokens at ``cache.lengths[b] + arange(n)``; returns
-    ``(y [batch, n, features], cache)`` with lengths advanced by ``n``."""
+    ``(y [batch, n, features], cache)`` with lengths advanced by ``n``. ``layers``: the
+    :meth:`unstacked` blocks to use (per-layer cache; default: sliced here)."""
     n = x.shape[1]
     kvc.check_room(cache, n)
-    x, k, v = self._cached("decode_step", x, cache, positions=positions, context=context,
-                           context_mask=context_mask, film=film)
+    x, k, v = self._cached("decode_step", x, cache, layers=layers, positions=positions,
+                           context=context, context_mask=context_mask, film=film)
     return x, kvc.KVCache(k, v, cache.lengths + n)
 
 
@@ -304,8 +315,9 @@ class TransformerLM(nnx.Module):
     h, cache = self.transformer.prefill(self.embed(tokens), cache, lengths, positions=positions)
     return self._logits(h), cache
 
-  def decode_step(self, tokens, cache: kvc.KVCache, *, positions=None):
+  def decode_step(self, tokens, cache: kvc.KVCache, *, positions=None, layers=None):
     """``tokens [batch, n]`` (one or several new tokens per element); returns
-    ``(logits [batch, n, vocab], cache)``."""
-    h, cache = self.transformer.decode_step(self.embed(tokens), cache, positions=positions)
+    ``(logits [batch, n, vocab], cache)``. ``layers``: see :meth:`Transformer.decode_step`."""
+    h, cache = self.transformer.decode_step(self.embed(tokens), cache, positions=positions,
+                                            layers=layers)
     return self._logits(h), cache
