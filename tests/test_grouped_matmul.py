@@ -5,6 +5,13 @@ small shapes (the Mosaic cases beyond one per product are marked slow). Dispatch
 checked on fake devices.
 """
 
+import os
+
+# Mosaic interpret mode runs a CTA's warpgroup as a thread whose barrier waits block a thread of
+# XLA:CPU's pool; a pool larger than the cores keeps a free one (read when JAX creates its CPU
+# client, so before any computation).
+os.environ.setdefault("PJRT_NPROC", "8")
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -73,7 +80,7 @@ def _check(impl, m, k, n, sizes, dtype=jnp.float32, transpose_rhs=False, **kw):
 
 
 @pytest.mark.parametrize("case, transpose_rhs", [
-    ("ragged", True), ("short_k", False),
+    ("ragged", True), pytest.param("short_k", False, marks=pytest.mark.slow),
     pytest.param("one_group", False, marks=pytest.mark.slow), pytest.param("tail_rows", True, marks=pytest.mark.slow)])
 def test_xla_float32(case, transpose_rhs):
   _check("xla", *CASES[case], transpose_rhs=transpose_rhs)
@@ -156,7 +163,7 @@ def test_traced_group_sizes_are_clamped(impl):
   assert max_error(d_rhs, r_rhs) <= tolerance(jnp.float32, grad=True)
 
 
-@pytest.mark.parametrize("impl", ["xla", "triton"])
+@pytest.mark.parametrize("impl", [pytest.param("xla", marks=pytest.mark.slow), "triton"])  # xla: test_moe too
 def test_vmap(impl):
   lhs, rhs, _, _ = _inputs(30, 16, 8, [0, 0], jnp.float32)
   sizes = jnp.array([[10, 20], [30, 0], [0, 5]], jnp.int32)
@@ -184,7 +191,7 @@ def test_bad_arguments():
     grouped_matmul(lhs, rhs[0], gs)
   with pytest.raises(ValueError, match="does not contract"):
     grouped_matmul(lhs, rhs, gs, transpose_rhs=True)
-  with pytest.raises(ValueError, match="unknown grouped_matmul implementation"):
+  with pytest.raises(ValueError, match="unknown .*cuda"):
     grouped_matmul(lhs, rhs, gs, implementation="cuda")
   with pytest.raises(ValueError, match="wgmma kernels take bfloat16"):
     grouped_matmul(lhs, rhs, gs, implementation="mosaic", interpret=True)

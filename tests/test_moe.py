@@ -5,6 +5,13 @@ The kernel dispatches run in Pallas interpret mode at small sizes; the ones beyo
 per dispatch are marked slow.
 """
 
+import os
+
+# Mosaic interpret mode runs a CTA's warpgroup as a thread whose barrier waits block a thread of
+# XLA:CPU's pool; a pool larger than the cores keeps a free one (read when JAX creates its CPU
+# client, so before any computation).
+os.environ.setdefault("PJRT_NPROC", "8")
+
 import jax
 import jax.numpy as jnp
 import numpy as np

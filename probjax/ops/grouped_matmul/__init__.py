@@ -59,7 +59,7 @@ def grouped_matmul(lhs, rhs, group_sizes, *, implementation: str | None = None, 
     rhs: ``[G, K, N]`` float (``[G, N, K]`` when ``transpose_rhs``: read transposed, no copy).
       Both operands are promoted to their common dtype.
     group_sizes: ``[G]`` integer. Concrete sizes are checked (ValueError for a negative size
-      or a sum above M); traced ones are clamped (negative sizes count as zero, groups are cut
+      or a sum above M; this reads them to the host); traced ones are clamped (negative sizes count as zero, groups are cut
       at row M: :func:`~probjax.ops.grouped_matmul.call.clamp_group_sizes`).
     implementation: None (the default per device, :func:`explain_dispatch`), ``"xla"``
       (``jax.lax.ragged_dot_general``), ``"triton"`` (Pallas Triton) or ``"mosaic"`` (Pallas

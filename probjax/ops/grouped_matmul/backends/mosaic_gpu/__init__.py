@@ -21,8 +21,8 @@ __all__ = ["MosaicBackend", "MosaicConfig", "config", "kernels"]
 
 TMA_ROWS = 8
 MINOR_TILE = 64
-# Interpret mode simulates every SM as a thread; two keep the persistent loop's tile hand-off
-# covered without starving the CPU.
+# Persistent CTAs in interpret mode, which runs them one after the other (each as one thread,
+# the kernels having one warpgroup): two cover the persistent loop's split of the tiles.
 INTERPRET_SMS = 2
 
 
