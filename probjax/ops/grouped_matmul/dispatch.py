@@ -11,6 +11,11 @@ Default (``implementation=None``):
 5. else XLA.
 
 An explicit ``implementation`` that cannot compute the call raises ValueError with the reason.
+
+The GPU rules (3, 4) are not yet measured for these kernels: they follow the spec's H100 page
+(the sorted dispatch on wgmma ragged-dot kernels is the fastest MoE train step) and the H200
+peer anchors (``jax.lax.ragged_dot`` 38.8 ms against a Mosaic ragged dot's 3.4 ms per spec
+train step at 16,384 tokens, out of memory at 131,072); ``bench/moe.py`` measures them.
 """
 
 from __future__ import annotations
