@@ -24,6 +24,9 @@ def _x():
   return jax.random.normal(jax.random.key(1), (2, LENGTH, 16))
 
 
+with_state = nnx.jit(lambda layer, x: layer(x, return_state=True))
+
+
 def _decode(layer, x, state, start):
   step = nnx.jit(lambda layer, x, state: layer.step(x, state))
   ys = []
@@ -34,31 +37,36 @@ def _decode(layer, x, state, start):
 
 
 @pytest.mark.parametrize("kw", [{}, {"window_size": 0, "feature_map": "relu"},
-                                {"window_size": 20, "num_kv_heads": 1}])
+                                pytest.param({"window_size": 20, "num_kv_heads": 1}, marks=pytest.mark.slow)])
 def test_decoding_equals_the_full_pass(kw):
   layer, x = _layer(**kw), _x()
-  full, end = layer(x, return_state=True)
+  full, end = with_state(layer, x)
   tol = tolerance(jnp.float32)
   steps, state = _decode(layer, x, layer.init_state(2), 0)
   assert max_error(steps, full) <= tol
   np.testing.assert_allclose(state.linear, end.linear, rtol=1e-5, atol=1e-5)
-  prefix, state = layer(x[:, :5], return_state=True)
+  prefix, state = with_state(layer, x[:, :5])
   assert max_error(jnp.concatenate([prefix, _decode(layer, x, state, 5)[0]], 1), full) <= tol
 
 
 def test_branches():
   """The layer is RMSNorm(window attention) + RMSNorm(linear branch), then the out-projection."""
   layer, x = _layer(), _x()
-  q, k, v = layer._project(x)
-  window = dot_product_attention(q, k, v, mask=LocalWindowMask(3, 0))
-  linear = residual_linear_attention(q, k, v, window_size=3)
-  o = layer.window_norm(window) + layer.linear_norm(linear)
-  np.testing.assert_allclose(layer(x), layer.out(o.reshape(2, LENGTH, -1)), rtol=1e-5, atol=1e-5)
+
+  @nnx.jit
+  def by_hand(layer, x):
+    q, k, v = layer._project(x)
+    window = dot_product_attention(q, k, v, mask=LocalWindowMask(3, 0))
+    linear = residual_linear_attention(q, k, v, window_size=3)
+    o = layer.window_norm(window) + layer.linear_norm(linear)
+    return layer.out(o.reshape(2, LENGTH, -1))
+
+  np.testing.assert_allclose(with_state(layer, x)[0], by_hand(layer, x), rtol=1e-5, atol=1e-5)
 
 
 def test_gradients_flow():
   layer, x = _layer(), _x()
-  grads = nnx.grad(lambda layer: jnp.sum(layer(x) ** 2))(layer)
+  grads = nnx.jit(nnx.grad(lambda layer: jnp.sum(layer(x) ** 2)))(layer)
   for g in jax.tree.leaves(grads):
     assert np.all(np.isfinite(g)) and np.any(g != 0)
 

@@ -109,7 +109,8 @@ def test_chunk_boundaries(op, impl, length):
   check(op, impl, inputs(op, length, seed=3), chunk_size=chunk_for(impl))
 
 
-@pytest.mark.parametrize("op", list(IMPLS))
+@pytest.mark.parametrize("op", ["mamba", pytest.param("ssd", marks=pytest.mark.slow),
+                                pytest.param("rla", marks=pytest.mark.slow)])
 def test_without_optional_inputs(op):
   kw = {"dt_softplus": False} if op != "rla" else {"feature_map": "relu"}
   a = inputs(op, 40, optional=False)
@@ -189,3 +190,25 @@ def test_bad_shapes_name_the_argument(op, name, edit):
 def test_bad_rla_arguments(kw, match):
   with pytest.raises(ValueError, match=match):
     residual_linear_attention(**inputs("rla", 8), **kw)
+
+
+@pytest.mark.timeout(300)
+def test_saved_for_the_backward():
+  """A differentiated chunked Mamba-1 call (also what "triton" runs differentiated) saves no
+  state per position: the sequential scan saves ``length × channels × state`` floats, the
+  chunked form its inputs, cumulative decays and chunk-boundary states."""
+  from probjax.ops.scan.calls import MambaCall
+  from probjax.ops.scan.registry import MAMBA
+  b, length, d, n = 1, 512, 8, 64
+  call = MambaCall(b, length, d, n, "float32", chunk_size=16, interpret=True)
+  rng = np.random.default_rng(0)
+  args = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in
+          [(b, length, d), (b, length, d), (d, n), (b, length, n), (b, length, n), (b, d, n)]]
+  saved = {}
+  for name in ("scan", "chunked", "triton"):
+    _, vjp = jax.vjp(lambda *x: MAMBA.get(name)(*x, call=call), *args)
+    saved[name] = sum(leaf.size for leaf in jax.tree.leaves(vjp))
+  states, given = length * d * n, sum(x.size for x in args)
+  assert saved["scan"] >= states
+  assert saved["chunked"] <= 2 * given + 4 * (length // 16) * d * n < states
+  assert saved["triton"] == saved["chunked"]

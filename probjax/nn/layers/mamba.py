@@ -9,10 +9,9 @@ the recurrence itself. Both equal the full pass over the concatenated sequence.
 >>> import jax.numpy as jnp
 >>> from flax import nnx
 >>> m = Mamba(d_model=16, d_state=4, rngs=nnx.Rngs(0))
->>> y, state = m(jnp.ones((2, 5, 16)), return_state=True)
->>> y1, state = m.step(jnp.ones((2, 16)), state)
->>> y.shape, y1.shape
-((2, 5, 16), (2, 16))
+>>> y1, state = m.step(jnp.ones((2, 16)), m.init_state(2))
+>>> y1.shape, state.ssm.shape
+((2, 16), (2, 32, 4))
 """
 
 from __future__ import annotations

@@ -16,10 +16,9 @@ the slot it overwrites) into the linear state.
 >>> import jax.numpy as jnp
 >>> from flax import nnx
 >>> layer = RAttention(num_heads=4, num_kv_heads=2, in_features=32, window_size=3, rngs=nnx.Rngs(0))
->>> y, state = layer(jnp.ones((2, 10, 32)), return_state=True)
->>> y1, state = layer.step(jnp.ones((2, 32)), state)
->>> y.shape, y1.shape
-((2, 10, 32), (2, 32))
+>>> y1, state = layer.step(jnp.ones((2, 32)), layer.init_state(2))
+>>> y1.shape, int(state.position)
+((2, 32), 1)
 """
 
 from __future__ import annotations

@@ -1,13 +1,15 @@
-"""The chunk-parallel XLA formulations, shared by the chunked backend and the Triton backend's
-backward (backends share math through this module, never through each other).
+"""The chunk-parallel XLA formulations, shared by the chunked backend and the Triton backend
+(which runs them for differentiated Mamba-1 and SSD calls): backends share math through this
+module, never through each other.
 
 Every function takes the core operands the op's wrapper prepares (dt after bias and softplus,
 an initial state, float32 or wider) and returns ``(y, final_state)`` in the compute dtype
 (float32 for 16-bit inputs). The sequence is cut into chunks of ``chunk`` steps (the last one
 padded with inert steps); the work inside a chunk runs for every chunk at once, the state
 crosses chunk boundaries by a scan (or a cumulative sum) over chunks. The per-chunk functions
-are ``jax.checkpoint``-ed, so the backward recomputes inside a chunk and only the inputs and
-the chunk-boundary states are saved.
+are ``jax.checkpoint``-ed, so the backward recomputes inside a chunk: a differentiated call
+saves its inputs, their cumulative decays and the chunk-boundary states, never a state per
+position.
 """
 
 from __future__ import annotations

@@ -29,17 +29,17 @@ CPU_DEFAULT = {"mamba_scan": "scan", "ssd_scan": "chunked", "residual_linear_att
 @dataclasses.dataclass(frozen=True)
 class Decision:
   """The implementation chosen for a call, the rule that chose it, its chunk (None: it has
-  none) and, where it differs from the implementation, what its backward runs."""
+  none) and, where it differs from the implementation, what a differentiated call runs."""
 
   implementation: str
   rule: str
   chunk_size: int | None = None
-  backward: str | None = None
+  grad: str | None = None
 
   def __str__(self):
     extra = f", chunk {self.chunk_size}" if self.chunk_size else ""
-    if self.backward:
-      extra += f", backward: {self.backward}"
+    if self.grad:
+      extra += f"; differentiated: {self.grad}"
     return f"{self.implementation}{extra} ({self.rule})"
 
 
@@ -54,11 +54,11 @@ def registry_of(call) -> Registry:
 def _decision(call, name: str, rule: str) -> Decision:
   backend = registry_of(call).get(name)
   chunk = backend.chunk_size(call)
-  backward = None
+  grad = None
   if name == "triton" and not isinstance(call, RLACall):
     xla_chunk = chunk if isinstance(call, SSDCall) else chunked_math.default_chunk(call)
-    backward = f"the chunked XLA formulation, chunk {xla_chunk}"
-  return Decision(name, rule, chunk, backward)
+    grad = f"the chunked XLA formulation, chunk {xla_chunk}"
+  return Decision(name, rule, chunk, grad)
 
 
 def explain_dispatch(call, *, implementation: str | None = None, device: Device | None = None) -> Decision:

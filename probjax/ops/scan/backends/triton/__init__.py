@@ -1,9 +1,10 @@
 """``"triton"`` (alias ``"pallas"``): Pallas-Triton kernels.
 
-* Mamba-1: a forward kernel (:mod:`.mamba`); SSD: a chunked forward kernel (:mod:`.ssd`). Their
-  backward is the chunked XLA formulation's (a ``custom_vjp`` whose backward is the vjp of
-  :mod:`probjax.ops.scan.chunked_math`'s function, recomputing that forward in XLA), so a
-  differentiated call saves only its inputs.
+* Mamba-1: a forward kernel (:mod:`.mamba`); SSD: a chunked forward kernel (:mod:`.ssd`). A
+  differentiated call runs the chunked XLA formulation instead, forward and backward (a
+  ``custom_vjp`` around :mod:`probjax.ops.scan.chunked_math`'s function): its backward needs
+  that forward's residuals, which the kernel does not save, so running the kernel as well would
+  only add its time.
 * RLA: forward and backward kernels (:mod:`.rla`), exact.
 
 The kernels' dots run at Triton's default precision (TF32 for float32 operands on the GPU).
@@ -61,22 +62,24 @@ class _Triton:
     return None
 
   def chunk_size(self, call) -> int:
-    """The kernel's chunk: ``CHUNK``, or the power of two (at least 16) covering a shorter call."""
-    if call.chunk_size is not None:
-      return call.chunk_size
-    return min(CHUNK, common.block(call.length, 16))
+    return kernel_chunk(call)
 
 
-def _xla_backward(xla_fn):
-  """Decorates a kernel call ``fn(call, *arrays)``: a ``custom_vjp`` whose backward is the vjp
-  of ``xla_fn(call, *arrays)``."""
+def kernel_chunk(call) -> int:
+  """The kernels' chunk: the call's, else ``CHUNK`` or the power of two (at least 16) covering a
+  shorter call."""
+  if call.chunk_size is not None:
+    return call.chunk_size
+  return min(CHUNK, common.block(call.length, 16))
+
+
+def _xla_when_differentiated(xla_fn):
+  """Decorates a kernel call ``fn(call, *arrays)``: a ``custom_vjp`` whose forward with
+  residuals and backward are ``xla_fn(call, *arrays)``'s."""
   def wrap(fn):
     f = jax.custom_vjp(fn, nondiff_argnums=(0,))
-    def fwd(call, *args):
-      return fn(call, *args), args
-    def bwd(call, args, ct):
-      return jax.vjp(functools.partial(xla_fn, call), *args)[1](ct)
-    f.defvjp(fwd, bwd)
+    f.defvjp(lambda call, *args: jax.vjp(functools.partial(xla_fn, call), *args),
+             lambda call, vjp, ct: vjp(ct))
     return f
   return wrap
 
@@ -85,14 +88,14 @@ def _mamba_xla(call, *args):
   return chunked_math.mamba_chunked(*args, chunk=chunked_math.default_chunk(call))
 
 
-@_xla_backward(_mamba_xla)
+@_xla_when_differentiated(_mamba_xla)
 def _mamba(call, x, dt, A, B, C, h0):
   return mamba_kernel.forward(x, dt, A, B, C, h0, interpret=call.interpret)
 
 
 class MambaTriton(_Triton, Backend[MambaCall]):
-  """Forward kernel; backward through the chunked XLA formulation (chunk: its default rule or
-  the call's ``chunk_size``)."""
+  """Forward kernel; differentiated, the chunked XLA formulation (chunk: its default rule or the
+  call's ``chunk_size``)."""
 
   def supports(self, call: MambaCall, device: Device) -> str | None:
     return self._refusal(call, device, [("state", call.state)])
@@ -105,17 +108,17 @@ class MambaTriton(_Triton, Backend[MambaCall]):
 
 
 def _ssd_xla(call, *args):
-  return chunked_math.ssd_chunked(*args, chunk=SSDTriton().chunk_size(call))
+  return chunked_math.ssd_chunked(*args, chunk=kernel_chunk(call))
 
 
-@_xla_backward(_ssd_xla)
+@_xla_when_differentiated(_ssd_xla)
 def _ssd(call, x, dt, A, B, C, h0):
-  return ssd_kernel.forward(x, dt, A, B, C, h0, chunk=SSDTriton().chunk_size(call),
+  return ssd_kernel.forward(x, dt, A, B, C, h0, chunk=kernel_chunk(call),
                             interpret=call.interpret)
 
 
 class SSDTriton(_Triton, Backend[SSDCall]):
-  """Chunked forward kernel; backward through the chunked XLA formulation at the same chunk."""
+  """Chunked forward kernel; differentiated, the chunked XLA formulation at the same chunk."""
 
   def supports(self, call: SSDCall, device: Device) -> str | None:
     return (self._refusal(call, device, [("state", call.state)]) or self._chunk_refusal(call))
@@ -126,7 +129,7 @@ class SSDTriton(_Triton, Backend[SSDCall]):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _rla(call, fq, fk, v, s0):
-  return rla_kernel.forward(fq, fk, v, s0, chunk=RLATriton().chunk_size(call), interpret=call.interpret)
+  return rla_kernel.forward(fq, fk, v, s0, chunk=kernel_chunk(call), interpret=call.interpret)
 
 
 def _rla_fwd(call, fq, fk, v, s0):
@@ -135,7 +138,7 @@ def _rla_fwd(call, fq, fk, v, s0):
 
 def _rla_bwd(call, res, ct):
   fq, fk, v, s0 = res
-  dq, dk, dv, ds0 = rla_kernel.backward(fq, fk, v, s0, *ct, chunk=RLATriton().chunk_size(call),
+  dq, dk, dv, ds0 = rla_kernel.backward(fq, fk, v, s0, *ct, chunk=kernel_chunk(call),
                                         interpret=call.interpret)
   return dq.astype(fq.dtype), dk.astype(fk.dtype), dv.astype(v.dtype), ds0.astype(s0.dtype)
 

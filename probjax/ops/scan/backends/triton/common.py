@@ -25,10 +25,10 @@ def _valid(start, shape, bounds):
   return ok
 
 
-def load(ref, index, start, shape, bounds, dtype=jnp.float32):
-  """``ref[index]`` as a ``shape`` block (cast to ``dtype``): ``index`` holds scalars for the
-  leading axes and ``pl.ds`` windows (at ``start``, within ``bounds``) for the block's axes."""
-  return plgpu.load(ref.at[index], mask=_valid(start, shape, bounds), other=0).astype(dtype)
+def load(ref, index, start, shape, bounds):
+  """``ref[index]`` as a float32 ``shape`` block: ``index`` holds scalars for the leading axes
+  and ``pl.ds`` windows (at ``start``, within ``bounds``) for the block's axes."""
+  return plgpu.load(ref.at[index], mask=_valid(start, shape, bounds), other=0).astype(jnp.float32)
 
 
 def store(ref, index, start, value, bounds):

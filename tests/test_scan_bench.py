@@ -1,0 +1,22 @@
+"""bench/scan.py runs on CPU at tiny shapes (--cpu-smoke), writes its rows and resumes."""
+
+import json
+
+import pytest
+
+from bench import scan as bench_scan
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_cpu_smoke_writes_rows_and_resumes(tmp_path):
+  out = tmp_path / "scan.json"
+  argv = ["--cpu-smoke", "--cases", "rla", "--modes", "fwd", "--impls", "chunked,default",
+          "--output", str(out)]
+  bench_scan.main(argv)
+  rows = [json.loads(line) for line in out.read_text().splitlines()]
+  assert [r["impl"] for r in rows] == ["chunked", "default"]
+  assert all(r["status"] == "ok" and r["ms"] > 0 and r["command"] for r in rows)
+  assert rows[1]["decision"].startswith("triton")  # interpret mode dispatches as on a GPU
+  bench_scan.main(argv + ["--append"])
+  assert len(out.read_text().splitlines()) == 2
