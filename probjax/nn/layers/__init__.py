@@ -1,4 +1,4 @@
-"""Flax NNX layers built on probjax attention.
+"""Flax NNX layers built on probjax's ops (attention, grouped matmul, scans).
 
 The layers load lazily (``from probjax.nn.layers import MultiHeadAttention``), so that importing
 ``probjax.nn.layers.attention`` does not import Flax.
@@ -18,6 +18,10 @@ _EXPORTS = {
     "sample_logits": "decoding",
     "generate": "decoding",
     "decode_loop": "decoding",
+    "MoELayer": "moe",
+    "Mamba": "mamba",
+    "Mamba2": "mamba",
+    "RAttention": "rattention",
 }
 
 __all__ = sorted(_EXPORTS)

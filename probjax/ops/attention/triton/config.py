@@ -26,38 +26,22 @@ import dataclasses
 
 import numpy as np
 
+# The device tables are the core's: one description of every device.
+from probjax.core.device import (DEFAULT_L2_BYTES, DEFAULT_SM_COUNT, L2_BYTES, SM_COUNT,
+                                 SMEM_PER_BLOCK as SMEM_LIMIT, DEFAULT_SMEM_PER_BLOCK as DEFAULT_SMEM_LIMIT)
+
 MIN_BLOCK = 16  # Triton's tl.dot minimum: never request fewer rows.
-
-# Max dynamic shared memory per block (bytes) by compute capability.
-SMEM_LIMIT = {
-    "sm_90": 232448,   # 227 KiB (H100/H200)
-    "sm_100": 232448,
-    "sm_80": 166912,   # 163 KiB (A100)
-    "sm_86": 101376,   # 99 KiB (RTX 30)
-    "sm_89": 101376,   # 99 KiB (RTX 40, L4/L40)
-    "sm_120": 101376,
-}
-DEFAULT_SMEM_LIMIT = 101376  # unknown GPUs: assume the small-SMEM class
-
-# L2 cache bytes by compute capability (vendor data sheets: H100/H200 50 MB, A100 40 MB,
-# RTX 3090 6 MB, L4 48 MB); unknown devices assume the smallest.
-L2_BYTES = {"sm_90": 50 << 20, "sm_80": 40 << 20, "sm_86": 6 << 20, "sm_89": 48 << 20}
-DEFAULT_L2_BYTES = 6 << 20
 
 
 def order_group(device: str, bytes_per_pair: int) -> int:
   """(batch, head) pairs whose streamed operands (``bytes_per_pair`` each) fit half of
   ``device``'s L2: at most the group a causal-like grid runs heaviest-first across
-  (:func:`.tiles.program_tile`, groups of near-equal size). H200, causal Triton forward B4 H8,
-  grid order -> near-equal groups (gpu_attention.json, ce006fd): T2048 D64 0.101 -> 0.061 ms,
-  T8192 D128 1.280 -> 1.205. Groups split unevenly, a last group of 2 heads took T8192 D128 to
-  1.417 (docs/benchmarks/experiments/, with a quarter of the L2 too)."""
+  (:func:`.tiles.program_tile`, groups of near-equal size): a group's K/V then stay in L2 while
+  its heaviest tiles run, and no small last group ends the grid on a few heavy programs
+  (the measurements: docs/decisions.md, "Settled by probes")."""
   return max(1, (L2_BYTES.get(device, DEFAULT_L2_BYTES) // 2) // max(1, bytes_per_pair))
 
 
-# Streaming multiprocessors, where the device does not report them (interpret mode).
-SM_COUNT = {"sm_90": 132, "sm_80": 108, "sm_86": 82, "sm_89": 128}
-DEFAULT_SM_COUNT = 132
 PROGRAMS_PER_SM = 2  # a grid this many programs per SM deep keeps the device busy
 
 
@@ -68,6 +52,7 @@ def num_programs_target(device: str) -> int:
   if device.startswith("sm_") and jax.devices()[0].platform == "gpu":
     sms = getattr(jax.devices()[0], "core_count", None)
   return PROGRAMS_PER_SM * (sms or SM_COUNT.get(device, DEFAULT_SM_COUNT))
+
 
 BACKWARD_IMPLS = ("triton_onepass", "triton_fused", "triton_split")
 
