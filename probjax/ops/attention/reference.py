@@ -18,6 +18,15 @@ def _attention64(q, k, v, bias, mask: Mask | None, dense_mask, score_mod, scale)
   b, tq, h, d = q.shape
   hkv = k.shape[2]
   g = h // hkv
+  # Positions past the mask's lengths may hold anything (NaN included): they are zeroed, and
+  # so are the output rows of padded queries, so no NaN reaches a value or a gradient.
+  lengths = lambda n, lens: None if lens is None else (jnp.arange(n)[None, :] < jnp.asarray(lens)[:, None])[:, :, None, None]
+  k_ok = lengths(k.shape[1], None if mask is None else mask.kv_lengths)
+  q_ok = lengths(tq, None if mask is None else mask.q_lengths)
+  if k_ok is not None:
+    k, v = jnp.where(k_ok, k, 0.0), jnp.where(k_ok, v, 0.0)
+  if q_ok is not None:
+    q = jnp.where(q_ok, q, 0.0)
   k = jnp.repeat(k, g, axis=2)
   v = jnp.repeat(v, g, axis=2)
   s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
@@ -34,13 +43,17 @@ def _attention64(q, k, v, bias, mask: Mask | None, dense_mask, score_mod, scale)
     valid = valid & mask.dense(b, tq, k.shape[1])
   if dense_mask is not None:
     valid = valid & dense_mask
-  s = jnp.where(valid, s, -jnp.inf)
-  m = jnp.max(s, axis=-1, keepdims=True)
+  # Weight only where allowed and above -inf: a row with none (masked, or -inf from the bias
+  # or score_mod) is zero, with zero gradients.
+  valid = valid & (s != -jnp.inf)
+  s = jnp.where(valid, s, 0.0)
+  m = jax.lax.stop_gradient(jnp.max(jnp.where(valid, s, -jnp.inf), axis=-1, keepdims=True, initial=-jnp.inf))
   m = jnp.where(jnp.isfinite(m), m, 0.0)
   p = jnp.where(valid, jnp.exp(s - m), 0.0)
   l = p.sum(-1, keepdims=True)
   p = p / jnp.where(l == 0, 1.0, l)
-  return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+  out = jnp.einsum("bhqk,bkhd->bqhd", p, v)
+  return out if q_ok is None else jnp.where(q_ok, out, 0.0)
 
 
 def _prep(q, k, v, bias, dense_mask, scale):
@@ -62,7 +75,8 @@ def reference_attention(q, k, v, *, bias=None, mask: Mask | None = None, dense_m
     bias: additive bias broadcastable to ``[batch, heads, q_len, kv_len]``.
     mask: a :class:`Mask`; dense_mask: boolean, broadcastable like ``bias``.
     score_mod: ``f(score, b, h, q_idx, kv_idx)`` applied after scaling and bias.
-  Rows with no valid key are zero.
+  Rows with no valid key (masked, or at -inf from ``bias`` or ``score_mod``) are zero.
+  Positions past ``mask``'s lengths may hold NaN or inf: they reach no value or gradient.
   """
   with jax.enable_x64(True):
     q, k, v, bias, dense_mask, scale = _prep(q, k, v, bias, dense_mask, scale)

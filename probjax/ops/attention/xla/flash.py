@@ -19,11 +19,13 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero, linear_call
 
 from probjax.ops.attention.masks import EMPTY, Mask, pad_axis, round_up
-from probjax.ops.attention.xla import _linear_call_batching  # noqa: F401  (registers vmap support)
+from probjax.ops.attention.xla import _linear_call_batching  # noqa: F401  (registers vmap and jvp support)
+from probjax.ops.attention.xla.common import compute_dtype, zero_padding, zero_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +44,7 @@ class _Static:
   broadcast_dropout: bool
   precision: Any
   score_mod: Callable | None  # closure-converted: f(s, b, h, q, k, *consts)
+  dtype: Any = jnp.float32  # compute dtype: scores, softmax, accumulation
 
   @property
   def nq(self):
@@ -72,18 +75,18 @@ def _tile(x, iq, ik, st: _Static):
 
 
 def _scores(st: _Static, iq, ik, qb, kb, bias_t, consts):
-  """Scores of tile (iq, ik) in float32: ``[b, hkv, g, bq, bk]``."""
-  s = jnp.einsum("bhgqd,bhkd->bhgqk", qb.astype(jnp.float32), kb.astype(jnp.float32),
+  """Scores of tile (iq, ik) in the compute dtype: ``[b, hkv, g, bq, bk]``."""
+  s = jnp.einsum("bhgqd,bhkd->bhgqk", qb.astype(st.dtype), kb.astype(st.dtype),
                  precision=st.precision) * st.scale
   if bias_t is not None:
-    s = s + bias_t.astype(jnp.float32)
+    s = s + bias_t.astype(st.dtype)
   if st.score_mod is not None:
     b, hkv, g = qb.shape[0], qb.shape[1], st.groups
     bi = jnp.arange(b)[:, None, None, None, None]
     hi = (jnp.arange(hkv)[:, None] * g + jnp.arange(g)[None, :])[None, :, :, None, None]
     qi = (iq * st.block_q + jnp.arange(st.block_q))[:, None]
     ki = (ik * st.block_k + jnp.arange(st.block_k))[None, :]
-    s = st.score_mod(s, bi, hi, qi, ki, *consts).astype(jnp.float32)
+    s = st.score_mod(s, bi, hi, qi, ki, *consts).astype(st.dtype)
   return s
 
 
@@ -108,27 +111,48 @@ def _keep(st: _Static, rng, iq, ik, shape):
     shape = (1, 1, 1) + shape[-2:]
   key = jax.random.fold_in(jax.random.fold_in(rng, iq), ik)
   keep = jax.random.bernoulli(key, 1.0 - st.dropout_rate, shape)
-  return keep.astype(jnp.float32) / (1.0 - st.dropout_rate)
+  return keep.astype(st.dtype) / (1.0 - st.dropout_rate)
 
 
 def _k_bounds(st: _Static, iq):
-  """Key-tile range ``[lo, hi)`` that the static band allows for query tile ``iq``."""
+  """Key-tile range ``[lo, hi)`` that the static band allows for query tile(s) ``iq`` (traced,
+  or numpy / Python ints for static bounds)."""
+  xp = jnp if isinstance(iq, jax.Array) else np
   lo, hi = 0, st.nk
   if st.lower is not None:
-    lo = jnp.clip((iq * st.block_q + st.lower) // st.block_k, 0, st.nk)
+    lo = xp.clip((iq * st.block_q + st.lower) // st.block_k, 0, st.nk)
   if st.upper is not None:
-    hi = jnp.clip(-(-((iq + 1) * st.block_q - 1 + st.upper + 1) // st.block_k), 0, st.nk)
-  return lo, jnp.maximum(lo, hi)
+    hi = xp.clip(-(-((iq + 1) * st.block_q - 1 + st.upper + 1) // st.block_k), 0, st.nk)
+  return lo, xp.maximum(lo, hi)
 
 
 def _q_bounds(st: _Static, ik):
-  """Query-tile range ``[lo, hi)`` that the static band allows for key tile ``ik``."""
+  """Query-tile range ``[lo, hi)`` that the static band allows for key tile(s) ``ik``."""
+  xp = jnp if isinstance(ik, jax.Array) else np
   lo, hi = 0, st.nq
   if st.upper is not None:
-    lo = jnp.clip((ik * st.block_k - st.upper) // st.block_q, 0, st.nq)
+    lo = xp.clip((ik * st.block_k - st.upper) // st.block_q, 0, st.nq)
   if st.lower is not None:
-    hi = jnp.clip(-(-((ik + 1) * st.block_k - 1 - st.lower + 1) // st.block_q), 0, st.nq)
-  return lo, jnp.maximum(lo, hi)
+    hi = xp.clip(-(-((ik + 1) * st.block_k - 1 - st.lower + 1) // st.block_q), 0, st.nq)
+  return lo, xp.maximum(lo, hi)
+
+
+def _band_loop(st: _Static, bounds, n_outer: int, i, body, init):
+  """``lax.fori_loop(lo, hi, body, init)`` over the inner tiles ``[lo, hi) = bounds(st, i)`` of
+  outer tile ``i``, run for a static trip count (the most inner tiles of any outer tile).
+
+  A loop with traced bounds is a while loop, which reverse mode cannot transpose; with a
+  static count it is a scan, so second derivatives (which differentiate these passes) work
+  in every mode. Iterations past ``hi`` (outer tiles that the band gives fewer inner tiles)
+  are skipped by a cond.
+  """
+  los, his = bounds(st, np.arange(n_outer))
+  trips = int(np.max(np.asarray(his) - np.asarray(los)))
+  lo, hi = bounds(st, i)
+  if np.all(np.asarray(his) - np.asarray(los) == trips):
+    return lax.fori_loop(0, trips, lambda j, c: body(lo + j, c), init)
+  return lax.fori_loop(0, trips, lambda j, c: lax.cond(lo + j < hi, lambda c: body(lo + j, c), lambda c: c, c),
+                       init)
 
 
 def _maybe_skip(tile_any, iq, ik, compute, carry):
@@ -147,8 +171,9 @@ def _tile_any(st: _Static, mask: Mask | None, batch: int):
 
 # -- forward -------------------------------------------------------------------------
 def _forward(st: _Static, q, k, v, bias, consts, mask, dense, rng):
-  """Returns out ``[b, hkv, g, Tq_pad, d]`` (q dtype) and lse ``[b, hkv, g, Tq_pad]`` (f32)."""
+  """Returns out ``[b, hkv, g, Tq_pad, d]`` (q dtype) and lse ``[b, hkv, g, Tq_pad]`` (compute dtype)."""
   b, hkv, g, _, d = q.shape
+  cdt = st.dtype
   tile_any = _tile_any(st, mask, b)
 
   def q_block(iq):
@@ -162,23 +187,23 @@ def _forward(st: _Static, q, k, v, bias, consts, mask, dense, rng):
         s = _scores(st, iq, ik, qb, kb, _tile(bias, iq, ik, st), consts)
         ok = _valid(st, iq, ik, mask, _tile(dense, iq, ik, st))
         s = jnp.where(ok, s, -jnp.inf)
-        m_new = jnp.maximum(m, s.max(-1))
+        # The running maximum only stabilises the exponentials (out and lse do not depend
+        # on it), so differentiating this pass (second order) need not go through the max.
+        m_new = lax.stop_gradient(jnp.maximum(m, s.max(-1)))
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         p = jnp.exp(s - m_safe[..., None])
         alpha = jnp.exp(m - m_safe)
         l = alpha * l + p.sum(-1)
         z = _keep(st, rng, iq, ik, p.shape)
         pz = p if z is None else p * z
-        acc = alpha[..., None] * acc + jnp.einsum("bhgqk,bhkd->bhgqd", pz, vb.astype(jnp.float32),
+        acc = alpha[..., None] * acc + jnp.einsum("bhgqk,bhkd->bhgqd", pz, vb.astype(cdt),
                                                   precision=st.precision)
         return m_new, l, acc
       return _maybe_skip(tile_any, iq, ik, compute, carry)
 
-    init = (jnp.full((b, hkv, g, st.block_q), -jnp.inf, jnp.float32),
-            jnp.zeros((b, hkv, g, st.block_q), jnp.float32),
-            jnp.zeros((b, hkv, g, st.block_q, d), jnp.float32))
-    lo, hi = _k_bounds(st, iq)
-    m, l, acc = lax.fori_loop(lo, hi, body, init)
+    init = (jnp.full((b, hkv, g, st.block_q), -jnp.inf, cdt), jnp.zeros((b, hkv, g, st.block_q), cdt),
+            jnp.zeros((b, hkv, g, st.block_q, d), cdt))
+    m, l, acc = _band_loop(st, _k_bounds, st.nq, iq, body, init)
     pos = l > 0
     out = jnp.where(pos[..., None], acc / jnp.where(pos, l, 1.0)[..., None], 0.0)
     lse = jnp.where(pos, m + jnp.log(jnp.where(pos, l, 1.0)), jnp.inf)
@@ -190,97 +215,132 @@ def _forward(st: _Static, q, k, v, bias, consts, mask, dense, rng):
   return out, lse
 
 
+def _restrict(fn, args, keep):
+  """``fn`` as a function of the ``args`` where ``keep`` is True (the others held fixed), and those."""
+  def sub(*xs):
+    it = iter(xs)
+    return fn(*(next(it) if k else a for a, k in zip(args, keep)))
+  return sub, tuple(a for a, k in zip(args, keep) if k)
+
+
 # -- tangent (forward-mode) ------------------------------------------------------------
 def _tangent(st: _Static, res, tangents):
+  """Output tangent ``[b, hkv, g, Tq_pad, d]`` for ``tangents = (q, k, v, bias, consts)``, each
+  None where that input has no tangent.
+
+  Only the terms of present tangents are formed (no zero tangent is built): besides the
+  wasted work, a dot with a zero tangent is a dot with a broadcast constant operand, which
+  XLA:CPU's YNNPACK fusion miscomputes under ``jax.jit`` (garbage up to inf/NaN).
+  """
   q, k, v, bias, consts, mask, dense, rng, out, lse = res
-  zero = lambda t, x: jnp.zeros(x.shape, x.dtype) if t is None and x is not None else t
-  qd, kd, vd, bd = (zero(t, x) for t, x in zip(tangents[:4], (q, k, v, bias)))
-  cd = tuple(zero(t, x) for t, x in zip(tangents[4], consts))
+  qd, kd, vd, bd, cd = tangents
+  score_dots = (qd, kd, bd, *cd)
+  keep = tuple(t is not None for t in score_dots)
+  cdt = st.dtype
   b, hkv, g, _, d = q.shape
   tile_any = _tile_any(st, mask, b)
 
   def q_block(iq):
-    sl = lambda x: lax.dynamic_slice_in_dim(x, iq * st.block_q, st.block_q, 3)
-    qb, qdb, ob = sl(q), sl(qd), sl(out).astype(jnp.float32)
-    lse_b = lax.dynamic_slice_in_dim(lse, iq * st.block_q, st.block_q, 3)
+    sl = lambda x: None if x is None else lax.dynamic_slice_in_dim(x, iq * st.block_q, st.block_q, 3)
+    qb, qdb, ob, lse_b = sl(q), sl(qd), sl(out).astype(cdt), sl(lse)
 
     def body(ik, carry):
       def compute(carry):
         acc, c = carry
-        ksl = lambda x: lax.dynamic_slice_in_dim(x, ik * st.block_k, st.block_k, 2)
-        kb, kdb, vb, vdb = ksl(k), ksl(kd), ksl(v).astype(jnp.float32), ksl(vd).astype(jnp.float32)
-        fn = lambda qb, kb, bias_t, consts: _scores(st, iq, ik, qb, kb, bias_t, consts)
-        s, sd = jax.jvp(fn, (qb, kb, _tile(bias, iq, ik, st), consts),
-                        (qdb, kdb, _tile(bd, iq, ik, st), cd))
+        ksl = lambda x: None if x is None else lax.dynamic_slice_in_dim(x, ik * st.block_k, st.block_k, 2)
+        fn = lambda qb, kb, bias_t, *consts: _scores(st, iq, ik, qb, kb, bias_t, consts)
+        args = (qb, ksl(k), _tile(bias, iq, ik, st), *consts)
         ok = _valid(st, iq, ik, mask, _tile(dense, iq, ik, st))
+        if any(keep):  # the scores' tangent: the terms through q, k, bias and score_mod's arrays
+          sub, primals = _restrict(fn, args, keep)
+          dots = tuple(t for t in (qdb, ksl(kd), _tile(bd, iq, ik, st), *cd) if t is not None)
+          s, sd = jax.jvp(sub, primals, dots)
+        else:
+          s = fn(*args)
         p = jnp.where(ok, jnp.exp(jnp.where(ok, s, 0.0) - lse_b[..., None]), 0.0)
-        psd = p * jnp.where(ok, sd, 0.0)
         z = _keep(st, rng, iq, ik, p.shape)
-        pz, psdz = (p, psd) if z is None else (p * z, psd * z)
-        acc = acc + jnp.einsum("bhgqk,bhkd->bhgqd", psdz, vb, precision=st.precision) \
-                  + jnp.einsum("bhgqk,bhkd->bhgqd", pz, vdb, precision=st.precision)
-        return acc, c + psd.sum(-1)
+        dz = lambda x: x if z is None else x * z
+        if any(keep):
+          psd = p * jnp.where(ok, sd, 0.0)
+          acc = acc + jnp.einsum("bhgqk,bhkd->bhgqd", dz(psd), ksl(v).astype(cdt), precision=st.precision)
+          c = c + psd.sum(-1)
+        if vd is not None:
+          acc = acc + jnp.einsum("bhgqk,bhkd->bhgqd", dz(p), ksl(vd).astype(cdt), precision=st.precision)
+        return acc, c
       return _maybe_skip(tile_any, iq, ik, compute, carry)
 
-    init = (jnp.zeros((b, hkv, g, st.block_q, d), jnp.float32), jnp.zeros((b, hkv, g, st.block_q), jnp.float32))
-    lo, hi = _k_bounds(st, iq)
-    acc, c = lax.fori_loop(lo, hi, body, init)
-    return (acc - c[..., None] * ob).astype(q.dtype)
+    c0 = jnp.zeros((b, hkv, g, st.block_q), cdt) if any(keep) else None
+    acc, c = _band_loop(st, _k_bounds, st.nq, iq, body, (jnp.zeros((b, hkv, g, st.block_q, d), cdt), c0))
+    return (acc if c is None else acc - c[..., None] * ob).astype(q.dtype)
 
   od = lax.map(q_block, jnp.arange(st.nq))
   return jnp.moveaxis(od, 0, 3).reshape(out.shape)
 
 
 # -- transpose (reverse-mode backward) ----------------------------------------------------
-def _transpose(st: _Static, res, do):
+def _transpose(st: _Static, present, res, do):
+  """Cotangents ``(q, k, v, bias, consts)`` of output cotangent ``do``, computed only where
+  ``present`` (the same structure of bools) is True and None elsewhere."""
   q, k, v, bias, consts, mask, dense, rng, out, lse = res
+  pq, pk, pv, pb, pc = present
+  keep = (pq, pk, pb, *pc)
+  cdt = st.dtype
   b, hkv, g, tq, d = q.shape
   tile_any = _tile_any(st, mask, b)
-  do = do.astype(jnp.float32)
-  delta = jnp.sum(do * out.astype(jnp.float32), -1)
-  f32 = lambda x: None if x is None else jnp.zeros(x.shape, jnp.float32)
+  do = do.astype(cdt)
+  delta = jnp.sum(do * out.astype(cdt), -1)
+  zeros = lambda x, want: jnp.zeros(x.shape, cdt) if want else None
 
   def k_block(carry, ik):
     ksl = lambda x: lax.dynamic_slice_in_dim(x, ik * st.block_k, st.block_k, 2)
-    kb, vb = ksl(k), ksl(v).astype(jnp.float32)
+    kb, vb = ksl(k), ksl(v).astype(cdt)
 
     def body(iq, inner):
       def compute(inner):
         dk, dv, dq, dbias, dconsts = inner
         qsl = lambda x, ax=3: lax.dynamic_slice_in_dim(x, iq * st.block_q, st.block_q, ax)
         qb, dob, lse_b, delta_b = qsl(q), qsl(do), qsl(lse), qsl(delta)
-        fn = lambda qb, kb, bias_t, consts: _scores(st, iq, ik, qb, kb, bias_t, consts)
-        s, vjp = jax.vjp(fn, qb, kb, _tile(bias, iq, ik, st), consts)
+        fn = lambda qb, kb, bias_t, *consts: _scores(st, iq, ik, qb, kb, bias_t, consts)
+        args = (qb, kb, _tile(bias, iq, ik, st), *consts)
+        if any(keep):
+          sub, primals = _restrict(fn, args, keep)
+          s, vjp = jax.vjp(sub, *primals)
+        else:
+          s = fn(*args)
         ok = _valid(st, iq, ik, mask, _tile(dense, iq, ik, st))
         p = jnp.where(ok, jnp.exp(jnp.where(ok, s, 0.0) - lse_b[..., None]), 0.0)
         z = _keep(st, rng, iq, ik, p.shape)
-        pz = p if z is None else p * z
-        dv = dv + jnp.einsum("bhgqk,bhgqd->bhkd", pz, dob, precision=st.precision)
+        if pv:
+          dv = dv + jnp.einsum("bhgqk,bhgqd->bhkd", p if z is None else p * z, dob, precision=st.precision)
+        if not any(keep):
+          return dk, dv, dq, dbias, dconsts
         dp = jnp.einsum("bhgqd,bhkd->bhgqk", dob, vb, precision=st.precision)
         if z is not None:
           dp = dp * z
-        ds = p * (dp - delta_b[..., None])
-        dqt, dkt, dbt, dct = vjp(ds)
-        dq = lax.dynamic_update_slice_in_dim(dq, qsl(dq) + dqt, iq * st.block_q, 3)
-        if dbias is not None:
+        cts = iter(vjp(p * (dp - delta_b[..., None])))
+        dqt, dkt, dbt, *dct = (next(cts) if want else None for want in keep)
+        if pq:
+          dq = lax.dynamic_update_slice_in_dim(dq, qsl(dq) + dqt, iq * st.block_q, 3)
+        if pk:
+          dk = dk + dkt
+        if pb:
           dbias = _tile_add(dbias, dbt, iq, ik, st)
-        dconsts = jax.tree.map(jnp.add, dconsts, dct)
-        return dk + dkt, dv, dq, dbias, dconsts
+        dconsts = tuple(a if t is None else a + t for a, t in zip(dconsts, dct))
+        return dk, dv, dq, dbias, dconsts
       return _maybe_skip(tile_any, iq, ik, compute, inner)
 
     dq, dbias, dconsts = carry
-    init = (jnp.zeros(kb.shape, jnp.float32), jnp.zeros(vb.shape, jnp.float32), dq, dbias, dconsts)
-    lo, hi = _q_bounds(st, ik)
-    dk, dv, dq, dbias, dconsts = lax.fori_loop(lo, hi, body, init)
+    init = (zeros(kb, pk), zeros(vb, pv), dq, dbias, dconsts)
+    dk, dv, dq, dbias, dconsts = _band_loop(st, _q_bounds, st.nk, ik, body, init)
     return (dq, dbias, dconsts), (dk, dv)
 
-  carry = (jnp.zeros(q.shape, jnp.float32), f32(bias), jax.tree.map(f32, consts))
+  carry = (zeros(q, pq), zeros(bias, pb), tuple(zeros(c, want) for c, want in zip(consts, pc)))
   (dq, dbias, dconsts), (dk, dv) = lax.scan(k_block, carry, jnp.arange(st.nk))
-  dk = jnp.moveaxis(dk, 0, 2).reshape(k.shape)
-  dv = jnp.moveaxis(dv, 0, 2).reshape(v.shape)
+  unstack = lambda x, like: None if x is None else jnp.moveaxis(x, 0, 2).reshape(like.shape)
+  dk, dv = unstack(dk, k), unstack(dv, v)
   cast = lambda x, like: None if x is None else x.astype(like.dtype)
-  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), cast(dbias, bias),
-          jax.tree.map(cast, dconsts, consts))
+  return (cast(dq, q), cast(dk, k), cast(dv, v), cast(dbias, bias),
+          tuple(cast(x, c) for x, c in zip(dconsts, consts)))
 
 
 def _tile_add(x, t, iq, ik, st):
@@ -301,24 +361,17 @@ def _flash_jvp(st, primals, tangents):
   q, k, v, bias, consts, mask, dense, rng = primals
   out, lse = _forward(st, q, k, v, bias, consts, mask, dense, rng)
   res = (q, k, v, bias, consts, mask, dense, rng, out, lse)
-  # Only non-zero tangents become linear inputs: a zero tangent is a constant,
-  # which linear_call's transpose rule does not accept as a linear input.
+  # Only non-zero tangents become linear inputs (None for the others): a zero tangent is a
+  # constant, which linear_call's transpose rule does not accept as a linear input, and the
+  # tangent and transpose passes compute only the terms of the present ones.
   is_zero = lambda t: t is None or isinstance(t, SymbolicZero)
   lin = jax.tree.map(lambda t: None if is_zero(t) else t, tuple(tangents[:5]), is_leaf=is_zero)
   present = jax.tree.map(lambda t: t is not None, lin, is_leaf=lambda t: t is None)
-  out_dot = linear_call(functools.partial(_tangent, st), functools.partial(_transpose_present, st, present),
-                        res, lin)
+  out_dot = linear_call(functools.partial(_tangent, st), functools.partial(_transpose, st, present), res, lin)
   return out, out_dot
 
 
 _flash.defjvp(_flash_jvp, symbolic_zeros=True)
-
-
-def _transpose_present(st, present, res, do):
-  """The transpose, returning cotangents only for the linear inputs that are present."""
-  grads = _transpose(st, res, do)
-  return jax.tree.map(lambda keep, g: g if keep else None, present, grads,
-                      is_leaf=lambda x: x is None)
 
 
 def flash_attention(q, k, v, *, bias=None, mask: Mask | None = None, dense_mask=None,
@@ -328,11 +381,19 @@ def flash_attention(q, k, v, *, bias=None, mask: Mask | None = None, dense_mask=
   """Tiled exact attention. q ``[B, Tq, H, D]``, k/v ``[B, Tkv, Hkv, D]`` → ``[B, Tq, H, D]``.
 
   ``bias``/``dense_mask`` must already be rank 4 and broadcastable to
-  ``[B, H, Tq, Tkv]``; ``mask`` is a :class:`Mask`.
+  ``[B, H, Tq, Tkv]``; ``mask`` is a :class:`Mask`. Scores and softmax are float32 (float64
+  for float64 inputs). A row with no valid key (masked, or at -inf from ``bias`` or
+  ``score_mod``; every row when ``Tkv = 0``) is zero, with zero gradients. Positions past the
+  mask's lengths may hold NaN or inf (:func:`~probjax.ops.attention.xla.common.zero_padding`);
+  those excluded only by the band, segment ids or ``dense_mask`` must be finite.
   """
   bsz, tq, h, d = q.shape
   tk, hkv = k.shape[1], k.shape[2]
   g = h // hkv
+  if tq == 0 or tk == 0:
+    return jnp.zeros(q.shape, q.dtype)  # no query or no key: no tile to loop over, every row empty
+  cdt = compute_dtype(q.dtype)
+  q, k, v, q_ok = zero_padding(mask, q, k, v)
   dq_, dk_ = choose_blocks(tq, tk)
   bq, bk = block_q or dq_, block_k or dk_
   tq_p, tk_p = round_up(tq, bq), round_up(tk, bk)
@@ -340,7 +401,7 @@ def flash_attention(q, k, v, *, bias=None, mask: Mask | None = None, dense_mask=
   consts = ()
   mod = None
   if score_mod is not None:
-    ex = jax.ShapeDtypeStruct((bsz, hkv, g, bq, bk), jnp.float32)
+    ex = jax.ShapeDtypeStruct((bsz, hkv, g, bq, bk), cdt)
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
     mod5 = lambda s, b_, h_, q_, k_: score_mod(s, b_, h_, q_, k_)
     mod, consts = jax.closure_convert(mod5, ex, i32(bsz, 1, 1, 1, 1), i32(1, hkv, g, 1, 1), i32(bq, 1), i32(1, bk))
@@ -355,7 +416,7 @@ def flash_attention(q, k, v, *, bias=None, mask: Mask | None = None, dense_mask=
       q_ids, kv_ids = mask.padded_segment_ids(bsz, tq_p, tk_p)
       mask = dataclasses.replace(mask, q_segment_ids=q_ids, kv_segment_ids=kv_ids)
   st = _Static(tq, tk, bq, bk, float(scale), g, lower, upper, float(dropout_rate),
-               bool(broadcast_dropout), precision, mod)
+               bool(broadcast_dropout), precision, mod, cdt)
 
   qi = jnp.transpose(q, (0, 2, 1, 3)).reshape(bsz, hkv, g, tq, d)
   qi = pad_axis(qi, 3, tq_p)
@@ -366,7 +427,7 @@ def flash_attention(q, k, v, *, bias=None, mask: Mask | None = None, dense_mask=
   rng = dropout_rng if st.dropout_rate else None
   out = _flash(st, qi, ki, vi, bias_i, consts, mask, dense_i, rng)
   out = out[:, :, :, :tq].reshape(bsz, h, tq, d)
-  return jnp.transpose(out, (0, 2, 1, 3))
+  return zero_rows(jnp.transpose(out, (0, 2, 1, 3)), q_ok)
 
 
 def _heads_split(x, hkv, g, tq_p, tk_p, pad_value):
