@@ -20,6 +20,10 @@ from jax._src.interpreters import batching
 def _linear_call_batch(axis_data, args, dims, *, callee, transpose_thunk, num_callee_consts, num_res):
   """Every batch axis moved to the front (unbatched operands broadcast), and a ``linear_call``
   of the vmapped function and transpose re-bound, so the batched call is still transposable."""
+  if all(d is None for d in dims):  # e.g. the primal of a vmapped jvp: it stays unbatched
+    out = linear_call_p.bind(*args, callee=callee, transpose_thunk=transpose_thunk,
+                             num_callee_consts=num_callee_consts, num_res=num_res)
+    return out, [None] * len(out)
   args = [batching.bdim_at_front(a, d, axis_data.size) for a, d in zip(args, dims)]
   n_res = num_callee_consts + num_res
   res, lin = list(args[:n_res]), list(args[n_res:])
