@@ -4,7 +4,9 @@ Dense for sequences of at most 256 (``DENSE_MAX_LEN``) and for decoding (at most
 ``DENSE_MAX_QUERIES`` queries, whose scores grow only linearly with the keys, while they
 stay under ``DENSE_MAX_SCORES``); otherwise a single-tile flash ``custom_jvp`` up to 512
 and 256 x 256 tiles with block-mask tile skipping above. The flash backward recomputes
-from the log-sum-exp, so memory is linear in the sequence length.
+from the log-sum-exp, so memory is linear in the sequence length. Both compute in float32
+(float64 for float64 inputs), take derivatives of any order, give zeros (and zero
+gradients) for rows with no valid key, and ignore whatever lies past the mask's lengths.
 """
 
 from probjax.ops.attention.xla.dense import dense_attention

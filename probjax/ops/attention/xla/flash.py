@@ -3,7 +3,11 @@
 The primal is a ``jax.custom_jvp`` whose tangent is a ``linear_call``: forward
 mode runs a flash-style tangent pass, and reverse mode transposes that linear
 call into a flash backward that recomputes the scores from the log-sum-exp.
-The residuals kept for the backward are q, k, v, the output and the LSE.
+The residuals kept for the backward are q, k, v, the output and the LSE. Both
+passes compute only the terms of the inputs that have a tangent (cotangent).
+Second derivatives differentiate the passes themselves (the ``linear_call`` JVP
+rule of :mod:`._linear_call_batching`); their tile loops have static trip
+counts, so that reverse mode can transpose them too.
 
 Internal layout: queries ``[batch, kv_heads, groups, q_len, head_dim]`` and
 keys/values ``[batch, kv_heads, kv_len, head_dim]``, so grouped-query
