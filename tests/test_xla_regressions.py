@@ -287,3 +287,19 @@ def test_second_derivatives_through_with_forward_mode():
     want = _second_order(_ref(M.CausalMask(), scale=8 ** -0.5), x64, _up(tng))
   _assert_close(hvp, want[0], what="hvp")
   _assert_close(gg, want[1], what="grad of grad")
+
+
+def test_jvp_of_jvp_in_one_of_its_tangents():
+  """jvp of a jvp in one of its two tangents (q's): the linear_call's linear inputs get a
+  tangent for q's and a zero one for k's, which the JVP rule differentiates with symbolic
+  zeros (a zero array there would be a constant linear input, and a dot with a zero operand)."""
+  x = make_inputs(6, 1, 300, 300, 2, 1, 8)
+  tk, s = _normal(1, x.k.shape), _normal(2, x.q.shape)
+  inner = lambda f, q, k, v: (lambda a: jax.jvp(lambda q, k: f(q, k, v), (q, k), (a, tk))[1])
+  nested = lambda f, q, k, v, a: jax.jvp(inner(f, q, k, v), (a,), (s,))[1]
+  got = jax.jit(lambda a: nested(_xla("flash", M.CausalMask()), x.q, x.k, x.v, a))(x.do)
+  with jax.enable_x64(True):
+    q, k, v, a = _up((x.q, x.k, x.v, x.do))
+    tk, s = _up((tk, s))
+    want = np.asarray(nested(_ref(M.CausalMask()), q, k, v, a))
+  _assert_close(got, want, what="jvp of jvp")
