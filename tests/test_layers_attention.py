@@ -16,26 +16,11 @@ from probjax.nn.layers.kv_cache import KVCache
 from probjax.nn.layers.multi_head_attention import MultiHeadAttention
 from probjax.nn.layers.transformer import TransformerBlock, TransformerLM
 from probjax.ops.attention.masks import KVLenMask, Mask, SegmentMask
+from probjax.testing import numpy_init
 
 XLA = functools.partial(dot_product_attention, implementation="xla")
 
 
-def numpy_init(ctor, seed=0):
-  """``ctor()``'s module with its parameters drawn in numpy (random init under jit compiles
-  slowly on CPU): norm scales ``1 + 0.2 N(0, 1)``, other floats ``0.3 N(0, 1)``; RNG keys
-  from ``seed``, counts 0."""
-  graphdef, state = nnx.split(nnx.eval_shape(ctor))
-  rng = np.random.default_rng(seed)
-
-  def fill(path, a):
-    if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
-      return jax.random.split(jax.random.key(seed), a.shape) if a.shape else jax.random.key(seed)
-    if not jnp.issubdtype(a.dtype, jnp.floating):
-      return jnp.zeros(a.shape, a.dtype)
-    n = rng.standard_normal(a.shape)
-    return jnp.asarray(1 + 0.2 * n if "scale" in jax.tree_util.keystr(path) else 0.3 * n, a.dtype)
-
-  return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(fill, state))
 
 
 def jit(f):

@@ -15,23 +15,8 @@ from probjax.nn.layers.attention import dot_product_attention
 from probjax.nn.layers.decoding import decode_loop, generate, sample_logits
 from probjax.nn.layers.transformer import TransformerLM
 from probjax.ops.attention.masks import SegmentMask
+from probjax.testing import numpy_init
 
-def numpy_init(ctor, seed=0):
-  """``ctor()``'s module with its parameters drawn in numpy (random init under jit compiles
-  slowly on CPU): norm scales ``1 + 0.2 N(0, 1)``, other floats ``0.3 N(0, 1)``; RNG keys
-  from ``seed``, counts 0."""
-  graphdef, state = nnx.split(nnx.eval_shape(ctor))
-  rng = np.random.default_rng(seed)
-
-  def fill(path, a):
-    if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
-      return jax.random.split(jax.random.key(seed), a.shape) if a.shape else jax.random.key(seed)
-    if not jnp.issubdtype(a.dtype, jnp.floating):
-      return jnp.zeros(a.shape, a.dtype)
-    n = rng.standard_normal(a.shape)
-    return jnp.asarray(1 + 0.2 * n if "scale" in jax.tree_util.keystr(path) else 0.3 * n, a.dtype)
-
-  return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(fill, state))
 
 
 LENGTHS = np.array([5, 2, 7])   # prompt lengths per element (right-padded to P = 7)
