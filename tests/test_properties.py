@@ -370,6 +370,8 @@ def test_traced_lengths_are_clamped(case, implementation):
        implementation=IMPLEMENTATIONS, jvp=st.booleans())
 @example(case=AttnCase(1, 40, 40, 2, 1, 16, dtype="float64", mask=MaskSpec(causal=0)),
          api="dot_product_attention", implementation=None, jvp=False)
+@example(case=AttnCase(1, 300, 300, 1, 1, 8, dtype="float64", score_mod="block_row"),  # flash: int64 indices
+         api="flex_attention", implementation=None, jvp=False)
 def test_float64(case, api, implementation, jvp):
   """Under jax.enable_x64, float64 inputs are computed in float64 (float64 bounds, 1e-9)."""
   with jax.enable_x64(True):
