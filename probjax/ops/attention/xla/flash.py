@@ -86,10 +86,12 @@ def _scores(st: _Static, iq, ik, qb, kb, bias_t, consts):
     s = s + bias_t.astype(st.dtype)
   if st.score_mod is not None:
     b, hkv, g = qb.shape[0], qb.shape[1], st.groups
-    bi = jnp.arange(b)[:, None, None, None, None]
-    hi = (jnp.arange(hkv)[:, None] * g + jnp.arange(g)[None, :])[None, :, :, None, None]
-    qi = (iq * st.block_q + jnp.arange(st.block_q))[:, None]
-    ki = (ik * st.block_k + jnp.arange(st.block_k))[None, :]
+    # int32 as the modifier was traced with (closure_convert), also under jax_enable_x64
+    i32 = lambda x: jnp.asarray(x, jnp.int32)
+    bi = i32(jnp.arange(b))[:, None, None, None, None]
+    hi = i32(jnp.arange(hkv)[:, None] * g + jnp.arange(g)[None, :])[None, :, :, None, None]
+    qi = i32(iq * st.block_q + jnp.arange(st.block_q))[:, None]
+    ki = i32(ik * st.block_k + jnp.arange(st.block_k))[None, :]
     s = st.score_mod(s, bi, hi, qi, ki, *consts).astype(st.dtype)
   return s
 
