@@ -105,9 +105,8 @@ def attention(q, k, v, *, mask: Mask | None = None, score_mod: Callable | None =
       not close over arrays. Both backwards differentiate it.
     backward_pass_impl: ``"mosaic"`` (this package's backward, :mod:`.backward`), or the
       Triton backward's variant (``"auto"``, ``"triton_*"``, see :mod:`probjax.ops.attention.triton`):
-      "auto" is the Triton backward (with the Mosaic forward, fwd+bwd bf16 T4096: D64 1.22 ms
-      against the Mosaic backward's 1.42, 1.34 with its swept tiles; D128 2.18 against 2.09,
-      then 2.08; the device table gives D128 calls from 2^29 work the Mosaic backward).
+      "auto" is the Triton backward, faster at head_dim 64 (the device table gives head_dim 128
+      calls from 2^29 work the Mosaic backward; evidence in docs/decisions.md).
     forward_config: explicit tiles, checked against the device's shared memory.
     backward_config: the backward's tiles (a ``MosaicBackwardConfig`` for "mosaic", else the
       Triton ``BackwardConfig``).

@@ -86,20 +86,10 @@ class MosaicBackwardConfig:
     return max(dkv, dq)
 
 
-# fused_dq stays off by default: this backward promises bitwise-equal gradients across runs.
-# Measured (docs/benchmarks/mosaic_backward.json, 3d4f96c, bf16 B4 H8 fwd+bwd ms, two kernels
-# / fused_dq / jax.nn cuDNN): head_dim 64 fused is 7-10% faster (T3000 0.802 / 0.746 / 0.742,
-# causal 0.499 / 0.459 / 0.486; T4096 1.406 / 1.300 / 1.165, causal 0.805 / 0.726 / 0.743;
-# T8192 5.335 / 4.874 / 4.500, causal 2.872 / 2.628 / 2.478); head_dim 128 it is slower
-# (T4096 2.216 / 2.393 / 1.781, T8192 8.396 / 11.088 / 7.182). shared_dq at head_dim 128
-# (mosaic_backward.json, 552c8fd, two kernels / fused / shared): T4096 2.168 / 2.498 / 2.305,
-# T8192 8.462 / 11.309 / 9.964, causal T8192 4.688 / 5.023 / 4.684; the fused dK/dV kernel
-# spills there (mosaic_ptxas_bwd.json), so two kernels stay the default. Computing each
-# warpgroup's dQ in 64-column slices (half the live accumulator at head_dim 128) raised the spill
-# stores from 136 to 176 bytes (mosaic_ptxas_oneloop.json, f76d79d); reverted.
-# Tiles from the H200 sweep (gpu_attention_tiles.json, 14a595c, variants mbwd_*, bf16 B4 H8 T4096
-# fwd+bwd ms, best two-kernel config / the former default (64, 64, 3 or 2 stages, 2 wgs) / best
-# fused): D64 128x128 s2 1.373 / 1.466 / 1.291; D128 64x128 s2 2.204 / 2.265 / 2.438 (shared).
+# fused_dq stays off by default: this backward promises bitwise-equal gradients across runs,
+# and at head_dim 128 the fused dK/dV kernel spills registers and is slower (at head_dim 64 it
+# is faster). The tiles are the H200 sweep's best two-kernel configs. Measurements:
+# docs/decisions.md ("Settled by probes", mosaic_backward_min_work) and bench/results/h200/tiles.json.
 DEFAULTS = {64: MosaicBackwardConfig(128, 128, 2, 2), 128: MosaicBackwardConfig(64, 128, 2, 2)}
 # dK and dV of 64 rows stay in registers as float32: at head_dim 256 they alone would take
 # 256 registers per thread, over the 232 a compute warpgroup gets.
