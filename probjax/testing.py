@@ -21,6 +21,12 @@ from probjax.ops.attention.reference import _attention64, reference_vjp
 from probjax.ops.attention.tolerances import max_error, scaled_tolerance, tolerance
 
 
+def interpret_kernels() -> bool:
+  """Whether kernel tests run their Pallas kernels in interpret mode: everywhere but on an
+  NVIDIA GPU, so that the same tests check the compiled kernels under ``pytest --gpu``."""
+  return jax.default_backend() != "gpu"
+
+
 @dataclasses.dataclass
 class Inputs:
   q: jax.Array

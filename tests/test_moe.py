@@ -22,6 +22,7 @@ from probjax.core.device import Device
 from probjax.core.tolerances import max_error, tolerance
 from probjax.nn.layers.moe import MoELayer, resolve_dispatch, route
 from probjax.ops.grouped_matmul.permute import expand_sorted, permute_rows, sort_assignments
+from probjax.testing import interpret_kernels
 
 H200 = Device("gpu", (9, 0), 140 << 30)
 RTX3090 = Device("gpu", (8, 6), 24 << 30)
@@ -30,7 +31,7 @@ T, D, H, E, K = 24, 16, 8, 4, 2
 
 
 def _layer(dispatch, d=D, h=H, e=E, k=K, **kw):
-  return MoELayer(d, h, e, k, shared_hidden=8, dispatch=dispatch, interpret=dispatch in KERNELS,
+  return MoELayer(d, h, e, k, shared_hidden=8, dispatch=dispatch, interpret=dispatch in KERNELS and interpret_kernels(),
                   rngs=nnx.Rngs(0), **kw)
 
 

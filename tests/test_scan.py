@@ -12,6 +12,7 @@ import pytest
 from probjax.core.tolerances import max_error, tolerance
 from probjax.ops.scan import feature_map, mamba_scan, residual_linear_attention, ssd_scan
 from probjax.ops.scan.reference import reference, reference_vjp
+from probjax.testing import interpret_kernels
 
 IMPLS = {"mamba": ["scan", "associative", "chunked", "triton"],
          "ssd": ["scan", "associative", "chunked", "triton"],
@@ -53,7 +54,7 @@ def static(op):
 @functools.partial(jax.jit, static_argnames=("op", "kw"))
 def _values_and_grads(arrays, cts, *, op, kw):
   def loss(a):
-    y, h = FNS[op](**a, **dict(kw), return_final_state=True, interpret=True)
+    y, h = FNS[op](**a, **dict(kw), return_final_state=True, interpret=interpret_kernels())
     return jnp.sum(y.astype(jnp.float32) * cts[0]) + jnp.sum(h * cts[1]), (y, h)
   (_, outs), grads = jax.value_and_grad(loss, has_aux=True)(arrays)
   return outs, grads
