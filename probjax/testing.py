@@ -27,6 +27,28 @@ def interpret_kernels() -> bool:
   return jax.default_backend() != "gpu"
 
 
+def float32_is_tf32() -> bool:
+  """Whether float32 matmuls run as TF32 here (JAX's and Triton's default precision on an
+  NVIDIA GPU), which ``tolerance(..., tf32=True)`` bounds."""
+  return jax.default_backend() == "gpu" and jax.config.jax_default_matmul_precision in (None, "default", "bfloat16_3x", "tensorfloat32")
+
+
+def verify_triton_lowering(monkeypatch) -> None:
+  """From here on every Pallas Triton module is checked by MLIR's verifier as it is lowered,
+  so that a module the GPU's Triton compiler would refuse fails on CPU (lowering alone
+  serialises it unchecked)."""
+  from jax._src.pallas.triton import lowering
+
+  lower = lowering.lower_jaxpr_to_triton_module
+
+  def checked(*args, **kwargs):
+    result = lower(*args, **kwargs)
+    result.module.operation.verify()  # raises with the offending op
+    return result
+
+  monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", checked)
+
+
 @dataclasses.dataclass
 class Inputs:
   q: jax.Array

@@ -18,7 +18,7 @@ from jax._src.pallas.triton import gpu_info
 import probjax.ops.attention.triton as pt
 from probjax.ops.attention import masks as M
 from probjax.ops.attention.triton.config import BackwardConfig, ForwardConfig
-from probjax.testing import make_mask
+from probjax.testing import make_mask, verify_triton_lowering
 
 H200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
 MASKS = {
@@ -34,6 +34,7 @@ def _fake_triton_sm90(monkeypatch, device_kind: bool = False):
   ``device_kind``: its config tables read sm_90."""
   monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: H200)
   monkeypatch.setattr(pt, "supports", lambda *a, **kw: None)
+  verify_triton_lowering(monkeypatch)
   if device_kind:
     monkeypatch.setattr(pt.config_lib, "device_kind", lambda device=None: "sm_90")
 

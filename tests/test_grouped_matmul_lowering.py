@@ -18,6 +18,7 @@ from jax._src.pallas.triton import gpu_info
 from probjax.core.device import Device
 from probjax.nn.layers.moe import MoELayer
 from probjax.ops.grouped_matmul import grouped_matmul
+from probjax.testing import verify_triton_lowering
 
 H200 = Device("gpu", (9, 0), 140 << 30)
 S = jax.ShapeDtypeStruct
@@ -30,6 +31,7 @@ def sm90(monkeypatch):
   """Dispatch and the kernels' configs see an H200; Pallas Triton lowers for one."""
   monkeypatch.setattr(Device, "current", classmethod(lambda cls: H200))
   monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+  verify_triton_lowering(monkeypatch)
 
 
 def _calls(fn, *args) -> list[str]:
@@ -38,7 +40,8 @@ def _calls(fn, *args) -> list[str]:
 
 
 @pytest.mark.parametrize("impl, dtype, k, n", [
-    ("triton", jnp.bfloat16, 200, 72), ("triton", jnp.float32, 512, 256), ("mosaic", jnp.bfloat16, 512, 256),
+    ("triton", jnp.bfloat16, 200, 72), ("triton", jnp.float32, 512, 256),
+    ("triton", jnp.float32, 3, 17),  # k within one block: a one-step contraction loop ("mosaic", jnp.bfloat16, 512, 256),
     pytest.param("mosaic", jnp.float16, 192, 320, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("transpose_rhs", [False, True])
 def test_grad_lowers(sm90, impl, dtype, k, n, transpose_rhs):

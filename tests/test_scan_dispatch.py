@@ -12,6 +12,7 @@ from probjax.core.device import Device
 from probjax.ops import scan
 from probjax.ops.scan import dispatch, registry
 from probjax.ops.scan.calls import MambaCall, RLACall, SSDCall
+from probjax.testing import verify_triton_lowering
 
 CPU = Device("cpu")
 H200 = Device("gpu", (9, 0), 140 << 30)
@@ -112,6 +113,7 @@ def test_interpret_call_dispatches_as_on_a_gpu():
 def fake_h200(monkeypatch):
   monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
   monkeypatch.setattr(Device, "current", classmethod(lambda cls: H200))
+  verify_triton_lowering(monkeypatch)
 
 
 def _kernels(fn, *args):

@@ -67,7 +67,10 @@ def _gmm_kernel(tbl_ref, lhs_ref, rhs_ref, *refs, cfg: TileConfig, k: int, n: in
   cols = j * bn + _iota(bn)
   col_ok = cols < n if n % bn else None
   gw = jnp.minimum(g, groups - 1)  # the zero pseudo-group runs no step; any valid index
-  steps = jnp.where((g < groups) & (hi > lo), pl.cdiv(k, bk), 0)
+  # An int32 product, not jnp.where(live, steps, 0): Pallas Triton lowers the literals 1 and 0
+  # of that select as the booleans true and false (they compare equal), and the loop bound
+  # then has the wrong type whenever k fits one block.
+  steps = ((g < groups) & (hi > lo)).astype(jnp.int32) * pl.cdiv(k, bk)
   src = plgpu.load(lhs_rows_ref.at[pl.ds(row0, bm)], mask=row_ok, other=0) if gather else None
 
   def step(s, acc):
@@ -99,7 +102,9 @@ def _gmm_kernel(tbl_ref, lhs_ref, rhs_ref, *refs, cfg: TileConfig, k: int, n: in
   dst = jnp.where(row_ok, plgpu.load(dst_ref.at[pl.ds(row0, bm)], mask=row_ok, other=0), dummy)
   w = plgpu.load(scale_ref.at[pl.ds(row0, bm)], mask=row_ok, other=0).astype(jnp.float32)
   val = jnp.where(row_ok[:, None], acc * w[:, None], 0.0)
-  mask = None if interpret else _and(row_ok[:, None], None if col_ok is None else col_ok[None, :])
+  # Triton's atomic takes a mask of the value's shape (no broadcasting of a [bm, 1] row mask).
+  mask = None if interpret else jnp.broadcast_to(
+      _and(row_ok[:, None], None if col_ok is None else col_ok[None, :]), val.shape)
   plgpu.atomic_add(out_ref, (dst[:, None], cols[None, :]), val, mask=mask)
 
 
