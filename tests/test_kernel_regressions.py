@@ -232,13 +232,31 @@ def test_gpu_mosaic_garbage_past_lengths(fwd, bwd, mask_name):
   _check_garbage_ignored(attn, x, mask, what=f"mosaic forward {fwd}, backward {bwd}, {mask_name}")
 
 
+@pytest.mark.parametrize("grads", [False, True])
+def test_cudnn_route_zeroes_kv_past_lengths(monkeypatch, grads):
+  """The cuDNN route on CPU, its cuDNN call replaced by jax.nn's XLA attention with the same
+  arguments: like cuDNN, that masks the scores past the key lengths but multiplies the rows
+  there by zero weights, so NaN/inf left in K/V would reach every output (what the H200 run
+  of the test below showed for cuDNN itself). The route zeroes those rows first."""
+  import jax.nn
+  from probjax.ops.attention import cudnn
+  monkeypatch.setattr(cudnn.ffi, "ready", lambda env=None: "replaced in this test")
+  xla = jax.nn.dot_product_attention
+  monkeypatch.setattr(jax.nn, "dot_product_attention",
+                      lambda *a, implementation=None, **kw: xla(*a, implementation="xla", **kw))
+  x = make_inputs(13, 2, 40, 70, 4, 2, 16, jnp.float32)
+  mask = M.KVLenMask(jnp.asarray((65, 0), jnp.int32))
+  attn = lambda q, k, v: cudnn.attention(q, k, v, mask=mask, scale=16 ** -0.5)
+  _check_garbage_ignored(attn, x, mask, grads=grads, what="cuDNN route, XLA in place of cuDNN")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("q_len,kv_len", [(1024, 1024), (4096, 4096), (2048, 4096), (1, 4096), (16, 4096)])
 @pytest.mark.parametrize("grads", [False, True])
 def test_gpu_cudnn_garbage_past_kv_lengths(q_len, kv_len, grads):
-  """The cuDNN route with KVLenMask (bf16): whether cuDNN reads K/V rows past the lengths is
-  its own business; this says which calls (route, shapes, output or gradient) let NaN/inf
-  through."""
+  """The cuDNN route with KVLenMask (bf16) on the GPU: no NaN/inf from K/V rows past the
+  lengths reaches the output or a gradient (cuDNN itself lets them through; the route zeroes
+  those rows)."""
   from probjax.ops.attention import cudnn
   x = _gpu_inputs(13, q_len, kv_len)
   mask = M.KVLenMask(jnp.asarray((kv_len - 5, kv_len // 3 + 1), jnp.int32))

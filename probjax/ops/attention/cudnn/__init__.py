@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from probjax.ops.attention.cudnn import ffi
 from probjax.ops.attention.cudnn.config import CudnnConfig
 from probjax.ops.attention.masks import Mask
+from probjax.ops.attention.padding import zero_padding
 
 MAX_HEAD_DIM = 128
 
@@ -72,7 +73,13 @@ def route(env=None) -> str:
 def attention(q, k, v, *, mask: Mask | None = None, scale: float, config: CudnnConfig | None = None, env=None):
   """q ``[B, Tq, H, D]``, k/v ``[B, Tkv, Hkv, D]`` (bf16/fp16) → ``[B, Tq, H, D]`` via cuDNN.
 
-  ``config`` (:class:`CudnnConfig`) needs the FFI extension: without it, ValueError."""
+  ``config`` (:class:`CudnnConfig`) needs the FFI extension: without it, ValueError.
+
+  K/V rows past the mask's key lengths are zeroed first: cuDNN masks their scores but still
+  multiplies them by zero weights (in ``P @ V`` and the backward's ``dS @ K``), so NaN or inf
+  there (a KV cache's unwritten tail) would reach every output row. The default sends only
+  long calls here, where that pass over K and V is small beside the attention."""
+  _, k, v, _ = zero_padding(mask, q, k, v)
   why = ffi.ready(env)
   if why is None:
     out = ffi.attention(q, k, v, mask=mask, scale=scale, config=config, env=env)

@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 
 from probjax.ops.attention.masks import Mask
-from probjax.ops.attention.xla.common import compute_dtype, zero_padding, zero_rows
+from probjax.ops.attention.padding import zero_padding, zero_rows
+from probjax.ops.attention.xla.common import compute_dtype
 
 
 def dense_attention(q, k, v, *, bias=None, mask: Mask | None = None, dense_mask=None,
@@ -16,7 +17,7 @@ def dense_attention(q, k, v, *, bias=None, mask: Mask | None = None, dense_mask=
 
   Scores and softmax are float32 (float64 for float64 inputs). A row with no valid key (masked,
   or at -inf from ``bias`` or ``score_mod``) is zero, with zero gradients. Positions past the
-  mask's lengths may hold NaN or inf (:func:`~probjax.ops.attention.xla.common.zero_padding`);
+  mask's lengths may hold NaN or inf (:func:`~probjax.ops.attention.padding.zero_padding`);
   those excluded only by the band, segment ids or ``dense_mask`` must be finite. With ``module``
   given, the attention weights ``[B, H, Tq, Tkv]`` are sown into it as Flax's
   ``dot_product_attention`` does.

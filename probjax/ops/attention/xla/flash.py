@@ -29,7 +29,8 @@ from jax.custom_derivatives import SymbolicZero, linear_call
 
 from probjax.ops.attention.masks import EMPTY, Mask, pad_axis, round_up
 from probjax.ops.attention.xla import _linear_call_batching  # noqa: F401  (registers vmap and jvp support)
-from probjax.ops.attention.xla.common import compute_dtype, zero_padding, zero_rows
+from probjax.ops.attention.padding import zero_padding, zero_rows
+from probjax.ops.attention.xla.common import compute_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -390,7 +391,7 @@ def flash_attention(q, k, v, *, bias=None, mask: Mask | None = None, dense_mask=
   ``[B, H, Tq, Tkv]``; ``mask`` is a :class:`Mask`. Scores and softmax are float32 (float64
   for float64 inputs). A row with no valid key (masked, or at -inf from ``bias`` or
   ``score_mod``; every row when ``Tkv = 0``) is zero, with zero gradients. Positions past the
-  mask's lengths may hold NaN or inf (:func:`~probjax.ops.attention.xla.common.zero_padding`);
+  mask's lengths may hold NaN or inf (:func:`~probjax.ops.attention.padding.zero_padding`);
   those excluded only by the band, segment ids or ``dense_mask`` must be finite.
   """
   bsz, tq, h, d = q.shape
