@@ -200,8 +200,8 @@ def test_saved_for_the_backward():
   """A differentiated chunked Mamba-1 call (also what "triton" runs differentiated) saves no
   state per position: the sequential scan saves ``length × channels × state`` floats, the
   chunked form its inputs, cumulative decays and chunk-boundary states."""
+  from probjax.ops.scan import dispatch
   from probjax.ops.scan.calls import MambaCall
-  from probjax.ops.scan.registry import MAMBA
   b, length, d, n = 1, 512, 8, 64
   call = MambaCall(b, length, d, n, "float32", chunk_size=16, interpret=True)
   rng = np.random.default_rng(0)
@@ -209,7 +209,7 @@ def test_saved_for_the_backward():
           [(b, length, d), (b, length, d), (d, n), (b, length, n), (b, length, n), (b, d, n)]]
   saved = {}
   for name in ("scan", "chunked", "triton"):
-    _, vjp = jax.vjp(lambda *x: MAMBA.get(name)(*x, call=call), *args)
+    _, vjp = jax.vjp(dispatch.resolve(call, name), *args)
     saved[name] = sum(leaf.size for leaf in jax.tree.leaves(vjp))
   states, given = length * d * n, sum(x.size for x in args)
   assert saved["scan"] >= states

@@ -38,8 +38,21 @@ def test_gpu_default_is_triton(op, device):
   d = scan.explain_dispatch(CALLS[op], device=device)
   assert d.implementation == "triton", d
   assert d.chunk_size == (None if op == "mamba" else 32)
-  # Differentiated, Mamba-1 and SSD run the chunked XLA formulation; RLA has kernels.
-  assert (d.grad is None) == (op == "rla")
+  # Differentiated, the fastest measured forward+backward: associative (Mamba-1), chunked.
+  assert d.grad_implementation == {"mamba": "associative", "ssd": "chunked", "rla": "chunked"}[op], d
+  # The kernels asked for: Mamba-1 and SSD have no backward kernels (the chunked form runs),
+  # RLA's run.
+  asked = scan.explain_dispatch(CALLS[op], implementation="triton", device=device)
+  assert asked.grad_implementation == (None if op == "rla" else "chunked"), asked
+
+
+def test_gpu_grad_default_falls_back_to_chunked_for_memory():
+  """Mamba-1's associative gradient keeps every position's state: past a quarter of the
+  device's memory (3 float32 copies of [B, L, D, N]) the chunked form runs instead."""
+  fits = MambaCall(8, 8192, 1536, 16, "float32")         # 3 x 6.4 GB of 140 GB
+  too_big = MambaCall(64, 32768, 1536, 16, "float32")    # 3 x 206 GB
+  assert scan.explain_dispatch(fits, device=H200).grad_implementation == "associative"
+  assert scan.explain_dispatch(too_big, device=H200).grad_implementation == "chunked"
 
 
 @pytest.mark.parametrize("call, why", [
@@ -133,7 +146,7 @@ def test_mamba_kernel_lowers_for_sm90(fake_h200):
   x, A, B = S((2, 300, 100), BF16), S((100, 16), jnp.float32), S((2, 300, 16), BF16)
   fn = lambda x, A, B: scan.mamba_scan(x, x, A, B, B, z=x)
   assert _kernels(fn, x, A, B) == ["probjax_mamba_scan_fwd"]
-  # Differentiated, the call is the chunked XLA formulation's.
+  # Differentiated, the call is the associative form's.
   assert _kernels(jax.grad(_loss(fn), argnums=(0, 1, 2)), x, A, B) == []
 
 
@@ -148,5 +161,9 @@ def test_rla_kernels_lower_for_sm90(fake_h200):
   q, k = S((2, 300, 8, 64), BF16), S((2, 300, 2, 64), BF16)
   fn = lambda q, k: scan.residual_linear_attention(q, k, k, window_size=64)
   assert _kernels(fn, q, k) == ["probjax_rla_fwd"]
-  grad = jax.grad(lambda q, k: jnp.sum(fn(q, k).astype(jnp.float32) ** 2), argnums=(0, 1))
-  assert _kernels(grad, q, k) == ["probjax_rla_bwd_dkv", "probjax_rla_bwd_dq", "probjax_rla_fwd"]
+  grad = lambda fn: jax.grad(lambda q, k: jnp.sum(fn(q, k).astype(jnp.float32) ** 2), argnums=(0, 1))
+  # The default's gradient is the chunked XLA form's (faster than the backward kernels);
+  # asked for, the kernels run forward and backward.
+  assert _kernels(grad(fn), q, k) == []
+  asked = lambda q, k: scan.residual_linear_attention(q, k, k, window_size=64, implementation="triton")
+  assert _kernels(grad(asked), q, k) == ["probjax_rla_bwd_dkv", "probjax_rla_bwd_dq", "probjax_rla_fwd"]

@@ -28,11 +28,6 @@ __all__ = ["mamba_scan", "ssd_scan", "residual_linear_attention", "explain_dispa
            "available_implementations", "feature_map", "Decision", "MambaCall", "SSDCall", "RLACall"]
 
 
-def _backend(call, implementation):
-  name = explain_dispatch(call, implementation=implementation).implementation
-  return dispatch.registry_of(call).get(name)
-
-
 def _dt(dt, dt_bias, dt_softplus, cd):
   dt = dt.astype(cd) if dt_bias is None else dt.astype(cd) + dt_bias.astype(cd)
   return jax.nn.softplus(dt) if dt_softplus else dt
@@ -75,8 +70,8 @@ def mamba_scan(x, dt, A, B, C, D=None, *, z=None, dt_bias=None, dt_softplus: boo
   cd = compute_dtype(x.dtype)
   h0 = (jnp.zeros((call.batch, call.channels, call.state), cd) if initial_state is None
         else initial_state.astype(cd))
-  y, final = _backend(call, implementation)(x, _dt(dt, dt_bias, dt_softplus, cd), A.astype(cd),
-                                            B, C, h0, call=call)
+  y, final = dispatch.resolve(call, implementation)(x, _dt(dt, dt_bias, dt_softplus, cd), A.astype(cd),
+                                                     B, C, h0)
   return _finish(y, x, D, z, cd, final, return_final_state)
 
 
@@ -101,8 +96,8 @@ def ssd_scan(x, dt, A, B, C, D=None, *, z=None, dt_bias=None, dt_softplus: bool 
   cd = compute_dtype(x.dtype)
   h0 = (jnp.zeros((call.batch, call.heads, call.head_dim, call.state), cd) if initial_state is None
         else initial_state.astype(cd))
-  y, final = _backend(call, implementation)(x, _dt(dt, dt_bias, dt_softplus, cd), A.astype(cd),
-                                            B, C, h0, call=call)
+  y, final = dispatch.resolve(call, implementation)(x, _dt(dt, dt_bias, dt_softplus, cd), A.astype(cd),
+                                                     B, C, h0)
   return _finish(y, x, None if D is None else D[:, None], z, cd, final, return_final_state)
 
 
@@ -143,8 +138,7 @@ def residual_linear_attention(q, k, v, *, window_size: int, feature_map: str = "
         if initial_state is None else initial_state.astype(cd))
   shift = window_size + 1
   phi = lambda t: chunked_math.feature_map(t, feature_map)
-  o, final = _backend(call, implementation)(phi(q), _shift(phi(k), shift), _shift(v, shift), s0,
-                                            call=call)
+  o, final = dispatch.resolve(call, implementation)(phi(q), _shift(phi(k), shift), _shift(v, shift), s0)
   o = o.astype(q.dtype)
   return (o, final) if return_final_state else o
 

@@ -3,7 +3,8 @@ decision with its reason, so tests run them on CPU with fake devices.
 
 Rules for ``implementation=None``:
   1. A GPU (or Pallas interpret mode): ``"triton"`` where its kernels compute the call
-     exactly, else ``"chunked"`` (the reason says why the kernels cannot).
+     exactly, else ``"chunked"`` (the reason says why the kernels cannot). A differentiated
+     call runs :data:`GPU_GRAD_DEFAULT`'s form instead, forward and backward.
   2. Elsewhere the fastest exact XLA form measured on CPU (:data:`CPU_DEFAULT`).
 An explicit ``implementation`` is checked, never replaced: where it cannot run on the device or
 compute the call exactly, ValueError says why.
@@ -12,10 +13,13 @@ compute the call exactly, ValueError says why.
 from __future__ import annotations
 
 import dataclasses
+import functools
+
+import jax
 
 from probjax.core.backend import Registry
 from probjax.core.device import Device
-from probjax.ops.scan import chunked_math, registry
+from probjax.ops.scan import registry
 from probjax.ops.scan.calls import MambaCall, RLACall, SSDCall
 
 # Measured on a two-core CPU (float32, lengths 256 and 2048), forward and forward+backward:
@@ -25,21 +29,47 @@ from probjax.ops.scan.calls import MambaCall, RLACall, SSDCall
 # far, and near the sequential scan's forward.
 CPU_DEFAULT = {"mamba_scan": "scan", "ssd_scan": "chunked", "residual_linear_attention": "chunked"}
 
+# What a differentiated call runs on a GPU (forward with residuals and backward), the fastest
+# exact form of forward+backward on the H200 (docs/decisions.md, "Scan gradients"): e.g.
+# Mamba-1 at B8 L2048 D1536 N16 float32 takes 15.0 ms associative against 21.9 ms chunked,
+# whose chunk loop recomputes the elementwise state; RLA's chunked XLA form (1.16 ms at B4 H8
+# T4096) beats the Triton backward kernels (2.86 ms), whose per-chunk state updates are not
+# on tensor cores. The same order held at four times the length.
+GPU_GRAD_DEFAULT = {"mamba_scan": "associative", "ssd_scan": "chunked", "residual_linear_attention": "chunked"}
+# The associative form keeps the state at every position for its backward, with the scan's
+# temporaries about three float32 copies of ``[batch, length, channels, state]``; past this
+# share of the device's memory the chunked form (inputs and chunk-boundary states only) runs.
+# E.g. B8 L8192 D1536 N16: 3 x 6.4 GB of 140 GB, associative.
+ASSOCIATIVE_MEMORY_SHARE = 0.25
+
+
+def _gpu_grad(call, device: Device) -> str:
+  """What a differentiated call runs on a GPU (:data:`GPU_GRAD_DEFAULT`, memory permitting)."""
+  grad = GPU_GRAD_DEFAULT[registry_of(call).op]
+  if grad == "associative" and device.memory_bytes:
+    states = 3 * 4 * call.batch * call.length * call.channels * call.state
+    if states > ASSOCIATIVE_MEMORY_SHARE * device.memory_bytes:
+      return "chunked"
+  return grad
+
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
   """The implementation chosen for a call, the rule that chose it, its chunk (None: it has
-  none) and, where it differs from the implementation, what a differentiated call runs."""
+  none) and, where a differentiated call runs another implementation forward and backward,
+  that one (``grad_implementation``, a registry name) and its chunk."""
 
   implementation: str
   rule: str
   chunk_size: int | None = None
-  grad: str | None = None
+  grad_implementation: str | None = None
+  grad_chunk_size: int | None = None
 
   def __str__(self):
     extra = f", chunk {self.chunk_size}" if self.chunk_size else ""
-    if self.grad:
-      extra += f"; differentiated: {self.grad}"
+    if self.grad_implementation:
+      extra += f"; differentiated: {self.grad_implementation}"
+      extra += f", chunk {self.grad_chunk_size}" if self.grad_chunk_size else ""
     return f"{self.implementation}{extra} ({self.rule})"
 
 
@@ -51,14 +81,16 @@ def registry_of(call) -> Registry:
   raise TypeError(f"not a scan-room call: {type(call).__name__}")
 
 
-def _decision(call, name: str, rule: str) -> Decision:
-  backend = registry_of(call).get(name)
-  chunk = backend.chunk_size(call)
-  grad = None
-  if name == "triton" and not isinstance(call, RLACall):
-    xla_chunk = chunk if isinstance(call, SSDCall) else chunked_math.default_chunk(call)
-    grad = f"the chunked XLA formulation, chunk {xla_chunk}"
-  return Decision(name, rule, chunk, grad)
+def _decision(call, name: str, rule: str, grad: str | None = None) -> Decision:
+  """``name`` runs the call; differentiated, ``grad`` does (None: ``name`` itself, or for the
+  Mamba-1 and SSD kernels, which have no backward, ``"chunked"``)."""
+  reg = registry_of(call)
+  if grad is None and name == "triton" and not isinstance(call, RLACall):
+    grad = "chunked"
+  if grad == name:
+    grad = None
+  return Decision(name, rule, reg.get(name).chunk_size(call), grad,
+                  None if grad is None else reg.get(grad).chunk_size(call))
 
 
 def explain_dispatch(call, *, implementation: str | None = None, device: Device | None = None) -> Decision:
@@ -78,10 +110,30 @@ def explain_dispatch(call, *, implementation: str | None = None, device: Device 
   if device.platform == "gpu":
     kernel = reg.get("triton")
     why = kernel.available(device) or kernel.supports(call, device)
+    grad = _gpu_grad(call, device)
     if why is None:
-      return _decision(call, "triton", "GPU: the Triton kernels compute the call exactly")
-    return _decision(call, "chunked", f"GPU: the Triton kernels cannot take it ({why})")
+      return _decision(call, "triton", "GPU: the Triton kernels compute the call exactly; differentiated, "
+                       "the fastest forward+backward measured", grad)
+    return _decision(call, "chunked", f"GPU: the Triton kernels cannot take it ({why})", grad)
   return _decision(call, CPU_DEFAULT[reg.op], f"platform {device.platform}: the fastest exact XLA form measured on CPU")
+
+
+def with_grad_of(primal, grad):
+  """``primal(*arrays)``, differentiated as ``grad(*arrays)`` (its forward with residuals and its
+  backward): how a decision's ``grad_implementation`` runs beside a forward-only kernel."""
+  f = jax.custom_vjp(primal)
+  f.defvjp(lambda *arrays: jax.vjp(grad, *arrays), lambda vjp, ct: vjp(ct))
+  return f
+
+
+def resolve(call, implementation: str | None = None):
+  """The function ``f(*arrays)`` that computes ``call`` as :func:`explain_dispatch` decides."""
+  decision = explain_dispatch(call, implementation=implementation)
+  reg = registry_of(call)
+  primal = functools.partial(reg.get(decision.implementation), call=call)
+  if decision.grad_implementation is None:
+    return primal
+  return with_grad_of(primal, functools.partial(reg.get(decision.grad_implementation), call=call))
 
 
 def available_implementations(call, device: Device | None = None) -> list[str]:

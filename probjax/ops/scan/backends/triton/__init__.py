@@ -1,10 +1,10 @@
 """``"triton"`` (alias ``"pallas"``): Pallas-Triton kernels.
 
-* Mamba-1: a forward kernel (:mod:`.mamba`); SSD: a chunked forward kernel (:mod:`.ssd`). A
-  differentiated call runs the chunked XLA formulation instead, forward and backward (a
-  ``custom_vjp`` around :mod:`probjax.ops.scan.chunked_math`'s function): its backward needs
-  that forward's residuals, which the kernel does not save, so running the kernel as well would
-  only add its time.
+* Mamba-1: a forward kernel (:mod:`.mamba`); SSD: a chunked forward kernel (:mod:`.ssd`). They
+  have no backward: the dispatch's decision names what a differentiated call runs instead,
+  forward and backward (``Decision.grad_implementation``, ``"chunked"`` when the kernels are
+  requested), and the op composes the two (:func:`probjax.ops.scan.dispatch.with_grad_of`).
+  That backward needs its own forward's residuals, which the kernels do not save.
 * RLA: forward and backward kernels (:mod:`.rla`), exact.
 
 The kernels' dots run at Triton's default precision (TF32 for float32 operands on the GPU).
@@ -18,7 +18,6 @@ import jax
 
 from probjax.core.backend import Backend
 from probjax.core.device import Device
-from probjax.ops.scan import chunked_math
 from probjax.ops.scan.backends.triton import common
 from probjax.ops.scan.backends.triton import mamba as mamba_kernel
 from probjax.ops.scan.backends.triton import rla as rla_kernel
@@ -73,29 +72,8 @@ def kernel_chunk(call) -> int:
   return min(CHUNK, common.block(call.length, 16))
 
 
-def _xla_when_differentiated(xla_fn):
-  """Decorates a kernel call ``fn(call, *arrays)``: a ``custom_vjp`` whose forward with
-  residuals and backward are ``xla_fn(call, *arrays)``'s."""
-  def wrap(fn):
-    f = jax.custom_vjp(fn, nondiff_argnums=(0,))
-    f.defvjp(lambda call, *args: jax.vjp(functools.partial(xla_fn, call), *args),
-             lambda call, vjp, ct: vjp(ct))
-    return f
-  return wrap
-
-
-def _mamba_xla(call, *args):
-  return chunked_math.mamba_chunked(*args, chunk=chunked_math.default_chunk(call))
-
-
-@_xla_when_differentiated(_mamba_xla)
-def _mamba(call, x, dt, A, B, C, h0):
-  return mamba_kernel.forward(x, dt, A, B, C, h0, interpret=call.interpret)
-
-
 class MambaTriton(_Triton, Backend[MambaCall]):
-  """Forward kernel; differentiated, the chunked XLA formulation (chunk: its default rule or the
-  call's ``chunk_size``)."""
+  """Forward kernel (not differentiable: see the module docstring)."""
 
   def supports(self, call: MambaCall, device: Device) -> str | None:
     return self._refusal(call, device, [("state", call.state)])
@@ -104,27 +82,17 @@ class MambaTriton(_Triton, Backend[MambaCall]):
     return None  # the forward kernel steps through positions
 
   def __call__(self, x, dt, A, B, C, h0, *, call: MambaCall):
-    return _mamba(call, x, dt, A, B, C, h0)
-
-
-def _ssd_xla(call, *args):
-  return chunked_math.ssd_chunked(*args, chunk=kernel_chunk(call))
-
-
-@_xla_when_differentiated(_ssd_xla)
-def _ssd(call, x, dt, A, B, C, h0):
-  return ssd_kernel.forward(x, dt, A, B, C, h0, chunk=kernel_chunk(call),
-                            interpret=call.interpret)
+    return mamba_kernel.forward(x, dt, A, B, C, h0, interpret=call.interpret)
 
 
 class SSDTriton(_Triton, Backend[SSDCall]):
-  """Chunked forward kernel; differentiated, the chunked XLA formulation at the same chunk."""
+  """Chunked forward kernel (not differentiable: see the module docstring)."""
 
   def supports(self, call: SSDCall, device: Device) -> str | None:
     return (self._refusal(call, device, [("state", call.state)]) or self._chunk_refusal(call))
 
   def __call__(self, x, dt, A, B, C, h0, *, call: SSDCall):
-    return _ssd(call, x, dt, A, B, C, h0)
+    return ssd_kernel.forward(x, dt, A, B, C, h0, chunk=kernel_chunk(call), interpret=call.interpret)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
