@@ -9,6 +9,7 @@ from flax import nnx
 
 from probjax.core.tolerances import max_error, tolerance
 from probjax.nn.layers.mamba import Mamba, Mamba2
+from probjax.testing import decode_steps
 
 LENGTH = 11
 
@@ -27,23 +28,14 @@ full_pass = nnx.jit(lambda layer, x, state=None: layer(x, state))
 with_state = nnx.jit(lambda layer, x: layer(x, return_state=True))
 
 
-def _decode(layer, x, state, start):
-  step = nnx.jit(lambda layer, x, state: layer.step(x, state))
-  ys = []
-  for t in range(start, x.shape[1]):
-    y, state = step(layer, x[:, t], state)
-    ys.append(y)
-  return jnp.stack(ys, 1)
-
-
 @pytest.mark.parametrize("name", list(layers()))
 def test_decoding_equals_the_full_pass(name):
   layer, x = layers()[name](), _x()
   full = full_pass(layer, x)
   tol = tolerance(jnp.float32)
-  assert max_error(_decode(layer, x, layer.init_state(2), 0), full) <= tol
+  assert max_error(decode_steps(layer, x, layer.init_state(2), 0)[0], full) <= tol
   prefix, state = with_state(layer, x[:, :6])
-  assert max_error(jnp.concatenate([prefix, _decode(layer, x, state, 6)], 1), full) <= tol
+  assert max_error(jnp.concatenate([prefix, decode_steps(layer, x, state, 6)[0]], 1), full) <= tol
   # A continuation from a state runs the scan with an initial state.
   rest = full_pass(layer, x[:, 6:], state)
   assert max_error(jnp.concatenate([prefix, rest], 1), full) <= tol

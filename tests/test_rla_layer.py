@@ -11,6 +11,7 @@ from probjax.core.tolerances import max_error, tolerance
 from probjax.nn.layers.attention import LocalWindowMask, dot_product_attention
 from probjax.nn.layers.rattention import RAttention
 from probjax.ops.scan import residual_linear_attention
+from probjax.testing import decode_steps
 
 LENGTH = 13
 
@@ -27,26 +28,17 @@ def _x():
 with_state = nnx.jit(lambda layer, x: layer(x, return_state=True))
 
 
-def _decode(layer, x, state, start):
-  step = nnx.jit(lambda layer, x, state: layer.step(x, state))
-  ys = []
-  for t in range(start, x.shape[1]):
-    y, state = step(layer, x[:, t], state)
-    ys.append(y)
-  return jnp.stack(ys, 1), state
-
-
 @pytest.mark.parametrize("kw", [{}, {"window_size": 0, "feature_map": "relu"},
                                 pytest.param({"window_size": 20, "num_kv_heads": 1}, marks=pytest.mark.slow)])
 def test_decoding_equals_the_full_pass(kw):
   layer, x = _layer(**kw), _x()
   full, end = with_state(layer, x)
   tol = tolerance(jnp.float32)
-  steps, state = _decode(layer, x, layer.init_state(2), 0)
+  steps, state = decode_steps(layer, x, layer.init_state(2), 0)
   assert max_error(steps, full) <= tol
   np.testing.assert_allclose(state.linear, end.linear, rtol=1e-5, atol=1e-5)
   prefix, state = with_state(layer, x[:, :5])
-  assert max_error(jnp.concatenate([prefix, _decode(layer, x, state, 5)[0]], 1), full) <= tol
+  assert max_error(jnp.concatenate([prefix, decode_steps(layer, x, state, 5)[0]], 1), full) <= tol
 
 
 def test_branches():

@@ -31,8 +31,10 @@ from probjax.ops.attention.masks import KVLenMask
 __all__ = ["MultiHeadAttention", "check_heads"]
 
 
-def check_heads(features: int, num_heads: int, num_kv_heads: int | None, head_dim: int | None):
-  """``(num_kv_heads, head_dim)`` after validation (ValueError naming the argument)."""
+def check_heads(features: int, num_heads: int, num_kv_heads: int | None, head_dim: int | None,
+                features_name: str = "features"):
+  """``(num_kv_heads, head_dim)`` after validation (ValueError naming the argument;
+  ``features_name``: the caller's name for ``features``)."""
   if num_heads < 1:
     raise ValueError(f"num_heads must be >= 1, got {num_heads}")
   num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -40,7 +42,7 @@ def check_heads(features: int, num_heads: int, num_kv_heads: int | None, head_di
     raise ValueError(f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads})")
   if head_dim is None:
     if features % num_heads:
-      raise ValueError(f"features ({features}) must be divisible by num_heads ({num_heads}), "
+      raise ValueError(f"{features_name} ({features}) must be divisible by num_heads ({num_heads}), "
                        "or pass head_dim")
     head_dim = features // num_heads
   if head_dim < 1:

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from probjax.nn.layers.attention import KVLenMask, LocalWindowMask, dot_product_attention
+from probjax.nn.layers.multi_head_attention import check_heads
 from probjax.ops.scan import feature_map as rla_features
 from probjax.ops.scan import residual_linear_attention
 from probjax.ops.scan.calls import FEATURE_MAPS
@@ -75,16 +76,7 @@ class RAttention(nnx.Module):
                use_bias: bool = False, implementation: str | None = None,
                attention_implementation: str | None = None, dtype=None,
                param_dtype=jnp.float32, rngs: nnx.Rngs):
-    if num_heads < 1:
-      raise ValueError(f"num_heads must be >= 1, got {num_heads}")
-    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-    if num_kv_heads < 1 or num_heads % num_kv_heads:
-      raise ValueError(f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads})")
-    if head_dim is None:
-      if in_features % num_heads:
-        raise ValueError(f"in_features ({in_features}) must be divisible by num_heads ({num_heads}), "
-                         "or pass head_dim")
-      head_dim = in_features // num_heads
+    num_kv_heads, head_dim = check_heads(in_features, num_heads, num_kv_heads, head_dim, "in_features")
     if not isinstance(window_size, int) or window_size < 0:
       raise ValueError(f"window_size must be an int >= 0, got {window_size!r}")
     if feature_map not in FEATURE_MAPS:
