@@ -574,3 +574,17 @@ def numpy_init(ctor, seed=0):
     return jnp.asarray(1 + 0.2 * n if "scale" in jax.tree_util.keystr(path) else 0.3 * n, a.dtype)
 
   return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(fill, state))
+
+
+def decode_steps(layer, x, state, start: int):
+  """``(outputs [batch, seq - start, ...], state)``: ``layer.step`` (jitted) over positions
+  ``start..seq-1`` of ``x`` ``[batch, seq, features]`` from ``state``, the recurrent decode a
+  layer test compares with the full pass."""
+  from flax import nnx
+
+  step = nnx.jit(lambda layer, x, state: layer.step(x, state))
+  ys = []
+  for t in range(start, x.shape[1]):
+    y, state = step(layer, x[:, t], state)
+    ys.append(y)
+  return jnp.stack(ys, 1), state
