@@ -55,37 +55,41 @@ class _Blocks:
                  (self.f, self.dv))
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, s0_ref, o_ref, s_ref, *, blocks: _Blocks, groups):
-  bi, hi = pl.program_id(0), pl.program_id(1)
-  hk = hi // groups
-  causal = common.tril(blocks.chunk)
-
+def _over_chunks(k_ref, v_ref, s0_ref, bi, hk, blocks: _Blocks, emit):
+  """Walks the chunks in order, calling ``emit(t0, k, v, s)`` with the chunk's keys and values
+  and ``s``, the state before it (the initial state plus ``k^T v`` of the earlier chunks);
+  returns the final state."""
   def body(c, s):
     t0 = c * blocks.chunk
-    q, k = blocks.feat(q_ref, bi, hi, t0), blocks.feat(k_ref, bi, hk, t0)
-    v = blocks.val(v_ref, bi, hk, t0)
-    scores = jnp.where(causal, common.dot_nt(q, k), 0.0)
-    blocks.put_val(o_ref, bi, hi, t0, common.dot(scores, v) + common.dot(q, s))
+    k, v = blocks.feat(k_ref, bi, hk, t0), blocks.val(v_ref, bi, hk, t0)
+    emit(t0, k, v, s)
     return s + common.dot_tn(k, v)
 
-  s = jax.lax.fori_loop(0, pl.cdiv(blocks.length, blocks.chunk), body, blocks.state(s0_ref, bi, hk))
-  blocks.put_state(s_ref, bi, hi, s)
+  return jax.lax.fori_loop(0, pl.cdiv(blocks.length, blocks.chunk), body, blocks.state(s0_ref, bi, hk))
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, s0_ref, o_ref, s_ref, *, blocks: _Blocks, groups):
+  bi, hi = pl.program_id(0), pl.program_id(1)
+  causal = common.tril(blocks.chunk)
+
+  def emit(t0, k, v, s):
+    q = blocks.feat(q_ref, bi, hi, t0)
+    scores = jnp.where(causal, common.dot_nt(q, k), 0.0)
+    blocks.put_val(o_ref, bi, hi, t0, common.dot(scores, v) + common.dot(q, s))
+
+  blocks.put_state(s_ref, bi, hi, _over_chunks(k_ref, v_ref, s0_ref, bi, hi // groups, blocks, emit))
 
 
 def _dq_kernel(k_ref, v_ref, s0_ref, do_ref, dq_ref, *, blocks: _Blocks, groups):
   bi, hi = pl.program_id(0), pl.program_id(1)
-  hk = hi // groups
   causal = common.tril(blocks.chunk)
 
-  def body(c, s):
-    t0 = c * blocks.chunk
-    k, v = blocks.feat(k_ref, bi, hk, t0), blocks.val(v_ref, bi, hk, t0)
+  def emit(t0, k, v, s):
     do = blocks.val(do_ref, bi, hi, t0)
     dov = jnp.where(causal, common.dot_nt(do, v), 0.0)
     blocks.put_feat(dq_ref, bi, hi, t0, common.dot_nt(do, s) + common.dot(dov, k))
-    return s + common.dot_tn(k, v)
 
-  jax.lax.fori_loop(0, pl.cdiv(blocks.length, blocks.chunk), body, blocks.state(s0_ref, bi, hk))
+  _over_chunks(k_ref, v_ref, s0_ref, bi, hi // groups, blocks, emit)
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, ds_ref, dk_ref, dv_ref, r_ref, *, blocks: _Blocks,
