@@ -25,6 +25,9 @@
 #   only (host-bound ones, e.g. T1024, scatter under it: docs/decisions.md, "Timing").
 # The SM clock, temperature, power and throttle reasons are sampled every 0.5 s into
 # $OUT/gpu_clocks.csv (to read a run's noise; not committed).
+# newops_tests: the grouped-matmul, scan and MoE tests with their kernels compiled (not interpreted).
+# moe[:SUITES[:TOKENS]], scan[:MODES], lm[:SECTIONS] ('+'-joined lists): bench/moe.py, bench/scan.py,
+#   bench/lm_step.py into $RES/<device>/{moe,scan,lm_step}.json, resumed.
 # (tests: pytest --gpu on the gpu-marked tests (tests:EXPR: only those matching -k EXPR), failures
 # printed as they happen, log in $OUT/gpu_tests.log; it gets at most a third of the remaining
 # time, or TESTS_MAX_S seconds)
@@ -104,9 +107,29 @@ for s in "${steps[@]}"; do
     tests|tests:*) t=${TESTS_MAX_S:-$(python3 -c "print(int(60 * $(left_min) / 3))")}
                sel="${s#tests}"; sel="${sel#:}"
                echo "[batch] $(date +%T) tests ${sel:+-k $sel }(max ${t} s)" | tee -a "$OUT/batch.log"
-               timeout "$t" $PY -m pytest tests --gpu -m gpu -q -p no:cacheprovider -n 4 --durations=8 \
+               timeout "$t" $PY -m pytest tests --gpu -m gpu -q -p no:cacheprovider -n "${TEST_WORKERS:-2}" --durations=8 \
                  ${sel:+-k "$sel"} > "$OUT/gpu_tests.log" 2>&1
                grep -E "^\[FAILED\]|passed|failed" "$OUT/gpu_tests.log" | tail -20 | tee -a "$OUT/batch.log" ;;
+    newops_tests) t=${TESTS_MAX_S:-$(python3 -c "print(int(60 * $(left_min) / 3))")}   # the new ops' kernels, compiled
+               echo "[batch] $(date +%T) newops_tests (max ${t} s)" | tee -a "$OUT/batch.log"
+               timeout "$t" $PY -m pytest --gpu -q -p no:cacheprovider -n 6 -m "not slow" tests/test_grouped_matmul.py \
+                 tests/test_scan.py tests/test_moe.py > "$OUT/newops_tests.log" 2>&1
+               grep -E "^\[FAILED\]|passed|failed" "$OUT/newops_tests.log" | tail -20 | tee -a "$OUT/batch.log" ;;
+    moe|moe:*) suites="${s#moe}"; suites="${suites#:}"   # moe[:SUITES+...[:TOKENS+...]]
+               IFS=':' read -r suites tokens <<< "${suites:-moe_train+moe_fwd+gmm}"
+               echo "[batch] $(date +%T) $s" | tee -a "$OUT/batch.log"
+               timeout "$(python3 -c "print(int(60 * $(left_min)))")" $PY -m bench.moe --suite "${suites//+/,}" \
+                 ${tokens:+--tokens "${tokens//+/,}"} --output "$RES/$DEV/moe.json" --append --no-progress \
+                 --max-minutes "$(left_min)" 2>&1 | tail -5 | tee -a "$OUT/batch.log" ;;
+    scan|scan:*) modes="${s#scan}"; modes="${modes#:}"   # scan[:MODES+...]
+               echo "[batch] $(date +%T) $s" | tee -a "$OUT/batch.log"
+               timeout "$(python3 -c "print(int(60 * $(left_min)))")" $PY -m bench.scan --modes "$(m=${modes:-fwd+fwd_bwd}; echo "${m//+/,}")" \
+                 --output "$RES/$DEV/scan.json" --append --max-minutes "$(left_min)" 2>&1 | tail -5 | tee -a "$OUT/batch.log" ;;
+    lm|lm:*)   sections="${s#lm}"; sections="${sections#:}"   # lm[:SECTIONS+...]
+               echo "[batch] $(date +%T) $s" | tee -a "$OUT/batch.log"
+               timeout "$(python3 -c "print(int(60 * $(left_min)))")" $PY bench/lm_step.py \
+                 --sections "$(x=${sections:-matmul+train+train_packed+decode}; echo "${x//+/,}")" \
+                 --output "$RES/$DEV/lm_step.json" --max-minutes "$(left_min)" 2>&1 | tail -12 | tee -a "$OUT/batch.log" ;;
     dispatch)  run_step bench.benchmark_kernel_attn_gpu --device gpu --suite dispatch ;;
     grid_core) split bench.benchmark_gpu_attention --suite grid --dtypes bf16 --lengths 1024,4096,16384 ;;
     peak)      run_step bench.benchmark_kernel_attn_gpu --device gpu --suite peak --child-timeout 100 ;;
