@@ -490,6 +490,17 @@ def test_split_kv_rows_without_keys_are_zero():
   assert max_error(out, reference_attention(q, k, v, mask=mask)) <= tolerance(jnp.float32)
 
 
+@pytest.mark.parametrize("band", [None, LocalWindowMask(100, 0)])
+def test_split_kv_shares_the_valid_keys(band):
+  """Key lengths far below the cache: the splits divide each element's valid tiles (a split
+  may get none: its lse is -inf), also inside a band."""
+  q, k, v, _ = _inputs(11, 2, 2, 700, 4, 2, 32, jnp.float32)
+  mask = KVLenMask(jnp.array([37, 690]))
+  mask = mask if band is None else band & mask
+  out = pt.attention(q, k, v, mask=mask, split_kv=pt.SplitKVConfig(block_k=16, num_splits=5), interpret=True)
+  assert max_error(out, reference_attention(q, k, v, mask=mask)) <= tolerance(jnp.float32)
+
+
 def test_split_kv_bf16_and_grad_runs_the_regular_kernel():
   q, k, v, do = _inputs(4, 2, 2, 400, 8, 2, 64, jnp.bfloat16)
   f = lambda q, k, v: pt.attention(q, k, v, split_kv=SKV, forward_config=FC16, backward_config=BC16,

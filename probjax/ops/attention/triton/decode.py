@@ -108,7 +108,7 @@ def _band_keys(mask: Mask | None, q_len: int, kv_len: int) -> tuple[int, int]:
 
 
 def _kernel(q_ref, k_ref, v_ref, *refs, tm: tiles.TileMask, scale: float, groups: int,
-            block_rows: int, block_k: int, tile_lo: int, tiles_per_split: int, tile_hi: int,
+            block_rows: int, block_k: int, tile_lo: int, tiles_per_split: int, num_splits: int, tile_hi: int,
             n_row_tiles: int, masked: bool, fast_exp2: bool):
   mr = tiles.MaskRefs.unpack(tm, refs[:-2])
   o_ref, lse_ref = refs[-2:]
@@ -120,10 +120,17 @@ def _kernel(q_ref, k_ref, v_ref, *refs, tm: tiles.TileMask, scale: float, groups
   qi = rows // groups
   qs = mr.q_seg.at[b, pl.ds(row0, block_rows)][...][:, None] if mr.q_seg is not None else None
 
-  start = tile_lo + split * tiles_per_split
-  end = jnp.minimum(start + tiles_per_split, tile_hi)
-  if mr.kv_lengths is not None:
-    end = jnp.minimum(end, (mr.kv_lengths[b] + block_k - 1) // block_k)
+  if mr.kv_lengths is None:
+    start = tile_lo + split * tiles_per_split
+    end = jnp.minimum(start + tiles_per_split, tile_hi)
+  else:
+    # The splits share this element's valid tiles, not the cache's: a cache of 8192 keys holding
+    # 1100 in 9 splits would otherwise leave 7 programs of every (batch, head) idle and two
+    # with 910 keys each; shared, each takes about 128.
+    valid_hi = jnp.minimum((mr.kv_lengths[b] + block_k - 1) // block_k, tile_hi)
+    per_split = (jnp.maximum(valid_hi - tile_lo, 0) + num_splits - 1) // num_splits
+    start = tile_lo + split * per_split
+    end = jnp.minimum(start + per_split, valid_hi)
 
   kv_valid = mr.valid(b, keys=True)
 
@@ -190,7 +197,7 @@ def forward(q, k, v, mask: Mask | None, *, scale: float, config: SplitKVConfig, 
   n_row_tiles = rows_pad // br
   kernel = functools.partial(
       _kernel, tm=tm, scale=scale, groups=groups, block_rows=br, block_k=bk, tile_lo=tile_lo,
-      tiles_per_split=tiles_per_split, tile_hi=tile_hi, n_row_tiles=n_row_tiles, masked=masked,
+      tiles_per_split=tiles_per_split, num_splits=splits, tile_hi=tile_hi, n_row_tiles=n_row_tiles, masked=masked,
       fast_exp2=c.fast_exp2 and not interpret)
   o, lse2 = pl.pallas_call(
       kernel,
