@@ -1,5 +1,6 @@
 """The rooms import in one direction: core <- kernels <- ops <- nn (<- the report and test
-helpers at the top), and within an op no backend imports another backend."""
+helpers at the top), within an op no backend imports another backend, and JAX internals
+(``jax._src``) are imported by one module only."""
 
 import ast
 import pathlib
@@ -44,6 +45,30 @@ def _violations():
         yield f"{'/'.join(src)} imports {name} (another backend)"
 
 
+# JAX internals: probjax/core/compat.py names each one; the test helpers patch Pallas's lowering.
+JAX_INTERNALS_ALLOWED = {"core/compat.py", "testing.py"}
+
+
+def _jax_internals(path: pathlib.Path):
+  """``jax._src`` modules that ``path`` imports (anywhere in it, function bodies included)."""
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Import):
+      yield from (a.name for a in node.names if a.name == "jax._src" or a.name.startswith("jax._src."))
+    elif isinstance(node, ast.ImportFrom) and not node.level:
+      base = node.module or ""
+      if base == "jax._src" or base.startswith("jax._src."):
+        yield base
+      elif base == "jax":
+        yield from (f"jax.{a.name}" for a in node.names if a.name == "_src")
+
+
+def test_jax_internals_only_in_compat():
+  bad = sorted(f"{path.relative_to(ROOT).as_posix()} imports {name}"
+               for path in ROOT.rglob("*.py") if path.relative_to(ROOT).as_posix() not in JAX_INTERNALS_ALLOWED
+               for name in _jax_internals(path))
+  assert not bad, "\n".join(bad) + "\n(import it from probjax.core.compat, with a line saying why)"
+
+
 def test_rooms_import_downwards_only():
   bad = sorted(set(_violations()))
   assert not bad, "\n".join(bad)
@@ -52,3 +77,9 @@ def test_rooms_import_downwards_only():
 @pytest.mark.parametrize("src, name, room", [(("ops", "attention", "dispatch"), "probjax.nn.layers.attention_device", 3)])
 def test_a_violation_is_seen(src, name, room):
   assert _room(tuple(name.split(".")[1:])) == room > _room(src)
+
+
+def test_a_jax_internal_import_is_seen(tmp_path):
+  f = tmp_path / "m.py"
+  f.write_text("def g():\n  from jax._src.pallas.triton import lowering\nfrom jax import _src\nimport jax._src.core\n")
+  assert sorted(_jax_internals(f)) == ["jax._src", "jax._src.core", "jax._src.pallas.triton"]

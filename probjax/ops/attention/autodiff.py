@@ -7,12 +7,8 @@ the jvp of an exact reference formulation (the XLA path), and its transpose is
 the kernel's own vjp. So ``jax.grad`` still runs the kernel's backward (same
 residuals, same cost) and ``jax.jvp`` becomes exact instead of an error.
 
-JAX 0.11.2's ``linear_call`` reports none of its callee's effects. The transpose (the
-kernel's vjp) becomes a ``linear_call`` callee under ``jax.grad``, and in Pallas Mosaic GPU
-interpret mode the kernels carry an ordered effect (the interpreter serialises kernels through
-ordered host callbacks): under ``jax.jit`` no token was threaded to them and lowering failed
-(``KeyError: OrderedIOEffect``). :func:`_linear_call_abstract_eval` reports the callee's
-ordered effects, so ``jit`` threads their token through the call.
+``linear_call`` needs rules JAX 0.11.2 lacks (its callee's ordered effects under ``jax.jit``,
+batching, JVP in its residuals): :mod:`probjax.core.jax_patches`, applied on import here.
 """
 
 from __future__ import annotations
@@ -21,23 +17,11 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-from jax._src import effects
-from jax._src.custom_derivatives import linear_call_p
 from jax.custom_derivatives import SymbolicZero, linear_call
 
-from probjax.ops.attention.xla import _linear_call_batching  # noqa: F401  (vmap of linear_call)
+from probjax.core import jax_patches
 
-
-def _linear_call_abstract_eval(*args, callee, **params):
-  """``linear_call``'s output types and its callee's ordered effects, which need a token
-  wherever the call is lowered. Not the others: an internal mutable array's effect is local
-  to the callee (its lowering discharges it), and ``linear_call`` has no state discharge rule
-  that reporting it would call for."""
-  del args, params
-  return callee.out_avals, set(effects.ordered_effects.filter_in(callee.effects))
-
-
-linear_call_p.def_effectful_abstract_eval(_linear_call_abstract_eval)
+jax_patches.apply()  # linear_call: the callee's ordered effects under jit, vmap, jvp in residuals
 
 
 def with_forward_mode(fast: Callable, exact: Callable, grad: Callable | None = None) -> Callable:

@@ -203,8 +203,7 @@ def score_mod_pullback(score_mod, s, ds, b, h, qi, ki):
   """``ds`` (w.r.t. ``score_mod(s, b, h, qi, ki)``) pulled back to ``s``: ``jax.vjp`` of the
   elementwise modifier, its ``add_any`` (cotangent sums; no Pallas Mosaic GPU lowering) written
   as ``add`` and nested ``jit`` calls inlined."""
-  from jax._src import ad_util
-  from jax._src import pjit
+  from probjax.core.compat import ad_util, pjit
   from jax.extend import core as jex_core
   closed = jax.make_jaxpr(lambda s, ds, b, h, qi, ki: jax.vjp(lambda s: score_mod(s, b, h, qi, ki), s)[1](ds))(
       s, ds, b, h, qi, ki)

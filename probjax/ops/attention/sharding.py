@@ -23,10 +23,11 @@ from typing import Callable, Hashable
 
 import jax
 import jax.numpy as jnp
-from jax._src.lib.mlir import ir  # the types a Shardy rule callback receives
 from jax.custom_batching import custom_vmap
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
+
+from probjax.core.compat import ir  # the types a Shardy rule callback receives
 
 Q, KV, STATS, BATCH = "bthd", "bsgd", "bht", "b"
 _REPLICATED = "tsd"

@@ -21,6 +21,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from probjax.core import compat
 from probjax.ops.attention import sharding
 from probjax.ops.attention.base import check_kernel_call, score_mod_reason, score_mod_unlowerable
 from probjax.ops.attention.masks import Mask
@@ -79,9 +80,7 @@ def _lowerable(score_mod: Callable | None, *, mosaic_grad: bool = False) -> str 
   Triton its gradient (the Triton backward); or None."""
   if score_mod is None:
     return None
-  from jax._src.pallas.mosaic_gpu import core as mgpu_core
-  from jax._src.pallas.mosaic_gpu import lowering as mgpu_lowering
-  rules = mgpu_lowering.mosaic_lowering_rules[mgpu_core.WGxWG_SEMANTICS]
+  rules = compat.mosaic_gpu_lowering_rules()
   if mosaic_grad:
     return score_mod_unlowerable(score_mod, rules, "Pallas Mosaic GPU", ((64, 128), (64, 128)), grad=True)
   return (score_mod_unlowerable(score_mod, rules, "Pallas Mosaic GPU", ((64, 128), (64, 128)), grad=False)

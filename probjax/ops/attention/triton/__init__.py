@@ -17,6 +17,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from probjax.core import compat
 from probjax.ops.attention import sharding
 from probjax.ops.attention.base import check_kernel_call, score_mod_reason, score_mod_unlowerable
 from probjax.ops.attention.masks import Mask
@@ -74,8 +75,7 @@ def supports(q_shape, kv_shape, dtype, *, mask: Mask | None = None,
 def triton_lowerable(score_mod: Callable | None, *, grad: bool) -> str | None:
   """Why Pallas Triton cannot lower ``score_mod`` on a tile (``[bq, 1]``/``[1, bk]`` indices;
   with ``grad``, its vjp too, for the backward), or None."""
-  from jax._src.pallas.triton import lowering as triton_lowering
-  return score_mod_unlowerable(score_mod, triton_lowering.triton_lowering_rules, "Pallas Triton",
+  return score_mod_unlowerable(score_mod, compat.triton_lowering_rules(), "Pallas Triton",
                                ((64, 1), (1, 128)), grad=grad)
 
 
