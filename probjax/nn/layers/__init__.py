@@ -22,6 +22,13 @@ _EXPORTS = {
     "Mamba": "mamba",
     "Mamba2": "mamba",
     "RAttention": "rattention",
+    "DiTBlock": "dit",
+    "DiffusionTransformer": "dit",
+    "MAB": "conditioners",
+    "SAB": "conditioners",
+    "ISAB": "conditioners",
+    "PMA": "conditioners",
+    "CrossAttentionConditioner": "conditioners",
 }
 
 __all__ = sorted(_EXPORTS)
