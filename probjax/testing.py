@@ -58,13 +58,15 @@ class Inputs:
 
 
 def make_inputs(seed: int, batch: int, q_len: int, kv_len: int, heads: int, kv_heads: int,
-                head_dim: int, dtype=jnp.float32) -> Inputs:
-  """Fresh standard-normal q ``[B, Tq, H, D]``, k/v ``[B, Tkv, Hkv, D]`` and output cotangent."""
+                head_dim: int, dtype=jnp.float32, *, v_head_dim: int | None = None) -> Inputs:
+  """Fresh standard-normal q ``[B, Tq, H, D]``, k ``[B, Tkv, Hkv, D]``, v ``[B, Tkv, Hkv, Dv]``
+  and output cotangent ``[B, Tq, H, Dv]`` (``Dv``: ``v_head_dim``, default ``D``)."""
+  dv = head_dim if v_head_dim is None else v_head_dim
   ks = jax.random.split(jax.random.key(seed), 4)
   q = jax.random.normal(ks[0], (batch, q_len, heads, head_dim), jnp.float32).astype(dtype)
   k = jax.random.normal(ks[1], (batch, kv_len, kv_heads, head_dim), jnp.float32).astype(dtype)
-  v = jax.random.normal(ks[2], (batch, kv_len, kv_heads, head_dim), jnp.float32).astype(dtype)
-  do = jax.random.normal(ks[3], (batch, q_len, heads, head_dim), jnp.float32).astype(dtype)
+  v = jax.random.normal(ks[2], (batch, kv_len, kv_heads, dv), jnp.float32).astype(dtype)
+  do = jax.random.normal(ks[3], (batch, q_len, heads, dv), jnp.float32).astype(dtype)
   return Inputs(q, k, v, do)
 
 

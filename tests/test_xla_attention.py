@@ -188,3 +188,54 @@ def test_auto_formulation():
   assert choose(xla.DENSE_MAX_QUERIES + 1, 16384) == "flash"
   assert choose(1, 1 << 20, b=128) == "flash"  # 4 G scores: over DENSE_MAX_SCORES
   assert xla.choose_formulation((1, 4096, 8, 64), (1, 4096, 8, 64), module=True) == "dense"
+
+
+# -- value head_dim != query/key head_dim (multi-head latent attention) --------------------------
+@pytest.mark.parametrize("mask_name", ["none", "causal", "kv_len_zero", "causal&kv_len"])
+@pytest.mark.parametrize("formulation,tq,tk", [("dense", 1, 48), ("dense", 7, 7), ("dense", 48, 48),
+                                               ("flash", 7, 300), ("flash", 300, 211)])
+def test_value_head_dim_differs(mask_name, formulation, tq, tk):
+  # GQA (4 query heads over 2 KV heads), q/k width 24, v width 16: values, dq, dk, dv.
+  x = make_inputs(hash((mask_name, formulation, tq, tk)) % 1000, 2, tq, tk, 4, 2, 24, v_head_dim=16)
+  mask = make_mask(mask_name, 2, tq, tk, seed=tq)
+  errors = check_against_reference(_xla(formulation, mask), x, mask=mask)
+  assert set(errors) == {"out", "dq", "dk", "dv"}
+
+
+def test_value_head_dim_differs_public_api_scale_and_empty_rows():
+  x = make_inputs(3, 2, 7, 48, 4, 1, 12, v_head_dim=20)   # MQA, v wider than q/k
+  mask = M.KVLenMask(jnp.array([48, 0]))
+  for fn in (dot_product_attention, flex_attention):
+    out = fn(x.q, x.k, x.v, mask=mask)
+    assert out.shape == (2, 7, 4, 20)
+    # The default scale is the query/key width's.
+    ref = reference_attention(x.q, x.k, x.v, mask=mask, scale=12 ** -0.5)
+    assert max_error(out, ref) <= tolerance(jnp.float32)
+    assert np.all(np.asarray(out[1]) == 0)
+    dq, dk, dv = jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v, mask=mask) * x.do), (0, 1, 2))(x.q, x.k, x.v)
+    assert np.all(np.asarray(dq[1]) == 0) and np.all(np.asarray(dk[1]) == 0) and np.all(np.asarray(dv[1]) == 0)
+
+
+@pytest.mark.parametrize("formulation,t", [("dense", 7), ("flash", 300)])
+def test_value_head_dim_differs_jvp(formulation, t):
+  x = make_inputs(11, 2, t, t, 4, 2, 24, v_head_dim=8)
+  mask = M.CausalMask() & M.KVLenMask(jnp.array([t, 0]))
+  tans = [jax.random.normal(jax.random.key(20 + i), a.shape) for i, a in enumerate((x.q, x.k, x.v))]
+  f = lambda q, k, v: xla.attention(q, k, v, formulation=formulation, mask=mask, scale=24 ** -0.5)
+  _, got = jax.jvp(f, (x.q, x.k, x.v), tuple(tans))
+  with jax.enable_x64(True):
+    up = lambda a: jnp.asarray(np.asarray(a, np.float64))
+    g = lambda q, k, v: _attention64(q, k, v, None, mask, None, None, 24 ** -0.5)
+    _, want = jax.jvp(g, tuple(map(up, (x.q, x.k, x.v))), tuple(map(up, tans)))
+  assert max_error(got, np.asarray(want)) <= tolerance(jnp.float32, grad=True)
+
+
+@pytest.mark.parametrize("kwargs, pattern", [
+    (dict(k_shape=(2, 9, 2, 16), v_shape=(2, 8, 2, 16)), "same shape"),
+    (dict(k_shape=(2, 8, 1, 16), v_shape=(2, 8, 2, 16)), "same shape"),
+    (dict(k_shape=(2, 8, 2, 8), v_shape=(2, 8, 2, 8)), "head_dim"),
+])
+def test_value_head_dim_validation(kwargs, pattern):
+  q = jnp.ones((2, 8, 4, 16))
+  with pytest.raises(ValueError, match=pattern):
+    dot_product_attention(q, jnp.ones(kwargs["k_shape"]), jnp.ones(kwargs["v_shape"]))

@@ -25,14 +25,21 @@ class AttentionShape:
   kv_heads: int
   head_dim: int
   dtype: jnp.dtype
+  v_head_dim: int | None = None  # None: head_dim (values as wide as queries and keys)
 
   @property
   def groups(self) -> int:
     return self.q_heads // self.kv_heads
 
+  @property
+  def value_head_dim(self) -> int:
+    return self.head_dim if self.v_head_dim is None else self.v_head_dim
+
 
 def check_qkv(query, key, value) -> AttentionShape:
-  """Validates ``[batch, seq, heads, head_dim]`` q/k/v; returns their :class:`AttentionShape`."""
+  """Validates q ``[batch, q_len, heads, d_qk]``, k ``[batch, kv_len, kv_heads, d_qk]`` and v
+  ``[batch, kv_len, kv_heads, d_v]`` (``d_v`` may differ from ``d_qk``, as in multi-head latent
+  attention; the output is ``[batch, q_len, heads, d_v]``); returns their :class:`AttentionShape`."""
   for name, x in (("query", query), ("key", key), ("value", value)):
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
       raise TypeError(f"{name} must be an array, got {type(x).__name__}")
@@ -43,8 +50,9 @@ def check_qkv(query, key, value) -> AttentionShape:
   if not (query.dtype == key.dtype == value.dtype):
     raise TypeError(f"query, key and value must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}")
   b, tq, h, d = query.shape
-  if key.shape != value.shape:
-    raise ValueError(f"key and value must have the same shape [batch, kv_len, kv_heads, head_dim], got {tuple(key.shape)} and {tuple(value.shape)}")
+  if key.shape[:3] != value.shape[:3]:
+    raise ValueError(f"key and value must have the same shape [batch, kv_len, kv_heads] before the head_dim "
+                     f"(which may differ), got {tuple(key.shape)} and {tuple(value.shape)}")
   bk, tk, hk, dk = key.shape
   if bk != b:
     raise ValueError(f"key/value batch {bk} does not match query batch {b}")
@@ -52,7 +60,8 @@ def check_qkv(query, key, value) -> AttentionShape:
     raise ValueError(f"key/value head_dim {dk} does not match query head_dim {d}")
   if hk == 0 or h % hk:
     raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({hk})")
-  return AttentionShape(b, tq, tk, h, hk, d, jnp.dtype(query.dtype))
+  dv = value.shape[3]
+  return AttentionShape(b, tq, tk, h, hk, d, jnp.dtype(query.dtype), None if dv == d else dv)
 
 
 def check_broadcast(name: str, x, s: AttentionShape, *, boolean: bool):
@@ -87,11 +96,27 @@ def check_mask(mask, s: AttentionShape):
   return None, check_broadcast("mask", mask, s, boolean=True)
 
 
+# What every fused kernel (Triton, Mosaic GPU, cuDNN) says of a value head_dim other than the
+# query/key head_dim: their tiles and buffers are sized by one head_dim.
+V_HEAD_DIM_REASON = ("value head_dim != query/key head_dim: the fused kernels assume one head_dim "
+                     "(the XLA path computes it)")
+
+
+def v_head_dim_reason(head_dim: int, v_head_dim: int | None) -> str | None:
+  """Why a fused kernel refuses values of width ``v_head_dim`` (None: ``head_dim``), or None."""
+  if v_head_dim is None or v_head_dim == head_dim:
+    return None
+  return f"{V_HEAD_DIM_REASON} (q/k head_dim {head_dim}, value head_dim {v_head_dim})"
+
+
 def check_kernel_call(backend: str, reason: str | None, q, k, v, mask) -> None:
   """Raises ``ValueError`` where a kernel backend cannot compute the call (``reason``, from
   its ``supports``) or k/v do not match q in shape and dtype; validates the mask's arrays."""
   if reason is not None:
     raise ValueError(f"{backend} attention cannot compute this call: {reason}")
+  if k.shape[:3] == v.shape[:3] and v.shape[3] != k.shape[3]:
+    raise ValueError(f"{backend} attention cannot compute this call: {V_HEAD_DIM_REASON} "
+                     f"(q/k head_dim {k.shape[3]}, value head_dim {v.shape[3]})")
   if k.shape != v.shape or k.dtype != q.dtype or v.dtype != q.dtype:
     raise ValueError(f"k and v must match in shape and q's dtype; got q {q.shape} {q.dtype}, "
                      f"k {k.shape} {k.dtype}, v {v.shape} {v.dtype}")

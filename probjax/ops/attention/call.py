@@ -15,7 +15,10 @@ class AttentionCall:
   """The static description of a call: everything but the arrays.
 
   Attributes:
-    q_shape: ``(batch, q_len, heads, head_dim)``; kv_shape: ``(batch, kv_len, kv_heads, head_dim)``.
+    q_shape: ``(batch, q_len, heads, head_dim)``; kv_shape: ``(batch, kv_len, kv_heads, head_dim)``
+      (the keys' shape).
+    v_head_dim: the values' head_dim where it differs from ``head_dim`` (None: the same); the
+      output is ``[batch, q_len, heads, v_head_dim]``.
     dtype: the inputs' dtype.
     mask: the position :class:`Mask`, or None.
     score_mod: ``f(score, b, h, q_idx, kv_idx) -> score``, or None.
@@ -45,11 +48,14 @@ class AttentionCall:
   forward_config: Any = None
   backward_config: Any = None
   interpret: bool = False
+  v_head_dim: int | None = None
 
   def __post_init__(self):
     object.__setattr__(self, "q_shape", tuple(self.q_shape))
     object.__setattr__(self, "kv_shape", tuple(self.kv_shape))
     object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+    if self.v_head_dim is not None and int(self.v_head_dim) == self.q_shape[3]:
+      object.__setattr__(self, "v_head_dim", None)  # one spelling of "values as wide as keys"
 
   @property
   def batch(self) -> int:
@@ -74,6 +80,10 @@ class AttentionCall:
   @property
   def head_dim(self) -> int:
     return self.q_shape[3]
+
+  @property
+  def value_head_dim(self) -> int:
+    return self.head_dim if self.v_head_dim is None else int(self.v_head_dim)
 
   @property
   def work(self) -> int:

@@ -68,10 +68,12 @@ def _prep(q, k, v, bias, dense_mask, scale):
 
 def reference_attention(q, k, v, *, bias=None, mask: Mask | None = None, dense_mask=None,
                         score_mod=None, scale=None) -> np.ndarray:
-  """float64 attention output ``[batch, q_len, heads, head_dim]``.
+  """float64 attention output ``[batch, q_len, heads, v_head_dim]``.
 
   Args:
-    q: ``[batch, q_len, heads, head_dim]``; k, v: ``[batch, kv_len, kv_heads, head_dim]``.
+    q: ``[batch, q_len, heads, head_dim]``; k: ``[batch, kv_len, kv_heads, head_dim]``;
+      v: ``[batch, kv_len, kv_heads, v_head_dim]`` (``v_head_dim`` may differ from ``head_dim``).
+    scale: default ``head_dim ** -0.5`` (the query/key width).
     bias: additive bias broadcastable to ``[batch, heads, q_len, kv_len]``.
     mask: a :class:`Mask`; dense_mask: boolean, broadcastable like ``bias``.
     score_mod: ``f(score, b, h, q_idx, kv_idx)`` applied after scaling and bias.

@@ -10,9 +10,24 @@ from __future__ import annotations
 
 from probjax.core.backend import Backend, Registry
 from probjax.core.device import Device
+from probjax.ops.attention.base import v_head_dim_reason
 from probjax.ops.attention.call import AttentionCall
 
 REGISTRY: Registry[AttentionCall] = Registry("attention")
+
+
+def _v_head_dim(call: AttentionCall) -> str | None:
+  """Why no fused kernel takes the call's value width (the kernels size tiles by one head_dim;
+  the XLA path takes any), or None."""
+  return v_head_dim_reason(call.head_dim, call.v_head_dim)
+
+
+def _check_values(name: str, q, v) -> None:
+  """Refuses values wider or narrower than q at run time too: a caller whose call description
+  did not carry the value width must not reach a kernel sized by q's head_dim."""
+  why = v_head_dim_reason(q.shape[-1], v.shape[-1])
+  if why:
+    raise ValueError(f"implementation={name!r} cannot compute this call exactly: {why}")
 
 
 def _flags(call: AttentionCall) -> dict:
@@ -47,10 +62,11 @@ class Triton(Backend[AttentionCall]):
 
   def supports(self, call, device):
     from probjax.ops.attention import triton
-    return (self.available(device) or call.not_for_kernels()
+    return (self.available(device) or call.not_for_kernels() or _v_head_dim(call)
             or triton.supports(call.q_shape, call.kv_shape, call.dtype, interpret=True, **_flags(call)))
 
   def __call__(self, q, k, v, mask, *, call, backward_pass_impl=None):
+    _check_values(self.name, q, v)
     from probjax.ops.attention import triton
     return triton.attention(q, k, v, mask=mask, score_mod=call.score_mod, scale=call.scale,
                             backward_pass_impl=backward_pass_impl or call.backward_pass_impl,
@@ -71,13 +87,14 @@ class Mosaic(Backend[AttentionCall]):
     return None
 
   def supports(self, call, device):
-    why = self.available(device) or call.not_for_kernels()
+    why = self.available(device) or call.not_for_kernels() or _v_head_dim(call)
     if why:
       return why
     from probjax.ops.attention import mosaic_gpu
     return mosaic_gpu.supports(call.q_shape, call.kv_shape, call.dtype, interpret=True, **_flags(call))
 
   def __call__(self, q, k, v, mask, *, call, backward_pass_impl=None):
+    _check_values(self.name, q, v)
     from probjax.ops.attention import mosaic_gpu
     return mosaic_gpu.attention(q, k, v, mask=mask, score_mod=call.score_mod, scale=call.scale,
                                 backward_pass_impl=backward_pass_impl or call.backward_pass_impl,
@@ -99,10 +116,11 @@ class Cudnn(Backend[AttentionCall]):
 
   def supports(self, call, device):
     from probjax.ops.attention import cudnn
-    return (self.available(device) or call.not_for_kernels()
+    return (self.available(device) or call.not_for_kernels() or _v_head_dim(call)
             or cudnn.supports(call.q_shape, call.kv_shape, call.dtype, platform="gpu", **_flags(call)))
 
   def __call__(self, q, k, v, mask, *, call, backward_pass_impl=None):
+    _check_values(self.name, q, v)
     from probjax.ops.attention import cudnn
     from probjax.ops.attention.cudnn.config import CudnnConfig
     config = call.forward_config if isinstance(call.forward_config, CudnnConfig) else None

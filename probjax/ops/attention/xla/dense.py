@@ -13,7 +13,8 @@ from probjax.ops.attention.xla.common import compute_dtype
 def dense_attention(q, k, v, *, bias=None, mask: Mask | None = None, dense_mask=None,
                     score_mod=None, scale: float, dropout_rate: float = 0.0, dropout_rng=None,
                     broadcast_dropout: bool = True, precision=None, module=None):
-  """q ``[B, Tq, H, D]``, k/v ``[B, Tkv, Hkv, D]`` → ``[B, Tq, H, D]``; differentiable in all modes.
+  """q ``[B, Tq, H, D]``, k ``[B, Tkv, Hkv, D]``, v ``[B, Tkv, Hkv, Dv]`` → ``[B, Tq, H, Dv]``;
+  differentiable in all modes.
 
   Scores and softmax are float32 (float64 for float64 inputs). A row with no valid key (masked,
   or at -inf from ``bias`` or ``score_mod``) is zero, with zero gradients. Positions past the
@@ -23,7 +24,7 @@ def dense_attention(q, k, v, *, bias=None, mask: Mask | None = None, dense_mask=
   ``dot_product_attention`` does.
   """
   bsz, tq, h, d = q.shape
-  tk, hkv = k.shape[1], k.shape[2]
+  tk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
   g = h // hkv
   cdt = compute_dtype(q.dtype)
   q, k, v, q_ok = zero_padding(mask, q, k, v)
@@ -60,5 +61,5 @@ def dense_attention(q, k, v, *, bias=None, mask: Mask | None = None, dense_mask=
   # As the fused kernels do: probabilities in the value dtype, accumulation in the compute dtype.
   p = p.reshape(bsz, hkv, g * tq, tk).astype(v.dtype)
   out = jnp.einsum("bhmk,bhkd->bhmd", p, vi, precision=precision, preferred_element_type=cdt)
-  out = jnp.transpose(out.reshape(bsz, hkv, g, tq, d), (0, 3, 1, 2, 4))
-  return zero_rows(out.reshape(bsz, tq, h, d).astype(q.dtype), q_ok)
+  out = jnp.transpose(out.reshape(bsz, hkv, g, tq, dv), (0, 3, 1, 2, 4))
+  return zero_rows(out.reshape(bsz, tq, h, dv).astype(q.dtype), q_ok)

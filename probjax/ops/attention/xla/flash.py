@@ -178,8 +178,9 @@ def _tile_any(st: _Static, mask: Mask | None, batch: int):
 
 # -- forward -------------------------------------------------------------------------
 def _forward(st: _Static, q, k, v, bias, consts, mask, dense, rng):
-  """Returns out ``[b, hkv, g, Tq_pad, d]`` (q dtype) and lse ``[b, hkv, g, Tq_pad]`` (compute dtype)."""
-  b, hkv, g, _, d = q.shape
+  """Returns out ``[b, hkv, g, Tq_pad, dv]`` (q dtype) and lse ``[b, hkv, g, Tq_pad]`` (compute dtype)."""
+  b, hkv, g = q.shape[:3]
+  d = v.shape[-1]  # the output's width is the values' (it may differ from q/k's)
   cdt = st.dtype
   tile_any = _tile_any(st, mask, b)
 
@@ -232,7 +233,7 @@ def _restrict(fn, args, keep):
 
 # -- tangent (forward-mode) ------------------------------------------------------------
 def _tangent(st: _Static, res, tangents):
-  """Output tangent ``[b, hkv, g, Tq_pad, d]`` for ``tangents = (q, k, v, bias, consts)``, each
+  """Output tangent ``[b, hkv, g, Tq_pad, dv]`` for ``tangents = (q, k, v, bias, consts)``, each
   None where that input has no tangent.
 
   Only the terms of present tangents are formed (no zero tangent is built): besides the
@@ -244,7 +245,8 @@ def _tangent(st: _Static, res, tangents):
   score_dots = (qd, kd, bd, *cd)
   keep = tuple(t is not None for t in score_dots)
   cdt = st.dtype
-  b, hkv, g, _, d = q.shape
+  b, hkv, g = q.shape[:3]
+  d = v.shape[-1]
   tile_any = _tile_any(st, mask, b)
 
   def q_block(iq):
@@ -385,7 +387,8 @@ def flash_attention(q, k, v, *, bias=None, mask: Mask | None = None, dense_mask=
                     score_mod=None, scale: float, dropout_rate: float = 0.0, dropout_rng=None,
                     broadcast_dropout: bool = True, precision=None, block_q: int | None = None,
                     block_k: int | None = None):
-  """Tiled exact attention. q ``[B, Tq, H, D]``, k/v ``[B, Tkv, Hkv, D]`` → ``[B, Tq, H, D]``.
+  """Tiled exact attention. q ``[B, Tq, H, D]``, k ``[B, Tkv, Hkv, D]``, v ``[B, Tkv, Hkv, Dv]``
+  → ``[B, Tq, H, Dv]``.
 
   ``bias``/``dense_mask`` must already be rank 4 and broadcastable to
   ``[B, H, Tq, Tkv]``; ``mask`` is a :class:`Mask`. Scores and softmax are float32 (float64
@@ -395,10 +398,10 @@ def flash_attention(q, k, v, *, bias=None, mask: Mask | None = None, dense_mask=
   those excluded only by the band, segment ids or ``dense_mask`` must be finite.
   """
   bsz, tq, h, d = q.shape
-  tk, hkv = k.shape[1], k.shape[2]
+  tk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
   g = h // hkv
   if tq == 0 or tk == 0:
-    return jnp.zeros(q.shape, q.dtype)  # no query or no key: no tile to loop over, every row empty
+    return jnp.zeros((bsz, tq, h, dv), q.dtype)  # no query or no key: no tile to loop over, every row empty
   cdt = compute_dtype(q.dtype)
   q, k, v, q_ok = zero_padding(mask, q, k, v)
   dq_, dk_ = choose_blocks(tq, tk)
@@ -433,7 +436,7 @@ def flash_attention(q, k, v, *, bias=None, mask: Mask | None = None, dense_mask=
   dense_i = _heads_split(dense_mask, hkv, g, tq_p, tk_p, False)
   rng = dropout_rng if st.dropout_rate else None
   out = _flash(st, qi, ki, vi, bias_i, consts, mask, dense_i, rng)
-  out = out[:, :, :, :tq].reshape(bsz, h, tq, d)
+  out = out[:, :, :, :tq].reshape(bsz, h, tq, dv)
   return zero_rows(jnp.transpose(out, (0, 2, 1, 3)), q_ok)
 
 
