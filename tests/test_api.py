@@ -60,13 +60,14 @@ def test_available_implementations_on_cpu():
 
 
 @pytest.mark.parametrize("kwargs,exc,pattern", [
-    (dict(query=jnp.ones((2, 8, 4))), ValueError, "query must have rank 4"),
+    (dict(query=jnp.ones((8, 4, 16))), ValueError, "batch axes"),  # [seq, heads, dim] is batch-free
     (dict(key=jnp.ones((3, 8, 2, 16)), value=jnp.ones((3, 8, 2, 16))), ValueError, "batch"),
     (dict(key=jnp.ones((2, 8, 2, 8)), value=jnp.ones((2, 8, 2, 8))), ValueError, "head_dim"),
     (dict(key=jnp.ones((2, 8, 3, 16)), value=jnp.ones((2, 8, 3, 16))), ValueError, "multiple of key/value heads"),
     (dict(value=jnp.ones((2, 9, 2, 16))), ValueError, "same shape"),
-    (dict(query=jnp.ones((2, 8, 4, 16), jnp.int32)), TypeError, "float32, bfloat16"),
-    (dict(key=jnp.ones((2, 8, 2, 16), jnp.bfloat16), value=jnp.ones((2, 8, 2, 16), jnp.bfloat16)), TypeError, "share a dtype"),
+    (dict(query=jnp.ones((2, 8, 4, 16), jnp.complex64)), TypeError, "float32, bfloat16"),  # ints promote
+    (dict(key=jnp.ones((2, 8, 2, 16), jnp.bfloat16), value=jnp.ones((2, 8, 2, 16), jnp.bfloat16),
+          promote_dtype=lambda a, dtype: a), TypeError, "share a dtype"),  # no hook: promoted as Flax
     (dict(mask=jnp.ones((2, 4, 8, 9), bool)), ValueError, "does not broadcast"),
     (dict(bias=jnp.ones((3, 1, 8, 8))), ValueError, "does not broadcast"),
     (dict(bias=jnp.ones((8, 8), jnp.int32)), TypeError, "floating"),

@@ -148,7 +148,8 @@ def _decide(q_shape, kv_shape, dtype, *, mask, bias, dense_mask, dropout, score_
   tk = kv_shape[1]
   what = _not_for_kernels(bias=bias, dense_mask=dense_mask, dropout=dropout, precision=precision, module=module)
   if what:
-    return Decision("xla", f"{what}: the kernels cannot take it", formulation=xla_formulation(q_shape, kv_shape, device))
+    return Decision("xla", f"{what}: the kernels cannot take it{_DENSE_MASK_HINT if dense_mask else ''}",
+                    formulation=xla_formulation(q_shape, kv_shape, device))
 
   table = None
   if kernel_args_default and not _env_off("PROBJAX_ATTENTION_DEVICE_DEFAULTS", env):
@@ -228,6 +229,11 @@ def _mosaic_forward(q_shape, kv_shape, dtype, table, device: Device, env, kw) ->
   """Whether the device table's Mosaic rule replaces the Triton forward of this call."""
   return (table is not None and min(q_shape[1], kv_shape[1]) >= table.mosaic_min_len
           and _mosaic_allowed(q_shape, kv_shape, dtype, device, env, kw))
+
+
+# The structured masks the kernels take in place of a dense one.
+_DENSE_MASK_HINT = ("; a structured mask does not force the XLA path: CausalMask or LocalWindowMask for a "
+                    "diagonal band, KVLenMask or LengthMask for padding, SegmentMask for packed documents")
 
 
 def _not_for_kernels(*, bias=False, dense_mask=False, dropout=False, precision=None, module=False) -> str | None:

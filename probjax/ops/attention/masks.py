@@ -76,8 +76,21 @@ class Mask:
     if (self.q_segment_ids is None) != (self.kv_segment_ids is None):
       raise ValueError("Mask: q_segment_ids and kv_segment_ids must be given together")
 
+  # numpy defers ``ndarray & mask`` to :meth:`__rand__` instead of looping over elements.
+  __array_ufunc__ = None
+
+  @property
+  def ndim(self):
+    # Flax's combine_masks (MultiHeadAttention with decode=True) reads ``mask.ndim`` before
+    # densifying; a Mask has no dense form without the call's shapes, so say what works.
+    raise AttributeError(DENSE_ONLY_MESSAGE)
+
   # -- combination -----------------------------------------------------------
-  def __and__(self, other: "Mask") -> "Mask":
+  def __and__(self, other):
+    if isinstance(other, MaskWithDense):
+      return other & self
+    if _is_dense(other):
+      return MaskWithDense(self, other)
     if not isinstance(other, Mask):
       return NotImplemented
     if self.q_segment_ids is not None and other.q_segment_ids is not None:
@@ -93,6 +106,8 @@ class Mask:
         q_segment_ids=pick(self.q_segment_ids, other.q_segment_ids, None),
         kv_segment_ids=pick(self.kv_segment_ids, other.kv_segment_ids, None),
     )
+
+  __rand__ = __and__
 
   # -- properties used by dispatch -------------------------------------------
   @property
@@ -297,6 +312,99 @@ jax.tree_util.register_dataclass(
     data_fields=["q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids"],
     meta_fields=["lower", "upper"],
 )
+
+
+DENSE_ONLY_MESSAGE = (
+    "a probjax Mask has no dense form (no ndim) without the call's shapes. With "
+    "flax.nnx.MultiHeadAttention(decode=True), Flax already restricts the query to the cached keys "
+    "(key index <= cache index) with a dense mask it builds: pass mask=None (or a dense boolean "
+    "[batch, 1, 1, max_length] padding mask). For structured masks while decoding (KVLenMask over a "
+    "KV cache, the kernels' split-KV decoding), use probjax.nn.layers.multi_head_attention."
+    "MultiHeadAttention with probjax.nn.layers.kv_cache.KVCache")
+
+
+def _is_dense(x) -> bool:
+  """A dense mask operand of ``&``: an array (numpy, JAX or a tracer), not a Mask."""
+  return isinstance(x, (np.ndarray, jax.Array, jax.core.Tracer, np.bool_))
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskWithDense:
+  """``mask & dense``: a :class:`Mask` and a dense boolean array (True = attend) broadcastable
+  to ``[batch..., heads, q_len, kv_len]``, both required.
+
+  Built by ``&`` of a Mask and an array (either order). :func:`dot_product_attention` takes it
+  and runs the XLA path (the kernels take no dense mask), exactly; flex_attention refuses it.
+  """
+
+  mask: Mask
+  dense: Any
+
+  __array_ufunc__ = None
+
+  @property
+  def ndim(self):
+    raise AttributeError(DENSE_ONLY_MESSAGE)
+
+  def __and__(self, other):
+    if isinstance(other, MaskWithDense):
+      return MaskWithDense(self.mask & other.mask, jnp.logical_and(self.dense, other.dense))
+    if isinstance(other, Mask):
+      return MaskWithDense(self.mask & other, self.dense)
+    if _is_dense(other):
+      return MaskWithDense(self.mask, jnp.logical_and(self.dense, other))
+    return NotImplemented
+
+  __rand__ = __and__
+
+
+jax.tree_util.register_dataclass(MaskWithDense, data_fields=["mask", "dense"], meta_fields=[])
+
+
+def structured_equivalent(dense, q_len: int, kv_len: int):
+  """The constructor call (text) of a structured Mask equal to a concrete dense boolean mask
+  broadcastable to ``[batch, heads, q_len, kv_len]``, or None (traced, head-dependent, or no
+  band / key-length form). Detects a diagonal band (causal, sliding window) shared by the
+  batch, or per-batch key lengths (``k < L[b]`` for every query)."""
+  if isinstance(dense, jax.core.Tracer):
+    return None
+  try:
+    m = np.asarray(dense)
+  except Exception:  # noqa: BLE001 -- anything not concrete has no suggestion
+    return None
+  if m.ndim > 4 or m.dtype == object:
+    return None
+  m = m.astype(bool).reshape((1,) * (4 - m.ndim) + m.shape)
+  try:
+    m = np.broadcast_to(m, m.shape[:2] + (q_len, kv_len))
+  except ValueError:
+    return None
+  if not (m == m[:, :1]).all():
+    return None  # differs across heads
+  m = m[:, 0]
+  if not m.any() or m.all():
+    return None
+  d = np.arange(kv_len)[None, :] - np.arange(q_len)[:, None]
+  if (m == m[:1]).all():
+    lo, hi = int(d[m[0]].min()), int(d[m[0]].max())
+    if ((d >= lo) & (d <= hi) == m[0]).all():
+      lo = None if lo <= -(q_len - 1) else lo
+      hi = None if hi >= kv_len - 1 else hi
+      if lo is None and hi is not None:
+        return f"CausalMask({hi})"
+      if lo is not None:
+        if hi is None:
+          return f"LocalWindowMask({-lo}, None)" if lo <= 0 else f"LocalWindowMask(0, None, offset={lo})"
+        if lo <= 0 <= hi:
+          return f"LocalWindowMask({-lo}, {hi})"
+        return f"LocalWindowMask({hi - lo}, 0, offset={hi})"
+  rows = m[:, 0]
+  lengths = rows.sum(-1)
+  if (m == rows[:, None]).all() and (rows == (np.arange(kv_len)[None] < lengths[:, None])).all():
+    if m.shape[0] == 1:
+      return f"KVLenMask(jnp.full((batch,), {int(lengths[0])}))"
+    return f"KVLenMask(jnp.array({lengths.tolist()}))"
+  return None
 
 
 # -- constructors ---------------------------------------------------------------
