@@ -16,7 +16,7 @@ import pytest
 from jax._src.pallas.triton import gpu_info
 
 import probjax.ops.attention.triton as pt
-from probjax.ops.attention import masks as M
+from probjax.ops.attention import gpu, masks as M
 from probjax.ops.attention.triton.config import BackwardConfig, ForwardConfig
 from probjax.testing import make_mask, verify_triton_lowering
 
@@ -31,12 +31,12 @@ MASKS = {
 
 def _fake_triton_sm90(monkeypatch, device_kind: bool = False):
   """Pallas lowers for an H200; the Triton backend's platform check (it sees the CPU) passes;
-  ``device_kind``: its config tables read sm_90."""
+  ``device_kind``: the kernels' config tables (Triton and Mosaic GPU) read sm_90."""
   monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: H200)
   monkeypatch.setattr(pt, "supports", lambda *a, **kw: None)
   verify_triton_lowering(monkeypatch)
   if device_kind:
-    monkeypatch.setattr(pt.config_lib, "device_kind", lambda device=None: "sm_90")
+    monkeypatch.setattr(gpu, "device_kind", lambda device=None: "sm_90")
 
 
 def _fake_dispatch_sm90(monkeypatch):

@@ -16,6 +16,21 @@ def _room(parts: tuple[str, ...]) -> int:
   return RANK.get(parts[0], TOP) if len(parts) > 1 else TOP
 
 
+# Attention's backends are packages beside its shared modules (the newer rooms keep theirs
+# under backends/).
+ATTENTION_BACKENDS = ("triton", "mosaic_gpu", "cudnn", "xla")
+
+
+def _backend(parts: tuple[str, ...]) -> tuple[str, str] | None:
+  """``(op, backend)`` of a module in a backend's package, or None (a shared module of an op,
+  or outside ops/): ``ops/<op>/backends/<backend>/...`` and ``ops/attention/<backend>/...``."""
+  if len(parts) > 3 and parts[0] == "ops" and parts[2] == "backends":
+    return parts[1], parts[3]
+  if len(parts) > 2 and parts[:2] == ("ops", "attention") and parts[2] in ATTENTION_BACKENDS:
+    return "attention", parts[2]
+  return None
+
+
 def _imports(path: pathlib.Path):
   """Absolute ``probjax.*`` modules that ``path`` imports (relative imports resolved)."""
   pkg = path.relative_to(ROOT.parent).with_suffix("").parts[:-1]
@@ -39,9 +54,8 @@ def _violations():
         continue
       if _room(dst) > _room(src):
         yield f"{'/'.join(src)} imports {name} (a higher room)"
-      # probjax/ops/<op>/backends/<backend>/...: no backend imports a sibling backend.
-      if (len(src) > 3 and len(dst) > 3 and src[0] == dst[0] == "ops" and src[1] == dst[1]
-          and src[2] == dst[2] == "backends" and src[3] != dst[3]):
+      a, b = _backend(src), _backend(dst)
+      if a and b and a[0] == b[0] and a != b:
         yield f"{'/'.join(src)} imports {name} (another backend)"
 
 
@@ -77,6 +91,18 @@ def test_rooms_import_downwards_only():
 @pytest.mark.parametrize("src, name, room", [(("ops", "attention", "dispatch"), "probjax.nn.layers.attention_device", 3)])
 def test_a_violation_is_seen(src, name, room):
   assert _room(tuple(name.split(".")[1:])) == room > _room(src)
+
+
+@pytest.mark.parametrize("src, name, other", [
+    (("ops", "attention", "mosaic_gpu", "forward"), "probjax.ops.attention.triton.config.smem_limit", True),
+    (("ops", "grouped_matmul", "backends", "mosaic_gpu"), "probjax.ops.grouped_matmul.backends.triton.config", True),
+    (("ops", "attention", "compose"), "probjax.ops.attention.triton.backward", False),  # a shared module
+    (("ops", "attention", "triton", "forward"), "probjax.ops.attention.gpu.kernel_device", False),
+    (("ops", "attention", "triton", "forward"), "probjax.ops.attention.triton.tiles", False),
+])
+def test_a_cross_backend_import_is_seen(src, name, other):
+  a, b = _backend(src), _backend(tuple(name.split(".")[1:]))
+  assert bool(a and b and a[0] == b[0] and a != b) == other
 
 
 def test_a_jax_internal_import_is_seen(tmp_path):

@@ -5,8 +5,8 @@ Built so far (16-bit, head_dim 64/128/256, every position mask -- causal/window 
 per-batch query/key lengths, segment ids -- with tile skipping, GQA, any length): the
 forward (:mod:`.forward`) and a deterministic two-kernel backward (:mod:`.backward`,
 ``backward_pass_impl="mosaic"``, head_dim up to 128); other ``backward_pass_impl`` values run
-the Triton kernels' backward on the same residuals. ``score_mod`` runs in the forward and in
-both backwards (its gradient per tile by ``jax.vjp``). The default dispatch picks the kernel on
+the Triton kernels' backward on the same residuals (:mod:`probjax.ops.attention.compose`).
+``score_mod`` runs in the forward and in both backwards (its gradient per tile by ``jax.vjp``). The default dispatch picks the kernel on
 sm_90 where the device table measured it faster (:mod:`probjax.nn.layers.attention_device`);
 ``implementation="mosaic"`` asks for it.
 """
@@ -21,17 +21,14 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from probjax.core import compat
-from probjax.ops.attention import sharding
-from probjax.ops.attention.base import check_kernel_call, score_mod_reason, score_mod_unlowerable
+from probjax.ops.attention import compose, gpu, sharding  # compose: the Triton backward
+from probjax.ops.attention.base import check_kernel_call, score_mod_reason
 from probjax.ops.attention.masks import Mask
 from probjax.ops.attention.mosaic_gpu import backward as backward_lib
 from probjax.ops.attention.mosaic_gpu import config as config_lib
 from probjax.ops.attention.mosaic_gpu import forward as forward_lib
 from probjax.ops.attention.mosaic_gpu.backward import MosaicBackwardConfig
 from probjax.ops.attention.mosaic_gpu.config import MosaicForwardConfig
-from probjax.ops.attention.triton import BackwardConfig, attention_with_forward, triton_lowerable
-from probjax.ops.attention.triton import config as triton_config
 
 __all__ = ["attention", "supports", "MosaicForwardConfig", "MosaicBackwardConfig"]
 
@@ -51,7 +48,7 @@ def supports(q_shape, kv_shape, dtype, *, mask: Mask | None = None, score_mod: C
     if present:
       return what
   if not interpret:
-    kind = device_kind or triton_config.device_kind()
+    kind = device_kind or gpu.device_kind()
     if kind != "sm_90":
       return f"the Mosaic GPU kernel needs an sm_90 (Hopper) GPU, this is {kind}"
   if jnp.dtype(dtype).name not in ("bfloat16", "float16"):
@@ -80,17 +77,15 @@ def _lowerable(score_mod: Callable | None, *, mosaic_grad: bool = False) -> str 
   Triton its gradient (the Triton backward); or None."""
   if score_mod is None:
     return None
-  rules = compat.mosaic_gpu_lowering_rules()
   if mosaic_grad:
-    return score_mod_unlowerable(score_mod, rules, "Pallas Mosaic GPU", ((64, 128), (64, 128)), grad=True)
-  return (score_mod_unlowerable(score_mod, rules, "Pallas Mosaic GPU", ((64, 128), (64, 128)), grad=False)
-          or triton_lowerable(score_mod, grad=True))
+    return gpu.mosaic_gpu_lowerable(score_mod, grad=True)
+  return gpu.mosaic_gpu_lowerable(score_mod, grad=False) or gpu.triton_lowerable(score_mod, grad=True)
 
 
 def attention(q, k, v, *, mask: Mask | None = None, score_mod: Callable | None = None,
               scale: float | None = None, backward_pass_impl: str = "auto",
               forward_config: MosaicForwardConfig | None = None,
-              backward_config: BackwardConfig | MosaicBackwardConfig | None = None,
+              backward_config: compose.BackwardConfig | MosaicBackwardConfig | None = None,
               interpret: bool = False):
   """Exact attention with the Mosaic GPU forward and the Triton backward.
 
@@ -119,7 +114,7 @@ def attention(q, k, v, *, mask: Mask | None = None, score_mod: Callable | None =
   check_kernel_call("mosaic", supports(q.shape, k.shape, q.dtype, mask=mask, score_mod=score_mod, scale=scale,
                                       interpret=interpret), q, k, v, mask)
   scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-  device = triton_config.kernel_device(interpret)
+  device = gpu.kernel_device(interpret)
   itemsize, d = jnp.dtype(q.dtype).itemsize, q.shape[-1]
   cfg = config_lib.fit(forward_config, itemsize, d, device, mask=mask, q_len=q.shape[1], kv_len=k.shape[1],
                        score_mod=score_mod is not None)
@@ -137,9 +132,9 @@ def attention(q, k, v, *, mask: Mask | None = None, score_mod: Callable | None =
     return _attention(_Static(scale, cfg, bcfg, bool(interpret), score_mod), q, k, v, mask)
   if interpret:
     config_lib.warn_if_interpret_may_hang(cfg.cluster * (cfg.compute_wgs + 1))
-  return attention_with_forward(q, k, v, mask, scale=scale, mosaic_config=cfg, score_mod=score_mod,
-                                backward_pass_impl=backward_pass_impl, backward_config=backward_config,
-                                interpret=interpret)
+  return compose.mosaic_forward_triton_backward(q, k, v, mask, scale=scale, mosaic_config=cfg, score_mod=score_mod,
+                                                backward_pass_impl=backward_pass_impl,
+                                                backward_config=backward_config, interpret=interpret)
 
 
 @dataclasses.dataclass(frozen=True)

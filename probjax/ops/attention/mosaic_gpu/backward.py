@@ -30,11 +30,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from probjax.ops.attention.gpu import output_delta, smem_limit
 from probjax.ops.attention.masks import Mask, num_tiles, pad_axis, round_up
 from probjax.ops.attention.mosaic_gpu import common as C
 from probjax.ops.attention.mosaic_gpu.config import INTERPRET_WGS, check_tiles, smem_total
-from probjax.ops.attention.triton.config import smem_limit
-from probjax.ops.attention.triton.tiles import output_delta
 
 R = C.ROWS
 

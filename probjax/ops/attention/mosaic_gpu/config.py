@@ -15,7 +15,7 @@ import os
 import warnings
 
 from probjax.ops.attention.masks import Mask, num_tiles, round_up
-from probjax.ops.attention.triton.config import smem_limit
+from probjax.ops.attention.gpu import smem_limit
 
 SMEM_ALIGN, SMEM_RESERVED = 1024, 2048
 

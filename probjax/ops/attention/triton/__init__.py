@@ -17,9 +17,9 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from probjax.core import compat
 from probjax.ops.attention import sharding
-from probjax.ops.attention.base import check_kernel_call, score_mod_reason, score_mod_unlowerable
+from probjax.ops.attention.base import check_kernel_call, score_mod_reason
+from probjax.ops.attention.gpu import triton_lowerable  # (re-exported)
 from probjax.ops.attention.masks import Mask
 from probjax.ops.attention.triton import config as config_lib
 from probjax.ops.attention.triton import backward as backward_lib
@@ -72,13 +72,6 @@ def supports(q_shape, kv_shape, dtype, *, mask: Mask | None = None,
   return score_mod_reason(score_mod) or triton_lowerable(score_mod, grad=True)
 
 
-def triton_lowerable(score_mod: Callable | None, *, grad: bool) -> str | None:
-  """Why Pallas Triton cannot lower ``score_mod`` on a tile (``[bq, 1]``/``[1, bk]`` indices;
-  with ``grad``, its vjp too, for the backward), or None."""
-  return score_mod_unlowerable(score_mod, compat.triton_lowering_rules(), "Pallas Triton",
-                               ((64, 1), (1, 128)), grad=grad)
-
-
 def _dtype_name(dtype) -> str:
   return jnp.dtype(dtype).name
 
@@ -123,17 +116,6 @@ def attention(q, k, v, *, mask: Mask | None = None, score_mod: Callable | None =
   return _attention(static, q, k, v, mask)
 
 
-def attention_with_forward(q, k, v, mask: Mask | None, *, scale: float, mosaic_config,
-                           score_mod: Callable | None = None, backward_pass_impl: str = "auto",
-                           backward_config: BackwardConfig | None = None, interpret: bool = False):
-  """Attention whose forward is another kernel's (the Mosaic GPU forward, ``mosaic_config``)
-  and whose backward is this module's (same residuals: out and the natural lse). Inputs
-  are validated by the caller."""
-  _, fcfg, impl, bcfg = _configs(q, k, None, backward_config, backward_pass_impl, interpret)
-  static = _Static(score_mod, float(scale), fcfg, bcfg, impl, None, bool(interpret), mosaic_config)
-  return _attention(static, q, k, v, mask)
-
-
 def _configs(q, k, forward_config, backward_config, backward_pass_impl: str, interpret: bool):
   """``(device, forward config, backward variant, backward config)`` of a call, fitted to the
   device (``"interpret"`` in interpret mode)."""
@@ -157,9 +139,6 @@ class _Static:
   impl: str
   split: SplitKVConfig | None
   interpret: bool
-  # The Mosaic GPU forward's config when it computes the forward (out and lse, the same
-  # residuals as the Triton forward's): :func:`probjax.ops.attention.mosaic_gpu.attention`.
-  mosaic: object = None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -172,9 +151,8 @@ def _attention(st: _Static, q, k, v, mask):
 
 def _partitioned(st: _Static) -> bool:
   """Whether the kernels run per shard of batch and heads (:func:`sharding.masked_call`): not
-  with a ``score_mod`` (it sees global batch and head indices) nor with the Mosaic forward in
-  interpret mode (see :func:`probjax.ops.attention.mosaic_gpu._partitioned`)."""
-  return st.score_mod is None and not (st.interpret and st.mosaic is not None)
+  with a ``score_mod`` (it sees global batch and head indices)."""
+  return st.score_mod is None
 
 
 def _decode_shard(st: _Static, q, k, v, mask):
@@ -182,10 +160,6 @@ def _decode_shard(st: _Static, q, k, v, mask):
 
 
 def _forward_shard(st: _Static, q, k, v, mask):
-  if st.mosaic is not None:
-    from probjax.ops.attention.mosaic_gpu import forward as mosaic_forward
-    return mosaic_forward.forward(q, k, v, mask, scale=st.scale, config=st.mosaic,
-                                  interpret=st.interpret, score_mod=st.score_mod)
   return forward_lib.forward(q, k, v, mask, scale=st.scale, score_mod=st.score_mod,
                              config=st.fcfg, interpret=st.interpret)
 

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from probjax.ops.attention.gpu import output_delta
 from probjax.ops.attention.masks import Mask
 from probjax.ops.attention.triton import tiles
 from probjax.ops.attention.triton import config as config_lib
@@ -205,7 +206,7 @@ def backward(q, k, v, out, lse, do, mask: Mask | None, *, scale: float,
   pad_d = lambda x: tiles.pad_axis(x, 3, dp)  # sequence axes: masked tiles, no copies
   # Preprocess (shared): delta = rowsum(dO * O); lse in base 2. Both are small
   # [batch, heads, q_len] rows, padded (+inf, 0) so their loads need no mask.
-  delta = tiles.output_delta(out, do, mask)
+  delta = output_delta(out, do, mask)
   ops = (pad_d(q), pad_d(k), pad_d(v), pad_d(do.astype(q.dtype)),
          tiles.pad_axis(lse * tiles.LOG2E, 2, q_pad, jnp.inf), tiles.pad_axis(delta, 2, q_pad))
 

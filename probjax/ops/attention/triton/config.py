@@ -27,19 +27,12 @@ import dataclasses
 import numpy as np
 
 # The device tables are the core's: one description of every device.
-from probjax.core.device import (DEFAULT_L2_BYTES, DEFAULT_SM_COUNT, L2_BYTES, SM_COUNT,
-                                 SMEM_PER_BLOCK as SMEM_LIMIT, DEFAULT_SMEM_PER_BLOCK as DEFAULT_SMEM_LIMIT)
+from probjax.core.device import (DEFAULT_SM_COUNT, SM_COUNT, SMEM_PER_BLOCK as SMEM_LIMIT,  # noqa: F401
+                                 DEFAULT_SMEM_PER_BLOCK as DEFAULT_SMEM_LIMIT)
+# Shared with the Mosaic GPU kernels (re-exported: the Triton modules read them as config_lib.*).
+from probjax.ops.attention.gpu import device_kind, kernel_device, order_group, smem_limit  # noqa: F401
 
 MIN_BLOCK = 16  # Triton's tl.dot minimum: never request fewer rows.
-
-
-def order_group(device: str, bytes_per_pair: int) -> int:
-  """(batch, head) pairs whose streamed operands (``bytes_per_pair`` each) fit half of
-  ``device``'s L2: at most the group a causal-like grid runs heaviest-first across
-  (:func:`.tiles.program_tile`, groups of near-equal size): a group's K/V then stay in L2 while
-  its heaviest tiles run, and no small last group ends the grid on a few heavy programs
-  (the measurements: docs/decisions.md, "Settled by probes")."""
-  return max(1, (L2_BYTES.get(device, DEFAULT_L2_BYTES) // 2) // max(1, bytes_per_pair))
 
 
 PROGRAMS_PER_SM = 2  # a grid this many programs per SM deep keeps the device busy
@@ -232,29 +225,6 @@ BACKWARD_IMPL_RULES = (
     ("default", None, None, 4.0, "triton_fused", "spec generic rule: lengths within 4x"),
     ("default", None, None, None, "triton_split", "spec generic rule"),
 )
-
-
-def device_kind(device=None) -> str:
-  """``"sm_XY"`` of a CUDA device (default: the first device), or ``"cpu"``."""
-  import jax  # local: config tables must import without initialising backends
-  d = device if device is not None else jax.devices()[0]
-  cc = getattr(d, "compute_capability", None)
-  if d.platform != "gpu" or cc is None:
-    return d.platform
-  return "sm_" + str(cc).replace(".", "")
-
-
-def kernel_device(interpret: bool) -> str:
-  """The device kind a kernel call is configured for: ``"interpret"`` in interpret mode (no
-  shared-memory limit, a small default L2), else :func:`device_kind`."""
-  return "interpret" if interpret else device_kind()
-
-
-def smem_limit(device: str) -> int | None:
-  """Bytes per block for ``device``; None (unbounded) for interpret mode on CPU."""
-  if not device.startswith("sm_"):
-    return None
-  return SMEM_LIMIT.get(device, DEFAULT_SMEM_LIMIT)
 
 
 def _dtype_key(dtype) -> str:

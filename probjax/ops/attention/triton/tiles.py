@@ -103,17 +103,6 @@ def store_rows(view, val, start, length: int):
   plgpu.store(view, val, mask=rows < length)
 
 
-def output_delta(out, do, mask: Mask | None):
-  """The backward's ``delta = rowsum(dO * O)``, ``[batch, heads, q_len]`` float32, zero for the
-  queries at or past a mask's ``q_lengths``: their outputs are zeros, but their cotangents may
-  hold anything (NaN), and the kernels multiply delta by probabilities of zero there."""
-  delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), do.astype(jnp.float32))
-  if mask is None or mask.q_lengths is None:
-    return delta
-  lengths = jnp.broadcast_to(jnp.asarray(mask.q_lengths, jnp.int32), (out.shape[0],))
-  return jnp.where(jnp.arange(out.shape[1]) < lengths[:, None, None], delta, 0.0)
-
-
 def padded_head_dim(d: int) -> int:
   """Head dim the kernels load: next power of two, at least 32."""
   return max(32, 1 << (d - 1).bit_length())
