@@ -219,3 +219,18 @@ def test_attention_fn_signature_covers_flax_keywords():
   params = inspect.signature(dot_product_attention).parameters
   assert passed <= set(params)
   assert functools.partial(dot_product_attention, implementation="xla")  # partials work as attention_fn
+
+
+def test_rope_recipe_of_docs_matches_flax():
+  rope = nnx.RoPE()
+
+  def attention_with_rope(query, key, value, *, rope, input_positions=None, **kw):  # docs/flax.md
+    apply = jax.vmap(rope, in_axes=(-2, None), out_axes=-2)
+    return dot_product_attention(apply(query, input_positions), apply(key, input_positions), value, **kw)
+
+  q, k, v = _qkv((2, 6, 2, 8), (2, 6, 2, 8))
+  # Flax 0.12.10's own wrapper fails on explicit input_positions (its vmap's out_axes), so the
+  # comparison is at its default positions; the recipe with [seq] positions is RoPE's.
+  want = nnx.dot_product_attention_with_rope(q, k, v, rope=rope, is_causal=True)
+  _close(attention_with_rope(q, k, v, rope=rope, is_causal=True), want)
+  _close(attention_with_rope(q, k, v, rope=rope, input_positions=jnp.arange(6.0), is_causal=True), want)
