@@ -10,6 +10,11 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "probjax"
 RANK = {"core": 0, "kernels": 1, "ops": 2, "nn": 3}
 TOP = 4  # probjax/*.py: the report, test helpers, the top-level API
+# An op built on attention calls attention's public function, which lives in nn/layers/attention
+# (it and the masks it re-exports are the whole dependency): so its kernels, masks and dispatch
+# are reused, and none of attention's backends is imported.
+ATTENTION_API = "probjax.nn.layers.attention"
+ON_ATTENTION = {("ops", "mla")}
 
 
 def _room(parts: tuple[str, ...]) -> int:
@@ -52,8 +57,13 @@ def _violations():
       dst = tuple(name.split(".")[1:])
       if not dst:
         continue
-      if _room(dst) > _room(src):
+      uses_api = tuple(src[:2]) in ON_ATTENTION and name.rsplit(".", 1)[0] == ATTENTION_API
+      if _room(dst) > _room(src) and not uses_api:
         yield f"{'/'.join(src)} imports {name} (a higher room)"
+      # probjax/ops/<op>/...: another op room only through its public function.
+      if (tuple(src[:2]) in ON_ATTENTION and len(dst) > 1 and dst[0] == "ops" and dst[1] != src[1]
+          and not uses_api):
+        yield f"{'/'.join(src)} imports {name} (another op's internals)"
       a, b = _backend(src), _backend(dst)
       if a and b and a[0] == b[0] and a != b:
         yield f"{'/'.join(src)} imports {name} (another backend)"
@@ -109,3 +119,9 @@ def test_a_jax_internal_import_is_seen(tmp_path):
   f = tmp_path / "m.py"
   f.write_text("def g():\n  from jax._src.pallas.triton import lowering\nfrom jax import _src\nimport jax._src.core\n")
   assert sorted(_jax_internals(f)) == ["jax._src", "jax._src.core", "jax._src.pallas.triton"]
+
+
+def test_mla_uses_only_attention_s_public_function():
+  names = [n for p in sorted((ROOT / "ops" / "mla").rglob("*.py")) for n in _imports(p)]
+  assert f"{ATTENTION_API}.dot_product_attention" in names
+  assert not [n for n in names if n.startswith("probjax.ops.attention")]

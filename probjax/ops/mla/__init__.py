@@ -1,0 +1,93 @@
+"""Multi-head latent attention (MLA, DeepSeek-V2): attention whose keys and values are
+expanded per head from one shared latent.
+
+Shapes: ``q_nope [B, Tq, H, d_nope]``, ``q_rope [B, Tq, H, d_rope]``, ``kv_latent [B, S, d_c]``,
+``k_rope [B, S, d_rope]`` (shared by all heads), ``w_uk [d_c, H, d_nope]``, ``w_uv [d_c, H, d_v]``.
+Head ``h`` attends with query ``[q_nope_h, q_rope_h]`` over keys ``[latent @ w_uk_h, k_rope]``
+and values ``latent @ w_uv_h``; the output is ``[B, Tq, H, d_v]``. The softmax scale defaults to
+``(d_nope + d_rope) ** -0.5`` (the model's key width) in both forms:
+
+* ``"expanded"``: K and V are formed, then one attention call with ``d_qk = d_nope + d_rope``;
+* ``"absorbed"``: ``w_uk`` is absorbed into the queries and ``w_uv`` applied after: multi-query
+  attention of the H heads over the latent (``d_qk = d_c + d_rope``, values the latent itself);
+* ``"auto"``: by arithmetic (:func:`probjax.ops.mla.dispatch.absorbed_is_cheaper`): expanded for
+  training and prefill, absorbed for a few queries over a long cache.
+
+>>> import jax, jax.numpy as jnp
+>>> from probjax.ops.mla import mla
+>>> ks = jax.random.split(jax.random.key(0), 6)
+>>> B, T, S, H, dn, dr, dc, dv = 1, 5, 9, 2, 8, 4, 16, 8
+>>> args = [jax.random.normal(k, s) for k, s in zip(ks, [(B, T, H, dn), (B, T, H, dr), (B, S, dc),
+...         (B, S, dr), (dc, H, dn), (dc, H, dv)])]
+>>> e, a = mla(*args, form="expanded"), mla(*args, form="absorbed")
+>>> e.shape, bool(jnp.allclose(e, a, atol=1e-4))
+((1, 5, 2, 8), True)
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from probjax.core.device import Device
+from probjax.nn.layers.attention import Mask
+from probjax.ops.mla import forms
+from probjax.ops.mla.call import FORMS, MLACall, make_call
+from probjax.ops.mla.dispatch import Decision, decide
+
+__all__ = ["mla", "explain", "Decision", "MLACall", "FORMS"]
+
+
+def explain(q_nope, q_rope, kv_latent, k_rope, w_uk, w_uv, *, form: str = "auto", scale=None,
+            implementation: str | None = None, device: Device | None = None) -> Decision:
+  """The form :func:`mla` runs for these arguments (arrays or ``jax.ShapeDtypeStruct``), the
+  attention implementation it asks for, and why, on ``device`` (default: the current one)."""
+  call = make_call(q_nope, q_rope, kv_latent, k_rope, w_uk, w_uv, scale=scale)
+  return decide(call, device or Device.current(), form, implementation)
+
+
+def _valid(lengths, n):
+  return (jnp.arange(n)[None, :] < jnp.asarray(lengths)[:, None])[:, :, None]
+
+
+def mla(q_nope, q_rope, kv_latent, k_rope, w_uk, w_uv, *, mask: Mask | None = None, scale=None,
+        form: str = "auto", implementation: str | None = None, return_lse: bool = False):
+  """Multi-head latent attention (see the module docstring for shapes and forms).
+
+  Args:
+    mask: a probjax :class:`Mask` over ``[Tq, S]`` (causal, windows, ``KVLenMask`` over a cache,
+      segments). Rows with no valid key are zero, with zero gradients; positions past its
+      lengths may hold anything (NaN included).
+    scale: softmax scale, default ``(d_nope + d_rope) ** -0.5``.
+    form: "auto", "expanded" or "absorbed" (the same function; :func:`explain` says which runs).
+    implementation: passed to attention (None: see :func:`explain`).
+    return_lse: also return the softmax's log-sum-exp ``[B, Tq, H]`` (float32, ``-inf`` for rows
+      with no valid key), computed on XLA beside the attention call.
+  Returns:
+    ``[B, Tq, H, d_v]`` in the inputs' dtype (and the lse with ``return_lse``).
+  """
+  call = make_call(q_nope, q_rope, kv_latent, k_rope, w_uk, w_uv, scale=scale)
+  if mask is not None and not isinstance(mask, Mask):
+    raise TypeError(f"mask must be a probjax Mask (e.g. CausalMask() & KVLenMask(lengths)), got {type(mask).__name__}")
+  if mask is not None:
+    mask.validate(call.batch, call.q_len, call.kv_len)
+    mask = mask.clamped(call.q_len, call.kv_len)
+  decision = decide(call, Device.current(), form, implementation)
+  # Positions past the lengths may hold NaN (a cache's unwritten tail). Attention zeroes its own
+  # inputs there, but the projections around it would still meet them (dw_uk = latent^T dk with
+  # a zero dk is NaN where the latent is), so they are zeroed before any projection.
+  q_ok = None
+  if mask is not None and mask.kv_lengths is not None:
+    k_ok = _valid(mask.kv_lengths, call.kv_len)
+    kv_latent, k_rope = jnp.where(k_ok, kv_latent, 0), jnp.where(k_ok, k_rope, 0)
+  if mask is not None and mask.q_lengths is not None:
+    q_ok = _valid(mask.q_lengths, call.q_len)[..., None]
+    q_nope, q_rope = jnp.where(q_ok, q_nope, 0), jnp.where(q_ok, q_rope, 0)
+  run = forms.expanded if decision.form == "expanded" else forms.absorbed
+  out = run(q_nope, q_rope, kv_latent, k_rope, w_uk, w_uv, mask=mask, scale=call.softmax_scale,
+            implementation=decision.attention_implementation)
+  if q_ok is not None:
+    out = jnp.where(q_ok, out, 0)  # also drops a NaN cotangent on padded rows before w_uv's gradient
+  if not return_lse:
+    return out
+  lse = forms.log_sum_exp(q_nope, q_rope, kv_latent, k_rope, w_uk, mask=mask, scale=call.softmax_scale)
+  return out, lse

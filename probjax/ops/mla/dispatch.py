@@ -1,0 +1,94 @@
+"""Which form computes a call, and which attention implementation it asks for: pure rules
+over the call and a :class:`Device`, each with its reason (tested on CPU with fake devices).
+
+The two forms compute the same function (see :mod:`probjax.ops.mla`) and differ in work: the
+expanded form forms K and V per head once per cached position and then attends at the narrow
+widths ``d_nope + d_rope`` / ``d_v``; the absorbed form never forms them but attends at the latent
+widths ``d_c + d_rope`` / ``d_c`` and reads one latent row that all heads share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from probjax.core.device import Device
+from probjax.ops.mla.call import FORMS, MLACall
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+  """The form, the attention implementation it asks for (None: attention's default), and why."""
+
+  form: str
+  rule: str
+  attention_implementation: str | None = None
+  attention_rule: str = "attention's default"
+
+  def __str__(self):
+    impl = self.attention_implementation or "default"
+    return f"{self.form} ({self.rule}); attention {impl} ({self.attention_rule})"
+
+
+def absorbed_is_cheaper(call: MLACall) -> bool:
+  """Whether the absorbed form does less arithmetic than the expanded one.
+
+  Multiply-adds per batch element and head, with ``P = d_c * (d_nope + d_v)``:
+
+  * expanded: ``S * P`` to form K and V, plus ``Tq * S * (d_nope + d_rope + d_v)`` to attend;
+  * absorbed: ``Tq * P`` to absorb q_nope and project the output, plus ``Tq * S * (2 d_c + d_rope)``.
+
+  At DeepSeek-V2's widths (d_c 512, d_rope 64, d_nope = d_v = 128; P = 131072) over S = 4096
+  positions: one decoded query costs 538M expanded against 4.6M absorbed, so decoding absorbs
+  (it also reads 576 shared latent values per position instead of H * 320 expanded ones). With
+  Tq = S = 4096 (prefill, training) it is 5.9G expanded against 18.8G absorbed, so it expands.
+  The forms break even where ``Tq * S * 768 = P * (S - Tq)``: about 170 queries over a long
+  cache, fewer over a short one.
+  """
+  s, tq = call.kv_len, call.q_len
+  proj = call.d_c * (call.d_nope + call.d_v)
+  expanded = s * proj + tq * s * (call.d_nope + call.d_rope + call.d_v)
+  absorbed = tq * proj + tq * s * (2 * call.d_c + call.d_rope)
+  return absorbed < expanded
+
+
+def choose_form(call: MLACall, form: str = "auto") -> tuple[str, str]:
+  """``(form, reason)``; ``form`` "auto" picks by :func:`absorbed_is_cheaper`."""
+  if form not in FORMS:
+    raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+  if form != "auto":
+    return form, "requested"
+  if absorbed_is_cheaper(call):
+    return "absorbed", (f"{call.q_len} queries over {call.kv_len} positions: attending over the shared "
+                        "latent does less work than forming K and V per head")
+  return "expanded", (f"{call.q_len} queries over {call.kv_len} positions: forming K and V per head "
+                      "does less work than attending over the wide latent")
+
+
+def attention_widths(call: MLACall, form: str) -> tuple[int, int]:
+  """``(d_qk, d_v)`` of the attention call that ``form`` makes."""
+  if form == "expanded":
+    return call.d_nope + call.d_rope, call.d_v
+  return call.d_c + call.d_rope, call.d_c
+
+
+def attention_implementation(call: MLACall, form: str, device: Device,
+                             implementation: str | None = None) -> tuple[str | None, str]:
+  """The ``implementation`` the form passes to attention, and why.
+
+  An explicit one is passed through (attention refuses what it cannot compute). The fused GPU
+  kernels assume one head_dim for q, k and v, and attention's default dispatch does not yet see
+  the value width, so on a GPU a call whose widths differ asks for the XLA path itself.
+  """
+  if implementation is not None:
+    return implementation, "requested"
+  d_qk, d_v = attention_widths(call, form)
+  if device.platform == "gpu" and d_qk != d_v:
+    return "xla", (f"value head_dim {d_v} != query/key head_dim {d_qk}: no GPU kernel computes it yet, "
+                   "the XLA path does")
+  return None, "attention's default"
+
+
+def decide(call: MLACall, device: Device, form: str = "auto", implementation: str | None = None) -> Decision:
+  form, rule = choose_form(call, form)
+  impl, why = attention_implementation(call, form, device, implementation)
+  return Decision(form, rule, impl, why)

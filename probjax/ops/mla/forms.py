@@ -1,0 +1,89 @@
+"""The two forms of multi-head latent attention, each one attention call.
+
+Both call probjax's public ``dot_product_attention`` (masks, GQA/MQA and whatever kernels
+attention dispatches to are reused); nothing here imports attention's backends.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from probjax.nn.layers.attention import dot_product_attention
+
+
+def _acc(dtype):
+  return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
+
+
+def _proj(spec, x, w, dtype):
+  """``einsum(spec, x, w)`` accumulated in float32 (float64 for float64), cast to ``dtype``."""
+  return jnp.einsum(spec, x, w.astype(x.dtype), preferred_element_type=_acc(dtype)).astype(dtype)
+
+
+def expanded(q_nope, q_rope, kv_latent, k_rope, w_uk, w_uv, *, mask, scale, implementation):
+  """K ``[B, S, H, d_nope + d_rope]`` and V ``[B, S, H, d_v]`` from the latent, then attention
+  with H KV heads; ``[B, Tq, H, d_v]``."""
+  dt = q_nope.dtype
+  b, s, _ = kv_latent.shape
+  h = q_nope.shape[2]
+  k_nope = _proj("bsc,chd->bshd", kv_latent, w_uk, dt)
+  k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None, :], (b, s, h, k_rope.shape[-1]))], -1)
+  v = _proj("bsc,chd->bshd", kv_latent, w_uv, dt)
+  q = jnp.concatenate([q_nope, q_rope], -1)
+  return dot_product_attention(q, k, v, mask=mask, scale=scale, implementation=implementation)
+
+
+def absorbed(q_nope, q_rope, kv_latent, k_rope, w_uk, w_uv, *, mask, scale, implementation):
+  """q_nope absorbed into the latent (``q_nope @ w_uk^T``, ``[B, Tq, H, d_c]``), multi-query
+  attention of the H heads over the one latent head (keys ``[latent, k_rope]``, values the
+  latent), then the output projected by ``w_uv``; ``[B, Tq, H, d_v]``."""
+  dt = q_nope.dtype
+  q_lat = _proj("bthd,chd->bthc", q_nope, w_uk, dt)
+  q = jnp.concatenate([q_lat, q_rope], -1)
+  k = jnp.concatenate([kv_latent, k_rope], -1)[:, :, None, :]
+  v = kv_latent[:, :, None, :]
+  o_lat = dot_product_attention(q, k, v, mask=mask, scale=scale, implementation=implementation)
+  return _proj("bthc,chd->bthd", o_lat, w_uv, dt)
+
+
+def log_sum_exp(q_nope, q_rope, kv_latent, k_rope, w_uk, *, mask, scale, block: int = 512):
+  """The softmax's log-sum-exp ``[B, Tq, H]`` (float32; float64 for float64 inputs), ``-inf``
+  for rows with no valid key, in XLA over key blocks of ``block`` (one block's scores at a time;
+  differentiable, though reverse mode keeps every block's scores).
+
+  attention's public function does not return it, so it is recomputed from the absorbed scores
+  ``scale * ([q_nope @ w_uk^T, q_rope] . [latent, k_rope])``, which equal the expanded ones.
+  """
+  acc = _acc(q_nope.dtype)
+  b, tq, h, _ = q_nope.shape
+  s = kv_latent.shape[1]
+  if s == 0:
+    return jnp.full((b, tq, h), -jnp.inf, acc)
+  q = jnp.concatenate([_proj("bthd,chd->bthc", q_nope, w_uk, acc), q_rope.astype(acc)], -1)
+  k = jnp.concatenate([kv_latent, k_rope], -1).astype(acc)
+  block = min(block, s)
+  n = -(-s // block)
+  k = jnp.pad(k, ((0, 0), (0, n * block - s), (0, 0)))
+  qi = jnp.arange(tq)[:, None]
+
+  def step(carry, i):
+    m, l = carry
+    sc = jnp.einsum("bthc,bkc->bhtk", q, lax.dynamic_slice_in_dim(k, i * block, block, 1)) * scale
+    ki = i * block + jnp.arange(block)[None, :]
+    ok = ki < s
+    if mask is not None:
+      ok = ok & mask.element(qi, ki)
+    ok = ok if ok.ndim == 2 else ok[:, None]          # [tq, k], or [b, 1, tq, k] with lengths
+    sc = jnp.where(ok, sc, -jnp.inf)
+    # The running maximum only stabilises the exponentials; the lse does not depend on it.
+    m_new = lax.stop_gradient(jnp.maximum(m, sc.max(-1)))
+    safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    l = l * jnp.exp(m - safe) + jnp.where(ok, jnp.exp(sc - safe[..., None]), 0.0).sum(-1)
+    return (m_new, l), None
+
+  init = (jnp.full((b, h, tq), -jnp.inf, acc), jnp.zeros((b, h, tq), acc))
+  (m, l), _ = lax.scan(step, init, jnp.arange(n))
+  pos = l > 0
+  lse = jnp.where(pos, jnp.where(jnp.isfinite(m), m, 0.0) + jnp.log(jnp.where(pos, l, 1.0)), -jnp.inf)
+  return jnp.transpose(lse, (0, 2, 1))

@@ -1,0 +1,217 @@
+"""Multi-head latent attention: both forms against the float64 reference that materialises K
+and V; the form rule and the attention implementation it asks for on fake devices; attention's
+kernels refusing a value head_dim other than the query/key head_dim."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from probjax.core.device import Device
+from probjax.core.tolerances import max_error, tolerance
+from probjax.nn.layers.attention import CausalMask, KVLenMask, LengthMask
+from probjax.ops.attention import dispatch as attention_dispatch
+from probjax.ops.attention.call import AttentionCall
+from probjax.ops.attention.registry import REGISTRY
+from probjax.ops.mla import explain, mla
+from probjax.ops.mla.reference import NAMES, reference_mla, reference_mla_vjp
+
+H200 = Device("gpu", (9, 0), 140 << 30)
+CPU = Device("cpu")
+DIMS = dict(heads=4, d_nope=8, d_rope=4, d_c=12, d_v=6)
+
+
+def inputs(seed, batch, tq, s, *, heads=4, d_nope=8, d_rope=4, d_c=12, d_v=6, dtype=jnp.float32):
+  ks = jax.random.split(jax.random.key(seed), 7)
+  shapes = [(batch, tq, heads, d_nope), (batch, tq, heads, d_rope), (batch, s, d_c), (batch, s, d_rope),
+            (d_c, heads, d_nope), (d_c, heads, d_v)]
+  args = [jax.random.normal(k, sh, jnp.float32).astype(dtype) for k, sh in zip(ks, shapes)]
+  args[4] = args[4] * d_c ** -0.5   # projection weights at the usual init scale
+  args[5] = args[5] * d_c ** -0.5
+  do = jax.random.normal(ks[6], (batch, tq, heads, d_v), jnp.float32).astype(dtype)
+  return args, do
+
+
+def masks(name, batch, tq, s):
+  if name == "none":
+    return None
+  if name == "causal":
+    return CausalMask(offset=s - tq)   # the last tq positions of s, as a decode or prefill step
+  if name == "kv_len_zero":
+    return KVLenMask(jnp.array([0, s][:batch]))
+  if name == "causal&kv_len":
+    return CausalMask(offset=s - tq) & KVLenMask(jnp.array([max(1, s // 2), s][:batch]))
+  raise ValueError(name)
+
+
+def check(args, do, mask, form, dtype=jnp.float32, **kw):
+  f = lambda *a: mla(*a, mask=mask, form=form, **kw)
+  out, pull = jax.vjp(f, *args)
+  grads = pull(do)
+  ref_out, ref_grads = reference_mla_vjp(*args, do, mask=mask, scale=kw.get("scale"))
+  errs = {"out": max_error(out, ref_out)}
+  errs |= {n: max_error(g, ref_grads[n]) for n, g in zip(NAMES, grads)}
+  for name, err in errs.items():
+    tol = tolerance(dtype, grad=name != "out")
+    assert err <= tol, f"{form} {name}: {err:.3g} > {tol:.3g}; all {errs}"
+  return out, grads
+
+
+@pytest.mark.parametrize("mask_name", ["none", "causal", "kv_len_zero", "causal&kv_len"])
+@pytest.mark.parametrize("tq,s", [(1, 1), (1, 48), (7, 7), (7, 48), (48, 48)])
+def test_forms_match_reference_values_and_grads(tq, s, mask_name):
+  args, do = inputs(tq * 100 + s, 2, tq, s)
+  mask = masks(mask_name, 2, tq, s)
+  e_out, e_grads = check(args, do, mask, "expanded")
+  a_out, a_grads = check(args, do, mask, "absorbed")
+  assert max_error(e_out, a_out) <= tolerance(jnp.float32)
+  if mask_name == "kv_len_zero":   # element 0 has no key: zero output and zero gradients
+    assert np.all(np.asarray(e_out[0]) == 0) and np.all(np.asarray(a_out[0]) == 0)
+    for g in (*e_grads, *a_grads):
+      assert np.all(np.isfinite(np.asarray(g)))
+    for g in (e_grads[0], e_grads[1], e_grads[2], e_grads[3], a_grads[0], a_grads[2]):
+      assert np.all(np.asarray(g[0]) == 0)
+
+
+def test_scale_is_the_model_key_width_in_both_forms():
+  args, do = inputs(1, 1, 5, 9)
+  ref = reference_mla(*args, scale=(8 + 4) ** -0.5)
+  for form in ("expanded", "absorbed"):
+    assert max_error(mla(*args, form=form), ref) <= tolerance(jnp.float32)
+  check(args, do, CausalMask(offset=4), "absorbed", scale=0.3)
+  check(args, do, CausalMask(offset=4), "expanded", scale=0.3)
+
+
+def test_cache_tail_may_hold_nan_and_padded_queries_are_zero():
+  args, do = inputs(2, 2, 7, 16)
+  lens = jnp.array([5, 16])
+  poison = lambda x: x.at[0, 5:].set(jnp.nan)
+  args[2], args[3] = poison(args[2]), poison(args[3])
+  mask = LengthMask(jnp.array([3, 7]), lens)
+  do = do.at[0, 3:].set(jnp.nan)   # a cotangent on padded query rows reaches nothing
+  for form in ("expanded", "absorbed"):
+    out, grads = check(args, do, mask, form)
+    assert np.all(np.asarray(out[0, 3:]) == 0)
+    assert all(np.all(np.isfinite(np.asarray(g))) for g in grads)
+
+
+@pytest.mark.parametrize("mask_name", ["causal", "kv_len_zero"])
+def test_return_lse(mask_name):
+  args, do = inputs(3, 2, 7, 48)
+  mask = masks(mask_name, 2, 7, 48)
+  _, ref_lse = reference_mla(*args, mask=mask, return_lse=True)
+  for form in ("expanded", "absorbed"):
+    out, lse = mla(*args, mask=mask, form=form, return_lse=True)
+    assert lse.shape == (2, 7, 4)
+    finite = np.isfinite(ref_lse)
+    assert np.array_equal(np.isfinite(np.asarray(lse)), finite)
+    assert max_error(np.where(finite, lse, 0), np.where(finite, ref_lse, 0)) <= tolerance(jnp.float32)
+  # Differentiable and finite, also through rows with no key.
+  g = jax.grad(lambda q: jnp.sum(jnp.where(jnp.isfinite(lse := mla(q, *args[1:], mask=mask, return_lse=True)[1]),
+                                           lse, 0.0)))(args[0])
+  assert np.all(np.isfinite(np.asarray(g)))
+
+
+def test_lse_over_several_key_blocks():
+  from probjax.ops.mla import forms
+  args, _ = inputs(4, 1, 3, 41)
+  _, ref_lse = reference_mla(*args, mask=CausalMask(offset=38), return_lse=True)
+  lse = forms.log_sum_exp(*args[:5], mask=CausalMask(offset=38), scale=12 ** -0.5, block=8)
+  assert max_error(lse, ref_lse) <= tolerance(jnp.float32)
+
+
+def test_jvp_matches_reference():
+  args, _ = inputs(5, 2, 7, 20)
+  mask = CausalMask(offset=13) & KVLenMask(jnp.array([9, 20]))
+  tans = [jax.random.normal(jax.random.key(50 + i), a.shape) for i, a in enumerate(args)]
+  from probjax.ops.mla.reference import _mla64
+  with jax.enable_x64(True):
+    up = lambda a: jnp.asarray(np.asarray(a, np.float64))
+    _, want = jax.jvp(lambda *a: _mla64(*a, mask, 12 ** -0.5)[0], tuple(map(up, args)), tuple(map(up, tans)))
+    want = np.asarray(want)
+  for form in ("expanded", "absorbed"):
+    _, got = jax.jvp(lambda *a: mla(*a, mask=mask, form=form), tuple(args), tuple(tans))
+    assert max_error(got, want) <= tolerance(jnp.float32, grad=True)
+
+
+def test_bfloat16_forms_agree_with_reference():
+  args, do = inputs(6, 2, 7, 48, dtype=jnp.bfloat16)
+  for form in ("expanded", "absorbed"):
+    check(args, do, CausalMask(offset=41), form, dtype=jnp.bfloat16)
+
+
+# -- the form rule and the attention implementation ----------------------------------------
+def shapes(b, tq, s, h=128, dn=128, dr=64, dc=512, dv=128, dtype=jnp.bfloat16):
+  sd = lambda *sh: jax.ShapeDtypeStruct(sh, dtype)
+  return (sd(b, tq, h, dn), sd(b, tq, h, dr), sd(b, s, dc), sd(b, s, dr), sd(dc, h, dn), sd(dc, h, dv))
+
+
+@pytest.mark.parametrize("tq,s,form", [(4096, 4096, "expanded"), (1, 4096, "absorbed"), (16, 4096, "absorbed"),
+                                       (64, 4096, "absorbed"), (512, 4096, "expanded"), (2048, 2048, "expanded"),
+                                       (1, 1, "expanded")])
+def test_auto_form(tq, s, form):
+  d = explain(*shapes(2, tq, s), device=CPU)
+  assert d.form == form and "queries over" in d.rule
+  assert d.attention_implementation is None
+
+
+def test_on_a_gpu_widths_that_differ_ask_for_xla():
+  d = explain(*shapes(2, 4096, 4096), device=H200)        # expanded: d_qk 192, d_v 128
+  assert d.form == "expanded" and d.attention_implementation == "xla" and "no GPU kernel" in d.attention_rule
+  d = explain(*shapes(64, 1, 4096), device=H200)          # absorbed: d_qk 576, d_v 512
+  assert d.form == "absorbed" and d.attention_implementation == "xla"
+  d = explain(*shapes(2, 4096, 4096, dn=64, dv=128), device=H200)   # 64 + 64 = 128: one width
+  assert d.attention_implementation is None
+  assert explain(*shapes(2, 64, 64), implementation="triton", device=H200).attention_implementation == "triton"
+
+
+@pytest.mark.parametrize("name", ["triton", "mosaic", "cudnn"])
+def test_kernels_refuse_a_value_head_dim_of_their_own(name):
+  call = AttentionCall((2, 4096, 16, 192), (2, 4096, 16, 192), jnp.bfloat16, mask=CausalMask(), v_head_dim=128)
+  why = REGISTRY.get(name).supports(call, H200)
+  assert why is not None and "value head_dim" in why
+  assert REGISTRY.get("xla").supports(call, H200) is None
+  same = AttentionCall((2, 4096, 16, 128), (2, 4096, 16, 128), jnp.bfloat16, v_head_dim=128)
+  assert same.v_head_dim is None
+  q = jnp.ones((1, 8, 2, 16), jnp.bfloat16)
+  v = jnp.ones((1, 8, 2, 8), jnp.bfloat16)
+  with pytest.raises(ValueError, match="value head_dim"):
+    REGISTRY.get(name)(q, q, v, None, call=AttentionCall(q.shape, q.shape, q.dtype))
+
+
+def test_explicit_kernel_with_value_head_dim_raises():
+  q = jnp.ones((1, 8, 2, 16))
+  from probjax.nn.layers.attention import dot_product_attention
+  with pytest.raises(ValueError):
+    dot_product_attention(q, q, jnp.ones((1, 8, 2, 8)), implementation="triton", interpret=True)
+
+
+@pytest.mark.xfail(strict=True, raises=TypeError,
+                   reason="attention's dispatch does not take the value head_dim yet (dispatch.py: "
+                          "explain_dispatch(v_head_dim=) into every AttentionCall it builds)")
+def test_default_dispatch_sends_value_head_dim_to_xla():
+  d = attention_dispatch.explain_dispatch((2, 4096, 16, 192), (2, 4096, 16, 192), jnp.bfloat16,
+                                          mask=CausalMask(), device=H200, env={}, v_head_dim=128)
+  assert d.implementation == "xla"
+
+
+# -- validation -------------------------------------------------------------------------------
+@pytest.mark.parametrize("index,shape,name", [
+    (0, (2, 5, 4), "q_nope"), (1, (2, 5, 3, 4), "q_rope"), (2, (3, 9, 12), "kv_latent"),
+    (3, (2, 8, 4), "k_rope"), (3, (2, 9, 5), "k_rope"), (4, (12, 4, 7), "w_uk"), (4, (11, 4, 8), "w_uk"),
+    (5, (12, 3, 6), "w_uv"), (2, (2, 9), "kv_latent")])
+def test_bad_shapes_name_the_argument(index, shape, name):
+  args, _ = inputs(0, 2, 5, 9)
+  args[index] = jnp.ones(shape)
+  with pytest.raises(ValueError, match=name):
+    mla(*args)
+
+
+def test_bad_form_and_mask():
+  args, _ = inputs(0, 1, 3, 4)
+  with pytest.raises(ValueError, match="form"):
+    mla(*args, form="fast")
+  with pytest.raises(TypeError, match="mask"):
+    mla(*args, mask=jnp.ones((1, 1, 3, 4), bool))
+  with pytest.raises(ValueError):
+    mla(*args, mask=KVLenMask(jnp.array([9])))
