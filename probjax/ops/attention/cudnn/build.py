@@ -6,7 +6,7 @@ Needs headers only: XLA FFI's (shipped with jaxlib), the CUDA runtime's and NVRT
 (``$CUDA_HOME/include``, default ``/usr/local/cuda``, and ``nvidia/cu13/include`` of the
 pip packages), cuDNN's (``nvidia-cudnn-cu13``, ``$CUDNN_INCLUDE_DIR`` or ``--cudnn-include``)
 and the header-only cudnn-frontend (``nvidia-cudnn-frontend`` or ``--frontend-include``);
-``docs/scripts/stage_cudnn_ffi.sh`` fetches the pinned ones and builds. No GPU and no CUDA
+``bench/stage_cudnn_ffi.sh`` fetches the pinned ones and builds. No GPU and no CUDA
 library is needed to build: the library finds cuDNN and the CUDA runtime at run time
 (cudnn-frontend's dynamic loading), after :mod:`probjax.ops.attention.cudnn.ffi` has loaded
 them from the ``nvidia`` packages. Output: :data:`LIBRARY`.

@@ -2,8 +2,9 @@
 
 The same cuDNN kernels as ``jax.nn.dot_product_attention(implementation="cudnn")``,
 without what XLA's runtime adds around its fMHA custom calls: it zeroes every output
-and the workspace before each launch (3 memsets per forward, 9 per forward+backward
-at bf16 B4 H8 T4096, ``docs/benchmarks/dispatch_gap.json``). The extension is built
+and the workspace before each launch (3 memsets per forward, 9 per forward+backward;
+docs/decisions.md, "Settled by probes": "Why jax.nn's cuDNN route trailed torch's, and
+probjax's own FFI call"). The extension is built
 by ``python -m probjax.ops.attention.cudnn.build``; without it (or with
 ``PROBJAX_ATTENTION_CUDNN_FFI=0``) the cuDNN route calls jax.nn.
 

@@ -4,8 +4,7 @@ Shared-memory model (:func:`smem_total`): every scratch buffer rounded up to 1 K
 per barrier, and 2 KiB that Mosaic GPU reserves. It reproduces the byte counts of the
 Mosaic compiler's own errors on sm_90 (235,672 for ``block_k=128, num_stages=3,
 compute_wgs=2`` and 235,632 for ``192, 2, 2`` at head_dim 128, bf16, before the schedule
-barrier: ``git fe78ef2:docs/benchmarks/gpu_attention_tiles.json``, whose rows
-were measured again since).
+barrier; ``tests/test_mosaic_attention.py::test_smem_model_covers_the_compilers_counts``).
 """
 
 from __future__ import annotations
@@ -89,37 +88,25 @@ class MosaicForwardConfig:
     return smem_total([*q, kv, kv, wgs * bq * 4, wgs * bq * 4, st * bk * 4], 2 * wgs + 5 * st + 1)
 
 
-# Tile sweep on the H200 (bf16 B4 H8 T4096 non-causal, forward ms; docs/benchmarks/
-# gpu_attention_tiles.json): block_k 128 with two compute warpgroups is the fastest family at
-# both head dims, and persistent CTAs save 3-4% there: head_dim 64 0.352 (s2) / 0.344 (s4)
-# persistent against 0.353-0.423 (s2) / 0.354 (s4) not; head_dim 128 0.451 against 0.471
-# (s3, s4 and block_k 192 do not fit). Three compute warpgroups are not faster (0.354-0.371
-# at head_dim 64, 0.511-0.519 at 128). Causal, whose tiles differ in work, gains from
-# persistence too (docs/benchmarks/mosaic_causal_persistent.json, kernel ms one CTA per tile /
-# persistent): T4096 D64 0.196 / 0.188, D128 0.289 / 0.268; wall ms at T16384 D64 2.87 / 2.58,
-# D128 4.39 / 4.23. Head_dim 256 is unmeasured: the largest ring that fits (persistent, its
-# output buffer would not).
-# CTA pairs (cluster=2, unmasked calls only; docs/benchmarks/mosaic_cluster.json, 0be15c3, B4 H8,
-# persistent, wall / kernel ms, single CTAs -> pairs): head_dim 128 T8192 1.891 / 1.867 ->
-# 1.862 / 1.787, T16384 7.766 -> 7.371 (T4096 0.457 / 0.441 -> 0.439 / 0.472: within noise);
-# head_dim 64 no gain (T4096 0.329 -> 0.333, T16384 5.069 -> 5.155): pairs at head_dim 128.
-# Again (mosaic_cluster_445f41a.json, wall ms): D128 T8192 1.865 -> 1.843, T16384 7.514 -> 7.387.
-# Causal pairs (same file; the pair visits the union of its key ranges) lose at T4096 (D64
-# 0.179 -> 0.193, D128 0.246 -> 0.259) and T8192 (0.641 -> 0.661, 0.965 -> 0.973) and gain at
-# T16384 (2.636 -> 2.493, 4.088 -> 3.975): the default takes pairs without a mask only.
-# overlap (interleaved_mosaic_overlap.json, 785f033, B4 H8 fwd ms in one process, rotating rounds,
-# default config without / with overlap): non-causal T4096 D64 0.346 / 0.337, D128 0.491 / 0.477;
-# T16384 D64 5.188 / 5.147, D128 7.367 / 7.219 (jax.nn cuDNN 7.259, torch SDPA cuDNN 7.264). Causal
-# 0.181 / 0.250 (T4096 D64) ... 4.021 / 5.511 (T16384 D128): ptxas serializes the kernel's wgmmas
-# when a masked loop is compiled in (mosaic_ptxas_overlap.json, C7513: "non wgmma instructions
-# defining input registers of a wgmma"), so :func:`fit` keeps overlap for calls without masked
-# tiles only: no mask, no score_mod and whole key tiles. The PTX (logs/mosaic_ptx_overlap_2ba33f5.txt)
-# shows why: P's registers are copied into the P V wgmma's operands after the Q K^T wgmma is
-# issued, where P is carried from one of the masked and full-tile loops into the next; the
-# kernel without masked tiles has one loop and ptxas folds the copies. A register fence before
-# the wgmmas did not help (mosaic_ptxas_fence.json, mosaic_overlap_fence.json). The overlapped
-# kernel with masked tiles now runs one loop, each tile's predicate in a branch (forward.py
-# ``masked_tiles``; exact in interpret mode, not yet compiled by ptxas or timed).
+# Why these defaults (evidence: the H200 tile sweep, bench/results/h200/tiles.json, and
+# docs/decisions.md, "Settled by probes"): block_k 128 with two compute warpgroups is the
+# fastest family at head_dim 64 and 128 (three compute warpgroups are not faster; at head_dim
+# 128 deeper rings and block_k 192 do not fit), and persistent CTAs are faster than one CTA per
+# tile there; causal calls, whose tiles differ in work, gain from persistence too ("Mosaic
+# forward schedules"). Head_dim 256 is unmeasured: the largest ring that fits (not persistent:
+# its output buffer would not fit).
+# CTA pairs (cluster=2; "CTA pairs with K/V multicast"): faster for unmasked calls at head_dim
+# 128 at long lengths, no gain at head_dim 64; under a band, where the pair visits the union of
+# its key ranges, they lose below T16384: the default takes pairs at head_dim 128 without a mask.
+# overlap ("Intra-warpgroup overlap in the Mosaic forward"): faster without masks, much slower
+# with them: ptxas serializes the kernel's wgmmas when a masked loop is compiled in (warning
+# C7513: "non wgmma instructions defining input registers of a wgmma"). The PTX shows why: P's
+# registers are copied into the P V wgmma's operands after the Q K^T wgmma is issued, where P
+# is carried from one of the masked and full-tile loops into the next; the kernel without
+# masked tiles has one loop and ptxas folds the copies. Neither a register fence before the
+# wgmmas nor one loop with each tile's predicate in a branch (forward.py ``masked_tiles``,
+# exact in interpret mode) avoids it, so :func:`fit` keeps overlap for calls without masked
+# tiles only: no mask, no score_mod and whole key tiles.
 DEFAULTS = {64: MosaicForwardConfig(64, 128, 2, 2, True, overlap=True),
             128: MosaicForwardConfig(64, 128, 2, 2, True, cluster=2, overlap=True),
             256: MosaicForwardConfig(64, 64, 2, 2, False)}

@@ -166,7 +166,7 @@ class SplitKVConfig:
 # Tuned tables: (device, dtype, head_dim) -> config. Entries are the starting
 # point; `fit_*` shrinks them to the device and to the sequence lengths.
 # sm_90 bf16 and fp32 D64/D128 entries are the fastest forced configs of the H200 tile sweeps
-# (docs/benchmarks/gpu_attention_tiles.json, B4 H8 T4096 non-causal; the row's variant is
+# (bench/results/h200/tiles.json, B4 H8 T4096 non-causal; the row's variant is
 # named beside each entry). bf16 and fp32 D64 come from the first sweep (its re-run with the
 # current kernel has auto within 3% of the best), fp32 D128 from the re-run. The other
 # entries are FlashAttention-2 Triton starting points, not swept.
@@ -203,9 +203,9 @@ BACKWARD_TABLE = {
 
 # fast_exp2=None resolves to this per device kind (absent: False). sm_90: FlashAttention's
 # and Triton's own kernels use ex2.approx; checked by the tile sweep's "auto_libdevice_exp2"
-# rows (docs/benchmarks/gpu_attention_tiles.json), the auto tiles with libdevice's exp2f. The
-# fused multiply-add before it (tiles.exp2_affine): Triton forward -4..7% at D64, -1..3% at
-# D128 (gpu_attention.json, 8e323ec against b7906bd, B4 H8 T4096/8192).
+# rows (bench/results/h200/tiles.json), the auto tiles with libdevice's exp2f. The fused
+# multiply-add before it (tiles.exp2_affine), which XLA's Triton kept apart: docs/decisions.md,
+# "Settled by probes", "The Triton exponent".
 FAST_EXP2 = {"sm_90": True}
 
 
