@@ -22,6 +22,7 @@ _EXPORTS = {
     "Mamba": "mamba",
     "Mamba2": "mamba",
     "RAttention": "rattention",
+    "MultiHeadLatentAttention": "mla",
     "DiTBlock": "dit",
     "DiffusionTransformer": "dit",
     "MAB": "conditioners",
