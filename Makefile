@@ -95,4 +95,4 @@ venv:
 	fi
 
 clean:
-	rm -rf "$(VENV)" build *.egg-info attention_report.json
+	rm -rf "$(VENV)" build *.egg-info reports

@@ -8,16 +8,23 @@ For each shape it runs every probjax implementation available on the present
 device (``available_implementations()``), the default (``implementation=None``)
 and ``jax.nn.dot_product_attention`` as a peer (XLA, and cuDNN on NVIDIA GPUs);
 checks output and gradients against the float64 reference; times the forward and
-the forward+backward (:func:`probjax.core.timing.time_fn`: the compiling call, then the
-median of single synchronised calls); prints a table with the
-implementation the default picks and the rule that picked it; and writes the
-rows to JSON (benchmark row fields: ``suite="report"``, ``impl``, ``dtype``,
-``batch``, ``q_heads``, ``kv_heads``, ``q_len``, ``kv_len``, ``head_dim``,
-``causal``, ``mask``, ``mode`` ("fwd"/"fwd_bwd"), ``ms``, ``status``
+the forward+backward (:func:`probjax.core.timing.time_fn`: the compiling call, then
+single synchronised calls: median and p10/p90); prints one table per case with each
+time's ratio to jax.nn and to the fastest implementation, the errors against their
+tolerance, the implementation the default picks and the rule that picked it, and a flag
+where the default is not the fastest; and writes the rows to JSON (``--output``, by
+default ``reports/attention_report.json``).
+
+Row fields: the benchmark row's ``suite="report"``, ``impl``, ``dtype``, ``batch``,
+``q_heads``, ``kv_heads``, ``q_len``, ``kv_len``, ``head_dim``, ``causal``, ``mask``,
+``mode`` ("fwd"/"fwd_bwd"), ``ms`` (median), ``status``
 ("ok"/"oom"/"unsupported"/"fail"/"error", :func:`probjax.core.timing.classify_error`),
-``device``, ``max_error``; plus
-``check`` ("pass"/"fail" against the dtype's tolerance), ``tolerance``,
-``error`` (message), ``default_impl``, ``default_rule`` and ``commit``).
+``device``, ``max_error``; plus ``case``, ``p10_ms``, ``p90_ms``, ``n_repeats``,
+``vs_jaxnn`` (``ms`` over the fastest jax.nn row's), ``vs_fastest`` (over the fastest
+row's that passed its check), ``fastest`` (that row's impl), ``check`` ("pass"/"fail"
+against the dtype's tolerance), ``tolerance``, ``error`` (message), ``commit``; the
+default's rows add ``default_impl``, ``default_rule``, ``default_is_fastest`` and
+``default_slower`` (its p10 above the fastest's p90: slower beyond the spread).
 
 A failure of one implementation is recorded in its row; the report goes on.
 """
@@ -42,6 +49,9 @@ from probjax.core.timing import STATUSES, classify_error  # noqa: F401 (the repo
 
 MASKS = ("none", "causal", "window", "kv_len", "segments")
 DTYPES = ("float32", "bfloat16", "float16")
+DEFAULT_OUTPUT = os.path.join("reports", "attention_report.json")
+# Fewer repeats give no spread to tell a slower default from noise (default_slower: None).
+MIN_SPREAD_REPEATS = 5
 
 
 # -----------------------------------------------------------------------------
@@ -82,7 +92,8 @@ _DEFAULTS = {
         ("odd", 4, 8, 8, 1500, 64, "none"),
         ("decode", 1, 32, 8, (1, 16384), 128, "none"),  # the split-KV forward
     ]),
-    "quick": dict(dtype="float32", repeats=2, cases=[
+    # Enough repeats for a p10-p90 spread (MIN_SPREAD_REPEATS); compiling dominates anyway.
+    "quick": dict(dtype="float32", repeats=5, cases=[
         ("plain", 1, 2, 2, 64, 16, "none"),
         ("causal", 1, 2, 2, 64, 16, "causal"),
         ("gqa", 1, 4, 2, 32, 16, "none"),
@@ -290,9 +301,9 @@ def _first_line(e: BaseException, limit: int = 300) -> str:
   return s[:limit]
 
 
-def time_call(fn: Callable, args: tuple, repeats: int) -> tuple[float, Any]:
-  """Median milliseconds of single synchronised calls of ``fn(*args)`` after the compiling
-  call, and that call's output (for the check)."""
+def time_call(fn: Callable, args: tuple, repeats: int) -> tuple[dict, Any]:
+  """``{"ms" (median), "p10_ms", "p90_ms", "n_repeats"}`` of single synchronised calls of
+  ``fn(*args)`` after the compiling call, and that call's output (for the check)."""
   import jax
   first = []
 
@@ -302,7 +313,7 @@ def time_call(fn: Callable, args: tuple, repeats: int) -> tuple[float, Any]:
       first.append(out)
     return out
   res = timing.time_fn(call, jax.block_until_ready, warmup=0, repeats=repeats, min_repeat_s=0.0, max_calls=1)
-  return res["ms"], first[0]
+  return {k: res[k] for k in ("ms", "p10_ms", "p90_ms", "n_repeats")}, first[0]
 
 
 def device_info() -> tuple[str, str]:
@@ -330,6 +341,7 @@ def run_case(case: Case, impls, repeats: int, device: str, platform_kind: str,
       for mode in ("fwd", "fwd_bwd"):
         rows.append(dict(base, impl=label, mode=mode, ms=None, status="error", max_error=None,
                          check=None, tolerance=None, error=f"mask: {type(e).__name__}: {_first_line(e)}"))
+    annotate(rows)
     return rows
   dispatch_info = explain(case, mask)
   q, k, v, do = make_inputs(case)
@@ -361,10 +373,11 @@ def run_case(case: Case, impls, repeats: int, device: str, platform_kind: str,
         if isinstance(f, Exception):
           raise f
         if mode == "fwd":
-          ms, out = time_call(fwd, (q, k, v), repeats)
+          t, out = time_call(fwd, (q, k, v), repeats)
         else:
-          ms, (out, dq, dk, dv) = time_call(fwd_bwd, (q, k, v, do), repeats)
-        row.update(ms=round(ms, 4), status="ok")
+          t, (out, dq, dk, dv) = time_call(fwd_bwd, (q, k, v, do), repeats)
+        row.update(ms=round(t["ms"], 4), p10_ms=round(t["p10_ms"], 4), p90_ms=round(t["p90_ms"], 4),
+                   n_repeats=t["n_repeats"], status="ok")
         if ref_error is not None:
           row["error"] = ref_error
         else:
@@ -383,8 +396,33 @@ def run_case(case: Case, impls, repeats: int, device: str, platform_kind: str,
         if os.environ.get("PROBJAX_REPORT_TRACEBACK"):
           traceback.print_exc()
       rows.append(row)
-      log(_row_line(row))
+  annotate(rows)
   return rows
+
+
+def _counts(r: dict) -> bool:
+  """A row that ran and did not fail its check (one whose time competes)."""
+  return r["status"] == "ok" and r.get("check") != "fail" and r["ms"] is not None
+
+
+def annotate(rows: list[dict]) -> None:
+  """Adds ``vs_jaxnn``, ``vs_fastest`` and ``fastest`` to one case's rows, and to the
+  default's rows ``default_is_fastest`` and ``default_slower``."""
+  for mode in ("fwd", "fwd_bwd"):
+    mrows = [r for r in rows if r["mode"] == mode]
+    ok = [r for r in mrows if _counts(r)]
+    peers = [r for r in ok if r["impl"].startswith("jaxnn_")]
+    fastest = min(ok, key=lambda r: r["ms"], default=None)
+    peer = min(peers, key=lambda r: r["ms"], default=None)
+    for r in mrows:
+      ran = r["status"] == "ok" and r["ms"] is not None
+      r["fastest"] = fastest and fastest["impl"]
+      r["vs_fastest"] = round(r["ms"] / fastest["ms"], 4) if ran and fastest else None
+      r["vs_jaxnn"] = round(r["ms"] / peer["ms"], 4) if ran and peer else None
+      if r["impl"] == "probjax_default":
+        r["default_is_fastest"] = bool(fastest is r) if ran else None
+        spread = ran and fastest and min(r["n_repeats"], fastest["n_repeats"]) >= MIN_SPREAD_REPEATS
+        r["default_slower"] = bool(fastest is not r and r["p10_ms"] > fastest["p90_ms"]) if spread else None
 
 
 # -----------------------------------------------------------------------------
@@ -394,50 +432,93 @@ def _fmt_ms(x):
   return "—" if x is None else (f"{x:.3f}" if x < 10 else f"{x:.1f}")
 
 
+def _fmt_spread(r):
+  if r is None or r["status"] != "ok":
+    return "—"
+  return f"{_fmt_ms(r['p10_ms'])}-{_fmt_ms(r['p90_ms'])}"
+
+
+def _fmt_ratio(r, key):
+  x = None if r is None else r.get(key)
+  return "—" if x is None else f"{x:.2f}"
+
+
 def _fmt_err(r):
+  """``error/tolerance`` (FAIL above it), or the status of a row that did not run."""
   if r is None:
     return "—"
   if r["status"] != "ok":
     return r["status"]
-  e = r["max_error"]
-  return ("inf" if e is None else f"{e:.1e}") + ("" if r["check"] == "pass" else " FAIL")
+  e, tol = r["max_error"], r.get("tolerance")
+  if e is None and r.get("check") is None:
+    return "no ref"
+  s = ("inf" if e is None else f"{e:.1e}") + (f"/{tol:.0e}" if tol is not None else "")
+  return s + ("" if r["check"] == "pass" else " FAIL")
 
 
-def _row_line(r: dict) -> str:
-  tail = f"{r['ms']:.3f} ms" if r["status"] == "ok" else f"{r['status']}: {r['error']}"
-  return f"  {r['impl']:<18} {r['mode']:<8} {tail}"
+_MODES = (("fwd", "fwd"), ("fwd_bwd", "fwd+bwd"))
+_LEGEND = ("ms: median; p10-p90: the spread over the repeats; x jax.nn, x best: time over the fastest\n"
+           "jax.nn backend's and over the fastest implementation's that passed its check (below 1: faster);\n"
+           "err: max error/tolerance against the float64 reference.")
+
+
+def _default_flags(crow: list[dict]) -> list[str]:
+  """One line per mode where the default is not the fastest."""
+  out = []
+  for mode, name in _MODES:
+    d = next((r for r in crow if r["impl"] == "probjax_default" and r["mode"] == mode), None)
+    if d is None or not d.get("fastest") or d.get("default_is_fastest") is not False:
+      continue
+    why = {True: "slower beyond the spread", False: "within the p10-p90 spread",
+           None: "too few repeats to tell from noise"}[d.get("default_slower")]
+    same = f"probjax_{d.get('default_impl')}" == d["fastest"]
+    out.append(f"  ! {name}: the default is not the fastest: {d['fastest']} ({d['vs_fastest']:.2f}x "
+               f"faster, {why}{'; the implementation the default runs' if same else ''})")
+  return out
+
+
+def format_case(case: Case, crow: list[dict]) -> str:
+  """One case's table: a row per implementation, forward and forward+backward side by side."""
+  lines = ["", case.label()]
+  d = next((r for r in crow if r["impl"] == "probjax_default" and "default_impl" in r), None)
+  if d is not None:
+    bwd = d.get("default_backward_pass_impl")
+    bwd = f", backward={bwd}" if d["default_impl"] == "triton" and bwd else ""
+    lines.append(f"  default -> {d['default_impl']}{bwd}  ({d['default_rule']})")
+  head = ["impl"]
+  for _, name in _MODES:
+    head += [f"{name} ms", "p10-p90", "x jax.nn", "x best"]
+  head += ["err out", "err grad", "note"]
+  table = [head]
+  for label in dict.fromkeys(r["impl"] for r in crow):
+    by_mode = {m: next((r for r in crow if r["impl"] == label and r["mode"] == m), None) for m, _ in _MODES}
+    cells = [label]
+    for m, _ in _MODES:
+      r = by_mode[m]
+      ran = r is not None and r["status"] == "ok"
+      cells += [_fmt_ms(r["ms"]) if ran else "—", _fmt_spread(r), _fmt_ratio(r, "vs_jaxnn"),
+                _fmt_ratio(r, "vs_fastest")]
+    f, b = by_mode["fwd"], by_mode["fwd_bwd"]
+    errs = [r["error"] for r in (f, b) if r is not None and r.get("error")]
+    note = errs[0] if errs else ""
+    if len(note) > 90:
+      note = note[:87] + "..."
+    cells += [_fmt_err(f), _fmt_err(b), note]
+    table.append(cells)
+  widths = [max(len(str(t[i])) for t in table) for i in range(len(head) - 1)]
+  for i, t in enumerate(table):
+    cells = [str(c).ljust(w) if j == 0 else str(c).rjust(w) for j, (c, w) in enumerate(zip(t[:-1], widths))]
+    lines.append("  " + "  ".join(cells) + ("  " + t[-1] if t[-1] else ""))
+    if i == 0:
+      lines.append("  " + "  ".join("-" * w for w in widths))
+  lines += _default_flags(crow)
+  return "\n".join(lines)
 
 
 def format_table(cases: list[Case], rows: list[dict]) -> str:
-  lines = []
-  head = ("impl", "fwd ms", "fwd+bwd ms", "err out", "err grad", "note")
-  for case in cases:
-    crow = [r for r in rows if r["case"] == case.name]
-    if not crow:
-      continue
-    lines.append("")
-    lines.append(case.label())
-    d = next((r for r in crow if r["impl"] == "probjax_default" and "default_impl" in r), None)
-    if d is not None:
-      bwd = d.get("default_backward_pass_impl")
-      bwd = f", backward={bwd}" if d["default_impl"] == "triton" and bwd else ""
-      lines.append(f"  default -> {d['default_impl']}{bwd}  ({d['default_rule']})")
-    table = [head]
-    for label in dict.fromkeys(r["impl"] for r in crow):
-      f = next((r for r in crow if r["impl"] == label and r["mode"] == "fwd"), None)
-      b = next((r for r in crow if r["impl"] == label and r["mode"] == "fwd_bwd"), None)
-      errs = [r["error"] for r in (f, b) if r is not None and r["status"] != "ok" and r.get("error")]
-      note = errs[0] if errs else ""
-      if len(note) > 90:
-        note = note[:87] + "..."
-      table.append((label, _fmt_ms(f and f["ms"]), _fmt_ms(b and b["ms"]), _fmt_err(f), _fmt_err(b), note))
-    widths = [max(len(str(t[i])) for t in table) for i in range(len(head) - 1)]
-    for i, t in enumerate(table):
-      cells = [str(c).ljust(w) if j == 0 else str(c).rjust(w) for j, (c, w) in enumerate(zip(t[:-1], widths))]
-      lines.append("  " + "  ".join(cells) + ("  " + t[-1] if t[-1] else ""))
-      if i == 0:
-        lines.append("  " + "  ".join("-" * w for w in widths))
-  return "\n".join(lines)
+  """Every case's table (:func:`format_case`)."""
+  return "\n".join(format_case(c, [r for r in rows if r["case"] == c.name]) for c in cases
+                   if any(r["case"] == c.name for r in rows))
 
 
 def parse_args(argv=None):
@@ -459,9 +540,10 @@ def parse_args(argv=None):
                  help="only these implementations (probjax_xla or xla, default, jaxnn_xla, jaxnn_cudnn, ...); "
                       "a probjax implementation not available here (e.g. triton in interpret mode on CPU) is tried")
   p.add_argument("--repeats", type=int, help="timed repeats after one warm-up; the median is reported")
-  p.add_argument("--output", default="attention_report.json", help="JSON output path (default: %(default)s)")
-  p.add_argument("--quick", action="store_true", help="tiny shapes and 2 repeats (smoke test)")
-  p.add_argument("--quiet", action="store_true", help="no per-measurement progress lines")
+  p.add_argument("--output", default=DEFAULT_OUTPUT,
+                 help="JSON output path (default: %(default)s, relative to the working directory)")
+  p.add_argument("--quick", action="store_true", help="tiny shapes and 5 repeats (smoke test)")
+  p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
   return p.parse_args(argv)
 
 
@@ -473,18 +555,22 @@ def main(argv=None) -> int:
   cases, repeats = build_cases(args, platform_kind)
   impls = implementations(platform_kind, cases[0].dtype if cases else "float32", args.impl)
   log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
-  print(f"probjax attention report  device: {device}  jax {jax.__version__}  repeats: {repeats} (median)",
+  print(f"probjax attention report  device: {device}  jax {jax.__version__}  repeats: {repeats} (median, p10-p90)",
         flush=True)
   print("implementations: " + ", ".join(lab for lab, _, _ in impls), flush=True)
+  print(_LEGEND, flush=True)
   rows: list[dict] = []
   for case in cases:
-    log(case.label())
-    rows += run_case(case, impls, repeats, device, platform_kind, log=log)
-  print(format_table(cases, rows))
+    log(f"running {case.name} ...")
+    crow = run_case(case, impls, repeats, device, platform_kind, log=log)
+    print(format_case(case, crow), flush=True)
+    rows += crow
   elapsed = time.perf_counter() - t_start
   n_bad = sum(r["status"] != "ok" for r in rows)
   n_fail = sum(r["check"] == "fail" for r in rows)
-  print(f"\n{len(rows)} rows, {n_bad} did not run, {n_fail} outside tolerance; {elapsed:.1f} s")
+  slower = sorted({f"{r['case']} {r['mode']}" for r in rows if r.get("default_slower")})
+  print(f"\n{len(rows)} rows, {n_bad} did not run, {n_fail} outside tolerance; "
+        f"default slower than the fastest beyond the spread: {', '.join(slower) or 'none'}; {elapsed:.1f} s")
   info = timing.device_info()
   command = " ".join(["python -m probjax.attention_report"] + list(argv if argv is not None else sys.argv[1:]))
   date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")

@@ -12,7 +12,8 @@ import pytest
 from probjax import attention_report as report
 
 FIELDS = ("suite", "impl", "dtype", "batch", "q_heads", "kv_heads", "q_len", "kv_len", "head_dim",
-          "causal", "mask", "mode", "ms", "status", "device", "max_error")
+          "causal", "mask", "mode", "ms", "status", "device", "max_error", "case", "vs_jaxnn", "vs_fastest",
+          "fastest", "tolerance", "check", "error", "commit")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -33,9 +34,15 @@ def _check_row_fields(row):
   if row["status"] == "ok":
     assert isinstance(row["ms"], float) and row["ms"] > 0
     assert row["check"] in ("pass", "fail")
+    assert 0 < row["p10_ms"] <= row["ms"] <= row["p90_ms"] and row["n_repeats"] >= 1
+    if row["fastest"] is not None:
+      assert row["vs_fastest"] > 0
   else:
     assert row["ms"] is None and row["max_error"] is None
+    assert row["vs_fastest"] is None and row["vs_jaxnn"] is None
     assert row["error"], "a row that did not run must carry the error message"
+  if row["impl"] == "probjax_default":
+    assert "default_is_fastest" in row and "default_slower" in row
 
 
 def test_help():
@@ -52,6 +59,23 @@ def test_quick_cli_writes_rows(tmp_path):
   assert r.returncode == 0, r.stdout + r.stderr
   assert "default ->" in r.stdout  # the table names the implementation the default picks
   rows = json.loads(out.read_text())
+  # One table per case, each measurement printed once (no progress lines with times).
+  cases = list(dict.fromkeys(row["case"] for row in rows))
+  lines = (r.stdout + r.stderr).splitlines()
+  assert sum(line.split()[:1] == ["probjax_default"] for line in lines) == len(cases)
+  assert sum(line.startswith("  default -> ") for line in lines) == len(cases)
+  assert not [line for line in r.stderr.splitlines() if " ms" in line], r.stderr
+  for case in cases:
+    fwd = [row for row in rows if row["case"] == case and row["mode"] == "fwd"]
+    best = min((row for row in fwd if row["check"] == "pass"), key=lambda row: row["ms"])
+    assert all(row["fastest"] == best["impl"] for row in fwd)
+    assert best["vs_fastest"] == 1.0
+    peer = next(row for row in fwd if row["impl"] == "jaxnn_xla")
+    assert peer["vs_jaxnn"] == 1.0
+    d = next(row for row in fwd if row["impl"] == "probjax_default")
+    assert d["default_is_fastest"] == (best is d)
+    if not d["default_is_fastest"]:
+      assert "the default is not the fastest" in r.stdout
   assert rows and isinstance(rows, list)
   for row in rows:
     _check_row_fields(row)
@@ -132,6 +156,49 @@ def test_masks_and_gqa_options(tmp_path, mask):
     assert row["status"] == "ok" and row["check"] == "pass", row
 
 
+def _row(impl, mode, ms, p10=None, p90=None, n=5, check="pass", status="ok"):
+  return dict(impl=impl, mode=mode, ms=ms if status == "ok" else None, p10_ms=p10 or ms, p90_ms=p90 or ms,
+              n_repeats=n, check=check, status=status, max_error=1e-7, tolerance=2e-5, error=None,
+              case="c", default_impl="xla", default_rule="rule")
+
+
+def test_annotate_ratios_and_default_flags():
+  rows = [_row("probjax_default", "fwd", 2.0, 1.9, 2.1), _row("probjax_xla", "fwd", 1.0, 0.9, 1.1),
+          _row("probjax_triton", "fwd", 0.5, check="fail"), _row("jaxnn_xla", "fwd", 4.0),
+          _row("jaxnn_cudnn", "fwd", 8.0, status="error"),
+          _row("probjax_default", "fwd_bwd", 1.0, 0.8, 1.2), _row("probjax_xla", "fwd_bwd", 0.95, 0.9, 1.3),
+          _row("jaxnn_xla", "fwd_bwd", 2.0)]
+  report.annotate(rows)
+  fwd = {r["impl"]: r for r in rows if r["mode"] == "fwd"}
+  # A row outside tolerance does not count as the fastest; ratios to the fastest jax.nn row.
+  assert {r["fastest"] for r in fwd.values()} == {"probjax_xla"}
+  assert fwd["probjax_default"]["vs_fastest"] == 2.0 and fwd["probjax_default"]["vs_jaxnn"] == 0.5
+  assert fwd["probjax_triton"]["vs_fastest"] == 0.5
+  assert fwd["jaxnn_cudnn"]["vs_fastest"] is None and fwd["jaxnn_cudnn"]["vs_jaxnn"] is None
+  assert fwd["probjax_default"]["default_is_fastest"] is False
+  assert fwd["probjax_default"]["default_slower"] is True  # p10 2.0 - 0.1 above the fastest's p90
+  bwd = next(r for r in rows if r["mode"] == "fwd_bwd" and r["impl"] == "probjax_default")
+  assert bwd["default_is_fastest"] is False and bwd["default_slower"] is False  # spreads overlap
+  case = report.Case(name="c", batch=1, q_heads=1, kv_heads=1, q_len=8, kv_len=8, head_dim=8, dtype="float32")
+  text = report.format_case(case, rows)
+  assert text.count("the default is not the fastest") == 2
+  assert "slower beyond the spread; the implementation the default runs" in text
+  assert "within the p10-p90 spread" in text
+  assert "1.0e-07/2e-05" in text  # the error over its tolerance
+  assert "FAIL" in text  # probjax_triton's check
+  few = [_row("probjax_default", "fwd", 2.0, n=2), _row("probjax_xla", "fwd", 1.0, n=2)]
+  report.annotate(few)
+  assert few[0]["default_slower"] is None  # two repeats: no spread to judge by
+
+
+def test_default_output_is_not_the_repository_root():
+  out = report.parse_args([]).output
+  assert out == report.DEFAULT_OUTPUT and os.path.dirname(out)
+  ignore = os.path.join(ROOT, ".gitignore")
+  if os.path.isfile(ignore):  # the source tree: the default's folder is git-ignored
+    assert f"/{out.split(os.sep)[0]}/" in open(ignore).read().split()
+
+
 def test_build_cases_defaults_and_overrides():
   args = report.parse_args([])
   cpu, rep = report.build_cases(args, "cpu")
@@ -167,8 +234,8 @@ def test_time_call_returns_the_compiling_calls_output():
   def f(x):
     calls.append(1)
     return x + len(calls)
-  ms, out = report.time_call(f, (jnp.zeros(()),), repeats=3)
-  assert ms >= 0 and float(out) == 1.0
+  t, out = report.time_call(f, (jnp.zeros(()),), repeats=3)
+  assert 0 <= t["p10_ms"] <= t["ms"] <= t["p90_ms"] and t["n_repeats"] == 3 and float(out) == 1.0
   assert len(calls) == 1 + 1 + 3  # the compiling call, the estimate, 3 repeats
 
 
