@@ -62,8 +62,8 @@ def explain_dispatch(q_shape, kv_shape, dtype, *, dense_mask=False, **kw) -> Dec
     same = structured_equivalent(dense_mask, q_shape[1], kv_shape[1])
     if same is not None:
       decision = dataclasses.replace(
-          decision, rule=f"{decision.rule}; this dense mask equals {same}: pass that as mask= and "
-                         "it does not force the XLA path")
+          decision, rule=f"{decision.rule}; this dense mask equals {same}, which as mask= leaves "
+                         "the kernels eligible (a dense mask forces the XLA path)")
   return decision
 
 
@@ -117,8 +117,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
       ``score_mod``, before masking (Gemma 2's cap).
     return_lse: also return the log-sum-exp of the masked, scaled scores, ``[batch..., q_len,
       heads]`` float32 (jax.nn's ``return_residual``; no gradient flows through it; -inf for
-      rows with no valid key). Computed by the XLA path only: an explicit non-XLA
-      ``implementation`` raises ValueError.
+      rows with no valid key). Computed by the XLA path only, densely (``[batch, heads,
+      q_len, kv_len]`` scores): an explicit non-XLA ``implementation`` raises ValueError.
     backward_pass_impl: Triton backward: "auto", "triton_onepass", "triton_fused",
       "triton_split"; or "mosaic" (with ``implementation="mosaic"``: the Mosaic GPU backward).
     split_kv: Triton split-KV forward for decoding: None (automatic: at most 64

@@ -23,7 +23,8 @@ kernel can also bound its key loop at trace time (:meth:`Mask.kv_range`).
 
 The constructors :func:`CausalMask`, :func:`LocalWindowMask`,
 :func:`KVLenMask`, :func:`LengthMask` and :func:`SegmentMask` build masks
-that combine with ``&``:
+that combine with ``&``; ``mask & dense_boolean_array`` is a :class:`MaskWithDense`,
+which only ``dot_product_attention`` (on its XLA path) takes:
 
 >>> import jax.numpy as jnp
 >>> m = CausalMask() & KVLenMask(jnp.array([3, 2]))
