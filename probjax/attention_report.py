@@ -469,7 +469,7 @@ def _default_flags(crow: list[dict]) -> list[str]:
     d = next((r for r in crow if r["impl"] == "probjax_default" and r["mode"] == mode), None)
     if d is None or not d.get("fastest") or d.get("default_is_fastest") is not False:
       continue
-    why = {True: "slower beyond the spread", False: "within the p10-p90 spread",
+    why = {True: "beyond the p10-p90 spread", False: "within the p10-p90 spread",
            None: "too few repeats to tell from noise"}[d.get("default_slower")]
     same = f"probjax_{d.get('default_impl')}" == d["fastest"]
     out.append(f"  ! {name}: the default is not the fastest: {d['fastest']} ({d['vs_fastest']:.2f}x "

@@ -182,7 +182,7 @@ def test_annotate_ratios_and_default_flags():
   case = report.Case(name="c", batch=1, q_heads=1, kv_heads=1, q_len=8, kv_len=8, head_dim=8, dtype="float32")
   text = report.format_case(case, rows)
   assert text.count("the default is not the fastest") == 2
-  assert "slower beyond the spread; the implementation the default runs" in text
+  assert "beyond the p10-p90 spread; the implementation the default runs" in text
   assert "within the p10-p90 spread" in text
   assert "1.0e-07/2e-05" in text  # the error over its tolerance
   assert "FAIL" in text  # probjax_triton's check
