@@ -42,6 +42,10 @@ def test_flax_decode_with_structured_mask_says_what_to_do():
   layer.init_cache((2, 6, 8))
   with pytest.raises(AttributeError, match=r"decode=True.*mask=None.*KVCache"):
     layer(jnp.ones((2, 1, 8)), mask=CausalMask())
+  with pytest.raises(AttributeError, match="decode=True"):
+    layer(jnp.ones((2, 1, 8)), mask=CausalMask() & jnp.ones((2, 1, 1, 6), bool))
+  # An AttributeError (not another type) keeps hasattr() duck-typing checks working.
+  assert not hasattr(CausalMask(), "ndim")
 
 
 def test_flax_decode_with_flax_mask_matches_flax():
