@@ -1,0 +1,212 @@
+"""Multi-head latent attention benchmark (GPU; ``--cpu-smoke`` runs tiny sizes on CPU).
+
+Suites (``--suite``, default both):
+
+* ``expanded``: B2 H16 T4096, d_nope 128 + d_rope 64 (d_qk 192), d_v 128, latent 512, bf16,
+  causal and not, ``fwd`` and ``fwd_bwd`` (the gradient of every input). Impls: ``mla_expanded``
+  (the op, latent projections included), ``attention_xla`` (``dot_product_attention`` on the formed
+  q [.., 192], k [.., 192], v [.., 128] on the XLA path: no kernel computes d_v != d_qk),
+  ``attention_padded_v`` (v zero-padded to 192 so the default's kernels run it, output sliced:
+  what a kernel could reach) and ``jaxnn_cudnn`` (jax.nn's cuDNN call on the same arrays; its
+  status says whether it takes them).
+* ``decode``: the absorbed form decoding one token, B64, 128 query heads over a cache of 4096
+  latent rows 576 wide (512 + 64), bf16, ``KVLenMask`` at full length. Impls: ``mla_absorbed``,
+  ``mla_expanded`` (forming K and V of the whole cache every step), ``attention_mqa_xla`` (the MQA
+  call alone on XLA, d_qk 576 / d_v 512) and ``attention_mqa_padded_v`` (v padded to 576: the kernels'
+  split-KV decode). Rows carry the latent read floor ``bytes / 4.0e12 B/s``.
+
+FLOPs (printed as ``tflops``): attention ``2 B H Tq S (d_qk + d_v)`` (halved for causal),
+forward + backward 3.5x the forward; the projections are not counted.
+
+Rows are JSON lines in ``--output`` keyed by (suite, case, mode, impl), as bench/lm_step.py's:
+device, versions, commit and command in every row; a rerun skips the keys already there
+(``--force`` re-measures).
+
+    python bench/mla.py --output bench/results/h200/mla.json        # H200
+    python bench/mla.py --cpu-smoke --output /tmp/mla.json          # tiny, CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+  sys.path.insert(0, ROOT)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from probjax.core.timing import classify_error, device_info, time_fn  # noqa: E402
+from probjax.nn.layers.attention import CausalMask, KVLenMask, dot_product_attention  # noqa: E402
+from probjax.ops.mla import explain, mla  # noqa: E402
+
+HBM_BYTES_PER_S = 4.0e12
+SUITES = ("expanded", "decode")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+  batch: int = 2
+  heads: int = 16
+  seq: int = 4096
+  d_nope: int = 128
+  d_rope: int = 64
+  d_v: int = 128
+  d_c: int = 512
+  dec_batch: int = 64
+  dec_heads: int = 128
+  cache: int = 4096
+
+
+SMOKE = Sizes(batch=1, heads=2, seq=48, d_nope=8, d_rope=4, d_v=8, d_c=16, dec_batch=2, dec_heads=4, cache=40)
+
+
+def _normal(key, shape, dtype):
+  return jax.random.normal(key, shape, jnp.float32).astype(dtype)
+
+
+def mla_inputs(seed, b, tq, s, h, z: Sizes, dtype):
+  ks = jax.random.split(jax.random.key(seed), 6)
+  shapes = [(b, tq, h, z.d_nope), (b, tq, h, z.d_rope), (b, s, z.d_c), (b, s, z.d_rope),
+            (z.d_c, h, z.d_nope), (z.d_c, h, z.d_v)]
+  args = [_normal(k, sh, dtype) for k, sh in zip(ks, shapes)]
+  args[4], args[5] = args[4] * z.d_c ** -0.5, args[5] * z.d_c ** -0.5
+  return args
+
+
+def attention_flops(b, h, tq, s, d_qk, d_v, causal, mode):
+  f = 2.0 * b * h * tq * s * (d_qk + d_v) * (0.5 if causal else 1.0)
+  return f * (3.5 if mode == "fwd_bwd" else 1.0)
+
+
+def _pad_v(v, width):
+  return jnp.pad(v, ((0, 0),) * 3 + ((0, width - v.shape[-1]),))
+
+
+def _jaxnn_cudnn(q, k, v, mask):
+  return jax.nn.dot_product_attention(q, k, v, is_causal=mask is not None, implementation="cudnn")
+
+
+def expanded_cases(z: Sizes, dtype):
+  b, h, t = z.batch, z.heads, z.seq
+  args = mla_inputs(0, b, t, t, h, z, dtype)
+  d_qk = z.d_nope + z.d_rope
+  q = jnp.concatenate(args[:2], -1)
+  k = jnp.concatenate([jnp.einsum("bsc,chd->bshd", args[2], args[4]),
+                       jnp.broadcast_to(args[3][:, :, None], (b, t, h, z.d_rope))], -1)
+  v = jnp.einsum("bsc,chd->bshd", args[2], args[5])
+  for causal in (False, True):
+    mask = CausalMask() if causal else None
+    impls = {
+        "mla_expanded": (lambda *a, mask=mask: mla(*a, mask=mask, form="expanded"), args),
+        "attention_xla": (lambda q, k, v, mask=mask: dot_product_attention(q, k, v, mask=mask, implementation="xla"),
+                          (q, k, v)),
+        "attention_padded_v": (lambda q, k, v, mask=mask: dot_product_attention(
+            q, k, _pad_v(v, d_qk), mask=mask)[..., :z.d_v], (q, k, v)),
+        "jaxnn_cudnn": (lambda q, k, v, mask=mask: _jaxnn_cudnn(q, k, v, mask), (q, k, v)),
+    }
+    case = f"B{b} H{h} T{t} {d_qk}/{z.d_v} {'causal' if causal else 'none'}"
+    for mode in ("fwd", "fwd_bwd"):
+      flops = attention_flops(b, h, t, t, d_qk, z.d_v, causal, mode)
+      for name, (fn, xs) in impls.items():
+        yield dict(suite="expanded", case=case, mode=mode, impl=name, flops=flops), fn, xs
+
+
+def decode_cases(z: Sizes, dtype):
+  b, h, s = z.dec_batch, z.dec_heads, z.cache
+  args = mla_inputs(1, b, 1, s, h, z, dtype)
+  mask = KVLenMask(jnp.full((b,), s, jnp.int32))
+  width = z.d_c + z.d_rope
+  q = jnp.concatenate([jnp.einsum("bthd,chd->bthc", args[0], args[4]), args[1]], -1)
+  k = jnp.concatenate([args[2], args[3]], -1)[:, :, None]
+  v = args[2][:, :, None]
+  impls = {
+      "mla_absorbed": (lambda *a: mla(*a, mask=mask, form="absorbed"), args),
+      "mla_expanded": (lambda *a: mla(*a, mask=mask, form="expanded"), args),
+      "attention_mqa_xla": (lambda q, k, v: dot_product_attention(q, k, v, mask=mask, implementation="xla"),
+                            (q, k, v)),
+      "attention_mqa_padded_v": (lambda q, k, v: dot_product_attention(
+          q, k, _pad_v(v, width), mask=mask)[..., :z.d_c], (q, k, v)),
+  }
+  floor_ms = b * s * width * jnp.dtype(dtype).itemsize / HBM_BYTES_PER_S * 1e3
+  case = f"B{b} Hq{h} cache{s} latent{width}"
+  flops = attention_flops(b, h, 1, s, width, z.d_c, False, "fwd")
+  for name, (fn, xs) in impls.items():
+    yield dict(suite="decode", case=case, mode="fwd", impl=name, flops=flops, read_floor_ms=floor_ms), fn, xs
+
+
+def measure(meta, fn, xs, mode, args):
+  if mode == "fwd":
+    run = jax.jit(fn)
+  else:
+    run = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32)), argnums=tuple(range(len(xs)))))
+  res = time_fn(lambda: run(*xs), jax.block_until_ready, repeats=args.repeats, warmup=1)
+  row = dict(meta, status="ok", **{k: res[k] for k in ("ms", "p10_ms", "p90_ms", "n_repeats", "first_call_s")})
+  row["tflops"] = meta["flops"] / (res["ms"] * 1e-3) / 1e12
+  return row
+
+
+def key_of(row):
+  return (row["suite"], row["case"], row["mode"], row["impl"])
+
+
+def load(path):
+  if not path or not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--suite", default=",".join(SUITES))
+  p.add_argument("--impl", default="", help="comma-separated impl names (default: all)")
+  p.add_argument("--output", default="")
+  p.add_argument("--repeats", type=int, default=7)
+  p.add_argument("--cpu-smoke", action="store_true", help="tiny sizes in float32, for CPU")
+  p.add_argument("--force", action="store_true", help="re-measure rows already in --output")
+  args = p.parse_args(argv)
+  z = SMOKE if args.cpu_smoke else Sizes()
+  dtype = jnp.float32 if args.cpu_smoke else jnp.bfloat16
+  if args.cpu_smoke:
+    args.repeats = min(args.repeats, 2)
+  info = device_info()
+  common = dict(device=info["device"], platform=info["platform"], versions=info["versions"],
+                commit=info["commit"], command="python -m bench.mla " + " ".join(argv if argv is not None else sys.argv[1:]),
+                dtype=jnp.dtype(dtype).name)
+  rows = load(args.output)
+  done = {key_of(r) for r in rows}
+  suites = [s for s in args.suite.split(",") if s]
+  impls = {s for s in args.impl.split(",") if s}
+  builders = dict(expanded=expanded_cases, decode=decode_cases)
+  for suite in suites:
+    if suite not in builders:
+      raise SystemExit(f"--suite: unknown suite {suite!r}; known: {SUITES}")
+    for meta, fn, xs in builders[suite](z, dtype):
+      meta = dict(meta, **common)
+      if (impls and meta["impl"] not in impls) or (key_of(meta) in done and not args.force):
+        continue
+      if meta["impl"].startswith("mla"):
+        meta["dispatch"] = str(explain(*xs))
+      try:
+        row = measure(meta, fn, xs, meta["mode"], args)
+      except Exception as e:  # noqa: BLE001 (recorded in the row, the suite goes on)
+        status, msg = classify_error(e)
+        row = dict(meta, status=status, error=msg)
+      rows = [r for r in rows if key_of(r) != key_of(row)] + [row]
+      print(json.dumps({k: row.get(k) for k in ("suite", "case", "mode", "impl", "status", "ms", "tflops")}),
+            flush=True)
+      if args.output:
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+        with open(args.output, "w") as f:
+          f.writelines(json.dumps(r) + "\n" for r in rows)
+  return rows
+
+
+if __name__ == "__main__":
+  main()
