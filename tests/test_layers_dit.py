@@ -3,7 +3,6 @@ gradients across attention functions, label dropout, configuration errors, the e
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import pathlib
 
@@ -21,7 +20,6 @@ from probjax.ops.attention.masks import KVLenMask
 from probjax.testing import numpy_init
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-XLA = functools.partial(dot_product_attention, implementation="xla")
 TOL = tolerance(jnp.float32)
 SIZES = np.array([6, 3])   # real tokens per set, padded to N
 N = 6
@@ -51,16 +49,23 @@ def test_identity_blocks_and_zero_output_at_init():
   model = _dit()
   a = _inputs()
   assert float(jnp.abs(model.modulation.kernel[...]).max()) == 0.0
-  c = model.conditioning(a["t"], labels=a["labels"], cond=a["cond"])
-  h, final = model.hidden(a["x"], c, context=a["context"])
-  np.testing.assert_array_equal(h, model._tokens(a["x"]))        # every block exactly the identity
-  assert float(jnp.abs(final).max()) == 0.0
-  np.testing.assert_array_equal(_forward(model, a), 0.0)
+
+  @nnx.jit
+  def run(model, a):
+    c = model.conditioning(a["t"], labels=a["labels"], cond=a["cond"])
+    h, final = model.hidden(a["x"], c, context=a["context"])
+    return h, model._tokens(a["x"]), final, _forward(model, a)
+
+  h, tokens, final, out = run(model, a)
+  np.testing.assert_array_equal(h, tokens)                      # every block exactly the identity
+  assert float(jnp.abs(final).max()) == 0.0 and float(jnp.abs(tokens).min()) > 0
+  np.testing.assert_array_equal(out, 0.0)
   # A block with random parameters is the identity under a zero modulation (the gates).
   blk = numpy_init(lambda: DiTBlock(features=16, num_heads=2, context_features=4, rngs=nnx.Rngs(0)))
   h = jnp.asarray(np.random.default_rng(2).standard_normal((2, N, 16)), jnp.float32)
-  np.testing.assert_array_equal(blk(h, jnp.zeros((2, 1, 9 * 16)), context=a["context"]), h)
-  assert max_error(blk(h, jnp.ones((2, 1, 9 * 16)), context=a["context"]), h) > 1e-2
+  apply = nnx.jit(lambda blk, h, m, ctx: blk(h, m, context=ctx))
+  np.testing.assert_array_equal(apply(blk, h, jnp.zeros((2, 1, 9 * 16)), a["context"]), h)
+  assert max_error(apply(blk, h, jnp.ones((2, 1, 9 * 16)), a["context"]), h) > 1e-2
 
 
 def test_padded_tokens_and_context_change_nothing():
@@ -88,6 +93,7 @@ def test_image_patches_round_trip_and_bfloat16():
 
 
 def test_gradients_match_across_attention_functions():
+  # The default against plain attention (test_layers_conditioners also forces "xla").
   a = _inputs()
   mask, cmask = KVLenMask(jnp.asarray(SIZES)), KVLenMask(jnp.array([5, 2]))
 
@@ -99,8 +105,7 @@ def test_gradients_match_across_attention_functions():
   flat = lambda g: jnp.concatenate([jnp.ravel(v) for v in jax.tree.leaves(g)])
   want = flat(grads(flax_attention))
   assert float(jnp.abs(want).max()) > 0
-  for fn in (dot_product_attention, XLA):
-    assert max_error(flat(grads(fn)), want) < tolerance(jnp.float32, grad=True)
+  assert max_error(flat(grads(dot_product_attention)), want) < tolerance(jnp.float32, grad=True)
 
 
 def test_label_dropout_uses_the_null_label_when_training():
