@@ -78,6 +78,10 @@ def test_padded_tokens_and_context_change_nothing():
     alone = {k: v[b:b + 1] for k, v in a.items()}
     alone["x"], alone["context"] = alone["x"][:, :n], alone["context"][:, :m]
     assert max_error(out[b, :n], f(model, alone)[0]) < TOL, b
+  # No position embedding on tokens: permuting a set's tokens permutes its outputs.
+  perm = np.random.default_rng(3).permutation(N)
+  out_p = f(model, dict(a, x=a["x"][:, perm]))
+  assert max_error(out_p, f(model, a)[:, perm]) < TOL
 
 
 def test_image_patches_round_trip_and_bfloat16():

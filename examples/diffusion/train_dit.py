@@ -110,7 +110,7 @@ def train(model, loss_fn, batches, *, steps: int, lr: float, seed: int, desc: st
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--steps", type=int, default=1500, help="training steps")
+  ap.add_argument("--steps", type=int, default=600, help="training steps")
   ap.add_argument("--batch", type=int, default=64)
   ap.add_argument("--classes", type=int, default=3)
   ap.add_argument("--min-size", type=int, default=8)

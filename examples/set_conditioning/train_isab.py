@@ -80,7 +80,7 @@ class SetConditionedDiT(nnx.Module):
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--steps", type=int, default=1000, help="training steps")
+  ap.add_argument("--steps", type=int, default=600, help="training steps")
   ap.add_argument("--batch", type=int, default=64)
   ap.add_argument("--max-context", type=int, default=24)
   ap.add_argument("--conditioner", choices=("pma", "cross"), default="pma")

@@ -3,11 +3,13 @@
 :class:`DiffusionTransformer` maps noisy tokens ``[batch, n, in_features]`` (or images
 ``[batch, H, W, C]`` cut into ``patch_size`` patches, with a fixed 2-D sin-cos position
 embedding) and times ``t [batch]`` to ``[batch, n, out_features]`` (images back to ``[batch,
-H, W, out_features]``). The conditioning vector ``c`` is the sum of a timestep embedding
-(sinusoidal features -> Linear-SiLU-Linear) and, as configured, a class-label embedding
-(label ``num_classes`` is the null label of classifier-free guidance; ``class_dropout_rate``
-replaces labels by it while training) and a linear map of a context vector ``cond``. A
-context sequence ``context`` enters every block through cross-attention.
+H, W, out_features]``). Tokens get no position embedding: over a token set the model is
+permutation-equivariant (sequences add positions to their tokens). The conditioning vector
+``c`` is the sum of a timestep embedding (sinusoidal features -> Linear-SiLU-Linear) and, as
+configured, a class-label embedding (label ``num_classes`` is the null label of
+classifier-free guidance; ``class_dropout_rate`` replaces labels by it while training) and a
+linear map of a context vector ``cond``. A context sequence ``context`` enters every block
+through cross-attention.
 
 Every block's shift/scale/gate and the final layer's shift/scale depend on ``c`` only: they
 come out of one zero-initialised matmul of ``silu(c)``, computed once per call, not per
