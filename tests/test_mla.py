@@ -58,7 +58,7 @@ def check(args, do, mask, form, dtype=jnp.float32, **kw):
 
 
 @pytest.mark.parametrize("mask_name", ["none", "causal", "kv_len_zero", "causal&kv_len"])
-@pytest.mark.parametrize("tq,s", [(1, 1), (1, 48), (7, 7), (7, 48), (48, 48)])
+@pytest.mark.parametrize("tq,s", [(1, 1), (1, 48), (7, 48), (48, 48)])
 def test_forms_match_reference_values_and_grads(tq, s, mask_name):
   args, do = inputs(tq * 100 + s, 2, tq, s)
   mask = masks(mask_name, 2, tq, s)
