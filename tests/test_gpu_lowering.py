@@ -434,3 +434,18 @@ def test_mosaic_kernels_with_lengths_lower_for_sm90(monkeypatch, fwd, bwd):
   loss = lambda q, k, v: jnp.sum(pm.attention(q, k, v, mask=mask, forward_config=cfg, **kw).astype(jnp.float32))
   text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
   assert "probjax_attention_fwd_mosaic" in text and "probjax_attention_bwd" in text
+
+
+def test_value_head_dim_other_than_keys_runs_xla_for_sm90(monkeypatch):
+  """d_v != d_qk (MLA's 192/128): no kernel takes it, so the default lowers to XLA alone, primal
+  and gradient."""
+  from probjax.nn.layers.attention import dot_product_attention
+  _fake_cudnn(monkeypatch)
+  _fake_triton_sm90(monkeypatch, device_kind=True)
+  _fake_dispatch_sm90(monkeypatch)
+  q = jax.ShapeDtypeStruct((2, 1024, 4, 192), jnp.bfloat16)
+  v = jax.ShapeDtypeStruct((2, 1024, 4, 128), jnp.bfloat16)
+  f = lambda q, v: jnp.sum(dot_product_attention(q, q, v, mask=M.CausalMask()).astype(jnp.float32))
+  for fn in (f, jax.grad(f, argnums=(0, 1))):
+    text = jax.jit(fn).trace(q, v).lower(lowering_platforms=("cuda",)).as_text()
+    assert "probjax_attention" not in text and not _cudnn_calls(text)

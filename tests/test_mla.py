@@ -186,9 +186,6 @@ def test_explicit_kernel_with_value_head_dim_raises():
     dot_product_attention(q, q, jnp.ones((1, 8, 2, 8)), implementation="triton", interpret=True)
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError,
-                   reason="attention's dispatch does not take the value head_dim yet (dispatch.py: "
-                          "explain_dispatch(v_head_dim=) into every AttentionCall it builds)")
 def test_default_dispatch_sends_value_head_dim_to_xla():
   d = attention_dispatch.explain_dispatch((2, 4096, 16, 192), (2, 4096, 16, 192), jnp.bfloat16,
                                           mask=CausalMask(), device=H200, env={}, v_head_dim=128)

@@ -414,7 +414,7 @@ def _attention(query, key, value, shape: base.AttentionShape, *, bias=None, mask
       backward_pass_impl=backward_pass_impl, split_kv=split_kv,
       kernel_args_default=(backward_pass_impl == "auto" and forward_config is None
                            and backward_config is None and split_kv is None),
-      device=device)
+      v_head_dim=value.shape[-1], device=device)
   cudnn_config = isinstance(forward_config, CudnnConfig)
   if cudnn_config and (decision.implementation != "cudnn" or backward_config is not None):
     raise ValueError(f"a CudnnConfig configures the cuDNN route (no backward_config), but this call runs "
@@ -425,6 +425,7 @@ def _attention(query, key, value, shape: base.AttentionShape, *, bias=None, mask
                      f"runs {decision}; pass implementation='triton' or 'mosaic'")
   if decision.implementation != "xla":
     call = AttentionCall(query.shape, key.shape, shape.dtype, mask=mask, score_mod=score_mod, scale=scale,
+                         v_head_dim=value.shape[-1],
                          backward_pass_impl=backward_pass_impl, split_kv=split_kv,
                          forward_config=forward_config, backward_config=backward_config, interpret=interpret)
     run = lambda name: None if name is None else functools.partial(

@@ -85,7 +85,7 @@ def explain_dispatch(q_shape, kv_shape, dtype, *, mask: Mask | None = None, bias
                      dense_mask: bool = False, dropout: bool = False, score_mod=None,
                      precision=None, module: bool = False, implementation: str | None = None,
                      backward_pass_impl: str = "auto", split_kv=None, kernel_args_default: bool = True,
-                     device: Device | None = None, env=None) -> Decision:
+                     v_head_dim: int | None = None, device: Device | None = None, env=None) -> Decision:
   """Returns the :class:`Decision` for a call described by shapes and flags.
 
   Args:
@@ -100,13 +100,15 @@ def explain_dispatch(q_shape, kv_shape, dtype, *, mask: Mask | None = None, bias
       that does not run the Triton kernel raises ValueError.
     kernel_args_default: False when the caller set kernel arguments
       (tile configs, a non-auto backward), which disables the device table.
+    v_head_dim: the values' head_dim where it differs from the keys' (None: the same).
     device: defaults to :meth:`Device.current`; env defaults to ``os.environ``.
   """
   device = device or Device.current()
   decision = _decide(q_shape, kv_shape, dtype, mask=mask, bias=bias, dense_mask=dense_mask,
                      dropout=dropout, score_mod=score_mod, precision=precision, module=module,
                      implementation=implementation, backward_pass_impl=backward_pass_impl,
-                     kernel_args_default=kernel_args_default, device=device, env=env)
+                     kernel_args_default=kernel_args_default, v_head_dim=v_head_dim, device=device,
+                     env=env)
   if decision.implementation == "cudnn":
     decision = dataclasses.replace(decision, route=cudnn_backend.route(env))
   if decision.implementation != "triton":
@@ -122,11 +124,13 @@ def explain_dispatch(q_shape, kv_shape, dtype, *, mask: Mask | None = None, bias
 
 
 def _decide(q_shape, kv_shape, dtype, *, mask, bias, dense_mask, dropout, score_mod, precision,
-            module, implementation, backward_pass_impl, kernel_args_default, device, env) -> Decision:
+            module, implementation, backward_pass_impl, kernel_args_default, v_head_dim, device,
+            env) -> Decision:
   env = os.environ if env is None else env
   dtype = jnp.dtype(dtype)
   impl = canonical(implementation)
-  kw = dict(mask=mask, score_mod=score_mod, bias=bias, dense_mask=dense_mask, dropout=dropout)
+  kw = dict(mask=mask, score_mod=score_mod, bias=bias, dense_mask=dense_mask, dropout=dropout,
+            v_head_dim=v_head_dim)
   if backward_pass_impl == "mosaic" and impl != "mosaic":
     raise ValueError("backward_pass_impl='mosaic' is the Mosaic GPU kernel's backward: it needs "
                      f"implementation='mosaic', got {implementation!r}")
