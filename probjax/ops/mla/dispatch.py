@@ -73,18 +73,15 @@ def attention_widths(call: MLACall, form: str) -> tuple[int, int]:
 
 def attention_implementation(call: MLACall, form: str, device: Device,
                              implementation: str | None = None) -> tuple[str | None, str]:
-  """The ``implementation`` the form passes to attention, and why.
-
-  An explicit one is passed through (attention refuses what it cannot compute). The fused GPU
-  kernels assume one head_dim for q, k and v, and attention's default dispatch does not yet see
-  the value width, so on a GPU a call whose widths differ asks for the XLA path itself.
-  """
+  """The ``implementation`` the form passes to attention, and why: an explicit one as given
+  (attention refuses what it cannot compute), else attention's default, whose dispatch sees the
+  value width (no GPU kernel takes ``d_v != d_qk`` yet: those calls run its XLA path)."""
   if implementation is not None:
     return implementation, "requested"
   d_qk, d_v = attention_widths(call, form)
   if device.platform == "gpu" and d_qk != d_v:
-    return "xla", (f"value head_dim {d_v} != query/key head_dim {d_qk}: no GPU kernel computes it yet, "
-                   "the XLA path does")
+    return None, (f"attention's default: value head_dim {d_v} != query/key head_dim {d_qk}, "
+                  "which no GPU kernel computes yet, so its XLA path")
   return None, "attention's default"
 
 
