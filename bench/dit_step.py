@@ -54,8 +54,8 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from bench.lm_step import (Rows, _describe, _Progress, adamw, apply_updates, attention_fns,  # noqa: E402
-                           optax, peak_flops, rotated, run_matmul, tree_copy, with_attention)
-from probjax.core.timing import classify_error, device_info, summarize  # noqa: E402
+                           optax, peak_flops, run_matmul, time_steps, with_attention)
+from probjax.core.timing import device_info, summarize  # noqa: E402
 from probjax.nn.layers.dit import DiffusionTransformer  # noqa: E402
 
 SECTIONS = ("matmul", "train")
@@ -147,33 +147,8 @@ def run_train(c, args, bar, impls, fns):
       return apply_updates(p, updates), o, loss
     return step
 
-  state, info = {}, {}
-  for name in impls:
-    try:
-      step = make_step(with_attention(graphdef, params, fns[name]))
-      p, o = tree_copy(params), tx.init(params)
-      t0 = time.perf_counter()
-      p, o, loss = step(p, o, batch)
-      loss = float(loss)
-      info[name] = dict(first_call_s=time.perf_counter() - t0, first_loss=loss, status="ok")
-      for _ in range(args.warmup):
-        p, o, _ = step(p, o, batch)
-      jax.block_until_ready(p)
-      state[name] = [step, p, o]
-    except Exception as e:  # noqa: BLE001 (a failing peer is a row, not the end of the run)
-      status, msg = classify_error(e)
-      info[name] = dict(status=status, error=msg)
-  times = {n: [] for n in state}
-  for r in range(args.repeats):
-    for name in rotated(list(state), r):
-      step, p, o = state[name]
-      t0 = time.perf_counter()
-      for _ in range(args.iters):
-        p, o, loss = step(p, o, batch)
-      jax.block_until_ready(loss)
-      times[name].append((time.perf_counter() - t0) / args.iters * 1e3)
-      state[name][1:] = [p, o]
-    bar.update(1)
+  info, times = time_steps(lambda name: make_step(with_attention(graphdef, params, fns[name])),
+                           impls, params, tx, batch, args, bar)
   flops = train_flops(c)
   peak = peak_flops(device_info()["device"])
   ref = info.get("probjax", {}).get("first_loss")

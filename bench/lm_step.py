@@ -45,7 +45,6 @@ import dataclasses
 import functools
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -290,6 +289,43 @@ def packed_inputs(c, docs, rng):
   return tokens, seg, pos
 
 
+def time_steps(make_step, impls, params, tx, batch, args, bar):
+  """``(info, times)``: for each name in ``impls``, ``make_step(name)`` (a jitted
+  ``step(params, opt_state, batch) -> (params, opt_state, loss)`` donating both) is compiled on
+  copies of ``params`` and ``tx.init(params)`` (its first loss and compile time in ``info``; a
+  failure is ``info``'s status, not the end of the run), warmed up, then timed: ``args.iters``
+  steps per block, one block per name in each of ``args.repeats`` rounds, rotating; ``times``
+  holds ms per step per round."""
+  state, info = {}, {}
+  for name in impls:
+    try:
+      step = make_step(name)
+      p, o = tree_copy(params), tx.init(params)
+      t0 = time.perf_counter()
+      p, o, loss = step(p, o, batch)
+      loss = float(loss)
+      info[name] = dict(first_call_s=time.perf_counter() - t0, first_loss=loss, status="ok")
+      for _ in range(args.warmup):
+        p, o, _ = step(p, o, batch)
+      jax.block_until_ready(p)
+      state[name] = [step, p, o]
+    except Exception as e:  # noqa: BLE001 (a failing peer is a row, not the end of the run)
+      status, msg = classify_error(e)
+      info[name] = dict(status=status, error=msg)
+  times = {n: [] for n in state}
+  for r in range(args.repeats):
+    for name in rotated(list(state), r):
+      step, p, o = state[name]
+      t0 = time.perf_counter()
+      for _ in range(args.iters):
+        p, o, loss = step(p, o, batch)
+      jax.block_until_ready(loss)
+      times[name].append((time.perf_counter() - t0) / args.iters * 1e3)
+      state[name][1:] = [p, o]
+    bar.update(1)
+  return info, times
+
+
 def run_train(c, args, bar, impls, fns, docs):
   model = make_lm(c, c.heads, jnp.float32)
   graphdef, params = nnx.split(model)
@@ -326,34 +362,9 @@ def run_train(c, args, bar, impls, fns, docs):
       return apply_updates(p, updates), o, loss
     return step
 
-  state, info = {}, {}
-  for name in impls:
-    try:
-      gd = with_attention(graphdef, params, fns[name])
-      step = make_step(gd, use_segment_mask=(name == "probjax"))
-      p, o = tree_copy(params), tx.init(params)
-      t0 = time.perf_counter()
-      p, o, loss = step(p, o, batch)
-      loss = float(loss)
-      info[name] = dict(first_call_s=time.perf_counter() - t0, first_loss=loss, status="ok")
-      for _ in range(args.warmup):
-        p, o, _ = step(p, o, batch)
-      jax.block_until_ready(p)
-      state[name] = [step, p, o]
-    except Exception as e:  # noqa: BLE001 (a failing peer is a row, not the end of the run)
-      status, msg = classify_error(e)
-      info[name] = dict(status=status, error=msg)
-  times = {n: [] for n in state}
-  for r in range(args.repeats):
-    for name in rotated(list(state), r):
-      step, p, o = state[name]
-      t0 = time.perf_counter()
-      for _ in range(args.iters):
-        p, o, loss = step(p, o, batch)
-      jax.block_until_ready(loss)
-      times[name].append((time.perf_counter() - t0) / args.iters * 1e3)
-      state[name][1:] = [p, o]
-    bar.update(1)
+  info, times = time_steps(
+      lambda name: make_step(with_attention(graphdef, params, fns[name]), use_segment_mask=(name == "probjax")),
+      impls, params, tx, batch, args, bar)
   flops = train_flops(c, docs)
   peak = peak_flops(device_info()["device"])
   ref = info.get("probjax", {}).get("first_loss")
