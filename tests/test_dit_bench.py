@@ -1,15 +1,9 @@
 """bench/dit_step.py runs end to end on CPU (``--cpu-smoke``: tiny sizes) and resumes."""
 
-import json
-
 import pytest
 
 from bench import dit_step
-
-
-def _rows(path):
-  with open(path) as f:
-    return [json.loads(line) for line in f]
+from bench.harness import load_rows
 
 
 def test_flops_convention():
@@ -27,7 +21,7 @@ def test_cpu_smoke_and_resume(tmp_path):
   out = str(tmp_path / "dit.json")
   argv = ["--cpu-smoke", "--quick", "--output", out]
   dit_step.main(argv)
-  rows = _rows(out)
+  rows = load_rows(out)
   by = {(r["section"], r["impl"]): r for r in rows}
   for key in [("matmul", "jnp.dot"), ("train", "probjax"), ("train", "flax")]:
     r = by[key]
@@ -35,4 +29,4 @@ def test_cpu_smoke_and_resume(tmp_path):
     assert r["device"] and r["versions"]["jax"] and "dit_step" in r["command"] and r["commit"]
   assert by[("train", "flax")]["check"] == "ok" and by[("train", "probjax")]["flops"] > 0
   dit_step.main(argv)
-  assert len(_rows(out)) == len(rows)  # every group already measured: nothing re-run
+  assert len(load_rows(out)) == len(rows)  # every group already measured: nothing re-run

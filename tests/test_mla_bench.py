@@ -1,15 +1,9 @@
 """bench/mla.py runs end to end on CPU (``--cpu-smoke``: tiny sizes) and resumes."""
 
-import json
-
 import pytest
 
 from bench import mla as bench_mla
-
-
-def _rows(path):
-  with open(path) as f:
-    return [json.loads(line) for line in f]
+from bench.harness import load_rows
 
 
 @pytest.mark.slow
@@ -18,7 +12,7 @@ def test_cpu_smoke_and_resume(tmp_path):
   out = str(tmp_path / "mla.json")
   argv = ["--cpu-smoke", "--output", out]
   bench_mla.main(argv)
-  rows = _rows(out)
+  rows = load_rows(out)
   by = {(r["suite"], r["case"], r["mode"], r["impl"]): r for r in rows}
   assert {r["suite"] for r in rows} == {"expanded", "decode"}
   assert len({r["case"] for r in rows if r["suite"] == "expanded"}) == 2   # causal and not
@@ -33,4 +27,4 @@ def test_cpu_smoke_and_resume(tmp_path):
   assert {r["impl"] for r in decode} >= {"mla_absorbed", "mla_expanded"} and all(r["read_floor_ms"] > 0 for r in decode)
   assert "absorbed" in by[next(k for k in by if k[3] == "mla_absorbed")]["dispatch"]
   bench_mla.main(argv)
-  assert len(_rows(out)) == len(rows)  # every case already measured
+  assert len(load_rows(out)) == len(rows)  # every case already measured
