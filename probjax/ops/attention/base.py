@@ -191,7 +191,8 @@ def score_mod_unlowerable(score_mod, rules, backend: str, index_shapes, *, grad:
   ``[64, 128]`` tile with int32 indices of ``index_shapes``, that has no entry in a Pallas
   backend's lowering ``rules``, or None. Such a call is refused by ``supports`` (and the
   default picks another path) rather than failing when the kernel lowers. Necessary, not
-  sufficient: a rule may still reject a dtype or layout. Cached per function (~1 ms a trace)."""
+  sufficient: a rule may still reject a dtype or layout. Cached per function (a trace per call
+  would cost more than a small call)."""
   if score_mod is None:
     return None
   key = (backend, tuple(index_shapes), grad)

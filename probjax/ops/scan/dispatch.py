@@ -29,12 +29,12 @@ from probjax.ops.scan.calls import MambaCall, RLACall, SSDCall
 # far, and near the sequential scan's forward.
 CPU_DEFAULT = {"mamba_scan": "scan", "ssd_scan": "chunked", "residual_linear_attention": "chunked"}
 
-# What a differentiated call runs on a GPU (forward with residuals and backward), the fastest
-# exact form of forward+backward on the H200 (docs/decisions.md, "Scan gradients"): e.g.
-# Mamba-1 at B8 L2048 D1536 N16 float32 takes 15.0 ms associative against 21.9 ms chunked,
-# whose chunk loop recomputes the elementwise state; RLA's chunked XLA form (1.16 ms at B4 H8
-# T4096) beats the Triton backward kernels (2.86 ms), whose per-chunk state updates are not
-# on tensor cores. The same order held at four times the length.
+# What a differentiated call runs on a GPU (forward with residuals and backward): the fastest
+# exact form of forward+backward measured on the H200 (docs/decisions.md, "Differentiated GPU
+# calls"). Mamba-1's chunked form recomputes the elementwise state in its chunk loop, which the
+# associative form does not; RLA's chunked XLA form keeps its state updates on tensor cores,
+# which the Triton backward kernels do not; SSD's chunked form at chunk 64 beats the kernels'
+# chunk of 32.
 GPU_GRAD_DEFAULT = {"mamba_scan": "associative", "ssd_scan": "chunked", "residual_linear_attention": "chunked"}
 # The associative form keeps the state at every position for its backward, with the scan's
 # temporaries about three float32 copies of ``[batch, length, channels, state]``; past this

@@ -6,7 +6,7 @@ call into a flash backward that recomputes the scores from the log-sum-exp.
 The residuals kept for the backward are q, k, v, the output and the LSE. Both
 passes compute only the terms of the inputs that have a tangent (cotangent).
 Second derivatives differentiate the passes themselves (the ``linear_call`` JVP
-rule of :mod:`._linear_call_batching`); their tile loops have static trip
+rule of :mod:`probjax.core.jax_patches`); their tile loops have static trip
 counts, so that reverse mode can transpose them too.
 
 Internal layout: queries ``[batch, kv_heads, groups, q_len, head_dim]`` and
@@ -27,10 +27,12 @@ import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero, linear_call
 
+from probjax.core import jax_patches
 from probjax.ops.attention.masks import EMPTY, Mask, pad_axis, round_up
-from probjax.ops.attention.xla import _linear_call_batching  # noqa: F401  (registers vmap and jvp support)
 from probjax.ops.attention.padding import zero_padding, zero_rows
 from probjax.ops.attention.xla.common import compute_dtype
+
+jax_patches.apply()  # linear_call's vmap and JVP rules, which the flash passes need
 
 
 @dataclasses.dataclass(frozen=True)
