@@ -70,7 +70,7 @@ def mosaic_bwd_configs(d: int) -> list:
 
 def _auto_description(dtype, head_dim, t):
   """The forward and backward configs the kernel picks with default tiles on this device."""
-  from probjax.ops.attention.triton import config as C
+  from probjax.ops.attention.backends.triton import config as C
   dt, dev = impls.jnp_dtype(dtype), C.device_kind()
   f = C.fit_forward_config(None, dt, head_dim, t, t, dev)
   b = C.fit_backward_config(None, dt, head_dim, t, t, dev)
@@ -81,11 +81,11 @@ def _auto_description(dtype, head_dim, t):
 def tile_case(dtype, d, t, b, h, mode, cfg, timing):
   """One row: ``cfg`` None (auto), a forward tuple (bq, bk, stages, warps) or a backward
   tuple ((bq_dkv, bk_dkv), (bq_dq, bk_dq), warps, stages)."""
-  from probjax.ops.attention.triton import BackwardConfig, ForwardConfig
+  from probjax.ops.attention.backends.triton import BackwardConfig, ForwardConfig
   if cfg is None:
     variant, kw = "auto", {}
   elif cfg == "libdevice_exp2":  # the auto tiles with libdevice's exp2f (checks FAST_EXP2)
-    from probjax.ops.attention.triton import config as C
+    from probjax.ops.attention.backends.triton import config as C
     dt, dev = impls.jnp_dtype(dtype), C.device_kind()
     fc = C.fit_forward_config(None, dt, d, t, t, dev)
     bc = C.fit_backward_config(None, dt, d, t, t, dev)
@@ -126,7 +126,7 @@ def tile_case(dtype, d, t, b, h, mode, cfg, timing):
 def mosaic_auto_config(dtype: str, d: int, t: int, device: str) -> dict:
   """The forward config the Mosaic kernel picks by default on ``device`` for an unmasked call
   of ``t`` queries (recorded in auto rows)."""
-  from probjax.ops.attention.mosaic_gpu import config as MC
+  from probjax.ops.attention.backends.mosaic_gpu import config as MC
   itemsize = jnp.dtype(impls.jnp_dtype(dtype)).itemsize
   return {"forward": dataclasses.asdict(MC.fit(None, itemsize, d, device, q_len=t, kv_len=t))}
 
@@ -134,7 +134,7 @@ def mosaic_auto_config(dtype: str, d: int, t: int, device: str) -> dict:
 def mosaic_tile_case(dtype, d, t, b, h, cfg, timing):
   """One forward row of the Mosaic kernel: ``cfg`` None (auto) or (block_k, stages, compute_wgs,
   persistent)."""
-  from probjax.ops.attention.mosaic_gpu import MosaicForwardConfig
+  from probjax.ops.attention.backends.mosaic_gpu import MosaicForwardConfig
   if cfg is None:
     variant, kw = "auto", {}
   else:
@@ -144,7 +144,7 @@ def mosaic_tile_case(dtype, d, t, b, h, cfg, timing):
 
   def run():
     from probjax.nn.layers.attention import flex_attention
-    from probjax.ops.attention.triton import config as C
+    from probjax.ops.attention.backends.triton import config as C
     attn = lambda q, k, v: flex_attention(q, k, v, implementation="mosaic", **kw)
     fn, sync = impls._jax_fn(attn, impls.inputs(b, t, t, h, h, d), dtype, "fwd")
     try:
@@ -163,7 +163,7 @@ def mosaic_tile_case(dtype, d, t, b, h, cfg, timing):
 def mosaic_bwd_case(dtype, d, t, b, h, cfg, timing):
   """One fwd+bwd row of the Mosaic backward: ``cfg`` None (its default) or a tuple of
   :func:`mosaic_bwd_configs`."""
-  from probjax.ops.attention.mosaic_gpu import MosaicBackwardConfig
+  from probjax.ops.attention.backends.mosaic_gpu import MosaicBackwardConfig
   if cfg is None:
     variant, kw = "auto", {}
   else:

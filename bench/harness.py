@@ -212,7 +212,7 @@ def command_line() -> str:
 def cudnn_route() -> str:
   """Which call probjax's cuDNN route makes here (its FFI extension or jax.nn)."""
   try:
-    from probjax.ops.attention import cudnn
+    from probjax.ops.attention.backends import cudnn
     return cudnn.route()
   except Exception as e:  # noqa: BLE001
     return f"unknown ({type(e).__name__})"

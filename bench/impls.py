@@ -180,8 +180,8 @@ def mosaic_overlap_config(q, mask, overlap: bool):
   """The Mosaic forward's default config for a call on ``q`` (``[batch, seq, heads, head_dim]``)
   with ``mask`` on this device, with ``overlap`` set."""
   import dataclasses
-  from probjax.ops.attention.mosaic_gpu import config as MC
-  from probjax.ops.attention.triton import config as C
+  from probjax.ops.attention.backends.mosaic_gpu import config as MC
+  from probjax.ops.attention.backends.triton import config as C
   cfg = MC.fit(None, q.dtype.itemsize, q.shape[-1], C.device_kind(), mask=mask, q_len=q.shape[1])
   return dataclasses.replace(cfg, overlap=overlap)
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Builds probjax's cuDNN FFI extension (probjax/ops/attention/cudnn/_build/, git-ignored) on a
+# Builds probjax's cuDNN FFI extension (probjax/ops/attention/backends/cudnn/_build/, git-ignored) on a
 # machine without a GPU: fetches the pinned header packages into .cudnn_ffi/ (git-ignored;
 # the GPU machine has cuDNN 9.19.0 and CUDA 13) and runs the build. A device run then
-# carries the library: run(..., carry=["probjax/ops/attention/cudnn/_build", ...]).
+# carries the library: run(..., carry=["probjax/ops/attention/backends/cudnn/_build", ...]).
 #
 #   bash bench/stage_cudnn_ffi.sh [PYTHON]
 set -euo pipefail
@@ -15,5 +15,5 @@ mkdir -p "$dl/wheels" "$dl/x"
 for w in "$dl"/wheels/*.whl; do   # headers only
   unzip -q -o "$w" 'include/*' 'nvidia/*/include/*' -d "$dl/x" 2>/dev/null || true
 done
-"$py" -m probjax.ops.attention.cudnn.build --frontend-include "$dl/x/include" \
+"$py" -m probjax.ops.attention.backends.cudnn.build --frontend-include "$dl/x/include" \
   --cudnn-include "$dl/x/nvidia/cudnn/include" --include "$dl/x/nvidia/cu13/include"

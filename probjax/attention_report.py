@@ -191,7 +191,7 @@ def _probjax_fn(name: str | None, mask, platform_kind: str = "cpu") -> Callable:
 
 def _jaxnn_fn(backend: str, case: Case, mask_kind: str, mask) -> Callable:
   import jax
-  from probjax.ops.attention.cudnn import jaxnn_arguments
+  from probjax.ops.attention.backends.cudnn import jaxnn_arguments
   if mask_kind == "segments":  # jax.nn has no segment ids: a dense boolean mask [B, 1, T, S]
     kw = dict(mask=mask.dense(case.batch, case.q_len, case.kv_len))
   else:

@@ -14,7 +14,7 @@ import pytest
 
 # Pallas Mosaic GPU interpret mode blocks XLA:CPU's thread pool (one thread per core unless
 # PJRT_NPROC says otherwise) in its simulated barrier waits and can hang on a small machine
-# (probjax.ops.attention.mosaic_gpu.config.INTERPRET_WGS); JAX reads it when it creates the CPU
+# (probjax.ops.attention.backends.mosaic_gpu.config.INTERPRET_WGS); JAX reads it when it creates the CPU
 # client, which test modules do at import.
 os.environ.setdefault("PJRT_NPROC", "8")
 

@@ -120,7 +120,7 @@ def test_configs_without_triton_raise():
 
 
 def test_split_kv_through_the_api():
-  from probjax.ops.attention.triton import SplitKVConfig
+  from probjax.ops.attention.backends.triton import SplitKVConfig
   x = make_inputs(5, 2, 2, 300, 8, 2, 32)
   mask = KVLenMask(jnp.array([300, 40]))
   cfg = SplitKVConfig(block_k=16, num_splits=4)

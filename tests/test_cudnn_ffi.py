@@ -1,4 +1,4 @@
-"""probjax's FFI call of cuDNN (``probjax.ops.attention.cudnn.ffi``).
+"""probjax's FFI call of cuDNN (``probjax.ops.attention.backends.cudnn.ffi``).
 
 On CPU: which call the route makes (opt-out, missing library) and how masks map to
 cuDNN's graph attributes. On the GPU (``--gpu``, with the extension built): the FFI call
@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from probjax.nn.layers.attention import explain_dispatch, flex_attention
-from probjax.ops.attention import cudnn
+from probjax.ops.attention.backends import cudnn
 from probjax.ops.attention import masks as M
-from probjax.ops.attention.cudnn import ffi
-from probjax.ops.attention.cudnn.config import CudnnConfig
+from probjax.ops.attention.backends.cudnn import ffi
+from probjax.ops.attention.backends.cudnn.config import CudnnConfig
 from probjax.ops.attention.dispatch import Device
 from probjax.testing import check_against_reference, make_inputs, make_mask
 

@@ -323,7 +323,7 @@ def test_decision_str_mentions_rule():
                                   M.KVLenMask(jnp.array([90, 3]))])
 def test_cudnn_argument_mapping_matches_reference(mask):
   """The mask → jax.nn arguments mapping, checked through jax.nn's XLA implementation."""
-  from probjax.ops.attention import cudnn
+  from probjax.ops.attention.backends import cudnn
   from probjax.ops.attention.reference import reference_attention
   from probjax.ops.attention.tolerances import max_error, tolerance
   from probjax.testing import make_inputs

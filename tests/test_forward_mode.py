@@ -10,7 +10,7 @@ from probjax.ops.attention import masks as M
 from probjax.ops.attention.autodiff import with_forward_mode
 from probjax.ops.attention.reference import _attention64
 from probjax.ops.attention.tolerances import max_error, tolerance
-from probjax.ops.attention.triton.config import BackwardConfig, ForwardConfig
+from probjax.ops.attention.backends.triton.config import BackwardConfig, ForwardConfig
 from probjax.testing import check_against_reference, make_inputs
 
 CFG = dict(forward_config=ForwardConfig(16, 16, 4, 1), backward_config=BackwardConfig(16, 16, 16, 16, 4, 1))
@@ -42,7 +42,7 @@ def test_grad_still_runs_the_kernel_backward():
   check_against_reference(lambda q, k, v, b: _triton(mask)(q, k, v), x, mask=mask)
   # The transpose is the kernel's own vjp: with an explicit backward the gradient is bitwise
   # the direct kernel's.
-  import probjax.ops.attention.triton as pt
+  import probjax.ops.attention.backends.triton as pt
   direct = lambda q: pt.attention(q, x.k, x.v, mask=mask, interpret=True, backward_pass_impl="triton_split",
                                   scale=16 ** -0.5, **CFG)
   g1 = jax.grad(lambda q: jnp.sum(_triton(mask)(q, x.k, x.v) * x.do))(x.q)

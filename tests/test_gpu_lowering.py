@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import pytest
 from jax._src.pallas.triton import gpu_info
 
-import probjax.ops.attention.triton as pt
+import probjax.ops.attention.backends.triton as pt
 from probjax.ops.attention import gpu, masks as M
-from probjax.ops.attention.triton.config import BackwardConfig, ForwardConfig
+from probjax.ops.attention.backends.triton.config import BackwardConfig, ForwardConfig
 from probjax.testing import make_mask, verify_triton_lowering
 
 H200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
@@ -49,7 +49,7 @@ def _fake_cudnn(monkeypatch, route="jaxnn"):
   """The cuDNN route: jax.nn's call, with its availability checks passing (cuDNN 9.10, any
   compute capability), or ("ffi") probjax's FFI call, which needs the built extension."""
   from jax._src.cudnn import fused_attention_stablehlo as fa
-  from probjax.ops.attention.cudnn import ffi
+  from probjax.ops.attention.backends.cudnn import ffi
   monkeypatch.setattr(fa, "check_cudnn_version", lambda: 91000)
   monkeypatch.setattr(fa, "check_compute_capability", lambda c: True)
   monkeypatch.setattr(fa, "is_cuda_compute_capability_equal", lambda c: False)
@@ -257,7 +257,7 @@ def test_mosaic_forward_and_triton_backward_lower_for_sm90(monkeypatch, mask_nam
   """The Mosaic GPU forward (registers as wgmma's P operand, in-place accumulation: the
   paths interpret mode cannot run) lowers to a Mosaic GPU kernel, and its gradient to the
   Triton backward."""
-  from probjax.ops.attention import mosaic_gpu as pm
+  from probjax.ops.attention.backends import mosaic_gpu as pm
   _fake_triton_sm90(monkeypatch, device_kind=True)
   mask = {"none": None, "causal": M.CausalMask(),
           "window&lengths": M.LocalWindowMask(100, 20) & M.LengthMask(jnp.array([300, 250]), jnp.array([300, 70])),
@@ -281,7 +281,7 @@ def test_mosaic_forward_and_triton_backward_lower_for_sm90(monkeypatch, mask_nam
 def test_mosaic_forward_overlap_lowers_for_sm90(monkeypatch, mask_name, d, wgs, persistent, cluster):
   """``overlap=True`` (Q K^T of the next tile issued with P V of this one, register P as the
   second wgmma's operand: the path interpret mode runs one product after the other) lowers."""
-  from probjax.ops.attention import mosaic_gpu as pm
+  from probjax.ops.attention.backends import mosaic_gpu as pm
   _fake_triton_sm90(monkeypatch, device_kind=True)
   mask = {"none": None, "causal": M.CausalMask(),
           "window&lengths": M.LocalWindowMask(100, 20) & M.LengthMask(jnp.array([256, 250]), jnp.array([256, 70])),
@@ -298,7 +298,7 @@ def test_mosaic_forward_clusters_lower_for_sm90(monkeypatch, persistent):
   """CTA pairs sharing K/V tiles by TMA multicast (``cluster=2``) lower to one Mosaic GPU
   kernel launched in clusters, with a band too; segment ids or an odd number of query tiles
   are refused."""
-  from probjax.ops.attention import mosaic_gpu as pm
+  from probjax.ops.attention.backends import mosaic_gpu as pm
   _fake_triton_sm90(monkeypatch, device_kind=True)
   cfg = pm.MosaicForwardConfig(64, 128, 2, 2, persistent, cluster=2)
   kv = jax.ShapeDtypeStruct((2, 700, 2, 128), jnp.bfloat16)
@@ -319,7 +319,7 @@ def test_mosaic_forward_copies_no_inputs_at_odd_lengths(monkeypatch, t):
   the overhang with zeros) and writes the output in place; only lengths off Mosaic's 8-row
   TMA granule (1500) pad q, k and v (by 4 rows) and slice the output."""
   import re
-  from probjax.ops.attention import mosaic_gpu as pm
+  from probjax.ops.attention.backends import mosaic_gpu as pm
   _fake_triton_sm90(monkeypatch, device_kind=True)
   q = jax.ShapeDtypeStruct((4, t, 8, 128), jnp.bfloat16)
   text = jax.jit(lambda q, k, v: pm.attention(q, k, v, mask=M.CausalMask())).trace(q, q, q).lower(
@@ -342,7 +342,7 @@ def test_mosaic_forward_copies_no_inputs_at_odd_lengths(monkeypatch, t):
                                               ("segments", 64, 2)])
 def test_mosaic_backward_lowers_for_sm90(monkeypatch, mask_name, d, wgs):
   """The all-Mosaic path: forward, dK/dV and dQ kernels, each one Mosaic GPU call."""
-  from probjax.ops.attention import mosaic_gpu as pm
+  from probjax.ops.attention.backends import mosaic_gpu as pm
   _fake_triton_sm90(monkeypatch, device_kind=True)
   mask = {"none": None, "segments": MASKS["segments"],
           "causal&lengths": M.CausalMask() & M.LengthMask(jnp.array([300, 250]), jnp.array([300, 70]))}[mask_name]
@@ -364,7 +364,7 @@ def test_mosaic_fused_dq_backward_lowers_for_sm90(monkeypatch, d, shared):
   """``fused_dq``: forward and one dK/dV kernel that adds dQ into a float32 buffer in place
   (TMA reduce-add); no dQ kernel. ``shared_dq``: one dQ partial per CTA, the two warpgroups
   each taking 64 of the 128 columns."""
-  from probjax.ops.attention import mosaic_gpu as pm
+  from probjax.ops.attention.backends import mosaic_gpu as pm
   _fake_triton_sm90(monkeypatch, device_kind=True)
   q = jax.ShapeDtypeStruct((2, 300, 8, d), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, 300, 2, d), jnp.bfloat16)
@@ -382,7 +382,7 @@ def test_mosaic_forward_with_score_mod_lowers_for_sm90(monkeypatch, mask_name, b
   """A score modifier (tanh soft-cap of an ALiBi-like bias: int32 abs, convert, tanh) inside
   the Mosaic forward lowers for sm_90, and its gradient in the Triton backward ("auto") or
   in the Mosaic backward (its vjp inside both Mosaic backward kernels)."""
-  from probjax.ops.attention import mosaic_gpu as pm
+  from probjax.ops.attention.backends import mosaic_gpu as pm
   _fake_triton_sm90(monkeypatch, device_kind=True)
   mod = lambda s, b, h, qi, ki: 20.0 * jnp.tanh((s - 0.25 * (h + 1) * jnp.abs(qi - ki).astype(jnp.float32)) / 20.0)
   q = jax.ShapeDtypeStruct((2, 300, 8, 128), jnp.bfloat16)
@@ -423,7 +423,7 @@ def test_mosaic_kernels_with_lengths_lower_for_sm90(monkeypatch, fwd, bwd):
   """Query and key lengths in the Mosaic kernels' variants (CTA pairs, three warpgroups,
   overlap, the fused and shared dQ): the shared-memory tiles a length cuts are zeroed past it
   (common.zero_rows_past) before the products."""
-  from probjax.ops.attention import mosaic_gpu as pm
+  from probjax.ops.attention.backends import mosaic_gpu as pm
   _fake_triton_sm90(monkeypatch, device_kind=True)
   q = jax.ShapeDtypeStruct((2, 256, 8, 128), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, 300, 2, 128), jnp.bfloat16)

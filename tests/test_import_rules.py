@@ -21,18 +21,11 @@ def _room(parts: tuple[str, ...]) -> int:
   return RANK.get(parts[0], TOP) if len(parts) > 1 else TOP
 
 
-# Attention's backends are packages beside its shared modules (the newer rooms keep theirs
-# under backends/).
-ATTENTION_BACKENDS = ("triton", "mosaic_gpu", "cudnn", "xla")
-
-
 def _backend(parts: tuple[str, ...]) -> tuple[str, str] | None:
   """``(op, backend)`` of a module in a backend's package, or None (a shared module of an op,
-  or outside ops/): ``ops/<op>/backends/<backend>/...`` and ``ops/attention/<backend>/...``."""
+  or outside ops/): ``ops/<op>/backends/<backend>/...``."""
   if len(parts) > 3 and parts[0] == "ops" and parts[2] == "backends":
     return parts[1], parts[3]
-  if len(parts) > 2 and parts[:2] == ("ops", "attention") and parts[2] in ATTENTION_BACKENDS:
-    return "attention", parts[2]
   return None
 
 
@@ -104,11 +97,11 @@ def test_a_violation_is_seen(src, name, room):
 
 
 @pytest.mark.parametrize("src, name, other", [
-    (("ops", "attention", "mosaic_gpu", "forward"), "probjax.ops.attention.triton.config.smem_limit", True),
+    (("ops", "attention", "backends", "mosaic_gpu", "forward"), "probjax.ops.attention.backends.triton.config.smem_limit", True),
     (("ops", "grouped_matmul", "backends", "mosaic_gpu"), "probjax.ops.grouped_matmul.backends.triton.config", True),
-    (("ops", "attention", "compose"), "probjax.ops.attention.triton.backward", False),  # a shared module
-    (("ops", "attention", "triton", "forward"), "probjax.ops.attention.gpu.kernel_device", False),
-    (("ops", "attention", "triton", "forward"), "probjax.ops.attention.triton.tiles", False),
+    (("ops", "attention", "compose"), "probjax.ops.attention.backends.triton.backward", False),  # a shared module
+    (("ops", "attention", "backends", "triton", "forward"), "probjax.ops.attention.gpu.kernel_device", False),
+    (("ops", "attention", "backends", "triton", "forward"), "probjax.ops.attention.backends.triton.tiles", False),
 ])
 def test_a_cross_backend_import_is_seen(src, name, other):
   a, b = _backend(src), _backend(tuple(name.split(".")[1:]))

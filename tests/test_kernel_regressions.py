@@ -14,7 +14,7 @@ import os
 
 # Interpret mode's warpgroup threads block XLA:CPU's thread pool (one thread per core by
 # default) in their barrier waits and can hang on a small machine, at 0% CPU (every time with
-# PJRT_NPROC=1): see probjax.ops.attention.mosaic_gpu.config.INTERPRET_WGS. Read when JAX
+# PJRT_NPROC=1): see probjax.ops.attention.backends.mosaic_gpu.config.INTERPRET_WGS. Read when JAX
 # creates its CPU client.
 os.environ.setdefault("PJRT_NPROC", "8")
 
@@ -26,8 +26,8 @@ import pytest  # noqa: E402
 
 from probjax.nn.layers.attention import dot_product_attention  # noqa: E402
 from probjax.ops.attention import masks as M  # noqa: E402
-from probjax.ops.attention import mosaic_gpu as pm  # noqa: E402
-from probjax.ops.attention import triton as pt  # noqa: E402
+from probjax.ops.attention.backends import mosaic_gpu as pm  # noqa: E402
+from probjax.ops.attention.backends import triton as pt  # noqa: E402
 from probjax.ops.attention.reference import reference_attention, reference_vjp  # noqa: E402
 from probjax.testing import assert_matches, make_inputs, poison  # noqa: E402
 
@@ -170,7 +170,7 @@ def test_interpret_mode_warns_when_the_cpu_pool_is_too_small(monkeypatch):
   """The hang's condition, named before it happens: fewer pool threads than an interpreted
   kernel's warpgroups and its launch."""
   import warnings
-  from probjax.ops.attention.mosaic_gpu import config as mcfg
+  from probjax.ops.attention.backends.mosaic_gpu import config as mcfg
   monkeypatch.setenv("PJRT_NPROC", "2")
   with pytest.warns(RuntimeWarning, match="PJRT_NPROC=3"):
     mcfg.warn_if_interpret_may_hang(2)
@@ -239,7 +239,7 @@ def test_cudnn_route_zeroes_kv_past_lengths(monkeypatch, grads):
   there by zero weights, so NaN/inf left in K/V would reach every output (what the H200 run
   of the test below showed for cuDNN itself). The route zeroes those rows first."""
   import jax.nn
-  from probjax.ops.attention import cudnn
+  from probjax.ops.attention.backends import cudnn
   monkeypatch.setattr(cudnn.ffi, "ready", lambda env=None: "replaced in this test")
   xla = jax.nn.dot_product_attention
   monkeypatch.setattr(jax.nn, "dot_product_attention",
@@ -257,7 +257,7 @@ def test_gpu_cudnn_garbage_past_kv_lengths(q_len, kv_len, grads):
   """The cuDNN route with KVLenMask (bf16) on the GPU: no NaN/inf from K/V rows past the
   lengths reaches the output or a gradient (cuDNN itself lets them through; the route zeroes
   those rows)."""
-  from probjax.ops.attention import cudnn
+  from probjax.ops.attention.backends import cudnn
   x = _gpu_inputs(13, q_len, kv_len)
   mask = M.KVLenMask(jnp.asarray((kv_len - 5, kv_len // 3 + 1), jnp.int32))
   attn = lambda q, k, v: dot_product_attention(q, k, v, mask=mask, implementation="cudnn")

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from probjax.ops.attention import masks as M
-from probjax.ops.attention import xla
+from probjax.ops.attention.backends import xla
 from probjax.testing import check_against_reference, make_inputs
 
 

@@ -8,7 +8,7 @@ import os
 
 # Interpret mode's warpgroup threads block XLA:CPU's thread pool (one thread per core by
 # default) in their barrier waits and can hang on a small machine: see
-# probjax.ops.attention.mosaic_gpu.config.INTERPRET_WGS. Read when JAX creates its CPU client.
+# probjax.ops.attention.backends.mosaic_gpu.config.INTERPRET_WGS. Read when JAX creates its CPU client.
 os.environ.setdefault("PJRT_NPROC", "8")
 
 import dataclasses  # noqa: E402
@@ -20,9 +20,9 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from probjax.ops.attention import masks as M  # noqa: E402
-from probjax.ops.attention import mosaic_gpu as pm  # noqa: E402
-from probjax.ops.attention.mosaic_gpu import config as mcfg  # noqa: E402
-from probjax.ops.attention.mosaic_gpu.common import kv_tiles, q_tiles  # noqa: E402
+from probjax.ops.attention.backends import mosaic_gpu as pm  # noqa: E402
+from probjax.ops.attention.backends.mosaic_gpu import config as mcfg  # noqa: E402
+from probjax.ops.attention.backends.mosaic_gpu.common import kv_tiles, q_tiles  # noqa: E402
 from probjax.testing import check_against_reference, check_against_same_precision, make_inputs, make_mask  # noqa: E402
 
 # A stalled interpret run fails loudly ("thread": it sits in XLA, where no signal reaches Python).
@@ -107,7 +107,7 @@ def test_clusters_share_kv_tiles(mask_name):
 def test_one_cta_per_tile_in_groups_of_heads(monkeypatch):
   # One CTA per tile under a causal band: heaviest first across groups of 1 and 3 of the
   # 4 (batch, head) pairs; each CTA still computes its own tile.
-  from probjax.ops.attention.mosaic_gpu import forward as F
+  from probjax.ops.attention.backends.mosaic_gpu import forward as F
   x = make_inputs(10, 2, 150, 200, 2, 1, 64, jnp.bfloat16)
   for group in (1, 3):
     monkeypatch.setattr(F, "order_group", lambda device, nbytes, g=group: g)
@@ -310,7 +310,7 @@ def test_config_validation_and_fit():
              dict(fused_dq=1)):
     with pytest.raises(ValueError):
       pm.MosaicBackwardConfig(**kw)
-  from probjax.ops.attention.mosaic_gpu import backward as mb
+  from probjax.ops.attention.backends.mosaic_gpu import backward as mb
   for d in mb.DEFAULTS:
     assert mb.fit(None, 2, d, "sm_90").smem_bytes(2, d) <= 232448
   with pytest.raises(ValueError, match="shared memory"):
@@ -327,7 +327,7 @@ def test_config_validation_and_fit():
 
 
 def test_register_split_fits_the_sm():
-  from probjax.ops.attention.mosaic_gpu.common import registers
+  from probjax.ops.attention.backends.mosaic_gpu.common import registers
   assert registers(2) == (232, 40) and registers(3) == (160, 24)
   for wgs in (1, 2, 3):
     compute, producer = registers(wgs)
@@ -457,7 +457,7 @@ def test_through_dot_product_attention_with_jvp():
 
 def _persistent_loads(grid, ctas, work, order):
   """Every tile's (query tile, batch, head) in CTA order, and each CTA's summed work."""
-  from probjax.ops.attention.mosaic_gpu.forward import persistent_tile
+  from probjax.ops.attention.backends.mosaic_gpu.forward import persistent_tile
   total = grid[0] * grid[1] * grid[2]
   seen, loads = [], []
   for cta in range(ctas):
@@ -471,7 +471,7 @@ def _persistent_loads(grid, ctas, work, order):
 @pytest.mark.parametrize("by_work", [False, True])
 def test_persistent_schedule_covers_every_tile_once(by_work):
   # B4 H8 T16384, causal, 128 rows per CTA on 132 SMs: the causal grid row of the benchmarks.
-  from probjax.ops.attention.mosaic_gpu import forward as F
+  from probjax.ops.attention.backends.mosaic_gpu import forward as F
   grid, ctas = (128, 4, 8), 132
   lens = jnp.full((2, 4), 16384, jnp.int32)
   work = np.asarray(F.tile_work(M.CausalMask(), lens, None, lengths=False, segments=False, n_q=128, rows=128,
@@ -492,8 +492,8 @@ def test_persistent_schedule_by_work_balances_causal_documents():
   # The masked suite's causal documents (B1 H16 T16384, 4 documents): a tile's work is a
   # sawtooth in its position. Ordered by query tile, the busiest SM did 1.31x the mean (the
   # run that measured 0.744 ms against 0.614 in query-tile order, 1.125x); by work, 1.01x.
-  from probjax.ops.attention.mosaic_gpu import common as C
-  from probjax.ops.attention.mosaic_gpu import forward as F
+  from probjax.ops.attention.backends.mosaic_gpu import common as C
+  from probjax.ops.attention.backends.mosaic_gpu import forward as F
   t, rows = 16384, 128
   ids = jnp.asarray(np.arange(t) * 4 // t, jnp.int32)[None]
   mask = M.SegmentMask(ids, ids) & M.CausalMask()

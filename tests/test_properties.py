@@ -138,7 +138,7 @@ EMPTY_KV_FLASH = AttnCase(1, 300, 0, 2, 1, 16, seed=6)
 def test_drawn_lengths_reach_every_formulation():
   """The strategies' regimes are the formulations the XLA path picks (if its thresholds move,
   the drawn lengths must move with them)."""
-  from probjax.ops.attention import xla
+  from probjax.ops.attention.backends import xla
   pairs = lengths_pairs()
   for tq, tk in pairs:
     want = xla.choose_formulation((1, tq, 1, 8), (1, tk, 1, 8))

@@ -24,7 +24,7 @@ from probjax.ops.attention import masks as M
 from probjax.ops.attention import sharding
 from probjax.ops.attention.reference import reference_attention
 from probjax.ops.attention.tolerances import max_error, tolerance
-from probjax.ops.attention.xla.dense import dense_attention
+from probjax.ops.attention.backends.xla.dense import dense_attention
 from probjax.testing import make_inputs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -11,13 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from probjax.ops.attention import triton as pt
+from probjax.ops.attention.backends import triton as pt
 from probjax.ops.attention.masks import (CausalMask, KVLenMask, LengthMask, LocalWindowMask,
                                          SegmentMask)
 from probjax.ops.attention import masks as M
 from probjax.ops.attention.reference import reference_attention, reference_vjp
 from probjax.ops.attention.tolerances import max_error, tolerance
-from probjax.ops.attention.triton import config as cfg
+from probjax.ops.attention.backends.triton import config as cfg
 
 # Interpret-mode runs that crawl on a loaded machine fail loudly rather than stall CI.
 pytestmark = pytest.mark.timeout(300, method="thread")
@@ -460,7 +460,7 @@ def test_split_kv_matches_reference(tq, h, hkv, tk, d, mask_name):
 def test_split_kv_combine():
   """Merging per-split softmax results equals one softmax over all keys; splits that saw no
   key (lse -inf) have no weight; rows no split saw are 0."""
-  from probjax.ops.attention.triton.decode import combine
+  from probjax.ops.attention.backends.triton.decode import combine
   rng = np.random.RandomState(0)
   s = rng.randn(3, 5, 24) * 3  # [splits, rows, keys per split] scores (base 2)
   s[1, 2] = -np.inf           # split 1 saw no key for row 2
@@ -513,7 +513,7 @@ def test_split_kv_bf16_and_grad_runs_the_regular_kernel():
 
 
 def test_split_kv_plan():
-  from probjax.ops.attention.triton import decode
+  from probjax.ops.attention.backends.triton import decode
   plan = lambda q, kv, split_kv=None, dtype=jnp.bfloat16, **kw: decode.plan(
       q, kv, dtype, split_kv=split_kv, device="sm_90", **{"mask": None, "score_mod": None, **kw})
   dec = ((1, 1, 32, 128), (1, 32768, 8, 128))
@@ -563,7 +563,7 @@ def test_gpu_split_kv(dtype, tq, h, hkv, tk, mask_name):
 
 
 def test_longest_programs_first():
-  from probjax.ops.attention.triton.tiles import TileMask, longest_first
+  from probjax.ops.attention.backends.triton.tiles import TileMask, longest_first
   tm = lambda lower, upper: TileMask(lower, upper, 64, 64, True, False, False, False)
   causal, anti, window, none = tm(None, 0), tm(0, None), tm(-8, 0), tm(None, None)
   assert longest_first(causal, 0, 4, by_q=True) == 3   # last query tile sees the most keys
@@ -587,7 +587,7 @@ def test_ranges_from_classes():
 def test_score_mod_with_non_finite_values_under_the_mask(backend):
   # The modifier and its derivative are NaN exactly where the causal mask hides the key (the
   # log of a negative number): the kernels' outputs and gradients stay finite.
-  from probjax.ops.attention import mosaic_gpu as pm
+  from probjax.ops.attention.backends import mosaic_gpu as pm
   mod = lambda s, b, h, qi, ki: s * (1.0 + jnp.log((qi - ki + 1).astype(jnp.float32)))
   q, k, v, do = _inputs(21, 1, 64, 64, 2, 1, 64, jnp.bfloat16)
   if backend == "triton":

@@ -9,7 +9,7 @@ import pytest
 
 from probjax.nn.layers.attention import dot_product_attention, flex_attention
 from probjax.ops.attention import masks as M
-from probjax.ops.attention import xla
+from probjax.ops.attention.backends import xla
 from probjax.ops.attention.reference import reference_attention, _attention64
 from probjax.ops.attention.tolerances import max_error, scaled_tolerance, tolerance
 from probjax.testing import MASK_NAMES, check_against_reference, make_inputs, make_mask

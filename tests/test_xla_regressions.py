@@ -11,7 +11,7 @@ import pytest
 
 from probjax.nn.layers.attention import dot_product_attention
 from probjax.ops.attention import masks as M
-from probjax.ops.attention import xla
+from probjax.ops.attention.backends import xla
 from probjax.ops.attention.autodiff import with_forward_mode
 from probjax.ops.attention.reference import _attention64, reference_attention, reference_vjp
 from probjax.ops.attention.tolerances import max_error, tolerance

@@ -26,10 +26,10 @@ import numpy as np
 
 from probjax.ops.attention import base
 from probjax.ops.attention import dispatch, registry
-from probjax.ops.attention import xla as xla_backend
+from probjax.ops.attention.backends import xla as xla_backend
 from probjax.ops.attention.autodiff import with_forward_mode
 from probjax.ops.attention.call import AttentionCall
-from probjax.ops.attention.cudnn.config import CudnnConfig
+from probjax.ops.attention.backends.cudnn.config import CudnnConfig
 from probjax.ops.attention.dispatch import Decision, Device
 from probjax.ops.attention.masks import (CausalMask, KVLenMask, LengthMask, LocalWindowMask, Mask,
                                          MaskWithDense, SegmentMask, structured_equivalent)

@@ -3,7 +3,7 @@ kernel saves (the output and the natural log-sum-exp), so the backends themselve
 import each other (``tests/test_import_rules.py``).
 
 :func:`mosaic_forward_triton_backward`: the Mosaic GPU forward with the Triton backward,
-what :func:`probjax.ops.attention.mosaic_gpu.attention` runs for every ``backward_pass_impl``
+what :func:`probjax.ops.attention.backends.mosaic_gpu.attention` runs for every ``backward_pass_impl``
 but ``"mosaic"`` (the Triton backward is faster at head_dim 64: docs/decisions.md).
 """
 
@@ -17,12 +17,12 @@ import jax
 
 from probjax.ops.attention import gpu, sharding
 from probjax.ops.attention.masks import Mask
-from probjax.ops.attention.mosaic_gpu import forward as mosaic_forward
-from probjax.ops.attention.mosaic_gpu.config import MosaicForwardConfig
-from probjax.ops.attention.triton import backward as triton_backward
-from probjax.ops.attention.triton import config as triton_config
-from probjax.ops.attention.triton.config import BackwardConfig
-from probjax.ops.attention.triton.tiles import padded_head_dim
+from probjax.ops.attention.backends.mosaic_gpu import forward as mosaic_forward
+from probjax.ops.attention.backends.mosaic_gpu.config import MosaicForwardConfig
+from probjax.ops.attention.backends.triton import backward as triton_backward
+from probjax.ops.attention.backends.triton import config as triton_config
+from probjax.ops.attention.backends.triton.config import BackwardConfig
+from probjax.ops.attention.backends.triton.tiles import padded_head_dim
 
 __all__ = ["mosaic_forward_triton_backward", "BackwardConfig"]
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from probjax.core.device import Device
 from probjax.ops.attention import tuning as attention_device
-from probjax.ops.attention import cudnn as cudnn_backend
+from probjax.ops.attention.backends import cudnn as cudnn_backend
 from probjax.ops.attention.call import AttentionCall
 from probjax.ops.attention.registry import REGISTRY
 from probjax.ops.attention.masks import Mask
@@ -48,7 +48,7 @@ class Decision:
   # What differentiated calls run (forward with residuals and backward) when it differs
   # from ``implementation``; ``backward_pass_impl`` is then its backward.
   grad_implementation: str | None = None
-  route: str = ""  # cuDNN: which call runs it (:func:`probjax.ops.attention.cudnn.route`)
+  route: str = ""  # cuDNN: which call runs it (:func:`probjax.ops.attention.backends.cudnn.route`)
 
   def __str__(self):
     extra = f", via {self.route}" if self.route else ""
@@ -96,7 +96,7 @@ def explain_dispatch(q_shape, kv_shape, dtype, *, mask: Mask | None = None, bias
     implementation: an explicit choice is checked, never replaced: if it cannot
       compute the call exactly, ValueError says why.
     split_kv: the Triton split-KV forward (see
-      :func:`probjax.ops.attention.triton.attention`); True or a config on a call
+      :func:`probjax.ops.attention.backends.triton.attention`); True or a config on a call
       that does not run the Triton kernel raises ValueError.
     kernel_args_default: False when the caller set kernel arguments
       (tile configs, a non-auto backward), which disables the device table.
@@ -116,7 +116,7 @@ def explain_dispatch(q_shape, kv_shape, dtype, *, mask: Mask | None = None, bias
       raise ValueError(f"split_kv={split_kv!r} configures the Triton kernel, but this call runs "
                        f"{decision}; pass implementation='triton'")
     return decision
-  from probjax.ops.attention.triton import decode  # local: the kernels import Pallas
+  from probjax.ops.attention.backends.triton import decode  # local: the kernels import Pallas
   kind = "sm_%d%d" % device.compute_capability if device.compute_capability else "interpret"
   cfg = decode.plan(q_shape, kv_shape, dtype, mask=mask, score_mod=score_mod, split_kv=split_kv,
                     device=kind)

@@ -44,7 +44,7 @@ class Xla(Backend[AttentionCall]):
     return None
 
   def __call__(self, q, k, v, mask, *, call, formulation="auto", **xla_args):
-    from probjax.ops.attention import xla
+    from probjax.ops.attention.backends import xla
     return xla.attention(q, k, v, formulation=formulation, mask=mask, score_mod=call.score_mod,
                          scale=call.scale, precision=call.precision, **xla_args)
 
@@ -61,13 +61,13 @@ class Triton(Backend[AttentionCall]):
     return None
 
   def supports(self, call, device):
-    from probjax.ops.attention import triton
+    from probjax.ops.attention.backends import triton
     return (self.available(device) or call.not_for_kernels() or _v_head_dim(call)
             or triton.supports(call.q_shape, call.kv_shape, call.dtype, interpret=True, **_flags(call)))
 
   def __call__(self, q, k, v, mask, *, call, backward_pass_impl=None):
     _check_values(self.name, q, v)
-    from probjax.ops.attention import triton
+    from probjax.ops.attention.backends import triton
     return triton.attention(q, k, v, mask=mask, score_mod=call.score_mod, scale=call.scale,
                             backward_pass_impl=backward_pass_impl or call.backward_pass_impl,
                             forward_config=call.forward_config, backward_config=call.backward_config,
@@ -90,12 +90,12 @@ class Mosaic(Backend[AttentionCall]):
     why = self.available(device) or call.not_for_kernels() or _v_head_dim(call)
     if why:
       return why
-    from probjax.ops.attention import mosaic_gpu
+    from probjax.ops.attention.backends import mosaic_gpu
     return mosaic_gpu.supports(call.q_shape, call.kv_shape, call.dtype, interpret=True, **_flags(call))
 
   def __call__(self, q, k, v, mask, *, call, backward_pass_impl=None):
     _check_values(self.name, q, v)
-    from probjax.ops.attention import mosaic_gpu
+    from probjax.ops.attention.backends import mosaic_gpu
     return mosaic_gpu.attention(q, k, v, mask=mask, score_mod=call.score_mod, scale=call.scale,
                                 backward_pass_impl=backward_pass_impl or call.backward_pass_impl,
                                 forward_config=call.forward_config, backward_config=call.backward_config,
@@ -115,14 +115,14 @@ class Cudnn(Backend[AttentionCall]):
     return None
 
   def supports(self, call, device):
-    from probjax.ops.attention import cudnn
+    from probjax.ops.attention.backends import cudnn
     return (self.available(device) or call.not_for_kernels() or _v_head_dim(call)
             or cudnn.supports(call.q_shape, call.kv_shape, call.dtype, platform="gpu", **_flags(call)))
 
   def __call__(self, q, k, v, mask, *, call, backward_pass_impl=None):
     _check_values(self.name, q, v)
-    from probjax.ops.attention import cudnn
-    from probjax.ops.attention.cudnn.config import CudnnConfig
+    from probjax.ops.attention.backends import cudnn
+    from probjax.ops.attention.backends.cudnn.config import CudnnConfig
     config = call.forward_config if isinstance(call.forward_config, CudnnConfig) else None
     return cudnn.attention(q, k, v, mask=mask, scale=call.scale, config=config)
 

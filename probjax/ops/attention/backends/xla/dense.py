@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from probjax.ops.attention.masks import Mask
 from probjax.ops.attention.padding import zero_padding, zero_rows
-from probjax.ops.attention.xla.common import compute_dtype
+from probjax.ops.attention.backends.xla.common import compute_dtype
 
 
 def dense_attention(q, k, v, *, bias=None, mask: Mask | None = None, dense_mask=None,

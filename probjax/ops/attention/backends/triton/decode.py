@@ -9,7 +9,7 @@ loaded once per group. Each program writes its normalised partial output and
 base-2 log-sum-exp; :func:`combine` merges the splits in XLA.
 
 Forward only: under ``jax.grad`` the regular kernel runs (it saves the residuals
-the backward needs), see :func:`probjax.ops.attention.triton.attention`.
+the backward needs), see :func:`probjax.ops.attention.backends.triton.attention`.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from probjax.ops.attention.masks import Mask
-from probjax.ops.attention.triton import config as config_lib
-from probjax.ops.attention.triton import tiles
-from probjax.ops.attention.triton.config import SplitKVConfig
+from probjax.ops.attention.backends.triton import config as config_lib
+from probjax.ops.attention.backends.triton import tiles
+from probjax.ops.attention.backends.triton.config import SplitKVConfig
 
 MAX_QUERIES = 64        # auto: at most this many queries per sequence
 MIN_KEYS = 1024         # auto: at least this many keys

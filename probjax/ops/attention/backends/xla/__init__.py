@@ -9,8 +9,8 @@ from the log-sum-exp, so memory is linear in the sequence length. Both compute i
 gradients) for rows with no valid key, and ignore whatever lies past the mask's lengths.
 """
 
-from probjax.ops.attention.xla.dense import dense_attention
-from probjax.ops.attention.xla.flash import choose_blocks, flash_attention
+from probjax.ops.attention.backends.xla.dense import dense_attention
+from probjax.ops.attention.backends.xla.flash import choose_blocks, flash_attention
 
 DENSE_MAX_LEN = 256
 # Decoding: with this rule the CPU default matches jax.nn XLA's dense product

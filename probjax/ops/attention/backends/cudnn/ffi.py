@@ -5,11 +5,11 @@ without what XLA's runtime adds around its fMHA custom calls: it zeroes every ou
 and the workspace before each launch (3 memsets per forward, 9 per forward+backward;
 docs/decisions.md, "Settled by probes": "Why jax.nn's cuDNN route trailed torch's, and
 probjax's own FFI call"). The extension is built
-by ``python -m probjax.ops.attention.cudnn.build``; without it (or with
+by ``python -m probjax.ops.attention.backends.cudnn.build``; without it (or with
 ``PROBJAX_ATTENTION_CUDNN_FFI=0``) the cuDNN route calls jax.nn.
 
 Inputs: q ``[B, Tq, H, D]``, k/v ``[B, Tkv, Hkv, D]`` (bf16/fp16, ``H % Hkv == 0``),
-masks as :func:`probjax.ops.attention.cudnn.supports` allows them. Each custom call is
+masks as :func:`probjax.ops.attention.backends.cudnn.supports` allows them. Each custom call is
 :func:`probjax.ops.attention.sharding.batch_head_parallel`: under automatic sharding each
 device runs it on its shard of the batch and heads, and ``vmap`` folds into the batch.
 """
@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from probjax.ops.attention import sharding
-from probjax.ops.attention.cudnn import build
-from probjax.ops.attention.cudnn.config import CudnnConfig
+from probjax.ops.attention.backends.cudnn import build
+from probjax.ops.attention.backends.cudnn.config import CudnnConfig
 from probjax.ops.attention.masks import Mask
 
 ENV = "PROBJAX_ATTENTION_CUDNN_FFI"
@@ -55,7 +55,7 @@ def unavailable(env=None) -> str | None:
     return f"{ENV}=0"
   path = library_path(env)
   if not path.exists():
-    return f"the FFI extension is not built ({path}; python -m probjax.ops.attention.cudnn.build)"
+    return f"the FFI extension is not built ({path}; python -m probjax.ops.attention.backends.cudnn.build)"
   return _loaded.get(str(path))
 
 
@@ -146,7 +146,7 @@ def attention(q, k, v, *, mask: Mask | None, scale: float, config: CudnnConfig |
   """q ``[B, Tq, H, D]``, k/v ``[B, Tkv, Hkv, D]`` → ``[B, Tq, H, D]`` through the extension.
 
   ``mask``: None, key lengths, ``CausalMask()`` or ``LocalWindowMask(left, 0)`` (equal
-  lengths), as :func:`probjax.ops.attention.cudnn.supports` checks; ``config``: graph
+  lengths), as :func:`probjax.ops.attention.backends.cudnn.supports` checks; ``config``: graph
   options (default ``CudnnConfig()``). Call :func:`ready` first."""
   b, tq = q.shape[:2]
   causal, left_bound, lens = False, 0, None

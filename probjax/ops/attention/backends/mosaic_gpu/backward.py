@@ -32,8 +32,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from probjax.ops.attention.gpu import output_delta, smem_limit
 from probjax.ops.attention.masks import Mask, num_tiles, pad_axis, round_up
-from probjax.ops.attention.mosaic_gpu import common as C
-from probjax.ops.attention.mosaic_gpu.config import INTERPRET_WGS, check_tiles, smem_total
+from probjax.ops.attention.backends.mosaic_gpu import common as C
+from probjax.ops.attention.backends.mosaic_gpu.config import INTERPRET_WGS, check_tiles, smem_total
 
 R = C.ROWS
 
@@ -96,7 +96,7 @@ MAX_HEAD_DIM = 128
 
 
 def fit(config: MosaicBackwardConfig | None, itemsize: int, head_dim: int, device: str) -> MosaicBackwardConfig:
-  """As :func:`probjax.ops.attention.mosaic_gpu.config.fit`, for the backward (head_dim up to
+  """As :func:`probjax.ops.attention.backends.mosaic_gpu.config.fit`, for the backward (head_dim up to
   :data:`MAX_HEAD_DIM`)."""
   if head_dim > MAX_HEAD_DIM:
     raise ValueError(f"backward_pass_impl='mosaic' takes head_dim up to {MAX_HEAD_DIM}, got {head_dim} "
@@ -344,7 +344,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, st_ref, len_ref, rng_ref, qid_ref, k
 
 def backward(q, k, v, out, lse, do, mask: Mask | None, *, scale: float, config: MosaicBackwardConfig,
              interpret: bool, score_mod=None):
-  """Gradients of attention (shapes as in :func:`probjax.ops.attention.mosaic_gpu.forward.forward`;
+  """Gradients of attention (shapes as in :func:`probjax.ops.attention.backends.mosaic_gpu.forward.forward`;
   ``lse`` the natural log-sum-exp ``[batch, heads, q_len]``; ``score_mod`` that of the forward,
   differentiated per tile with ``jax.vjp``). Returns ``(dq, dk, dv)``."""
   batch, q_len, heads, d = q.shape

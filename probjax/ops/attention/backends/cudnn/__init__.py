@@ -1,5 +1,5 @@
 """The cuDNN route: cuDNN's fused attention, through probjax's FFI extension
-(:mod:`probjax.ops.attention.cudnn.ffi`, without XLA's memsets of the outputs) when it is
+(:mod:`probjax.ops.attention.backends.cudnn.ffi`, without XLA's memsets of the outputs) when it is
 built, else ``jax.nn.dot_product_attention(implementation="cudnn")``.
 
 cuDNN's fused attention takes, of probjax's masks, per-batch key lengths,
@@ -16,8 +16,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from probjax.ops.attention.cudnn import ffi
-from probjax.ops.attention.cudnn.config import CudnnConfig
+from probjax.ops.attention.backends.cudnn import ffi
+from probjax.ops.attention.backends.cudnn.config import CudnnConfig
 from probjax.ops.attention.masks import Mask
 from probjax.ops.attention.padding import zero_padding
 

@@ -25,9 +25,9 @@ from jax.experimental.pallas import triton as plgpu
 
 from probjax.ops.attention.gpu import output_delta
 from probjax.ops.attention.masks import Mask
-from probjax.ops.attention.triton import tiles
-from probjax.ops.attention.triton import config as config_lib
-from probjax.ops.attention.triton.config import BackwardConfig
+from probjax.ops.attention.backends.triton import tiles
+from probjax.ops.attention.backends.triton import config as config_lib
+from probjax.ops.attention.backends.triton.config import BackwardConfig
 
 _T = (((0,), (0,)), ((), ()))   # dot_general: contract the rows (a^T @ b)
 _NT = (((1,), (1,)), ((), ()))  # contract the columns (a @ b^T)

@@ -16,9 +16,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from probjax.ops.attention.masks import Mask
-from probjax.ops.attention.triton import config as config_lib
-from probjax.ops.attention.triton import tiles
-from probjax.ops.attention.triton.config import ForwardConfig
+from probjax.ops.attention.backends.triton import config as config_lib
+from probjax.ops.attention.backends.triton import tiles
+from probjax.ops.attention.backends.triton.config import ForwardConfig
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, *refs, tm: tiles.TileMask, scale: float,

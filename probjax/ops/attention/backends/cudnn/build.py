@@ -1,6 +1,6 @@
 """Builds the cuDNN SDPA FFI extension (``csrc/sdpa_ffi.cc``) with the host C++ compiler.
 
-    python -m probjax.ops.attention.cudnn.build [--cudnn-include DIR] [--frontend-include DIR]
+    python -m probjax.ops.attention.backends.cudnn.build [--cudnn-include DIR] [--frontend-include DIR]
 
 Needs headers only: XLA FFI's (shipped with jaxlib), the CUDA runtime's and NVRTC's
 (``$CUDA_HOME/include``, default ``/usr/local/cuda``, and ``nvidia/cu13/include`` of the
@@ -8,7 +8,7 @@ pip packages), cuDNN's (``nvidia-cudnn-cu13``, ``$CUDNN_INCLUDE_DIR`` or ``--cud
 and the header-only cudnn-frontend (``nvidia-cudnn-frontend`` or ``--frontend-include``);
 ``bench/stage_cudnn_ffi.sh`` fetches the pinned ones and builds. No GPU and no CUDA
 library is needed to build: the library finds cuDNN and the CUDA runtime at run time
-(cudnn-frontend's dynamic loading), after :mod:`probjax.ops.attention.cudnn.ffi` has loaded
+(cudnn-frontend's dynamic loading), after :mod:`probjax.ops.attention.backends.cudnn.ffi` has loaded
 them from the ``nvidia`` packages. Output: :data:`LIBRARY`.
 """
 

@@ -21,13 +21,13 @@ from probjax.ops.attention import sharding
 from probjax.ops.attention.base import check_kernel_call, score_mod_reason
 from probjax.ops.attention.gpu import triton_lowerable  # (re-exported)
 from probjax.ops.attention.masks import Mask
-from probjax.ops.attention.triton import config as config_lib
-from probjax.ops.attention.triton import backward as backward_lib
-from probjax.ops.attention.triton.config import BackwardConfig, ForwardConfig, SplitKVConfig
-from probjax.ops.attention.triton import decode as decode_lib
-from probjax.ops.attention.triton import forward as forward_lib
+from probjax.ops.attention.backends.triton import config as config_lib
+from probjax.ops.attention.backends.triton import backward as backward_lib
+from probjax.ops.attention.backends.triton.config import BackwardConfig, ForwardConfig, SplitKVConfig
+from probjax.ops.attention.backends.triton import decode as decode_lib
+from probjax.ops.attention.backends.triton import forward as forward_lib
 from probjax.ops.attention.sharding import KV, Q
-from probjax.ops.attention.triton.tiles import padded_head_dim
+from probjax.ops.attention.backends.triton.tiles import padded_head_dim
 
 __all__ = ["attention", "supports", "ForwardConfig", "BackwardConfig", "SplitKVConfig"]
 

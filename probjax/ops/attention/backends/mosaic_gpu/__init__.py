@@ -24,11 +24,11 @@ import jax.numpy as jnp
 from probjax.ops.attention import compose, gpu, sharding  # compose: the Triton backward
 from probjax.ops.attention.base import check_kernel_call, score_mod_reason
 from probjax.ops.attention.masks import Mask
-from probjax.ops.attention.mosaic_gpu import backward as backward_lib
-from probjax.ops.attention.mosaic_gpu import config as config_lib
-from probjax.ops.attention.mosaic_gpu import forward as forward_lib
-from probjax.ops.attention.mosaic_gpu.backward import MosaicBackwardConfig
-from probjax.ops.attention.mosaic_gpu.config import MosaicForwardConfig
+from probjax.ops.attention.backends.mosaic_gpu import backward as backward_lib
+from probjax.ops.attention.backends.mosaic_gpu import config as config_lib
+from probjax.ops.attention.backends.mosaic_gpu import forward as forward_lib
+from probjax.ops.attention.backends.mosaic_gpu.backward import MosaicBackwardConfig
+from probjax.ops.attention.backends.mosaic_gpu.config import MosaicForwardConfig
 
 __all__ = ["attention", "supports", "MosaicForwardConfig", "MosaicBackwardConfig"]
 
@@ -98,7 +98,7 @@ def attention(q, k, v, *, mask: Mask | None = None, score_mod: Callable | None =
       before the mask (``q_idx``/``kv_idx`` full int32 tiles of the score's shape); it must
       not close over arrays. Both backwards differentiate it.
     backward_pass_impl: ``"mosaic"`` (this package's backward, :mod:`.backward`), or the
-      Triton backward's variant (``"auto"``, ``"triton_*"``, see :mod:`probjax.ops.attention.triton`):
+      Triton backward's variant (``"auto"``, ``"triton_*"``, see :mod:`probjax.ops.attention.backends.triton`):
       "auto" is the Triton backward, faster at head_dim 64 (the device table gives head_dim 128
       calls from 2^29 work the Mosaic backward; evidence in docs/decisions.md).
     forward_config: explicit tiles, checked against the device's shared memory.

@@ -30,8 +30,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from probjax.ops.attention.gpu import kernel_device, order_group
 from probjax.ops.attention.masks import Mask, heavy_first_program, num_tiles, pad_axis, round_up
-from probjax.ops.attention.mosaic_gpu import common as C
-from probjax.ops.attention.mosaic_gpu.config import MosaicForwardConfig, cluster_refusal
+from probjax.ops.attention.backends.mosaic_gpu import common as C
+from probjax.ops.attention.backends.mosaic_gpu.config import MosaicForwardConfig, cluster_refusal
 
 
 def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, order_ref, o_ref, lse_ref, q_smem, k_smem,

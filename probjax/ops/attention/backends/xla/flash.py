@@ -30,7 +30,7 @@ from jax.custom_derivatives import SymbolicZero, linear_call
 from probjax.core import jax_patches
 from probjax.ops.attention.masks import EMPTY, Mask, pad_axis, round_up
 from probjax.ops.attention.padding import zero_padding, zero_rows
-from probjax.ops.attention.xla.common import compute_dtype
+from probjax.ops.attention.backends.xla.common import compute_dtype
 
 jax_patches.apply()  # linear_call's vmap and JVP rules, which the flash passes need
 
