@@ -23,7 +23,7 @@ PYTEST_ARGS ?=
 PYTEST_WORKERS ?= 2
 PYTEST_MARK ?= not slow
 
-.PHONY: help run test test-slow bench-cpu docs venv clean
+.PHONY: help run test test-slow bench-cpu docs docs-site venv clean
 
 help:
 	@echo "make run    - attention report on this machine (ARGS=\"--quick\" etc.)"
@@ -31,6 +31,7 @@ help:
 	@echo "make test-slow - the slow cases (CI's second step)"
 	@echo "make bench-cpu - CPU benchmark JSON (bench/results/cpu/)"
 	@echo "make docs   - figures and README performance section from the JSON"
+	@echo "make docs-site - the documentation site into site/ (mkdocs build --strict; the docs extra)"
 	@echo "make venv   - only create/refresh $(VENV)"
 
 run: venv
@@ -58,6 +59,22 @@ bench-cpu: venv
 docs: venv
 	$(PY) -m bench.benchmark_figures
 	$(PY) -m bench.cpu_readme_numbers
+
+# The documentation site (mkdocs.yml: the user guide in docs/, the API reference from the
+# docstrings) into site/; --strict turns every warning (a broken link, a docstring mkdocstrings
+# cannot read) into a failure. Installs the docs extra into $(VENV) when pyproject.toml's hash
+# differs from its stamp or mkdocs is missing. NO_MKDOCS_2_WARNING silences mkdocs-material's
+# end-of-life banner (not a build warning).
+DOCS_STAMP := $(VENV)/.probjax-docs-stamp
+docs-site: venv
+	@want="$$(sha256sum pyproject.toml | cut -d' ' -f1)"; \
+	if [ "$$(cat "$(DOCS_STAMP)" 2>/dev/null || true)" != "$$want" ] \
+	    || ! "$(PY)" -c 'import mkdocs, material, mkdocstrings_handlers.python' 2>/dev/null; then \
+	  echo "installing the docs extra into $(VENV): pip install -e .[docs]"; \
+	  "$(PY)" -m pip install -q -e '.[docs]'; \
+	  echo "$$want" > "$(DOCS_STAMP)"; \
+	fi
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict -d site/
 
 # Creates (or re-creates, if its Python is missing or older than 3.12) the venv,
 # and re-installs only when pyproject.toml's hash differs from the stamp's.
@@ -95,4 +112,4 @@ venv:
 	fi
 
 clean:
-	rm -rf "$(VENV)" build *.egg-info reports
+	rm -rf "$(VENV)" build *.egg-info reports site

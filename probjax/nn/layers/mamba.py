@@ -192,8 +192,9 @@ class Mamba2(_Block):
       heads.
     d_state: state per head and head_dim entry; n_groups: B/C groups (dividing the heads).
     A_init_range: ``exp(A_log)`` starts uniform in it.
-    Others as :class:`Mamba`'s (``implementation``, ``chunk_size`` for
-    :func:`probjax.ops.scan.ssd_scan`).
+
+  The other arguments are as :class:`Mamba`'s (``implementation``, ``chunk_size`` for
+  :func:`probjax.ops.scan.ssd_scan`).
   """
 
   def __init__(self, *, d_model: int, d_state: int = 128, d_conv: int = 4, expand: int = 2,

@@ -89,7 +89,8 @@ def ssd_scan(x, dt, A, B, C, D=None, *, z=None, dt_bias=None, dt_softplus: bool 
     A: ``[heads]``, negative (``-exp(A_log)``). B, C: ``[batch, length, groups, state]``.
     D: ``[heads]`` or None. z: like x. dt_bias: ``[heads]``.
     initial_state: ``[batch, heads, head_dim, state]``.
-    Others as :func:`mamba_scan`'s.
+
+  The other arguments are as :func:`mamba_scan`'s.
   """
   call = SSDCall.of(x, dt, A, B, C, D, z=z, dt_bias=dt_bias, initial_state=initial_state,
                     chunk_size=chunk_size, interpret=interpret)
