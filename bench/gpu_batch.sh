@@ -26,8 +26,9 @@
 # The SM clock, temperature, power and throttle reasons are sampled every 0.5 s into
 # $OUT/gpu_clocks.csv (to read a run's noise; not committed).
 # newops_tests: the grouped-matmul, scan and MoE tests with their kernels compiled (not interpreted).
-# moe[:SUITES[:TOKENS]], scan[:MODES], lm[:SECTIONS] ('+'-joined lists): bench/moe.py, bench/scan.py,
-#   bench/lm_step.py into $RES/<device>/{moe,scan,lm_step}.json, resumed.
+# moe[:SUITES[:TOKENS]], scan[:MODES], lm[:SECTIONS], dit[:CASES], mla[:SUITES] ('+'-joined lists):
+#   bench/moe.py, bench/scan.py, bench/lm_step.py, bench/dit_step.py, bench/mla.py into
+#   $RES/<device>/{moe,scan,lm_step,dit_step,mla}.json, resumed.
 # (tests: pytest --gpu on the gpu-marked tests (tests:EXPR: only those matching -k EXPR), failures
 # printed as they happen, log in $OUT/gpu_tests.log; it gets at most a third of the remaining
 # time, or TESTS_MAX_S seconds)
@@ -130,6 +131,15 @@ for s in "${steps[@]}"; do
                timeout "$(python3 -c "print(int(60 * $(left_min)))")" $PY bench/lm_step.py \
                  --sections "$(x=${sections:-matmul+train+train_packed+decode}; echo "${x//+/,}")" \
                  --output "$RES/$DEV/lm_step.json" --max-minutes "$(left_min)" 2>&1 | tail -12 | tee -a "$OUT/batch.log" ;;
+    dit|dit:*) cases="${s#dit}"; cases="${cases#:}"   # dit[:CASES+...]: bench/dit_step.py
+               echo "[batch] $(date +%T) $s" | tee -a "$OUT/batch.log"
+               timeout "$(python3 -c "print(int(60 * $(left_min)))")" $PY bench/dit_step.py \
+                 ${cases:+--cases "${cases//+/,}"} --output "$RES/$DEV/dit_step.json" --max-minutes "$(left_min)" 2>&1 \
+                 | tail -8 | tee -a "$OUT/batch.log" ;;
+    mla|mla:*) suites="${s#mla}"; suites="${suites#:}"   # mla[:SUITES+...]: bench/mla.py
+               echo "[batch] $(date +%T) $s" | tee -a "$OUT/batch.log"
+               timeout "$(python3 -c "print(int(60 * $(left_min)))")" $PY -m bench.mla \
+                 ${suites:+--suite "${suites//+/,}"} --output "$RES/$DEV/mla.json" 2>&1 | tail -8 | tee -a "$OUT/batch.log" ;;
     dispatch)  run_step bench.benchmark_kernel_attn_gpu --device gpu --suite dispatch ;;
     grid_core) split bench.benchmark_gpu_attention --suite grid --dtypes bf16 --lengths 1024,4096,16384 ;;
     peak)      run_step bench.benchmark_kernel_attn_gpu --device gpu --suite peak --child-timeout 100 ;;
