@@ -59,13 +59,6 @@ def _attention(st: _Static, q, k, v, mask):
   return _fwd(st, q, k, v, mask)[0]
 
 
-def _partitioned(st: _Static) -> bool:
-  """Whether the kernels run per shard of batch and heads (:func:`sharding.masked_call`): not
-  with a ``score_mod`` (it sees global batch and head indices) nor in interpret mode, whose
-  simulated Mosaic warpgroups can stall one another inside the partitioned call."""
-  return st.score_mod is None and not st.interpret
-
-
 def _forward_shard(st: _Static, q, k, v, mask):
   return mosaic_forward.forward(q, k, v, mask, scale=st.scale, config=st.fcfg, interpret=st.interpret,
                                 score_mod=st.score_mod)
@@ -76,5 +69,5 @@ def _backward_shard(st: _Static, q, k, v, out, lse, do, mask):
                                   impl=st.impl, config=st.bcfg, interpret=st.interpret)
 
 
-_fwd, _bwd = sharding.attention_vjp(_forward_shard, _backward_shard, _partitioned)
+_fwd, _bwd = sharding.attention_vjp(_forward_shard, _backward_shard, gpu.mosaic_partitioned)
 _attention.defvjp(_fwd, _bwd)

@@ -1,6 +1,7 @@
 """What the attention GPU kernels (Triton, Mosaic GPU) share, so neither imports the other: the
 device kind a call is configured for, the shared-memory budget, the L2 group the heaviest-first
-grids run across, the backward's ``delta`` and whether Pallas Triton lowers a ``score_mod``.
+grids run across, the backward's ``delta``, whether Pallas lowers a ``score_mod`` and whether a
+Mosaic GPU kernel call runs per shard.
 
 Backends never import each other (``tests/test_import_rules.py``): what two of them need lives
 here or in another module of the op (:mod:`.compose` runs one backend's forward with another's
@@ -50,6 +51,15 @@ def order_group(device: str, bytes_per_pair: int) -> int:
   group's K/V then stay in L2 while its heaviest tiles run, and no small last group ends the
   grid on a few heavy programs (the measurements: docs/decisions.md, "Settled by probes")."""
   return max(1, (L2_BYTES.get(device, DEFAULT_L2_BYTES) // 2) // max(1, bytes_per_pair))
+
+
+def mosaic_partitioned(st) -> bool:
+  """Whether a Mosaic GPU kernel call (its forward with either backward; ``st`` has its
+  ``score_mod`` and ``interpret``) runs per shard of batch and heads
+  (:func:`probjax.ops.attention.sharding.masked_call`): not with a ``score_mod`` (it sees
+  global batch and head indices) nor in interpret mode, whose simulated warpgroups can stall
+  one another inside the partitioned call (CPU test runs)."""
+  return st.score_mod is None and not st.interpret
 
 
 def output_delta(out, do, mask: Mask | None):

@@ -152,13 +152,6 @@ def _attention(st: _Static, q, k, v, mask):
   return _fwd(st, q, k, v, mask)[0]
 
 
-def _partitioned(st) -> bool:
-  """Whether the kernels run per shard of batch and heads (:func:`sharding.masked_call`): not
-  with a ``score_mod`` (it sees global batch and head indices) nor in interpret mode, whose
-  simulated warpgroups can stall one another inside the partitioned call (CPU test runs)."""
-  return st.score_mod is None and not st.interpret
-
-
 def _forward_shard(st: _Static, q, k, v, mask):
   return forward_lib.forward(q, k, v, mask, scale=st.scale, config=st.fcfg, interpret=st.interpret,
                              score_mod=st.score_mod)
@@ -169,5 +162,5 @@ def _backward_shard(st: _Static, q, k, v, out, lse, do, mask):
                                interpret=st.interpret, score_mod=st.score_mod)
 
 
-_fwd, _bwd = sharding.attention_vjp(_forward_shard, _backward_shard, _partitioned)
+_fwd, _bwd = sharding.attention_vjp(_forward_shard, _backward_shard, gpu.mosaic_partitioned)
 _attention.defvjp(_fwd, _bwd)
