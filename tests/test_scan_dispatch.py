@@ -37,13 +37,13 @@ def test_cpu_default_is_the_fastest_exact_xla_form(op, expect):
 def test_gpu_default_is_triton(op, device):
   d = scan.explain_dispatch(CALLS[op], device=device)
   assert d.implementation == "triton", d
-  assert d.chunk_size == (None if op == "mamba" else 32)
+  assert d.chunk_size == 32
   # Differentiated, the fastest measured forward+backward: associative (Mamba-1), chunked.
   assert d.grad_implementation == {"mamba": "associative", "ssd": "chunked", "rla": "chunked"}[op], d
-  # The kernels asked for: Mamba-1 and SSD have no backward kernels (the chunked form runs),
+  # The kernels asked for: SSD has no backward kernel (the chunked form runs), Mamba-1's and
   # RLA's run.
   asked = scan.explain_dispatch(CALLS[op], implementation="triton", device=device)
-  assert asked.grad_implementation == (None if op == "rla" else "chunked"), asked
+  assert asked.grad_implementation == ("chunked" if op == "ssd" else None), asked
 
 
 def test_gpu_grad_default_falls_back_to_chunked_for_memory():
@@ -58,6 +58,7 @@ def test_gpu_grad_default_falls_back_to_chunked_for_memory():
 @pytest.mark.parametrize("call, why", [
     (MambaCall(2, 100, 64, 512, "float32"), "state = 512"),
     (MambaCall(2, 100, 64, 16, "float64"), "float64"),
+    (MambaCall(2, 100, 64, 16, "float32", chunk_size=24), "chunk_size"),
     (SSDCall(2, 100, 4, 64, 1, 16, "float32", chunk_size=24), "chunk_size"),
     (RLACall(2, 100, 4, 4, 256, 64, 8, "softmax", "float32"), "features = 512"),
     (RLACall(2, 100, 4, 4, 64, 512, 8, "relu", "float32"), "v_head_dim = 512"),
@@ -146,8 +147,13 @@ def test_mamba_kernel_lowers_for_sm90(fake_h200):
   x, A, B = S((2, 300, 100), BF16), S((100, 16), jnp.float32), S((2, 300, 16), BF16)
   fn = lambda x, A, B: scan.mamba_scan(x, x, A, B, B, z=x)
   assert _kernels(fn, x, A, B) == ["probjax_mamba_scan_fwd"]
-  # Differentiated, the call is the associative form's.
+  # Differentiated, the default is the associative form's; asked for, the kernels run forward
+  # (saving the chunk-boundary states) and backward.
   assert _kernels(jax.grad(_loss(fn), argnums=(0, 1, 2)), x, A, B) == []
+  asked = lambda x, A, B: scan.mamba_scan(x, x, A, B, B, z=x, initial_state=jnp.zeros((2, 100, 16)),
+                                          implementation="triton")
+  assert _kernels(jax.grad(_loss(asked), argnums=(0, 1, 2)), x, A, B) == [
+      "probjax_mamba_scan_bwd", "probjax_mamba_scan_fwd_res"]
 
 
 def test_ssd_kernel_lowers_for_sm90(fake_h200):

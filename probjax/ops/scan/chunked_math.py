@@ -1,6 +1,6 @@
 """The chunk-parallel XLA formulations, shared by the chunked backend and the Triton backend
-(which runs them for differentiated Mamba-1 and SSD calls): backends share math through this
-module, never through each other.
+(which runs them for differentiated SSD calls): backends share math through this module, never
+through each other.
 
 Every function takes the core operands the op's wrapper prepares (dt after bias and softplus,
 an initial state, float32 or wider) and returns ``(y, final_state)`` in the compute dtype

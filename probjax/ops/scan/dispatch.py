@@ -32,7 +32,8 @@ CPU_DEFAULT = {"mamba_scan": "scan", "ssd_scan": "chunked", "residual_linear_att
 # What a differentiated call runs on a GPU (forward with residuals and backward): the fastest
 # exact form of forward+backward measured on the H200 (docs/decisions.md, "Differentiated GPU
 # calls"). Mamba-1's chunked form recomputes the elementwise state in its chunk loop, which the
-# associative form does not; RLA's chunked XLA form keeps its state updates on tensor cores,
+# associative form does not (its Triton forward and backward kernels, ``implementation="triton"``,
+# are not measured yet); RLA's chunked XLA form keeps its state updates on tensor cores,
 # which the Triton backward kernels do not; SSD's chunked form at chunk 64 beats the kernels'
 # chunk of 32.
 GPU_GRAD_DEFAULT = {"mamba_scan": "associative", "ssd_scan": "chunked", "residual_linear_attention": "chunked"}
@@ -83,9 +84,9 @@ def registry_of(call) -> Registry:
 
 def _decision(call, name: str, rule: str, grad: str | None = None) -> Decision:
   """``name`` runs the call; differentiated, ``grad`` does (None: ``name`` itself, or for the
-  Mamba-1 and SSD kernels, which have no backward, ``"chunked"``)."""
+  SSD kernel, which has no backward, ``"chunked"``)."""
   reg = registry_of(call)
-  if grad is None and name == "triton" and not isinstance(call, RLACall):
+  if grad is None and name == "triton" and isinstance(call, SSDCall):
     grad = "chunked"
   if grad == name:
     grad = None

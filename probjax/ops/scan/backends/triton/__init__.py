@@ -1,10 +1,12 @@
 """``"triton"`` (alias ``"pallas"``): Pallas-Triton kernels.
 
-* Mamba-1: a forward kernel (:mod:`.mamba`); SSD: a chunked forward kernel (:mod:`.ssd`). They
-  have no backward: the dispatch's decision names what a differentiated call runs instead,
-  forward and backward (``Decision.grad_implementation``, ``"chunked"`` when the kernels are
-  requested), and the op composes the two (:func:`probjax.ops.scan.dispatch.with_grad_of`).
-  That backward needs its own forward's residuals, which the kernels do not save.
+* Mamba-1: forward and backward kernels (:mod:`.mamba`), exact; the backward recomputes the
+  states inside each chunk from the chunk-boundary states its forward saved.
+* SSD: a chunked forward kernel (:mod:`.ssd`), no backward: the dispatch's decision names what
+  a differentiated call runs instead, forward and backward (``Decision.grad_implementation``,
+  ``"chunked"`` when the kernels are requested), and the op composes the two
+  (:func:`probjax.ops.scan.dispatch.with_grad_of`). That backward needs its own forward's
+  residuals, which the kernel does not save.
 * RLA: forward and backward kernels (:mod:`.rla`), exact.
 
 The kernels' dots run at Triton's default precision (TF32 for float32 operands on the GPU).
@@ -72,17 +74,36 @@ def kernel_chunk(call) -> int:
   return min(CHUNK, common.block(call.length, 16))
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _mamba(call, x, dt, A, B, C, h0):
+  return mamba_kernel.forward(x, dt, A, B, C, h0, interpret=call.interpret)
+
+
+def _mamba_fwd(call, x, dt, A, B, C, h0):
+  y, h, hc = mamba_kernel.forward(x, dt, A, B, C, h0, chunk=kernel_chunk(call), interpret=call.interpret)
+  return (y, h), (x, dt, A, B, C, hc)
+
+
+def _mamba_bwd(call, res, ct):
+  x, dt, A, B, C, hc = res
+  dx, ddt, dA, dB, dC, dh0 = mamba_kernel.backward(x, dt, A, B, C, hc, *ct, chunk=kernel_chunk(call),
+                                                   interpret=call.interpret)
+  # h0 is in the compute dtype, like A.
+  return (dx.astype(x.dtype), ddt.astype(dt.dtype), dA.astype(A.dtype), dB.astype(B.dtype),
+          dC.astype(C.dtype), dh0.astype(A.dtype))
+
+
+_mamba.defvjp(_mamba_fwd, _mamba_bwd)
+
+
 class MambaTriton(_Triton, Backend[MambaCall]):
-  """Forward kernel (not differentiable: see the module docstring)."""
+  """Forward and backward kernels; the chunk is the backward's, between the saved states."""
 
   def supports(self, call: MambaCall, device: Device) -> str | None:
-    return self._refusal(call, device, [("state", call.state)])
-
-  def chunk_size(self, call) -> None:
-    return None  # the forward kernel steps through positions
+    return self._refusal(call, device, [("state", call.state)]) or self._chunk_refusal(call)
 
   def __call__(self, x, dt, A, B, C, h0, *, call: MambaCall):
-    return mamba_kernel.forward(x, dt, A, B, C, h0, interpret=call.interpret)
+    return _mamba(call, x, dt, A, B, C, h0)
 
 
 class SSDTriton(_Triton, Backend[SSDCall]):
