@@ -1,20 +1,33 @@
-"""Which implementation computes a call: the generic rules and the device table.
+"""Which implementation computes a call: an ordered list of small rules over the device table.
 
-Everything here is a pure function of the call's static description, the
-device (platform, compute capability, memory) and the environment, so it is
-tested on CPU with faked devices.
+Everything here is a pure function of the call's static description (:class:`AttentionCall`),
+the device (platform, compute capability, memory) and the environment, so it is tested on CPU
+with faked devices.
 
-Generic rules (``implementation=None``):
-  1. Not on an NVIDIA GPU → ``"xla"`` (the exact, linear-memory XLA path).
-  2. Dense boolean mask, additive bias, dropout, non-default precision or an
-     attention-weights ``module`` → ``"xla"``.
-  3. Fewer than ``MIN_KERNEL_KV_LEN`` keys → ``"xla"``.
-  4. Otherwise the fused Triton kernel, if it computes the call exactly.
-Device table (:mod:`probjax.ops.attention.tuning`), applied first when
-every kernel argument is at its default: cuDNN for large eligible 16-bit calls,
-XLA's dense formulation for float32 above a head_dim while it fits, the Mosaic GPU
-forward (sm_90) where the Triton kernel would run on long 16-bit calls, and the
-device's ``backward_pass_impl``.
+``implementation=None`` runs :data:`RULES` in order, each ``rule(call, device, defaults) ->
+Decision | None``, and the first decision wins (the last rule always decides).
+``defaults`` is the device table in effect (:mod:`probjax.ops.attention.tuning`): None off
+a table device, when a kernel argument is set or under
+``PROBJAX_ATTENTION_DEVICE_DEFAULTS=0``; a rule whose group of the table is None (switched
+off by ``PROBJAX_ATTENTION_CUDNN=0`` or ``PROBJAX_ATTENTION_MOSAIC=0``) does not apply.
+
+  1. :func:`off_gpu`: not on an NVIDIA GPU → XLA.
+  2. :func:`kernel_arguments`: bias, dense mask, dropout, precision, ``module`` → XLA.
+  3. :func:`mosaic_primal`: a call of rule 4 whose forward the Mosaic kernel runs faster →
+     the Mosaic forward; under grad rules 5-6 or cuDNN.
+  4. :func:`cudnn`: eligible 16-bit call above the cuDNN work threshold, not decoding → cuDNN;
+     under grad rules 5-6 or cuDNN.
+  5. :func:`grad_mosaic` (under grad, rules 3-4): causal up to a work per head_dim → the Mosaic
+     forward with the Triton backward.
+  6. :func:`grad_triton` (under grad, rules 3-4): small head_dim, work and key count → Triton.
+  7. :func:`fp32_dense`: float32 above a head_dim while it fits → XLA's dense formulation.
+  8. :func:`few_keys`: fewer than ``MIN_KERNEL_KV_LEN`` keys → XLA.
+  9. :func:`mosaic_long`: a call of rule 10, 16-bit, both lengths long → the Mosaic forward
+     (and backward at large D128 work).
+  10. :func:`triton`: the fused Triton kernel, where it computes the call exactly.
+  11. :func:`xla`: otherwise XLA.
+
+An explicit ``implementation=`` is checked against its backend's ``supports``, never replaced.
 """
 
 from __future__ import annotations
@@ -25,11 +38,12 @@ import os
 import jax.numpy as jnp
 
 from probjax.core.device import Device
-from probjax.ops.attention import tuning as attention_device
+from probjax.ops.attention import tuning
 from probjax.ops.attention.backends import cudnn as cudnn_backend
 from probjax.ops.attention.call import AttentionCall
 from probjax.ops.attention.registry import REGISTRY
 from probjax.ops.attention.masks import Mask
+from probjax.ops.attention.tuning import DeviceDefaults
 
 MIN_KERNEL_KV_LEN = 64
 # XLA's dense formulation keeps a few float32 [B, H, Tq, Tkv] arrays for the backward.
@@ -70,19 +84,8 @@ def canonical(implementation: str | None) -> str | None:
   return REGISTRY.canonical(implementation)
 
 
-def triton_supports(q_shape, kv_shape, dtype, *, device: Device, **kw) -> str | None:
-  """Reason the Triton kernel cannot compute the call, or None."""
-  return REGISTRY.get("triton").supports(AttentionCall(q_shape, kv_shape, dtype, **kw), device)
-
-
-def mosaic_supports(q_shape, kv_shape, dtype, *, device: Device, **kw) -> str | None:
-  """Reason the Mosaic GPU kernels cannot compute the call, or None (``device`` with no
-  compute capability: interpret mode)."""
-  return REGISTRY.get("mosaic").supports(AttentionCall(q_shape, kv_shape, dtype, **kw), device)
-
-
 def explain_dispatch(q_shape, kv_shape, dtype, *, mask: Mask | None = None, bias: bool = False,
-                     dense_mask: bool = False, dropout: bool = False, score_mod=None,
+                     dense_mask: bool = False, dropout: bool = False, score_mod=None, scale=None,
                      precision=None, module: bool = False, implementation: str | None = None,
                      backward_pass_impl: str = "auto", split_kv=None, kernel_args_default: bool = True,
                      v_head_dim: int | None = None, device: Device | None = None, env=None) -> Decision:
@@ -93,6 +96,8 @@ def explain_dispatch(q_shape, kv_shape, dtype, *, mask: Mask | None = None, bias
     dtype: input dtype.
     mask: a :class:`Mask` (position mask) or None; ``dense_mask``/``bias``/
       ``dropout`` flag the presence of those arguments.
+    scale: the softmax scale (None: ``head_dim ** -0.5``); the Mosaic kernel refuses a
+      non-positive one without a ``score_mod``.
     implementation: an explicit choice is checked, never replaced: if it cannot
       compute the call exactly, ValueError says why.
     split_kv: the Triton split-KV forward (see
@@ -104,11 +109,18 @@ def explain_dispatch(q_shape, kv_shape, dtype, *, mask: Mask | None = None, bias
     device: defaults to :meth:`Device.current`; env defaults to ``os.environ``.
   """
   device = device or Device.current()
-  decision = _decide(q_shape, kv_shape, dtype, mask=mask, bias=bias, dense_mask=dense_mask,
-                     dropout=dropout, score_mod=score_mod, precision=precision, module=module,
-                     implementation=implementation, backward_pass_impl=backward_pass_impl,
-                     kernel_args_default=kernel_args_default, v_head_dim=v_head_dim, device=device,
-                     env=env)
+  env = os.environ if env is None else env
+  call = AttentionCall(q_shape, kv_shape, dtype, mask=mask, score_mod=score_mod, scale=scale, bias=bias,
+                       dense_mask=dense_mask, dropout=dropout, module=module, precision=precision,
+                       backward_pass_impl=backward_pass_impl, v_head_dim=v_head_dim)
+  impl = canonical(implementation)
+  if backward_pass_impl == "mosaic" and impl != "mosaic":
+    raise ValueError("backward_pass_impl='mosaic' is the Mosaic GPU kernel's backward: it needs "
+                     f"implementation='mosaic', got {implementation!r}")
+  if impl is None:
+    decision = decide(call, device, defaults_in_effect(device, env) if kernel_args_default else None)
+  else:
+    decision = _requested(impl, call, device)
   if decision.implementation == "cudnn":
     decision = dataclasses.replace(decision, route=cudnn_backend.route(env))
   if decision.implementation != "triton":
@@ -123,95 +135,264 @@ def explain_dispatch(q_shape, kv_shape, dtype, *, mask: Mask | None = None, bias
   return dataclasses.replace(decision, split_kv=cfg.num_splits if cfg is not None else 0)
 
 
-def _decide(q_shape, kv_shape, dtype, *, mask, bias, dense_mask, dropout, score_mod, precision,
-            module, implementation, backward_pass_impl, kernel_args_default, v_head_dim, device,
-            env) -> Decision:
-  env = os.environ if env is None else env
-  dtype = jnp.dtype(dtype)
-  impl = canonical(implementation)
-  kw = dict(mask=mask, score_mod=score_mod, bias=bias, dense_mask=dense_mask, dropout=dropout,
-            v_head_dim=v_head_dim)
-  if backward_pass_impl == "mosaic" and impl != "mosaic":
-    raise ValueError("backward_pass_impl='mosaic' is the Mosaic GPU kernel's backward: it needs "
-                     f"implementation='mosaic', got {implementation!r}")
+def defaults_in_effect(device: Device, env) -> DeviceDefaults | None:
+  """The device table's entry for ``device`` less the groups its opt-outs switch off
+  (``PROBJAX_ATTENTION_CUDNN=0``: rules 3-4; ``PROBJAX_ATTENTION_MOSAIC=0``: rules 3, 5, 9),
+  or None (no entry, or ``PROBJAX_ATTENTION_DEVICE_DEFAULTS=0``)."""
+  if _env_off("PROBJAX_ATTENTION_DEVICE_DEFAULTS", env):
+    return None
+  defaults = tuning.lookup(device.compute_capability)
+  if defaults is None:
+    return None
+  off = {}
+  if _env_off("PROBJAX_ATTENTION_CUDNN", env):
+    off.update(cudnn=None)
+  if _env_off("PROBJAX_ATTENTION_MOSAIC", env):
+    off.update(mosaic_primal=None, grad_mosaic=None, mosaic_long=None)
+  return dataclasses.replace(defaults, **off)
 
+
+def _requested(impl: str, call: AttentionCall, device: Device) -> Decision:
+  """An explicit ``implementation=``: checked, never replaced."""
   if impl == "xla":
-    return Decision("xla", "requested", formulation=xla_formulation(q_shape, kv_shape, device))
-  if impl is not None:
-    call = AttentionCall(q_shape, kv_shape, dtype, precision=precision, module=module, **kw)
-    why = REGISTRY.get(impl).supports(call, device)
-    if why:
-      raise ValueError(f"implementation={impl!r} cannot compute this call exactly: {why}")
-    backward = _resolve_backward(backward_pass_impl, mask) if impl != "cudnn" else "auto"
-    return Decision(impl, "requested", backward)
+    return Decision("xla", "requested", formulation=xla_formulation(call.q_shape, call.kv_shape, device))
+  why = REGISTRY.get(impl).supports(call, device)
+  if why:
+    raise ValueError(f"implementation={impl!r} cannot compute this call exactly: {why}")
+  backward = _resolve_backward(call.backward_pass_impl, call.mask) if impl != "cudnn" else "auto"
+  return Decision(impl, "requested", backward)
 
-  # implementation=None: the default.
+
+def decide(call: AttentionCall, device: Device, defaults: DeviceDefaults | None) -> Decision:
+  """The default's decision: the first of :data:`RULES` that decides (rule 11 always does)."""
+  return next(d for d in (rule(call, device, defaults) for rule in RULES) if d is not None)
+
+
+# The rules, numbered as in docs/decisions.md and the README. The reasons they give are the
+# ``Decision.rule`` strings explain_dispatch reports (tests/data/dispatch_grid.json records them).
+
+
+def off_gpu(call: AttentionCall, device: Device, defaults) -> Decision | None:
+  """Rule 1. Not on an NVIDIA GPU: XLA's exact linear-memory path.
+
+  A CPU call at B1 H8 T4096 D64 float32 runs XLA's tiled flash loop: the Pallas kernels have no
+  CPU lowering (interpret mode emulates them, far slower), and the tiled loop keeps memory
+  linear in T where jax.nn's XLA attention materialises the 4096 x 4096 scores per head."""
   if device.platform != "gpu":
     return Decision("xla", f"platform {device.platform}: exact linear-memory XLA path")
-  b, tq, h, _ = q_shape
-  tk = kv_shape[1]
-  what = _not_for_kernels(bias=bias, dense_mask=dense_mask, dropout=dropout, precision=precision, module=module)
+  return None
+
+
+def kernel_arguments(call: AttentionCall, device: Device, defaults) -> Decision | None:
+  """Rule 2. An argument no fused kernel takes (additive bias, dense boolean mask, dropout,
+  non-default precision, the attention weights of a ``module``): XLA.
+
+  A correctness rule: a causal call passed as a dense [T, T] boolean mask cannot run a kernel,
+  which reads structured masks only; the reason names the structured mask to pass instead."""
+  what = call.not_for_kernels()
   if what:
-    return Decision("xla", f"{what}: the kernels cannot take it{_DENSE_MASK_HINT if dense_mask else ''}",
-                    formulation=xla_formulation(q_shape, kv_shape, device))
+    return Decision("xla", f"{what}: the kernels cannot take it{_DENSE_MASK_HINT if call.dense_mask else ''}",
+                    formulation=xla_formulation(call.q_shape, call.kv_shape, device))
+  return None
 
-  table = None
-  if kernel_args_default and not _env_off("PROBJAX_ATTENTION_DEVICE_DEFAULTS", env):
-    table = attention_device.lookup(device.compute_capability)
-  if table is not None:
-    cc = "sm_%d%d" % device.compute_capability
-    decoding = tq <= table.decode_max_q_len and tk >= table.decode_min_kv_len
-    if (not _env_off("PROBJAX_ATTENTION_CUDNN", env) and b * h * tq * tk >= table.cudnn_min_work
-        and q_shape[-1] >= table.cudnn_min_head_dim and not decoding):
-      if REGISTRY.get("cudnn").supports(AttentionCall(q_shape, kv_shape, dtype, **kw), device) is None:
-        rule = f"{cc} device table: eligible 16-bit call above the cuDNN work threshold"
-        work, causal = b * h * tq * tk, mask is not None and mask.is_causal()
-        mosaic_fwd = _mosaic_forward(q_shape, kv_shape, dtype, table, device, env, kw)
-        grad, why = "cudnn", ""
-        if (causal and work <= dict(table.grad_mosaic_band_max_work).get(q_shape[-1], -1)
-            and _mosaic_allowed(q_shape, kv_shape, dtype, device, env, kw)):
-          grad, why = "mosaic", "; differentiated causal: the Mosaic forward with the Triton backward is faster"
-        elif (q_shape[-1] <= table.grad_triton_max_head_dim and work < table.grad_triton_max_work
-              and tk <= table.grad_triton_max_kv_len
-              and triton_supports(q_shape, kv_shape, dtype, device=device, **kw) is None):
-          grad, why = "triton", "; differentiated: the Triton kernel's backward is faster"
-        ranges = table.mosaic_forward_ragged_work if _ragged(q_shape, kv_shape) else table.mosaic_forward_work
-        fast = any(m == _mask_kind(mask) and d == q_shape[-1] and lo <= work and (hi is None or work <= hi)
-                   for m, d, lo, hi in ranges)
-        backward = "auto" if grad == "cudnn" else _resolve_backward(backward_pass_impl, mask, table)
-        if fast and mosaic_fwd:
-          return Decision("mosaic", rule + "; forward: the Mosaic kernel is faster at this mask, head_dim "
-                          "and work" + why, backward, grad_implementation=None if grad == "mosaic" else grad)
-        return Decision("cudnn", rule + (why and why + " at this head_dim and work"), backward,
-                        grad_implementation=None if grad == "cudnn" else grad)
-    band = mask is not None and mask.has_band
-    dense_max = table.fp32_band_dense_max_len if band else table.fp32_dense_max_len
-    if dtype == jnp.float32 and max(tq, tk) <= dense_max and score_mod is None \
-        and q_shape[-1] > table.fp32_kernel_max_head_dim and _dense_fits(q_shape, kv_shape, device):
-      return Decision("xla", f"{cc} device table: float32 runs fastest in XLA's dense formulation (TF32)",
-                      formulation="dense")
-  if tk < MIN_KERNEL_KV_LEN:
+
+def mosaic_primal(call: AttentionCall, device: Device, defaults: DeviceDefaults | None) -> Decision | None:
+  """Rule 3. A call of rule 4 whose mask, head_dim and work lie in a range of
+  ``defaults.mosaic_primal`` (lengths off the 128-row tiles: its ``ragged_work``), with both
+  lengths at least ``defaults.mosaic_long.min_len``: the Mosaic GPU forward; under grad, rule 5
+  or 6, else cuDNN's forward and backward.
+
+  At B4 H8 T4096 causal bf16 D128 on sm_90 (work 2^29, in the causal D128 range) the Mosaic
+  forward wins: its persistent CTAs run the causal query tiles heaviest first, so the diagonal's
+  uneven tiles do not leave SMs idle at the end, and the two compute warpgroups take turns on
+  the tensor cores while the softmax of the other runs. Unmasked calls have no range (cuDNN's
+  forward is level or ahead there), nor causal work above 2^31, where cuDNN is ahead again."""
+  if defaults is None or defaults.mosaic_primal is None or not _cudnn_takes(call, device, defaults):
+    return None
+  ranges = defaults.mosaic_primal.ragged_work if _ragged(call) else defaults.mosaic_primal.work
+  work = call.work
+  fast = any(m == _mask_kind(call.mask) and d == call.head_dim and lo <= work and (hi is None or work <= hi)
+             for m, d, lo, hi in ranges)
+  if not (fast and min(call.q_len, call.kv_len) >= defaults.mosaic_long.min_len
+          and _mosaic_takes(call, device)):
+    return None
+  grad = _under_grad(call, device, defaults)
+  rule = _cudnn_rule(device) + "; forward: the Mosaic kernel is faster at this mask, head_dim and work"
+  if grad is None:
+    return Decision("mosaic", rule, grad_implementation="cudnn")
+  return Decision("mosaic", f"{rule}; {grad.rule}", grad.backward_pass_impl,
+                  grad_implementation=None if grad.implementation == "mosaic" else grad.implementation)
+
+
+def cudnn(call: AttentionCall, device: Device, defaults: DeviceDefaults | None) -> Decision | None:
+  """Rule 4. An eligible bf16/fp16 call (a mask cuDNN computes exactly, head_dim at least
+  ``defaults.cudnn.min_head_dim``) with at least ``defaults.cudnn.min_work`` work, not decoding
+  (``defaults.decode``): cuDNN; under grad, rule 5 or 6, else cuDNN's backward.
+
+  At B4 H8 T2048 D128 unmasked bf16 on sm_90 (work 2^27) cuDNN's fused forward and backward
+  are ahead of the Triton kernel's; at B4 H8 T1024 (2^25), a call bound by its fixed per-call
+  cost, the Triton forward is ahead, hence the work threshold. Below head_dim 64 the Triton
+  kernel is ahead at every measured length. Decoding, B8 H32/8 with 16 queries against 65536
+  keys, stays off cuDNN: its forward parallelises over query tiles, one per (batch, head) here,
+  each walking all the keys, where the Triton split-KV forward spreads the keys over the SMs
+  (rule 10)."""
+  if defaults is None or not _cudnn_takes(call, device, defaults):
+    return None
+  grad = _under_grad(call, device, defaults)
+  if grad is None:
+    return Decision("cudnn", _cudnn_rule(device))
+  return Decision("cudnn", f"{_cudnn_rule(device)}; {grad.rule} at this head_dim and work", grad.backward_pass_impl,
+                  grad_implementation=grad.implementation)
+
+
+def grad_mosaic(call: AttentionCall, device: Device, defaults: DeviceDefaults) -> Decision | None:
+  """Rule 5 (what a differentiated call of rules 3-4 runs). ``CausalMask()`` alone at a
+  head_dim of ``defaults.grad_mosaic.causal_max_work`` and at most that work: the Mosaic GPU
+  forward with the Triton backward.
+
+  At B4 H8 T4096 causal bf16 D64 on sm_90 (2^29, at the D64 limit) the Mosaic forward, which
+  saves the same residuals (output and log-sum-exp), with the Triton fused backward, which
+  orders its tiles before its heads under a band, beats cuDNN's forward and backward. At D128
+  the limit is 2^27 (T2048): from T4096 cuDNN's backward is ahead."""
+  limit = None if defaults.grad_mosaic is None else dict(defaults.grad_mosaic.causal_max_work).get(call.head_dim)
+  if (limit is not None and call.mask is not None and call.mask.is_causal() and call.work <= limit
+      and _mosaic_takes(call, device)):
+    return Decision("mosaic", "differentiated causal: the Mosaic forward with the Triton backward is faster",
+                    _resolve_backward(call.backward_pass_impl, call.mask, defaults))
+  return None
+
+
+def grad_triton(call: AttentionCall, device: Device, defaults: DeviceDefaults) -> Decision | None:
+  """Rule 6 (what a differentiated call of rules 3-4 runs, after rule 5). head_dim at most
+  ``defaults.grad_triton.max_head_dim``, work below its ``max_work`` and at most its
+  ``max_kv_len`` keys: the Triton kernel's forward and backward.
+
+  At B64 H8 T512 D64 bf16 on sm_90 (work 2^27) the Triton kernel's forward and backward were
+  measured ahead of cuDNN's; at B4 H8 T2048 D64, the same work over four times the keys per
+  row, cuDNN's were: work alone does not separate the two, the key count does. At D128 cuDNN's
+  backward is ahead already at B4 H8 T2048."""
+  g = defaults.grad_triton
+  if (call.head_dim <= g.max_head_dim and call.work < g.max_work and call.kv_len <= g.max_kv_len
+      and REGISTRY.get("triton").supports(call, device) is None):
+    return Decision("triton", "differentiated: the Triton kernel's backward is faster",
+                    _resolve_backward(call.backward_pass_impl, call.mask, defaults))
+  return None
+
+
+def fp32_dense(call: AttentionCall, device: Device, defaults: DeviceDefaults | None) -> Decision | None:
+  """Rule 7. float32 with head_dim above ``defaults.fp32_dense.kernel_max_head_dim`` and both
+  lengths at most its ``max_len`` (``band_max_len`` under a causal/window band), no
+  ``score_mod``, while the dense scores fit in a quarter of device memory: XLA's dense
+  formulation (TF32 matmuls).
+
+  At B4 H8 T4096 D128 float32 on sm_90 XLA's two dense einsums are large TF32 GEMMs, where the
+  kernel's float32 tiles (half the elements of its 16-bit ones in the same shared memory) run
+  small matmuls. Under a causal band the kernel skips the empty half of the tiles, which the
+  dense formulation computes: the kernel is ahead from 1024 keys. At head_dim 64 it is ahead at
+  every measured length."""
+  if defaults is None:
+    return None
+  band = call.mask is not None and call.mask.has_band
+  f = defaults.fp32_dense
+  dense_max = f.band_max_len if band else f.max_len
+  if (call.dtype == jnp.float32 and max(call.q_len, call.kv_len) <= dense_max and call.score_mod is None
+      and call.head_dim > f.kernel_max_head_dim and _dense_fits(call.q_shape, call.kv_shape, device)):
+    return Decision("xla", f"{_cc(device)} device table: float32 runs fastest in XLA's dense formulation (TF32)",
+                    formulation="dense")
+  return None
+
+
+def few_keys(call: AttentionCall, device: Device, defaults) -> Decision | None:
+  """Rule 8. Fewer than ``MIN_KERNEL_KV_LEN`` (64) keys: XLA.
+
+  At B64 H8 D64 with 32 keys a kernel's 64-key tile is half masked padding: XLA's einsum, one
+  batched matmul, is assumed faster where the tiles are mostly empty (at 64 keys the two were
+  measured level at D32, the kernel ahead at D64; fewer keys are unmeasured)."""
+  if call.kv_len < MIN_KERNEL_KV_LEN:
     return Decision("xla", f"fewer than {MIN_KERNEL_KV_LEN} keys: the einsum is faster",
-                    formulation=xla_formulation(q_shape, kv_shape, device))
-  why = triton_supports(q_shape, kv_shape, dtype, device=device, **kw)
-  if why is None:
-    backward = _resolve_backward(backward_pass_impl, mask, table)
-    if _mosaic_forward(q_shape, kv_shape, dtype, table, device, env, kw):  # so the table (and cc) exist
-      mosaic_bwd_min = dict(table.mosaic_backward_min_work).get(q_shape[-1])
-      if mosaic_bwd_min is not None and b * h * tq * tk >= mosaic_bwd_min:
-        return Decision("mosaic", f"{cc} device table: long 16-bit call, the Mosaic forward and "
-                        "backward are faster than the Triton kernel's", "mosaic")
-      return Decision("mosaic", f"{cc} device table: long 16-bit call, the Mosaic forward is faster "
-                      "than the Triton kernel's (the Triton backward)", backward)
-    return Decision("triton", "fused kernel: exact for this call", backward)
-  return Decision("xla", f"the kernel cannot take it ({why})", formulation=xla_formulation(q_shape, kv_shape, device))
+                    formulation=xla_formulation(call.q_shape, call.kv_shape, device))
+  return None
 
 
-def _mosaic_allowed(q_shape, kv_shape, dtype, device: Device, env, kw) -> bool:
-  """Whether a device-table rule may pick the Mosaic kernel for this call: not opted out
-  (``PROBJAX_ATTENTION_MOSAIC=0``) and the kernel computes it exactly."""
-  return (not _env_off("PROBJAX_ATTENTION_MOSAIC", env)
-          and mosaic_supports(q_shape, kv_shape, dtype, device=device, **kw) is None)
+def mosaic_long(call: AttentionCall, device: Device, defaults: DeviceDefaults | None) -> Decision | None:
+  """Rule 9. A call rule 10 would give the Triton kernel, 16-bit, with both lengths at least
+  ``defaults.mosaic_long.min_len`` (a ``score_mod`` included, where Mosaic GPU lowers it): the
+  Mosaic GPU forward; its backward too at a head_dim of ``backward_min_work`` from that work,
+  else the Triton backward.
+
+  At B1 H16 T16384 D128 bf16 with 4 packed documents (a mask cuDNN cannot take) on sm_90 the
+  Mosaic forward beats the Triton forward: a producer warpgroup keeps a ring of K/V tiles in
+  flight by TMA while two compute warpgroups take turns on the tensor cores; with the soft cap
+  30 tanh(s/30) the gap grows, one warpgroup's tanh running under the other's matmul. At T1024
+  the Triton forward is ahead; at D128 from 2^29 work the Mosaic backward is ahead of the Triton
+  one, at D64 it is behind."""
+  m = None if defaults is None else defaults.mosaic_long
+  if (m is None or min(call.q_len, call.kv_len) < m.min_len
+      or REGISTRY.get("triton").supports(call, device) is not None or not _mosaic_takes(call, device)):
+    return None
+  bwd_min = dict(m.backward_min_work).get(call.head_dim)
+  if bwd_min is not None and call.work >= bwd_min:
+    return Decision("mosaic", f"{_cc(device)} device table: long 16-bit call, the Mosaic forward and "
+                    "backward are faster than the Triton kernel's", "mosaic")
+  return Decision("mosaic", f"{_cc(device)} device table: long 16-bit call, the Mosaic forward is faster "
+                  "than the Triton kernel's (the Triton backward)",
+                  _resolve_backward(call.backward_pass_impl, call.mask, defaults))
+
+
+def triton(call: AttentionCall, device: Device, defaults: DeviceDefaults | None) -> Decision | None:
+  """Rule 10. The fused Triton kernel, where it computes the call exactly (position masks and
+  GQA included); ``backward_pass_impl="auto"`` from ``defaults.backward``, without a table the
+  Triton backend's own rules.
+
+  On an RTX 3090 (no table) a B4 H32/8 T4096 D128 causal call runs it: tiles past the diagonal
+  are never loaded, K/V heads are read in place under GQA, and memory stays linear in T.
+  Decoding calls (at most 64 queries, at least 1024 keys) get its split-KV forward."""
+  if REGISTRY.get("triton").supports(call, device) is None:
+    return Decision("triton", "fused kernel: exact for this call",
+                    _resolve_backward(call.backward_pass_impl, call.mask, defaults))
+  return None
+
+
+def xla(call: AttentionCall, device: Device, defaults) -> Decision:
+  """Rule 11. Otherwise XLA, naming why the Triton kernel cannot take the call.
+
+  A score_mod with ``jnp.round`` (no Pallas lowering) or a head_dim above the kernel's limit
+  runs XLA's exact formulation instead of failing inside a kernel's lowering."""
+  why = REGISTRY.get("triton").supports(call, device)
+  return Decision("xla", f"the kernel cannot take it ({why})",
+                  formulation=xla_formulation(call.q_shape, call.kv_shape, device))
+
+
+RULES = (off_gpu, kernel_arguments, mosaic_primal, cudnn, fp32_dense, few_keys, mosaic_long, triton, xla)
+# What a differentiated call of rules 3-4 runs instead of their primal kernel, first match.
+GRAD_RULES = (grad_mosaic, grad_triton)
+
+
+def _under_grad(call: AttentionCall, device: Device, defaults: DeviceDefaults) -> Decision | None:
+  return next((d for d in (rule(call, device, defaults) for rule in GRAD_RULES) if d is not None), None)
+
+
+def _cc(device: Device) -> str:
+  return "sm_%d%d" % device.compute_capability
+
+
+def _cudnn_rule(device: Device) -> str:
+  return f"{_cc(device)} device table: eligible 16-bit call above the cuDNN work threshold"
+
+
+def _cudnn_takes(call: AttentionCall, device: Device, defaults: DeviceDefaults) -> bool:
+  """Rule 4's conditions (rule 3 runs on the same calls)."""
+  if defaults.cudnn is None:
+    return False
+  decoding = call.q_len <= defaults.decode.max_q_len and call.kv_len >= defaults.decode.min_kv_len
+  return (call.work >= defaults.cudnn.min_work and call.head_dim >= defaults.cudnn.min_head_dim
+          and not decoding and REGISTRY.get("cudnn").supports(call, device) is None)
+
+
+def _mosaic_takes(call: AttentionCall, device: Device) -> bool:
+  """Whether the Mosaic kernel computes the call exactly (its rules' groups are None under
+  ``PROBJAX_ATTENTION_MOSAIC=0``)."""
+  return REGISTRY.get("mosaic").supports(call, device) is None
 
 
 def _mask_kind(mask: Mask | None) -> str | None:
@@ -224,30 +405,14 @@ def _mask_kind(mask: Mask | None) -> str | None:
   return "window" if mask.components == ("window",) and mask.upper == 0 else None
 
 
-def _ragged(q_shape, kv_shape) -> bool:
+def _ragged(call: AttentionCall) -> bool:
   """Lengths that are not multiples of the Mosaic kernel's 128-row tiles (a partial last tile)."""
-  return bool(q_shape[1] % 128 or kv_shape[1] % 128)
-
-
-def _mosaic_forward(q_shape, kv_shape, dtype, table, device: Device, env, kw) -> bool:
-  """Whether the device table's Mosaic rule replaces the Triton forward of this call."""
-  return (table is not None and min(q_shape[1], kv_shape[1]) >= table.mosaic_min_len
-          and _mosaic_allowed(q_shape, kv_shape, dtype, device, env, kw))
+  return bool(call.q_len % 128 or call.kv_len % 128)
 
 
 # The structured masks the kernels take in place of a dense one.
 _DENSE_MASK_HINT = ("; a structured mask does not force the XLA path: CausalMask or LocalWindowMask for a "
                     "diagonal band, KVLenMask or LengthMask for padding, SegmentMask for packed documents")
-
-
-def _not_for_kernels(*, bias=False, dense_mask=False, dropout=False, precision=None, module=False) -> str | None:
-  """The first argument no fused kernel takes, or None."""
-  for present, what in ((bias, "additive bias"), (dense_mask, "dense boolean mask"), (dropout, "dropout"),
-                        (precision is not None, "non-default precision"),
-                        (module, "attention weights requested (module)")):
-    if present:
-      return what
-  return None
 
 
 def _dense_fits(q_shape, kv_shape, device: Device) -> bool:
@@ -265,9 +430,9 @@ def xla_formulation(q_shape, kv_shape, device: Device) -> str:
   return "auto"
 
 
-def _resolve_backward(backward_pass_impl, mask: Mask | None, table=None) -> str:
+def _resolve_backward(backward_pass_impl, mask: Mask | None, defaults: DeviceDefaults | None = None) -> str:
   if backward_pass_impl != "auto":
     return backward_pass_impl
-  if table is not None:
-    return table.backward_pass_impl_band if mask is not None and mask.has_band else table.backward_pass_impl
+  if defaults is not None:
+    return defaults.backward.band_impl if mask is not None and mask.has_band else defaults.backward.impl
   return "auto"  # the Triton backend's generic rules (config.BACKWARD_IMPL_RULES) resolve it

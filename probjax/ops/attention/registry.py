@@ -91,7 +91,9 @@ class Mosaic(Backend[AttentionCall]):
     if why:
       return why
     from probjax.ops.attention.backends import mosaic_gpu
-    return mosaic_gpu.supports(call.q_shape, call.kv_shape, call.dtype, interpret=True, **_flags(call))
+    # The only backend whose answer depends on the scale (a non-positive one without score_mod).
+    return mosaic_gpu.supports(call.q_shape, call.kv_shape, call.dtype, scale=call.scale, interpret=True,
+                               **_flags(call))
 
   def __call__(self, q, k, v, mask, *, call, backward_pass_impl=None):
     _check_values(self.name, q, v)

@@ -1,16 +1,16 @@
 """Per-device defaults for ``implementation=None``, loaded from data.
 
-One JSON file per CUDA compute capability in this folder
-(``sm_90.json``): each entry is a :class:`DeviceDefaults` field, its ``value`` and its
-``evidence`` (the benchmark rows it was chosen from, as ``[results file, row key,
-commit]``). Why each value is what it is and how to measure it again:
-``docs/decisions.md``.
+One JSON file per CUDA compute capability in this folder (``sm_90.json``): each entry is
+named ``group.field`` after a field of one rule's group of :class:`DeviceDefaults` (``"cudnn.min_work"``
+is ``DeviceDefaults.cudnn.min_work``), with its ``value`` and its ``evidence`` (the benchmark
+rows it was chosen from, as ``[results file, row key, commit]``). The rules that read each group
+are numbered as in :mod:`probjax.ops.attention.dispatch`; why each value is what it is and how
+to measure it again: ``docs/decisions.md``.
 
-The dispatch (:mod:`probjax.ops.attention.dispatch`) consults the table only when
-every kernel argument of the call is at its default (no explicit implementation,
-``backward_pass_impl="auto"``, no explicit tile configs) and
-``PROBJAX_ATTENTION_DEVICE_DEFAULTS`` is not ``0``; devices without a file keep the
-generic rules. Work thresholds are ``batch * q_heads * q_len * kv_len``.
+The dispatch consults the table only when every kernel argument of the call is at its default
+(no explicit implementation, ``backward_pass_impl="auto"``, no explicit tile configs) and
+``PROBJAX_ATTENTION_DEVICE_DEFAULTS`` is not ``0``; devices without a file keep the generic
+rules. Work thresholds are ``batch * q_heads * q_len * kv_len``.
 """
 
 from __future__ import annotations
@@ -25,68 +25,141 @@ TUNING_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 @dataclasses.dataclass(frozen=True)
-class DeviceDefaults:
-  """Defaults for one compute capability.
+class Decode:
+  """Rule 4's exception (and so rule 3's): calls with at most ``max_q_len`` queries against at
+  least ``min_kv_len`` keys (decoding) are not cuDNN's; the Triton kernel's split-KV forward
+  spreads their keys over the device (rule 10)."""
 
-  Attributes:
-    cudnn_min_work: cuDNN is used for eligible bf16/fp16 calls with
-      ``batch * q_heads * q_len * kv_len >= cudnn_min_work``.
-    cudnn_min_head_dim: and ``head_dim >= cudnn_min_head_dim``.
-    backward_pass_impl: what ``backward_pass_impl="auto"`` resolves to.
-    backward_pass_impl_band: the same for masks with a diagonal band (causal, windows).
-    fp32_dense_max_len: float32 calls with ``max(q_len, kv_len)`` up to this use
-      XLA's dense formulation (TF32 matmuls) while it fits in memory.
-    fp32_band_dense_max_len: the same limit for masks with a diagonal band (causal,
-      windows), whose empty tiles the kernel skips and the dense formulation computes.
-    fp32_kernel_max_head_dim: float32 calls with ``head_dim`` up to this always run the
-      kernel.
-    grad_triton_max_head_dim, grad_triton_max_work, grad_triton_max_kv_len: differentiated
-      calls the cuDNN rule takes with ``head_dim <= grad_triton_max_head_dim``, work below
-      ``grad_triton_max_work`` and at most ``grad_triton_max_kv_len`` keys run the Triton
-      kernel's forward and backward instead (the primal, e.g. at inference, stays on cuDNN).
-    grad_mosaic_band_max_work: ``((head_dim, work), ...)``: differentiated calls the cuDNN
-      rule takes with a causal mask (``CausalMask()`` alone), that ``head_dim`` and at most
-      that work run the Mosaic GPU forward with the Triton backward instead (before the
-      rule above; ``PROBJAX_ATTENTION_MOSAIC=0`` turns it off).
-    mosaic_forward_work: ``((mask, head_dim, min_work, max_work), ...)``: calls that the
-      cuDNN rule takes, with ``mask`` ``"none"`` (no mask), ``"causal"`` (``CausalMask()``
-      alone) or ``"window"`` (``LocalWindowMask(left, 0)`` alone), that ``head_dim``, work in
-      ``[min_work, max_work]`` (``max_work`` None: no limit) and lengths that are multiples
-      of 128, run the Mosaic GPU forward (differentiated calls keep what the rules above give
-      them: cuDNN, or the Mosaic forward with the Triton backward).
-    mosaic_forward_ragged_work: the same for lengths that are not multiples of 128 (a
-      partial last tile, which the two kernels handle differently).
-    mosaic_min_len: 16-bit calls whose default would run the Triton kernel's forward (as the
-      call, or as the forward of a differentiated call by the rule above) run the Mosaic
-      GPU forward instead when ``q_len`` and ``kv_len`` are both at least this
-      (``PROBJAX_ATTENTION_MOSAIC=0`` turns it off).
-    mosaic_backward_min_work: ``((head_dim, work), ...)``: calls that rule gives the Mosaic
-      forward, with that ``head_dim`` and at least that work, run the Mosaic backward too
-      (else the Triton backward chosen by ``backward_pass_impl*``).
-    decode_max_q_len, decode_min_kv_len: calls with at most ``decode_max_q_len`` queries
-      against at least ``decode_min_kv_len`` keys (decoding) skip the cuDNN rule and run
-      the Triton kernel, whose split-KV forward spreads the keys over the device.
-    evidence: field name -> its ``(results file, row key, commit)`` rows.
+  max_q_len: int
+  min_kv_len: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Cudnn:
+  """Rule 4: eligible bf16/fp16 calls with at least ``min_work`` work and ``head_dim >=
+  min_head_dim`` run cuDNN."""
+
+  min_work: int
+  min_head_dim: int
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicPrimal:
+  """Rule 3: ``((mask, head_dim, min_work, max_work), ...)``: calls rule 4 would give cuDNN,
+  with ``mask`` ``"none"`` (no mask), ``"causal"`` (``CausalMask()`` alone) or ``"window"``
+  (``LocalWindowMask(left, 0)`` alone), that ``head_dim`` and work in ``[min_work, max_work]``
+  (``max_work`` None: no limit), run the Mosaic GPU forward: ``work`` for lengths that are
+  multiples of 128, ``ragged_work`` for the others (a partial last tile, which the two kernels
+  handle differently)."""
+
+  work: tuple[tuple[str, int, int, int | None], ...]
+  ragged_work: tuple[tuple[str, int, int, int | None], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class GradMosaic:
+  """Rule 5: ``causal_max_work``, ``((head_dim, work), ...)``: differentiated calls of rules 3
+  and 4 with ``CausalMask()`` alone, that ``head_dim`` and at most that work run the Mosaic
+  GPU forward with the Triton backward."""
+
+  causal_max_work: tuple[tuple[int, int], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class GradTriton:
+  """Rule 6: differentiated calls of rules 3 and 4 with ``head_dim <= max_head_dim``, work
+  below ``max_work`` and at most ``max_kv_len`` keys run the Triton kernel's forward and
+  backward (their primal keeps rule 3's or 4's kernel)."""
+
+  max_head_dim: int
+  max_work: int
+  max_kv_len: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp32Dense:
+  """Rule 7: float32 calls with ``head_dim > kernel_max_head_dim`` and ``max(q_len, kv_len)``
+  up to ``max_len`` (``band_max_len`` under a diagonal band: causal, windows) run XLA's dense
+  formulation (TF32 matmuls) while it fits in memory."""
+
+  max_len: int
+  band_max_len: int
+  kernel_max_head_dim: int
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicLong:
+  """Rule 9: 16-bit calls the Triton kernel would run (rule 10) with both lengths at least
+  ``min_len`` run the Mosaic GPU forward (rule 3 asks for the same lengths); with the Mosaic
+  backward too at a ``head_dim`` of ``backward_min_work``, ``((head_dim, work), ...)``, from
+  that work."""
+
+  min_len: int
+  backward_min_work: tuple[tuple[int, int], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Backward:
+  """What ``backward_pass_impl="auto"`` resolves to on the table's Triton backwards (rules 5,
+  6, 9, 10): ``impl``, and ``band_impl`` for masks with a diagonal band (causal, windows)."""
+
+  impl: str
+  band_impl: str
+
+
+# The field names before the per-rule groups, kept readable for callers that used them.
+_FLAT_NAMES = types.MappingProxyType({
+    "cudnn_min_work": "cudnn.min_work", "cudnn_min_head_dim": "cudnn.min_head_dim",
+    "decode_max_q_len": "decode.max_q_len", "decode_min_kv_len": "decode.min_kv_len",
+    "mosaic_forward_work": "mosaic_primal.work", "mosaic_forward_ragged_work": "mosaic_primal.ragged_work",
+    "grad_mosaic_band_max_work": "grad_mosaic.causal_max_work",
+    "grad_triton_max_head_dim": "grad_triton.max_head_dim", "grad_triton_max_work": "grad_triton.max_work",
+    "grad_triton_max_kv_len": "grad_triton.max_kv_len",
+    "fp32_dense_max_len": "fp32_dense.max_len", "fp32_band_dense_max_len": "fp32_dense.band_max_len",
+    "fp32_kernel_max_head_dim": "fp32_dense.kernel_max_head_dim",
+    "mosaic_min_len": "mosaic_long.min_len", "mosaic_backward_min_work": "mosaic_long.backward_min_work",
+    "backward_pass_impl": "backward.impl", "backward_pass_impl_band": "backward.band_impl",
+})
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceDefaults:
+  """Defaults for one compute capability, one group per rule (the classes above say which).
+
+  The dispatch sets ``cudnn`` to None under ``PROBJAX_ATTENTION_CUDNN=0`` and the Mosaic
+  groups (``mosaic_primal``, ``grad_mosaic``, ``mosaic_long``) under
+  ``PROBJAX_ATTENTION_MOSAIC=0``: a rule whose group is None does not apply. The flat names of
+  the fields before the groups (``cudnn_min_work`` for ``cudnn.min_work``, ...) read the same
+  values. ``evidence``: entry name (``"cudnn.min_work"``) -> its ``(results file, row key,
+  commit)`` rows.
   """
 
-  cudnn_min_work: int
-  cudnn_min_head_dim: int
-  backward_pass_impl: str
-  backward_pass_impl_band: str
-  fp32_dense_max_len: int
-  fp32_band_dense_max_len: int
-  fp32_kernel_max_head_dim: int
-  grad_triton_max_head_dim: int
-  grad_triton_max_work: int
-  grad_triton_max_kv_len: int
-  grad_mosaic_band_max_work: tuple[tuple[int, int], ...]
-  mosaic_forward_work: tuple[tuple[str, int, int, int | None], ...]
-  mosaic_forward_ragged_work: tuple[tuple[str, int, int, int | None], ...]
-  mosaic_min_len: int
-  mosaic_backward_min_work: tuple[tuple[int, int], ...]
-  decode_max_q_len: int
-  decode_min_kv_len: int
+  decode: Decode
+  cudnn: Cudnn | None
+  mosaic_primal: MosaicPrimal | None
+  grad_mosaic: GradMosaic | None
+  grad_triton: GradTriton
+  fp32_dense: Fp32Dense
+  mosaic_long: MosaicLong | None
+  backward: Backward
   evidence: types.MappingProxyType = dataclasses.field(compare=False, repr=False)
+
+  def __getattr__(self, name):
+    # Only reached for names that are not fields: the flat names.
+    if name not in _FLAT_NAMES:
+      raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+    group, field = _FLAT_NAMES[name].split(".")
+    return getattr(getattr(self, group), field)
+
+
+_GROUPS = {"decode": Decode, "cudnn": Cudnn, "mosaic_primal": MosaicPrimal, "grad_mosaic": GradMosaic,
+           "grad_triton": GradTriton, "fp32_dense": Fp32Dense, "mosaic_long": MosaicLong,
+           "backward": Backward}
+
+
+def entry_names() -> list[str]:
+  """Every entry a tuning file holds, ``group.field``, in the order of the groups."""
+  return [f"{g}.{f.name}" for g, cls in _GROUPS.items() for f in dataclasses.fields(cls)]
 
 
 def _frozen(value):
@@ -95,17 +168,18 @@ def _frozen(value):
 
 
 def load(path: str) -> tuple[tuple[int, int], DeviceDefaults]:
-  """``(compute capability, DeviceDefaults)`` of one tuning file; every field must be there."""
+  """``(compute capability, DeviceDefaults)`` of one tuning file; every entry must be there."""
   with open(path) as f:
     doc = json.load(f)
   entries = doc["entries"]
-  fields = [f.name for f in dataclasses.fields(DeviceDefaults) if f.name != "evidence"]
-  missing, extra = set(fields) - set(entries), set(entries) - set(fields)
+  names = entry_names()
+  missing, extra = set(names) - set(entries), set(entries) - set(names)
   if missing or extra:
     raise ValueError(f"{path}: missing entries {sorted(missing)}, unknown entries {sorted(extra)}")
-  evidence = types.MappingProxyType({k: tuple(tuple(e) for e in entries[k]["evidence"]) for k in fields})
-  values = {k: _frozen(entries[k]["value"]) for k in fields}
-  return tuple(doc["compute_capability"]), DeviceDefaults(**values, evidence=evidence)
+  evidence = types.MappingProxyType({k: tuple(tuple(e) for e in entries[k]["evidence"]) for k in names})
+  groups = {g: cls(**{f.name: _frozen(entries[f"{g}.{f.name}"]["value"]) for f in dataclasses.fields(cls)})
+            for g, cls in _GROUPS.items()}
+  return tuple(doc["compute_capability"]), DeviceDefaults(**groups, evidence=evidence)
 
 
 @functools.cache
