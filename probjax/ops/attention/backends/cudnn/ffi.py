@@ -4,9 +4,12 @@ The same cuDNN kernels as ``jax.nn.dot_product_attention(implementation="cudnn")
 without what XLA's runtime adds around its fMHA custom calls: it zeroes every output
 and the workspace before each launch (3 memsets per forward, 9 per forward+backward;
 docs/decisions.md, "Settled by probes": "Why jax.nn's cuDNN route trailed torch's, and
-probjax's own FFI call"). The extension is built
-by ``python -m probjax.ops.attention.backends.cudnn.build``; without it (or with
-``PROBJAX_ATTENTION_CUDNN_FFI=0``) the cuDNN route calls jax.nn.
+probjax's own FFI call"). The extension's library
+(:mod:`~probjax.ops.attention.backends.cudnn.extension`: where it is looked for, how it is built)
+is built on the first call on a GPU where the headers are installed (``pip install
+"probjax[cuda13]"``); without it (or with ``PROBJAX_ATTENTION_CUDNN_FFI=0``) the cuDNN route
+calls jax.nn, saying so once (a warning of the ``probjax`` logger). :func:`extension_status`
+says which it is.
 
 Inputs: q ``[B, Tq, H, D]``, k/v ``[B, Tkv, Hkv, D]`` (bf16/fp16, ``H % Hkv == 0``),
 masks as :func:`probjax.ops.attention.backends.cudnn.supports` allows them. Each custom call is
@@ -18,15 +21,18 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import os
 import pathlib
+import sys
+import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from probjax.ops.attention import sharding
-from probjax.ops.attention.backends.cudnn import build
+from probjax.ops.attention.backends.cudnn import extension
 from probjax.ops.attention.backends.cudnn.config import CudnnConfig
 from probjax.ops.attention.masks import Mask
 
@@ -38,47 +44,115 @@ _TARGETS = {"probjax_cudnn_sdpa_fwd": "ProbjaxCudnnSdpaForward",
 # Libraries the extension finds by soname at run time, as the NVIDIA pip packages lay them out.
 _RUNTIME_LIBRARIES = (("cudnn", "lib/libcudnn.so.9"), ("cu13", "lib/libcudart.so.13"),
                       ("cuda_runtime", "lib/libcudart.so.13"))
-_loaded: dict[str, str | None] = {}
+_loaded: dict[str, str | None] = {}  # library -> None (targets registered) or why it does not load
+_failed: dict[str, str] = {}  # library -> why building it failed: once per process, not per call
+_noticed = False
+_lock = threading.Lock()  # one first-use build and registration per process
+_log = logging.getLogger("probjax")
 
 
-def library_path(env=None) -> pathlib.Path:
-  env = os.environ if env is None else env
-  return pathlib.Path(env.get(LIBRARY_ENV) or build.LIBRARY)
+def _disabled(env) -> bool:
+  return env.get(ENV, "1").strip().lower() in ("0", "false", "off", "no")
+
+
+def _locate(env) -> tuple[pathlib.Path | None, bool, str | None]:
+  """(the library calls load, whether it exists, why there is none to load or build)."""
+  if env.get(LIBRARY_ENV):
+    path = pathlib.Path(env[LIBRARY_ENV])
+    return path, path.exists(), None if path.exists() else f"the FFI extension is not built ({path})"
+  if extension.IN_TREE.exists():
+    return extension.IN_TREE, True, None
+  try:
+    path = extension.cached_library(env)
+    if path.exists():
+      return path, True, None
+    extension.compiler(env)
+  except extension.BuildError as e:
+    return None, False, f"the FFI extension is not built and cannot be built here: {e}"
+  why = _failed.get(str(path)) or extension.last_failure(path)
+  return path, False, None if why is None else f"the FFI extension is not built: {why}"
 
 
 def unavailable(env=None) -> str | None:
-  """None if calls go through the FFI extension, else why they go through jax.nn.
-
-  Checks the opt-out and that the library is built; does not load it."""
+  """None if calls go through the FFI extension (built, or to be built on first use), else why
+  they go through jax.nn. Neither loads nor builds it."""
   env = os.environ if env is None else env
-  if env.get(ENV, "1").strip().lower() in ("0", "false", "off", "no"):
+  if _disabled(env):
     return f"{ENV}=0"
-  path = library_path(env)
-  if not path.exists():
-    return f"the FFI extension is not built ({path}; python -m probjax.ops.attention.backends.cudnn.build)"
-  return _loaded.get(str(path))
+  path, built, why = _locate(env)
+  return why if why is not None or not built else _loaded.get(str(path))
+
+
+def _notice(why: str) -> None:
+  global _noticed
+  if not _noticed:
+    _noticed = True
+    _log.warning("probjax: the cuDNN route runs through jax.nn's slower call because %s; %s gets the "
+                 "FFI extension (built on first use); %s=0 silences this", why, extension.INSTALL, ENV)
+
+
+def _progress(line: str) -> None:
+  print(line, file=sys.stderr, flush=True)
 
 
 def ready(env=None) -> str | None:
-  """:func:`unavailable`, after loading the extension and registering its targets (once per
-  process): a library that does not load gives its reason here, and calls go through jax.nn."""
+  """:func:`unavailable`, after building the extension where it is missing (on a GPU only),
+  loading it and registering its targets, each once per process: a library that does not
+  build or load gives its reason here, once in the log, and calls go through jax.nn."""
+  env = os.environ if env is None else env
   why = unavailable(env)
-  path = library_path(env)
-  if why is not None or str(path) in _loaded:
+  if why is not None:
+    if not _disabled(env):
+      _notice(why)
     return why
+  with _lock:
+    path, built, why = _locate(env)
+    if why is None and not built:
+      if jax.default_backend() != "gpu":  # nothing to run it on: no build for CPU tests
+        return f"the FFI extension is built on first use on a GPU (platform is {jax.default_backend()})"
+      try:
+        extension.build(env, output=path, announce=_progress)
+      except extension.BuildError as e:
+        _failed[str(path)] = f"building it failed: {e}"
+        why = f"the FFI extension is not built: {_failed[str(path)]}"
+    if why is None and str(path) not in _loaded:
+      _loaded[str(path)] = _load(path)
+    why = why or _loaded[str(path)]
+  if why is not None:
+    _notice(why)
+  return why
+
+
+def _load(path: pathlib.Path) -> str | None:
   try:
     for sub, rel in _RUNTIME_LIBRARIES:
-      d = build.nvidia_dir(sub)
-      if d is not None and (d / rel).exists():
-        ctypes.CDLL(str(d / rel), mode=os.RTLD_GLOBAL)  # so that dlopen by soname finds it
+      for d in extension.nvidia_dirs(sub):
+        if (d / rel).exists():
+          ctypes.CDLL(str(d / rel), mode=os.RTLD_GLOBAL)  # so that dlopen by soname finds it
+          break
     lib = ctypes.CDLL(str(path))
     for target, symbol in _TARGETS.items():
       jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="CUDA")
   except (OSError, AttributeError) as e:
-    _loaded[str(path)] = f"the FFI extension {path} does not load: {e}"
-  else:
-    _loaded[str(path)] = None
-  return _loaded[str(path)]
+    return f"the FFI extension {path} does not load: {e}"
+  return None
+
+
+def extension_status(env=None) -> str:
+  """The extension's state, for :func:`~probjax.ops.attention.dispatch.explain_dispatch`:
+  ``"loaded from <path>"``, ``"built at <path>, loads on first use"``, ``"builds on first use
+  on a GPU into <path>"``, ``"disabled: PROBJAX_ATTENTION_CUDNN_FFI=0"`` or ``"missing: <why>"``."""
+  env = os.environ if env is None else env
+  if _disabled(env):
+    return f"disabled: {ENV}=0"
+  path, built, why = _locate(env)
+  if why is None and built:
+    why = _loaded.get(str(path))
+    if why is None:
+      return f"loaded from {path}" if str(path) in _loaded else f"built at {path}, loads on first use"
+  if why is None:
+    return f"builds on first use on a GPU into {path.parent}"
+  return f"missing: {why}"
 
 
 def _attrs(params) -> dict:
