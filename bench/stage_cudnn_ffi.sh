@@ -12,7 +12,7 @@ dl="$root/.cudnn_ffi"
 mkdir -p "$dl/wheels" "$dl/x"
 "$py" -m pip download -q --no-deps -d "$dl/wheels" \
   "nvidia-cudnn-frontend==1.32.0" "nvidia-cudnn-cu13==9.19.0.56" "nvidia-cuda-nvrtc==13.0.88" \
-  "nvidia-cuda-runtime==13.0.96"
+  "nvidia-cuda-runtime==13.0.96" "nvidia-cuda-crt==13.0.88" "nvidia-cuda-cccl==13.0.85"
 for w in "$dl"/wheels/*.whl; do   # headers only
   unzip -q -o "$w" 'include/*' 'nvidia/*/include/*' -d "$dl/x" 2>/dev/null || true
 done

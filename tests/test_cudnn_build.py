@@ -34,11 +34,13 @@ def _header(path: pathlib.Path, **defines) -> None:
 
 
 def fake_site(root: pathlib.Path, cudnn=(9, 19, 0), frontend=(1, 32, 0), cudart=13000) -> pathlib.Path:
-  """A site-packages folder as nvidia-cudnn-cu13, nvidia-cuda-runtime, nvidia-cuda-nvrtc and
+  """A site-packages folder as nvidia-cudnn-cu13, nvidia-cuda-runtime (-crt, -cccl), nvidia-cuda-nvrtc and
   nvidia-cudnn-frontend lay it out (headers only; the frontend's Python package empty)."""
   _header(root / "nvidia/cudnn/include/cudnn_version.h",
           **dict(zip(("CUDNN_MAJOR", "CUDNN_MINOR", "CUDNN_PATCHLEVEL"), cudnn)))
   _header(root / "nvidia/cu13/include/cuda_runtime_api.h", CUDART_VERSION=cudart)
+  _header(root / "nvidia/cu13/include/crt/host_defines.h")
+  _header(root / "nvidia/cu13/include/nv/target")
   _header(root / "nvidia/cu13/include/nvrtc.h")
   _header(root / "include/cudnn_frontend_version.h", **dict(zip(
       ("CUDNN_FRONTEND_MAJOR_VERSION", "CUDNN_FRONTEND_MINOR_VERSION", "CUDNN_FRONTEND_PATCH_VERSION"), frontend)))
@@ -107,6 +109,8 @@ def test_cuda_home_is_the_fallback(tmp_path):
   shutil.rmtree(root / "nvidia/cu13")  # no CUDA runtime / NVRTC packages
   cuda = tmp_path / "cuda"
   _header(cuda / "include/cuda_runtime_api.h", CUDART_VERSION=12080)
+  _header(cuda / "include/crt/host_defines.h")
+  _header(cuda / "include/nv/target")
   _header(cuda / "include/nvrtc.h")
   h = extension.find_headers([root], {"CUDA_HOME": str(cuda)})
   assert h.include_dirs[-1] == cuda / "include" and dict(h.versions)["cuda"] == "12.8"
@@ -267,13 +271,14 @@ def test_the_source_and_the_extra_ship():
   meta = tomllib.loads(pyproject.read_text())
   assert "csrc/*.cc" in meta["tool"]["setuptools"]["package-data"]["probjax.ops.attention.backends.cudnn"]
   extra = " ".join(meta["project"]["optional-dependencies"]["cuda13"])
-  for dist in ("nvidia-cudnn-frontend", "nvidia-cudnn-cu13", "nvidia-cuda-nvrtc", "nvidia-cuda-runtime"):
+  for dist in ("nvidia-cudnn-frontend", "nvidia-cudnn-cu13", "nvidia-cuda-nvrtc", "nvidia-cuda-runtime",
+               "nvidia-cuda-crt", "nvidia-cuda-cccl"):
     assert dist in extra
 
 
 # The header packages bench/stage_cudnn_ffi.sh pins (the H200's cuDNN and CUDA).
 PINNED = ("nvidia-cudnn-frontend==1.32.0", "nvidia-cudnn-cu13==9.19.0.56", "nvidia-cuda-nvrtc==13.0.88",
-          "nvidia-cuda-runtime==13.0.96")
+          "nvidia-cuda-runtime==13.0.96", "nvidia-cuda-crt==13.0.88", "nvidia-cuda-cccl==13.0.85")
 
 
 @pytest.mark.slow

@@ -10,7 +10,8 @@ first use on a GPU; ``python -m probjax.ops.attention.backends.cudnn.build`` bui
 
 Building needs a C++ compiler and headers only, no GPU and no CUDA library: XLA FFI's
 (jaxlib's), the CUDA runtime's and NVRTC's, cuDNN's and the header-only cudnn-frontend's, all in
-the NVIDIA pip packages (``pip install "probjax[cuda13]"``), else in ``$CUDA_HOME`` or
+the NVIDIA pip packages (``pip install "probjax[cuda13]"``; CUDA 13's runtime headers need ``crt/`` and ``nv/``, of
+nvidia-cuda-crt and nvidia-cuda-cccl), else in ``$CUDA_HOME`` or
 ``/usr/local/cuda``. The library finds cuDNN and the CUDA runtime at run time (cudnn-frontend's
 dynamic loading), after ffi.py has loaded them from those packages.
 """
@@ -110,7 +111,7 @@ def find_headers(sites: Iterable[pathlib.Path], env: Mapping[str, str], *, inclu
   given = [pathlib.Path(d) for d in include]
   missing: list[str] = []
   cuda = [_first(h, given + [s / "nvidia" / "cu13" / "include" for s in sites] + system, missing)
-          for h in ("cuda_runtime_api.h", "nvrtc.h")]
+          for h in ("cuda_runtime_api.h", "crt/host_defines.h", "nv/target", "nvrtc.h")]
   cudnn = _first("cudnn_version.h", [pathlib.Path(d) for d in (cudnn_include, env.get("CUDNN_INCLUDE_DIR")) if d]
                  + [s / "nvidia" / "cudnn" / "include" for s in sites] + system, missing)
   frontend = _first("cudnn_frontend_version.h", ([pathlib.Path(frontend_include)] if frontend_include else [])
@@ -118,7 +119,7 @@ def find_headers(sites: Iterable[pathlib.Path], env: Mapping[str, str], *, inclu
   if missing:
     raise BuildError(f"headers not found: {'; '.join(missing)}. {INSTALL} installs them")
   version_files = (cudnn / "cudnn_version.h", frontend / "cudnn_frontend_version.h",
-                   cuda[0] / "cuda_runtime_api.h", cuda[1] / "nvrtc.h")
+                   cuda[0] / "cuda_runtime_api.h", cuda[3] / "nvrtc.h")
   cudart = int(_define(version_files[2], "CUDART_VERSION"))
   versions = (("cudnn", ".".join(_define(version_files[0], f"CUDNN_{p}") for p in ("MAJOR", "MINOR", "PATCHLEVEL"))),
               ("frontend", ".".join(_define(version_files[1], f"CUDNN_FRONTEND_{p}_VERSION")

@@ -7,8 +7,8 @@ docs/decisions.md, "Settled by probes": "Why jax.nn's cuDNN route trailed torch'
 probjax's own FFI call"). The extension's library
 (:mod:`~probjax.ops.attention.backends.cudnn.extension`: where it is looked for, how it is built)
 is built on the first call on a GPU where the headers are installed (``pip install
-"probjax[cuda13]"``); without it (or with ``PROBJAX_ATTENTION_CUDNN_FFI=0``) the cuDNN route
-calls jax.nn, saying so once (a warning of the ``probjax`` logger). :func:`extension_status`
+"probjax[cuda13]"``); without it the cuDNN route calls jax.nn, saying so once (a warning of the
+``probjax`` logger), and with ``PROBJAX_ATTENTION_CUDNN_FFI=0`` silently. :func:`extension_status`
 says which it is.
 
 Inputs: q ``[B, Tq, H, D]``, k/v ``[B, Tkv, Hkv, D]`` (bf16/fp16, ``H % Hkv == 0``),
