@@ -155,10 +155,11 @@ def cache_root(env: Mapping[str, str]) -> pathlib.Path:
                       "probjax")
 
 
+@functools.lru_cache(maxsize=8)  # the cuDNN route asks on every call: hash the files once
 def cache_key(headers: Headers) -> str:
   """The cache folder's name: probjax's, jaxlib's, the Python ABI's and the headers' versions,
   and a hash of the source and the versioned headers' text (so that an edited ``sdpa_ffi.cc``
-  in an editable install, or a patched header, is built afresh)."""
+  in an editable install, or a patched header, is built afresh in the next process)."""
   from probjax import __version__  # noqa: PLC0415 (probjax/__init__.py imports lazily; no cycle)
 
   digest = hashlib.sha256(SOURCE.read_bytes())
