@@ -33,6 +33,7 @@ _EXPORTS = {
     "KVLenMask": "probjax.masks",
     "LengthMask": "probjax.masks",
     "SegmentMask": "probjax.masks",
+    "PrefixLMMask": "probjax.masks",
 }
 _SUBMODULES = ("masks", "nn")
 

@@ -12,7 +12,7 @@ not re-exported.
 """
 
 from probjax.ops.attention.masks import (EMPTY, FULL, PARTIAL, CausalMask, KVLenMask, LengthMask,
-                                         LocalWindowMask, Mask, SegmentMask)
+                                         LocalWindowMask, Mask, PrefixLMMask, SegmentMask)
 
 __all__ = ["Mask", "CausalMask", "LocalWindowMask", "KVLenMask", "LengthMask", "SegmentMask",
-           "EMPTY", "PARTIAL", "FULL"]
+           "PrefixLMMask", "EMPTY", "PARTIAL", "FULL"]

@@ -97,7 +97,8 @@ _SHARDED = textwrap.dedent("""
       results.append(dict(kv_heads=kv_heads, spec=str(spec), local=[list(s) for s in T.SEEN[-1]],
                           gathers=hlo.count("all-gather"), out_spec=str(out.sharding.spec)))
     # The Triton kernel (interpret mode) with a mask's arrays as operands, values and gradients.
-    from probjax.ops.attention import masks as M, triton
+    from probjax.ops.attention import masks as M
+    from probjax.ops.attention.backends import triton
     from probjax.ops.attention.reference import reference_vjp
     from probjax.ops.attention.tolerances import max_error, tolerance
     x = make_inputs(7, 4, 32, 32, 4, 2, 16)

@@ -564,7 +564,7 @@ def test_gpu_split_kv(dtype, tq, h, hkv, tk, mask_name):
 
 def test_longest_programs_first():
   from probjax.ops.attention.backends.triton.tiles import TileMask, longest_first
-  tm = lambda lower, upper: TileMask(lower, upper, 64, 64, True, False, False, False)
+  tm = lambda lower, upper: TileMask(M.band(lower, upper), 64, 64, True, False, False, False)
   causal, anti, window, none = tm(None, 0), tm(0, None), tm(-8, 0), tm(None, None)
   assert longest_first(causal, 0, 4, by_q=True) == 3   # last query tile sees the most keys
   assert longest_first(causal, 0, 4, by_q=False) == 0  # first key tile is seen by the most queries

@@ -49,7 +49,7 @@ def test_regimes_agree_and_tiles_are_skipped():
   for o in outs:
     assert max_error(o, ref) <= tolerance(jnp.float32)
   # The tiled loop visits only tiles that the band allows: count the loop trip in the jaxpr.
-  st_band = xla.flash._Static(700, 700, 256, 256, 1.0, 1, -100, 0, 0.0, True, None, None)
+  st_band = xla.flash._Static(700, 700, 256, 256, 1.0, 1, M.band(-100, 0), 0.0, True, None, None)
   lo, hi = xla.flash._k_bounds(st_band, 2)
   assert (int(lo), int(hi)) == (1, 3)  # query tile 2 (rows 512..699) needs key tiles 1..2 only
 

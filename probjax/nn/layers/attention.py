@@ -32,11 +32,11 @@ from probjax.ops.attention.call import AttentionCall
 from probjax.ops.attention.backends.cudnn.config import CudnnConfig
 from probjax.ops.attention.dispatch import Decision, Device
 from probjax.ops.attention.masks import (CausalMask, KVLenMask, LengthMask, LocalWindowMask, Mask,
-                                         MaskWithDense, SegmentMask, structured_equivalent)
+                                         MaskWithDense, PrefixLMMask, SegmentMask, structured_equivalent)
 
 __all__ = [
     "dot_product_attention", "flex_attention", "mha", "explain_dispatch", "available_implementations",
-    "Mask", "MaskWithDense", "CausalMask", "KVLenMask", "LengthMask", "LocalWindowMask", "SegmentMask",
+    "Mask", "MaskWithDense", "CausalMask", "KVLenMask", "LengthMask", "LocalWindowMask", "SegmentMask", "PrefixLMMask",
     "Decision",
     "CudnnConfig",
 ]
@@ -250,9 +250,8 @@ def _flatten_mask_arrays(mask: Mask, batch_dims):
     if x.ndim == n + extra and tuple(x.shape[:n]) == batch_dims:
       return jnp.reshape(x, (math.prod(batch_dims),) + tuple(x.shape[n:]))
     return x  # flattened already, or wrong: Mask.validate names the expected shape
-  return dataclasses.replace(mask, q_lengths=flat(mask.q_lengths, 0), kv_lengths=flat(mask.kv_lengths, 0),
-                             q_segment_ids=flat(mask.q_segment_ids, 1),
-                             kv_segment_ids=flat(mask.kv_segment_ids, 1))
+  # Per-batch ([batch...]) arrays have role "b"; per position ([batch..., len]) "bt"/"bs".
+  return mask.with_arrays(flat(x, 0 if role == "b" else 1) for role, x in mask.arrays())
 
 
 def _flatten_dense(name, x, batch_dims, heads, q_len, kv_len):

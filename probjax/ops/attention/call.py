@@ -9,6 +9,10 @@ import jax.numpy as jnp
 
 from probjax.ops.attention.masks import Mask
 
+# The mask predicate kinds the fused kernels (Triton, Mosaic GPU) compute; a call with another
+# predicate (PrefixLMMask) is theirs to refuse and runs on the XLA path.
+KERNEL_MASK_KINDS = ("band", "q_lengths", "kv_lengths", "segments")
+
 
 @dataclasses.dataclass(frozen=True)
 class AttentionCall:
@@ -103,4 +107,4 @@ class AttentionCall:
                           (self.module, "attention weights requested (module)")):
       if present:
         return what
-    return None
+    return None if self.mask is None else self.mask.refusal(KERNEL_MASK_KINDS, "the fused kernels")

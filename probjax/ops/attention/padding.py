@@ -21,13 +21,14 @@ def zero_padding(mask: Mask | None, q, k, v):
   """
   if mask is None:
     return q, k, v, None
-  valid = lambda lengths, n: (jnp.arange(n)[None, :] < jnp.asarray(lengths)[:, None])[:, :, None, None]
-  if mask.kv_lengths is not None:
-    k_ok = valid(mask.kv_lengths, k.shape[1])
+  valid = lambda lengths, n: (jnp.arange(n)[None, :] < lengths[:, None])[:, :, None, None]
+  q_lens, kv_lens = mask.lengths(q.shape[0])
+  if kv_lens is not None:
+    k_ok = valid(kv_lens, k.shape[1])
     k, v = jnp.where(k_ok, k, 0), jnp.where(k_ok, v, 0)
   q_ok = None
-  if mask.q_lengths is not None:
-    q_ok = valid(mask.q_lengths, q.shape[1])
+  if q_lens is not None:
+    q_ok = valid(q_lens, q.shape[1])
     q = jnp.where(q_ok, q, 0)
   return q, k, v, q_ok
 

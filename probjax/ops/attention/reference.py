@@ -20,9 +20,10 @@ def _attention64(q, k, v, bias, mask: Mask | None, dense_mask, score_mod, scale)
   g = h // hkv
   # Positions past the mask's lengths may hold anything (NaN included): they are zeroed, and
   # so are the output rows of padded queries, so no NaN reaches a value or a gradient.
-  lengths = lambda n, lens: None if lens is None else (jnp.arange(n)[None, :] < jnp.asarray(lens)[:, None])[:, :, None, None]
-  k_ok = lengths(k.shape[1], None if mask is None else mask.kv_lengths)
-  q_ok = lengths(tq, None if mask is None else mask.q_lengths)
+  lengths = lambda n, lens: None if lens is None else (jnp.arange(n)[None, :] < lens[:, None])[:, :, None, None]
+  q_lens, kv_lens = (None, None) if mask is None else mask.lengths(b)
+  k_ok = lengths(k.shape[1], kv_lens)
+  q_ok = lengths(tq, q_lens)
   if k_ok is not None:
     k, v = jnp.where(k_ok, k, 0.0), jnp.where(k_ok, v, 0.0)
   if q_ok is not None:

@@ -16,7 +16,6 @@ head ``i // (h / g)``, so a shard of ``g`` heads serves the matching shard of ``
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from typing import Callable, Hashable
@@ -31,8 +30,6 @@ from probjax.core.compat import ir  # the types a Shardy rule callback receives
 
 Q, KV, STATS, BATCH = "bthd", "bsgd", "bht", "b"
 _REPLICATED = "tsd"
-# A Mask's arrays and their roles.
-_MASK_ARRAYS = (("q_lengths", "b"), ("kv_lengths", "b"), ("q_segment_ids", "bt"), ("kv_segment_ids", "bs"))
 
 
 def batch_head_parallel(fn: Callable, static: Hashable, roles_in: tuple[str, ...],
@@ -122,13 +119,13 @@ def masked_call(fn: Callable, static: Hashable, operands: tuple, roles: tuple[st
   directly (a ``score_mod`` sees global batch and head indices, which a shard does not have)."""
   if not partition:
     return tuple(fn(static, *operands, mask))
-  names = () if mask is None else tuple(n for n, _ in _MASK_ARRAYS if getattr(mask, n) is not None)
+  found = () if mask is None else mask.arrays()
   b, tq, tk = operands[0].shape[0], operands[0].shape[1], operands[1].shape[1]
   shapes = {"b": (b,), "bt": (b, tq), "bs": (b, tk)}
-  mask_roles = tuple(dict(_MASK_ARRAYS)[n] for n in names)
-  arrays = tuple(jnp.broadcast_to(getattr(mask, n), shapes[r]) for n, r in zip(names, mask_roles))
-  skeleton = None if mask is None else dataclasses.replace(mask, **{n: None for n in names})
-  call = batch_head_parallel(_with_mask, (fn, static, skeleton, names), (*roles, *mask_roles), roles_out)
+  mask_roles = tuple(r for r, _ in found)
+  arrays = tuple(jnp.broadcast_to(x, shapes[r]) for r, x in found)
+  skeleton = None if mask is None else mask.with_arrays((None,) * len(found))  # static: hashable
+  call = batch_head_parallel(_with_mask, (fn, static, skeleton, len(found)), (*roles, *mask_roles), roles_out)
   return call(*operands, *arrays)
 
 
@@ -153,9 +150,9 @@ def attention_vjp(forward_shard: Callable, backward_shard: Callable, partitioned
 
 
 def _with_mask(static, *xs):
-  fn, st, skeleton, names = static
-  operands, arrays = xs[:len(xs) - len(names)], xs[len(xs) - len(names):]
-  mask = None if skeleton is None else dataclasses.replace(skeleton, **dict(zip(names, arrays)))
+  fn, st, skeleton, n = static
+  operands, arrays = xs[:len(xs) - n], xs[len(xs) - n:]
+  mask = None if skeleton is None else skeleton.with_arrays(arrays)
   return fn(st, *operands, mask)
 
 

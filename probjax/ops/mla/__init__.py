@@ -76,11 +76,12 @@ def mla(q_nope, q_rope, kv_latent, k_rope, w_uk, w_uv, *, mask: Mask | None = No
   # inputs there, but the projections around it would still meet them (dw_uk = latent^T dk with
   # a zero dk is NaN where the latent is), so they are zeroed before any projection.
   q_ok = None
-  if mask is not None and mask.kv_lengths is not None:
-    k_ok = _valid(mask.kv_lengths, call.kv_len)
+  q_lens, kv_lens = (None, None) if mask is None else mask.lengths(call.batch)
+  if kv_lens is not None:
+    k_ok = _valid(kv_lens, call.kv_len)
     kv_latent, k_rope = jnp.where(k_ok, kv_latent, 0), jnp.where(k_ok, k_rope, 0)
-  if mask is not None and mask.q_lengths is not None:
-    q_ok = _valid(mask.q_lengths, call.q_len)[..., None]
+  if q_lens is not None:
+    q_ok = _valid(q_lens, call.q_len)[..., None]
     q_nope, q_rope = jnp.where(q_ok, q_nope, 0), jnp.where(q_ok, q_rope, 0)
   run = forms.expanded if decision.form == "expanded" else forms.absorbed
   out = run(q_nope, q_rope, kv_latent, k_rope, w_uk, w_uv, mask=mask, scale=call.softmax_scale,

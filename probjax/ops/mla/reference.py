@@ -18,12 +18,13 @@ NAMES = ("q_nope", "q_rope", "kv_latent", "k_rope", "w_uk", "w_uv")
 def _mla64(q_nope, q_rope, kv_latent, k_rope, w_uk, w_uv, mask, scale):
   b, tq, h, dn = q_nope.shape
   s = kv_latent.shape[1]
-  if mask is not None and mask.kv_lengths is not None:
-    ok = (jnp.arange(s)[None, :] < jnp.asarray(mask.kv_lengths)[:, None])[:, :, None]
+  q_lens, kv_lens = (None, None) if mask is None else mask.lengths(b)
+  if kv_lens is not None:
+    ok = (jnp.arange(s)[None, :] < kv_lens[:, None])[:, :, None]
     kv_latent, k_rope = jnp.where(ok, kv_latent, 0.0), jnp.where(ok, k_rope, 0.0)
   q_ok = None
-  if mask is not None and mask.q_lengths is not None:
-    q_ok = (jnp.arange(tq)[None, :] < jnp.asarray(mask.q_lengths)[:, None])[:, :, None, None]
+  if q_lens is not None:
+    q_ok = (jnp.arange(tq)[None, :] < q_lens[:, None])[:, :, None, None]
     q_nope, q_rope = jnp.where(q_ok, q_nope, 0.0), jnp.where(q_ok, q_rope, 0.0)
   k = jnp.concatenate([jnp.einsum("bsc,chd->bshd", kv_latent, w_uk),
                        jnp.broadcast_to(k_rope[:, :, None], (b, s, h, k_rope.shape[-1]))], -1)

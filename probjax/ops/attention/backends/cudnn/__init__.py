@@ -43,7 +43,7 @@ def supports(q_shape, kv_shape, dtype, *, mask: Mask | None = None, score_mod=No
     return "score_mod"
   if mask is not None and mask.components and not mask.is_kv_lengths_only():
     equal = q_shape[1] == kv_shape[1]
-    causal_window = mask.components == ("window",) and mask.upper == 0
+    causal_window = mask.components == ("window",) and mask.band_bounds[1] == 0
     if not (equal and (mask.is_causal(0) or causal_window)):
       return (f"mask {mask.name!r}: cuDNN takes only KVLenMask, or CausalMask() / "
               "LocalWindowMask(left, 0) with equal lengths")
@@ -55,12 +55,14 @@ def jaxnn_arguments(mask: Mask | None, batch: int) -> dict:
   kw = dict(is_causal=False, key_value_seq_lengths=None, local_window_size=None)
   if mask is None:
     return kw
-  if mask.kv_lengths is not None:
-    kw["key_value_seq_lengths"] = jnp.broadcast_to(mask.kv_lengths, (batch,)).astype(jnp.int32)
-  if mask.upper == 0:
+  kv_lens = mask.lengths(batch)[1]
+  if kv_lens is not None:
+    kw["key_value_seq_lengths"] = kv_lens
+  lower, upper = mask.band_bounds
+  if upper == 0:
     kw["is_causal"] = True
-    if mask.lower is not None:
-      kw["local_window_size"] = (-mask.lower, 0)
+    if lower is not None:
+      kw["local_window_size"] = (-lower, 0)
   return kw
 
 
@@ -88,7 +90,8 @@ def attention(q, k, v, *, mask: Mask | None = None, scale: float, config: CudnnC
   else:
     kw = jaxnn_arguments(mask, q.shape[0])
     out = jax.nn.dot_product_attention(q, k, v, scale=scale, implementation="cudnn", **kw)
-  if mask is not None and mask.kv_lengths is not None:  # rows with no valid key are zeros, as on every path
-    valid = jnp.broadcast_to(mask.kv_lengths, (q.shape[0],)) > 0
+  kv_lens = None if mask is None else mask.lengths(q.shape[0])[1]
+  if kv_lens is not None:  # rows with no valid key are zeros, as on every path
+    valid = kv_lens > 0
     out = jnp.where(valid[:, None, None, None], out, 0).astype(out.dtype)
   return out

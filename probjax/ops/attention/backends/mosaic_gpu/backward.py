@@ -361,7 +361,7 @@ def backward(q, k, v, out, lse, do, mask: Mask | None, *, scale: float, config: 
   qp, dop = (pad_axis(x.astype(q.dtype), 1, q_rows) for x in (q, do))
   kp, vp = (pad_axis(x, 1, kv_rows) for x in (k, v))
   band, lengths, lens = C.split_mask(mask, batch, q_len, kv_len)
-  segments = mask is not None and mask.q_segment_ids is not None
+  segments = C.has_segments(mask)
   static = dict(band=band, lengths=lengths, segments=segments, scale=scale, score_mod=score_mod,
                 groups=heads // kv_heads, cfg=cfg, q_len=q_len, kv_len=kv_len, dtype=q.dtype)
   seg = functools.partial(C.segment_operands, mask, batch, q_len, kv_len, q_pad, kv_pad)

@@ -13,7 +13,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from probjax.ops.attention.base import score_mod_pullback
-from probjax.ops.attention.masks import Mask, ranges_from_classes, round_up
+from probjax.ops.attention.call import KERNEL_MASK_KINDS
+from probjax.ops.attention.masks import Mask, band as band_mask, ranges_from_classes, round_up
 
 LOG2E = math.log2(math.e)
 REGISTERS_PER_SM = 65536
@@ -49,10 +50,14 @@ def split_mask(mask: Mask | None, batch: int, q_len: int, kv_len: int):
   has per-batch lengths, and the ``[2, batch]`` int32 operand of query and key lengths the
   kernels read their scalars from (the full lengths where the mask has none)."""
   m = mask if mask is not None else Mask()
-  band = Mask(lower=m.lower, upper=m.upper) if m.has_band else None
-  full = lambda x, n: jnp.broadcast_to(jnp.asarray(n if x is None else x, jnp.int32), (batch,))
-  lens = jnp.stack([full(m.q_lengths, q_len), full(m.kv_lengths, kv_len)])
-  return band, m.q_lengths is not None or m.kv_lengths is not None, lens
+  why = m.refusal(KERNEL_MASK_KINDS, "the Mosaic GPU kernel")
+  if why:
+    raise ValueError(why)
+  band = m.band if m.has_band else None
+  q_lens, kv_lens = m.lengths(batch)
+  full = lambda x, n: jnp.full((batch,), n, jnp.int32) if x is None else x
+  lens = jnp.stack([full(q_lens, q_len), full(kv_lens, kv_len)])
+  return band, q_lens is not None or kv_lens is not None, lens
 
 
 def segment_operands(mask: Mask | None, batch: int, q_len: int, kv_len: int, q_pad: int, kv_pad: int,
@@ -63,11 +68,15 @@ def segment_operands(mask: Mask | None, batch: int, q_len: int, kv_len: int, q_p
   tile range and its run of FULL tiles, from the whole mask's tile classes
   (:func:`~probjax.ops.attention.masks.ranges_from_classes`); ids padded to whole tiles with
   values that match nothing."""
-  if mask is None or mask.q_segment_ids is None:
+  if not has_segments(mask):
     return jnp.zeros((1, 4, 1), jnp.int32), jnp.zeros((1, 64), jnp.int32), jnp.zeros((1, 64), jnp.int32)
   classes = mask.classify_tiles(batch, q_len, kv_len, block_q, block_k)
   ranges = ranges_from_classes(classes if by_q else jnp.swapaxes(classes, 1, 2))
   return (ranges, *mask.padded_segment_ids(batch, q_pad, kv_pad))
+
+
+def has_segments(mask: Mask | None) -> bool:
+  return mask is not None and "segments" in mask.kinds
 
 
 def same_segment(q_ids_smem, kv_ids_smem, rows: int, cols: int, *, transposed: bool = False):
@@ -92,8 +101,7 @@ def kv_tiles(band: Mask | None, q_start, rows: int, kv_len: int, block_k: int, q
   element predicate). ``q_valid``/``kv_valid``: this batch element's lengths (None: all);
   keys past ``kv_valid`` are never loaded and a block with rows past ``q_valid`` has no
   full tile (those rows must come out zero)."""
-  lower = None if band is None else band.lower
-  upper = None if band is None else band.upper
+  lower, upper = (None, None) if band is None else band.band_bounds
   q_last = q_start + rows - 1
   lo = (jnp.int32(0) if lower is None else jnp.maximum(0, q_start + lower)) // block_k
   hi_k = jnp.int32(kv_len) if upper is None else jnp.minimum(kv_len, q_last + upper + 1)
@@ -117,8 +125,9 @@ def q_tiles(band: Mask | None, k_start, rows: int, q_len: int, block_q: int, q_v
   """:func:`kv_tiles` with the roles swapped: the query tiles that key rows
   ``[k_start, k_start + rows)`` are seen by, and the run that sees every one of them
   (``lower <= k - q <= upper`` is ``-upper <= q - k <= -lower``)."""
-  mirrored = None if band is None else Mask(lower=None if band.upper is None else -band.upper,
-                                            upper=None if band.lower is None else -band.lower)
+  lower, upper = (None, None) if band is None else band.band_bounds
+  mirrored = None if band is None else band_mask(None if upper is None else -upper,
+                                                 None if lower is None else -lower)
   return kv_tiles(mirrored, k_start, rows, q_len, block_q, q_valid=kv_valid, kv_valid=q_valid)
 
 

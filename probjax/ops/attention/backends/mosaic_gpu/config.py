@@ -116,7 +116,7 @@ def cluster_refusal(mask: Mask | None, q_len: int, rows: int, cluster: int) -> s
   """Why CTAs in clusters of ``cluster`` (sharing every K/V tile) cannot compute a call, or
   None: the CTAs of a cluster visit the union of their key ranges, which segment ids do not
   make contiguous, and the query tiles of ``rows`` rows must come in whole clusters."""
-  if mask is not None and mask.q_segment_ids is not None:
+  if mask is not None and "segments" in mask.kinds:
     return "clusters share their K/V tiles, which segment ids do not allow"
   if num_tiles(q_len, rows) % cluster:
     return (f"q_len {q_len} has {num_tiles(q_len, rows)} query tiles of {rows} rows, not a "

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from probjax.ops.attention import sharding
 from probjax.ops.attention.base import check_kernel_call, score_mod_reason
+from probjax.ops.attention.call import KERNEL_MASK_KINDS
 from probjax.ops.attention.gpu import triton_lowerable  # (re-exported)
 from probjax.ops.attention.masks import Mask
 from probjax.ops.attention.backends.triton import config as config_lib
@@ -69,6 +70,8 @@ def supports(q_shape, kv_shape, dtype, *, mask: Mask | None = None,
     return "empty sequence"
   if mask is not None and not isinstance(mask, Mask):
     return f"mask of type {type(mask).__name__}"
+  if mask is not None and (why := mask.refusal(KERNEL_MASK_KINDS, "the Triton kernel")):
+    return why
   return score_mod_reason(score_mod) or triton_lowerable(score_mod, grad=True)
 
 

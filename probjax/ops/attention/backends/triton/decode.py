@@ -24,6 +24,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from probjax.ops.attention.call import KERNEL_MASK_KINDS
 from probjax.ops.attention.masks import Mask
 from probjax.ops.attention.backends.triton import config as config_lib
 from probjax.ops.attention.backends.triton import tiles
@@ -104,7 +105,7 @@ def _band_keys(mask: Mask | None, q_len: int, kv_len: int) -> tuple[int, int]:
   """Static key range ``[lo, hi)`` the mask's band allows for all ``q_len`` queries."""
   if mask is None:
     return 0, kv_len
-  return Mask(lower=mask.lower, upper=mask.upper).kv_range(0, q_len, kv_len)
+  return mask.band.kv_range(0, q_len, kv_len)
 
 
 def _kernel(q_ref, k_ref, v_ref, *refs, tm: tiles.TileMask, scale: float, groups: int,
@@ -120,14 +121,14 @@ def _kernel(q_ref, k_ref, v_ref, *refs, tm: tiles.TileMask, scale: float, groups
   qi = rows // groups
   qs = mr.q_seg.at[b, pl.ds(row0, block_rows)][...][:, None] if mr.q_seg is not None else None
 
-  if mr.kv_lengths is None:
+  if mr.kv_lens is None:
     start = tile_lo + split * tiles_per_split
     end = jnp.minimum(start + tiles_per_split, tile_hi)
   else:
     # The splits share this element's valid tiles, not the cache's: a cache of 8192 keys holding
     # 1100 in 9 splits would otherwise leave 7 programs of every (batch, head) idle and two
     # with 910 keys each; shared, each takes about 128.
-    valid_hi = jnp.minimum((mr.kv_lengths[b] + block_k - 1) // block_k, tile_hi)
+    valid_hi = jnp.minimum((mr.kv_lens[b] + block_k - 1) // block_k, tile_hi)
     per_split = (jnp.maximum(valid_hi - tile_lo, 0) + num_splits - 1) // num_splits
     start = tile_lo + split * per_split
     end = jnp.minimum(start + per_split, valid_hi)
@@ -181,16 +182,15 @@ def forward(q, k, v, mask: Mask | None, *, scale: float, config: SplitKVConfig, 
   kp, vp = (tiles.pad_axis(x, 3, dp) for x in (k, v))  # the cache is not copied: masked tiles
 
   m = mask if mask is not None else Mask()
-  tm = tiles.TileMask(m.lower, m.upper, q_len, kv_len, has_range=False,
-                      has_q_lengths=m.q_lengths is not None, has_kv_lengths=m.kv_lengths is not None,
-                      has_segments=m.q_segment_ids is not None)
-  mask_ops = []
-  if tm.has_q_lengths:
-    mask_ops.append(jnp.broadcast_to(jnp.asarray(m.q_lengths, jnp.int32), (batch,)))
-  if tm.has_kv_lengths:
-    mask_ops.append(jnp.broadcast_to(jnp.asarray(m.kv_lengths, jnp.int32), (batch,)))
+  why = m.refusal(KERNEL_MASK_KINDS, "the Triton kernel")
+  if why:
+    raise ValueError(why)
+  arrays = m.operands(batch, q_len, kv_pad)
+  tm = tiles.TileMask(m.band, q_len, kv_len, has_range=False, has_q_lengths="q_lengths" in arrays,
+                      has_kv_lengths="kv_lengths" in arrays, has_segments="segments" in arrays)
+  mask_ops = [*arrays.get("q_lengths", ()), *arrays.get("kv_lengths", ())]
   if tm.has_segments:
-    q_seg, kv_seg = m.padded_segment_ids(batch, q_len, kv_pad)
+    q_seg, kv_seg = arrays["segments"]
     row_seg = jnp.repeat(q_seg, groups, axis=1)  # the query of each packed row
     mask_ops += [tiles.pad_axis(row_seg, 1, rows_pad, -1), kv_seg]
   masked = mask is not None or kv_pad != kv_len

@@ -21,6 +21,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from probjax.ops.attention.call import KERNEL_MASK_KINDS
 from probjax.ops.attention.masks import (EMPTY, FULL, Mask, heavy_first_program, num_tiles,  # noqa: F401
                                         pad_axis, ranges_from_classes, round_up)  # (re-exported)
 
@@ -31,12 +32,11 @@ LOG2E = math.log2(math.e)
 class TileMask:
   """Static mask description a kernel is traced with.
 
-  ``q_len``/``kv_len`` are the true lengths (arrays are padded beyond them).
-  The optional refs follow the main operands in the order ``tile_range,
-  q_lengths, kv_lengths, q_segment_ids, kv_segment_ids``.
+  ``band``: the mask's static band (:attr:`Mask.band`). ``q_len``/``kv_len`` are the true
+  lengths (arrays are padded beyond them). The optional refs follow the main operands in the
+  order ``tile_range, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids``.
   """
-  lower: int | None
-  upper: int | None
+  band: Mask
   q_len: int
   kv_len: int
   has_range: bool       # a mask: per-tile loop bounds (without one, only odd lengths' last tile is masked)
@@ -49,8 +49,8 @@ class TileMask:
 class MaskRefs:
   """The mask refs of one kernel, unpacked from its positional refs."""
   tile_range: Any = None   # [4, n] (or [batch, 4, n] with segments) int32: lo, hi, full_lo, full_hi
-  q_lengths: Any = None    # [batch] int32
-  kv_lengths: Any = None   # [batch] int32
+  q_lens: Any = None       # [batch] int32
+  kv_lens: Any = None      # [batch] int32
   q_seg: Any = None        # [batch, q_pad] int32
   kv_seg: Any = None       # [batch, kv_pad] int32
 
@@ -60,7 +60,7 @@ class MaskRefs:
 
   def valid(self, b, *, keys: bool):
     """Batch element ``b``'s key (``keys``) or query length, or None without one."""
-    lengths = self.kv_lengths if keys else self.q_lengths
+    lengths = self.kv_lens if keys else self.q_lens
     return None if lengths is None else lengths[b]
 
   @classmethod
@@ -68,7 +68,7 @@ class MaskRefs:
     refs = list(refs)
     pop = lambda flag: refs.pop(0) if flag else None
     out = cls(pop(tm.has_range))
-    out.q_lengths, out.kv_lengths = pop(tm.has_q_lengths), pop(tm.has_kv_lengths)
+    out.q_lens, out.kv_lens = pop(tm.has_q_lengths), pop(tm.has_kv_lengths)
     out.q_seg, out.kv_seg = pop(tm.has_segments), pop(tm.has_segments)
     return out
 
@@ -123,14 +123,18 @@ def mask_operands(mask: Mask | None, batch: int, q_len: int, kv_len: int, q_pad:
   keep Triton from pipelining it.
   """
   m = mask if mask is not None else Mask()
-  tm = TileMask(m.lower, m.upper, q_len, kv_len,
+  why = m.refusal(KERNEL_MASK_KINDS, "the Triton kernel")
+  if why:
+    raise ValueError(why)
+  arrays = m.operands(batch, q_pad, kv_pad)
+  tm = TileMask(m.band, q_len, kv_len,
                 has_range=mask is not None,
-                has_q_lengths=m.q_lengths is not None,
-                has_kv_lengths=m.kv_lengths is not None,
-                has_segments=m.q_segment_ids is not None)
+                has_q_lengths="q_lengths" in arrays,
+                has_kv_lengths="kv_lengths" in arrays,
+                has_segments="segments" in arrays)
   ops = []
   if tm.has_range:
-    band = Mask(lower=m.lower, upper=m.upper)
+    band = m.band
     # Query rows past q_len are zeros whose results are never stored: the last query tile
     # may count as FULL (classified at the whole tile). Not so for key rows past kv_len,
     # whose dQ contributions the onepass backward adds.
@@ -156,13 +160,8 @@ def mask_operands(mask: Mask | None, batch: int, q_len: int, kv_len: int, q_pad:
       ops.append(ranges_from_classes(classes if by_q else jnp.swapaxes(classes, 1, 2)))
     else:
       ops.append(jnp.asarray(band_range))
-  bcast = lambda x, shape: jnp.broadcast_to(jnp.asarray(x, jnp.int32), shape)
-  if tm.has_q_lengths:
-    ops.append(bcast(m.q_lengths, (batch,)))
-  if tm.has_kv_lengths:
-    ops.append(bcast(m.kv_lengths, (batch,)))
-  if tm.has_segments:
-    ops.extend(m.padded_segment_ids(batch, q_pad, kv_pad))
+  for kind in ("q_lengths", "kv_lengths", "segments"):
+    ops.extend(arrays.get(kind, ()))
   return tm, ops
 
 
@@ -171,7 +170,7 @@ def longest_first(tm: TileMask, tile, n_tiles: int, *, by_q: bool):
   """Program ``tile`` -> outer tile index such that the programs with the most inner tiles
   start first (a causal band gives the last query tiles the most keys); the wave that ends
   the kernel then holds short programs, not long ones."""
-  grows = Mask(lower=tm.lower, upper=tm.upper).work_grows(by_q=by_q)
+  grows = tm.band.work_grows(by_q=by_q)
   return n_tiles - 1 - tile if grows else tile
 
 
@@ -181,7 +180,7 @@ def program_tile(tm: TileMask, n_tiles: int, ny: int, nz: int, group: int, *, by
   (y, z) pairs (:func:`~probjax.ops.attention.masks.heavy_first_program`); otherwise in grid
   order, one pair's tiles side by side."""
   x, y, z = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  if not Mask(lower=tm.lower, upper=tm.upper).work_grows(by_q=by_q):
+  if not tm.band.work_grows(by_q=by_q):
     return x, y, z
   return heavy_first_program(x, y, z, n_tiles, ny, nz, group)
 
@@ -202,8 +201,8 @@ def tile_loop(tm: TileMask, mr: MaskRefs, b, tile, n_static: int, body, carry, *
     lo, hi, flo, fhi = (mr.tile_range[b, r, tile] for r in range(4))
   else:
     lo, hi, flo, fhi = (mr.tile_range[r, tile] for r in range(4))
-  inner_len = mr.kv_lengths if by_q else mr.q_lengths
-  outer_len = mr.q_lengths if by_q else mr.kv_lengths
+  inner_len = mr.kv_lens if by_q else mr.q_lens
+  outer_len = mr.q_lens if by_q else mr.kv_lens
   if inner_len is not None:
     hi = jnp.minimum(hi, (inner_len[b] + block_inner - 1) // block_inner)
     fhi = jnp.minimum(fhi, inner_len[b] // block_inner)
@@ -286,11 +285,11 @@ def tile_valid(tm: TileMask, mr: MaskRefs, b, q_start, k_start, block_q: int, bl
 def valid(tm: TileMask, mr: MaskRefs, b, qi, ki, qs=None, ks=None):
   """The mask predicate on broadcastable query/key positions ``qi``/``ki`` of batch
   element ``b`` (``qs``/``ks``: their segment ids, when the mask has them)."""
-  ok = Mask(lower=tm.lower, upper=tm.upper).element(qi, ki) & (qi < tm.q_len) & (ki < tm.kv_len)
-  if mr.q_lengths is not None:
-    ok &= qi < mr.q_lengths[b]
-  if mr.kv_lengths is not None:
-    ok &= ki < mr.kv_lengths[b]
+  ok = tm.band.element(qi, ki) & (qi < tm.q_len) & (ki < tm.kv_len)
+  if mr.q_lens is not None:
+    ok &= qi < mr.q_lens[b]
+  if mr.kv_lens is not None:
+    ok &= ki < mr.kv_lens[b]
   if qs is not None:
     ok &= qs == ks
   return ok

@@ -45,8 +45,7 @@ class _Static:
   block_k: int
   scale: float
   groups: int
-  lower: int | None
-  upper: int | None
+  band: Mask  # the mask's static band (loop bounds and, without mask arrays, the element test)
   dropout_rate: float
   broadcast_dropout: bool
   precision: Any
@@ -60,9 +59,6 @@ class _Static:
   @property
   def nk(self):
     return -(-self.kv_len // self.block_k)
-
-  def band(self) -> Mask:
-    return Mask(lower=self.lower, upper=self.upper)
 
 
 def choose_blocks(q_len: int, kv_len: int) -> tuple[int, int]:
@@ -104,7 +100,7 @@ def _valid(st: _Static, iq, ik, mask: Mask | None, dense_t):
   qi = (iq * st.block_q + jnp.arange(st.block_q))[:, None]
   ki = (ik * st.block_k + jnp.arange(st.block_k))[None, :]
   ok = ki < st.kv_len
-  m = st.band() if mask is None else mask
+  m = st.band if mask is None else mask
   ok = ok & m.element(qi, ki)
   ok = ok.reshape((-1, 1, 1, st.block_q, st.block_k)) if ok.ndim == 3 else ok[None, None, None]
   if dense_t is not None:
@@ -127,22 +123,24 @@ def _k_bounds(st: _Static, iq):
   """Key-tile range ``[lo, hi)`` that the static band allows for query tile(s) ``iq`` (traced,
   or numpy / Python ints for static bounds)."""
   xp = jnp if isinstance(iq, jax.Array) else np
+  lower, upper = st.band.band_bounds
   lo, hi = 0, st.nk
-  if st.lower is not None:
-    lo = xp.clip((iq * st.block_q + st.lower) // st.block_k, 0, st.nk)
-  if st.upper is not None:
-    hi = xp.clip(-(-((iq + 1) * st.block_q - 1 + st.upper + 1) // st.block_k), 0, st.nk)
+  if lower is not None:
+    lo = xp.clip((iq * st.block_q + lower) // st.block_k, 0, st.nk)
+  if upper is not None:
+    hi = xp.clip(-(-((iq + 1) * st.block_q - 1 + upper + 1) // st.block_k), 0, st.nk)
   return lo, xp.maximum(lo, hi)
 
 
 def _q_bounds(st: _Static, ik):
   """Query-tile range ``[lo, hi)`` that the static band allows for key tile(s) ``ik``."""
   xp = jnp if isinstance(ik, jax.Array) else np
+  lower, upper = st.band.band_bounds
   lo, hi = 0, st.nq
-  if st.upper is not None:
-    lo = xp.clip((ik * st.block_k - st.upper) // st.block_q, 0, st.nq)
-  if st.lower is not None:
-    hi = xp.clip(-(-((ik + 1) * st.block_k - 1 - st.lower + 1) // st.block_q), 0, st.nq)
+  if upper is not None:
+    lo = xp.clip((ik * st.block_k - upper) // st.block_q, 0, st.nq)
+  if lower is not None:
+    hi = xp.clip(-(-((ik + 1) * st.block_k - 1 - lower + 1) // st.block_q), 0, st.nq)
   return lo, xp.maximum(lo, hi)
 
 
@@ -419,15 +417,11 @@ def flash_attention(q, k, v, *, bias=None, mask: Mask | None = None, dense_mask=
     mod, consts = jax.closure_convert(mod5, ex, i32(bsz, 1, 1, 1, 1), i32(1, hkv, g, 1, 1), i32(bq, 1), i32(1, bk))
     consts = tuple(consts)
 
-  lower = upper = None
+  band = Mask() if mask is None else mask.band
   if mask is not None:
-    lower, upper = mask.lower, mask.upper
-    if not mask.has_arrays:
-      mask = None  # band only: handled by loop bounds and the static band
-    elif mask.q_segment_ids is not None:
-      q_ids, kv_ids = mask.padded_segment_ids(bsz, tq_p, tk_p)
-      mask = dataclasses.replace(mask, q_segment_ids=q_ids, kv_segment_ids=kv_ids)
-  st = _Static(tq, tk, bq, bk, float(scale), g, lower, upper, float(dropout_rate),
+    # Band only: handled by loop bounds and the static band; else every predicate, on the padded tiles.
+    mask = mask.padded(bsz, tq_p, tk_p) if mask.has_arrays else None
+  st = _Static(tq, tk, bq, bk, float(scale), g, band, float(dropout_rate),
                bool(broadcast_dropout), precision, mod, cdt)
 
   qi = jnp.transpose(q, (0, 2, 1, 3)).reshape(bsz, hkv, g, tq, d)
