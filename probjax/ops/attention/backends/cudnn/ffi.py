@@ -225,11 +225,13 @@ def attention(q, k, v, *, mask: Mask | None, scale: float, config: CudnnConfig |
   b, tq = q.shape[:2]
   causal, left_bound, lens = False, 0, None
   if mask is not None:
-    if mask.upper == 0:
+    lower, upper = mask.band_bounds
+    if upper == 0:
       causal = True
-      if mask.lower is not None:
-        left_bound = 1 - mask.lower  # cuDNN keeps keys j > i - left_bound
-    if mask.kv_lengths is not None:
-      lens = (jnp.full((b,), tq, jnp.int32), jnp.broadcast_to(mask.kv_lengths, (b,)).astype(jnp.int32))
+      if lower is not None:
+        left_bound = 1 - lower  # cuDNN keeps keys j > i - left_bound
+    kv_lens = mask.lengths(b)[1]
+    if kv_lens is not None:
+      lens = (jnp.full((b,), tq, jnp.int32), kv_lens)
   padding = lens is not None
   return _sdpa(q, k, v, lens, (float(scale), causal, int(left_bound), padding, config or CudnnConfig()))
