@@ -188,3 +188,10 @@ def test_zigzag_layout_round_trips():
   np.testing.assert_array_equal(np.asarray(from_zigzag(z, 4)), np.asarray(x))
   with pytest.raises(ValueError, match="divisible into 8 chunks"):
     to_zigzag(x[:, :12], 4)
+
+
+def test_exported_from_the_public_attention_module():
+  from probjax.nn.layers import attention
+  from probjax.ops.attention import context_parallel
+  assert attention.context_parallel_attention is context_parallel.context_parallel_attention
+  assert "context_parallel_attention" in attention.__all__

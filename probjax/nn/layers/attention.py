@@ -29,6 +29,7 @@ from probjax.ops.attention import dispatch, registry
 from probjax.ops.attention.backends import xla as xla_backend
 from probjax.ops.attention.autodiff import with_forward_mode
 from probjax.ops.attention.call import AttentionCall
+from probjax.ops.attention.context_parallel import context_parallel_attention
 from probjax.ops.attention.backends.cudnn.config import CudnnConfig
 from probjax.ops.attention.dispatch import Decision, Device
 from probjax.ops.attention.masks import (CausalMask, KVLenMask, LengthMask, LocalWindowMask, Mask,
@@ -39,6 +40,7 @@ __all__ = [
     "Mask", "MaskWithDense", "CausalMask", "KVLenMask", "LengthMask", "LocalWindowMask", "SegmentMask", "PrefixLMMask",
     "Decision",
     "CudnnConfig",
+    "context_parallel_attention",
 ]
 
 BACKWARD_PASS_IMPLS = ("auto", "triton_onepass", "triton_fused", "triton_split", "mosaic")
