@@ -81,7 +81,7 @@ def test_default_masked_bf16_is_exact(mask_name):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_default_ragged_forward_runs_mosaic_and_is_exact(causal):
-  # sm_90, B4 H8 T3000 (off the 128-row tiles, work in mosaic_forward_ragged_work): the Mosaic
+  # sm_90, B4 H8 T3000 (off the 128-row tiles, work in mosaic_primal.ragged_work, rule 3): the Mosaic
   # forward, reading the partial last tile with TMA's zero fill.
   x = make_inputs(7, 4, 3000, 3000, 8, 8, 64, jnp.bfloat16)
   mask = M.CausalMask() if causal else None
@@ -101,7 +101,7 @@ def test_cudnn_causal_window_is_exact():
 
 def test_default_d64_differentiated_runs_kernels_and_is_exact():
   # sm_90: the primal on cuDNN, the gradient from the Triton kernel (at most the table's
-  # grad_triton_max_kv_len keys, an odd length).
+  # grad_triton.max_kv_len keys, an odd length: rule 6).
   x = make_inputs(1, 16, 1500, 1500, 8, 8, 64, jnp.bfloat16)
   d = explain_dispatch(x.q.shape, x.k.shape, x.q.dtype)
   if str(jax.devices()[0].compute_capability) == "9.0":
@@ -158,7 +158,7 @@ def test_default_long_window_d64_runs_mosaic_and_is_exact():
 
 def test_default_causal_forward_runs_mosaic_and_agrees():
   # sm_90, a causal forward in the table's Mosaic forward range (B1 H32 T8192 D128: 2^31): the
-  # Mosaic forward; under grad (above grad_mosaic_band_max_work) cuDNN. Both agree with Triton.
+  # Mosaic forward; under grad (above grad_mosaic.causal_max_work, rule 5) cuDNN. Both agree with Triton.
   x = make_inputs(9, 1, 8192, 8192, 32, 32, 128, jnp.bfloat16)
   x.q, x.k, x.v = x.q * 0.5, x.k * 0.5, x.v * 0.1  # see the module docstring
   mask = M.CausalMask()

@@ -1,11 +1,16 @@
 """Dispatch rules and the device table as pure functions, with faked devices."""
 
+import dataclasses
+import pathlib
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
 
 from probjax.nn.layers import attention_device
 from probjax.nn.layers.attention import explain_dispatch
+from probjax.ops.attention import dispatch
 from probjax.ops.attention import masks as M
 from probjax.ops.attention.dispatch import MIN_KERNEL_KV_LEN, Device
 
@@ -82,7 +87,7 @@ def test_sm90_table_routes_to_cudnn(mask):
 ])
 def test_sm90_table_falls_back_to_triton_where_cudnn_cannot(mask, shapes):
   entry = attention_device.DEVICE_DEFAULTS[(9, 0)]
-  want = entry.backward_pass_impl_band if mask is not None and mask.has_band else entry.backward_pass_impl
+  want = entry.backward.band_impl if mask is not None and mask.has_band else entry.backward.impl
   d = decide(shapes, mask=mask, env={"PROBJAX_ATTENTION_MOSAIC": "0"})
   assert d.implementation == "triton" and d.backward_pass_impl == want
   d = decide(shapes, mask=mask)  # long calls: the Mosaic kernel where it takes the call (below)
@@ -91,20 +96,20 @@ def test_sm90_table_falls_back_to_triton_where_cudnn_cannot(mask, shapes):
 
 def test_sm90_long_calls_run_mosaic_where_triton_would():
   entry = attention_device.DEVICE_DEFAULTS[(9, 0)]
-  n, docs = entry.mosaic_min_len, M.SegmentMask(jnp.zeros((4, 8192), jnp.int32))
-  bwd_min = dict(entry.mosaic_backward_min_work)
+  n, docs = entry.mosaic_long.min_len, M.SegmentMask(jnp.zeros((4, 8192), jnp.int32))
+  bwd_min = dict(entry.mosaic_long.backward_min_work)
   for d in (64, 128, 256):
     shapes = ((4, n, 8, d), (4, n, 8, d))
     dec = decide(shapes, mask=M.SegmentMask(jnp.zeros((4, n), jnp.int32)))
     assert dec.implementation == "mosaic" and "Mosaic forward" in dec.rule, dec
-    assert dec.backward_pass_impl == entry.backward_pass_impl  # below every Mosaic-backward limit
+    assert dec.backward_pass_impl == entry.backward.impl  # below every Mosaic-backward limit
     for env in ({"PROBJAX_ATTENTION_MOSAIC": "0"}, {"PROBJAX_ATTENTION_DEVICE_DEFAULTS": "0"}):
       assert decide(shapes, mask=M.SegmentMask(jnp.zeros((4, n), jnp.int32)), env=env).implementation == "triton"
     short = ((4, n - 1, 8, d), (4, n, 8, d))
     assert decide(short, mask=M.SegmentMask(jnp.zeros((4, n - 1), jnp.int32))).implementation == "triton"
     long = decide(((4, 8192, 8, d), (4, 8192, 8, d)), mask=docs)
     assert long.backward_pass_impl == ("mosaic" if d in bwd_min and 4 * 8 * 8192**2 >= bwd_min[d]
-                                       else entry.backward_pass_impl), long
+                                       else entry.backward.impl), long
     # float32 (the Mosaic kernel does not take it) keeps the Triton kernel; a score modifier
     # takes the Mosaic forward too (measured: softcap30), unless it cannot lower there.
     assert decide(shapes, dtype=jnp.float32, mask=M.CausalMask()).implementation == "triton"
@@ -127,13 +132,13 @@ def test_sm90_long_calls_run_mosaic_where_triton_would():
 
 def test_sm90_decoding_skips_cudnn():
   entry = attention_device.DEVICE_DEFAULTS[(9, 0)]
-  n, long = entry.decode_max_q_len, 65536
+  n, long = entry.decode.max_q_len, 65536
   decoding = ((8, n, 32, 128), (8, long, 8, 128))
-  assert 8 * 32 * n * long >= entry.cudnn_min_work
+  assert 8 * 32 * n * long >= entry.cudnn.min_work
   d = decide(decoding)
   assert d.implementation == "triton" and d.split_kv and d.split_kv >= 2
   assert decide(((8, n + 1, 32, 128), (8, long, 8, 128))).implementation == "cudnn"
-  short_cache = ((64, n, 32, 128), (64, entry.decode_min_kv_len - 1, 8, 128))
+  short_cache = ((64, n, 32, 128), (64, entry.decode.min_kv_len - 1, 8, 128))
   assert decide(short_cache).implementation == "cudnn"
 
 
@@ -147,12 +152,12 @@ def test_sm90_differentiated_d64_runs_triton():
   d64 = ((4, 1024, 16, 64), (4, 1024, 16, 64))  # below mosaic_min_len: the Triton forward too
   d = decide(d64)
   assert d.implementation == "cudnn" and d.grad_implementation == "triton"
-  assert d.backward_pass_impl == entry.backward_pass_impl and "under grad triton" in str(d)
-  assert decide(d64, mask=M.CausalMask()).backward_pass_impl == entry.backward_pass_impl_band
+  assert d.backward_pass_impl == entry.backward.impl and "under grad triton" in str(d)
+  assert decide(d64, mask=M.CausalMask()).backward_pass_impl == entry.backward.band_impl
   # At the work limit, above the key limit, at head_dim 128, or without the table: cuDNN's own backward.
-  n = int((entry.grad_triton_max_work // (4 * 8)) ** 0.5)
+  n = int((entry.grad_triton.max_work // (4 * 8)) ** 0.5)
   assert decide(((4, n, 8, 64), (4, n, 8, 64))).grad_implementation is None
-  t = entry.grad_triton_max_kv_len
+  t = entry.grad_triton.max_kv_len
   assert decide(((4, t, 8, 64), (4, t, 8, 64))).grad_implementation == "triton"
   assert decide(((4, t + 1, 8, 64), (4, t + 1, 8, 64))).grad_implementation is None
   assert _under_grad(decide(((4, 2048, 8, 128), (4, 2048, 8, 128)))) == "cudnn"
@@ -176,14 +181,14 @@ def test_sm90_fp32_rule():
   entry = attention_device.DEVICE_DEFAULTS[(9, 0)]
   for mask in (M.CausalMask(), M.LocalWindowMask(512, 0)):
     assert decide(dtype=jnp.float32, mask=mask).implementation == "triton"
-    n = entry.fp32_band_dense_max_len
+    n = entry.fp32_dense.band_max_len
     short = ((4, n, 8, 128), (4, n, 8, 128))
     assert decide(short, dtype=jnp.float32, mask=mask).formulation == "dense"
   assert decide(dtype=jnp.float32, mask=M.KVLenMask(jnp.full((4,), 100))).formulation == "dense"
   # At small head_dims the kernel's TF32 tiles win at every length.
-  for d in (32, entry.fp32_kernel_max_head_dim):
+  for d in (32, entry.fp32_dense.kernel_max_head_dim):
     assert decide(((4, 1024, 8, d), (4, 1024, 8, d)), dtype=jnp.float32).implementation == "triton"
-  d = entry.fp32_kernel_max_head_dim + 32
+  d = entry.fp32_dense.kernel_max_head_dim + 32
   assert decide(((4, 1024, 8, d), (4, 1024, 8, d)), dtype=jnp.float32).formulation == "dense"
 
 
@@ -222,13 +227,13 @@ def test_mosaic_only_when_requested():
 
 def test_sm90_differentiated_causal_runs_mosaic():
   entry = attention_device.DEVICE_DEFAULTS[(9, 0)]
-  limits = dict(entry.grad_mosaic_band_max_work)
+  limits = dict(entry.grad_mosaic.causal_max_work)
   causal = M.CausalMask()
   for d, work in limits.items():
     n = int((work // (4 * 8)) ** 0.5)  # B4 H8 T n: at the limit
     dec = decide(((4, n, 8, d), (4, n, 8, d)), mask=causal)
     assert _under_grad(dec) == "mosaic", dec  # (its primal: the forward rule, below)
-    assert dec.backward_pass_impl == entry.backward_pass_impl_band and "Triton backward" in dec.rule
+    assert dec.backward_pass_impl == entry.backward.band_impl and "Triton backward" in dec.rule
     over = decide(((4, 2 * n, 8, d), (4, 2 * n, 8, d)), mask=causal)
     assert _under_grad(over) in ("cudnn", "triton"), over
     assert decide(((4, n, 8, d), (4, n, 8, d))).grad_implementation != "mosaic"  # no mask
@@ -241,14 +246,14 @@ def test_sm90_differentiated_causal_runs_mosaic():
 
 def test_sm90_forward_rule_runs_mosaic():
   entry = attention_device.DEVICE_DEFAULTS[(9, 0)]
-  grad_limits = dict(entry.grad_mosaic_band_max_work)
+  grad_limits = dict(entry.grad_mosaic.causal_max_work)
   side = lambda work: int(round((work // (4 * 8)) ** 0.5))  # B4 H8 T side: that work
   masks = {"none": None, "causal": M.CausalMask(), "window": M.LocalWindowMask(512, 0)}
 
   def covers(ranges, kind, d, n):  # a table range holds B4 H8 T=n at this mask and head_dim
     return any(k == kind and dd == d and lo_ <= 32 * n * n and (hi_ is None or 32 * n * n <= hi_)
                for k, dd, lo_, hi_ in ranges)
-  for kind, d, lo, hi in entry.mosaic_forward_work:
+  for kind, d, lo, hi in entry.mosaic_primal.work:
     mask = masks[kind]
     first = -(-side(lo) // 128) * 128  # the range's ends in whole 128-row tiles
     for n in (first, 4 * first if hi is None else side(hi) // 128 * 128):
@@ -258,29 +263,29 @@ def test_sm90_forward_rule_runs_mosaic():
       grad_mosaic = kind == "causal" and 32 * n * n <= grad_limits.get(d, -1)
       assert dec.grad_implementation == (None if grad_mosaic else "cudnn"), dec
       if grad_mosaic:  # the Mosaic forward with the Triton backward under grad
-        assert dec.backward_pass_impl == entry.backward_pass_impl_band, dec
+        assert dec.backward_pass_impl == entry.backward.band_impl, dec
       assert decide(shapes, mask=mask, env={"PROBJAX_ATTENTION_MOSAIC": "0"}).implementation == "cudnn"
       assert decide(shapes, mask=mask, dtype=jnp.float32).implementation != "mosaic"
       # Unmeasured masks that cuDNN takes keep its forward.
       assert decide(shapes, mask=M.KVLenMask(jnp.full((4,), n // 2))).implementation == "cudnn"
       odd = ((4, n + 3, 8, d), (4, n + 3, 8, d))  # lengths off the 128-row tiles: their own ranges
       assert decide(odd, mask=mask).implementation == (
-          "mosaic" if covers(entry.mosaic_forward_ragged_work, kind, d, n + 3) else "cudnn"), odd
+          "mosaic" if covers(entry.mosaic_primal.ragged_work, kind, d, n + 3) else "cudnn"), odd
     below = side(lo) // 2
     assert decide(((4, below, 8, d), (4, below, 8, d)), mask=mask).implementation != "mosaic"
     if hi is not None:
       above = 2 * side(hi)
       assert decide(((4, above, 8, d), (4, above, 8, d)), mask=mask).implementation != "mosaic"
   # D64 without a mask: cuDNN's forward is faster at every measured length in whole tiles.
-  assert not any(kind == "none" and d == 64 for kind, d, _, _ in entry.mosaic_forward_work)
-  for kind, d, lo, hi in entry.mosaic_forward_ragged_work:
+  assert not any(kind == "none" and d == 64 for kind, d, _, _ in entry.mosaic_primal.work)
+  for kind, d, lo, hi in entry.mosaic_primal.ragged_work:
     for n in (side(lo) + 1, side(hi) - 1):
       n += 0 if n % 128 else 1  # off the tiles
       shapes = ((4, n, 8, d), (4, n, 8, d))
       assert decide(shapes, mask=masks[kind]).implementation == "mosaic", (kind, d, n)
       whole = ((4, n // 128 * 128, 8, d),) * 2
       assert decide(whole, mask=masks[kind]).implementation == (
-          "mosaic" if covers(entry.mosaic_forward_work, kind, d, n // 128 * 128) else "cudnn"), (kind, d, n)
+          "mosaic" if covers(entry.mosaic_primal.work, kind, d, n // 128 * 128) else "cudnn"), (kind, d, n)
     assert decide(((4, 2 * side(hi) + 1, 8, d),) * 2, mask=masks[kind]).implementation == "cudnn"
 
 
@@ -311,7 +316,7 @@ def test_explicit_implementations_are_checked_not_replaced():
 def test_table_entries_cite_evidence():
   for cc, entry in attention_device.DEVICE_DEFAULTS.items():
     assert entry.evidence, cc
-    for impl in (entry.backward_pass_impl, entry.backward_pass_impl_band):
+    for impl in (entry.backward.impl, entry.backward.band_impl):
       assert impl in ("triton_onepass", "triton_fused", "triton_split")
 
 
@@ -351,3 +356,63 @@ def test_split_kv_decision():
     decide(dec, implementation="xla", split_kv=True)
   with pytest.raises(ValueError, match="split_kv=True configures the Triton kernel"):
     decide(dec, device=CPU, split_kv=True)
+
+
+def test_table_groups_read_as_the_flat_names_too():
+  from probjax.ops.attention import tuning
+  entry = attention_device.DEVICE_DEFAULTS[(9, 0)]
+  assert set(entry.evidence) == set(tuning.entry_names())
+  for flat, name in tuning._FLAT_NAMES.items():
+    group, field = name.split(".")
+    assert getattr(entry, flat) == getattr(getattr(entry, group), field), flat
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    entry.mosaic_min_len = 1
+  with pytest.raises(AttributeError, match="no attribute 'mosaic_min_length'"):
+    entry.mosaic_min_length
+
+
+def test_opt_outs_switch_off_their_rules_groups():
+  off = dispatch.defaults_in_effect(H200, {"PROBJAX_ATTENTION_CUDNN": "0", "PROBJAX_ATTENTION_MOSAIC": "0"})
+  assert (off.cudnn, off.mosaic_primal, off.grad_mosaic, off.mosaic_long) == (None,) * 4
+  assert off.backward == attention_device.DEVICE_DEFAULTS[(9, 0)].backward
+  assert dispatch.defaults_in_effect(H200, {"PROBJAX_ATTENTION_DEVICE_DEFAULTS": "0"}) is None
+  assert dispatch.defaults_in_effect(RTX3090, {}) is None
+
+
+def _rule_numbers():
+  """``{rule function: its number}``, from the "Rule N" each docstring starts with."""
+  rules = dispatch.RULES + dispatch.GRAD_RULES
+  numbers = {r: int(re.match(r"Rule (\d+)\b", r.__doc__).group(1)) for r in rules}
+  assert sorted(numbers.values()) == list(range(1, len(rules) + 1))
+  return numbers
+
+
+def test_rules_are_numbered_in_order_in_the_code_readme_and_decisions():
+  numbers = _rule_numbers()
+  assert [numbers[r] for r in dispatch.RULES] == sorted(numbers[r] for r in dispatch.RULES)
+  root = pathlib.Path(__file__).parent.parent
+  readme = (root / "README.md").read_text().split("## Implementations and dispatch")[1].split("\n## ")[0]
+  decisions = (root / "docs" / "decisions.md").read_text()
+  for rule, n in numbers.items():
+    assert re.search(rf"^ *{n}\. `{rule.__name__}`", readme, re.M), (n, rule.__name__)
+    assert re.search(rf"^ *{n}\. `{rule.__name__}`", decisions, re.M), (n, rule.__name__)
+    assert re.search(rf"^ *{n}\. :func:`{rule.__name__}`", dispatch.__doc__, re.M), (n, rule.__name__)
+
+
+def test_every_rule_decision_has_a_reason():
+  calls = [((4, 2048, 8, d), (4, 2048, 8, d), dt, mask) for d in (64, 128) for dt in (jnp.bfloat16, jnp.float32)
+           for mask in (None, M.CausalMask(), M.LocalWindowMask(256, 3))]
+  for q, kv, dt, mask in calls:
+    for device in (H200, RTX3090, CPU):
+      assert decide((q, kv), dtype=dt, mask=mask, device=device).rule
+
+
+def test_mosaic_sees_the_scale():
+  # Without a score_mod the Mosaic kernel takes a positive scale only: a long call with
+  # documents then keeps the Triton kernel, and asking for Mosaic says why.
+  shapes = ((4, 4096, 8, 128), (4, 4096, 8, 128))
+  docs = M.SegmentMask(jnp.zeros((4, 4096), jnp.int32))
+  assert decide(shapes, mask=docs, scale=0.1).implementation == "mosaic"
+  assert decide(shapes, mask=docs, scale=-0.1).implementation == "triton"
+  with pytest.raises(ValueError, match="positive scale"):
+    decide(shapes, mask=docs, scale=-0.1, implementation="mosaic")

@@ -205,8 +205,10 @@ def mosaic_primal(call: AttentionCall, device: Device, defaults: DeviceDefaults 
   At B4 H8 T4096 causal bf16 D128 on sm_90 (work 2^29, in the causal D128 range) the Mosaic
   forward wins: its persistent CTAs run the causal query tiles heaviest first, so the diagonal's
   uneven tiles do not leave SMs idle at the end, and the two compute warpgroups take turns on
-  the tensor cores while the softmax of the other runs. Unmasked calls have no range (cuDNN's
-  forward is level or ahead there), nor causal work above 2^31, where cuDNN is ahead again."""
+  the tensor cores while the softmax of the other runs. Unmasked calls in whole tiles have no
+  range (cuDNN's forward is level or ahead there), nor causal work above 2^31, where cuDNN is
+  ahead again; off the tiles (B4 H8 T3000) the Mosaic kernel reads the partial last tile with
+  TMA's zero fill and is ahead unmasked too."""
   if defaults is None or defaults.mosaic_primal is None or not _cudnn_takes(call, device, defaults):
     return None
   ranges = defaults.mosaic_primal.ragged_work if _ragged(call) else defaults.mosaic_primal.work
