@@ -16,9 +16,7 @@ Submodules: :mod:`probjax.masks` (the mask types), :mod:`probjax.nn` (the layers
 
 import importlib
 
-# Read by the build (pyproject.toml: tool.setuptools.dynamic), so the package and its metadata
-# carry one version.
-__version__ = "0.1.0"
+from probjax.core.version import __version__  # the build reads it there (pyproject.toml)
 
 _ATTENTION = "probjax.nn.layers.attention"
 _EXPORTS = {

@@ -141,7 +141,7 @@ def test_cache_root_and_key(tmp_path, monkeypatch):
   keys.append(key(cudnn=(9, 20, 0)))
   keys.append(key(frontend=(1, 33, 0)))
   keys.append(key(cudart=13010))
-  monkeypatch.setattr(probjax, "__version__", "9.9.9")
+  monkeypatch.setattr(extension, "__version__", "9.9.9")
   keys.append(key())
   monkeypatch.undo()
   version = importlib.metadata.version

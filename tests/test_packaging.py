@@ -65,7 +65,7 @@ def test_metadata():
   assert project["license"] == "Apache-2.0" and (ROOT / "LICENSE").is_file()
   assert "Apache License" in (ROOT / "LICENSE").read_text()[:200]
   assert "version" in project["dynamic"]
-  assert meta["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "probjax.__version__"}
+  assert meta["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "probjax.core.version.__version__"}
   assert "py.typed" in meta["tool"]["setuptools"]["package-data"]["probjax"]
   deps = {re.split(r"[<>=!~ ;\[]", d, maxsplit=1)[0]: d for d in project["dependencies"]}
   assert deps["jax"].startswith("jax>=") and deps["flax"].startswith("flax>=")

@@ -415,7 +415,7 @@ def _attention(query, key, value, shape: base.AttentionShape, *, bias=None, mask
       backward_pass_impl=backward_pass_impl, split_kv=split_kv,
       kernel_args_default=(backward_pass_impl == "auto" and forward_config is None
                            and backward_config is None and split_kv is None),
-      v_head_dim=value.shape[-1], device=device)
+      v_head_dim=value.shape[-1], scale=scale, device=device)
   cudnn_config = isinstance(forward_config, CudnnConfig)
   if cudnn_config and (decision.implementation != "cudnn" or backward_config is not None):
     raise ValueError(f"a CudnnConfig configures the cuDNN route (no backward_config), but this call runs "

@@ -35,6 +35,8 @@ import sys
 import sysconfig
 from collections.abc import Callable, Iterable, Mapping
 
+from probjax.core.version import __version__
+
 HERE = pathlib.Path(__file__).resolve().parent
 SOURCE = HERE / "csrc" / "sdpa_ffi.cc"
 NAME = "libprobjax_cudnn_sdpa.so"
@@ -160,8 +162,6 @@ def cache_key(headers: Headers) -> str:
   """The cache folder's name: probjax's, jaxlib's, the Python ABI's and the headers' versions,
   and a hash of the source and the versioned headers' text (so that an edited ``sdpa_ffi.cc``
   in an editable install, or a patched header, is built afresh in the next process)."""
-  from probjax import __version__  # noqa: PLC0415 (probjax/__init__.py imports lazily; no cycle)
-
   digest = hashlib.sha256(SOURCE.read_bytes())
   for f in headers.version_files:
     digest.update(f.read_bytes())
