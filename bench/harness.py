@@ -274,6 +274,22 @@ def row_key(row: dict) -> tuple:
   return tuple(row.get(f, "") if f == "variant" else row.get(f) for f in KEY_FIELDS)
 
 
+# The suites with their own row schema (bench/lm_step.py, moe.py, scan.py, dit_step.py,
+# mla.py): the fields that key their rows, by file name.
+OWN_SCHEMA_KEYS = {"lm_step": ("section", "case", "impl"),
+                   "moe": ("suite", "mode", "impl", "size", "dist", "shape"),
+                   "scan": ("case", "impl", "mode", "dtype", "shape"),
+                   "dit_step": ("section", "case", "impl"),
+                   "mla": ("suite", "case", "impl", "mode")}
+
+
+def key_function(path: str):
+  """How the rows of the results file ``path`` are keyed: its suite's own fields, else
+  :func:`row_key`."""
+  own = OWN_SCHEMA_KEYS.get(os.path.splitext(os.path.basename(path))[0])
+  return (lambda r: json.dumps([r.get(k) for k in own])) if own else row_key
+
+
 def row_id(row: dict) -> str:
   """A row's key as text, e.g. ``grid probjax_default bfloat16 B4 H8/8 T4096/4096 D128 causal
   none fwd_bwd`` (``variant`` last where set): what the tuning tables' evidence and

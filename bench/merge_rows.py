@@ -23,10 +23,11 @@ from bench import harness
 
 def merge(paths: list[str]) -> list[dict]:
   """Rows of ``paths`` in order, one per key (see the module docstring)."""
-  by_key: dict[tuple, dict] = {}
+  by_key: dict = {}
   for path in paths:
+    key = harness.key_function(path)
     for row in harness.load_rows(path):
-      k = harness.row_key(row)
+      k = key(row)
       old = by_key.get(k)
       ok, old_ok = row.get("status") == "ok", old is not None and old.get("status") == "ok"
       if old is None or not old_ok or (ok and row.get("time", "") >= old.get("time", "")):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import pathlib
 
 import pytest
 
@@ -42,7 +43,21 @@ def _gpu_devices() -> tuple[str, str]:
   return "", str(devs[0].device_kind)
 
 
+_SLOW_LIST = pathlib.Path(__file__).with_name("slow_tests.txt")
+
+
+def _measured_slow() -> set[str]:
+  """Node ids listed in tests/slow_tests.txt (measured: see its header)."""
+  lines = _SLOW_LIST.read_text().splitlines() if _SLOW_LIST.exists() else []
+  return {l.strip() for l in lines if l.strip() and not l.startswith("#")}
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's -m selection reads the markers
 def pytest_collection_modifyitems(config, items):
+  slow = _measured_slow()
+  for it in items:
+    if it.nodeid in slow:
+      it.add_marker(pytest.mark.slow)
   gpu_items = [it for it in items if it.get_closest_marker("gpu") is not None]
   if not gpu_items:
     return

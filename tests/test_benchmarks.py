@@ -640,13 +640,6 @@ def _result_files():
 
 
 # Suites with their own row schema (not the attention harness's): the fields of a row's key.
-OWN_SCHEMA_KEYS = {"lm_step": ("section", "case", "impl"),
-                   "moe": ("suite", "mode", "impl", "size", "dist", "shape"),
-                   "scan": ("case", "impl", "mode", "dtype", "shape"),
-                   "dit_step": ("section", "case", "impl"),
-                   "mla": ("suite", "case", "impl", "mode")}
-
-
 def test_results_are_one_file_per_device_and_suite_with_the_commit_in_each_row():
   files = _result_files()
   assert files
@@ -656,8 +649,8 @@ def test_results_are_one_file_per_device_and_suite_with_the_commit_in_each_row()
     suite = rel[-1][:-len(".json")]
     rows = harness.load_rows(path)
     assert rows, path
-    own = OWN_SCHEMA_KEYS.get(suite)
-    key = (lambda r: json.dumps([r.get(k) for k in own])) if own else harness.row_key
+    own = harness.OWN_SCHEMA_KEYS.get(suite)
+    key = harness.key_function(path)
     keys = [key(r) for r in rows]
     assert len(keys) == len(set(keys)), f"{path}: one row per key"
     for r in rows:

@@ -34,12 +34,14 @@ def test_cpu_default_is_the_fastest_exact_xla_form(op, expect):
 
 @pytest.mark.parametrize("device", [H200, RTX3090, INTERPRET])
 @pytest.mark.parametrize("op", list(CALLS))
-def test_gpu_default_is_triton(op, device):
+def test_gpu_default_is_the_fastest_measured_form(op, device):
   d = scan.explain_dispatch(CALLS[op], device=device)
-  assert d.implementation == "triton", d
-  assert d.chunk_size == 32
-  # Differentiated, the fastest measured forward+backward: associative (Mamba-1), chunked.
-  assert d.grad_implementation == {"mamba": "associative", "ssd": "chunked", "rla": "chunked"}[op], d
+  # Forward: the Mamba-1 kernel; SSD's and RLA's chunked XLA forms. Differentiated: the
+  # Mamba-1 kernels, the chunked forms (one form forward and backward: no grad_implementation).
+  assert d.implementation == {"mamba": "triton", "ssd": "chunked", "rla": "chunked"}[op], d
+  assert d.grad_implementation is None, d
+  if op == "mamba":
+    assert d.chunk_size == 32
   # The kernels asked for: SSD has no backward kernel (the chunked form runs), Mamba-1's and
   # RLA's run.
   asked = scan.explain_dispatch(CALLS[op], implementation="triton", device=device)
@@ -47,12 +49,14 @@ def test_gpu_default_is_triton(op, device):
 
 
 def test_gpu_grad_default_falls_back_to_chunked_for_memory():
-  """Mamba-1's associative gradient keeps every position's state: past a quarter of the
-  device's memory (3 float32 copies of [B, L, D, N]) the chunked form runs instead."""
-  fits = MambaCall(8, 8192, 1536, 16, "float32")         # 3 x 6.4 GB of 140 GB
-  too_big = MambaCall(64, 32768, 1536, 16, "float32")    # 3 x 206 GB
+  """A Mamba-1 call the kernels refuse (state 512) is differentiated by the associative form,
+  which keeps every position's state: past a quarter of the device's memory (3 float32 copies
+  of [B, L, D, N]) the chunked form runs instead."""
+  fits = MambaCall(2, 1024, 1536, 512, "float32")        # 3 x 6.4 GB of 140 GB
+  too_big = MambaCall(8, 8192, 1536, 512, "float32")     # 3 x 206 GB
   assert scan.explain_dispatch(fits, device=H200).grad_implementation == "associative"
-  assert scan.explain_dispatch(too_big, device=H200).grad_implementation == "chunked"
+  big = scan.explain_dispatch(too_big, device=H200)  # the forward is chunked too: one form
+  assert (big.implementation, big.grad_implementation) == ("chunked", None)
 
 
 @pytest.mark.parametrize("call, why", [
@@ -66,7 +70,8 @@ def test_gpu_grad_default_falls_back_to_chunked_for_memory():
 def test_gpu_default_falls_back_to_chunked_with_the_reason(call, why):
   d = scan.explain_dispatch(call, device=H200)
   assert d.implementation == "chunked"
-  assert why in d.rule
+  if isinstance(call, MambaCall):  # SSD and RLA run the chunked form by default anyway
+    assert why in d.rule
   with pytest.raises(ValueError, match=why):
     scan.explain_dispatch(call, implementation="triton", device=H200)
 
@@ -147,9 +152,10 @@ def test_mamba_kernel_lowers_for_sm90(fake_h200):
   x, A, B = S((2, 300, 100), BF16), S((100, 16), jnp.float32), S((2, 300, 16), BF16)
   fn = lambda x, A, B: scan.mamba_scan(x, x, A, B, B, z=x)
   assert _kernels(fn, x, A, B) == ["probjax_mamba_scan_fwd"]
-  # Differentiated, the default is the associative form's; asked for, the kernels run forward
-  # (saving the chunk-boundary states) and backward.
-  assert _kernels(jax.grad(_loss(fn), argnums=(0, 1, 2)), x, A, B) == []
+  # Differentiated, by default and asked for, the kernels run forward (saving the
+  # chunk-boundary states) and backward.
+  assert _kernels(jax.grad(_loss(fn), argnums=(0, 1, 2)), x, A, B) == [
+      "probjax_mamba_scan_bwd", "probjax_mamba_scan_fwd_res"]
   asked = lambda x, A, B: scan.mamba_scan(x, x, A, B, B, z=x, initial_state=jnp.zeros((2, 100, 16)),
                                           implementation="triton")
   assert _kernels(jax.grad(_loss(asked), argnums=(0, 1, 2)), x, A, B) == [
@@ -159,17 +165,16 @@ def test_mamba_kernel_lowers_for_sm90(fake_h200):
 def test_ssd_kernel_lowers_for_sm90(fake_h200):
   x, dt = S((2, 300, 8, 64), BF16), S((2, 300, 8), BF16)
   A, B = S((8,), jnp.float32), S((2, 300, 2, 128), BF16)
-  fn = lambda x, dt, A, B: scan.ssd_scan(x, dt, A, B, B)
+  fn = lambda x, dt, A, B: scan.ssd_scan(x, dt, A, B, B, implementation="triton")
   assert _kernels(fn, x, dt, A, B) == ["probjax_ssd_scan_fwd"]
 
 
 def test_rla_kernels_lower_for_sm90(fake_h200):
   q, k = S((2, 300, 8, 64), BF16), S((2, 300, 2, 64), BF16)
   fn = lambda q, k: scan.residual_linear_attention(q, k, k, window_size=64)
-  assert _kernels(fn, q, k) == ["probjax_rla_fwd"]
   grad = lambda fn: jax.grad(lambda q, k: jnp.sum(fn(q, k).astype(jnp.float32) ** 2), argnums=(0, 1))
-  # The default's gradient is the chunked XLA form's (faster than the backward kernels);
+  # The default is the chunked XLA form's, forward and backward (faster than the kernels);
   # asked for, the kernels run forward and backward.
-  assert _kernels(grad(fn), q, k) == []
+  assert _kernels(fn, q, k) == [] and _kernels(grad(fn), q, k) == []
   asked = lambda q, k: scan.residual_linear_attention(q, k, k, window_size=64, implementation="triton")
   assert _kernels(grad(asked), q, k) == ["probjax_rla_bwd_dkv", "probjax_rla_bwd_dq", "probjax_rla_fwd"]

@@ -29,24 +29,34 @@ from probjax.ops.scan.calls import MambaCall, RLACall, SSDCall
 # far, and near the sequential scan's forward.
 CPU_DEFAULT = {"mamba_scan": "scan", "ssd_scan": "chunked", "residual_linear_attention": "chunked"}
 
+# What an undifferentiated call runs on a GPU: the fastest exact forward measured on the H200
+# (docs/decisions.md, "Forward GPU calls"). Mamba-1's per-(channel, state) decay has no matmul
+# form, so the sequential Triton kernel, reading each input once, wins; SSD's and RLA's chunked
+# XLA forms run their intra-chunk work as large tensor-core matmuls, which the Triton kernels'
+# smaller tiles do not match.
+GPU_FORWARD_DEFAULT = {"mamba_scan": "triton", "ssd_scan": "chunked", "residual_linear_attention": "chunked"}
+
 # What a differentiated call runs on a GPU (forward with residuals and backward): the fastest
 # exact form of forward+backward measured on the H200 (docs/decisions.md, "Differentiated GPU
-# calls"). Mamba-1's chunked form recomputes the elementwise state in its chunk loop, which the
-# associative form does not (its Triton forward and backward kernels, ``implementation="triton"``,
-# are not measured yet); RLA's chunked XLA form keeps its state updates on tensor cores,
-# which the Triton backward kernels do not; SSD's chunked form at chunk 64 beats the kernels'
-# chunk of 32.
-GPU_GRAD_DEFAULT = {"mamba_scan": "associative", "ssd_scan": "chunked", "residual_linear_attention": "chunked"}
+# calls"). Mamba-1's Triton kernels read each input once per pass and keep only chunk-boundary
+# states, where the associative form materialises every position's state; calls those kernels
+# cannot take run the associative form (memory permitting). RLA's chunked XLA form keeps its
+# state updates on tensor cores, which the Triton backward kernels do not; SSD's chunked form
+# at chunk 64 beats the kernels' chunk of 32.
+GPU_GRAD_DEFAULT = {"mamba_scan": "triton", "ssd_scan": "chunked", "residual_linear_attention": "chunked"}
 # The associative form keeps the state at every position for its backward, with the scan's
 # temporaries about three float32 copies of ``[batch, length, channels, state]``; past this
 # share of the device's memory the chunked form (inputs and chunk-boundary states only) runs.
-# E.g. B8 L8192 D1536 N16: 3 x 6.4 GB of 140 GB, associative.
+# E.g. B2 L1024 D1536 N512 (a state the kernels refuse): 3 x 6.4 GB of 140 GB, associative.
 ASSOCIATIVE_MEMORY_SHARE = 0.25
 
 
-def _gpu_grad(call, device: Device) -> str:
-  """What a differentiated call runs on a GPU (:data:`GPU_GRAD_DEFAULT`, memory permitting)."""
+def _gpu_grad(call, device: Device, kernel_ok: bool) -> str:
+  """What a differentiated call runs on a GPU (:data:`GPU_GRAD_DEFAULT`; the associative form
+  where the kernels cannot take it, memory permitting)."""
   grad = GPU_GRAD_DEFAULT[registry_of(call).op]
+  if grad == "triton" and not kernel_ok:
+    grad = "associative"
   if grad == "associative" and device.memory_bytes:
     states = 3 * 4 * call.batch * call.length * call.channels * call.state
     if states > ASSOCIATIVE_MEMORY_SHARE * device.memory_bytes:
@@ -111,7 +121,10 @@ def explain_dispatch(call, *, implementation: str | None = None, device: Device 
   if device.platform == "gpu":
     kernel = reg.get("triton")
     why = kernel.available(device) or kernel.supports(call, device)
-    grad = _gpu_grad(call, device)
+    grad = _gpu_grad(call, device, why is None)
+    if GPU_FORWARD_DEFAULT[reg.op] == "chunked":
+      return _decision(call, "chunked", "GPU: the chunked XLA form, the fastest forward measured; "
+                       "differentiated, the fastest forward+backward measured", grad)
     if why is None:
       return _decision(call, "triton", "GPU: the Triton kernels compute the call exactly; differentiated, "
                        "the fastest forward+backward measured", grad)
