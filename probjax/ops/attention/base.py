@@ -96,9 +96,9 @@ def check_mask(mask, s: AttentionShape):
   return None, check_broadcast("mask", mask, s, boolean=True)
 
 
-# What every fused kernel (Triton, Mosaic GPU, cuDNN) says of a value head_dim other than the
-# query/key head_dim: their tiles and buffers are sized by one head_dim.
-V_HEAD_DIM_REASON = ("value head_dim != query/key head_dim: the fused kernels assume one head_dim "
+# What a fused kernel whose tiles and buffers are sized by one head_dim says of a value
+# head_dim other than the query/key head_dim (each backend's ``supports`` decides).
+V_HEAD_DIM_REASON = ("value head_dim != query/key head_dim: this kernel assumes one head_dim "
                      "(the XLA path computes it)")
 
 
@@ -111,15 +111,13 @@ def v_head_dim_reason(head_dim: int, v_head_dim: int | None) -> str | None:
 
 def check_kernel_call(backend: str, reason: str | None, q, k, v, mask) -> None:
   """Raises ``ValueError`` where a kernel backend cannot compute the call (``reason``, from
-  its ``supports``) or k/v do not match q in shape and dtype; validates the mask's arrays."""
+  its ``supports``, which sees the value width) or k/v do not match q in batch, length, heads
+  and dtype; validates the mask's arrays."""
   if reason is not None:
     raise ValueError(f"{backend} attention cannot compute this call: {reason}")
-  if k.shape[:3] == v.shape[:3] and v.shape[3] != k.shape[3]:
-    raise ValueError(f"{backend} attention cannot compute this call: {V_HEAD_DIM_REASON} "
-                     f"(q/k head_dim {k.shape[3]}, value head_dim {v.shape[3]})")
-  if k.shape != v.shape or k.dtype != q.dtype or v.dtype != q.dtype:
-    raise ValueError(f"k and v must match in shape and q's dtype; got q {q.shape} {q.dtype}, "
-                     f"k {k.shape} {k.dtype}, v {v.shape} {v.dtype}")
+  if k.shape[:3] != v.shape[:3] or k.dtype != q.dtype or v.dtype != q.dtype:
+    raise ValueError(f"k and v must match in [batch, kv_len, kv_heads] and q's dtype; got q {q.shape} "
+                     f"{q.dtype}, k {k.shape} {k.dtype}, v {v.shape} {v.dtype}")
   if mask is not None:
     mask.validate(q.shape[0], q.shape[1], k.shape[1])
 

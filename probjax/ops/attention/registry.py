@@ -10,29 +10,15 @@ from __future__ import annotations
 
 from probjax.core.backend import Backend, Registry
 from probjax.core.device import Device
-from probjax.ops.attention.base import v_head_dim_reason
+from probjax.ops.attention.base import check_kernel_call
 from probjax.ops.attention.call import AttentionCall
 
 REGISTRY: Registry[AttentionCall] = Registry("attention")
 
 
-def _v_head_dim(call: AttentionCall) -> str | None:
-  """Why no fused kernel takes the call's value width (the kernels size tiles by one head_dim;
-  the XLA path takes any), or None."""
-  return v_head_dim_reason(call.head_dim, call.v_head_dim)
-
-
-def _check_values(name: str, q, v) -> None:
-  """Refuses values wider or narrower than q at run time too: a caller whose call description
-  did not carry the value width must not reach a kernel sized by q's head_dim."""
-  why = v_head_dim_reason(q.shape[-1], v.shape[-1])
-  if why:
-    raise ValueError(f"implementation={name!r} cannot compute this call exactly: {why}")
-
-
 def _flags(call: AttentionCall) -> dict:
   return dict(mask=call.mask, score_mod=call.score_mod, bias=call.bias, dense_mask=call.dense_mask,
-              dropout=call.dropout)
+              dropout=call.dropout, v_head_dim=call.v_head_dim)
 
 
 class Xla(Backend[AttentionCall]):
@@ -62,11 +48,10 @@ class Triton(Backend[AttentionCall]):
 
   def supports(self, call, device):
     from probjax.ops.attention.backends import triton
-    return (self.available(device) or call.not_for_kernels() or _v_head_dim(call)
+    return (self.available(device) or call.not_for_kernels()
             or triton.supports(call.q_shape, call.kv_shape, call.dtype, interpret=True, **_flags(call)))
 
   def __call__(self, q, k, v, mask, *, call, backward_pass_impl=None):
-    _check_values(self.name, q, v)
     from probjax.ops.attention.backends import triton
     return triton.attention(q, k, v, mask=mask, score_mod=call.score_mod, scale=call.scale,
                             backward_pass_impl=backward_pass_impl or call.backward_pass_impl,
@@ -87,7 +72,7 @@ class Mosaic(Backend[AttentionCall]):
     return None
 
   def supports(self, call, device):
-    why = self.available(device) or call.not_for_kernels() or _v_head_dim(call)
+    why = self.available(device) or call.not_for_kernels()
     if why:
       return why
     from probjax.ops.attention.backends import mosaic_gpu
@@ -96,7 +81,6 @@ class Mosaic(Backend[AttentionCall]):
                                **_flags(call))
 
   def __call__(self, q, k, v, mask, *, call, backward_pass_impl=None):
-    _check_values(self.name, q, v)
     from probjax.ops.attention.backends import mosaic_gpu
     return mosaic_gpu.attention(q, k, v, mask=mask, score_mod=call.score_mod, scale=call.scale,
                                 backward_pass_impl=backward_pass_impl or call.backward_pass_impl,
@@ -118,13 +102,16 @@ class Cudnn(Backend[AttentionCall]):
 
   def supports(self, call, device):
     from probjax.ops.attention.backends import cudnn
-    return (self.available(device) or call.not_for_kernels() or _v_head_dim(call)
+    return (self.available(device) or call.not_for_kernels()
             or cudnn.supports(call.q_shape, call.kv_shape, call.dtype, platform="gpu", **_flags(call)))
 
   def __call__(self, q, k, v, mask, *, call, backward_pass_impl=None):
-    _check_values(self.name, q, v)
     from probjax.ops.attention.backends import cudnn
     from probjax.ops.attention.backends.cudnn.config import CudnnConfig
+    # A caller whose call description did not carry the value width must not reach cuDNN with
+    # values it refuses (the Pallas backends check inside their own ``attention``).
+    check_kernel_call(self.name, cudnn.supports(q.shape, k.shape, q.dtype, mask=mask, v_head_dim=v.shape[-1],
+                                                platform="gpu"), q, k, v, mask)
     config = call.forward_config if isinstance(call.forward_config, CudnnConfig) else None
     return cudnn.attention(q, k, v, mask=mask, scale=call.scale, config=config)
 

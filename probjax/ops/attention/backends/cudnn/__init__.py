@@ -16,6 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from probjax.ops.attention.base import v_head_dim_reason
 from probjax.ops.attention.backends.cudnn import ffi
 from probjax.ops.attention.backends.cudnn.config import CudnnConfig
 from probjax.ops.attention.masks import Mask
@@ -25,14 +26,18 @@ MAX_HEAD_DIM = 128
 
 
 def supports(q_shape, kv_shape, dtype, *, mask: Mask | None = None, score_mod=None, bias=False,
-             dense_mask=False, dropout=False, platform: str | None = None) -> str | None:
-  """None if cuDNN computes the call exactly, else the reason it cannot."""
+             dense_mask=False, dropout=False, platform: str | None = None,
+             v_head_dim: int | None = None) -> str | None:
+  """None if cuDNN computes the call exactly, else the reason it cannot (``v_head_dim``: the
+  values' head_dim, None: ``head_dim``)."""
   platform = platform or jax.default_backend()
   if platform != "gpu":
     return f"cuDNN needs an NVIDIA GPU (platform is {platform})"
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return f"cuDNN attention takes bfloat16/float16 only, got {jnp.dtype(dtype).name}"
   d = q_shape[-1]
+  if why := v_head_dim_reason(d, v_head_dim):
+    return why
   if d % 8 or d > MAX_HEAD_DIM:
     return f"head_dim {d} is not a multiple of 8 up to {MAX_HEAD_DIM}"
   if bias or dense_mask:

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from probjax.ops.attention import compose, gpu, sharding  # compose: the Triton backward
-from probjax.ops.attention.base import check_kernel_call, score_mod_reason
+from probjax.ops.attention.base import check_kernel_call, score_mod_reason, v_head_dim_reason
 from probjax.ops.attention.masks import Mask
 from probjax.ops.attention.backends.mosaic_gpu import backward as backward_lib
 from probjax.ops.attention.backends.mosaic_gpu import config as config_lib
@@ -37,16 +37,20 @@ _HEAD_DIMS = (64, 128, 256)
 
 def supports(q_shape, kv_shape, dtype, *, mask: Mask | None = None, score_mod: Callable | None = None,
              bias: bool = False, dense_mask: bool = False, dropout: bool = False,
-             scale: float | None = None, interpret: bool = False, device_kind: str | None = None) -> str | None:
+             scale: float | None = None, interpret: bool = False, device_kind: str | None = None,
+             v_head_dim: int | None = None) -> str | None:
   """None if :func:`attention` computes the call exactly, else a short reason.
 
   Args:
     q_shape: ``(batch, q_len, heads, head_dim)``; kv_shape: ``(batch, kv_len, kv_heads, head_dim)``.
+    v_head_dim: the values' head_dim (None: ``head_dim``).
     device_kind: ``"sm_90"`` etc. (default: the current device's).
   """
   for present, what in ((bias, "additive bias"), (dense_mask, "dense boolean mask"), (dropout, "dropout")):
     if present:
       return what
+  if why := v_head_dim_reason(q_shape[-1], v_head_dim):
+    return why
   if not interpret:
     kind = device_kind or gpu.device_kind()
     if kind != "sm_90":
@@ -112,7 +116,7 @@ def attention(q, k, v, *, mask: Mask | None = None, score_mod: Callable | None =
   if forward_config is not None and not isinstance(forward_config, MosaicForwardConfig):
     raise TypeError(f"forward_config must be a MosaicForwardConfig, got {type(forward_config).__name__}")
   check_kernel_call("mosaic", supports(q.shape, k.shape, q.dtype, mask=mask, score_mod=score_mod, scale=scale,
-                                      interpret=interpret), q, k, v, mask)
+                                      interpret=interpret, v_head_dim=v.shape[-1]), q, k, v, mask)
   scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
   device = gpu.kernel_device(interpret)
   itemsize, d = jnp.dtype(q.dtype).itemsize, q.shape[-1]

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from probjax.ops.attention import sharding
-from probjax.ops.attention.base import check_kernel_call, score_mod_reason
+from probjax.ops.attention.base import check_kernel_call, score_mod_reason, v_head_dim_reason
 from probjax.ops.attention.call import KERNEL_MASK_KINDS
 from probjax.ops.attention.gpu import triton_lowerable  # (re-exported)
 from probjax.ops.attention.masks import Mask
@@ -38,11 +38,12 @@ _DTYPES = ("bfloat16", "float16", "float32")
 
 def supports(q_shape, kv_shape, dtype, *, mask: Mask | None = None,
              score_mod: Callable | None = None, bias: bool = False, dense_mask: bool = False,
-             dropout: bool = False, interpret: bool = False) -> str | None:
+             dropout: bool = False, interpret: bool = False, v_head_dim: int | None = None) -> str | None:
   """None if :func:`attention` computes the call exactly, else a short reason.
 
   Args:
     q_shape: ``(batch, q_len, heads, head_dim)``; kv_shape: ``(batch, kv_len, kv_heads, head_dim)``.
+    v_head_dim: the values' head_dim (None: ``head_dim``).
     bias, dense_mask, dropout: whether the call has them (the kernels do not).
   """
   if bias:
@@ -51,6 +52,8 @@ def supports(q_shape, kv_shape, dtype, *, mask: Mask | None = None,
     return "dense boolean mask"
   if dropout:
     return "dropout"
+  if why := v_head_dim_reason(q_shape[-1], v_head_dim):
+    return why
   if not interpret and jax.devices()[0].platform != "gpu":
     return f"platform {jax.devices()[0].platform} without interpret"
   if _dtype_name(dtype) not in _DTYPES:
@@ -109,7 +112,7 @@ def attention(q, k, v, *, mask: Mask | None = None, score_mod: Callable | None =
     ``[batch, q_len, heads, head_dim]`` in q's dtype.
   """
   check_kernel_call("triton", supports(q.shape, k.shape, q.dtype, mask=mask, score_mod=score_mod,
-                                      interpret=interpret), q, k, v, mask)
+                                      interpret=interpret, v_head_dim=v.shape[-1]), q, k, v, mask)
   if scale is None:
     scale = 1.0 / math.sqrt(q.shape[-1])
   device, fcfg, impl, bcfg = _configs(q, k, forward_config, backward_config, backward_pass_impl, interpret)
