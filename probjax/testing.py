@@ -590,3 +590,22 @@ def decode_steps(layer, x, state, start: int):
     y, state = step(layer, x[:, t], state)
     ys.append(y)
   return jnp.stack(ys, 1), state
+
+
+def run_on_fake_devices(script: str, devices: int, *, timeout: float = 600):
+  """Runs ``script`` (Python source that prints one JSON document as its last line) in a
+  subprocess whose CPU backend has ``devices`` fake devices, and returns that document: a
+  process's device count is fixed when JAX starts, so multi-device tests run apart."""
+  import json
+  import os
+  import pathlib
+  import subprocess
+  import sys
+
+  root = str(pathlib.Path(__file__).resolve().parents[1])
+  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+             PYTHONPATH=root)
+  p = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True,
+                     timeout=timeout)
+  assert p.returncode == 0, p.stderr[-3000:]
+  return json.loads(p.stdout.strip().splitlines()[-1])

@@ -3,10 +3,6 @@ devices: every schedule and layout equals single-device ``dot_product_attention(
 "xla")`` in values and gradients. The multi-device cases run in one subprocess with
 ``--xla_force_host_platform_device_count=8`` that prints one result row per case."""
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax.numpy as jnp
@@ -14,8 +10,8 @@ import numpy as np
 import pytest
 
 from probjax.ops.attention.context_parallel import from_zigzag, to_zigzag
+from probjax.testing import run_on_fake_devices
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _SCRIPT = textwrap.dedent("""
     import functools, json, sys
@@ -150,12 +146,7 @@ _SCRIPT = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def results():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
-             PYTHONPATH=ROOT)
-  p = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
-                     timeout=600)
-  assert p.returncode == 0, p.stderr[-3000:]
-  return {r["case"]: r for r in json.loads(p.stdout.strip().splitlines()[-1])}
+  return {r["case"]: r for r in run_on_fake_devices(_SCRIPT, 8)}
 
 
 def test_every_schedule_matches_one_device_values_and_gradients(results):

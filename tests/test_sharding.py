@@ -9,10 +9,6 @@ checked on two GPUs in ``tests/test_cudnn_ffi.py``; the Triton kernel's calls (i
 mode), with a mask's segment ids as operands, on the 4 CPU devices here.
 """
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -25,9 +21,8 @@ from probjax.ops.attention import sharding
 from probjax.ops.attention.reference import reference_attention
 from probjax.ops.attention.tolerances import max_error, tolerance
 from probjax.ops.attention.backends.xla.dense import dense_attention
-from probjax.testing import make_inputs
+from probjax.testing import make_inputs, run_on_fake_devices
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEEN: list[tuple] = []
 
 
@@ -78,7 +73,7 @@ _SHARDED = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from tests import test_sharding as T
-    from probjax.testing import make_inputs
+    from probjax.testing import make_inputs, run_on_fake_devices
     mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
     results = []
     for kv_heads, spec in [(2, P("data", None, "model")), (2, P(None, None, "model")),
@@ -120,12 +115,7 @@ _SHARDED = textwrap.dedent("""
 
 
 def test_partitioned_over_batch_and_heads_on_four_devices():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
-             PYTHONPATH=ROOT)
-  p = subprocess.run([sys.executable, "-c", _SHARDED], cwd=ROOT, env=env, capture_output=True, text=True,
-                     timeout=300)
-  assert p.returncode == 0, p.stderr[-3000:]
-  rows = json.loads(p.stdout.strip().splitlines()[-1])
+  rows = run_on_fake_devices(_SHARDED, 4, timeout=300)
   got = {(r["kv_heads"], r["spec"]): r for r in rows if "spec" in r}
   # batch over "data", heads over "model" (GQA: 4 query heads, 2 key/value heads): local shards, no gather
   r = got[(2, "P('data', None, 'model')")]
