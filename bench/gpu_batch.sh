@@ -29,6 +29,8 @@
 # moe[:SUITES[:TOKENS]], scan[:MODES], lm[:SECTIONS], dit[:CASES], mla[:SUITES] ('+'-joined lists):
 #   bench/moe.py, bench/scan.py, bench/lm_step.py, bench/dit_step.py, bench/mla.py into
 #   $RES/<device>/{moe,scan,lm_step,dit_step,mla}.json, resumed.
+# isab[:SIZES] ('+'-joined set sizes): bench/isab.py (the ISAB block, head_dim 32, against jax.nn
+#   and torch flex_attention; about 4 minutes on an H200) into $RES/<device>/isab.json, resumed.
 # (tests: pytest --gpu on the gpu-marked tests (tests:EXPR: only those matching -k EXPR), failures
 # printed as they happen, log in $OUT/gpu_tests.log; it gets at most a third of the remaining
 # time, or TESTS_MAX_S seconds)
@@ -140,6 +142,11 @@ for s in "${steps[@]}"; do
                echo "[batch] $(date +%T) $s" | tee -a "$OUT/batch.log"
                timeout "$(python3 -c "print(int(60 * $(left_min)))")" $PY -m bench.mla \
                  ${suites:+--suite "${suites//+/,}"} --output "$RES/$DEV/mla.json" 2>&1 | tail -8 | tee -a "$OUT/batch.log" ;;
+    isab|isab:*) sizes="${s#isab}"; sizes="${sizes#:}"   # isab[:SIZES+...]: bench/isab.py
+               echo "[batch] $(date +%T) $s" | tee -a "$OUT/batch.log"
+               timeout "$(python3 -c "print(int(60 * $(left_min)))")" $PY -m bench.isab ${sizes:+--sizes "${sizes//+/,}"} \
+                 --output "$RES/$DEV/isab.json" --append --no-progress --max-minutes "$(left_min)" 2>&1 \
+                 | tail -12 | tee -a "$OUT/batch.log" ;;
     dispatch)  run_step bench.benchmark_kernel_attn_gpu --device gpu --suite dispatch ;;
     grid_core) split bench.benchmark_gpu_attention --suite grid --dtypes bf16 --lengths 1024,4096,16384 ;;
     peak)      run_step bench.benchmark_kernel_attn_gpu --device gpu --suite peak --child-timeout 100 ;;

@@ -275,12 +275,13 @@ def row_key(row: dict) -> tuple:
 
 
 # The suites with their own row schema (bench/lm_step.py, moe.py, scan.py, dit_step.py,
-# mla.py): the fields that key their rows, by file name.
+# mla.py, isab.py): the fields that key their rows, by file name.
 OWN_SCHEMA_KEYS = {"lm_step": ("section", "case", "impl"),
                    "moe": ("suite", "mode", "impl", "size", "dist", "shape"),
                    "scan": ("case", "impl", "mode", "dtype", "shape"),
                    "dit_step": ("section", "case", "impl"),
-                   "mla": ("suite", "case", "impl", "mode")}
+                   "mla": ("suite", "case", "impl", "mode"),
+                   "isab": ("case", "impl", "mode")}
 
 
 def key_function(path: str):

@@ -53,6 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from bench import harness
 from bench.torch_isab_worker import pool_rounds
 from probjax.core import timing
 from probjax.core.tolerances import max_error, tolerance
@@ -63,7 +64,7 @@ PROBJAX_IMPLS = ("triton", "mosaic", "cudnn", "xla")
 IMPLS = ("jaxnn_xla", "probjax_default", *(f"probjax_{i}" for i in PROBJAX_IMPLS), "jaxnn_cudnn", "torch_flex")
 REF = "jaxnn_xla"
 MODES = ("fwd", "fwd_bwd")
-KEY = ("case", "impl", "mode")
+KEY = harness.OWN_SCHEMA_KEYS["isab"]
 FWD_BWD_FLOP_FACTOR = 3.5
 FLOP_CONVENTION = (f"attention matmuls only, padded sizes: 4*B*H*Tq*Tk*d per attention, two per ISAB; "
                    f"fwd_bwd = {FWD_BWD_FLOP_FACTOR} x fwd")
@@ -247,13 +248,6 @@ def case_name(c: Config, n: int) -> str:
   return f"B{c.batch} n{n} F{c.features} H{c.heads} m{c.inducing} pad{int(100 * c.pad_fraction)}"
 
 
-def load_rows(path: str) -> list[dict]:
-  if not os.path.exists(path):
-    return []
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
-
-
 def row_key(row: dict) -> tuple:
   return tuple(row.get(k) for k in KEY)
 
@@ -305,17 +299,17 @@ def main(argv=None):
                 compute_capability=info["compute_capability"], versions=info["versions"], commit=info["commit"],
                 command=" ".join(["python -m bench.isab", *(sys.argv[1:] if argv is None else argv)]),
                 config=dataclasses.asdict(c), dtype="bfloat16", flop_convention=FLOP_CONVENTION)
-  done = {row_key(r): r for r in load_rows(args.output)} if args.append else {}
-  if not args.append and os.path.exists(args.output):
-    os.remove(args.output)
+  rows = {row_key(r): r for r in harness.load_rows(args.output)} if args.append else {}
+  done = dict(rows)
   os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
 
-  def write(row):
+  def write(row):  # the file is rewritten: one row per key
     row = dict(row, time=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     if row.get("status") == "ok":
       row["tflops"] = row["flops"] / (row["ms"] * 1e-3) / 1e12
-    with open(args.output, "a") as f:
-      f.write(json.dumps(row, default=str) + "\n")
+    rows[row_key(row)] = row
+    with open(args.output, "w") as f:
+      f.writelines(json.dumps(r, default=str) + "\n" for r in rows.values())
     bar.write(f"{row['case']} {row['mode']:7s} {row['impl']:16s} {row['status']:11s} "
               + (f"{row['ms']:.3f} ms  {row['tflops']:.1f} TFLOP/s  err {row.get('max_error', float('nan')):.2g}"
                  if row["status"] == "ok" else row.get("error", "")[:160]))
@@ -345,8 +339,9 @@ def main(argv=None):
       time_torch(c, n, torch_modes, args, write, refs, base)
       bar.update(len(torch_modes))
   bar.close()
-  for line in summary(load_rows(args.output)):
+  for line in summary(list(rows.values())):
     print(line)
+  return list(rows.values())
 
 
 
