@@ -174,10 +174,11 @@ def dispatch_of(c: Config, n: int, lengths) -> list[str]:
 
 
 def time_jax(c, n, todo, args, write, refs, base):
-  """Compiles the JAX rows ``todo`` of set size ``n``, then times them in rotated rounds."""
+  """Compiles the JAX rows ``todo`` of set size ``n``, then times them in rotated rounds.
+  ``refs``: ``{mode: REF's result}``, filled in here from ``REF``'s rows (compiled first)."""
   x, lengths, ct, valid = inputs(c, n)
   live = {}
-  for impl, mode in todo:
+  for impl, mode in sorted(todo, key=lambda t: t[0] != REF):
     row = dict(base(mode), impl=impl)
     if impl == "probjax_default":
       row["dispatch"] = dispatch_of(c, n, lengths)
@@ -186,6 +187,8 @@ def time_jax(c, n, todo, args, write, refs, base):
       t0 = time.perf_counter()
       result = to_result(jax.block_until_ready(fn(*fargs)))
       row["first_call_s"] = time.perf_counter() - t0
+      if impl == REF:
+        refs[mode] = result
       row.update(agreement(result, refs.get(mode), mode))
       del result
     except Exception as e:  # noqa: BLE001 (one failing implementation never ends a run)
@@ -204,7 +207,7 @@ def time_jax(c, n, todo, args, write, refs, base):
 
 
 def reference(c, n, modes):
-  """``{mode: result}`` of ``REF`` (the agreement's reference)."""
+  """``{mode: result}`` of ``REF`` (the agreement's reference) where its rows are not measured."""
   x, lengths, ct, valid = inputs(c, n)
   out = {}
   for mode in modes:
@@ -329,7 +332,7 @@ def main(argv=None):
       break
     base = lambda mode, n=n: dict(common, case=case_name(c, n), set_size=n,
                                   valid_per_set=n - int(n * c.pad_fraction), mode=mode, flops=attention_flops(c, n, mode))
-    refs = reference(c, n, sorted({m for _, m in todo}))
+    refs = reference(c, n, sorted({m for _, m in todo} - {m for i, m in todo if i == REF}))
     jax_todo = [(i, m) for i, m in todo if i != "torch_flex"]
     time_jax(c, n, jax_todo, args, write, refs, base)
     bar.update(len(jax_todo))
