@@ -162,3 +162,20 @@ def test_example_training_lowers_loss_and_samples():
   assert len(losses) == 30 and np.isfinite(losses).all()
   assert losses[-5:].mean() < 0.9 * losses[:5].mean(), losses
   assert out["samples"].shape[-1] == 2 and np.isfinite(out["samples"]).all()
+
+
+@pytest.mark.slow  # ~15 s each on a shared 2-core CPU, most of it compiling
+@pytest.mark.parametrize("remat", [False, True])
+def test_unrolled_layers_match_the_scan(remat):
+  # The same stacked parameters (numpy_init draws them by path) run by nnx.scan and unrolled.
+  a = _inputs()
+  mask, cmask = KVLenMask(jnp.asarray(SIZES)), KVLenMask(jnp.array([5, 2]))
+  loss = lambda m, x: jnp.sum(jnp.sin(_forward(m, dict(a, x=x), mask, cmask))[:, :3])
+  f = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1)))
+  (want, (gm_want, gx_want)), (got, (gm, gx)) = [
+      f(numpy_init(lambda s=s: _dit(scan_layers=s, remat=remat)), a["x"]) for s in (True, False)]
+  flat = lambda g: jnp.concatenate([jnp.ravel(v) for v in jax.tree.leaves(g)])
+  assert float(jnp.abs(flat(gm_want)).max()) > 0 and float(jnp.abs(gx_want).max()) > 0
+  assert max_error(got, want) < TOL
+  assert max_error(flat(gm), flat(gm_want)) < tolerance(jnp.float32, grad=True)
+  assert max_error(gx, gx_want) < tolerance(jnp.float32, grad=True)

@@ -15,7 +15,10 @@ Every block's shift/scale/gate and the final layer's shift/scale depend on ``c``
 come out of one zero-initialised matmul of ``silu(c)``, computed once per call, not per
 block. At initialisation every gate is zero, so every block is exactly the identity, and the
 zero-initialised final projection makes the output exactly zero. The blocks' parameters are
-stacked (``nnx.vmap``) and applied by ``nnx.scan`` (one compiled block).
+stacked (``nnx.vmap``) and applied by ``nnx.scan`` (one compiled block), or with
+``scan_layers=False`` by a Python loop over the stacked parameters' slices (one compiled copy
+per block: longer compiles, and XLA may fuse and schedule across blocks); the parameters and
+the output are the same either way.
 
 ``mask`` (a probjax mask, e.g. ``KVLenMask(sizes)`` for token sets right-padded to a common
 size) goes to every self-attention; ``context_mask`` to every cross-attention.
@@ -140,6 +143,8 @@ class DiffusionTransformer(nnx.Module):
     frequency_features, time_scale: the timestep features are
       ``timestep_embedding(time_scale * t, frequency_features)`` (``t`` in [0, 1] by default).
     remat: recompute each block in the backward pass (``nnx.remat``).
+    scan_layers: run the blocks under ``nnx.scan`` (True) or unrolled (False); the same
+      stacked parameters and output either way.
     attention_fn: of every attention layer; dtype, param_dtype: compute and parameter dtypes.
 
   >>> import jax.numpy as jnp
@@ -158,7 +163,7 @@ class DiffusionTransformer(nnx.Module):
                qk_norm: bool = False, patch_size: int | None = None, num_classes: int | None = None,
                class_dropout_rate: float = 0.0, cond_features: int | None = None,
                context_features: int | None = None, frequency_features: int = 256,
-               time_scale: float = 1000.0, remat: bool = False,
+               time_scale: float = 1000.0, remat: bool = False, scan_layers: bool = True,
                attention_fn: Callable = dot_product_attention, dtype=None,
                param_dtype=jnp.float32, rngs: nnx.Rngs):
     for name, v in (("in_features", in_features), ("features", features), ("num_layers", num_layers),
@@ -182,6 +187,7 @@ class DiffusionTransformer(nnx.Module):
     self.patch_size, self.num_classes = patch_size, num_classes
     self.class_dropout_rate, self.cond_features = class_dropout_rate, cond_features
     self.frequency_features, self.time_scale, self.remat = frequency_features, time_scale, remat
+    self.scan_layers = scan_layers
     kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     p2 = 1 if patch_size is None else patch_size ** 2
     self.embed = nnx.Linear(p2 * in_features, features, **kw)
@@ -275,7 +281,13 @@ class DiffusionTransformer(nnx.Module):
       return block(h, m, context=context, context_mask=context_mask, mask=mask)
     if self.remat:
       body = nnx.remat(body)
-    h = nnx.scan(body, in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry)(self._tokens(x), self.blocks, blocks)
+    h = self._tokens(x)
+    if self.scan_layers:
+      h = nnx.scan(body, in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry)(h, self.blocks, blocks)
+    else:
+      graphdef, stacked = nnx.split(self.blocks)
+      for i in range(l):
+        h = body(h, nnx.merge(graphdef, jax.tree.map(lambda a: a[i], stacked)), blocks[i])
     return h, final[:, None, :]
 
   def __call__(self, x, t, *, labels=None, cond=None, context=None, context_mask=None, mask=None,
