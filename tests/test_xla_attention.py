@@ -239,3 +239,85 @@ def test_value_head_dim_validation(kwargs, pattern):
   q = jnp.ones((2, 8, 4, 16))
   with pytest.raises(ValueError, match=pattern):
     dot_product_attention(q, jnp.ones(kwargs["k_shape"]), jnp.ones(kwargs["v_shape"]))
+
+
+# -- segment ids as traced jit arguments ---------------------------------------------------------
+def _segment_ids(kind, b, t, seed):
+  """``[b, t]`` int32 ids: ``"sorted"`` packed documents, ``"unsorted"`` ids in random order,
+  ``"padded"`` packed documents followed by a padding id (0) from a per-row length on."""
+  rng = np.random.default_rng(seed)
+  if kind == "unsorted":
+    return rng.integers(0, 3, (b, t)).astype(np.int32)
+  cuts = np.sort(rng.integers(1, t, (b, 3)), axis=1)
+  ids = 1 + (np.arange(t)[None, :, None] >= cuts[:, None, :]).sum(-1)
+  if kind == "padded":
+    ids = np.where(np.arange(t)[None] < rng.integers(t // 2, t, (b, 1)), ids, 0)
+  return ids.astype(np.int32)
+
+
+def _traced_segments(formulation, other=None, **kw):
+  """attn(q, k, v, bias) whose SegmentMask ids are arguments of a jitted function."""
+  @jax.jit
+  def run(q, k, v, q_ids, kv_ids):
+    mask = M.SegmentMask(q_ids, kv_ids)
+    mask = mask if other is None else mask & other
+    return xla.attention(q, k, v, formulation=formulation, mask=mask, scale=q.shape[-1] ** -0.5, **kw)
+  return run
+
+
+@pytest.mark.parametrize("kind", ["sorted", "unsorted", "padded"])
+@pytest.mark.parametrize("formulation,tq,tk", [("flash", 300, 300), ("flash", 600, 520), ("dense", 40, 56)])
+def test_traced_segment_ids_match_reference(kind, formulation, tq, tk):
+  """Ids passed to jit (the training case) compute what the float64 reference does, values and
+  every gradient; queries and keys get different ids (cross attention of packed documents)."""
+  x = make_inputs(hash((kind, tq)) % 1000, 2, tq, tk, 4, 2, 16)
+  q_ids, kv_ids = _segment_ids(kind, 2, tq, tq), _segment_ids(kind, 2, tk, tk + 1)
+  run = _traced_segments(formulation)
+  mask = M.SegmentMask(jnp.asarray(q_ids), jnp.asarray(kv_ids))
+  check_against_reference(lambda q, k, v, b: run(q, k, v, q_ids, kv_ids), x, mask=mask)
+
+
+@pytest.mark.parametrize("other", [M.CausalMask(), M.KVLenMask(jnp.array([450, 130])),
+                                   M.CausalMask() & M.KVLenMask(jnp.array([600, 1]))],
+                         ids=["causal", "kv_len", "causal&kv_len"])
+def test_traced_segment_ids_with_other_predicates(other):
+  x = make_inputs(17, 2, 600, 600, 2, 1, 16)
+  ids = _segment_ids("padded", 2, 600, 3)
+  run = _traced_segments("flash", other)
+  mask = M.SegmentMask(jnp.asarray(ids)) & other
+  check_against_reference(lambda q, k, v, b: run(q, k, v, ids, ids), x, mask=mask)
+
+
+@pytest.mark.parametrize("t", [300, 600])
+def test_traced_segment_ids_fully_masked_rows_are_zero(t):
+  """Queries whose id no key has give zeros and zero gradients, never NaN."""
+  x = make_inputs(23, 2, t, t, 2, 2, 16)
+  q_ids = _segment_ids("sorted", 2, t, 5)
+  q_ids[:, : t // 3] = 9  # no key has id 9
+  q_ids[1] = 9  # batch element 1: every row empty
+  kv_ids = _segment_ids("sorted", 2, t, 5)
+  run = _traced_segments("flash")
+  out, vjp = jax.vjp(lambda q, k, v: run(q, k, v, q_ids, kv_ids), x.q, x.k, x.v)
+  dq, dk, dv = vjp(x.do)
+  for a in (out, dq, dk, dv):
+    assert np.all(np.isfinite(np.asarray(a)))
+  assert np.all(np.asarray(out[:, : t // 3]) == 0) and np.all(np.asarray(dq[:, : t // 3]) == 0)
+  assert all(np.all(np.asarray(a[1]) == 0) for a in (out, dq, dk, dv))
+  mask = M.SegmentMask(jnp.asarray(q_ids), jnp.asarray(kv_ids))
+  check_against_reference(lambda q, k, v, b: run(q, k, v, q_ids, kv_ids), x, mask=mask)
+
+
+def _conds(f, *args):
+  """The number of conds in the jaxpr of ``f(*args)`` (its text shows the nested ones too)."""
+  return str(jax.make_jaxpr(f)(*args)).count(" cond[")
+
+
+def test_traced_segment_ids_single_tile_has_no_tile_cond():
+  """A single tile is computed without a cond on its (run-time) tile class: on XLA:CPU the cond
+  made traced ids much slower than constant ones, whose cond folds away. Several tiles keep
+  the run-time skip of the tiles that no batch element needs."""
+  x = make_inputs(29, 1, 300, 300, 2, 2, 16)
+  ids = jnp.asarray(_segment_ids("sorted", 1, 300, 7))
+  grad = lambda **kw: jax.grad(lambda q, ids: jnp.sum(_traced_segments("flash", **kw)(q, x.k, x.v, ids, ids)))
+  assert _conds(grad(), x.q, ids) == 0
+  assert _conds(grad(block_q=128, block_k=128), x.q, ids) > 0

@@ -38,14 +38,15 @@ class Segments(Predicate):
         "pair of id arrays (e.g. id_a * num_ids_b + id_b) and pass one SegmentMask")
 
   def element(self, q_idx, k_idx, b):
+    # Each index array gathers its own ids and the comparison broadcasts: a [bq, 1] x [1, bk]
+    # tile gathers bq + bk ids, not 2 * bq * bk.
     qs, ks = jnp.asarray(self.q_segment_ids), jnp.asarray(self.kv_segment_ids)
-    qi = jnp.broadcast_to(q_idx, jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(k_idx)))
-    ki = jnp.broadcast_to(k_idx, qi.shape)
+    shape = jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(k_idx))
+    qi, ki = (jnp.reshape(i, (1,) * (len(shape) - jnp.ndim(i)) + jnp.shape(i)) for i in (q_idx, k_idx))
     if b is not None:
-      return jnp.take(qs[b], qi, mode="clip") == jnp.take(ks[b], ki, mode="clip")
-    qsv = jnp.take(qs, qi.reshape(-1), axis=1, mode="clip").reshape((qs.shape[0],) + qi.shape)
-    ksv = jnp.take(ks, ki.reshape(-1), axis=1, mode="clip").reshape((ks.shape[0],) + ki.shape)
-    return qsv == ksv
+      return jnp.broadcast_to(jnp.take(qs[b], qi, mode="clip") == jnp.take(ks[b], ki, mode="clip"), shape)
+    ids = lambda x, i: jnp.take(x, i.reshape(-1), axis=1, mode="clip").reshape((x.shape[0],) + i.shape)
+    return jnp.broadcast_to(ids(qs, qi) == ids(ks, ki), (max(qs.shape[0], ks.shape[0]),) + shape)
 
   def classify(self, grid: TileGrid):
     qmin, qmax = _block_min_max(jnp.broadcast_to(self.q_segment_ids, (grid.batch, grid.q_len)), grid.block_q)

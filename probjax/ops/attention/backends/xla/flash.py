@@ -170,8 +170,15 @@ def _maybe_skip(tile_any, iq, ik, compute, carry):
 
 
 def _tile_any(st: _Static, mask: Mask | None, batch: int):
+  """``[nq, nk]`` bool, whether tile (iq, ik) allows some element for some batch element
+  (from the mask's arrays at run time), or None where no tile is skipped."""
   if mask is None:
     return None  # no mask arrays (flash_attention drops band-only masks): loop bounds suffice
+  if st.nq == 1 and st.nk == 1:
+    # A single tile that is empty computes zero rows anyway; a cond around it would cost
+    # XLA:CPU more than the tile (the loop, its one trip, and a constant predicate fold away
+    # only when the mask's arrays are constants).
+    return None
   cls = mask.classify_tiles(batch, st.nq * st.block_q, st.nk * st.block_k, st.block_q, st.block_k)
   return jnp.any(cls != EMPTY, axis=0)
 
