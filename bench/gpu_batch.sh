@@ -26,7 +26,8 @@
 # The SM clock, temperature, power and throttle reasons are sampled every 0.5 s into
 # $OUT/gpu_clocks.csv (to read a run's noise; not committed).
 # newops_tests: the grouped-matmul, scan and MoE tests with their kernels compiled (not interpreted).
-# moe[:SUITES[:TOKENS]], scan[:MODES], lm[:SECTIONS], dit[:CASES], mla[:SUITES] ('+'-joined lists):
+# moe[:SUITES[:TOKENS]], scan[:MODES], lm[:SECTIONS], dit[:CASES[:VARIANTS]], mla[:SUITES] ('+'-joined lists;
+#   dit's VARIANTS default all, e.g. dit:S+B:baseline+unrolled+xla_cmdbuf_off, dit::unrolled.flat_adamw):
 #   bench/moe.py, bench/scan.py, bench/lm_step.py, bench/dit_step.py, bench/mla.py into
 #   $RES/<device>/{moe,scan,lm_step,dit_step,mla}.json, resumed.
 # isab[:SIZES] ('+'-joined set sizes): bench/isab.py (the ISAB block, head_dim 32, against jax.nn
@@ -133,11 +134,12 @@ for s in "${steps[@]}"; do
                timeout "$(python3 -c "print(int(60 * $(left_min)))")" $PY bench/lm_step.py \
                  --sections "$(x=${sections:-matmul+train+train_packed+decode}; echo "${x//+/,}")" \
                  --output "$RES/$DEV/lm_step.json" --max-minutes "$(left_min)" 2>&1 | tail -12 | tee -a "$OUT/batch.log" ;;
-    dit|dit:*) cases="${s#dit}"; cases="${cases#:}"   # dit[:CASES+...]: bench/dit_step.py
+    dit|dit:*) IFS=':' read -r _ cases variants <<< "$s"   # dit[:CASES+...[:VARIANTS+...]]: bench/dit_step.py
                echo "[batch] $(date +%T) $s" | tee -a "$OUT/batch.log"
                timeout "$(python3 -c "print(int(60 * $(left_min)))")" $PY bench/dit_step.py \
-                 ${cases:+--cases "${cases//+/,}"} --output "$RES/$DEV/dit_step.json" --max-minutes "$(left_min)" 2>&1 \
-                 | tail -8 | tee -a "$OUT/batch.log" ;;
+                 ${cases:+--cases "${cases//+/,}"} ${variants:+--variants "${variants//+/,}"} \
+                 --output "$RES/$DEV/dit_step.json" --max-minutes "$(left_min)" 2>&1 \
+                 | tail -24 | tee -a "$OUT/batch.log" ;;
     mla|mla:*) suites="${s#mla}"; suites="${suites#:}"   # mla[:SUITES+...]: bench/mla.py
                echo "[batch] $(date +%T) $s" | tee -a "$OUT/batch.log"
                timeout "$(python3 -c "print(int(60 * $(left_min)))")" $PY -m bench.mla \
