@@ -266,37 +266,40 @@ def _traced_segments(formulation, other=None, **kw):
 
 
 @pytest.mark.parametrize("kind", ["sorted", "unsorted", "padded"])
-@pytest.mark.parametrize("formulation,tq,tk", [("flash", 300, 300), ("flash", 600, 520), ("dense", 40, 56)])
-def test_traced_segment_ids_match_reference(kind, formulation, tq, tk):
+@pytest.mark.parametrize("formulation,tq,tk,blocks", [("flash", 300, 300, None), ("flash", 300, 260, 128),
+                                                      ("dense", 40, 56, None)])
+def test_traced_segment_ids_match_reference(kind, formulation, tq, tk, blocks):
   """Ids passed to jit (the training case) compute what the float64 reference does, values and
-  every gradient; queries and keys get different ids (cross attention of packed documents)."""
-  x = make_inputs(hash((kind, tq)) % 1000, 2, tq, tk, 4, 2, 16)
+  every gradient, on one tile and on several; queries and keys get different ids (cross
+  attention of packed documents)."""
+  x = make_inputs(hash((kind, tq, tk)) % 1000, 2, tq, tk, 2, 1, 8)
   q_ids, kv_ids = _segment_ids(kind, 2, tq, tq), _segment_ids(kind, 2, tk, tk + 1)
-  run = _traced_segments(formulation)
+  run = _traced_segments(formulation, **({} if blocks is None else dict(block_q=blocks, block_k=blocks)))
   mask = M.SegmentMask(jnp.asarray(q_ids), jnp.asarray(kv_ids))
   check_against_reference(lambda q, k, v, b: run(q, k, v, q_ids, kv_ids), x, mask=mask)
 
 
-@pytest.mark.parametrize("other", [M.CausalMask(), M.KVLenMask(jnp.array([450, 130])),
-                                   M.CausalMask() & M.KVLenMask(jnp.array([600, 1]))],
+@pytest.mark.parametrize("other", [M.CausalMask(), M.KVLenMask(jnp.array([250, 130])),
+                                   M.CausalMask() & M.KVLenMask(jnp.array([300, 1]))],
                          ids=["causal", "kv_len", "causal&kv_len"])
 def test_traced_segment_ids_with_other_predicates(other):
-  x = make_inputs(17, 2, 600, 600, 2, 1, 16)
-  ids = _segment_ids("padded", 2, 600, 3)
-  run = _traced_segments("flash", other)
+  x = make_inputs(17, 2, 300, 300, 2, 1, 8)
+  ids = _segment_ids("padded", 2, 300, 3)
+  run = _traced_segments("flash", other, block_q=128, block_k=128)
   mask = M.SegmentMask(jnp.asarray(ids)) & other
   check_against_reference(lambda q, k, v, b: run(q, k, v, ids, ids), x, mask=mask)
 
 
-@pytest.mark.parametrize("t", [300, 600])
-def test_traced_segment_ids_fully_masked_rows_are_zero(t):
+@pytest.mark.parametrize("blocks", [None, 128])
+def test_traced_segment_ids_fully_masked_rows_are_zero(blocks):
   """Queries whose id no key has give zeros and zero gradients, never NaN."""
-  x = make_inputs(23, 2, t, t, 2, 2, 16)
+  t = 300
+  x = make_inputs(23, 2, t, t, 2, 1, 8)
   q_ids = _segment_ids("sorted", 2, t, 5)
   q_ids[:, : t // 3] = 9  # no key has id 9
   q_ids[1] = 9  # batch element 1: every row empty
   kv_ids = _segment_ids("sorted", 2, t, 5)
-  run = _traced_segments("flash")
+  run = _traced_segments("flash", **({} if blocks is None else dict(block_q=blocks, block_k=blocks)))
   out, vjp = jax.vjp(lambda q, k, v: run(q, k, v, q_ids, kv_ids), x.q, x.k, x.v)
   dq, dk, dv = vjp(x.do)
   for a in (out, dq, dk, dv):
@@ -316,7 +319,7 @@ def test_traced_segment_ids_single_tile_has_no_tile_cond():
   """A single tile is computed without a cond on its (run-time) tile class: on XLA:CPU the cond
   made traced ids much slower than constant ones, whose cond folds away. Several tiles keep
   the run-time skip of the tiles that no batch element needs."""
-  x = make_inputs(29, 1, 300, 300, 2, 2, 16)
+  x = make_inputs(29, 1, 300, 300, 2, 1, 8)
   ids = jnp.asarray(_segment_ids("sorted", 1, 300, 7))
   grad = lambda **kw: jax.grad(lambda q, ids: jnp.sum(_traced_segments("flash", **kw)(q, x.k, x.v, ids, ids)))
   assert _conds(grad(), x.q, ids) == 0
