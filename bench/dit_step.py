@@ -11,7 +11,27 @@ Sections (``--sections``, default all, in this order):
   parameters and optimizer state donated. Cases (``--cases``): ``S`` (hidden 384, depth 12,
   6 heads: head_dim 64) and ``B`` (768, 12, 12: head_dim 64). Peers (``attention_fn``):
   ``probjax`` (``dot_product_attention``), ``flax`` (``flax.nnx.dot_product_attention``) and
-  ``jaxnn_cudnn`` (``jax.nn.dot_product_attention(implementation="cudnn")``).
+  ``jaxnn_cudnn`` (``jax.nn.dot_product_attention(implementation="cudnn")``). Variants of the
+  probjax row (``--variants``, default all; :data:`VARIANTS`, '.'-joined to combine; rows
+  ``probjax_<variant>``, ``probjax`` the baseline): ``unrolled`` (``scan_layers=False``: the 12
+  blocks unrolled, not one ``nnx.scan`` body), ``flat_adamw`` (the parameters as one flat fp32
+  vector: the AdamW update is one fusion instead of one per leaf), ``adamw_mu_bf16``
+  (``optax.adamw(mu_dtype=bfloat16)``), and XLA flags read when JAX starts, each run in a child
+  process with them in ``XLA_FLAGS``: ``xla_cmdbuf_off`` (no command buffers / CUDA graphs),
+  ``xla_cmdbuf_while`` (command buffers also over the scan's while loop and conditionals,
+  graphs of any size), ``xla_cmdbuf_unroll`` (that loop unrolled inside the command buffer).
+
+Each row: wall ms per step (median ``ms``, ``p10_ms``/``p90_ms`` over the rounds), and on a GPU
+from a ``jax.profiler`` trace of ``--iters`` more steps (``bench.harness.kernel_intervals``):
+``device_ms`` (the kernels' summed duration per step, ``bench.harness.kernel_ms``'s
+convention), ``wall_over_device`` (``ms / device_ms``: 1 when the host keeps the GPU busy),
+``kernels_per_step``, ``kernel_ms_by_kind`` (attention / matmul / other by kernel name; other:
+elementwise, norms, reductions, the optimizer) and ``top_kernels`` (the 8 names with the most
+time: ``ms_per_step``, ``count_per_step``). XLA runs the profiled steps op by op, not from
+command buffers, so ``device_ms`` is the kernels' time either way and ``ms`` alone shows what
+command buffers save. Elsewhere ``device_ms_error`` says why there is none. Every row's
+first-step loss and its loss after one update (``second_loss``) are checked against the
+baseline probjax row's: ``check_rel_loss_diff``, ``check_rel_loss2_diff``, ``check``.
 
 FLOP convention (model FLOPs, no recomputation counted), printed with the rows: per token,
 ``N_tok`` = matmul parameters applied to every token = layers * (4 d^2 + 2 d F) (q, k, v,
@@ -23,10 +43,10 @@ tokens + N_ex * batch)`` (forward 2N, backward 4N). Attention per layer forward:
 T^2 * d`` (no mask). MFU = FLOPs / time / peak (989.4e12 bf16 dense for H100/H200 SXM; None
 on other devices, where ``frac_of_matmul`` still says how close).
 
-Timing: compile + warm-up, then ``--repeats`` rounds; each round times every peer once (a
-block of ``--iters`` steps), in an order that rotates by one each round; peers run in the same
-process on the same inputs. Medians are reported. Every peer is first checked against
-probjax (first-step loss): a row whose check fails says so in ``check``. Rows are JSON lines
+Timing: compile + warm-up, then ``--repeats`` rounds; each round times every row once (a
+block of ``--iters`` steps), in an order that rotates by one each round; rows run in the same
+process on the same inputs, except the XLA-flag variants (their own process, after the
+others). Medians are reported. A row whose check fails says so in ``check``. Rows are JSON lines
 in ``--output`` keyed by (section, case, impl); a rerun with the same ``--output`` skips the
 groups already there (``--force`` re-measures), and ``--max-minutes`` stops cleanly between
 groups.
@@ -41,7 +61,9 @@ import argparse
 import dataclasses
 import functools
 import os
+import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,10 +74,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
+from jax.flatten_util import ravel_pytree  # noqa: E402
 
+from bench.harness import kernel_intervals, load_rows  # noqa: E402
 from bench.lm_step import (Rows, _describe, _Progress, adamw, apply_updates, attention_fns,  # noqa: E402
-                           optax, peak_flops, run_matmul, time_steps, with_attention)
-from probjax.core.timing import device_info, summarize  # noqa: E402
+                           optax, peak_flops, rotated, run_matmul, tree_copy, with_attention)
+from probjax.core.timing import Unsupported, classify_error, device_info, summarize  # noqa: E402
 from probjax.nn.layers.dit import DiffusionTransformer  # noqa: E402
 
 SECTIONS = ("matmul", "train")
@@ -120,10 +144,85 @@ def flow_matching_loss(model, batch):
   return jnp.mean((v - (x1 - x0)) ** 2)
 
 
-def run_train(c, args, bar, impls, fns):
+# -- variants of the probjax row ------------------------------------------------------
+# Options (merged over '.'-joined names, e.g. "unrolled.xla_cmdbuf_off"): scan_layers (the
+# model's), optimizer ("adamw": optax.adamw on the parameter tree; "flat": the same on one
+# flat fp32 vector that the step unravels into the tree, so the update is one fusion, not one
+# per leaf; "mu_bf16": optax.adamw(mu_dtype=bfloat16)), xla_flags (appended to XLA_FLAGS in a
+# child process: they are read when JAX starts).
+VARIANTS = {
+    "baseline": {},
+    "unrolled": dict(scan_layers=False),
+    "flat_adamw": dict(optimizer="flat"),
+    "adamw_mu_bf16": dict(optimizer="mu_bf16"),
+    "xla_cmdbuf_off": dict(xla_flags=("--xla_gpu_enable_command_buffer=",)),
+    "xla_cmdbuf_while": dict(xla_flags=("--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL",
+                                        "--xla_gpu_graph_min_graph_size=1")),
+    "xla_cmdbuf_unroll": dict(xla_flags=("--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL",
+                                         "--xla_gpu_command_buffer_unroll_loops=true")),
+}
+DEFAULTS = dict(scan_layers=True, optimizer="adamw", xla_flags=())
+CHECK_REL = 2e-2  # relative loss difference that fails a row's check (bf16 compute)
+
+
+def variant_options(name: str) -> dict:
+  """The options of a ``'.'``-joined variant name (:data:`VARIANTS`); raises ValueError on an
+  unknown part or two parts setting one option differently."""
+  opts = dict(DEFAULTS)
+  for part in name.split("."):
+    if part not in VARIANTS:
+      raise ValueError(f"variant {part!r} unknown; choose from {sorted(VARIANTS)} ('.'-joined)")
+    for k, v in VARIANTS[part].items():
+      if k == "xla_flags":
+        opts[k] = opts[k] + v
+      elif opts[k] != DEFAULTS[k] and opts[k] != v:
+        raise ValueError(f"variant {name!r}: {k} set twice")
+      else:
+        opts[k] = v
+  return opts
+
+
+def impl_name(variant: str) -> str:
+  return "probjax" if variant == "baseline" else f"probjax_{variant}"
+
+
+# -- the kernel profile -------------------------------------------------------------
+KERNEL_KINDS = (("attention", ("attention", "attn", "flash", "fmha", "sdpa", "cudnn")),
+                ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "matmul")))
+
+
+def kernel_kind(name: str) -> str:
+  """"attention", "matmul" or "other" (elementwise, norms, reductions, the optimizer), by the
+  kernel's name."""
+  low = name.lower()
+  return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
+
+
+def kernel_summary(intervals, steps: int, top: int = 8) -> dict:
+  """Per step, from ``(start_us, duration_us, name)`` kernel intervals of ``steps`` steps:
+  ``device_ms`` (the kernels' summed duration, bench.harness.kernel_ms's convention),
+  ``kernels_per_step``, ``kernel_ms_by_kind`` (:func:`kernel_kind`) and ``top_kernels``: the
+  ``top`` names by total time, each with ``ms_per_step`` and ``count_per_step``."""
+  by_name, by_kind = {}, {}
+  for _, dur, name in intervals:
+    tot = by_name.setdefault(name, [0.0, 0])
+    tot[0] += dur
+    tot[1] += 1
+    kind = kernel_kind(name)
+    by_kind[kind] = by_kind.get(kind, 0.0) + dur
+  ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+  return dict(device_ms=sum(d for _, d, _ in intervals) / steps / 1e3,
+              kernels_per_step=len(intervals) / steps,
+              kernel_ms_by_kind={k: v / steps / 1e3 for k, v in sorted(by_kind.items())},
+              top_kernels=[dict(name=n[:160], ms_per_step=t / steps / 1e3, count_per_step=k / steps)
+                           for n, (t, k) in ranked])
+
+
+# -- the step ------------------------------------------------------------------------
+def _init_params(c: Config):
+  """The model's ``(graphdef, params)`` with random modulation and final weights."""
   model = make_dit(c)
   graphdef, params = nnx.split(model)
-  del model
   # adaLN-Zero: at initialisation the output is zero and only the final layer gets a gradient;
   # timing a step there would measure a model whose loss ignores the attention. Random
   # modulation and final weights (as after some training) make every peer's check meaningful.
@@ -132,45 +231,184 @@ def run_train(c, args, bar, impls, fns):
       lambda path, a: (jnp.asarray(0.02 * rng.standard_normal(a.shape), a.dtype)
                        if any(k in jax.tree_util.keystr(path) for k in ("'modulation'", "'final'"))
                        and jnp.issubdtype(a.dtype, jnp.floating) else a), params)
-  tx = adamw(1e-4, weight_decay=0.0)
+  return graphdef, params
+
+
+def _batch(c: Config):
+  rng = np.random.default_rng(1)
   shape = (c.batch, c.image, c.image, c.channels)
-  batch = dict(x0=jnp.asarray(rng.standard_normal(shape), jnp.float32),
-               x1=jnp.asarray(rng.standard_normal(shape), jnp.float32),
-               t=jnp.asarray(rng.uniform(0, 1, c.batch), jnp.float32),
-               labels=jnp.asarray(rng.integers(0, c.classes, c.batch), jnp.int32))
+  return dict(x0=jnp.asarray(rng.standard_normal(shape), jnp.float32),
+              x1=jnp.asarray(rng.standard_normal(shape), jnp.float32),
+              t=jnp.asarray(rng.uniform(0, 1, c.batch), jnp.float32),
+              labels=jnp.asarray(rng.integers(0, c.classes, c.batch), jnp.int32))
 
-  def make_step(gd):
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def step(p, o, batch):
-      loss, g = jax.value_and_grad(lambda p: flow_matching_loss(nnx.merge(gd, p), batch))(p)
-      updates, o = tx.update(g, o, p)
-      return apply_updates(p, updates), o, loss
-    return step
 
-  info, times = time_steps(lambda name: make_step(with_attention(graphdef, params, fns[name])),
-                           impls, params, tx, batch, args, bar)
+def _with_options(graphdef, params, fn, scan_layers):
+  model = nnx.merge(with_attention(graphdef, params, fn), params)
+  model.scan_layers = scan_layers
+  return nnx.split(model)[0]
+
+
+def make_step(graphdef, params, fn, opts):
+  """``(step, params0, opt_state0, optimizer_name)``: ``step(p, o, batch) -> (p, o, loss)``
+  jitted with ``p`` and ``o`` donated (``donate_argnums=(0, 1)``)."""
+  gd = _with_options(graphdef, params, fn, opts["scan_layers"])
+  unravel = None
+  if opts["optimizer"] == "mu_bf16":
+    if optax is None:
+      raise Unsupported("adamw_mu_bf16 needs optax")
+    tx, label = optax.adamw(1e-4, weight_decay=0.0, mu_dtype=jnp.bfloat16), "optax.adamw(mu_dtype=bfloat16)"
+  else:
+    tx = adamw(1e-4, weight_decay=0.0)
+    label = "optax.adamw" if optax is not None else "adamw (optax missing: bench/lm_step._AdamW)"
+  p0 = tree_copy(params)
+  if opts["optimizer"] == "flat":
+    if any(a.dtype != jnp.float32 for a in jax.tree.leaves(params)):
+      raise Unsupported("flat_adamw needs every parameter in float32")
+    p0, unravel = ravel_pytree(p0)
+    label += " on one flat vector"
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def step(p, o, batch):
+    tree = (lambda p: p) if unravel is None else unravel
+    loss, g = jax.value_and_grad(lambda p: flow_matching_loss(nnx.merge(gd, tree(p)), batch))(p)
+    updates, o = tx.update(g, o, p)
+    return apply_updates(p, updates), o, loss
+  return step, p0, tx.init(p0), label
+
+
+def measure(entries: dict, batch, args, bar, profile: bool) -> dict:
+  """For each ``name: builder`` (``builder() -> make_step``'s tuple): compile (``first_call_s``),
+  the first two steps' losses (``first_loss``; ``second_loss`` after one update), warm-up, then
+  ``args.repeats`` rounds, each timing a block of ``args.iters`` steps of every entry in an
+  order rotated by one per round (``ms_all``: ms per step per round); with ``profile``, then a
+  kernel profile of ``args.iters`` steps (:func:`kernel_summary`), else ``device_ms_error``
+  says why there is none. A failing entry is its row's status, not the end of the run."""
+  state, info = {}, {}
+  for name, build in entries.items():
+    try:
+      t0 = time.perf_counter()
+      step, p, o, label = build()
+      p, o, loss = step(p, o, batch)
+      first = float(loss)
+      first_s = time.perf_counter() - t0
+      p, o, loss = step(p, o, batch)
+      info[name] = dict(first_call_s=first_s, first_loss=first, second_loss=float(loss), status="ok",
+                        optimizer=label)
+      for _ in range(args.warmup):
+        p, o, _ = step(p, o, batch)
+      jax.block_until_ready(p)
+      state[name] = [step, p, o]
+    except Exception as e:  # noqa: BLE001 (a failing row, not the end of the run)
+      status, msg = classify_error(e)
+      info[name] = dict(status=status, error=msg)
+  times = {n: [] for n in state}
+  for r in range(args.repeats):
+    for name in rotated(list(state), r) if state else []:
+      step, p, o = state[name]
+      t0 = time.perf_counter()
+      for _ in range(args.iters):
+        p, o, loss = step(p, o, batch)
+      jax.block_until_ready(loss)
+      times[name].append((time.perf_counter() - t0) / args.iters * 1e3)
+      state[name][1:] = [p, o]
+    bar.update(1)
+  for name in state:
+    s = summarize(times[name])
+    info[name].update(s, ms_all=times[name])
+    if not profile:
+      info[name]["device_ms_error"] = f"no kernel profile on platform {jax.devices()[0].platform}: GPU only"
+      continue
+    st = state[name]
+
+    def one():
+      st[1], st[2], loss = st[0](st[1], st[2], batch)
+      return loss
+    try:
+      k = kernel_summary(kernel_intervals(one, jax.block_until_ready, args.iters, "jax"), args.iters)
+      info[name].update(k, wall_over_device=s["ms"] / k["device_ms"] if k["device_ms"] else None)
+    except Exception as e:  # noqa: BLE001 (the wall-clock row stands without it)
+      info[name]["device_ms_error"] = f"{type(e).__name__}: {e}"[:300]
+  state.clear()
+  return info
+
+
+def run_child(key, variant, args):
+  """A variant with XLA flags, in a child process with them in ``XLA_FLAGS``: its row (the
+  child's own timing; its check is the caller's)."""
+  flags = variant_options(variant)["xla_flags"]
+  env = dict(os.environ, XLA_FLAGS=" ".join([os.environ.get("XLA_FLAGS", ""), *flags]).strip())
+  with tempfile.TemporaryDirectory() as d:
+    out = os.path.join(d, "rows.json")
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--sections", "train", "--cases", key,
+           "--variants", variant, "--output", out, "--repeats", str(args.repeats), "--iters",
+           str(args.iters), "--warmup", str(args.warmup)] + (["--cpu-smoke"] if args.cpu_smoke else [])
+    t0 = time.perf_counter()
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    rows = [r for r in load_rows(out) if r.get("impl") == impl_name(variant)]
+  if res.returncode or not rows:
+    return dict(status="fail", error=f"child exited {res.returncode}: {(res.stderr or res.stdout)[-600:]}",
+                xla_flags=env["XLA_FLAGS"])
+  keep = ("section", "case", "section_s", "time", "config", "device", "platform", "compute_capability",
+          "versions", "commit", "command", "quick", "cpu_smoke")
+  return dict({k: v for k, v in rows[0].items() if k not in keep}, child_s=time.perf_counter() - t0,
+              xla_flags=env["XLA_FLAGS"])
+
+
+def run_train(c, key, args, bar, impls, variants, fns, child=False):
+  """The rows of one case: the peers ``impls`` (each with ``attention_fn``, baseline options)
+  and the probjax ``variants``; those with XLA flags run in child processes (:func:`run_child`).
+  Every row's losses are checked against the baseline probjax row's."""
+  graphdef, params = _init_params(c)
+  batch = _batch(c)
+  names = {impl_name(v): v for v in variants}
+  names.update({i: "baseline" for i in impls})
+  local = {n: v for n, v in names.items() if child or not variant_options(v)["xla_flags"]}
+  entries = {n: functools.partial(make_step, graphdef, params,
+                                  fns["probjax" if n.startswith("probjax") else n], variant_options(v))
+             for n, v in local.items()}
+  info = measure(entries, batch, args, bar, profile=jax.devices()[0].platform == "gpu")
+  del entries
+  for n, v in names.items():
+    if n not in local:
+      info[n] = run_child(key, v, args)
   flops = train_flops(c)
   peak = peak_flops(device_info()["device"])
-  ref = info.get("probjax", {}).get("first_loss")
+  ref = info.get("probjax", {})
   n_tok, n_ex = matmul_params(c)
   rows = []
-  for name in impls:
-    row = dict(impl=name, **info[name], **flops, tokens_per_step=c.batch * c.tokens,
-               optimizer="optax.adamw" if optax is not None else "adamw (optax missing: bench/lm_step._AdamW)",
-               matmul_params_per_token=n_tok, matmul_params_per_example=n_ex,
-               params=int(sum(x.size for x in jax.tree.leaves(params))))
-    if name in times:
-      s = summarize(times[name])
-      row.update(s, ms_all=times[name], images_per_s=c.batch / (s["ms"] * 1e-3),
-                 tokens_per_s=c.batch * c.tokens / (s["ms"] * 1e-3),
-                 tflops=flops["flops"] / (s["ms"] * 1e-3) / 1e12,
-                 mfu=None if peak is None else flops["flops"] / (s["ms"] * 1e-3) / peak)
-      if ref is not None:
-        rel = abs(row["first_loss"] - ref) / abs(ref)
-        row["check_rel_loss_diff"] = rel
-        row["check"] = "ok" if rel < 2e-2 else f"FAILED: first-step loss {row['first_loss']} vs probjax {ref}"
+  for name, variant in names.items():
+    opts = variant_options(variant)
+    row = dict(impl=name, variant=variant, scan_layers=opts["scan_layers"], **flops,
+               tokens_per_step=c.batch * c.tokens, matmul_params_per_token=n_tok,
+               matmul_params_per_example=n_ex, params=int(sum(x.size for x in jax.tree.leaves(params))))
+    row.update(info[name])
+    if row.get("ms"):
+      ms = row["ms"]
+      row.update(images_per_s=c.batch / (ms * 1e-3), tokens_per_s=c.batch * c.tokens / (ms * 1e-3),
+                 tflops=flops["flops"] / (ms * 1e-3) / 1e12,
+                 mfu=None if peak is None else flops["flops"] / (ms * 1e-3) / peak)
+    if row.get("status") == "ok" and "first_loss" in ref and not child:
+      diffs = [abs(row[k] - ref[k]) / abs(ref[k]) for k in ("first_loss", "second_loss")]
+      row["check_rel_loss_diff"], row["check_rel_loss2_diff"] = diffs
+      row["check"] = ("ok" if max(diffs) < CHECK_REL else
+                      f"FAILED: losses {row['first_loss']}, {row['second_loss']} vs probjax "
+                      f"{ref['first_loss']}, {ref['second_loss']}")
     rows.append(row)
   return rows
+
+
+def describe(r) -> str:
+  """A row as one line: ``bench.lm_step``'s, then the profile's device time and top kernel."""
+  line = _describe(r)
+  if r.get("device_ms"):
+    top = r["top_kernels"][0] if r.get("top_kernels") else None
+    line += (f"  device {r['device_ms']:.3f} ms (wall/device {r['wall_over_device']:.2f}, "
+             f"{r['kernels_per_step']:.0f} kernels; " +
+             ", ".join(f"{k} {v:.2f}" for k, v in r["kernel_ms_by_kind"].items()) + " ms)")
+    if top:
+      line += f"  top {top['name'][:50]} {top['ms_per_step']:.2f} ms x{top['count_per_step']:.0f}"
+  return line
 
 
 def case_name(c: Config, key: str) -> str:
@@ -185,6 +423,10 @@ def main(argv=None):
   ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {SECTIONS}")
   ap.add_argument("--cases", default=None, help=f"comma list of {sorted(CASES)} (default all)")
   ap.add_argument("--impls", default=None, help="comma list of peers (default: all for the device)")
+  ap.add_argument("--variants", default=",".join(VARIANTS),
+                  help=f"comma list of probjax variants, each {sorted(VARIANTS)} or a '.'-joined mix "
+                       "(default: all; 'baseline' is the probjax row)")
+  ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # run_child's: no peers
   ap.add_argument("--quick", action="store_true", help="fewer repeats and iterations")
   ap.add_argument("--cpu-smoke", action="store_true", help="tiny sizes (runs on CPU in seconds)")
   ap.add_argument("--repeats", type=int, default=None)
@@ -213,8 +455,18 @@ def main(argv=None):
   impls = ["probjax", "flax", "jaxnn_cudnn"] if gpu else ["probjax", "flax"]
   if args.impls:
     impls = [i for i in args.impls.split(",") if i]
-    if any(i not in fns for i in impls) or "probjax" not in impls:
-      raise SystemExit(f"--impls: choose from {sorted(fns)}, probjax included (the reference); got {impls}")
+    if any(i not in fns for i in impls):
+      raise SystemExit(f"--impls: choose from {sorted(fns)}; got {impls}")
+  variants = [v for v in args.variants.split(",") if v]
+  try:
+    for v in variants:
+      variant_options(v)
+  except ValueError as e:
+    raise SystemExit(f"--variants: {e}")
+  impls = [] if args.child else [i for i in impls if i != "probjax"]
+  if not args.child and "baseline" not in variants:
+    variants.insert(0, "baseline")            # the reference of every row's check
+  names = [impl_name(v) for v in variants] + impls
   if not gpu and not args.cpu_smoke:
     print("warning: not on a GPU and without --cpu-smoke: the full sizes will be slow", file=sys.stderr)
 
@@ -226,7 +478,7 @@ def main(argv=None):
   if "matmul" in sections:
     groups.append(("matmul", f"N{mm.matmul_n}_bf16", mm, ["jnp.dot"]))
   if "train" in sections:
-    groups += [("train", case_name(c, k), c, impls) for k, c in cases.items()]
+    groups += [("train", case_name(c, k), (k, c), names) for k, c in cases.items()]
   rows = Rows(args.output, args.force)
   todo = [g for g in groups if args.force or not rows.done(g[0], g[1], g[3])]
   for g in groups:
@@ -257,7 +509,8 @@ def main(argv=None):
       out = run_matmul(c, args, bar)
       ceiling = out[0]["tflops"]
     else:
-      out = run_train(c, args, bar, group_impls, fns)
+      out = run_train(c[1], c[0], args, bar, impls, variants, fns, child=args.child)
+      c = c[1]
     for r in out:
       if ceiling and r.get("tflops") and section != "matmul":
         r["frac_of_matmul"] = r["tflops"] / ceiling
@@ -265,7 +518,7 @@ def main(argv=None):
                config=dataclasses.asdict(c), **meta)
     rows.add(out)
     for r in out:
-      bar.write(_describe(r))
+      bar.write(describe(r))
   bar.close()
   if args.output:
     print(f"rows in {args.output}: {len(rows.rows)}")

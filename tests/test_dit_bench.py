@@ -1,4 +1,5 @@
-"""bench/dit_step.py runs end to end on CPU (``--cpu-smoke``: tiny sizes) and resumes."""
+"""bench/dit_step.py runs end to end on CPU (``--cpu-smoke``: tiny sizes) and resumes; its
+variants, kernel summary and row fields."""
 
 import pytest
 
@@ -15,18 +16,64 @@ def test_flops_convention():
   assert f["flops"] == f["dense_flops"] + f["attention_flops"] == 6 * (n_tok * 256 * 64 + n_ex * 64) + f["attention_flops"]
 
 
-@pytest.mark.slow  # about a minute on a shared 2-core CPU, most of it compiling
-@pytest.mark.timeout(600)
+def test_variant_options():
+  assert dit_step.variant_options("baseline") == dit_step.DEFAULTS
+  mix = dit_step.variant_options("unrolled.flat_adamw.xla_cmdbuf_off")
+  assert mix["scan_layers"] is False and mix["optimizer"] == "flat" and mix["xla_flags"] == (
+      "--xla_gpu_enable_command_buffer=",)
+  with pytest.raises(ValueError, match="unknown"):
+    dit_step.variant_options("unrolled.nope")
+  with pytest.raises(ValueError, match="optimizer set twice"):
+    dit_step.variant_options("flat_adamw.adamw_mu_bf16")
+  assert dit_step.impl_name("baseline") == "probjax" and dit_step.impl_name("unrolled") == "probjax_unrolled"
+
+
+def test_kernel_summary():
+  # Two steps' kernels: (start_us, duration_us, name).
+  k = [(0, 300, "sm90_xmma_gemm_bf16"), (1, 100, "probjax_attention_fwd"), (2, 10, "loop_add_fusion"),
+       (3, 300, "sm90_xmma_gemm_bf16"), (4, 100, "probjax_attention_fwd"), (5, 30, "loop_add_fusion"),
+       (6, 60, "input_reduce_fusion")]
+  s = dit_step.kernel_summary(k, steps=2, top=2)
+  assert s["device_ms"] == pytest.approx(0.45) and s["kernels_per_step"] == 3.5
+  assert s["kernel_ms_by_kind"] == pytest.approx({"attention": 0.1, "matmul": 0.3, "other": 0.05})
+  assert s["top_kernels"] == [dict(name="sm90_xmma_gemm_bf16", ms_per_step=pytest.approx(0.3), count_per_step=1.0),
+                              dict(name="probjax_attention_fwd", ms_per_step=pytest.approx(0.1), count_per_step=1.0)]
+
+
+@pytest.mark.slow  # about two minutes on a shared 2-core CPU, most of it compiling
+@pytest.mark.timeout(900)
 def test_cpu_smoke_and_resume(tmp_path):
   out = str(tmp_path / "dit.json")
-  argv = ["--cpu-smoke", "--quick", "--output", out]
+  argv = ["--cpu-smoke", "--quick", "--output", out, "--variants", "flat_adamw,xla_cmdbuf_off"]
   dit_step.main(argv)
   rows = load_rows(out)
   by = {(r["section"], r["impl"]): r for r in rows}
-  for key in [("matmul", "jnp.dot"), ("train", "probjax"), ("train", "flax")]:
+  train = ["probjax", "probjax_flat_adamw", "probjax_xla_cmdbuf_off", "flax"]
+  assert sorted(i for s, i in by if s == "train") == sorted(train)   # baseline added as the reference
+  for key in [("matmul", "jnp.dot")] + [("train", i) for i in train]:
     r = by[key]
     assert r["status"] == "ok" and r["ms"] > 0 and len(r["ms_all"]) == 3, r
     assert r["device"] and r["versions"]["jax"] and "dit_step" in r["command"] and r["commit"]
-  assert by[("train", "flax")]["check"] == "ok" and by[("train", "probjax")]["flops"] > 0
+  for i in train:
+    r = by[("train", i)]
+    assert r["check"] == "ok" and r["check_rel_loss2_diff"] < dit_step.CHECK_REL and r["p10_ms"] <= r["p90_ms"]
+    assert r["device_ms_error"].startswith("no kernel profile on platform cpu") and "device_ms" not in r
+    assert r["flops"] > 0 and r["optimizer"]
+  assert by[("train", "probjax_flat_adamw")]["optimizer"].endswith("on one flat vector")
+  child = by[("train", "probjax_xla_cmdbuf_off")]
+  assert "--xla_gpu_enable_command_buffer=" in child["xla_flags"] and child["child_s"] > 0
+  assert by[("train", "probjax")]["variant"] == "baseline" and by[("train", "probjax")]["scan_layers"] is True
   dit_step.main(argv)
   assert len(load_rows(out)) == len(rows)  # every group already measured: nothing re-run
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+def test_gpu_rows_have_the_kernel_profile(tmp_path):
+  out = str(tmp_path / "dit.json")
+  dit_step.main(["--cpu-smoke", "--quick", "--sections", "train", "--output", out, "--impls", "probjax",
+                 "--variants", "unrolled"])
+  for r in load_rows(out):
+    assert r["status"] == "ok" and r["check"] == "ok", r
+    assert r["device_ms"] > 0 and r["wall_over_device"] > 0 and r["kernels_per_step"] > 0, r
+    assert 1 <= len(r["top_kernels"]) <= 8 and set(r["kernel_ms_by_kind"]) <= {"attention", "matmul", "other"}
