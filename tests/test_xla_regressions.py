@@ -255,6 +255,24 @@ def test_second_derivatives_match_reference(formulation, t, mask):
   _assert_close(gg, want[1], what="grad of grad")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("blocks", [None, 128])
+def test_second_derivatives_with_traced_segment_ids(blocks):
+  """Segment ids as arguments of a jitted function: the tile skip decided from them at run
+  time (a cond in a loop of static trip count) is transposed by reverse over reverse."""
+  x = make_inputs(31, 1, 300, 300, 2, 1, 8)
+  ids = np.repeat(np.arange(4, dtype=np.int32), [90, 40, 150, 20])[None]
+  run = jax.jit(lambda q, k, v, ids: xla.attention(q, k, v, formulation="flash", mask=M.SegmentMask(ids),
+                                                   scale=8 ** -0.5, block_q=blocks, block_k=blocks))
+  tng = _normal(2, x.q.shape)
+  hvp, gg = _second_order(lambda q, k, v: run(q, k, v, ids), x, tng)
+  with jax.enable_x64(True):
+    x64 = type(x)(*_up((x.q, x.k, x.v, x.do)))
+    want = _second_order(_ref(M.SegmentMask(jnp.asarray(ids)), scale=8 ** -0.5), x64, _up(tng))
+  _assert_close(hvp, want[0], what="hvp")
+  _assert_close(gg, want[1], what="grad of grad")
+
+
 def test_hessian_in_score_mod_array():
   """jax.hessian (forward over reverse) in an array the score modifier closes over (ALiBi
   slopes), on the single-tile flash path with a causal mask."""
