@@ -229,14 +229,14 @@ def time_torch(c, n, modes, args, write, refs, base):
     try:
       p = subprocess.run([args.torch_python, WORKER, d], capture_output=True, text=True, timeout=args.torch_timeout)
       lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
-      res = json.loads(lines[-1]) if lines else {"error": f"torch worker failed: {p.stderr[-1500:]}"}
+      res = json.loads(lines[-1]) if lines else {"status": "error", "error": f"torch worker failed: {p.stderr[-1500:]}"}
     except subprocess.TimeoutExpired:
-      res = {"error": f"torch worker ran past --torch-timeout {args.torch_timeout} s"}
+      res = {"status": "error", "error": f"torch worker ran past --torch-timeout {args.torch_timeout} s"}
     for mode in modes:
       row = dict(base(mode), impl="torch_flex", torch_python=args.torch_python)
-      got = res["rows"].get(mode, {}) if "rows" in res else res
+      got = res["rows"][mode] if "rows" in res else res
       if "error" in got:
-        status = "missing" if "No module named 'torch'" in got["error"] else timing.classify_error(RuntimeError(got["error"]))[0]
+        status = "missing" if "No module named 'torch'" in got["error"] else got["status"]
         write(dict(row, status=status, error=got["error"]))
         continue
       if mode == "fwd":

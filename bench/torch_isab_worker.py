@@ -13,21 +13,30 @@ name), compute is bf16 under autocast, parameters fp32, and the whole module is
 DIR holds spec.json (heads, modes, rounds, warmup, repeats, min_repeat_s), params.npz (probjax's
 flat parameter names -> fp32 arrays), x.npy ``[batch, n, features]``, lengths.npy ``[batch]``,
 ct.npy (the cotangent of the output). Prints one JSON line ``{"torch": version, "rows": {mode:
-timing}}`` (or ``{"error": ...}``; a mode that fails has ``{"error": ...}``) and writes
+timing}}`` (or ``{"status": ..., "error": ...}``, also per mode where one fails) and writes
 out_fwd.npy and grads_fwd_bwd.npz (the gradients by parameter name, and ``x``) for the agreement
 check. The worker needs only torch and numpy (the timing module is loaded by path).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.torch_cpu_worker import _timing  # noqa: E402 (standard library only)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _timing():
+  """probjax/core/timing.py (standard library only) without importing probjax, which needs JAX;
+  registered in ``sys.modules`` before it runs, as its dataclasses need."""
+  spec = importlib.util.spec_from_file_location("probjax_core_timing", os.path.join(ROOT, "probjax", "core", "timing.py"))
+  mod = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
 
 
 def pool_rounds(results: list[dict]) -> dict:
@@ -59,7 +68,9 @@ def build(torch, params: dict, heads: int, lengths, n: int):
 
     def forward(self, x, y, block_mask=None):
       b, t, s = x.shape[0], x.shape[1], y.shape[1]
-      split = lambda z, length: z.reshape(b, length, heads, -1).transpose(1, 2).to(torch.bfloat16)
+      def split(z, length):
+        z = z.reshape(b, length, heads, -1).transpose(1, 2).to(torch.bfloat16)
+        return z.contiguous() if z.device.type == "cpu" else z  # flex's CPU lowering refuses strided q/k/v
       q = split(self.attn["q"](self.norm_x(x)), t)
       k, v = (split(z, s) for z in self.attn["kv"](self.norm_y(y)).chunk(2, dim=-1))
       o = flex_attention(q, k, v, block_mask=block_mask).transpose(1, 2).reshape(b, t, features)
@@ -91,7 +102,7 @@ def build(torch, params: dict, heads: int, lengths, n: int):
 
 
 def main():
-  d = sys.argv[1]
+  d, timing = sys.argv[1], _timing()
   try:
     import numpy as np
     import torch
@@ -105,7 +116,6 @@ def main():
     model, names = build(torch, params, spec["heads"], lengths, x.shape[1])
     run = torch.compile(model, dynamic=False)
     sync = (lambda _x: torch.cuda.synchronize()) if dev == "cuda" else (lambda _x: None)
-    timing = _timing()
     ps = list(model.parameters())
 
     def fwd():
@@ -128,7 +138,8 @@ def main():
         if mode == "fwd":
           np.save(os.path.join(d, "out_fwd.npy"), out.float().cpu().numpy())
         else:
-          grads = {names[n]: g.float().cpu().numpy() for (n, _), g in zip(model.named_parameters(), out)}
+          grads = {names[n]: (g.T if g.ndim == 2 else g).float().cpu().numpy()   # as probjax's [in, out]
+                   for (n, _), g in zip(model.named_parameters(), out)}
           grads["x"] = out[-1].float().cpu().numpy()
           np.savez(os.path.join(d, "grads_fwd_bwd.npz"), **grads)
         del out
@@ -136,10 +147,10 @@ def main():
                                  min_repeat_s=spec["min_repeat_s"]) for _ in range(spec["rounds"])]
         rows[mode] = dict(pool_rounds(rounds), first_call_s=first_call_s)
       except Exception as e:  # noqa: BLE001 (the other mode still runs)
-        rows[mode] = {"error": f"{type(e).__name__}: {e}"}
+        rows[mode] = dict(zip(("status", "error"), timing.classify_error(e)))
     print(json.dumps({"torch": torch.__version__, "device": dev, "rows": rows}))
   except Exception as e:  # noqa: BLE001
-    print(json.dumps({"error": f"{type(e).__name__}: {e}"}))
+    print(json.dumps(dict(zip(("status", "error"), timing.classify_error(e)))))
 
 
 if __name__ == "__main__":
