@@ -29,7 +29,8 @@ convention), ``wall_over_device`` (``ms / device_ms``: 1 when the host keeps the
 elementwise, norms, reductions, the optimizer) and ``top_kernels`` (the 8 names with the most
 time: ``ms_per_step``, ``count_per_step``). XLA runs the profiled steps op by op, not from
 command buffers, so ``device_ms`` is the kernels' time either way and ``ms`` alone shows what
-command buffers save. Elsewhere ``device_ms_error`` says why there is none. Every row's
+command buffers save: the XLA-flag rows are not profiled, and their ``wall_over_device`` divides
+by the ``device_ms`` of the row without the flags (``device_ms_of``). Elsewhere ``device_ms_error`` says why there is none. Every row's
 first-step loss and its loss after one update (``second_loss``) are checked against the
 baseline probjax row's: ``check_rel_loss_diff``, ``check_rel_loss2_diff``, ``check``.
 
@@ -277,13 +278,13 @@ def make_step(graphdef, params, fn, opts):
   return step, p0, tx.init(p0), label
 
 
-def measure(entries: dict, batch, args, bar, profile: bool) -> dict:
+def measure(entries: dict, batch, args, bar, no_profile: str | None) -> dict:
   """For each ``name: builder`` (``builder() -> make_step``'s tuple): compile (``first_call_s``),
   the first two steps' losses (``first_loss``; ``second_loss`` after one update), warm-up, then
   ``args.repeats`` rounds, each timing a block of ``args.iters`` steps of every entry in an
-  order rotated by one per round (``ms_all``: ms per step per round); with ``profile``, then a
-  kernel profile of ``args.iters`` steps (:func:`kernel_summary`), else ``device_ms_error``
-  says why there is none. A failing entry is its row's status, not the end of the run."""
+  order rotated by one per round (``ms_all``: ms per step per round); then a kernel profile of
+  ``args.iters`` steps (:func:`kernel_summary`), unless ``no_profile`` says why not (it becomes
+  ``device_ms_error``). A failing entry is its row's status, not the end of the run."""
   state, info = {}, {}
   for name, build in entries.items():
     try:
@@ -316,8 +317,8 @@ def measure(entries: dict, batch, args, bar, profile: bool) -> dict:
   for name in state:
     s = summarize(times[name])
     info[name].update(s, ms_all=times[name])
-    if not profile:
-      info[name]["device_ms_error"] = f"no kernel profile on platform {jax.devices()[0].platform}: GPU only"
+    if no_profile:
+      info[name]["device_ms_error"] = no_profile
       continue
     st = state[name]
 
@@ -338,6 +339,7 @@ def run_child(key, variant, args):
   child's own timing; its check is the caller's)."""
   flags = variant_options(variant)["xla_flags"]
   env = dict(os.environ, XLA_FLAGS=" ".join([os.environ.get("XLA_FLAGS", ""), *flags]).strip())
+  env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # this process keeps its GPU memory
   with tempfile.TemporaryDirectory() as d:
     out = os.path.join(d, "rows.json")
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--sections", "train", "--cases", key,
@@ -367,11 +369,19 @@ def run_train(c, key, args, bar, impls, variants, fns, child=False):
   entries = {n: functools.partial(make_step, graphdef, params,
                                   fns["probjax" if n.startswith("probjax") else n], variant_options(v))
              for n, v in local.items()}
-  info = measure(entries, batch, args, bar, profile=jax.devices()[0].platform == "gpu")
+  platform = jax.devices()[0].platform
+  no_profile = (f"no kernel profile on platform {platform}: GPU only" if platform != "gpu" else
+                "not profiled: under the profiler XLA runs op by op, without command buffers, so the "
+                "kernels are those of the row without the flags (device_ms_of)" if child else None)
+  info = measure(entries, batch, args, bar, no_profile)
   del entries
   for n, v in names.items():
-    if n not in local:
-      info[n] = run_child(key, v, args)
+    if n in local:
+      continue
+    info[n] = run_child(key, v, args)
+    same = impl_name(".".join(p for p in v.split(".") if "xla_flags" not in VARIANTS[p]) or "baseline")
+    if info.get(same, {}).get("device_ms") and info[n].get("ms"):
+      info[n].update(device_ms_of=same, wall_over_device=info[n]["ms"] / info[same]["device_ms"])
   flops = train_flops(c)
   peak = peak_flops(device_info()["device"])
   ref = info.get("probjax", {})
@@ -408,6 +418,8 @@ def describe(r) -> str:
              ", ".join(f"{k} {v:.2f}" for k, v in r["kernel_ms_by_kind"].items()) + " ms)")
     if top:
       line += f"  top {top['name'][:50]} {top['ms_per_step']:.2f} ms x{top['count_per_step']:.0f}"
+  elif r.get("device_ms_of"):
+    line += f"  wall/device {r['wall_over_device']:.2f} (device_ms of {r['device_ms_of']})"
   return line
 
 

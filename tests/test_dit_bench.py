@@ -72,8 +72,12 @@ def test_cpu_smoke_and_resume(tmp_path):
 def test_gpu_rows_have_the_kernel_profile(tmp_path):
   out = str(tmp_path / "dit.json")
   dit_step.main(["--cpu-smoke", "--quick", "--sections", "train", "--output", out, "--impls", "probjax",
-                 "--variants", "unrolled"])
-  for r in load_rows(out):
-    assert r["status"] == "ok" and r["check"] == "ok", r
-    assert r["device_ms"] > 0 and r["wall_over_device"] > 0 and r["kernels_per_step"] > 0, r
+                 "--variants", "unrolled,xla_cmdbuf_off"])
+  rows = {r["impl"]: r for r in load_rows(out)}
+  assert sorted(rows) == ["probjax", "probjax_unrolled", "probjax_xla_cmdbuf_off"]
+  for r in rows.values():
+    assert r["status"] == "ok" and r["check"] == "ok" and r["wall_over_device"] > 0, r
+  for r in (rows["probjax"], rows["probjax_unrolled"]):
+    assert r["device_ms"] > 0 and r["kernels_per_step"] > 0, r
     assert 1 <= len(r["top_kernels"]) <= 8 and set(r["kernel_ms_by_kind"]) <= {"attention", "matmul", "other"}
+  assert rows["probjax_xla_cmdbuf_off"]["device_ms_of"] == "probjax"   # the child is not profiled
