@@ -12,14 +12,15 @@ Sections (``--sections``, default all, in this order):
   6 heads: head_dim 64) and ``B`` (768, 12, 12: head_dim 64). Peers (``attention_fn``):
   ``probjax`` (``dot_product_attention``), ``flax`` (``flax.nnx.dot_product_attention``) and
   ``jaxnn_cudnn`` (``jax.nn.dot_product_attention(implementation="cudnn")``). Variants of the
-  probjax row (``--variants``, default all; :data:`VARIANTS`, '.'-joined to combine; rows
-  ``probjax_<variant>``, ``probjax`` the baseline): ``unrolled`` (``scan_layers=False``: the 12
-  blocks unrolled, not one ``nnx.scan`` body), ``flat_adamw`` (the parameters as one flat fp32
-  vector: the AdamW update is one fusion instead of one per leaf), ``adamw_mu_bf16``
-  (``optax.adamw(mu_dtype=bfloat16)``), and XLA flags read when JAX starts, each run in a child
-  process with them in ``XLA_FLAGS``: ``xla_cmdbuf_off`` (no command buffers / CUDA graphs),
-  ``xla_cmdbuf_while`` (command buffers also over the scan's while loop and conditionals,
-  graphs of any size), ``xla_cmdbuf_unroll`` (that loop unrolled inside the command buffer).
+  probjax row (``--variants``, default :data:`DEFAULT_VARIANTS`, any of :data:`VARIANTS` or a
+  '.'-joined mix; rows ``probjax_<variant>``, ``probjax`` the baseline): ``unrolled``
+  (``scan_layers=False``: the 12 blocks unrolled, not one ``nnx.scan`` body), ``flat_adamw``
+  (the parameters as one flat fp32 vector: the AdamW update is one fusion instead of one per
+  leaf), ``adamw_mu_bf16`` (``optax.adamw(mu_dtype=bfloat16)``), and XLA flags read when JAX
+  starts, each run in a child process with them in ``XLA_FLAGS``: ``xla_cmdbuf_off`` (no
+  command buffers / CUDA graphs), ``xla_cmdbuf_while`` (command buffers also over the scan's
+  while loop and conditionals, graphs of any size), ``xla_cmdbuf_unroll`` (that loop unrolled
+  inside the command buffer).
 
 Each row: wall ms per step (median ``ms``, ``p10_ms``/``p90_ms`` over the rounds), and on a GPU
 from a ``jax.profiler`` trace of ``--iters`` more steps (``bench.harness.kernel_intervals``):
@@ -29,10 +30,11 @@ convention), ``wall_over_device`` (``ms / device_ms``: 1 when the host keeps the
 elementwise, norms, reductions, the optimizer) and ``top_kernels`` (the 8 names with the most
 time: ``ms_per_step``, ``count_per_step``). XLA runs the profiled steps op by op, not from
 command buffers, so ``device_ms`` is the kernels' time either way and ``ms`` alone shows what
-command buffers save: the XLA-flag rows are not profiled, and their ``wall_over_device`` divides
-by the ``device_ms`` of the row without the flags (``device_ms_of``). Elsewhere ``device_ms_error`` says why there is none. Every row's
-first-step loss and its loss after one update (``second_loss``) are checked against the
-baseline probjax row's: ``check_rel_loss_diff``, ``check_rel_loss2_diff``, ``check``.
+command buffers save: the XLA-flag rows are not profiled, and their ``wall_over_device``
+divides by the ``device_ms`` of the row without the flags (``device_ms_of``). Elsewhere
+``device_ms_error`` says why there is none. Every row's first-step loss and its loss after one
+update (``second_loss``) are checked against the baseline probjax row's:
+``check_rel_loss_diff``, ``check_rel_loss2_diff``, ``check``.
 
 FLOP convention (model FLOPs, no recomputation counted), printed with the rows: per token,
 ``N_tok`` = matmul parameters applied to every token = layers * (4 d^2 + 2 d F) (q, k, v,
@@ -162,6 +164,9 @@ VARIANTS = {
     "xla_cmdbuf_unroll": dict(xla_flags=("--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL",
                                          "--xla_gpu_command_buffer_unroll_loops=true")),
 }
+# --variants' default: all but xla_cmdbuf_unroll (each XLA-flag row is a child process, ~25 s
+# of start and compile per case; the default run of S and B stays near 5 minutes on an H200).
+DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v != "xla_cmdbuf_unroll")
 DEFAULTS = dict(scan_layers=True, optimizer="adamw", xla_flags=())
 CHECK_REL = 2e-2  # relative loss difference that fails a row's check (bf16 compute)
 
@@ -435,9 +440,9 @@ def main(argv=None):
   ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {SECTIONS}")
   ap.add_argument("--cases", default=None, help=f"comma list of {sorted(CASES)} (default all)")
   ap.add_argument("--impls", default=None, help="comma list of peers (default: all for the device)")
-  ap.add_argument("--variants", default=",".join(VARIANTS),
+  ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                   help=f"comma list of probjax variants, each {sorted(VARIANTS)} or a '.'-joined mix "
-                       "(default: all; 'baseline' is the probjax row)")
+                       "(default: %(default)s; 'baseline' is the probjax row)")
   ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # run_child's: no peers
   ap.add_argument("--quick", action="store_true", help="fewer repeats and iterations")
   ap.add_argument("--cpu-smoke", action="store_true", help="tiny sizes (runs on CPU in seconds)")
