@@ -29,7 +29,8 @@ Timing: the JAX rows of a set size are compiled, then timed in ``--rounds`` roun
 order (``probjax.core.timing.time_fn`` each); torch times its rows in its process the same way.
 A row's ``ms`` is the median of its rounds' medians, ``p10_ms`` / ``p90_ms`` the medians of
 theirs. Rows (JSON Lines, keyed by case, impl, mode) carry the device, versions, commit and
-command; ``--append`` keeps the file's rows and skips the keys already measured.
+command; a measured key replaces its row, the file's other rows stay; ``--append`` skips the keys
+already there (``--rerun-failed``: except those not ``ok``).
 
     python -m bench.isab --output bench/results/h200/isab.json --append
     python -m bench.isab --cpu-smoke --output /tmp/isab.json            # tiny, CPU
@@ -48,17 +49,20 @@ import sys
 import tempfile
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
+# JAX grows its memory as needed instead of taking most of the GPU, leaving room for the torch worker.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-from bench import harness
-from bench.torch_isab_worker import pool_rounds
-from probjax.core import timing
-from probjax.core.tolerances import max_error, tolerance
-from probjax.nn.layers.attention import KVLenMask, dot_product_attention, explain_dispatch
-from probjax.nn.layers.conditioners import ISAB
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from bench import harness  # noqa: E402
+from bench.torch_isab_worker import pool_rounds  # noqa: E402
+from probjax.core import timing  # noqa: E402
+from probjax.core.tolerances import max_error, tolerance  # noqa: E402
+from probjax.nn.layers.attention import KVLenMask, dot_product_attention, explain_dispatch  # noqa: E402
+from probjax.nn.layers.conditioners import ISAB  # noqa: E402
 
 PROBJAX_IMPLS = ("triton", "mosaic", "cudnn", "xla")
 IMPLS = ("jaxnn_xla", "probjax_default", *(f"probjax_{i}" for i in PROBJAX_IMPLS), "jaxnn_cudnn", "torch_flex")
@@ -78,6 +82,10 @@ class Config:
   inducing: int = 32
   batch: int = 64
   pad_fraction: float = 0.25
+
+  def valid(self, n: int) -> int:
+    """Elements of a padded set of ``n`` that are real (the rest, its tail, padding)."""
+    return n - int(n * self.pad_fraction)
 
 
 SET_SIZES = (256, 1024, 4096)
@@ -140,7 +148,7 @@ def inputs(c: Config, n: int):
   the valid-row mask ``[batch, n, 1]``."""
   kx, kc = jax.random.split(jax.random.key(n))
   x = jax.random.normal(kx, (c.batch, n, c.features), jnp.float32).astype(jnp.bfloat16)
-  lengths = jnp.full((c.batch,), n - int(n * c.pad_fraction), jnp.int32)
+  lengths = jnp.full((c.batch,), c.valid(n), jnp.int32)
   valid = (jnp.arange(n)[None, :, None] < lengths[:, None, None])
   ct = (jax.random.normal(kc, x.shape, jnp.float32) * valid).astype(jnp.bfloat16)
   return x, lengths, ct, valid
@@ -261,10 +269,11 @@ def summary(rows: list[dict]) -> list[str]:
   lines = []
   for case, mode in sorted({(r["case"], r["mode"]) for r in rows}):
     peers = {i: ok[case, i, mode] for i in ("jaxnn_cudnn", "jaxnn_xla", "torch_flex") if (case, i, mode) in ok}
-    if (case, "probjax_default", mode) in ok and peers:
+    ours = ok.get((case, "probjax_default", mode))
+    if ours and peers:
       best = min(peers, key=peers.get)
-      lines.append(f"{case} {mode}: probjax_default {ok[case, 'probjax_default', mode]:.3f} ms, "
-                   f"{peers[best] / ok[case, 'probjax_default', mode]:.2f}x the fastest peer ({best} {peers[best]:.3f} ms)")
+      lines.append(f"{case} {mode}: probjax_default {ours:.3f} ms, {peers[best] / ours:.2f}x the fastest peer "
+                   f"({best} {peers[best]:.3f} ms)")
   return lines
 
 
@@ -302,8 +311,8 @@ def main(argv=None):
                 compute_capability=info["compute_capability"], versions=info["versions"], commit=info["commit"],
                 command=" ".join(["python -m bench.isab", *(sys.argv[1:] if argv is None else argv)]),
                 config=dataclasses.asdict(c), dtype="bfloat16", flop_convention=FLOP_CONVENTION)
-  rows = {row_key(r): r for r in harness.load_rows(args.output)} if args.append else {}
-  done = dict(rows)
+  rows = {row_key(r): r for r in harness.load_rows(args.output)}   # a measured key replaces its row
+  done = dict(rows) if args.append else {}
   os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
 
   def write(row):  # the file is rewritten: one row per key
@@ -331,7 +340,7 @@ def main(argv=None):
       bar.write(f"[isab] --max-minutes {args.max_minutes} spent; rerun with --append to resume at n={n}")
       break
     base = lambda mode, n=n: dict(common, case=case_name(c, n), set_size=n,
-                                  valid_per_set=n - int(n * c.pad_fraction), mode=mode, flops=attention_flops(c, n, mode))
+                                  valid_per_set=c.valid(n), mode=mode, flops=attention_flops(c, n, mode))
     refs = reference(c, n, sorted({m for _, m in todo} - {m for i, m in todo if i == REF}))
     jax_todo = [(i, m) for i, m in todo if i != "torch_flex"]
     time_jax(c, n, jax_todo, args, write, refs, base)

@@ -33,7 +33,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _timing():
   """probjax/core/timing.py (standard library only) without importing probjax, which needs JAX;
   registered in ``sys.modules`` before it runs, as its dataclasses need."""
-  spec = importlib.util.spec_from_file_location("probjax_core_timing", os.path.join(ROOT, "probjax", "core", "timing.py"))
+  path = os.path.join(ROOT, "probjax", "core", "timing.py")
+  spec = importlib.util.spec_from_file_location("probjax_core_timing", path)
   mod = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(mod)
   return mod
