@@ -1,7 +1,8 @@
 """Flash attention in Pallas Mosaic GPU for Hopper (sm_90): TMA loads, wgmma, a producer
 warpgroup (FA3-style; :mod:`.forward`).
 
-Built so far (16-bit, head_dim 64/128/256, every position mask -- causal/window band,
+Built so far (16-bit, head_dim 64/128/192/256, values of their own width among those (MLA's
+192/128), every position mask -- causal/window band,
 per-batch query/key lengths, segment ids -- with tile skipping, GQA, any length): the
 forward (:mod:`.forward`) and a deterministic two-kernel backward (:mod:`.backward`,
 ``backward_pass_impl="mosaic"``, head_dim up to 128); other ``backward_pass_impl`` values run
@@ -22,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from probjax.ops.attention import compose, gpu, sharding  # compose: the Triton backward
-from probjax.ops.attention.base import check_kernel_call, score_mod_reason, v_head_dim_reason
+from probjax.ops.attention.base import check_kernel_call, score_mod_reason
 from probjax.ops.attention.masks import Mask
 from probjax.ops.attention.backends.mosaic_gpu import backward as backward_lib
 from probjax.ops.attention.backends.mosaic_gpu import config as config_lib
@@ -32,7 +33,7 @@ from probjax.ops.attention.backends.mosaic_gpu.config import MosaicForwardConfig
 
 __all__ = ["attention", "supports", "MosaicForwardConfig", "MosaicBackwardConfig"]
 
-_HEAD_DIMS = (64, 128, 256)
+_HEAD_DIMS = (64, 128, 192, 256)  # multiples of 64: whole wgmma K tiles of the (8, 64) smem tiling
 
 
 def supports(q_shape, kv_shape, dtype, *, mask: Mask | None = None, score_mod: Callable | None = None,
@@ -43,14 +44,13 @@ def supports(q_shape, kv_shape, dtype, *, mask: Mask | None = None, score_mod: C
 
   Args:
     q_shape: ``(batch, q_len, heads, head_dim)``; kv_shape: ``(batch, kv_len, kv_heads, head_dim)``.
-    v_head_dim: the values' head_dim (None: ``head_dim``).
+    v_head_dim: the values' head_dim (None: ``head_dim``), any of the head_dims taken; the
+      Mosaic backward (``backward_pass_impl="mosaic"``) refuses one of its own in :func:`attention`.
     device_kind: ``"sm_90"`` etc. (default: the current device's).
   """
   for present, what in ((bias, "additive bias"), (dense_mask, "dense boolean mask"), (dropout, "dropout")):
     if present:
       return what
-  if why := v_head_dim_reason(q_shape[-1], v_head_dim):
-    return why
   if not interpret:
     kind = device_kind or gpu.device_kind()
     if kind != "sm_90":
@@ -60,7 +60,9 @@ def supports(q_shape, kv_shape, dtype, *, mask: Mask | None = None, score_mod: C
   if len(q_shape) != 4 or len(kv_shape) != 4:
     return "inputs must be [batch, seq, heads, head_dim]"
   if q_shape[-1] not in _HEAD_DIMS or kv_shape[-1] != q_shape[-1]:
-    return f"head_dim {q_shape[-1]} (the Mosaic kernel takes {_HEAD_DIMS}, equal for q, k, v)"
+    return f"head_dim {q_shape[-1]} (the Mosaic kernel takes {_HEAD_DIMS}, equal for q and k)"
+  if v_head_dim is not None and v_head_dim not in _HEAD_DIMS:
+    return f"value head_dim {v_head_dim} (the Mosaic kernel takes {_HEAD_DIMS})"
   if q_shape[0] != kv_shape[0]:
     return "batch mismatch"
   if q_shape[2] % kv_shape[2]:
@@ -94,15 +96,17 @@ def attention(q, k, v, *, mask: Mask | None = None, score_mod: Callable | None =
   """Exact attention with the Mosaic GPU forward and the Triton backward.
 
   Args:
-    q: ``[batch, q_len, heads, head_dim]``; k, v: ``[batch, kv_len, kv_heads, head_dim]``,
-      bfloat16 or float16, ``heads % kv_heads == 0``.
+    q: ``[batch, q_len, heads, head_dim]``; k: ``[batch, kv_len, kv_heads, head_dim]``; v:
+      ``[batch, kv_len, kv_heads, v_head_dim]``; bfloat16 or float16, ``heads % kv_heads == 0``,
+      both widths in ``_HEAD_DIMS``.
     mask: any position mask (band, per-batch lengths, segment ids, their ``&``); rows
       without a valid key give zeros.
     score_mod: ``f(score, b, h, q_idx, kv_idx) -> score`` on float32 scores after scaling,
       before the mask (``q_idx``/``kv_idx`` full int32 tiles of the score's shape); it must
       not close over arrays. Both backwards differentiate it.
     backward_pass_impl: ``"mosaic"`` (this package's backward, :mod:`.backward`), or the
-      Triton backward's variant (``"auto"``, ``"triton_*"``, see :mod:`probjax.ops.attention.backends.triton`):
+      Triton backward's variant (``"auto"``, ``"triton_*"``, see :mod:`probjax.ops.attention.backends.triton`;
+      "mosaic" needs ``v_head_dim == head_dim``):
       "auto" is the Triton backward, faster at head_dim 64 (the device table gives head_dim 128
       calls from 2^29 work the Mosaic backward; evidence in docs/decisions.md).
     forward_config: explicit tiles, checked against the device's shared memory.
@@ -111,7 +115,7 @@ def attention(q, k, v, *, mask: Mask | None = None, score_mod: Callable | None =
     interpret: Mosaic GPU interpret mode (CPU testing; where the machine has few cores, set
       PJRT_NPROC, see :func:`.config.warn_if_interpret_may_hang`).
   Returns:
-    ``[batch, q_len, heads, head_dim]`` in q's dtype.
+    ``[batch, q_len, heads, v_head_dim]`` in q's dtype.
   """
   if forward_config is not None and not isinstance(forward_config, MosaicForwardConfig):
     raise TypeError(f"forward_config must be a MosaicForwardConfig, got {type(forward_config).__name__}")
@@ -119,15 +123,16 @@ def attention(q, k, v, *, mask: Mask | None = None, score_mod: Callable | None =
                                       interpret=interpret, v_head_dim=v.shape[-1]), q, k, v, mask)
   scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
   device = gpu.kernel_device(interpret)
-  itemsize, d = jnp.dtype(q.dtype).itemsize, q.shape[-1]
+  itemsize, d, dv = jnp.dtype(q.dtype).itemsize, q.shape[-1], v.shape[-1]
   cfg = config_lib.fit(forward_config, itemsize, d, device, mask=mask, q_len=q.shape[1], kv_len=k.shape[1],
-                       score_mod=score_mod is not None)
+                       score_mod=score_mod is not None, v_head_dim=dv)
   mosaic_bwd = backward_pass_impl == "mosaic"
   if backward_config is not None and isinstance(backward_config, MosaicBackwardConfig) != mosaic_bwd:
     raise TypeError(f"backward_config {type(backward_config).__name__} does not match "
                     f"backward_pass_impl={backward_pass_impl!r} (MosaicBackwardConfig goes with 'mosaic')")
   if mosaic_bwd:
-    why = _lowerable(score_mod, mosaic_grad=True)
+    why = _lowerable(score_mod, mosaic_grad=True) or (
+        None if dv == d else f"the Mosaic backward takes values of the queries' head_dim {d}, not {dv}")
     if why:
       raise ValueError(f"backward_pass_impl='mosaic' cannot compute this call: {why}")
     bcfg = backward_lib.fit(backward_config, itemsize, d, device)

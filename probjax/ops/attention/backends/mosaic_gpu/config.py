@@ -79,13 +79,21 @@ class MosaicForwardConfig:
       raise ValueError(f"block_q must be 64 (one wgmma M tile per warpgroup), got {self.block_q!r}")
     check_tiles(self, ("block_k",), max_wgs=3)
 
-  def smem_bytes(self, itemsize: int, head_dim: int) -> int:
-    """Query tiles (and output tiles when persistent), K and V rings, lse rows, query and
-    key segment ids; the barriers of :func:`.forward.forward`."""
+  def own_output_buffer(self, head_dim: int, v_head_dim: int | None = None) -> bool:
+    """Whether the output tiles have a buffer of their own: when persistent (the next tile's
+    queries load meanwhile) and where values are narrower or wider than queries (the query
+    buffer's tiles do not have the output's shape)."""
+    return self.persistent or (v_head_dim or head_dim) != head_dim
+
+  def smem_bytes(self, itemsize: int, head_dim: int, v_head_dim: int | None = None) -> int:
+    """Query tiles (``head_dim`` wide), output tiles (``v_head_dim`` wide, None: ``head_dim``)
+    where :meth:`own_output_buffer`, the K ring (``head_dim``) and the V ring (``v_head_dim``),
+    lse rows, query and key segment ids; the barriers of :func:`.forward.forward`."""
     wgs, bq, bk, st = self.compute_wgs, self.block_q, self.block_k, self.num_stages
-    kv = st * bk * head_dim * itemsize
-    q = [wgs * bq * head_dim * itemsize] * (2 if self.persistent else 1)
-    return smem_total([*q, kv, kv, wgs * bq * 4, wgs * bq * 4, st * bk * 4], 2 * wgs + 5 * st + 1)
+    dv = v_head_dim or head_dim
+    out = [wgs * bq * dv * itemsize] if self.own_output_buffer(head_dim, dv) else []
+    return smem_total([wgs * bq * head_dim * itemsize, *out, st * bk * head_dim * itemsize, st * bk * dv * itemsize,
+                       wgs * bq * 4, wgs * bq * 4, st * bk * 4], 2 * wgs + 5 * st + 1)
 
 
 # Why these defaults (evidence: the H200 tile sweep, bench/results/h200/tiles.json, and
@@ -94,7 +102,9 @@ class MosaicForwardConfig:
 # 128 deeper rings and block_k 192 do not fit), and persistent CTAs are faster than one CTA per
 # tile there; causal calls, whose tiles differ in work, gain from persistence too ("Mosaic
 # forward schedules"). Head_dim 256 is unmeasured: the largest ring that fits (not persistent:
-# its output buffer would not fit).
+# its output buffer would not fit). Head_dim 192 (MLA's q/k width, values 128 wide) is unmeasured:
+# block_k 64 leaves room for a deeper ring beside the 192-wide query tiles and the output buffer
+# (block_k 128 with two stages does not fit).
 # CTA pairs (cluster=2; "CTA pairs with K/V multicast"): faster for unmasked calls at head_dim
 # 128 at long lengths, no gain at head_dim 64; under a band, where the pair visits the union of
 # its key ranges, they lose below T16384: the default takes pairs at head_dim 128 without a mask.
@@ -109,6 +119,7 @@ class MosaicForwardConfig:
 # tiles only: no mask, no score_mod and whole key tiles.
 DEFAULTS = {64: MosaicForwardConfig(64, 128, 2, 2, True, overlap=True),
             128: MosaicForwardConfig(64, 128, 2, 2, True, cluster=2, overlap=True),
+            192: MosaicForwardConfig(64, 64, 3, 2, True),
             256: MosaicForwardConfig(64, 64, 2, 2, False)}
 
 
@@ -149,8 +160,9 @@ def warn_if_interpret_may_hang(threads: int) -> None:
 
 def fit(config: MosaicForwardConfig | None, itemsize: int, head_dim: int, device: str, *,
         mask: Mask | None = None, q_len: int | None = None, kv_len: int | None = None,
-        score_mod: bool = False) -> MosaicForwardConfig:
-  """``config`` (or the default for ``head_dim``) checked against ``device``'s shared memory;
+        score_mod: bool = False, v_head_dim: int | None = None) -> MosaicForwardConfig:
+  """``config`` (or the default for ``head_dim``, the q/k width; ``v_head_dim`` the values'
+  width, None: ``head_dim``) checked against ``device``'s shared memory;
   a default that does not fit drops stages, an explicit one raises ``ValueError``. A default
   in CTA pairs runs single CTAs with a mask (pairs are measured without one), where the call
   cannot take pairs (:func:`cluster_refusal`; ``q_len`` None: unknown) and in interpret mode.
@@ -168,9 +180,10 @@ def fit(config: MosaicForwardConfig | None, itemsize: int, head_dim: int, device
     cfg = dataclasses.replace(cfg, cluster=1)
   if limit is None:
     return cfg
-  while cfg.smem_bytes(itemsize, head_dim) > limit:
+  while (need := cfg.smem_bytes(itemsize, head_dim, v_head_dim)) > limit:
     if explicit or cfg.num_stages == 2:
-      raise ValueError(f"{cfg} needs {cfg.smem_bytes(itemsize, head_dim)} bytes of shared memory at "
-                       f"head_dim {head_dim}; {device} has {limit}")
+      widths = "" if v_head_dim in (None, head_dim) else f", value head_dim {v_head_dim}"
+      raise ValueError(f"{cfg} needs {need} bytes of shared memory at head_dim {head_dim}{widths}; "
+                       f"{device} has {limit}")
     cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
   return cfg

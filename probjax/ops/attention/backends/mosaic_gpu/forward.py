@@ -38,7 +38,7 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, order_ref, 
             v_smem, lse_smem, qid_smem, kid_smem, q_bar, k_ready, v_ready, kid_ready, k_free, v_free,
             sched_bar, *staging, band: Mask | None, lengths: bool, segments: bool, scale: float,
             score_mod, groups: int, cfg, q_len: int, kv_len: int, dtype, grid: tuple[int, int, int],
-            num_ctas: int, by_work: bool, group: int):
+            num_ctas: int, by_work: bool, group: int, own_out: bool):
   bq, bk, stages, wgs = cfg.block_q, cfg.block_k, cfg.num_stages, cfg.compute_wgs
   wg = lax.axis_index("wg")
   # Whether any key tile can need the element predicate (a band, lengths, segments, a partial
@@ -47,9 +47,10 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, order_ref, 
   # Base-2 exponent of a score t: t * c (the scale folded in), or with score_mod, which takes
   # the scaled score, t = score_mod(scale * q k^T, ...) and c = log2(e).
   c = C.LOG2E if score_mod is not None else scale * C.LOG2E
-  # staging: the output tiles' own buffer when persistent, then P's (interpret mode only).
-  o_smem = staging[0] if cfg.persistent else q_smem
-  p_smem = staging[int(cfg.persistent)] if len(staging) > int(cfg.persistent) else None
+  # staging: the output tiles' own buffer where ``own_out`` (MosaicForwardConfig.own_output_buffer),
+  # then P's (interpret mode only).
+  o_smem = staging[0] if own_out else q_smem
+  p_smem = staging[int(own_out)] if len(staging) > int(own_out) else None
   # One CTA per tile: a causal-like band reverses the query tiles (segment ids make a tile's
   # work follow its document, not its position). Persistent: ``order_ref`` when ``by_work``.
   reverse = cfg.heavy_first and band is not None and band.work_grows(by_q=True) and not segments
@@ -106,7 +107,7 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, order_ref, 
         plgpu.copy_gmem_to_smem(qid_ref.at[b, rows], qid_smem.at[wg], q_bar.at[wgs + wg])
         plgpu.barrier_wait(q_bar.at[wgs + wg])
       plgpu.barrier_wait(q_bar.at[wg])
-      d = q_smem.shape[-1]
+      d = v_smem.shape[-1]  # the accumulator has the values' width
       carry = (plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA),
                plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
                plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
@@ -351,15 +352,17 @@ def forward(q, k, v, mask: Mask | None, *, scale: float, config: MosaicForwardCo
   """Attention forward.
 
   Args:
-    q: ``[batch, q_len, heads, head_dim]``; k, v: ``[batch, kv_len, kv_heads, head_dim]``;
-      bfloat16 or float16, head_dim a multiple of 64; mask: any position mask (band,
+    q: ``[batch, q_len, heads, head_dim]``; k: ``[batch, kv_len, kv_heads, head_dim]``; v:
+      ``[batch, kv_len, kv_heads, v_head_dim]``; bfloat16 or float16, both widths multiples of
+      64; mask: any position mask (band,
       per-batch lengths, segment ids); score_mod: ``f(score, b, h, q_idx, kv_idx)`` on the
       float32 scaled scores, before the mask (indices as full ``[64, block_k]`` tiles).
   Returns:
-    ``(out [batch, q_len, heads, head_dim], lse [batch, heads, q_len] float32)``, lse the
+    ``(out [batch, q_len, heads, v_head_dim], lse [batch, heads, q_len] float32)``, lse the
     natural log-sum-exp (``+inf`` for rows without a valid key).
   """
   batch, q_len, heads, d = q.shape
+  dv = v.shape[-1]
   kv_len, kv_heads = k.shape[1], k.shape[2]
   cfg = config
   rows = cfg.block_q * cfg.compute_wgs
@@ -378,7 +381,7 @@ def forward(q, k, v, mask: Mask | None, *, scale: float, config: MosaicForwardCo
   scratch = [
       plgpu.SMEM((cfg.compute_wgs, cfg.block_q, d), q.dtype, transforms=tiled),
       plgpu.SMEM((cfg.num_stages, cfg.block_k, d), q.dtype, transforms=tiled),
-      plgpu.SMEM((cfg.num_stages, cfg.block_k, d), q.dtype, transforms=tiled),
+      plgpu.SMEM((cfg.num_stages, cfg.block_k, dv), q.dtype, transforms=tiled),
       plgpu.SMEM((cfg.compute_wgs, cfg.block_q), jnp.float32),
       plgpu.SMEM((cfg.compute_wgs, cfg.block_q), jnp.int32),   # query segment ids
       plgpu.SMEM((cfg.num_stages, cfg.block_k), jnp.int32),    # key segment ids per slot
@@ -390,8 +393,9 @@ def forward(q, k, v, mask: Mask | None, *, scale: float, config: MosaicForwardCo
       free(num_arrivals=cfg.compute_wgs, num_barriers=cfg.num_stages),
       plgpu.Barrier(num_arrivals=cfg.compute_wgs),  # the ping-pong schedule
   ]
-  if cfg.persistent:  # the output tiles, so that the next tile's queries can load meanwhile
-    scratch.append(plgpu.SMEM((cfg.compute_wgs, cfg.block_q, d), q.dtype, transforms=tiled))
+  own_out = cfg.own_output_buffer(d, dv)
+  if own_out:
+    scratch.append(plgpu.SMEM((cfg.compute_wgs, cfg.block_q, dv), q.dtype, transforms=tiled))
   if interpret:  # P's staging buffer (see common.mma_acc)
     scratch.append(plgpu.SMEM((cfg.compute_wgs, cfg.block_q, cfg.block_k), q.dtype, transforms=tiled))
   band, lengths, lens = C.split_mask(mask, batch, q_len, kv_len)
@@ -418,11 +422,11 @@ def forward(q, k, v, mask: Mask | None, *, scale: float, config: MosaicForwardCo
   kernel = functools.partial(_kernel, band=band, lengths=lengths, segments=segments, scale=scale,
                              score_mod=score_mod, groups=heads // kv_heads, cfg=cfg, q_len=q_len, kv_len=kv_len,
                              dtype=q.dtype, grid=tiles, num_ctas=grid[0] if cfg.persistent else 0,
-                             by_work=by_work,
-                             group=order_group(kernel_device(interpret), 2 * kv_rows * d * k.dtype.itemsize))
+                             by_work=by_work, own_out=own_out,
+                             group=order_group(kernel_device(interpret), kv_rows * (d + dv) * k.dtype.itemsize))
   out, lse = plgpu.kernel(
       kernel,
-      out_type=(jax.ShapeDtypeStruct((batch, q_rows, heads, d), q.dtype),
+      out_type=(jax.ShapeDtypeStruct((batch, q_rows, heads, dv), q.dtype),
                 jax.ShapeDtypeStruct((batch, heads, q_pad), jnp.float32)),
       scratch_types=scratch,
       grid=grid,
