@@ -507,3 +507,63 @@ def test_persistent_schedule_by_work_balances_causal_documents():
   seen, ordered = _persistent_loads(grid, ctas, work, np.asarray(F.work_order(jnp.asarray(work))))
   assert len(set(seen)) == 128 * 16
   assert natural.max() / natural.mean() > 1.1 and ordered.max() / ordered.mean() < 1.02
+
+
+# Values of their own head_dim (MLA: q/k 192, v 128): the V ring, the P V wgmma, the
+# accumulator and the output at the values' width; Q K^T at the queries'.
+@SLOW
+@pytest.mark.parametrize("d,dv,mask_name,persistent", [(128, 64, "causal", False), (192, 128, "causal&kv_len", True),
+                                                       (64, 128, "none", False)])
+def test_value_head_dim_of_its_own(d, dv, mask_name, persistent):
+  x = make_inputs(d + dv, 1, 100, 130, 2, 1, d, jnp.bfloat16, v_head_dim=dv)  # GQA 2:1, odd lengths
+  mask = make_mask(mask_name, 1, 100, 130)
+  cfg = dataclasses.replace(SMALL, persistent=persistent)
+  check_against_reference(_attn(mask, cfg), x, mask=mask, grads=False)
+
+
+@SLOW
+def test_value_head_dim_leaves_the_lse_unchanged():
+  # The lse depends on q and k only: with values 128 wide it is the one of values 192 wide
+  # whose first 128 columns they are, and so is the output's first 128 columns.
+  from probjax.ops.attention.backends.mosaic_gpu import forward as F
+  from probjax.core.tolerances import tolerance
+  x = make_inputs(21, 1, 100, 130, 2, 1, 192, jnp.bfloat16)
+  mask = M.CausalMask(30)
+  run = lambda v: F.forward(x.q, x.k, v, mask, scale=0.1, config=SMALL, interpret=True)
+  out, lse = run(x.v[..., :128])
+  out_wide, lse_wide = run(x.v)
+  assert out.shape == (1, 100, 2, 128) and lse.shape == (1, 2, 100)
+  np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse_wide))
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(out_wide[..., :128], np.float32),
+                             atol=tolerance(jnp.bfloat16), rtol=0)
+
+
+def test_value_head_dim_supports_and_fit():
+  s = lambda d, dv, **kw: pm.supports((1, 128, 4, d), (1, 128, 2, d), jnp.bfloat16, interpret=True,
+                                      v_head_dim=dv, **kw)
+  assert s(192, 128) is None and s(128, 64) is None and s(192, 192) is None and s(64, 256) is None
+  assert "value head_dim 96" in s(128, 96)
+  assert "head_dim 96" in s(96, 64)
+  x = make_inputs(0, 1, 64, 64, 1, 1, 128, jnp.bfloat16, v_head_dim=64)
+  with pytest.raises(ValueError, match="the Mosaic backward takes values of the queries' head_dim 128, not 64"):
+    pm.attention(x.q, x.k, x.v, backward_pass_impl="mosaic", interpret=True)
+  widths = (64, 128, 192, 256)
+  for d, dv in ((d, dv) for d in widths for dv in widths):  # every pair supports takes has a default
+    if s(d, dv) is not None:
+      assert "sum at most 384" in s(d, dv) and d + dv > 384
+      continue
+    assert mcfg.fit(None, 2, d, "sm_90", v_head_dim=dv).smem_bytes(2, d, dv) <= 232448, (d, dv)
+  # Not persistent, values narrower than queries: the output has a buffer of its own.
+  cfg = pm.MosaicForwardConfig(64, 64, 2, 2)
+  assert cfg.smem_bytes(2, 192, 128) == cfg.smem_bytes(2, 192) - 2 * 64 * 64 * 2 + 2 * 64 * 128 * 2
+  with pytest.raises(ValueError, match="head_dim 192, value head_dim 128"):
+    mcfg.fit(pm.MosaicForwardConfig(64, 128, 2, 2), 2, 192, "sm_90", v_head_dim=128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grads", [False, True])
+def test_gpu_value_head_dim_of_its_own(grads):
+  # MLA's widths at the default configs; the gradients from the Triton backward.
+  x = make_inputs(192 + grads, 1, 1024, 1024, 2, 2, 192, jnp.bfloat16, v_head_dim=128)
+  mask = M.CausalMask()
+  check_against_reference(lambda q, k, v, _: pm.attention(q, k, v, mask=mask), x, mask=mask, grads=grads)

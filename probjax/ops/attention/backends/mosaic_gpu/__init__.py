@@ -63,6 +63,10 @@ def supports(q_shape, kv_shape, dtype, *, mask: Mask | None = None, score_mod: C
     return f"head_dim {q_shape[-1]} (the Mosaic kernel takes {_HEAD_DIMS}, equal for q and k)"
   if v_head_dim is not None and v_head_dim not in _HEAD_DIMS:
     return f"value head_dim {v_head_dim} (the Mosaic kernel takes {_HEAD_DIMS})"
+  if v_head_dim not in (None, q_shape[-1]) and q_shape[-1] + v_head_dim > 384:
+    # the output tiles then need a buffer of their own beside the query tiles (config.fit)
+    return (f"value head_dim {v_head_dim} beside head_dim {q_shape[-1]} (the Mosaic kernel's tiles need "
+            "their sum at most 384 where they differ)")
   if q_shape[0] != kv_shape[0]:
     return "batch mismatch"
   if q_shape[2] % kv_shape[2]:

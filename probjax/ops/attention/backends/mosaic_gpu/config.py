@@ -161,8 +161,8 @@ def warn_if_interpret_may_hang(threads: int) -> None:
 def fit(config: MosaicForwardConfig | None, itemsize: int, head_dim: int, device: str, *,
         mask: Mask | None = None, q_len: int | None = None, kv_len: int | None = None,
         score_mod: bool = False, v_head_dim: int | None = None) -> MosaicForwardConfig:
-  """``config`` (or the default for ``head_dim``, the q/k width; ``v_head_dim`` the values'
-  width, None: ``head_dim``) checked against ``device``'s shared memory;
+  """``config`` (or the default for the wider of ``head_dim``, the q/k width, and ``v_head_dim``,
+  the values' width, None: ``head_dim``) checked against ``device``'s shared memory;
   a default that does not fit drops stages, an explicit one raises ``ValueError``. A default
   in CTA pairs runs single CTAs with a mask (pairs are measured without one), where the call
   cannot take pairs (:func:`cluster_refusal`; ``q_len`` None: unknown) and in interpret mode.
@@ -170,7 +170,7 @@ def fit(config: MosaicForwardConfig | None, itemsize: int, head_dim: int, device
   ``score_mod``, a partial last key tile; ``kv_len`` None: unknown), where it is slower."""
   limit = smem_limit(device)
   explicit = config is not None
-  cfg = config if explicit else DEFAULTS[head_dim]
+  cfg = config if explicit else DEFAULTS[max(head_dim, v_head_dim or head_dim)]  # the wider operand's
   if device == "interpret" and not explicit:  # see INTERPRET_WGS
     cfg = dataclasses.replace(cfg, compute_wgs=INTERPRET_WGS, cluster=1)
   if not explicit and cfg.overlap and (mask is not None or score_mod or kv_len is None or kv_len % cfg.block_k):
