@@ -18,9 +18,11 @@ import sys
 
 
 def _timing():
+  """probjax/core/timing.py (standard library only) without importing probjax, which needs JAX;
+  registered in ``sys.modules`` before it runs, as its dataclasses need."""
   path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "probjax", "core", "timing.py")
   spec = importlib.util.spec_from_file_location("probjax_core_timing", path)
-  mod = importlib.util.module_from_spec(spec)
+  mod = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(mod)
   return mod
 

@@ -20,24 +20,15 @@ check. The worker needs only torch and numpy (the timing module is loaded by pat
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run as a script, beside its sibling
+from torch_cpu_worker import _timing  # noqa: E402
 
-
-def _timing():
-  """probjax/core/timing.py (standard library only) without importing probjax, which needs JAX;
-  registered in ``sys.modules`` before it runs, as its dataclasses need."""
-  path = os.path.join(ROOT, "probjax", "core", "timing.py")
-  spec = importlib.util.spec_from_file_location("probjax_core_timing", path)
-  mod = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
 
 
 def pool_rounds(results: list[dict]) -> dict:
