@@ -6,6 +6,8 @@ the same checks at full size with the default (tuned, smem-fitted) tiles.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -600,3 +602,102 @@ def test_score_mod_with_non_finite_values_under_the_mask(backend):
   out, vjp = jax.vjp(f, q, k, v)
   for x in (out, *vjp(do)):
     assert bool(jnp.isfinite(x.astype(jnp.float32)).all())
+
+
+# -- value head_dim != query/key head_dim (multi-head latent attention) -------------------
+WIDTHS = [(48, 32), (32, 64)]  # (q/k head_dim, value head_dim): narrower and wider values
+
+
+def _mla_mask():
+  return CausalMask(8) & KVLenMask(jnp.array([20, 27]))
+
+
+def _attention_v(mask, impl="triton_split", **kw):
+  return lambda q, k, v, _: pt.attention(q, k, v, mask=mask, backward_pass_impl=impl,
+                                         forward_config=FC16, backward_config=BC16, **kw)
+
+
+@pytest.mark.parametrize("impl,d,dv", [(i, *w) if (i, w) in (("triton_fused", WIDTHS[0]), ("triton_onepass", WIDTHS[1]))
+                                        else pytest.param(i, *w, marks=SLOW) for i in IMPLS for w in WIDTHS])
+def test_value_head_dim_matches_reference(impl, d, dv):
+  """Odd lengths, GQA, causal with key lengths: output at the value width, dQ/dK at the
+  query/key width, dV at the value width, all against the float64 reference."""
+  from probjax.testing import check_against_reference, make_inputs
+  x = make_inputs(d + dv, 2, 19, 27, 4, 2, d, v_head_dim=dv)
+  mask = _mla_mask()
+  out = _attention_v(mask, impl, interpret=True)(x.q, x.k, x.v, None)
+  assert out.shape == (2, 19, 4, dv)
+  check_against_reference(_attention_v(mask, impl, interpret=True), x, mask=mask)
+
+
+@SLOW
+@pytest.mark.parametrize("d,dv", WIDTHS)
+def test_value_head_dim_group_splits(d, dv):
+  """dV partials of split GQA groups summed at the value width."""
+  from probjax.testing import check_against_reference, make_inputs
+  x = make_inputs(3 * d + dv, 1, 20, 33, 4, 1, d, v_head_dim=dv)
+  mask = CausalMask(13)
+  attn = lambda q, k, v, _: pt.attention(q, k, v, mask=mask, forward_config=FC16, interpret=True,
+                                         backward_config=pt.BackwardConfig(16, 16, 16, 16, 4, 1, group_splits=2))
+  check_against_reference(attn, x, mask=mask)
+
+
+@pytest.mark.parametrize("impl", [pytest.param("triton_split", marks=SLOW), pytest.param("triton_fused", marks=SLOW),
+                                  "triton_onepass"])
+def test_value_head_dim_fully_masked_rows_are_zero(impl):
+  from probjax.testing import check_against_reference, make_inputs
+  x = make_inputs(16, 2, 20, 20, 2, 1, 48, v_head_dim=32)
+  # As test_fully_masked_rows_are_zero: batch 0 has no keys, rows 0..2 none under causal(-3).
+  mask = LengthMask(jnp.array([20, 15]), jnp.array([0, 20])) & CausalMask(-3)
+  check_against_reference(_attention_v(mask, impl, interpret=True), x, mask=mask)
+  out, vjp = jax.vjp(lambda q, k, v: _attention_v(mask, impl, interpret=True)(q, k, v, None), x.q, x.k, x.v)
+  dq, dk, dv = vjp(x.do)
+  assert not np.any(np.asarray(out[0])) and not np.any(np.asarray(out[1, :3])) and not np.any(np.asarray(out[1, 15:]))
+  assert not np.any(np.asarray(dq[0])) and not np.any(np.asarray(dk[0])) and not np.any(np.asarray(dv[0]))
+
+
+@pytest.mark.parametrize("d,dv,mask_name", [(48, 32, "causal_offset"), (32, 64, "kv_lengths"),
+                                             pytest.param(48, 32, "kv_lengths", marks=SLOW)])
+def test_split_kv_value_head_dim(d, dv, mask_name):
+  from probjax.testing import make_inputs
+  x = make_inputs(d * dv, 2, 3, 100, 4, 2, d, v_head_dim=dv)
+  mask = _mask(mask_name, 2, 3, 100)
+  f = lambda q, k, v: pt.attention(q, k, v, mask=mask, split_kv=SKV, interpret=True)
+  assert "probjax_attention_fwd_split_kv" in str(jax.make_jaxpr(f)(x.q, x.k, x.v))
+  out = f(x.q, x.k, x.v)
+  assert out.shape == (2, 3, 4, dv)
+  assert max_error(out, reference_attention(x.q, x.k, x.v, mask=mask)) <= tolerance(jnp.float32)
+
+
+def test_value_head_dim_supports_and_tiles():
+  s = lambda dv, d=192: pt.supports((2, 64, 4, d), (2, 64, 2, d), jnp.bfloat16, interpret=True, v_head_dim=dv)
+  assert s(128) is None and s(256) is None and s(8, 32) is None
+  assert s(300) == "value head_dim 300 not in [1, 256]"
+  q = jnp.ones((1, 16, 2, 32))
+  with pytest.raises(ValueError, match="value head_dim 300"):
+    pt.attention(q, q, jnp.ones((1, 16, 2, 300)), interpret=True)
+  # One width: the model as before; two: each operand at its own width.
+  f, b = pt.ForwardConfig(128, 64, 8, 2), pt.BackwardConfig(64, 128, 128, 64, 8, 3)
+  assert f.smem_bytes(2, 128, 128) == f.smem_bytes(2, 128)
+  assert f.smem_bytes(2, 256, 128) == (2 * 64 * (256 + 128) + 128 * 256) * 2
+  assert b.smem_bytes(2, 256, v_head_dim=128) == (3 * 64 + 128) * (256 + 128) * 2
+  for dtype, isz in ((jnp.bfloat16, 2), (jnp.float32, 4)):
+    fc = cfg.fit_forward_config(None, dtype, 256, 4096, 4096, "sm_90", 128)
+    assert fc.smem_bytes(isz, 256, 128) <= cfg.SMEM_LIMIT["sm_90"]
+    for impl in IMPLS:
+      bc = cfg.fit_backward_config(None, dtype, 256, 4096, 4096, "sm_90", impl, 128)
+      assert bc.smem_bytes(isz, 256, impl == "triton_onepass", 128) <= cfg.SMEM_LIMIT["sm_90"]
+  wide = pt.ForwardConfig(128, 128, 8, 3)  # fits at one width 128, not with values of 256
+  assert cfg.fit_forward_config(wide, jnp.bfloat16, 128, 4096, 4096, "sm_90") == dataclasses.replace(wide, fast_exp2=True)
+  with pytest.raises(ValueError, match="shared memory"):
+    cfg.fit_forward_config(wide, jnp.bfloat16, 128, 4096, 4096, "sm_90", 256)
+
+
+@pytest.mark.gpu
+def test_gpu_value_head_dim_mla_widths():
+  """MLA's widths, q/k 192 and v 128, causal, with the tuned tiles, every backward variant."""
+  from probjax.testing import check_against_reference, make_inputs
+  x = make_inputs(192, 1, 512, 512, 2, 2, 192, jnp.bfloat16, v_head_dim=128)
+  for impl in IMPLS:
+    attn = lambda q, k, v, _: pt.attention(q, k, v, mask=CausalMask(), backward_pass_impl=impl)
+    check_against_reference(attn, x, mask=CausalMask())

@@ -3,7 +3,8 @@
 :func:`attention` computes ``softmax(score_mod(scale * q k^T) | mask) v`` with
 float32 online softmax, native GQA/MQA (query head ``h`` reads KV head
 ``h // G``), tile skipping from :class:`~probjax.ops.attention.masks.Mask` and
-three backward kernels (see :mod:`.backward`). :func:`supports` says whether a
+three backward kernels (see :mod:`.backward`). Values may be narrower or wider than queries
+and keys (multi-head latent attention: q/k 192, v 128). :func:`supports` says whether a
 call is computed exactly by these kernels; the dispatcher uses it to choose.
 """
 
@@ -18,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from probjax.ops.attention import sharding
-from probjax.ops.attention.base import check_kernel_call, score_mod_reason, v_head_dim_reason
+from probjax.ops.attention.base import check_kernel_call, score_mod_reason
 from probjax.ops.attention.call import KERNEL_MASK_KINDS
 from probjax.ops.attention.gpu import triton_lowerable  # (re-exported)
 from probjax.ops.attention.masks import Mask
@@ -42,8 +43,8 @@ def supports(q_shape, kv_shape, dtype, *, mask: Mask | None = None,
   """None if :func:`attention` computes the call exactly, else a short reason.
 
   Args:
-    q_shape: ``(batch, q_len, heads, head_dim)``; kv_shape: ``(batch, kv_len, kv_heads, head_dim)``.
-    v_head_dim: the values' head_dim (None: ``head_dim``).
+    q_shape: ``(batch, q_len, heads, head_dim)``; kv_shape: the keys', ``(batch, kv_len, kv_heads, head_dim)``.
+    v_head_dim: the values' head_dim, at most 256 like ``head_dim`` (None: ``head_dim``).
     bias, dense_mask, dropout: whether the call has them (the kernels do not).
   """
   if bias:
@@ -52,8 +53,6 @@ def supports(q_shape, kv_shape, dtype, *, mask: Mask | None = None,
     return "dense boolean mask"
   if dropout:
     return "dropout"
-  if why := v_head_dim_reason(q_shape[-1], v_head_dim):
-    return why
   if not interpret and jax.devices()[0].platform != "gpu":
     return f"platform {jax.devices()[0].platform} without interpret"
   if _dtype_name(dtype) not in _DTYPES:
@@ -64,7 +63,9 @@ def supports(q_shape, kv_shape, dtype, *, mask: Mask | None = None,
   if d > _HEAD_DIMS_MAX:
     return f"head_dim {d} > {_HEAD_DIMS_MAX}"
   if kv_shape[-1] != d:
-    return f"k/v head_dim {kv_shape[-1]} != q head_dim {d}"
+    return f"k head_dim {kv_shape[-1]} != q head_dim {d}"
+  if v_head_dim is not None and not 0 < v_head_dim <= _HEAD_DIMS_MAX:
+    return f"value head_dim {v_head_dim} not in [1, {_HEAD_DIMS_MAX}]"
   if q_shape[2] % kv_shape[2]:
     return f"heads {q_shape[2]} not a multiple of kv_heads {kv_shape[2]}"
   if q_shape[0] != kv_shape[0]:
@@ -90,8 +91,9 @@ def attention(q, k, v, *, mask: Mask | None = None, score_mod: Callable | None =
   """Fused exact attention.
 
   Args:
-    q: ``[batch, q_len, heads, head_dim]``; k, v: ``[batch, kv_len, kv_heads, head_dim]``
-      with ``heads % kv_heads == 0``; bfloat16, float16 or float32 (TF32 dots).
+    q: ``[batch, q_len, heads, head_dim]``; k: ``[batch, kv_len, kv_heads, head_dim]``;
+      v: ``[batch, kv_len, kv_heads, v_head_dim]`` (``v_head_dim`` at most 256, may differ from
+      ``head_dim``); ``heads % kv_heads == 0``; bfloat16, float16 or float32 (TF32 dots).
     mask: position mask; rows with no valid key give 0 (and zero gradients).
     score_mod: ``f(score, b, h, q_idx, kv_idx) -> score`` on float32 tiles
       (``score`` ``[bq, bk]``, ``b``/``h`` scalars, ``q_idx`` ``[bq, 1]``,
@@ -109,28 +111,30 @@ def attention(q, k, v, *, mask: Mask | None = None, score_mod: Callable | None =
       output only: under ``jax.grad`` the regular forward runs.
     interpret: run the kernels in Pallas interpret mode (CPU testing).
   Returns:
-    ``[batch, q_len, heads, head_dim]`` in q's dtype.
+    ``[batch, q_len, heads, v_head_dim]`` in q's dtype.
   """
   check_kernel_call("triton", supports(q.shape, k.shape, q.dtype, mask=mask, score_mod=score_mod,
                                       interpret=interpret, v_head_dim=v.shape[-1]), q, k, v, mask)
   if scale is None:
     scale = 1.0 / math.sqrt(q.shape[-1])
-  device, fcfg, impl, bcfg = _configs(q, k, forward_config, backward_config, backward_pass_impl, interpret)
+  device, fcfg, impl, bcfg = _configs(q, k, v, forward_config, backward_config, backward_pass_impl,
+                                      interpret)
   split = decode_lib.plan(q.shape, k.shape, q.dtype, mask=mask, score_mod=score_mod,
-                          split_kv=split_kv, device=device)
+                          split_kv=split_kv, device=device, v_head_dim=v.shape[-1])
   static = _Static(score_mod, float(scale), fcfg, bcfg, impl, split, bool(interpret))
   return _attention(static, q, k, v, mask)
 
 
-def _configs(q, k, forward_config, backward_config, backward_pass_impl: str, interpret: bool):
+def _configs(q, k, v, forward_config, backward_config, backward_pass_impl: str, interpret: bool):
   """``(device, forward config, backward variant, backward config)`` of a call, fitted to the
   device (``"interpret"`` in interpret mode)."""
   device = config_lib.kernel_device(interpret)
-  d, q_len, kv_len = q.shape[-1], q.shape[1], k.shape[1]
-  dp = padded_head_dim(d)
-  fcfg = config_lib.fit_forward_config(forward_config, q.dtype, dp, q_len, kv_len, device)
-  impl = config_lib.resolve_backward_impl(backward_pass_impl, device, q.dtype, d, q_len, kv_len)
-  bcfg = config_lib.fit_backward_config(backward_config, q.dtype, dp, q_len, kv_len, device, impl)
+  d, dv, q_len, kv_len = q.shape[-1], v.shape[-1], q.shape[1], k.shape[1]
+  dp, dvp = padded_head_dim(d), padded_head_dim(dv)
+  fcfg = config_lib.fit_forward_config(forward_config, q.dtype, dp, q_len, kv_len, device, dvp)
+  # The variant rules bound the head_dim by shared memory: the wider of the two widths.
+  impl = config_lib.resolve_backward_impl(backward_pass_impl, device, q.dtype, max(d, dv), q_len, kv_len)
+  bcfg = config_lib.fit_backward_config(backward_config, q.dtype, dp, q_len, kv_len, device, impl, dvp)
   return device, fcfg, impl, bcfg
 
 

@@ -102,9 +102,9 @@ def _dkv_program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mr, dk_ref, dv
     return tiles.tile_loop(tm, mr, b, j, num_q_tiles, body, carry, by_q=False,
                            block_outer=block_k, block_inner=block_q)
 
-  zeros = jnp.zeros(k.shape, jnp.float32)
+  zeros = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
   per_split = groups // splits
-  dk, dv = jax.lax.fori_loop(split * per_split, (split + 1) * per_split, head, (zeros, zeros))
+  dk, dv = jax.lax.fori_loop(split * per_split, (split + 1) * per_split, head, zeros)
   out = hkv * splits + split
   tiles.store_rows(dk_ref.at[b, pl.ds(k_start, block_k), out, :], (dk * scale).astype(dk_ref.dtype),
                    k_start, tm.kv_len)
@@ -191,23 +191,25 @@ def backward(q, k, v, out, lse, do, mask: Mask | None, *, scale: float,
   """Gradients of attention.
 
   Args:
-    q: ``[batch, q_len, heads, head_dim]``; k, v: ``[batch, kv_len, kv_heads, head_dim]``.
-    out, do: ``[batch, q_len, heads, head_dim]``; lse: ``[batch, heads, q_len]`` float32.
+    q: ``[batch, q_len, heads, head_dim]``; k: ``[batch, kv_len, kv_heads, head_dim]``;
+    v: ``[batch, kv_len, kv_heads, v_head_dim]``.
+    out, do: ``[batch, q_len, heads, v_head_dim]``; lse: ``[batch, heads, q_len]`` float32.
     impl: ``"triton_onepass"``, ``"triton_fused"`` or ``"triton_split"``.
   Returns:
-    ``(dq, dk, dv)`` in the dtypes of q, k, v.
+    ``(dq, dk, dv)`` in the dtypes and shapes of q, k, v.
   """
   batch, q_len, heads, d = q.shape
   kv_len, kv_heads = k.shape[1], k.shape[2]
   c = config
-  dp = tiles.padded_head_dim(d)
+  dv_width = v.shape[-1]
+  dp, dvp = tiles.padded_head_dim(d), tiles.padded_head_dim(dv_width)
   q_pad = tiles.round_up(q_len, max(c.block_q_dkv, c.block_q_dq))
   kv_pad = tiles.round_up(kv_len, max(c.block_kv_dkv, c.block_kv_dq))
-  pad_d = lambda x: tiles.pad_axis(x, 3, dp)  # sequence axes: masked tiles, no copies
+  pad_d = lambda x, width=dp: tiles.pad_axis(x, 3, width)  # sequence axes: masked tiles, no copies
   # Preprocess (shared): delta = rowsum(dO * O); lse in base 2. Both are small
   # [batch, heads, q_len] rows, padded (+inf, 0) so their loads need no mask.
   delta = output_delta(out, do, mask)
-  ops = (pad_d(q), pad_d(k), pad_d(v), pad_d(do.astype(q.dtype)),
+  ops = (pad_d(q), pad_d(k), pad_d(v, dvp), pad_d(do.astype(q.dtype), dvp),
          tiles.pad_axis(lse * tiles.LOG2E, 2, q_pad, jnp.inf), tiles.pad_axis(delta, 2, q_pad))
 
   tm_dkv, mops_dkv = tiles.mask_operands(mask, batch, q_len, kv_len, q_pad, kv_pad, c.block_q_dkv,
@@ -225,8 +227,9 @@ def backward(q, k, v, out, lse, do, mask: Mask | None, *, scale: float,
                 splits=splits)
   dq_kw = dict(common, block_q=c.block_q_dq, block_k=c.block_kv_dq, num_kv_tiles=kv_pad // c.block_kv_dq)
   dq_shape = jax.ShapeDtypeStruct((batch, q_len, heads, dp), q.dtype)
-  dkv_shape = tuple(jax.ShapeDtypeStruct((batch, kv_len, kv_heads * splits, dp),
-                                         x.dtype if splits == 1 else jnp.float32) for x in (k, v))
+  dkv_shape = tuple(jax.ShapeDtypeStruct((batch, kv_len, kv_heads * splits, width),
+                                         x.dtype if splits == 1 else jnp.float32)
+                    for x, width in ((k, dp), (v, dvp)))
   call = functools.partial(
       pl.pallas_call, interpret=interpret,
       compiler_params=plgpu.CompilerParams(num_warps=c.num_warps, num_stages=c.num_stages))
@@ -236,8 +239,8 @@ def backward(q, k, v, out, lse, do, mask: Mask | None, *, scale: float,
   dkv_grid, dq_grid = (nk_dkv, batch, kv_heads * splits), (nq_dq, batch, heads)
   itemsize = q.dtype.itemsize
   dkv_order = dict(grid=dkv_grid, group=config_lib.order_group(
-      device, 2 * q_pad * dp * itemsize * groups // splits))
-  dq_order = dict(grid=dq_grid, group=config_lib.order_group(device, 2 * kv_pad * dp * itemsize))
+      device, q_pad * (dp + dvp) * itemsize * groups // splits))
+  dq_order = dict(grid=dq_grid, group=config_lib.order_group(device, kv_pad * (dp + dvp) * itemsize))
   if impl == "triton_split":
     dk, dv = call(functools.partial(_dkv_kernel, tm=tm_dkv, onepass=False, **dkv_order, **dkv_kw),
                   grid=dkv_grid, out_shape=dkv_shape, name="probjax_attention_bwd_dkv")(*ops, *mops_dkv)
@@ -261,6 +264,6 @@ def backward(q, k, v, out, lse, do, mask: Mask | None, *, scale: float,
   else:
     raise ValueError(f"unknown backward_pass_impl {impl!r}")
   if splits > 1:  # fixed order: still bitwise reproducible
-    dk, dv = (x.reshape(batch, kv_len, kv_heads, splits, dp).sum(3).astype(y.dtype)
+    dk, dv = (x.reshape(batch, kv_len, kv_heads, splits, x.shape[-1]).sum(3).astype(y.dtype)
               for x, y in ((dk, k), (dv, v)))
-  return dq[..., :d], dk[..., :d], dv[..., :d]
+  return dq[..., :d], dk[..., :d], dv[..., :dv_width]

@@ -6,11 +6,11 @@ head_dim) and are shrunk -- pipeline stages first, then blocks -- until the
 shared-memory model fits the device (:data:`SMEM_LIMIT`). An explicit config
 that does not fit raises ``ValueError``; nothing over budget is ever compiled.
 
-Shared-memory model (bytes, ``s`` = itemsize, ``D`` = padded head_dim): Triton
-on sm_80+ buffers every streamed tile once per pipeline stage and keeps the
-loop-invariant tiles resident:
+Shared-memory model (bytes, ``s`` = itemsize, ``D`` = padded query/key head_dim,
+``Dv`` = padded value head_dim, ``D`` unless given): Triton on sm_80+ buffers every
+streamed tile once per pipeline stage and keeps the loop-invariant tiles resident:
 
-* forward: ``stages * (K + V tiles) + Q tile`` = ``stages*2*bk*D*s + bq*D*s``;
+* forward: ``stages * (K + V tiles) + Q tile`` = ``stages*bk*(D+Dv)*s + bq*D*s``;
 * dK/dV (split/fused/onepass): ``stages * (Q + dO tiles) + K + V tiles``;
 * dQ: ``stages * (K + V tiles) + Q + dO tiles``;
 * split-KV forward: ``stages * (K + V tiles) + packed query rows``.
@@ -83,8 +83,9 @@ class ForwardConfig:
     _pow2("block_k", self.block_k)
     _warps_stages(self.num_warps, self.num_stages)
 
-  def smem_bytes(self, itemsize: int, head_dim: int) -> int:
-    return (self.num_stages * 2 * self.block_k + self.block_q) * head_dim * itemsize
+  def smem_bytes(self, itemsize: int, head_dim: int, v_head_dim: int | None = None) -> int:
+    dv = head_dim if v_head_dim is None else v_head_dim
+    return (self.num_stages * self.block_k * (head_dim + dv) + self.block_q * head_dim) * itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,17 +126,19 @@ class BackwardConfig:
         return s
     return groups
 
-  def smem_bytes(self, itemsize: int, head_dim: int, onepass: bool = False) -> int:
+  def smem_bytes(self, itemsize: int, head_dim: int, onepass: bool = False,
+                 v_head_dim: int | None = None) -> int:
     """Bytes of the larger of the two kernels (dK/dV and dQ). ``onepass``: the dK/dV
     kernel also stages dS^T for the dQ product and the dQ tile for its atomic adds, plus
     the pipelined LSE/delta rows (calibrated on the H200: fp32 head_dim 128, 32 x 128 tiles,
-    2 stages requested 246,272 bytes; bf16 head_dim 128, 64 x 128, 3 stages compiled)."""
-    row = head_dim * itemsize
-    dkv = (self.num_stages * 2 * self.block_q_dkv + 2 * self.block_kv_dkv) * row
+    2 stages requested 246,272 bytes; bf16 head_dim 128, 64 x 128, 3 stages compiled).
+    ``v_head_dim``: the width of V and dO (None: ``head_dim``)."""
+    row = (head_dim + (head_dim if v_head_dim is None else v_head_dim)) * itemsize  # (Q, dO) or (K, V)
+    dkv = (self.num_stages * self.block_q_dkv + self.block_kv_dkv) * row
     if onepass:
       dkv += (self.block_q_dkv * self.block_kv_dkv + 2 * self.block_q_dkv * head_dim) * itemsize
       dkv += self.num_stages * 2 * self.block_q_dkv * 4
-    dq = (self.num_stages * 2 * self.block_kv_dq + 2 * self.block_q_dq) * row
+    dq = (self.num_stages * self.block_kv_dq + self.block_q_dq) * row
     return max(dkv, dq)
 
 
@@ -159,8 +162,9 @@ class SplitKVConfig:
     if self.num_splits is not None and (not isinstance(self.num_splits, int) or self.num_splits < 1):
       raise ValueError(f"num_splits must be None or an int >= 1, got {self.num_splits!r}")
 
-  def smem_bytes(self, itemsize: int, head_dim: int, block_rows: int) -> int:
-    return (self.num_stages * 2 * self.block_k + block_rows) * head_dim * itemsize
+  def smem_bytes(self, itemsize: int, head_dim: int, block_rows: int, v_head_dim: int | None = None) -> int:
+    dv = head_dim if v_head_dim is None else v_head_dim
+    return (self.num_stages * self.block_k * (head_dim + dv) + block_rows * head_dim) * itemsize
 
 
 # Tuned tables: (device, dtype, head_dim) -> config. Entries are the starting
@@ -232,7 +236,11 @@ def _dtype_key(dtype) -> str:
   return "bfloat16" if name == "float16" else name
 
 
-def _lookup(table, device, dtype, head_dim):
+def _lookup(table, device, dtype, head_dim, v_head_dim=None):
+  # The tables are tuned at one width. Values of another width take the entry of the wider
+  # of the two: its tiles were chosen for every operand at that width, so they are no larger
+  # than the narrower mix needs; the two-width shared-memory model then shrinks them to fit.
+  head_dim = max(head_dim, head_dim if v_head_dim is None else v_head_dim)
   key = _dtype_key(dtype)
   for dev in (device, "default"):
     if (dev, key, head_dim) in table:
@@ -268,29 +276,32 @@ def _check(cfg, itemsize, head_dim, device, limit, what, **kw):
 
 
 def fit_forward_config(cfg: ForwardConfig | None, dtype, head_dim: int, q_len: int,
-                       kv_len: int, device: str) -> ForwardConfig:
+                       kv_len: int, device: str, v_head_dim: int | None = None) -> ForwardConfig:
   """The forward config to launch: explicit ``cfg`` checked, or the table's shrunk to fit.
 
-  ``head_dim`` is the padded head_dim the kernel loads.
+  ``head_dim`` and ``v_head_dim`` (None: ``head_dim``) are the padded query/key and value
+  head_dims the kernel loads.
   """
   itemsize, limit = np.dtype(dtype).itemsize, smem_limit(device)
+  kw = {"v_head_dim": v_head_dim}
   if cfg is not None:
-    return with_fast_exp2(_check(cfg, itemsize, head_dim, device, limit, "forward_config"), device)
-  cfg = _lookup(FORWARD_TABLE, device, dtype, head_dim)
+    return with_fast_exp2(_check(cfg, itemsize, head_dim, device, limit, "forward_config", **kw), device)
+  cfg = _lookup(FORWARD_TABLE, device, dtype, head_dim, v_head_dim)
   cfg = dataclasses.replace(cfg, block_q=_clamp(cfg.block_q, q_len), block_k=_clamp(cfg.block_k, kv_len))
-  return with_fast_exp2(_shrink(cfg, ("block_q", "block_k"), itemsize, head_dim, limit), device)
+  return with_fast_exp2(_shrink(cfg, ("block_q", "block_k"), itemsize, head_dim, limit, **kw), device)
 
 
 def fit_backward_config(cfg: BackwardConfig | None, dtype, head_dim: int, q_len: int,
-                        kv_len: int, device: str, impl: str | None = None) -> BackwardConfig:
+                        kv_len: int, device: str, impl: str | None = None,
+                        v_head_dim: int | None = None) -> BackwardConfig:
   """The backward config to launch for backward ``impl`` (None: the two-pass kernels;
   see :func:`fit_forward_config`)."""
   itemsize, limit = np.dtype(dtype).itemsize, smem_limit(device)
-  kw = {"onepass": impl == "triton_onepass"}
+  kw = {"onepass": impl == "triton_onepass", "v_head_dim": v_head_dim}
   if cfg is not None:
     return with_fast_exp2(_check(cfg, itemsize, head_dim, device, limit, "backward_config", **kw),
                           device)
-  cfg = _lookup(BACKWARD_TABLE, device, dtype, head_dim)
+  cfg = _lookup(BACKWARD_TABLE, device, dtype, head_dim, v_head_dim)
   cfg = dataclasses.replace(
       cfg, block_q_dkv=_clamp(cfg.block_q_dkv, q_len), block_kv_dkv=_clamp(cfg.block_kv_dkv, kv_len),
       block_q_dq=_clamp(cfg.block_q_dq, q_len), block_kv_dq=_clamp(cfg.block_kv_dq, kv_len))

@@ -45,14 +45,15 @@ def why_not(q_shape, kv_shape, *, score_mod) -> str | None:
 
 
 def plan(q_shape, kv_shape, dtype, *, mask: Mask | None, score_mod, split_kv,
-         device: str) -> SplitKVConfig | None:
+         device: str, v_head_dim: int | None = None) -> SplitKVConfig | None:
   """The split-KV launch for a forward call, or None for the regular kernel.
 
   ``split_kv``: None (automatic: at most ``MAX_QUERIES`` queries, at least
   ``MIN_KEYS`` keys and two or more splits), False (never), True (whenever the
   kernel can take the call; ValueError otherwise) or a :class:`SplitKVConfig`
   (likewise, with its tiles, which must fit the device's shared memory). Default
-  tiles are shrunk -- stages, then keys, then rows -- until they fit.
+  tiles are shrunk -- stages, then keys, then rows -- until they fit. ``v_head_dim``: the
+  values' head_dim (None: the keys').
   """
   if split_kv is False:
     return None
@@ -68,11 +69,13 @@ def plan(q_shape, kv_shape, dtype, *, mask: Mask | None, score_mod, split_kv,
   cfg = split_kv if explicit else SplitKVConfig()
   cfg = dataclasses.replace(cfg, block_rows=_block_rows(cfg, group_rows))
   itemsize, d = np.dtype(dtype).itemsize, tiles.padded_head_dim(q_shape[-1])
+  dv = tiles.padded_head_dim(q_shape[-1] if v_head_dim is None else v_head_dim)
   limit = config_lib.smem_limit(device)
-  fits = lambda c: limit is None or c.smem_bytes(itemsize, d, c.block_rows) <= limit
+  need = lambda c: c.smem_bytes(itemsize, d, c.block_rows, v_head_dim=dv)
+  fits = lambda c: limit is None or need(c) <= limit
   if explicit and not fits(cfg):
-    raise ValueError(f"split_kv config {cfg} needs {cfg.smem_bytes(itemsize, d, cfg.block_rows)} "
-                     f"bytes of shared memory per block (head_dim {d}) but {device} has {limit}")
+    raise ValueError(f"split_kv config {cfg} needs {need(cfg)} bytes of shared memory per block "
+                     f"(head_dim {d}, value head_dim {dv}) but {device} has {limit}")
   while not fits(cfg):
     if cfg.num_stages > 1:
       cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
@@ -148,24 +151,26 @@ def _kernel(q_ref, k_ref, v_ref, *refs, tm: tiles.TileMask, scale: float, groups
     return tiles.online_softmax_step(carry, t, c, v, fast_exp2)
 
   carry = jax.lax.fori_loop(start, jnp.maximum(start, end), body,
-                            tiles.online_softmax_init(block_rows, q_ref.shape[-1]))
+                            tiles.online_softmax_init(block_rows, v_ref.shape[-1]))
   out, lse2, empty = tiles.online_softmax_finish(carry)
   o_ref.at[b, hkv, split, pl.ds(row0, block_rows), :][...] = out
   lse_ref.at[b, hkv, split, pl.ds(row0, block_rows)][...] = jnp.where(empty, -jnp.inf, lse2)
 
 
 def forward(q, k, v, mask: Mask | None, *, scale: float, config: SplitKVConfig, interpret: bool):
-  """Attention output ``[batch, q_len, heads, head_dim]`` by split-KV (no residuals).
+  """Attention output ``[batch, q_len, heads, v_head_dim]`` by split-KV (no residuals).
 
   Args:
-    q: ``[batch, q_len, heads, head_dim]``; k, v: ``[batch, kv_len, kv_heads, head_dim]``.
+    q: ``[batch, q_len, heads, head_dim]``; k: ``[batch, kv_len, kv_heads, head_dim]``;
+    v: ``[batch, kv_len, kv_heads, v_head_dim]``.
     config: from :func:`plan` (fitted to the device; ``num_splits`` and ``block_rows`` set).
   """
   batch, q_len, heads, d = q.shape
   kv_len, kv_heads = k.shape[1], k.shape[2]
   groups = heads // kv_heads
   c = config
-  dp = tiles.padded_head_dim(d)
+  dv = v.shape[-1]
+  dp, dvp = tiles.padded_head_dim(d), tiles.padded_head_dim(dv)
   bk, br = c.block_k, c.block_rows
   n_rows = q_len * groups
   rows_pad = tiles.round_up(n_rows, br)
@@ -179,7 +184,7 @@ def forward(q, k, v, mask: Mask | None, *, scale: float, config: SplitKVConfig, 
   qp = q.reshape(batch, q_len, kv_heads, groups, d).transpose(0, 2, 1, 3, 4)
   qp = qp.reshape(batch, kv_heads, n_rows, d)
   qp = tiles.pad_axis(tiles.pad_axis(qp, 3, dp), 2, rows_pad)  # small: the packed queries
-  kp, vp = (tiles.pad_axis(x, 3, dp) for x in (k, v))  # the cache is not copied: masked tiles
+  kp, vp = tiles.pad_axis(k, 3, dp), tiles.pad_axis(v, 3, dvp)  # the cache is not copied: masked tiles
 
   m = mask if mask is not None else Mask()
   why = m.refusal(KERNEL_MASK_KINDS, "the Triton kernel")
@@ -202,15 +207,15 @@ def forward(q, k, v, mask: Mask | None, *, scale: float, config: SplitKVConfig, 
   o, lse2 = pl.pallas_call(
       kernel,
       grid=(splits, batch, kv_heads * n_row_tiles),
-      out_shape=(jax.ShapeDtypeStruct((batch, kv_heads, splits, rows_pad, dp), jnp.float32),
+      out_shape=(jax.ShapeDtypeStruct((batch, kv_heads, splits, rows_pad, dvp), jnp.float32),
                  jax.ShapeDtypeStruct((batch, kv_heads, splits, rows_pad), jnp.float32)),
       compiler_params=plgpu.CompilerParams(num_warps=c.num_warps, num_stages=c.num_stages),
       interpret=interpret,
       name="probjax_attention_fwd_split_kv",
   )(qp, kp, vp, *mask_ops)
-  out = combine(o, lse2)[:, :, :n_rows, :d]
-  out = out.reshape(batch, kv_heads, q_len, groups, d).transpose(0, 2, 1, 3, 4)
-  return out.reshape(batch, q_len, heads, d).astype(q.dtype)
+  out = combine(o, lse2)[:, :, :n_rows, :dv]
+  out = out.reshape(batch, kv_heads, q_len, groups, dv).transpose(0, 2, 1, 3, 4)
+  return out.reshape(batch, q_len, heads, dv).astype(q.dtype)
 
 
 def combine(o, lse2):

@@ -29,7 +29,6 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, tm: tiles.TileMask, scale: float
   i, b, h = tiles.program_tile(tm, *grid, group, by_q=True)
   hkv = h // groups
   q_start = i * block_q
-  d = q_ref.shape[-1]
   q = tiles.load_rows(q_ref.at[b, pl.ds(q_start, block_q), h, :], q_start, tm.q_len)
 
   kv_valid = mr.valid(b, keys=True)
@@ -45,7 +44,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, tm: tiles.TileMask, scale: float
       t = jnp.where(tiles.tile_valid(tm, mr, b, q_start, k_start, block_q, block_k), t, -jnp.inf)
     return tiles.online_softmax_step(carry, t, c, v, fast_exp2)
 
-  carry = tiles.tile_loop(tm, mr, b, i, num_kv_tiles, body, tiles.online_softmax_init(block_q, d),
+  carry = tiles.tile_loop(tm, mr, b, i, num_kv_tiles, body, tiles.online_softmax_init(block_q, v_ref.shape[-1]),
                          by_q=True, block_outer=block_q, block_inner=block_k)
   out, lse2, empty = tiles.online_softmax_finish(carry)
   lse = jnp.where(empty, jnp.inf, lse2 * (1.0 / tiles.LOG2E))
@@ -59,21 +58,22 @@ def forward(q, k, v, mask: Mask | None, *, scale: float, score_mod: Callable | N
   """Attention forward.
 
   Args:
-    q: ``[batch, q_len, heads, head_dim]``; k, v: ``[batch, kv_len, kv_heads, head_dim]``.
+    q, k: ``[batch, q_len | kv_len, heads | kv_heads, head_dim]``; v: ``[batch, kv_len, kv_heads, v_head_dim]``.
     config: launch config (already fitted to the device).
   Returns:
-    ``(out [batch, q_len, heads, head_dim], lse [batch, heads, q_len] float32)``.
+    ``(out [batch, q_len, heads, v_head_dim], lse [batch, heads, q_len] float32)``.
   """
   batch, q_len, heads, d = q.shape
   kv_len, kv_heads = k.shape[1], k.shape[2]
   bq, bk = config.block_q, config.block_k
-  dp = tiles.padded_head_dim(d)
+  dv = v.shape[-1]
+  dp, dvp = tiles.padded_head_dim(d), tiles.padded_head_dim(dv)
   q_pad, kv_pad = tiles.round_up(q_len, bq), tiles.round_up(kv_len, bk)
-  qp, kp, vp = (tiles.pad_axis(x, 3, dp) for x in (q, k, v))  # sequence axes: masked tiles
+  qp, kp, vp = tiles.pad_axis(q, 3, dp), tiles.pad_axis(k, 3, dp), tiles.pad_axis(v, 3, dvp)  # sequence axes: masked tiles
   tm, mask_ops = tiles.mask_operands(mask, batch, q_len, kv_len, q_pad, kv_pad, bq, bk, by_q=True)
   grid = (q_pad // bq, batch, heads)
   device = config_lib.kernel_device(interpret)
-  group = config_lib.order_group(device, 2 * kv_pad * dp * k.dtype.itemsize)  # tiles.program_tile
+  group = config_lib.order_group(device, kv_pad * (dp + dvp) * k.dtype.itemsize)  # tiles.program_tile
   kernel = functools.partial(
       _forward_kernel, tm=tm, scale=scale, score_mod=score_mod, groups=heads // kv_heads,
       block_q=bq, block_k=bk, num_kv_tiles=kv_pad // bk,
@@ -81,11 +81,11 @@ def forward(q, k, v, mask: Mask | None, *, scale: float, score_mod: Callable | N
   out, lse = pl.pallas_call(
       kernel,
       grid=grid,
-      out_shape=(jax.ShapeDtypeStruct((batch, q_len, heads, dp), q.dtype),
+      out_shape=(jax.ShapeDtypeStruct((batch, q_len, heads, dvp), q.dtype),
                  jax.ShapeDtypeStruct((batch, heads, q_pad), jnp.float32)),
       compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
       interpret=interpret,
       name="probjax_attention_fwd",
   )(qp, kp, vp, *mask_ops)
-  return out[..., :d], lse[:, :, :q_len]
+  return out[..., :dv], lse[:, :, :q_len]
 
