@@ -14,6 +14,7 @@ from probjax.ops.attention import dispatch as attention_dispatch
 from probjax.ops.attention.call import AttentionCall
 from probjax.ops.attention.registry import REGISTRY
 from probjax.ops.mla import explain, mla
+from probjax.ops.attention.reference import reference_attention
 from probjax.ops.mla.reference import NAMES, reference_mla, reference_mla_vjp
 
 H200 = Device("gpu", (9, 0), 140 << 30)
@@ -168,23 +169,43 @@ def test_on_a_gpu_widths_that_differ_leave_it_to_attention():
 
 @pytest.mark.parametrize("name", ["triton", "mosaic", "cudnn"])
 def test_kernels_refuse_a_value_head_dim_of_their_own(name):
+  """The Triton kernels compute values of their own width; the Mosaic forward MLA's 192/128
+  (not a value head_dim 32, below); cuDNN refuses them."""
   call = AttentionCall((2, 4096, 16, 192), (2, 4096, 16, 192), jnp.bfloat16, mask=CausalMask(), v_head_dim=128)
   why = REGISTRY.get(name).supports(call, H200)
-  assert why is not None and "value head_dim" in why
+  if name in ("triton", "mosaic"):
+    assert why is None
+  else:
+    assert why is not None and "value head_dim" in why
   assert REGISTRY.get("xla").supports(call, H200) is None
   same = AttentionCall((2, 4096, 16, 128), (2, 4096, 16, 128), jnp.bfloat16, v_head_dim=128)
   assert same.v_head_dim is None
-  q = jnp.ones((1, 8, 2, 16), jnp.bfloat16)
-  v = jnp.ones((1, 8, 2, 8), jnp.bfloat16)
+  d, dv = (64, 32) if name == "mosaic" else (16, 8)
+  ks = jax.random.split(jax.random.key(3), 2)
+  q = jax.random.normal(ks[0], (1, 8, 2, d), jnp.float32).astype(jnp.bfloat16)
+  v = jax.random.normal(ks[1], (1, 8, 2, dv), jnp.float32).astype(jnp.bfloat16)
+  # A call description without the value width: each kernel reads v's.
+  plain = AttentionCall(q.shape, q.shape, q.dtype, interpret=name != "cudnn")
+  if name == "triton":
+    out = REGISTRY.get(name)(q, q, v, None, call=plain)
+    assert out.shape == (1, 8, 2, dv)
+    assert max_error(out, reference_attention(q, q, v)) <= tolerance(jnp.bfloat16)
+    return
   with pytest.raises(ValueError, match="value head_dim"):
-    REGISTRY.get(name)(q, q, v, None, call=AttentionCall(q.shape, q.shape, q.dtype))
+    REGISTRY.get(name)(q, q, v, None, call=plain)
 
 
-def test_explicit_kernel_with_value_head_dim_raises():
-  q = jnp.ones((1, 8, 2, 16))
+def test_explicit_kernel_with_value_head_dim():
+  """implementation="triton" computes values of their own width (against the reference) and
+  refuses one wider than its kernels load."""
   from probjax.nn.layers.attention import dot_product_attention
-  with pytest.raises(ValueError):
-    dot_product_attention(q, q, jnp.ones((1, 8, 2, 8)), implementation="triton", interpret=True)
+  ks = jax.random.split(jax.random.key(4), 3)
+  q, k = (jax.random.normal(key, (1, 8, 2, 16), jnp.float32) for key in ks[:2])
+  v = jax.random.normal(ks[2], (1, 8, 2, 8), jnp.float32)
+  out = dot_product_attention(q, k, v, mask=CausalMask(), implementation="triton", interpret=True)
+  assert max_error(out, reference_attention(q, k, v, mask=CausalMask())) <= tolerance(jnp.float32)
+  with pytest.raises(ValueError, match="value head_dim 300"):
+    dot_product_attention(q, k, jnp.ones((1, 8, 2, 300)), implementation="triton", interpret=True)
 
 
 def test_default_dispatch_sends_value_head_dim_to_xla():
