@@ -81,6 +81,78 @@ def test_cudnn_config_is_validated_and_needs_the_cudnn_route(tmp_path):
     cudnn.attention(x.q, x.k, x.v, scale=0.1, config=CudnnConfig(), env=missing)
 
 
+def _present(tmp_path):
+  """An environment where the extension counts as built (it is not loaded by ``supports``)."""
+  lib = tmp_path / "lib.so"
+  lib.write_bytes(b"")
+  return {ffi.LIBRARY_ENV: str(lib)}
+
+
+@pytest.mark.parametrize("d,dv", [(192, 128), (128, 64), (64, 128), (256, 256), (256, 128), (136, 136)])
+def test_value_head_dim_and_wide_heads_need_the_extension(tmp_path, d, dv):
+  """Widths jax.nn's route refuses: accepted through the FFI extension on sm_90 only, else the
+  reason says how to build it."""
+  q, kv = (2, 4096, 16, d), (2, 4096, 4, d)
+  ask = lambda env, cc=(9, 0), **kw: cudnn.supports(q, kv, jnp.bfloat16, mask=M.CausalMask(), platform="gpu",
+                                                    v_head_dim=dv, compute_capability=cc, env=env, **kw)
+  assert ask(_present(tmp_path)) is None
+  for env in ({ffi.LIBRARY_ENV: str(tmp_path / "none.so")}, {ffi.ENV: "0"}):
+    why = ask(env)
+    assert "needs probjax's cuDNN extension (python -m probjax.ops.attention.backends.cudnn.build)" in why
+    assert ("value head_dim" in why) == (d != dv) and (f"head_dim {d} > 128" in why) == (d == dv)
+  assert "sm_90 only (this GPU is sm_80)" in ask(_present(tmp_path), (8, 0))
+  assert "sm_90 only" in ask(_present(tmp_path), (10, 0))
+  assert ask(_present(tmp_path), None) is None  # no GPU here: the device's capability is not checked
+
+
+@pytest.mark.parametrize("d,dv,why", [(264, 264, "head_dim 264 is not"), (192, 260, "value head_dim 260 is not"),
+                                      (192, 132, "value head_dim 132 is not a multiple of 8 up to 256"),
+                                      (100, None, "head_dim 100 is not")])
+def test_widths_cudnn_never_takes(tmp_path, d, dv, why):
+  got = cudnn.supports((1, 512, 2, d), (1, 512, 2, d), jnp.float16, platform="gpu", v_head_dim=dv,
+                       compute_capability=(9, 0), env=_present(tmp_path))
+  assert got is not None and got.startswith(why)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_one_width_up_to_128_keeps_the_jaxnn_fallback(tmp_path, d):
+  missing = {ffi.LIBRARY_ENV: str(tmp_path / "none.so")}
+  for dv in (None, d):
+    for cc in ((9, 0), (8, 0), None):
+      assert cudnn.supports((2, 1024, 8, d), (2, 1024, 8, d), jnp.bfloat16, platform="gpu", v_head_dim=dv,
+                            compute_capability=cc, env=missing) is None
+
+
+def test_dispatch_on_cpu_asks_about_another_device_without_crashing(tmp_path):
+  """``supports`` for a GPU that is not there (dispatch with a described device): no device query."""
+  assert jax.default_backend() == "cpu"
+  assert cudnn.supports((2, 4096, 16, 192), (2, 4096, 16, 192), jnp.bfloat16, platform="gpu", v_head_dim=128,
+                        env=_present(tmp_path)) is None
+  assert cudnn.supports((2, 4096, 16, 192), (2, 4096, 16, 192), jnp.bfloat16, v_head_dim=128).startswith(
+      "cuDNN needs an NVIDIA GPU")
+
+
+def test_value_head_dim_without_the_extension_raises(tmp_path):
+  x = make_inputs(0, 1, 64, 64, 2, 2, 32, jnp.bfloat16, v_head_dim=16)
+  missing = {ffi.LIBRARY_ENV: str(tmp_path / "none.so")}
+  with pytest.raises(ValueError, match=r"value head_dim 16 needs probjax's cuDNN extension \(python -m"):
+    cudnn.attention(x.q, x.k, x.v, scale=0.1, env=missing)
+
+
+@pytest.mark.parametrize("mask_name", ["none", "kv_len"])
+def test_ffi_shapes_with_a_value_head_dim(mask_name):
+  """The custom calls' result shapes: output and dv of the values' width, dq/dk of q's."""
+  x = make_inputs(1, 2, 256, 384, 8, 2, 192, jnp.bfloat16, v_head_dim=128)
+  mask = make_mask(mask_name, 2, 256, 384)
+  f = lambda q, k, v: ffi.attention(q, k, v, mask=mask, scale=192 ** -0.5)
+  def out_and_grads(q, k, v, do):
+    out, vjp = jax.vjp(f, q, k, v)
+    return (out,) + vjp(do)
+  got = jax.eval_shape(out_and_grads, x.q, x.k, x.v, x.do)
+  assert [g.shape for g in got] == [x.do.shape, x.q.shape, x.k.shape, x.v.shape]
+  assert all(g.dtype == jnp.bfloat16 for g in got)
+
+
 # --- GPU ----------------------------------------------------------------------------------------
 
 AGREE = 0.004  # bf16 precision, as tests/test_attention_device_defaults.py
@@ -195,3 +267,31 @@ def test_gpu_ffi_is_partitioned_over_batch_and_heads(mask_name):
       assert u.sharding.is_equivalent_to(NamedSharding(mesh, spec), u.ndim), (name, u.sharding)
       u, w = np.asarray(u, np.float32), np.asarray(w, np.float32)
       assert np.max(np.abs(u - w)) <= AGREE * max(1.0, np.max(np.abs(w))), (spec, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask_name", ["none", "causal", "kv_len"])
+@pytest.mark.parametrize("d,dv", [(192, 128), (128, 64), (256, 256), (256, 128)])
+def test_gpu_ffi_value_head_dim_is_exact(mask_name, d, dv):
+  """q/k and v widths of their own (MLA's 192/128) and head_dim up to 256, GQA, bf16: output
+  and every gradient against the float64 reference."""
+  _ffi_built()
+  assert cudnn.supports((2, 1024, 8, d), (2, 1024, 2, d), jnp.bfloat16, mask=make_mask(mask_name, 2, 1024, 1024),
+                        v_head_dim=dv) is None
+  x = make_inputs(d + dv, 2, 1024, 1024, 8, 2, d, jnp.bfloat16, v_head_dim=dv)
+  mask = make_mask(mask_name, 2, 1024, 1024, seed=d)
+  scale = d ** -0.5
+  check_against_reference(lambda q, k, v, b: cudnn.attention(q, k, v, mask=mask, scale=scale), x, mask=mask,
+                          scale=scale)
+
+
+@pytest.mark.gpu
+def test_gpu_ffi_value_head_dim_through_the_registry():
+  """The cuDNN backend's call with values of their own width: the FFI call, not jax.nn's."""
+  _ffi_built()
+  from probjax.ops.attention.call import AttentionCall
+  from probjax.ops.attention.registry import REGISTRY
+  x = make_inputs(7, 2, 512, 512, 4, 4, 192, jnp.bfloat16, v_head_dim=128)
+  call = AttentionCall(x.q.shape, x.k.shape, x.q.dtype, mask=M.CausalMask(), v_head_dim=128)
+  check_against_reference(lambda q, k, v, b: REGISTRY.get("cudnn")(q, k, v, M.CausalMask(), call=call), x,
+                          mask=M.CausalMask())

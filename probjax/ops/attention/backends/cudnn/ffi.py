@@ -11,7 +11,8 @@ is built on the first call on a GPU where the headers are installed (``pip insta
 ``probjax`` logger), and with ``PROBJAX_ATTENTION_CUDNN_FFI=0`` silently. :func:`extension_status`
 says which it is.
 
-Inputs: q ``[B, Tq, H, D]``, k/v ``[B, Tkv, Hkv, D]`` (bf16/fp16, ``H % Hkv == 0``),
+Inputs: q ``[B, Tq, H, D]``, k ``[B, Tkv, Hkv, D]``, v ``[B, Tkv, Hkv, Dv]`` (bf16/fp16,
+``H % Hkv == 0``; ``D`` and ``Dv`` multiples of 8 up to 256, cuDNN's limits on sm_90),
 masks as :func:`probjax.ops.attention.backends.cudnn.supports` allows them. Each custom call is
 :func:`probjax.ops.attention.sharding.batch_head_parallel`: under automatic sharding each
 device runs it on its shard of the batch and heads, and ``vmap`` folds into the batch.
@@ -173,7 +174,7 @@ def _operands(q, lens):
 def _forward_call(static, q, k, v, seq_q, seq_kv):
   params, stats = static
   b, tq, h, _ = q.shape
-  out = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+  out = [jax.ShapeDtypeStruct((b, tq, h, v.shape[-1]), q.dtype)]
   if stats:
     out.append(jax.ShapeDtypeStruct((b, h, tq), jnp.float32))
   target = "probjax_cudnn_sdpa_fwd_stats" if stats else "probjax_cudnn_sdpa_fwd"
@@ -217,7 +218,8 @@ _sdpa.defvjp(_sdpa_fwd, _sdpa_bwd)
 
 
 def attention(q, k, v, *, mask: Mask | None, scale: float, config: CudnnConfig | None = None, env=None):
-  """q ``[B, Tq, H, D]``, k/v ``[B, Tkv, Hkv, D]`` → ``[B, Tq, H, D]`` through the extension.
+  """q ``[B, Tq, H, D]``, k ``[B, Tkv, Hkv, D]``, v ``[B, Tkv, Hkv, Dv]`` → ``[B, Tq, H, Dv]``
+  through the extension.
 
   ``mask``: None, key lengths, ``CausalMask()`` or ``LocalWindowMask(left, 0)`` (equal
   lengths), as :func:`probjax.ops.attention.backends.cudnn.supports` checks; ``config``: graph
