@@ -568,3 +568,19 @@ def test_gpu_value_head_dim_of_its_own(grads):
   x = make_inputs(192 + grads, 1, 1024, 1024, 2, 2, 192, jnp.bfloat16, v_head_dim=128)
   mask = M.CausalMask()
   check_against_reference(lambda q, k, v, _: pm.attention(q, k, v, mask=mask), x, mask=mask, grads=grads)
+
+
+@pytest.mark.parametrize("d,dv,mask,cfg", [
+    pytest.param(192, 128, M.CausalMask(), None, marks=SLOW), (192, 128, None, None),
+    (192, 128, None, pm.MosaicForwardConfig(64, 64, 2, 2, overlap=True)),  # not persistent: an output buffer of its own
+    pytest.param(128, 64, None, pm.MosaicForwardConfig(64, 128, 2, 2, True, cluster=2, overlap=True), marks=SLOW)])
+def test_value_head_dim_of_its_own_lowers_for_sm90(monkeypatch, d, dv, mask, cfg):
+  # The paths interpret mode cannot run (registers as wgmma's P operand, in-place accumulation).
+  import re
+  from probjax.ops.attention import gpu
+  monkeypatch.setattr(gpu, "device_kind", lambda device=None: "sm_90")
+  q = jax.ShapeDtypeStruct((1, 1024, 2, d), jnp.bfloat16)
+  v = jax.ShapeDtypeStruct((1, 1024, 2, dv), jnp.bfloat16)
+  text = jax.jit(lambda q, k, v: pm.attention(q, k, v, mask=mask, forward_config=cfg)).trace(q, q, v).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert set(re.findall(r"custom_call @([\w$.]+)", text)) == {"mosaic_gpu_v2"}
