@@ -1,0 +1,1 @@
+"""Kernels of multi-head latent attention's own (not attention's)."""
