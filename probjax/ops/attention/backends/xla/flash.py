@@ -175,9 +175,9 @@ def _tile_any(st: _Static, mask: Mask | None, batch: int):
   if mask is None:
     return None  # no mask arrays (flash_attention drops band-only masks): loop bounds suffice
   if st.nq == 1 and st.nk == 1:
-    # A single tile that is empty computes zero rows anyway; a cond around it would cost
-    # XLA:CPU more than the tile (the loop, its one trip, and a constant predicate fold away
-    # only when the mask's arrays are constants).
+    # An empty single tile computes zero rows anyway. A cond on its class folds away only for
+    # constant mask arrays; for traced ones (ids passed to jit) it stays, and on XLA:CPU it
+    # costs more than the tile.
     return None
   cls = mask.classify_tiles(batch, st.nq * st.block_q, st.nk * st.block_k, st.block_q, st.block_k)
   return jnp.any(cls != EMPTY, axis=0)
