@@ -271,7 +271,7 @@ def test_gpu_ffi_is_partitioned_over_batch_and_heads(mask_name):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mask_name", ["none", "causal", "kv_len"])
-@pytest.mark.parametrize("d,dv", [(192, 128), (128, 64), (256, 256), (256, 128)])
+@pytest.mark.parametrize("d,dv", [(192, 128), (128, 64), (64, 128), (256, 256), (256, 128)])
 def test_gpu_ffi_value_head_dim_is_exact(mask_name, d, dv):
   """q/k and v widths of their own (MLA's 192/128) and head_dim up to 256, GQA, bf16: output
   and every gradient against the float64 reference."""

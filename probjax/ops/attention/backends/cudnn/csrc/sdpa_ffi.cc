@@ -6,7 +6,8 @@
 // Here cuDNN writes every output itself and the workspace comes from XLA's
 // scratch allocator; cuDNN's frontend zeroes only the part of it that needs it.
 //
-// Layout: q/o/dq [B, Tq, H, D], k/v/dk/dv [B, Tkv, Hkv, D] (row-major), stats
+// Layout: q/dq [B, Tq, H, D], o/do [B, Tq, H, Dv], k/dk [B, Tkv, Hkv, D], v/dv
+// [B, Tkv, Hkv, Dv] (row-major; Dv, the values' head_dim, may differ from D), stats
 // [B, H, Tq] float32 (cuDNN's natural-log softmax statistics), seq_q/seq_kv [B]
 // int32 (read only with `padding`). 16-bit inputs only. Graphs are built once per shape/dtype/mask and
 // device, and cached.
@@ -42,7 +43,7 @@ void* cudnn_dlhandle = nullptr;  // set by the first Handle()
 namespace {
 
 struct Shape {
-  int64_t b, tq, h, tkv, hkv, d;
+  int64_t b, tq, h, tkv, hkv, d, dv;  // d: q/k head_dim; dv: v/o head_dim
 };
 
 struct Options {
@@ -62,10 +63,11 @@ struct Entry {
   bool tuned = false;
 };
 
-// q/o/do/dq (kv false) or k/v/dk/dv (kv true): [B, T, H, D] memory seen as cuDNN's [B, H, T, D].
-fe::graph::Tensor_attributes& Layout(fe::graph::Tensor_attributes& t, const Shape& s, bool kv) {
+// q/o/do/dq (kv false) or k/v/dk/dv (kv true) of head_dim `width`: [B, T, H, width] memory seen
+// as cuDNN's [B, H, T, width].
+fe::graph::Tensor_attributes& Layout(fe::graph::Tensor_attributes& t, const Shape& s, bool kv, int64_t width) {
   const int64_t len = kv ? s.tkv : s.tq, h = kv ? s.hkv : s.h;
-  return t.set_dim({s.b, h, len, s.d}).set_stride({len * h * s.d, s.d, h * s.d, 1});
+  return t.set_dim({s.b, h, len, width}).set_stride({len * h * width, width, h * width, 1});
 }
 
 // The softmax statistics: float32 [B, H, Tq, 1].
@@ -105,9 +107,9 @@ ffi::ErrorOr<cudnnHandle_t> Handle(int device) {
   return h;
 }
 
-TensorPtr Input(fe::graph::Graph& g, const char* name, const Shape& s, bool kv) {
+TensorPtr Input(fe::graph::Graph& g, const char* name, const Shape& s, bool kv, int64_t width) {
   fe::graph::Tensor_attributes t;
-  return g.tensor(Layout(t.set_name(name), s, kv));
+  return g.tensor(Layout(t.set_name(name), s, kv, width));
 }
 
 TensorPtr Stats(fe::graph::Graph& g, const Shape& s) {
@@ -154,22 +156,22 @@ std::shared_ptr<fe::graph::Graph> NewGraph(const Options& o) {
   return g;
 }
 
-using Key = std::tuple<int, int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, float, bool,
+using Key = std::tuple<int, int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, float, bool,
                        int64_t, bool, int64_t, bool>;
 
 ffi::ErrorOr<Entry*> Get(int kind, const Shape& s, const Options& o, cudnnHandle_t handle, int device) {
   // kind: 0 inference forward, 1 training forward (stats), 2 backward
   static std::map<Key, std::unique_ptr<Entry>> cache;
-  Key key{kind, device, s.b, s.tq, s.h, s.tkv, s.hkv, s.d, static_cast<int>(o.dtype), o.scale, o.causal,
+  Key key{kind, device, s.b, s.tq, s.h, s.tkv, s.hkv, s.d, s.dv, static_cast<int>(o.dtype), o.scale, o.causal,
           o.left_bound, o.padding, o.sdpa, o.autotune};
   auto it = cache.find(key);
   if (it != cache.end()) return it->second.get();
   auto e = std::make_unique<Entry>();
   e->graph = NewGraph(o);
   auto& g = *e->graph;
-  e->q = Input(g, "q", s, false);
-  e->k = Input(g, "k", s, true);
-  e->v = Input(g, "v", s, true);
+  e->q = Input(g, "q", s, false, s.d);
+  e->k = Input(g, "k", s, true, s.d);
+  e->v = Input(g, "v", s, true, s.dv);
   if (kind < 2) {
     auto a = fe::graph::SDPA_attributes().set_name("sdpa").set_generate_stats(kind == 1);
     const fe::AttentionImplementation_t impls[] = {fe::AttentionImplementation_t::AUTO,
@@ -178,22 +180,22 @@ ffi::ErrorOr<Entry*> Get(int kind, const Shape& s, const Options& o, cudnnHandle
     a.set_implementation(impls[o.sdpa]);
     SetMask(a, *e, g, s, o);
     auto [out, stats] = g.sdpa(e->q, e->k, e->v, a);
-    Layout(out->set_output(true), s, false);
+    Layout(out->set_output(true), s, false, s.dv);
     e->o = out;
     if (kind == 1) {
       StatsLayout(stats->set_output(true), s);
       e->stats = stats;
     }
   } else {
-    e->o = Input(g, "o", s, false);
-    e->d_o = Input(g, "do", s, false);
+    e->o = Input(g, "o", s, false, s.dv);
+    e->d_o = Input(g, "do", s, false, s.dv);
     e->stats = Stats(g, s);
     auto a = fe::graph::SDPA_backward_attributes().set_name("sdpa_backward");
     SetMask(a, *e, g, s, o);
     auto [dq, dk, dv] = g.sdpa_backward(e->q, e->k, e->v, e->o, e->d_o, e->stats, a);
-    Layout(dq->set_output(true), s, false);
-    Layout(dk->set_output(true), s, true);
-    Layout(dv->set_output(true), s, true);
+    Layout(dq->set_output(true), s, false, s.d);
+    Layout(dk->set_output(true), s, true, s.d);
+    Layout(dv->set_output(true), s, true, s.dv);
     e->dq = dq;
     e->dk = dk;
     e->dv = dv;
@@ -212,12 +214,54 @@ ffi::ErrorOr<fe::DataType_t> DataType(ffi::DataType t) {
   }
 }
 
-ffi::ErrorOr<Shape> ShapeOf(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k) {
-  auto qd = q.dimensions(), kd = k.dimensions();
-  if (qd.size() != 4 || kd.size() != 4) {
-    return ffi::Error::InvalidArgument("probjax cuDNN SDPA: q and k must be [batch, seq, heads, head_dim]");
+template <typename Dimensions>
+std::string Dims(const Dimensions& d) {
+  std::string out = "[";
+  for (size_t i = 0; i < d.size(); ++i) out += (i ? ", " : "") + std::to_string(d[i]);
+  return out + "]";
+}
+
+ffi::Error ShapeError(const std::string& what) {
+  return ffi::Error::InvalidArgument("probjax cuDNN SDPA: " + what);
+}
+
+// The widest head_dim cuDNN's fused attention takes on sm_90, forward and backward, for q/k and
+// v separately (multiples of 8); cuDNN's frontend validates the other architectures' limits.
+constexpr int64_t kMaxHeadDim = 256;
+
+// The call's shape from q [B, Tq, H, D], k [B, Tkv, Hkv, D] and v [B, Tkv, Hkv, Dv].
+ffi::ErrorOr<Shape> ShapeOf(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v) {
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4) {
+    return ShapeError("q, k and v must be [batch, seq, heads, head_dim]; got q " + Dims(qd) + ", k " + Dims(kd) +
+                      ", v " + Dims(vd));
   }
-  return Shape{qd[0], qd[1], qd[2], kd[1], kd[2], qd[3]};
+  if (kd[0] != qd[0] || kd[3] != qd[3]) {
+    return ShapeError("k must match q in batch and head_dim; got q " + Dims(qd) + ", k " + Dims(kd));
+  }
+  if (vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2]) {
+    return ShapeError("v must match k in [batch, kv_len, kv_heads]; got k " + Dims(kd) + ", v " + Dims(vd));
+  }
+  if (kd[2] <= 0 || qd[2] % kd[2] != 0) {
+    return ShapeError("q's heads must be a multiple of k's; got q " + Dims(qd) + ", k " + Dims(kd));
+  }
+  for (auto [name, width] : {std::pair<const char*, int64_t>{"q/k head_dim", qd[3]}, {"value head_dim", vd[3]}}) {
+    if (width <= 0 || width % 8 != 0 || width > kMaxHeadDim) {
+      return ShapeError(std::string(name) + " " + std::to_string(width) + " is not a multiple of 8 up to " +
+                        std::to_string(kMaxHeadDim));
+    }
+  }
+  return Shape{qd[0], qd[1], qd[2], kd[1], kd[2], qd[3], vd[3]};
+}
+
+// That `buffer` is [B, T, heads, width] of the query side (kv false) or the key side.
+ffi::Error CheckLayout(const char* name, const ffi::AnyBuffer& buffer, const Shape& s, bool kv, int64_t width) {
+  const std::vector<int64_t> want = {s.b, kv ? s.tkv : s.tq, kv ? s.hkv : s.h, width};
+  auto got = buffer.dimensions();
+  if (std::vector<int64_t>(got.begin(), got.end()) != want) {
+    return ShapeError(std::string(name) + " must be " + Dims(want) + ", got " + Dims(got));
+  }
+  return ffi::Error::Success();
 }
 
 enum Slot { kQ, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV };
@@ -249,8 +293,9 @@ ffi::Error RunUnguarded(int kind, cudaStream_t stream, ffi::ScratchAllocator& sc
   if (kind == 2 && o.padding) {
     // cuDNN writes no gradient for keys past a batch element's length (nor for an element
     // without keys); zeros there, as XLA's memsets give jax.nn's call.
-    const size_t q_bytes = 2 * s.b * s.tq * s.h * s.d, kv_bytes = 2 * s.b * s.tkv * s.hkv * s.d;
-    for (auto [slot, bytes] : {std::pair<int, size_t>{kDQ, q_bytes}, {kDK, kv_bytes}, {kDV, kv_bytes}}) {
+    const size_t q_bytes = 2 * s.b * s.tq * s.h * s.d, k_bytes = 2 * s.b * s.tkv * s.hkv * s.d,
+                 v_bytes = 2 * s.b * s.tkv * s.hkv * s.dv;
+    for (auto [slot, bytes] : {std::pair<int, size_t>{kDQ, q_bytes}, {kDK, k_bytes}, {kDV, v_bytes}}) {
       if (fe::detail::cuda_mem_set_async(pack[named[slot]], 0, bytes, stream) != cudaSuccess) {
         return ffi::Error(ffi::ErrorCode::kInternal, "probjax cuDNN SDPA: cudaMemsetAsync failed");
       }
@@ -297,13 +342,14 @@ ffi::ErrorOr<Options> OptionsOf(ffi::DataType t, PROBJAX_SDPA_ATTR_PARAMS) {
 
 ffi::Error Forward(bool training, cudaStream_t stream, ffi::ScratchAllocator& scratch, const ffi::AnyBuffer& q,
                    const ffi::AnyBuffer& k, const ffi::AnyBuffer& v, const ffi::AnyBuffer& seq_q,
-                   const ffi::AnyBuffer& seq_kv, void* o, void* stats, PROBJAX_SDPA_ATTR_PARAMS) {
-  auto s = ShapeOf(q, k);
+                   const ffi::AnyBuffer& seq_kv, ffi::AnyBuffer& o, void* stats, PROBJAX_SDPA_ATTR_PARAMS) {
+  auto s = ShapeOf(q, k, v);
   if (s.has_error()) return s.error();
+  if (auto err = CheckLayout("o", o, s.value(), false, s.value().dv); err.failure()) return err;
   auto opts = OptionsOf(q.element_type(), PROBJAX_SDPA_ATTR_ARGS);
   if (opts.has_error()) return opts.error();
   std::vector<std::pair<int, void*>> slots = {
-      {kQ, q.untyped_data()}, {kK, k.untyped_data()}, {kV, v.untyped_data()}, {kO, o}};
+      {kQ, q.untyped_data()}, {kK, k.untyped_data()}, {kV, v.untyped_data()}, {kO, o.untyped_data()}};
   if (training) slots.push_back({kStats, stats});
   return Run(training ? 1 : 0, stream, scratch, s.value(), opts.value(), seq_q, seq_kv, slots);
 }
@@ -311,7 +357,7 @@ ffi::Error Forward(bool training, cudaStream_t stream, ffi::ScratchAllocator& sc
 ffi::Error ForwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q, ffi::AnyBuffer k,
                        ffi::AnyBuffer v, ffi::AnyBuffer seq_q, ffi::AnyBuffer seq_kv, ffi::Result<ffi::AnyBuffer> o,
                        PROBJAX_SDPA_ATTR_PARAMS) {
-  return Forward(false, stream, scratch, q, k, v, seq_q, seq_kv, o->untyped_data(), nullptr,
+  return Forward(false, stream, scratch, q, k, v, seq_q, seq_kv, *o, nullptr,
                  PROBJAX_SDPA_ATTR_ARGS);
 }
 
@@ -319,7 +365,7 @@ ffi::Error ForwardStatsImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, 
                             ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer seq_q, ffi::AnyBuffer seq_kv,
                             ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> stats,
                             PROBJAX_SDPA_ATTR_PARAMS) {
-  return Forward(true, stream, scratch, q, k, v, seq_q, seq_kv, o->untyped_data(), stats->untyped_data(),
+  return Forward(true, stream, scratch, q, k, v, seq_q, seq_kv, *o, stats->untyped_data(),
                  PROBJAX_SDPA_ATTR_ARGS);
 }
 
@@ -327,8 +373,15 @@ ffi::Error BackwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi:
                         ffi::AnyBuffer v, ffi::AnyBuffer o, ffi::AnyBuffer d_o, ffi::AnyBuffer stats,
                         ffi::AnyBuffer seq_q, ffi::AnyBuffer seq_kv, ffi::Result<ffi::AnyBuffer> dq,
                         ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv, PROBJAX_SDPA_ATTR_PARAMS) {
-  auto s = ShapeOf(q, k);
+  auto s = ShapeOf(q, k, v);
   if (s.has_error()) return s.error();
+  const Shape& sv = s.value();
+  const std::tuple<const char*, const ffi::AnyBuffer*, bool, int64_t> layouts[] = {
+      {"o", &o, false, sv.dv}, {"do", &d_o, false, sv.dv}, {"dq", &*dq, false, sv.d},
+      {"dk", &*dk, true, sv.d}, {"dv", &*dv, true, sv.dv}};
+  for (auto [name, buffer, kv, width] : layouts) {
+    if (auto err = CheckLayout(name, *buffer, sv, kv, width); err.failure()) return err;
+  }
   auto opts = OptionsOf(q.element_type(), PROBJAX_SDPA_ATTR_ARGS);
   if (opts.has_error()) return opts.error();
   std::vector<std::pair<int, void*>> slots = {
