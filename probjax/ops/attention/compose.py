@@ -36,10 +36,12 @@ def mosaic_forward_triton_backward(q, k, v, mask: Mask | None, *, scale: float,
   ``"triton_*"`` variant; ``backward_config`` fitted here to the device). Inputs are
   validated by the caller."""
   device = gpu.kernel_device(interpret)
-  d, q_len, kv_len = q.shape[-1], q.shape[1], k.shape[1]
-  impl = triton_config.resolve_backward_impl(backward_pass_impl, device, q.dtype, d, q_len, kv_len)
+  d, d_v, q_len, kv_len = q.shape[-1], v.shape[-1], q.shape[1], k.shape[1]
+  # Values of their own width: the variant rules read the wider width (their tables were tuned
+  # with every operand that wide) and the tiles fit both widths' shared memory.
+  impl = triton_config.resolve_backward_impl(backward_pass_impl, device, q.dtype, max(d, d_v), q_len, kv_len)
   bcfg = triton_config.fit_backward_config(backward_config, q.dtype, padded_head_dim(d), q_len, kv_len,
-                                           device, impl)
+                                           device, impl, v_head_dim=padded_head_dim(d_v))
   return _attention(_Static(score_mod, float(scale), mosaic_config, bcfg, impl, bool(interpret)), q, k, v, mask)
 
 

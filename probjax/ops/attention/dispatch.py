@@ -131,7 +131,7 @@ def explain_dispatch(q_shape, kv_shape, dtype, *, mask: Mask | None = None, bias
   from probjax.ops.attention.backends.triton import decode  # local: the kernels import Pallas
   kind = "sm_%d%d" % device.compute_capability if device.compute_capability else "interpret"
   cfg = decode.plan(q_shape, kv_shape, dtype, mask=mask, score_mod=score_mod, split_kv=split_kv,
-                    device=kind)
+                    device=kind, v_head_dim=call.v_head_dim)
   return dataclasses.replace(decision, split_kv=cfg.num_splits if cfg is not None else 0)
 
 
