@@ -38,19 +38,35 @@ __all__ = ["mla", "explain", "Decision", "MLACall", "FORMS"]
 
 
 def explain(q_nope, q_rope, kv_latent, k_rope, w_uk, w_uv, *, form: str = "auto", scale=None,
-            implementation: str | None = None, device: Device | None = None) -> Decision:
+            implementation: str | None = None, device: Device | None = None, mask: Mask | None = None,
+            page_table=None) -> Decision:
   """The form :func:`mla` runs for these arguments (arrays or ``jax.ShapeDtypeStruct``), the
-  attention implementation it asks for, and why, on ``device`` (default: the current one)."""
+  kernel or attention implementation it asks for, and why, on ``device`` (default: the current one)."""
+  page_size = None
+  if page_table is not None:
+    page_size = int(kv_latent.shape[1])
+    kv_latent, k_rope = _paged_shapes(kv_latent, k_rope, page_table)
   call = make_call(q_nope, q_rope, kv_latent, k_rope, w_uk, w_uv, scale=scale)
-  return decide(call, device or Device.current(), form, implementation)
+  return decide(call, device or Device.current(), form, implementation,
+                mask_kinds=() if mask is None else mask.kinds, page_size=page_size)
 
 
 def _valid(lengths, n):
   return (jnp.arange(n)[None, :] < jnp.asarray(lengths)[:, None])[:, :, None]
 
 
+def _paged_shapes(kv_latent, k_rope, page_table):
+  """The contiguous cache shapes a paged call stands for (``[B, pages * page_size, d]``)."""
+  import jax
+  if page_table.ndim != 2 or not jnp.issubdtype(page_table.dtype, jnp.integer):
+    raise ValueError(f"page_table must be int32 [batch, pages_per_seq], got {page_table.dtype} {tuple(page_table.shape)}")
+  b, n = page_table.shape
+  return tuple(jax.ShapeDtypeStruct((b, n * x.shape[1], x.shape[2]), x.dtype) for x in (kv_latent, k_rope))
+
+
 def mla(q_nope, q_rope, kv_latent, k_rope, w_uk, w_uv, *, mask: Mask | None = None, scale=None,
-        form: str = "auto", implementation: str | None = None, return_lse: bool = False):
+        form: str = "auto", implementation: str | None = None, return_lse: bool = False,
+        page_table=None):
   """Multi-head latent attention (see the module docstring for shapes and forms).
 
   Args:
@@ -59,19 +75,46 @@ def mla(q_nope, q_rope, kv_latent, k_rope, w_uk, w_uv, *, mask: Mask | None = No
       lengths may hold anything (NaN included).
     scale: softmax scale, default ``(d_nope + d_rope) ** -0.5``.
     form: "auto", "expanded" or "absorbed" (the same function; :func:`explain` says which runs).
-    implementation: passed to attention (None: see :func:`explain`).
+    implementation: "triton" with the absorbed form: MLA's decode kernel (ValueError where it
+      cannot compute the call); other names are passed to attention (None: see :func:`explain`).
+    page_table: ``[B, pages_per_seq]`` int32: ``kv_latent`` / ``k_rope`` are then page pools
+      ``[num_pages, page_size, d]`` and the mask's ``KVLenMask`` gives the sequence lengths.
     return_lse: also return the softmax's log-sum-exp ``[B, Tq, H]`` (float32, ``-inf`` for rows
       with no valid key), computed on XLA beside the attention call.
   Returns:
     ``[B, Tq, H, d_v]`` in the inputs' dtype (and the lse with ``return_lse``).
   """
-  call = make_call(q_nope, q_rope, kv_latent, k_rope, w_uk, w_uv, scale=scale)
+  page_size = None
+  if page_table is not None:
+    page_size = int(kv_latent.shape[1])
+    lat_s, rope_s = _paged_shapes(kv_latent, k_rope, page_table)
+    call = make_call(q_nope, q_rope, lat_s, rope_s, w_uk, w_uv, scale=scale)
+    if mask is None or mask.kv_lengths is None:
+      raise ValueError("page_table needs a mask with KVLenMask(lengths): the sequence lengths")
+  else:
+    call = make_call(q_nope, q_rope, kv_latent, k_rope, w_uk, w_uv, scale=scale)
   if mask is not None and not isinstance(mask, Mask):
     raise TypeError(f"mask must be a probjax Mask (e.g. CausalMask() & KVLenMask(lengths)), got {type(mask).__name__}")
   if mask is not None:
     mask.validate(call.batch, call.q_len, call.kv_len)
     mask = mask.clamped(call.q_len, call.kv_len)
-  decision = decide(call, Device.current(), form, implementation)
+  device = Device.current()
+  decision = decide(call, device, form, implementation, mask_kinds=() if mask is None else mask.kinds,
+                    page_size=page_size)
+  if decision.kernel is not None:
+    kv_lens = mask.lengths(call.batch)[1] if mask is not None else jnp.full((call.batch,), call.kv_len, jnp.int32)
+    out = forms.absorbed_decode(q_nope, q_rope, kv_latent, k_rope, w_uk, w_uv, lengths=kv_lens,
+                                page_table=page_table, scale=call.softmax_scale,
+                                interpret=device.platform != "gpu")
+    if not return_lse:
+      return out
+    if page_table is not None:
+      kv_latent, k_rope = forms.gather_pages(kv_latent, page_table), forms.gather_pages(k_rope, page_table)
+    ok = _valid(kv_lens, call.kv_len)
+    kv_latent, k_rope = jnp.where(ok, kv_latent, 0), jnp.where(ok, k_rope, 0)
+    return out, forms.log_sum_exp(q_nope, q_rope, kv_latent, k_rope, w_uk, mask=mask, scale=call.softmax_scale)
+  if page_table is not None:
+    kv_latent, k_rope = forms.gather_pages(kv_latent, page_table), forms.gather_pages(k_rope, page_table)
   # Positions past the lengths may hold NaN (a cache's unwritten tail). Attention zeroes its own
   # inputs there, but the projections around it would still meet them (dw_uk = latent^T dk with
   # a zero dk is NaN where the latent is), so they are zeroed before any projection.

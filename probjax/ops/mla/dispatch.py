@@ -23,8 +23,12 @@ class Decision:
   rule: str
   attention_implementation: str | None = None
   attention_rule: str = "attention's default"
+  kernel: str | None = None       # MLA's own kernel ("triton": the absorbed decode), None: attention
+  kernel_rule: str = ""
 
   def __str__(self):
+    if self.kernel is not None:
+      return f"{self.form} ({self.rule}); mla kernel {self.kernel} ({self.kernel_rule})"
     impl = self.attention_implementation or "default"
     return f"{self.form} ({self.rule}); attention {impl} ({self.attention_rule})"
 
@@ -85,7 +89,40 @@ def attention_implementation(call: MLACall, form: str, device: Device,
   return None, "attention's default"
 
 
-def decide(call: MLACall, device: Device, form: str = "auto", implementation: str | None = None) -> Decision:
+KERNELS = ("triton",)
+DECODE_MAX_QUERIES = 16   # auto: the decode kernel for at most this many queries per step
+
+
+def decode_kernel(call: MLACall, form: str, device: Device, implementation: str | None = None, *,
+                  mask_kinds: tuple[str, ...] = (), page_size: int | None = None) -> tuple[str | None, str]:
+  """MLA's own absorbed-decode kernel for the call (``"triton"``) or None (attention computes
+  it), and why. ``implementation="triton"`` with the absorbed form asks for it: ValueError naming
+  the argument if it cannot compute the call. By default it runs on an NVIDIA GPU for absorbed
+  calls of at most ``DECODE_MAX_QUERIES`` queries it supports (forward only: its gradient is
+  the XLA form's). A paged cache that the kernel does not take runs gathered on XLA."""
+  from probjax.ops.mla.backends.triton import why_not
+  why = why_not(q_len=call.q_len, heads=call.heads, d_c=call.d_c, d_rope=call.d_rope,
+                mask_kinds=mask_kinds, page_size=page_size)
+  if implementation in KERNELS and form == "absorbed":
+    if why:
+      raise ValueError(f"implementation={implementation!r}: {why}")
+    return implementation, "requested" + ("" if device.platform == "gpu" else " (Pallas interpret mode off the GPU)")
+  if implementation is not None:
+    return None, "an attention implementation was requested"
+  if form != "absorbed" or device.platform != "gpu" or device.compute_capability is None:
+    return None, "not an absorbed call on an NVIDIA GPU"
+  if call.q_len > DECODE_MAX_QUERIES:
+    return None, f"{call.q_len} queries > {DECODE_MAX_QUERIES}: not a decode step"
+  if why:
+    return None, why
+  return "triton", (f"absorbed decode of {call.q_len} queries: the latent streamed once per head tile "
+                    "by split-KV (forward; the gradient is the XLA form's)")
+
+
+def decide(call: MLACall, device: Device, form: str = "auto", implementation: str | None = None, *,
+           mask_kinds: tuple[str, ...] = (), page_size: int | None = None) -> Decision:
   form, rule = choose_form(call, form)
+  kernel, kernel_rule = decode_kernel(call, form, device, implementation, mask_kinds=mask_kinds,
+                                      page_size=page_size)
   impl, why = attention_implementation(call, form, device, implementation)
-  return Decision(form, rule, impl, why)
+  return Decision(form, rule, impl, why, kernel, kernel_rule)

@@ -87,3 +87,50 @@ def log_sum_exp(q_nope, q_rope, kv_latent, k_rope, w_uk, *, mask, scale, block: 
   pos = l > 0
   lse = jnp.where(pos, jnp.where(jnp.isfinite(m), m, 0.0) + jnp.log(jnp.where(pos, l, 1.0)), -jnp.inf)
   return jnp.transpose(lse, (0, 2, 1))
+
+
+def gather_pages(pool, page_table):
+  """A paged cache ``pool [num_pages, page_size, d]`` read through ``page_table [B, pages]``
+  (int32) as a contiguous ``[B, pages * page_size, d]``."""
+  b, n = page_table.shape
+  return pool[page_table.reshape(-1)].reshape(b, n * pool.shape[1], pool.shape[2])
+
+
+def _attend_xla(q_lat, q_rope, kv_latent, k_rope, lengths, page_table, scale):
+  """The absorbed form's attention alone on XLA: ``[B, Tq, H, d_c]``."""
+  from probjax.nn.layers.attention import KVLenMask
+  if page_table is not None:
+    kv_latent, k_rope = gather_pages(kv_latent, page_table), gather_pages(k_rope, page_table)
+  ok = (jnp.arange(kv_latent.shape[1])[None, :] < lengths[:, None])[:, :, None]
+  kv_latent, k_rope = jnp.where(ok, kv_latent, 0), jnp.where(ok, k_rope, 0)
+  q = jnp.concatenate([q_lat, q_rope], -1)
+  k = jnp.concatenate([kv_latent, k_rope], -1)[:, :, None, :]
+  return dot_product_attention(q, k, kv_latent[:, :, None, :], mask=KVLenMask(lengths), scale=scale,
+                               implementation="xla")
+
+
+def absorbed_decode(q_nope, q_rope, kv_latent, k_rope, w_uk, w_uv, *, lengths, page_table, scale,
+                    interpret: bool = False):
+  """The absorbed form with MLA's Triton decode kernel as its attention (forward only: the
+  gradient is the XLA form's, through a custom_vjp); caches contiguous or paged (see
+  :func:`probjax.ops.mla.backends.triton.decode`); ``[B, Tq, H, d_v]``."""
+  import jax
+  from probjax.ops.mla.backends.triton import decode
+
+  @jax.custom_vjp
+  def attend(q_lat, q_rope, kv_latent, k_rope, lengths, page_table):
+    return decode(q_lat, q_rope, kv_latent, k_rope, lengths, scale=scale, page_table=page_table,
+                  interpret=interpret)[0]
+
+  def fwd(*args):
+    return attend(*args), args
+
+  def bwd(args, g):
+    xla = lambda a, b, c, d: _attend_xla(a, b, c, d, args[4], args[5], scale)
+    return (*jax.vjp(xla, *args[:4])[1](g), None, None)
+
+  attend.defvjp(fwd, bwd)
+  dt = q_nope.dtype
+  q_lat = _proj("bthd,chd->bthc", q_nope, w_uk, dt)
+  o_lat = attend(q_lat, q_rope, kv_latent, k_rope, jnp.asarray(lengths, jnp.int32), page_table)
+  return _proj("bthc,chd->bthd", o_lat, w_uv, dt)
