@@ -1,6 +1,6 @@
 """Multi-head latent attention: both forms against the float64 reference that materialises K
-and V; the form rule and the attention implementation it asks for on fake devices; attention's
-kernels refusing a value head_dim other than the query/key head_dim."""
+and V; the form rule and the attention implementation it asks for on fake devices; which of
+attention's kernels take a value head_dim other than the query/key head_dim."""
 
 import jax
 import jax.numpy as jnp
@@ -168,9 +168,11 @@ def test_on_a_gpu_widths_that_differ_leave_it_to_attention():
 
 
 @pytest.mark.parametrize("name", ["triton", "mosaic", "cudnn"])
-def test_kernels_refuse_a_value_head_dim_of_their_own(name):
+def test_kernels_refuse_a_value_head_dim_of_their_own(name, monkeypatch):
   """The Triton kernels compute values of their own width; the Mosaic forward MLA's 192/128
-  (not a value head_dim 32, below); cuDNN refuses them."""
+  (not a value head_dim 32, below); cuDNN only through probjax's FFI extension, switched off
+  here (tests/test_cudnn_ffi.py checks it with the extension)."""
+  monkeypatch.setenv("PROBJAX_ATTENTION_CUDNN_FFI", "0")
   call = AttentionCall((2, 4096, 16, 192), (2, 4096, 16, 192), jnp.bfloat16, mask=CausalMask(), v_head_dim=128)
   why = REGISTRY.get(name).supports(call, H200)
   if name in ("triton", "mosaic"):
@@ -208,10 +210,19 @@ def test_explicit_kernel_with_value_head_dim():
     dot_product_attention(q, k, jnp.ones((1, 8, 2, 300)), implementation="triton", interpret=True)
 
 
-def test_default_dispatch_sends_value_head_dim_to_xla():
-  d = attention_dispatch.explain_dispatch((2, 4096, 16, 192), (2, 4096, 16, 192), jnp.bfloat16,
-                                          mask=CausalMask(), device=H200, env={}, v_head_dim=128)
-  assert d.implementation == "xla"
+def test_default_dispatch_of_value_head_dim():
+  """MLA's 192/128 runs the Mosaic forward with the Triton backward by default (rule 9): the
+  device table's cuDNN thresholds were measured with values as wide as keys (rule 4 leaves
+  these calls out), and the Mosaic forward takes 192/128."""
+  for mask in (CausalMask(), None):
+    d = attention_dispatch.explain_dispatch((2, 4096, 16, 192), (2, 4096, 16, 192), jnp.bfloat16,
+                                            mask=mask, device=H200, env={}, v_head_dim=128)
+    assert (d.implementation, d.grad_implementation) == ("mosaic", None), d
+    assert d.backward_pass_impl.startswith("triton"), d
+  # the absorbed form's 576-wide keys are wider than every kernel's tiles: XLA
+  d = attention_dispatch.explain_dispatch((64, 1, 128, 576), (64, 4096, 1, 576), jnp.bfloat16,
+                                          device=H200, env={}, v_head_dim=512)
+  assert d.implementation == "xla", d
 
 
 # -- validation -------------------------------------------------------------------------------

@@ -382,12 +382,21 @@ def _cudnn_rule(device: Device) -> str:
   return f"{_cc(device)} device table: eligible 16-bit call above the cuDNN work threshold"
 
 
+# The cuDNN thresholds of the device table were measured at head_dims up to 128 with values as
+# wide as keys, the widths jax.nn's cuDNN route takes. probjax's own FFI call also takes wider
+# heads and values of their own width (MLA's 192/128), but whether cuDNN is the fastest there
+# is not in the table: rule 4 leaves those calls to the kernels' rules (implementation="cudnn"
+# still runs them).
+CUDNN_TABLE_MAX_HEAD_DIM = 128
+
+
 def _cudnn_takes(call: AttentionCall, device: Device, defaults: DeviceDefaults) -> bool:
   """Rule 4's conditions (rule 3 runs on the same calls)."""
   if defaults.cudnn is None:
     return False
   decoding = call.q_len <= defaults.decode.max_q_len and call.kv_len >= defaults.decode.min_kv_len
   return (call.work >= defaults.cudnn.min_work and call.head_dim >= defaults.cudnn.min_head_dim
+          and call.head_dim <= CUDNN_TABLE_MAX_HEAD_DIM and call.v_head_dim is None
           and not decoding and REGISTRY.get("cudnn").supports(call, device) is None)
 
 

@@ -103,7 +103,8 @@ class Cudnn(Backend[AttentionCall]):
   def supports(self, call, device):
     from probjax.ops.attention.backends import cudnn
     return (self.available(device) or call.not_for_kernels()
-            or cudnn.supports(call.q_shape, call.kv_shape, call.dtype, platform="gpu", **_flags(call)))
+            or cudnn.supports(call.q_shape, call.kv_shape, call.dtype, platform="gpu",
+                              compute_capability=device.compute_capability, **_flags(call)))
 
   def __call__(self, q, k, v, mask, *, call, backward_pass_impl=None):
     from probjax.ops.attention.backends import cudnn
