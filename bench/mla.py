@@ -133,11 +133,19 @@ def decode_cases(z: Sizes, dtype):
       "attention_mqa_padded_v": (lambda q, k, v: dot_product_attention(
           q, k, _pad_v(v, width), mask=mask)[..., :z.d_c], (q, k, v)),
   }
+  page = 64 if s % 64 == 0 else s
+  pool = lambda x: x.reshape(b * (s // page), page, x.shape[-1])
+  table = jnp.arange(b * (s // page), dtype=jnp.int32).reshape(b, s // page)
+  impls["mla_triton"] = (lambda *a: mla(*a, mask=mask, form="absorbed", implementation="triton"), args)
+  impls["triton_paged"] = (lambda *a: mla(*a, mask=mask, form="absorbed", implementation="triton", page_table=table),
+                           (*args[:2], pool(args[2]), pool(args[3]), *args[4:]))
+  read_bytes = b * s * width * jnp.dtype(dtype).itemsize   # latent + rope, read once
   floor_ms = b * s * width * jnp.dtype(dtype).itemsize / HBM_BYTES_PER_S * 1e3
   case = f"B{b} Hq{h} cache{s} latent{width}"
   flops = attention_flops(b, h, 1, s, width, z.d_c, False, "fwd")
   for name, (fn, xs) in impls.items():
-    yield dict(suite="decode", case=case, mode="fwd", impl=name, flops=flops, read_floor_ms=floor_ms), fn, xs
+    yield dict(suite="decode", case=case, mode="fwd", impl=name, flops=flops, read_floor_ms=floor_ms,
+               read_bytes=read_bytes), fn, xs
 
 
 def measure(meta, fn, xs, mode, args):
@@ -148,6 +156,8 @@ def measure(meta, fn, xs, mode, args):
   res = time_fn(lambda: run(*xs), jax.block_until_ready, repeats=args.repeats, warmup=1)
   row = dict(meta, status="ok", **{k: res[k] for k in ("ms", "p10_ms", "p90_ms", "n_repeats", "first_call_s")})
   row["tflops"] = meta["flops"] / (res["ms"] * 1e-3) / 1e12
+  if "read_bytes" in meta:
+    row["tb_per_s"] = meta["read_bytes"] / (res["ms"] * 1e-3) / 1e12   # effective bandwidth of the cache read
   return row
 
 

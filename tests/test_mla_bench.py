@@ -20,6 +20,9 @@ def test_cpu_smoke_and_resume(tmp_path):
     if r["impl"] == "jaxnn_cudnn":
       assert r["status"] in ("ok", "unsupported", "error"), r   # cuDNN needs a GPU
       continue
+    if r["impl"] in ("mla_triton", "triton_paged"):
+      assert r["status"] in ("ok", "unsupported"), r   # the smoke sizes' d_rope is no multiple of 16
+      continue
     assert r["status"] == "ok" and r["ms"] > 0 and r["tflops"] > 0, r
     assert r["device"] and r["versions"]["jax"] and "bench.mla" in r["command"]
   assert all(r["mode"] in ("fwd", "fwd_bwd") for r in rows)
