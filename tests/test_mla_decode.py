@@ -41,6 +41,7 @@ def to_pages(x, page_size, seed):
   return pool, jnp.asarray(perm.reshape(b, n), jnp.int32)
 
 
+@pytest.mark.slow   # interpret mode
 @pytest.mark.parametrize("tq,s,lengths", [(1, 1, [1, 0]), (2, 7, [7, 3]), (1, 48, [48, 5]),
                                           pytest.param(2, 600, [600, 0], marks=pytest.mark.slow)])
 def test_kernel_matches_xla_form_and_reference(tq, s, lengths):
@@ -56,6 +57,7 @@ def test_kernel_matches_xla_form_and_reference(tq, s, lengths):
   assert jnp.all(out[lengths == 0] == 0)
 
 
+@pytest.mark.slow   # interpret mode
 @pytest.mark.parametrize("s,page_size,lengths", [(48, 16, [48, 17]), (64, 32, [0, 33])])
 def test_paged_equals_contiguous(s, page_size, lengths):
   lengths = jnp.array(lengths, jnp.int32)
@@ -70,6 +72,7 @@ def test_paged_equals_contiguous(s, page_size, lengths):
     assert max_error(out, contiguous) <= tol, impl
 
 
+@pytest.mark.slow   # interpret mode
 def test_kernel_lse_and_splits():
   lengths = jnp.array([48, 0], jnp.int32)
   args = plant_nan(inputs(2, 2, 1, 48), lengths)
@@ -83,6 +86,7 @@ def test_kernel_lse_and_splits():
   assert jnp.all(lse3[1] == -jnp.inf) and jnp.all(o3[1] == 0)
 
 
+@pytest.mark.slow   # interpret mode
 def test_gradient_is_the_xla_form_s():
   lengths = jnp.array([7, 3], jnp.int32)
   args = plant_nan(inputs(4, 2, 1, 7), lengths)
