@@ -2,18 +2,20 @@
 
 Suites (``--suite``, default both):
 
-* ``expanded``: B2 H16 T4096, d_nope 128 + d_rope 64 (d_qk 192), d_v 128, latent 512, bf16,
-  causal and not, ``fwd`` and ``fwd_bwd`` (the gradient of every input). Impls: ``mla_expanded``
-  (the op, latent projections included), ``attention_xla`` (``dot_product_attention`` on the formed
-  q [.., 192], k [.., 192], v [.., 128] on the XLA path: no kernel computes d_v != d_qk),
-  ``attention_padded_v`` (v zero-padded to 192 so the default's kernels run it, output sliced:
-  what a kernel could reach) and ``jaxnn_cudnn`` (jax.nn's cuDNN call on the same arrays; its
-  status says whether it takes them).
-* ``decode``: the absorbed form decoding one token, B64, 128 query heads over a cache of 4096
-  latent rows 576 wide (512 + 64), bf16, ``KVLenMask`` at full length. Impls: ``mla_absorbed``,
-  ``mla_expanded`` (forming K and V of the whole cache every step), ``attention_mqa_xla`` (the MQA
-  call alone on XLA, d_qk 576 / d_v 512) and ``attention_mqa_padded_v`` (v padded to 576: the kernels'
-  split-KV decode). Rows carry the latent read floor ``bytes / 4.0e12 B/s``.
+* ``expanded``: B2 H16 T4096 and B1 H16 T16384, d_nope 128 + d_rope 64 (d_qk 192), d_v 128,
+  latent 512, bf16, causal and not, ``fwd`` and ``fwd_bwd`` (the gradient of every input). Impls:
+  ``mla_expanded`` (the op, latent projections included), ``attention_{default,triton,mosaic,cudnn,xla}``
+  (``dot_product_attention`` alone on the formed q [.., 192], k [.., 192], v [.., 128]),
+  ``jaxnn_cudnn_padded_v`` (v zero-padded to 192 through jax.nn's cuDNN, output sliced: what jax.nn
+  offers) and torch's SDPA (cuDNN, flash, efficient) and flex_attention in their own process
+  (bench/torch_mla_worker.py; ``--no-torch`` skips them).
+* ``decode``: the absorbed form decoding 1 and 2 queries per step with 128 query heads over
+  B64 x 4096 and B8 x 32768 cached latent rows 576 wide (512 + 64), bf16, ``KVLenMask`` at full
+  length. Impls: ``mla_absorbed`` (the default), ``mla_triton`` (the Triton decode kernel),
+  ``triton_paged`` (the same over 64-row pages), ``attention_mqa_xla`` (the MQA call alone as XLA
+  einsums, d_qk 576 / d_v 512) and, at B64 x 4096 with one query, ``mla_expanded``. Rows carry the
+  latent read floor ``bytes / 4.0e12 B/s`` and ``tb_per_s``, the bytes of latent and rope read once
+  over the time.
 
 FLOPs (printed as ``tflops``): attention ``2 B H Tq S (d_qk + d_v)`` (halved for causal),
 forward + backward 3.5x the forward; the projections are not counted.
@@ -58,12 +60,14 @@ class Sizes:
   d_rope: int = 64
   d_v: int = 128
   d_c: int = 512
-  dec_batch: int = 64
   dec_heads: int = 128
-  cache: int = 4096
+  expanded_shapes: tuple = ((2, 4096), (1, 16384))   # (batch, seq)
+  decode_shapes: tuple = ((64, 4096), (8, 32768))    # (batch, cache)
+  decode_queries: tuple = (1, 2)
 
 
-SMOKE = Sizes(batch=1, heads=2, seq=48, d_nope=8, d_rope=4, d_v=8, d_c=16, dec_batch=2, dec_heads=4, cache=40)
+SMOKE = Sizes(heads=2, d_nope=8, d_rope=4, d_v=8, d_c=16, dec_heads=4, expanded_shapes=((1, 48),),
+              decode_shapes=((2, 40),), decode_queries=(1,))
 
 
 def _normal(key, shape, dtype):
@@ -92,60 +96,98 @@ def _jaxnn_cudnn(q, k, v, mask):
   return jax.nn.dot_product_attention(q, k, v, is_causal=mask is not None, implementation="cudnn")
 
 
+def _case(b, h, t, d_qk, d_v, causal):
+  return f"B{b} H{h} T{t} {d_qk}/{d_v} {'causal' if causal else 'none'}"
+
+
 def expanded_cases(z: Sizes, dtype):
-  b, h, t = z.batch, z.heads, z.seq
-  args = mla_inputs(0, b, t, t, h, z, dtype)
-  d_qk = z.d_nope + z.d_rope
-  q = jnp.concatenate(args[:2], -1)
-  k = jnp.concatenate([jnp.einsum("bsc,chd->bshd", args[2], args[4]),
-                       jnp.broadcast_to(args[3][:, :, None], (b, t, h, z.d_rope))], -1)
-  v = jnp.einsum("bsc,chd->bshd", args[2], args[5])
-  for causal in (False, True):
-    mask = CausalMask() if causal else None
-    impls = {
-        "mla_expanded": (lambda *a, mask=mask: mla(*a, mask=mask, form="expanded"), args),
-        "attention_xla": (lambda q, k, v, mask=mask: dot_product_attention(q, k, v, mask=mask, implementation="xla"),
-                          (q, k, v)),
-        "attention_padded_v": (lambda q, k, v, mask=mask: dot_product_attention(
-            q, k, _pad_v(v, d_qk), mask=mask)[..., :z.d_v], (q, k, v)),
-        "jaxnn_cudnn": (lambda q, k, v, mask=mask: _jaxnn_cudnn(q, k, v, mask), (q, k, v)),
-    }
-    case = f"B{b} H{h} T{t} {d_qk}/{z.d_v} {'causal' if causal else 'none'}"
-    for mode in ("fwd", "fwd_bwd"):
-      flops = attention_flops(b, h, t, t, d_qk, z.d_v, causal, mode)
-      for name, (fn, xs) in impls.items():
-        yield dict(suite="expanded", case=case, mode=mode, impl=name, flops=flops), fn, xs
+  h, d_qk = z.heads, z.d_nope + z.d_rope
+  for b, t in z.expanded_shapes:
+    args = mla_inputs(0, b, t, t, h, z, dtype)
+    q = jnp.concatenate(args[:2], -1)
+    k = jnp.concatenate([jnp.einsum("bsc,chd->bshd", args[2], args[4]),
+                         jnp.broadcast_to(args[3][:, :, None], (b, t, h, z.d_rope))], -1)
+    v = jnp.einsum("bsc,chd->bshd", args[2], args[5])
+    for causal in (False, True):
+      mask = CausalMask() if causal else None
+      attn = lambda impl, mask=mask: (lambda q, k, v: dot_product_attention(q, k, v, mask=mask, implementation=impl))
+      impls = {
+          "mla_expanded": (lambda *a, mask=mask: mla(*a, mask=mask, form="expanded"), args),
+          # the attention call alone on the formed q [.., 192], k [.., 192], v [.., 128]
+          "attention_default": (attn(None), (q, k, v)),
+          "attention_triton": (attn("triton"), (q, k, v)),
+          "attention_mosaic": (attn("mosaic"), (q, k, v)),
+          "attention_cudnn": (attn("cudnn"), (q, k, v)),
+          "attention_xla": (attn("xla"), (q, k, v)),
+          # what a JAX user gets today: v padded to 192 through jax.nn's cuDNN, output sliced
+          "jaxnn_cudnn_padded_v": (lambda q, k, v, mask=mask: _jaxnn_cudnn(q, k, _pad_v(v, d_qk), mask)[..., :z.d_v],
+                                   (q, k, v)),
+      }
+      for mode in ("fwd", "fwd_bwd"):
+        flops = attention_flops(b, h, t, t, d_qk, z.d_v, causal, mode)
+        for name, (fn, xs) in impls.items():
+          yield dict(suite="expanded", case=_case(b, h, t, d_qk, z.d_v, causal), mode=mode, impl=name,
+                     flops=flops), fn, xs
 
 
 def decode_cases(z: Sizes, dtype):
-  b, h, s = z.dec_batch, z.dec_heads, z.cache
-  args = mla_inputs(1, b, 1, s, h, z, dtype)
-  mask = KVLenMask(jnp.full((b,), s, jnp.int32))
-  width = z.d_c + z.d_rope
-  q = jnp.concatenate([jnp.einsum("bthd,chd->bthc", args[0], args[4]), args[1]], -1)
-  k = jnp.concatenate([args[2], args[3]], -1)[:, :, None]
-  v = args[2][:, :, None]
-  impls = {
-      "mla_absorbed": (lambda *a: mla(*a, mask=mask, form="absorbed"), args),
-      "mla_expanded": (lambda *a: mla(*a, mask=mask, form="expanded"), args),
-      "attention_mqa_xla": (lambda q, k, v: dot_product_attention(q, k, v, mask=mask, implementation="xla"),
-                            (q, k, v)),
-      "attention_mqa_padded_v": (lambda q, k, v: dot_product_attention(
-          q, k, _pad_v(v, width), mask=mask)[..., :z.d_c], (q, k, v)),
-  }
-  page = 64 if s % 64 == 0 else s
-  pool = lambda x: x.reshape(b * (s // page), page, x.shape[-1])
-  table = jnp.arange(b * (s // page), dtype=jnp.int32).reshape(b, s // page)
-  impls["mla_triton"] = (lambda *a: mla(*a, mask=mask, form="absorbed", implementation="triton"), args)
-  impls["triton_paged"] = (lambda *a: mla(*a, mask=mask, form="absorbed", implementation="triton", page_table=table),
-                           (*args[:2], pool(args[2]), pool(args[3]), *args[4:]))
-  read_bytes = b * s * width * jnp.dtype(dtype).itemsize   # latent + rope, read once
-  floor_ms = b * s * width * jnp.dtype(dtype).itemsize / HBM_BYTES_PER_S * 1e3
-  case = f"B{b} Hq{h} cache{s} latent{width}"
-  flops = attention_flops(b, h, 1, s, width, z.d_c, False, "fwd")
-  for name, (fn, xs) in impls.items():
-    yield dict(suite="decode", case=case, mode="fwd", impl=name, flops=flops, read_floor_ms=floor_ms,
-               read_bytes=read_bytes), fn, xs
+  h, width = z.dec_heads, z.d_c + z.d_rope
+  for b, s in z.decode_shapes:
+    for tq in z.decode_queries:
+      args = mla_inputs(1, b, tq, s, h, z, dtype)
+      mask = KVLenMask(jnp.full((b,), s, jnp.int32))
+      q = jnp.concatenate([jnp.einsum("bthd,chd->bthc", args[0], args[4]), args[1]], -1)
+      k = jnp.concatenate([args[2], args[3]], -1)[:, :, None]
+      v = args[2][:, :, None]
+      page = 64 if s % 64 == 0 else s
+      pool = lambda x: x.reshape(b * (s // page), page, x.shape[-1])
+      table = jnp.arange(b * (s // page), dtype=jnp.int32).reshape(b, s // page)
+      impls = {
+          "mla_absorbed": (lambda *a, mask=mask: mla(*a, mask=mask, form="absorbed"), args),
+          "mla_triton": (lambda *a, mask=mask: mla(*a, mask=mask, form="absorbed", implementation="triton"), args),
+          "triton_paged": (lambda *a, mask=mask, table=table: mla(*a, mask=mask, form="absorbed", implementation="triton",
+                                                                  page_table=table),
+                           (*args[:2], pool(args[2]), pool(args[3]), *args[4:])),
+          # the MQA call alone as XLA einsums (d_qk 576, d_v 512): the issue's plain-matmul peer
+          "attention_mqa_xla": (lambda q, k, v, mask=mask: dot_product_attention(q, k, v, mask=mask, implementation="xla"),
+                                (q, k, v)),
+      }
+      if s <= 4096 and tq == 1:   # forming K and V of the whole cache every step: once, for scale
+        impls["mla_expanded"] = (lambda *a, mask=mask: mla(*a, mask=mask, form="expanded"), args)
+      read_bytes = b * s * width * jnp.dtype(dtype).itemsize   # latent + rope, read once
+      floor_ms = read_bytes / HBM_BYTES_PER_S * 1e3
+      case = f"B{b} Hq{h} Tq{tq} cache{s} latent{width}"
+      flops = attention_flops(b, h, tq, s, width, z.d_c, False, "fwd")
+      for name, (fn, xs) in impls.items():
+        yield dict(suite="decode", case=case, mode="fwd", impl=name, flops=flops, read_floor_ms=floor_ms,
+                   read_bytes=read_bytes), fn, xs
+
+
+def torch_rows(z: Sizes, common: dict, repeats: int) -> list[dict]:
+  """The expanded suite's torch peers (bench/torch_mla_worker.py, a process of its own)."""
+  import subprocess
+  d_qk = z.d_nope + z.d_rope
+  spec = dict(cases=[[b, z.heads, t, d_qk, z.d_v] for b, t in z.expanded_shapes], repeats=repeats)
+  worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_mla_worker.py")
+  p = subprocess.run([sys.executable, worker, json.dumps(spec)], capture_output=True, text=True, timeout=900)
+  rows = []
+  for line in p.stdout.splitlines():
+    if not line.startswith("{"):
+      continue
+    r = json.loads(line)
+    b, h, t, d, dv = r["case"]
+    row = dict(common, suite="expanded", case=_case(b, h, t, d, dv, r["causal"]), mode=r["mode"], impl=r["impl"],
+               flops=attention_flops(b, h, t, t, d, dv, r["causal"], r["mode"]), status=r["status"],
+               peer_versions={"torch": r.get("torch")})
+    if r["status"] == "ok":
+      row.update({k: r["timing"][k] for k in ("ms", "p10_ms", "p90_ms", "n_repeats", "first_call_s")})
+      row["tflops"] = row["flops"] / (row["ms"] * 1e-3) / 1e12
+    else:
+      row["error"] = r.get("error")
+    rows.append(row)
+  if p.returncode and not rows:
+    raise RuntimeError(f"torch worker failed: {p.stderr[-500:]}")
+  return rows
 
 
 def measure(meta, fn, xs, mode, args):
@@ -180,6 +222,7 @@ def main(argv=None):
   p.add_argument("--repeats", type=int, default=7)
   p.add_argument("--cpu-smoke", action="store_true", help="tiny sizes in float32, for CPU")
   p.add_argument("--force", action="store_true", help="re-measure rows already in --output")
+  p.add_argument("--no-torch", action="store_true", help="skip the expanded suite's torch peers")
   args = p.parse_args(argv)
   z = SMOKE if args.cpu_smoke else Sizes()
   dtype = jnp.float32 if args.cpu_smoke else jnp.bfloat16
@@ -215,6 +258,14 @@ def main(argv=None):
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
         with open(args.output, "w") as f:
           f.writelines(json.dumps(r) + "\n" for r in rows)
+  if "expanded" in suites and not (args.cpu_smoke or args.no_torch) and (not impls or any(i.startswith("torch") for i in impls)):
+    new = torch_rows(z, common, args.repeats)   # after the JAX side, which leaves the GPU memory free
+    rows = [r for r in rows if key_of(r) not in {key_of(n) for n in new}] + new
+    for row in new:
+      print(json.dumps({k: row.get(k) for k in ("suite", "case", "mode", "impl", "status", "ms", "tflops")}), flush=True)
+    if args.output:
+      with open(args.output, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
   return rows
 
 

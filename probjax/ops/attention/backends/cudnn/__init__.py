@@ -107,7 +107,8 @@ def route(env=None) -> str:
   return "probjax FFI" if why is None else f"jax.nn ({why})"
 
 
-def attention(q, k, v, *, mask: Mask | None = None, scale: float, config: CudnnConfig | None = None, env=None):
+def attention(q, k, v, *, mask: Mask | None = None, scale: float | None = None,
+              config: CudnnConfig | None = None, env=None):
   """q ``[B, Tq, H, D]``, k ``[B, Tkv, Hkv, D]``, v ``[B, Tkv, Hkv, Dv]`` (bf16/fp16) →
   ``[B, Tq, H, Dv]`` via cuDNN.
 
@@ -117,7 +118,9 @@ def attention(q, k, v, *, mask: Mask | None = None, scale: float, config: CudnnC
   K/V rows past the mask's key lengths are zeroed first: cuDNN masks their scores but still
   multiplies them by zero weights (in ``P @ V`` and the backward's ``dS @ K``), so NaN or inf
   there (a KV cache's unwritten tail) would reach every output row. The default sends only
-  long calls here, where that pass over K and V is small beside the attention."""
+  long calls here, where that pass over K and V is small beside the attention. ``scale``
+  defaults to ``1/sqrt(D)``."""
+  scale = q.shape[-1] ** -0.5 if scale is None else scale
   _, k, v, _ = zero_padding(mask, q, k, v)
   why = ffi.ready(env)
   if why is None:

@@ -103,6 +103,12 @@ def combine(o, lse):
   return out, lse_all
 
 
+# Shared memory at the default tiles, d_c 512, bf16: the query tile (64 rows x 512) is 64 KiB and
+# each pipeline stage holds a key block of latent and rope plus its value slice, 52 KiB at 32
+# positions; two stages make 168 KiB of sm_90's 227 KiB. 64 positions would need 280 KiB.
+DEFAULT_BLOCK_K = 32
+
+
 def decode(q_lat, q_rope, kv_latent, k_rope, lengths, *, scale: float, page_table=None,
            num_splits: int | None = None, block_k: int | None = None, block_rows: int | None = None,
            block_v: int | None = None, num_warps: int = 8, num_stages: int = 2, sm_count: int = 132,
@@ -130,7 +136,7 @@ def decode(q_lat, q_rope, kv_latent, k_rope, lengths, *, scale: float, page_tabl
   block_v = block_v or min(d_c, 256)
   if d_c % block_v or block_v % MIN_BLOCK:
     raise ValueError(f"block_v {block_v} must divide d_c {d_c} and be a multiple of {MIN_BLOCK}")
-  block_k = block_k or min(64, page_size or 64)
+  block_k = block_k or min(DEFAULT_BLOCK_K, page_size or DEFAULT_BLOCK_K)
   if paged and page_size % block_k:
     raise ValueError(f"block_k {block_k} must divide page_size {page_size}")
   rows_pad = -(-rows // block_rows) * block_rows
