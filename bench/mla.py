@@ -45,6 +45,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from probjax.core.timing import classify_error, device_info, time_fn  # noqa: E402
 from probjax.nn.layers.attention import CausalMask, KVLenMask, dot_product_attention  # noqa: E402
+from probjax.ops.attention.backends.xla import attention as xla_attention  # noqa: E402
 from probjax.ops.mla import explain, mla  # noqa: E402
 
 HBM_BYTES_PER_S = 4.0e12
@@ -152,6 +153,9 @@ def decode_cases(z: Sizes, dtype):
           "attention_mqa_xla": (lambda q, k, v, mask=mask: dot_product_attention(q, k, v, mask=mask, implementation="xla"),
                                 (q, k, v)),
       }
+      # the same call as plain einsums (XLA's dense formulation: scores materialised)
+      impls["attention_mqa_dense"] = (lambda q, k, v, mask=mask: xla_attention(q, k, v, formulation="dense", mask=mask),
+                                      (q, k, v))
       if s <= 4096 and tq == 1:   # forming K and V of the whole cache every step: once, for scale
         impls["mla_expanded"] = (lambda *a, mask=mask: mla(*a, mask=mask, form="expanded"), args)
       read_bytes = b * s * width * jnp.dtype(dtype).itemsize   # latent + rope, read once

@@ -213,15 +213,21 @@ def test_explicit_kernel_with_value_head_dim():
     dot_product_attention(q, k, jnp.ones((1, 8, 2, 300)), implementation="triton", interpret=True)
 
 
-def test_default_dispatch_of_value_head_dim():
-  """MLA's 192/128 runs the Mosaic forward with the Triton backward by default (rule 9): the
-  device table's cuDNN thresholds were measured with values as wide as keys (rule 4 leaves
-  these calls out), and the Mosaic forward takes 192/128."""
+def test_default_dispatch_of_value_head_dim(monkeypatch):
+  """MLA's 192/128 runs cuDNN by default where probjax's FFI extension is there (rule 4: its
+  backward is 3-4x ahead of the Triton one), else the Mosaic forward with the Triton backward
+  (rule 9)."""
+  from probjax.ops.attention.backends.cudnn import ffi
+  shapes = ((2, 4096, 16, 192), (2, 4096, 16, 192), jnp.bfloat16)
   for mask in (CausalMask(), None):
-    d = attention_dispatch.explain_dispatch((2, 4096, 16, 192), (2, 4096, 16, 192), jnp.bfloat16,
-                                            mask=mask, device=H200, env={}, v_head_dim=128)
+    if ffi.unavailable() is None:
+      d = attention_dispatch.explain_dispatch(*shapes, mask=mask, device=H200, env={}, v_head_dim=128)
+      assert (d.implementation, d.grad_implementation) == ("cudnn", None), d
+    monkeypatch.setenv("PROBJAX_ATTENTION_CUDNN_FFI", "0")
+    d = attention_dispatch.explain_dispatch(*shapes, mask=mask, device=H200, env={}, v_head_dim=128)
     assert (d.implementation, d.grad_implementation) == ("mosaic", None), d
     assert d.backward_pass_impl.startswith("triton"), d
+    monkeypatch.delenv("PROBJAX_ATTENTION_CUDNN_FFI")
   # the absorbed form's 576-wide keys are wider than every kernel's tiles: XLA
   d = attention_dispatch.explain_dispatch((64, 1, 128, 576), (64, 4096, 1, 576), jnp.bfloat16,
                                           device=H200, env={}, v_head_dim=512)

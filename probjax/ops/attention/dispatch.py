@@ -383,10 +383,10 @@ def _cudnn_rule(device: Device) -> str:
 
 
 # The cuDNN thresholds of the device table were measured at head_dims up to 128 with values as
-# wide as keys, the widths jax.nn's cuDNN route takes. probjax's own FFI call also takes wider
-# heads and values of their own width (MLA's 192/128), but whether cuDNN is the fastest there
-# is not in the table: rule 4 leaves those calls to the kernels' rules (implementation="cudnn"
-# still runs them).
+# wide as keys, and at MLA's 192/128 (values of their own width, probjax's FFI call only), where
+# cuDNN's backward is 3-4x ahead of the Triton one and its forward level with or ahead of the
+# Mosaic one (docs/decisions.md). Wider heads with values as wide (e.g. 256/256) are not measured:
+# rule 4 leaves them to the kernels' rules (implementation="cudnn" still runs them).
 CUDNN_TABLE_MAX_HEAD_DIM = 128
 
 
@@ -396,7 +396,7 @@ def _cudnn_takes(call: AttentionCall, device: Device, defaults: DeviceDefaults) 
     return False
   decoding = call.q_len <= defaults.decode.max_q_len and call.kv_len >= defaults.decode.min_kv_len
   return (call.work >= defaults.cudnn.min_work and call.head_dim >= defaults.cudnn.min_head_dim
-          and call.head_dim <= CUDNN_TABLE_MAX_HEAD_DIM and call.v_head_dim is None
+          and (call.head_dim <= CUDNN_TABLE_MAX_HEAD_DIM or call.v_head_dim is not None)
           and not decoding and REGISTRY.get("cudnn").supports(call, device) is None)
 
 

@@ -79,13 +79,12 @@ def attention_implementation(call: MLACall, form: str, device: Device,
                              implementation: str | None = None) -> tuple[str | None, str]:
   """The ``implementation`` the form passes to attention, and why: an explicit one as given
   (attention refuses what it cannot compute), else attention's default, whose dispatch sees the
-  value width (no GPU kernel takes ``d_v != d_qk`` yet: those calls run its XLA path)."""
+  value width (:func:`probjax.nn.layers.attention.explain_dispatch` says which kernel)."""
   if implementation is not None:
     return implementation, "requested"
   d_qk, d_v = attention_widths(call, form)
-  if device.platform == "gpu" and d_qk != d_v:
-    return None, (f"attention's default: value head_dim {d_v} != query/key head_dim {d_qk}, "
-                  "which no GPU kernel computes yet, so its XLA path")
+  if d_qk != d_v:
+    return None, f"attention's default at query/key head_dim {d_qk}, value head_dim {d_v}"
   return None, "attention's default"
 
 
