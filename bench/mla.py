@@ -154,7 +154,8 @@ def decode_cases(z: Sizes, dtype):
                                 (q, k, v)),
       }
       # the same call as plain einsums (XLA's dense formulation: scores materialised)
-      impls["attention_mqa_dense"] = (lambda q, k, v, mask=mask: xla_attention(q, k, v, formulation="dense", mask=mask),
+      impls["attention_mqa_dense"] = (lambda q, k, v, mask=mask: xla_attention(q, k, v, formulation="dense", mask=mask,
+                                                                                scale=(z.d_nope + z.d_rope) ** -0.5),
                                       (q, k, v))
       if s <= 4096 and tq == 1:   # forming K and V of the whole cache every step: once, for scale
         impls["mla_expanded"] = (lambda *a, mask=mask: mla(*a, mask=mask, form="expanded"), args)
