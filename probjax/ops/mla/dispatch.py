@@ -89,7 +89,11 @@ def attention_implementation(call: MLACall, form: str, device: Device,
 
 
 KERNELS = ("triton",)
-DECODE_MAX_QUERIES = 16   # auto: the decode kernel for at most this many queries per step
+# auto: the decode kernel for at most this many queries per step. Its row tiles hold heads x
+# queries and each reads the step's latent, so its time grows with the queries: at 128 heads,
+# one query over B64 x 4096 cached rows takes 0.52 ms against 0.68 ms for attention's XLA path,
+# two queries 0.98 ms against 0.90 (docs/decisions.md, "MLA decoding").
+DECODE_MAX_QUERIES = 1
 
 
 def decode_kernel(call: MLACall, form: str, device: Device, implementation: str | None = None, *,
@@ -111,7 +115,8 @@ def decode_kernel(call: MLACall, form: str, device: Device, implementation: str 
   if form != "absorbed" or device.platform != "gpu" or device.compute_capability is None:
     return None, "not an absorbed call on an NVIDIA GPU"
   if call.q_len > DECODE_MAX_QUERIES:
-    return None, f"{call.q_len} queries > {DECODE_MAX_QUERIES}: not a decode step"
+    return None, (f"{call.q_len} queries > {DECODE_MAX_QUERIES}: the kernel is slower than attention's "
+                  "XLA path here")
   if why:
     return None, why
   return "triton", (f"absorbed decode of {call.q_len} queries: the latent streamed once per head tile "
