@@ -160,11 +160,11 @@ def test_auto_form(tq, s, form):
 
 
 def test_on_a_gpu_widths_that_differ_leave_it_to_attention():
-  """Attention's dispatch sees the value width (below: it routes such calls to XLA)."""
+  """Attention's dispatch sees the value width (test_default_dispatch_of_value_head_dim: where to)."""
   d = explain(*shapes(2, 4096, 4096), device=H200)        # expanded: d_qk 192, d_v 128
-  assert d.form == "expanded" and d.attention_implementation is None and "no GPU kernel" in d.attention_rule
+  assert d.form == "expanded" and d.attention_implementation is None and "value head_dim 128" in d.attention_rule
   d = explain(*shapes(64, 1, 4096), device=H200)          # absorbed: d_qk 576, d_v 512
-  assert d.form == "absorbed" and d.attention_implementation is None and "XLA" in d.attention_rule
+  assert d.form == "absorbed" and d.attention_implementation is None and "head_dim 576" in d.attention_rule
   d = explain(*shapes(2, 4096, 4096, dn=64, dv=128), device=H200)   # 64 + 64 = 128: one width
   assert d.attention_implementation is None
   assert explain(*shapes(2, 64, 64), implementation="triton", device=H200).attention_implementation == "triton"
