@@ -81,7 +81,7 @@ from jax.flatten_util import ravel_pytree  # noqa: E402
 
 from bench.harness import kernel_intervals, load_rows  # noqa: E402
 from bench.lm_step import (Rows, _describe, _Progress, adamw, apply_updates, attention_fns,  # noqa: E402
-                           optax, peak_flops, rotated, run_matmul, tree_copy, with_attention)
+                           optax, peak_flops, run_matmul, step_times, tree_copy, with_attention)
 from probjax.core.timing import Unsupported, classify_error, device_info, summarize  # noqa: E402
 from probjax.nn.layers.dit import DiffusionTransformer  # noqa: E402
 
@@ -308,17 +308,7 @@ def measure(entries: dict, batch, args, bar, no_profile: str | None) -> dict:
     except Exception as e:  # noqa: BLE001 (a failing row, not the end of the run)
       status, msg = classify_error(e)
       info[name] = dict(status=status, error=msg)
-  times = {n: [] for n in state}
-  for r in range(args.repeats):
-    for name in rotated(list(state), r) if state else []:
-      step, p, o = state[name]
-      t0 = time.perf_counter()
-      for _ in range(args.iters):
-        p, o, loss = step(p, o, batch)
-      jax.block_until_ready(loss)
-      times[name].append((time.perf_counter() - t0) / args.iters * 1e3)
-      state[name][1:] = [p, o]
-    bar.update(1)
+  times = step_times(state, batch, args.repeats, args.iters, bar)
   for name in state:
     s = summarize(times[name])
     info[name].update(s, ms_all=times[name])

@@ -312,18 +312,24 @@ def time_steps(make_step, impls, params, tx, batch, args, bar):
     except Exception as e:  # noqa: BLE001 (a failing peer is a row, not the end of the run)
       status, msg = classify_error(e)
       info[name] = dict(status=status, error=msg)
+  return info, step_times(state, batch, args.repeats, args.iters, bar)
+
+
+def step_times(state: dict, batch, repeats: int, iters: int, bar) -> dict:
+  """ms per step of each ``state[name] = [step, params, opt_state]``: ``repeats`` rounds, the
+  names in rotated order each round, ``iters`` steps per timing; the state advances in place."""
   times = {n: [] for n in state}
-  for r in range(args.repeats):
-    for name in rotated(list(state), r):
+  for r in range(repeats):
+    for name in rotated(list(state), r) if state else []:
       step, p, o = state[name]
       t0 = time.perf_counter()
-      for _ in range(args.iters):
+      for _ in range(iters):
         p, o, loss = step(p, o, batch)
       jax.block_until_ready(loss)
-      times[name].append((time.perf_counter() - t0) / args.iters * 1e3)
+      times[name].append((time.perf_counter() - t0) / iters * 1e3)
       state[name][1:] = [p, o]
     bar.update(1)
-  return info, times
+  return times
 
 
 def run_train(c, args, bar, impls, fns, docs):
