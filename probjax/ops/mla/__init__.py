@@ -89,7 +89,7 @@ def mla(q_nope, q_rope, kv_latent, k_rope, w_uk, w_uv, *, mask: Mask | None = No
     page_size = int(kv_latent.shape[1])
     lat_s, rope_s = _paged_shapes(kv_latent, k_rope, page_table)
     call = make_call(q_nope, q_rope, lat_s, rope_s, w_uk, w_uv, scale=scale)
-    if mask is None or mask.kv_lengths is None:
+    if mask is None or mask.lengths(call.batch)[1] is None:
       raise ValueError("page_table needs a mask with KVLenMask(lengths): the sequence lengths")
   else:
     call = make_call(q_nope, q_rope, kv_latent, k_rope, w_uk, w_uv, scale=scale)
