@@ -310,8 +310,8 @@ def few_keys(call: AttentionCall, device: Device, defaults) -> Decision | None:
   A kernel's key tile is then mostly masked padding, and XLA's einsum, one batched matmul, is
   assumed faster (unmeasured below 32 keys). From 32 keys the kernel is level or ahead: at B64 H8
   with 64 keys, D32 level and D64 ahead; in the ISAB block (B64 H4 D32, 1024 queries over 32
-  inducing keys) the Triton kernel for that attention makes the block's forward 0.327 ms against
-  0.386 with XLA's einsum."""
+  inducing keys) the block is faster with the Triton kernel for that attention than with XLA's
+  einsum (docs/decisions.md, rule 8)."""
   if call.kv_len < MIN_KERNEL_KV_LEN:
     return Decision("xla", f"fewer than {MIN_KERNEL_KV_LEN} keys: the einsum is faster",
                     formulation=xla_formulation(call.q_shape, call.kv_shape, device))

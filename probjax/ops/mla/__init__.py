@@ -51,10 +51,6 @@ def explain(q_nope, q_rope, kv_latent, k_rope, w_uk, w_uv, *, form: str = "auto"
                 mask_kinds=() if mask is None else mask.kinds, page_size=page_size)
 
 
-def _valid(lengths, n):
-  return (jnp.arange(n)[None, :] < jnp.asarray(lengths)[:, None])[:, :, None]
-
-
 def _paged_shapes(kv_latent, k_rope, page_table):
   """The contiguous cache shapes a paged call stands for (``[B, pages * page_size, d]``)."""
   import jax
@@ -108,11 +104,6 @@ def mla(q_nope, q_rope, kv_latent, k_rope, w_uk, w_uv, *, mask: Mask | None = No
                                 interpret=device.platform != "gpu")
     if not return_lse:
       return out
-    if page_table is not None:
-      kv_latent, k_rope = forms.gather_pages(kv_latent, page_table), forms.gather_pages(k_rope, page_table)
-    ok = _valid(kv_lens, call.kv_len)
-    kv_latent, k_rope = jnp.where(ok, kv_latent, 0), jnp.where(ok, k_rope, 0)
-    return out, forms.log_sum_exp(q_nope, q_rope, kv_latent, k_rope, w_uk, mask=mask, scale=call.softmax_scale)
   if page_table is not None:
     kv_latent, k_rope = forms.gather_pages(kv_latent, page_table), forms.gather_pages(k_rope, page_table)
   # Positions past the lengths may hold NaN (a cache's unwritten tail). Attention zeroes its own
@@ -121,17 +112,18 @@ def mla(q_nope, q_rope, kv_latent, k_rope, w_uk, w_uv, *, mask: Mask | None = No
   q_ok = None
   q_lens, kv_lens = (None, None) if mask is None else mask.lengths(call.batch)
   if kv_lens is not None:
-    k_ok = _valid(kv_lens, call.kv_len)
+    k_ok = forms.valid_positions(kv_lens, call.kv_len)
     kv_latent, k_rope = jnp.where(k_ok, kv_latent, 0), jnp.where(k_ok, k_rope, 0)
   if q_lens is not None:
-    q_ok = _valid(q_lens, call.q_len)[..., None]
+    q_ok = forms.valid_positions(q_lens, call.q_len)[..., None]
     q_nope, q_rope = jnp.where(q_ok, q_nope, 0), jnp.where(q_ok, q_rope, 0)
-  run = forms.expanded if decision.form == "expanded" else forms.absorbed
-  out = run(q_nope, q_rope, kv_latent, k_rope, w_uk, w_uv, mask=mask, scale=call.softmax_scale,
-            implementation=decision.attention_implementation)
-  if q_ok is not None:
-    out = jnp.where(q_ok, out, 0)  # also drops a NaN cotangent on padded rows before w_uv's gradient
-  if not return_lse:
-    return out
+  if decision.kernel is None:
+    run = forms.expanded if decision.form == "expanded" else forms.absorbed
+    out = run(q_nope, q_rope, kv_latent, k_rope, w_uk, w_uv, mask=mask, scale=call.softmax_scale,
+              implementation=decision.attention_implementation)
+    if q_ok is not None:
+      out = jnp.where(q_ok, out, 0)  # also drops a NaN cotangent on padded rows before w_uv's gradient
+    if not return_lse:
+      return out
   lse = forms.log_sum_exp(q_nope, q_rope, kv_latent, k_rope, w_uk, mask=mask, scale=call.softmax_scale)
   return out, lse

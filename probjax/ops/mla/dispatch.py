@@ -90,9 +90,9 @@ def attention_implementation(call: MLACall, form: str, device: Device,
 
 KERNELS = ("triton",)
 # auto: the decode kernel for at most this many queries per step. Its row tiles hold heads x
-# queries and each reads the step's latent, so its time grows with the queries: at 128 heads,
-# one query over B64 x 4096 cached rows takes 0.52 ms against 0.68 ms for attention's XLA path,
-# two queries 0.98 ms against 0.90 (docs/decisions.md, "MLA decoding").
+# queries and each reads the step's latent, so its time grows with the queries: at 128 heads it
+# is ahead of attention's XLA path with one query and behind it with two (docs/decisions.md,
+# "MLA: values of their own width and decoding").
 DECODE_MAX_QUERIES = 1
 
 

@@ -89,6 +89,11 @@ def log_sum_exp(q_nope, q_rope, kv_latent, k_rope, w_uk, *, mask, scale, block: 
   return jnp.transpose(lse, (0, 2, 1))
 
 
+def valid_positions(lengths, n):
+  """``[B, n, 1]`` bool: position ``i`` of element ``b`` is below ``lengths[b]``."""
+  return (jnp.arange(n)[None, :] < jnp.asarray(lengths)[:, None])[:, :, None]
+
+
 def gather_pages(pool, page_table):
   """A paged cache ``pool [num_pages, page_size, d]`` read through ``page_table [B, pages]``
   (int32) as a contiguous ``[B, pages * page_size, d]``."""
@@ -101,7 +106,7 @@ def _attend_xla(q_lat, q_rope, kv_latent, k_rope, lengths, page_table, scale):
   from probjax.nn.layers.attention import KVLenMask
   if page_table is not None:
     kv_latent, k_rope = gather_pages(kv_latent, page_table), gather_pages(k_rope, page_table)
-  ok = (jnp.arange(kv_latent.shape[1])[None, :] < lengths[:, None])[:, :, None]
+  ok = valid_positions(lengths, kv_latent.shape[1])
   kv_latent, k_rope = jnp.where(ok, kv_latent, 0), jnp.where(ok, k_rope, 0)
   q = jnp.concatenate([q_lat, q_rope], -1)
   k = jnp.concatenate([kv_latent, k_rope], -1)[:, :, None, :]
