@@ -13,8 +13,9 @@ Sections (``--sections``, default all, in this order):
   ``probjax`` (``dot_product_attention``), ``flax`` (``flax.nnx.dot_product_attention``) and
   ``jaxnn_cudnn`` (``jax.nn.dot_product_attention(implementation="cudnn")``). Variants of the
   probjax row (``--variants``, default :data:`DEFAULT_VARIANTS`, any of :data:`VARIANTS` or a
-  '.'-joined mix; rows ``probjax_<variant>``, ``probjax`` the baseline): ``unrolled``
-  (``scan_layers=False``: the 12 blocks unrolled, not one ``nnx.scan`` body), ``flat_adamw``
+  '.'-joined mix; rows ``probjax_<variant>``, ``probjax`` the baseline, whose options the peers
+  share: the model's default ``scan_layers=False``, the blocks unrolled): ``scanned``
+  (``scan_layers=True``: the 12 blocks as one ``nnx.scan`` body), ``flat_adamw``
   (the parameters as one flat fp32 vector: the AdamW update is one fusion instead of one per
   leaf), ``adamw_mu_bf16`` (``optax.adamw(mu_dtype=bfloat16)``), and XLA flags read when JAX
   starts, each run in a child process with them in ``XLA_FLAGS``: ``xla_cmdbuf_off`` (no
@@ -148,14 +149,14 @@ def flow_matching_loss(model, batch):
 
 
 # -- variants of the probjax row ------------------------------------------------------
-# Options (merged over '.'-joined names, e.g. "unrolled.xla_cmdbuf_off"): scan_layers (the
+# Options (merged over '.'-joined names, e.g. "scanned.xla_cmdbuf_off"): scan_layers (the
 # model's), optimizer ("adamw": optax.adamw on the parameter tree; "flat": the same on one
 # flat fp32 vector that the step unravels into the tree, so the update is one fusion, not one
 # per leaf; "mu_bf16": optax.adamw(mu_dtype=bfloat16)), xla_flags (appended to XLA_FLAGS in a
 # child process: they are read when JAX starts).
 VARIANTS = {
     "baseline": {},
-    "unrolled": dict(scan_layers=False),
+    "scanned": dict(scan_layers=True),
     "flat_adamw": dict(optimizer="flat"),
     "adamw_mu_bf16": dict(optimizer="mu_bf16"),
     "xla_cmdbuf_off": dict(xla_flags=("--xla_gpu_enable_command_buffer=",)),
@@ -167,7 +168,7 @@ VARIANTS = {
 # --variants' default: all but xla_cmdbuf_unroll (each XLA-flag row is a child process, ~25 s
 # of start and compile per case; the default run of S and B stays near 5 minutes on an H200).
 DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v != "xla_cmdbuf_unroll")
-DEFAULTS = dict(scan_layers=True, optimizer="adamw", xla_flags=())
+DEFAULTS = dict(scan_layers=False, optimizer="adamw", xla_flags=())  # the model's default
 CHECK_REL = 2e-2  # relative loss difference that fails a row's check (bf16 compute)
 
 

@@ -27,7 +27,7 @@
 # $OUT/gpu_clocks.csv (to read a run's noise; not committed).
 # newops_tests: the grouped-matmul, scan and MoE tests with their kernels compiled (not interpreted).
 # moe[:SUITES[:TOKENS]], scan[:MODES], lm[:SECTIONS], dit[:CASES[:VARIANTS]], mla[:SUITES] ('+'-joined lists;
-#   dit's VARIANTS default bench/dit_step.py's, e.g. dit:S+B:baseline+unrolled+xla_cmdbuf_off, dit::unrolled.flat_adamw):
+#   dit's VARIANTS default bench/dit_step.py's, e.g. dit:S+B:baseline+scanned+xla_cmdbuf_off, dit::scanned.flat_adamw):
 #   bench/moe.py, bench/scan.py, bench/lm_step.py, bench/dit_step.py, bench/mla.py into
 #   $RES/<device>/{moe,scan,lm_step,dit_step,mla}.json, resumed.
 # isab[:SIZES] ('+'-joined set sizes): bench/isab.py (the ISAB block, head_dim 32, against jax.nn

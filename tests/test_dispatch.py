@@ -1,5 +1,6 @@
 """Dispatch rules and the device table as pure functions, with faked devices."""
 
+import math
 import dataclasses
 import pathlib
 import re
@@ -158,8 +159,8 @@ def test_sm90_differentiated_d64_runs_triton():
   n = int((entry.grad_triton.max_work // (4 * 8)) ** 0.5)
   assert decide(((4, n, 8, 64), (4, n, 8, 64))).grad_implementation is None
   t = entry.grad_triton.max_kv_len
-  assert decide(((4, t, 8, 64), (4, t, 8, 64))).grad_implementation == "triton"
-  assert decide(((4, t + 1, 8, 64), (4, t + 1, 8, 64))).grad_implementation is None
+  assert decide(((4, t, 16, 64), (4, t, 16, 64))).grad_implementation == "triton"
+  assert decide(((4, t + 1, 16, 64), (4, t + 1, 16, 64))).grad_implementation is None
   assert _under_grad(decide(((4, 2048, 8, 128), (4, 2048, 8, 128)))) == "cudnn"
   assert decide(d64, implementation="cudnn").grad_implementation is None
   assert decide(d64, kernel_args_default=False).implementation == "triton"
@@ -416,3 +417,23 @@ def test_mosaic_sees_the_scale():
   assert decide(shapes, mask=docs, scale=-0.1).implementation == "triton"
   with pytest.raises(ValueError, match="positive scale"):
     decide(shapes, mask=docs, scale=-0.1, implementation="mosaic")
+
+
+def test_sm90_cudnn_threshold_per_mask_and_head_dim():
+  # min_work_at replaces min_work for its mask kind and head_dim only.
+  cud = attention_device.DEVICE_DEFAULTS[(9, 0)].cudnn
+  for kind, d, work in cud.min_work_at:
+    mask = M.CausalMask() if kind == "causal" else None
+    n = int(math.ceil((work / 32) ** 0.5))   # B4 H8: the least length at or above that work
+    below, at = ((4, n - 1, 8, d),) * 2, ((4, n, 8, d),) * 2
+    assert decide(below, mask=mask).implementation != "cudnn"
+    assert decide(at, mask=mask).implementation in ("cudnn", "mosaic")
+    assert cud.threshold(kind, d) == work and cud.threshold("window", d) == cud.min_work
+
+
+def test_sm90_short_unmasked_backward_is_fused():
+  b = attention_device.DEVICE_DEFAULTS[(9, 0)].backward
+  for d, t in b.short_impl_max_kv_len:
+    assert decide(((4, t, 4, d),) * 2).backward_pass_impl == b.band_impl
+    assert decide(((4, t + 1, 4, d),) * 2).backward_pass_impl == b.impl
+  assert decide(((4, 600, 4, 64),) * 2).backward_pass_impl == b.impl      # another head_dim

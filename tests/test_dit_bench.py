@@ -18,14 +18,14 @@ def test_flops_convention():
 
 def test_variant_options():
   assert dit_step.variant_options("baseline") == dit_step.DEFAULTS
-  mix = dit_step.variant_options("unrolled.flat_adamw.xla_cmdbuf_off")
-  assert mix["scan_layers"] is False and mix["optimizer"] == "flat" and mix["xla_flags"] == (
+  mix = dit_step.variant_options("scanned.flat_adamw.xla_cmdbuf_off")
+  assert mix["scan_layers"] is True and mix["optimizer"] == "flat" and mix["xla_flags"] == (
       "--xla_gpu_enable_command_buffer=",)
   with pytest.raises(ValueError, match="unknown"):
-    dit_step.variant_options("unrolled.nope")
+    dit_step.variant_options("scanned.nope")
   with pytest.raises(ValueError, match="optimizer set twice"):
     dit_step.variant_options("flat_adamw.adamw_mu_bf16")
-  assert dit_step.impl_name("baseline") == "probjax" and dit_step.impl_name("unrolled") == "probjax_unrolled"
+  assert dit_step.impl_name("baseline") == "probjax" and dit_step.impl_name("scanned") == "probjax_scanned"
 
 
 def test_kernel_summary():
@@ -62,7 +62,7 @@ def test_cpu_smoke_and_resume(tmp_path):
   assert by[("train", "probjax_flat_adamw")]["optimizer"].endswith("on one flat vector")
   child = by[("train", "probjax_xla_cmdbuf_off")]
   assert "--xla_gpu_enable_command_buffer=" in child["xla_flags"] and child["child_s"] > 0
-  assert by[("train", "probjax")]["variant"] == "baseline" and by[("train", "probjax")]["scan_layers"] is True
+  assert by[("train", "probjax")]["variant"] == "baseline" and by[("train", "probjax")]["scan_layers"] is False
   dit_step.main(argv)
   assert len(load_rows(out)) == len(rows)  # every group already measured: nothing re-run
 
@@ -72,12 +72,12 @@ def test_cpu_smoke_and_resume(tmp_path):
 def test_gpu_rows_have_the_kernel_profile(tmp_path):
   out = str(tmp_path / "dit.json")
   dit_step.main(["--cpu-smoke", "--quick", "--sections", "train", "--output", out, "--impls", "probjax",
-                 "--variants", "unrolled,xla_cmdbuf_off"])
+                 "--variants", "scanned,xla_cmdbuf_off"])
   rows = {r["impl"]: r for r in load_rows(out)}
-  assert sorted(rows) == ["probjax", "probjax_unrolled", "probjax_xla_cmdbuf_off"]
+  assert sorted(rows) == ["probjax", "probjax_scanned", "probjax_xla_cmdbuf_off"]
   for r in rows.values():
     assert r["status"] == "ok" and r["check"] == "ok" and r["wall_over_device"] > 0, r
-  for r in (rows["probjax"], rows["probjax_unrolled"]):
+  for r in (rows["probjax"], rows["probjax_scanned"]):
     assert r["device_ms"] > 0 and r["kernels_per_step"] > 0, r
     assert 1 <= len(r["top_kernels"]) <= 8 and set(r["kernel_ms_by_kind"]) <= {"attention", "matmul", "other"}
   assert rows["probjax_xla_cmdbuf_off"]["device_ms_of"] == "probjax"   # the child is not profiled

@@ -15,10 +15,11 @@ Every block's shift/scale/gate and the final layer's shift/scale depend on ``c``
 come out of one zero-initialised matmul of ``silu(c)``, computed once per call, not per
 block. At initialisation every gate is zero, so every block is exactly the identity, and the
 zero-initialised final projection makes the output exactly zero. The blocks' parameters are
-stacked (``nnx.vmap``) and applied by ``nnx.scan`` (one compiled block), or with
-``scan_layers=False`` by a Python loop over the stacked parameters' slices (one compiled copy
-per block: longer compiles, and XLA may fuse and schedule across blocks); the parameters and
-the output are the same either way.
+stacked (``nnx.vmap``) and applied by default by a Python loop over their slices (one
+compiled copy per block), or with ``scan_layers=True`` by ``nnx.scan`` (one compiled block:
+shorter compiles for deep models, but XLA's loop stores every block's residuals for the
+backward pass with extra copies; docs/decisions.md, "DiT"); the parameters and the output are
+the same either way.
 
 ``mask`` (a probjax mask, e.g. ``KVLenMask(sizes)`` for token sets right-padded to a common
 size) goes to every self-attention; ``context_mask`` to every cross-attention.
@@ -143,8 +144,8 @@ class DiffusionTransformer(nnx.Module):
     frequency_features, time_scale: the timestep features are
       ``timestep_embedding(time_scale * t, frequency_features)`` (``t`` in [0, 1] by default).
     remat: recompute each block in the backward pass (``nnx.remat``).
-    scan_layers: run the blocks under ``nnx.scan`` (True) or unrolled (False); the same
-      stacked parameters and output either way.
+    scan_layers: run the blocks unrolled (False, the default: the faster train step) or
+      under ``nnx.scan`` (True: one compiled block); the same stacked parameters and output.
     attention_fn: of every attention layer; dtype, param_dtype: compute and parameter dtypes.
 
   >>> import jax.numpy as jnp
@@ -163,7 +164,7 @@ class DiffusionTransformer(nnx.Module):
                qk_norm: bool = False, patch_size: int | None = None, num_classes: int | None = None,
                class_dropout_rate: float = 0.0, cond_features: int | None = None,
                context_features: int | None = None, frequency_features: int = 256,
-               time_scale: float = 1000.0, remat: bool = False, scan_layers: bool = True,
+               time_scale: float = 1000.0, remat: bool = False, scan_layers: bool = False,
                attention_fn: Callable = dot_product_attention, dtype=None,
                param_dtype=jnp.float32, rngs: nnx.Rngs):
     for name, v in (("in_features", in_features), ("features", features), ("num_layers", num_layers),

@@ -159,7 +159,7 @@ def _requested(impl: str, call: AttentionCall, device: Device) -> Decision:
   why = REGISTRY.get(impl).supports(call, device)
   if why:
     raise ValueError(f"implementation={impl!r} cannot compute this call exactly: {why}")
-  backward = _resolve_backward(call.backward_pass_impl, call.mask) if impl != "cudnn" else "auto"
+  backward = _resolve_backward(call) if impl != "cudnn" else "auto"
   return Decision(impl, "requested", backward)
 
 
@@ -260,7 +260,7 @@ def grad_mosaic(call: AttentionCall, device: Device, defaults: DeviceDefaults) -
   if (limit is not None and call.mask is not None and call.mask.is_causal() and call.work <= limit
       and _mosaic_takes(call, device)):
     return Decision("mosaic", "differentiated causal: the Mosaic forward with the Triton backward is faster",
-                    _resolve_backward(call.backward_pass_impl, call.mask, defaults))
+                    _resolve_backward(call, defaults))
   return None
 
 
@@ -277,7 +277,7 @@ def grad_triton(call: AttentionCall, device: Device, defaults: DeviceDefaults) -
   if (call.head_dim <= g.max_head_dim and call.work < g.max_work and call.kv_len <= g.max_kv_len
       and REGISTRY.get("triton").supports(call, device) is None):
     return Decision("triton", "differentiated: the Triton kernel's backward is faster",
-                    _resolve_backward(call.backward_pass_impl, call.mask, defaults))
+                    _resolve_backward(call, defaults))
   return None
 
 
@@ -340,7 +340,7 @@ def mosaic_long(call: AttentionCall, device: Device, defaults: DeviceDefaults | 
                     "backward are faster than the Triton kernel's", "mosaic")
   return Decision("mosaic", f"{_cc(device)} device table: long 16-bit call, the Mosaic forward is faster "
                   "than the Triton kernel's (the Triton backward)",
-                  _resolve_backward(call.backward_pass_impl, call.mask, defaults))
+                  _resolve_backward(call, defaults))
 
 
 def triton(call: AttentionCall, device: Device, defaults: DeviceDefaults | None) -> Decision | None:
@@ -353,7 +353,7 @@ def triton(call: AttentionCall, device: Device, defaults: DeviceDefaults | None)
   Decoding calls (at most 64 queries, at least 1024 keys) get its split-KV forward."""
   if REGISTRY.get("triton").supports(call, device) is None:
     return Decision("triton", "fused kernel: exact for this call",
-                    _resolve_backward(call.backward_pass_impl, call.mask, defaults))
+                    _resolve_backward(call, defaults))
   return None
 
 
@@ -397,7 +397,8 @@ def _cudnn_takes(call: AttentionCall, device: Device, defaults: DeviceDefaults) 
   if defaults.cudnn is None:
     return False
   decoding = call.q_len <= defaults.decode.max_q_len and call.kv_len >= defaults.decode.min_kv_len
-  return (call.work >= defaults.cudnn.min_work and call.head_dim >= defaults.cudnn.min_head_dim
+  return (call.work >= defaults.cudnn.threshold(_mask_kind(call.mask), call.head_dim)
+          and call.head_dim >= defaults.cudnn.min_head_dim
           and (call.head_dim <= CUDNN_TABLE_MAX_HEAD_DIM or call.v_head_dim is not None)
           and not decoding and REGISTRY.get("cudnn").supports(call, device) is None)
 
@@ -443,9 +444,20 @@ def xla_formulation(q_shape, kv_shape, device: Device) -> str:
   return "auto"
 
 
-def _resolve_backward(backward_pass_impl, mask: Mask | None, defaults: DeviceDefaults | None = None) -> str:
-  if backward_pass_impl != "auto":
-    return backward_pass_impl
-  if defaults is not None:
-    return defaults.backward.band_impl if mask is not None and mask.has_band else defaults.backward.impl
-  return "auto"  # the Triton backend's generic rules (config.BACKWARD_IMPL_RULES) resolve it
+def _resolve_backward(call: AttentionCall, defaults: DeviceDefaults | None = None) -> str:
+  """The Triton backward a call's ``backward_pass_impl`` names: the device table's for "auto".
+
+  At B4 H8 T600 D128 unmasked on sm_90 the fused backward (the dK/dV and dQ programs in one
+  launch) is ahead of the split one (the same programs in two launches): each launch has a few
+  hundred programs at most there, so the split's dQ launch starts only after the dK/dV launch's
+  last wave, which the fused grid fills with dQ programs. The table's ``short_impl_max_kv_len``
+  sends such short unmasked calls to the fused kernel."""
+  if call.backward_pass_impl != "auto":
+    return call.backward_pass_impl
+  if defaults is None:
+    return "auto"  # the Triton backend's generic rules (config.BACKWARD_IMPL_RULES) resolve it
+  b = defaults.backward
+  if call.mask is not None and call.mask.has_band:
+    return b.band_impl
+  short = dict(b.short_impl_max_kv_len).get(call.head_dim)
+  return b.band_impl if short is not None and call.kv_len <= short else b.impl

@@ -37,10 +37,16 @@ class Decode:
 @dataclasses.dataclass(frozen=True)
 class Cudnn:
   """Rule 4: eligible bf16/fp16 calls with at least ``min_work`` work and ``head_dim >=
-  min_head_dim`` run cuDNN."""
+  min_head_dim`` run cuDNN; ``min_work_at``, ``((mask, head_dim, min_work), ...)``, replaces
+  ``min_work`` for calls of that mask kind (as :class:`MosaicPrimal`'s) and head_dim."""
 
   min_work: int
   min_head_dim: int
+  min_work_at: tuple[tuple[str, int, int], ...]
+
+  def threshold(self, mask_kind: str | None, head_dim: int) -> int:
+    """The least work at which a call of this mask kind and head_dim runs cuDNN."""
+    return next((w for m, d, w in self.min_work_at if m == mask_kind and d == head_dim), self.min_work)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,10 +107,13 @@ class MosaicLong:
 @dataclasses.dataclass(frozen=True)
 class Backward:
   """What ``backward_pass_impl="auto"`` resolves to on the table's Triton backwards (rules 5,
-  6, 9, 10): ``impl``, and ``band_impl`` for masks with a diagonal band (causal, windows)."""
+  6, 9, 10): ``impl``, and ``band_impl`` for masks with a diagonal band (causal, windows);
+  ``short_impl_max_kv_len``, ``((head_dim, max_kv_len), ...)``: calls without a band at that
+  head_dim with at most that many keys take ``band_impl`` too."""
 
   impl: str
   band_impl: str
+  short_impl_max_kv_len: tuple[tuple[int, int], ...]
 
 
 # The field names before the per-rule groups, kept readable for callers that used them.
