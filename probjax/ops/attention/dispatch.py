@@ -255,8 +255,12 @@ def grad_mosaic(call: AttentionCall, device: Device, defaults: DeviceDefaults) -
   At B4 H8 T4096 causal bf16 D64 on sm_90 (2^29, at the D64 limit) the Mosaic forward, which
   saves the same residuals (output and log-sum-exp), with the Triton fused backward, which
   orders its tiles before its heads under a band, beats cuDNN's forward and backward. At D128
-  the limit is 2^27 (T2048): from T4096 cuDNN's backward is ahead."""
-  limit = None if defaults.grad_mosaic is None else dict(defaults.grad_mosaic.causal_max_work).get(call.head_dim)
+  the limit is 2^27 (T2048): from T4096 cuDNN's backward is ahead. Off the 128-row tiles
+  (``ragged_causal_max_work``) D128 has no range: at B4 H8 T1500 the Mosaic forward's partial
+  last tiles make it slower than cuDNN's, and cuDNN's forward and backward are ahead."""
+  g = defaults.grad_mosaic
+  limits = None if g is None else g.ragged_causal_max_work if _ragged(call) else g.causal_max_work
+  limit = None if limits is None else dict(limits).get(call.head_dim)
   if (limit is not None and call.mask is not None and call.mask.is_causal() and call.work <= limit
       and _mosaic_takes(call, device)):
     return Decision("mosaic", "differentiated causal: the Mosaic forward with the Triton backward is faster",

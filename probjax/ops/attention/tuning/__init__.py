@@ -66,9 +66,11 @@ class MosaicPrimal:
 class GradMosaic:
   """Rule 5: ``causal_max_work``, ``((head_dim, work), ...)``: differentiated calls of rules 3
   and 4 with ``CausalMask()`` alone, that ``head_dim`` and at most that work run the Mosaic
-  GPU forward with the Triton backward."""
+  GPU forward with the Triton backward; ``ragged_causal_max_work`` the same for lengths that
+  are not multiples of 128 (a partial last tile)."""
 
   causal_max_work: tuple[tuple[int, int], ...]
+  ragged_causal_max_work: tuple[tuple[int, int], ...]
 
 
 @dataclasses.dataclass(frozen=True)
