@@ -17,7 +17,7 @@ import json
 import os
 import sys
 
-from bench.harness import IMPL_LABELS, RESULTS_DIR, ROOT, load_rows, row_key
+from bench.harness import IMPL_LABELS, OWN_SCHEMA_KEYS, RESULTS_DIR, ROOT, load_rows, row_key
 
 STATUS_CELL = {"oom": "OOM", "fail": "fail†", "unsupported": "unsup.", "error": "error"}
 NOT_MEASURED = "_Not measured yet._"
@@ -62,6 +62,8 @@ def load_all(results_dir: str) -> list[dict]:
   key win. ``_file``: the row's file, relative to results_dir."""
   rows = collections.OrderedDict()
   for path in sorted(glob.glob(os.path.join(results_dir, "*", "*.json"))):
+    if os.path.splitext(os.path.basename(path))[0] in OWN_SCHEMA_KEYS:
+      continue  # the layer and op benchmarks' files (their own keys; not these pages' rows)
     for r in load_rows(path):
       if not isinstance(r, dict) or "suite" not in r:
         continue
