@@ -171,3 +171,24 @@ def test_default_causal_forward_runs_mosaic_and_agrees():
     got = np.asarray(got, np.float32)
     assert np.all(np.isfinite(got))
     assert np.max(np.abs(got - want)) <= AGREE * max(1.0, np.max(np.abs(want)))
+
+
+# (head_dim, length, causal, what the sm_90 table runs: forward, differentiated)
+SMALL_HEAD_DIMS = [(16, 2048, False, "triton", "triton"), (40, 2048, True, "cudnn", "cudnn"),
+                   (48, 2048, False, "cudnn", "cudnn"), (80, 1024, True, "cudnn", "cudnn"),
+                   (96, 1024, False, "cudnn", "cudnn"), (64, 1500, False, "triton", "cudnn")]
+
+
+@pytest.mark.parametrize("d,t,causal,fwd,grad", SMALL_HEAD_DIMS)
+def test_default_at_head_dims_the_triton_kernel_pads_is_exact(d, t, causal, fwd, grad):
+  # B4 H8 bf16: head_dims 40/48 and 80/96 run cuDNN (the Triton kernel pads them to 64 and 128),
+  # unmasked D64 at T1500 the Triton forward with cuDNN under grad; values and gradients exact.
+  x = make_inputs(d + t, 4, t, t, 8, 8, d, jnp.bfloat16)
+  mask = M.CausalMask() if causal else None
+  dec = explain_dispatch(x.q.shape, x.k.shape, x.q.dtype, mask=mask)
+  if str(jax.devices()[0].compute_capability) == "9.0":
+    assert (dec.implementation, dec.grad_implementation or dec.implementation) == (fwd, grad), dec
+  check_against_reference(lambda q, k, v, b: dot_product_attention(q, k, v, mask=mask), x, mask=mask)
+  # The forward alone (no vjp) runs the primal implementation.
+  out = jax.jit(lambda q, k, v: dot_product_attention(q, k, v, mask=mask))(x.q, x.k, x.v)
+  check_against_reference(lambda q, k, v, b: out, x, mask=mask, grads=False)

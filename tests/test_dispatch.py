@@ -150,7 +150,8 @@ def _under_grad(dec) -> str:
 
 def test_sm90_differentiated_d64_runs_triton():
   entry = attention_device.DEVICE_DEFAULTS[(9, 0)]
-  d64 = ((4, 1024, 16, 64), (4, 1024, 16, 64))  # below mosaic_min_len: the Triton forward too
+  # Below mosaic_min_len, above cudnn.triton_forward_work: cuDNN's forward.
+  d64 = ((4, 1024, 32, 64), (4, 1024, 32, 64))
   d = decide(d64)
   assert d.implementation == "cudnn" and d.grad_implementation == "triton"
   assert d.backward_pass_impl == entry.backward.impl and "under grad triton" in str(d)
@@ -159,8 +160,8 @@ def test_sm90_differentiated_d64_runs_triton():
   n = int((entry.grad_triton.max_work // (4 * 8)) ** 0.5)
   assert decide(((4, n, 8, 64), (4, n, 8, 64))).grad_implementation is None
   t = entry.grad_triton.max_kv_len
-  assert decide(((4, t, 16, 64), (4, t, 16, 64))).grad_implementation == "triton"
-  assert decide(((4, t + 1, 16, 64), (4, t + 1, 16, 64))).grad_implementation is None
+  assert _under_grad(decide(((4, t, 32, 64), (4, t, 32, 64)))) == "triton"
+  assert _under_grad(decide(((4, t + 1, 32, 64), (4, t + 1, 32, 64)))) == "cudnn"
   assert _under_grad(decide(((4, 2048, 8, 128), (4, 2048, 8, 128)))) == "cudnn"
   assert decide(d64, implementation="cudnn").grad_implementation is None
   assert decide(d64, kernel_args_default=False).implementation == "triton"
@@ -429,6 +430,33 @@ def test_sm90_cudnn_threshold_per_mask_and_head_dim():
     assert decide(below, mask=mask).implementation != "cudnn"
     assert decide(at, mask=mask).implementation in ("cudnn", "mosaic")
     assert cud.threshold(kind, d) == work and cud.threshold("window", d) == cud.min_work
+
+
+def test_sm90_triton_forward_ranges_keep_cudnn_under_grad():
+  # In a triton_forward_work range rule 4 runs the Triton forward; differentiated calls keep
+  # what rule 4 gives them (here cuDNN's forward and backward). Past either end: cuDNN.
+  cud = attention_device.DEVICE_DEFAULTS[(9, 0)].cudnn
+  assert cud.triton_forward_work
+  for kind, d, lo, hi in cud.triton_forward_work:
+    mask = M.CausalMask() if kind == "causal" else None
+    first = int(math.ceil((max(lo, cud.threshold(kind, d)) / 32) ** 0.5))  # B4 H8
+    last = int(math.floor((hi / 32) ** 0.5))
+    for n in (first, last):
+      got = decide(((4, n, 8, d),) * 2, mask=mask)
+      assert (got.implementation, got.grad_implementation) == ("triton", "cudnn"), (n, got)
+      assert "forward: the Triton kernel is faster" in got.rule
+    assert decide(((4, last + 1, 8, d),) * 2, mask=mask).implementation == "cudnn"
+    assert decide(((4, first, 8, d),) * 2, mask=mask, env={"PROBJAX_ATTENTION_CUDNN": "0"}).grad_implementation is None
+
+
+@pytest.mark.parametrize("d,impl", [(32, "triton"), (40, "cudnn"), (48, "cudnn"), (80, "cudnn"), (96, "cudnn")])
+def test_sm90_head_dims_the_triton_kernel_pads_run_cudnn(d, impl):
+  # The Triton kernel pads 40/48 to 64 and 80/96 to 128; from head_dim 40 cuDNN is ahead above
+  # the work threshold (B4 H8 T4096), at 80 and 96 already from B4 H8 T1024.
+  assert decide(((4, 4096, 8, d),) * 2).implementation == impl
+  assert decide(((4, 4096, 8, d),) * 2, mask=M.CausalMask()).implementation == impl
+  assert decide(((4, 1024, 8, d),) * 2).implementation == ("cudnn" if d >= 80 else "triton")
+  assert decide(((4, 1023, 8, d),) * 2).implementation == "triton"
 
 
 def test_sm90_short_unmasked_backward_is_fused():

@@ -15,8 +15,8 @@ off by ``PROBJAX_ATTENTION_CUDNN=0`` or ``PROBJAX_ATTENTION_MOSAIC=0``) does not
   2. :func:`kernel_arguments`: bias, dense mask, dropout, precision, ``module`` → XLA.
   3. :func:`mosaic_primal`: a call of rule 4 whose forward the Mosaic kernel runs faster →
      the Mosaic forward; under grad rules 5-6 or cuDNN.
-  4. :func:`cudnn`: eligible 16-bit call above the cuDNN work threshold, not decoding → cuDNN;
-     under grad rules 5-6 or cuDNN.
+  4. :func:`cudnn`: eligible 16-bit call above the cuDNN work threshold, not decoding → cuDNN
+     (in a measured range, the Triton forward); under grad rules 5-6 or cuDNN.
   5. :func:`grad_mosaic` (under grad, rules 3-4): causal up to a work per head_dim → the Mosaic
      forward with the Triton backward.
   6. :func:`grad_triton` (under grad, rules 3-4): small head_dim, work and key count → Triton.
@@ -212,10 +212,7 @@ def mosaic_primal(call: AttentionCall, device: Device, defaults: DeviceDefaults 
   if defaults is None or defaults.mosaic_primal is None or not _cudnn_takes(call, device, defaults):
     return None
   ranges = defaults.mosaic_primal.ragged_work if _ragged(call) else defaults.mosaic_primal.work
-  work = call.work
-  fast = any(m == _mask_kind(call.mask) and d == call.head_dim and lo <= work and (hi is None or work <= hi)
-             for m, d, lo, hi in ranges)
-  if not (fast and min(call.q_len, call.kv_len) >= defaults.mosaic_long.min_len
+  if not (_in_ranges(ranges, call) and min(call.q_len, call.kv_len) >= defaults.mosaic_long.min_len
           and _mosaic_takes(call, device)):
     return None
   grad = _under_grad(call, device, defaults)
@@ -228,19 +225,33 @@ def mosaic_primal(call: AttentionCall, device: Device, defaults: DeviceDefaults 
 
 def cudnn(call: AttentionCall, device: Device, defaults: DeviceDefaults | None) -> Decision | None:
   """Rule 4. An eligible bf16/fp16 call (a mask cuDNN computes exactly, head_dim at least
-  ``defaults.cudnn.min_head_dim``) with at least ``defaults.cudnn.min_work`` work, not decoding
-  (``defaults.decode``): cuDNN; under grad, rule 5 or 6, else cuDNN's backward.
+  ``defaults.cudnn.min_head_dim``) with at least its work threshold (``defaults.cudnn.min_work``,
+  or ``min_work_at`` for its mask and head_dim), not decoding (``defaults.decode``): cuDNN, or
+  the Triton forward in a ``triton_forward_work`` range; under grad, rule 5 or 6, else cuDNN's
+  forward and backward.
 
   At B4 H8 T2048 D128 unmasked bf16 on sm_90 (work 2^27) cuDNN's fused forward and backward
   are ahead of the Triton kernel's; at B4 H8 T1024 (2^25), a call bound by its fixed per-call
-  cost, the Triton forward is ahead, hence the work threshold. Below head_dim 64 the Triton
-  kernel is ahead at every measured length. Decoding, B8 H32/8 with 16 queries against 65536
+  cost, the Triton forward is ahead, hence the work threshold. At head_dim 32 the Triton kernel
+  is ahead at every measured length. From 40 it is not: it loads head_dims padded to a power of
+  two, so at 40 or 48 (padded to 64) and at 80 or 96 (to 128) a third or more of its matmul
+  work multiplies zeros, where cuDNN computes the width as it is: at B4 H8 T4096 D48 cuDNN's
+  forward is 1.3x ahead, and at D80 it is 1.6x ahead already at T1024, below the general
+  threshold. Unmasked D64 at B4 H8 T1500 (work 72 x 2^20) the Triton forward is ahead of
+  cuDNN's while cuDNN's forward and backward are ahead under grad: a ``triton_forward_work``
+  range. Decoding, B8 H32/8 with 16 queries against 65536
   keys, stays off cuDNN: its forward parallelises over query tiles, one per (batch, head) here,
   each walking all the keys, where the Triton split-KV forward spreads the keys over the SMs
   (rule 10)."""
   if defaults is None or not _cudnn_takes(call, device, defaults):
     return None
   grad = _under_grad(call, device, defaults)
+  if _in_ranges(defaults.cudnn.triton_forward_work, call):
+    rule = _cudnn_rule(device) + "; forward: the Triton kernel is faster at this mask, head_dim and work"
+    if grad is None:
+      return Decision("triton", rule, grad_implementation="cudnn")
+    return Decision("triton", f"{rule}; {grad.rule}", grad.backward_pass_impl,
+                    grad_implementation=None if grad.implementation == "triton" else grad.implementation)
   if grad is None:
     return Decision("cudnn", _cudnn_rule(device))
   return Decision("cudnn", f"{_cudnn_rule(device)}; {grad.rule} at this head_dim and work", grad.backward_pass_impl,
@@ -405,6 +416,14 @@ def _cudnn_takes(call: AttentionCall, device: Device, defaults: DeviceDefaults) 
           and call.head_dim >= defaults.cudnn.min_head_dim
           and (call.head_dim <= CUDNN_TABLE_MAX_HEAD_DIM or call.v_head_dim is not None)
           and not decoding and REGISTRY.get("cudnn").supports(call, device) is None)
+
+
+def _in_ranges(ranges, call: AttentionCall) -> bool:
+  """Whether ``call`` lies in one of ``((mask, head_dim, min_work, max_work), ...)`` (``max_work``
+  None: no limit), both ends included."""
+  kind, work = _mask_kind(call.mask), call.work
+  return any(m == kind and d == call.head_dim and lo <= work and (hi is None or work <= hi)
+             for m, d, lo, hi in ranges)
 
 
 def _mosaic_takes(call: AttentionCall, device: Device) -> bool:

@@ -38,11 +38,14 @@ class Decode:
 class Cudnn:
   """Rule 4: eligible bf16/fp16 calls with at least ``min_work`` work and ``head_dim >=
   min_head_dim`` run cuDNN; ``min_work_at``, ``((mask, head_dim, min_work), ...)``, replaces
-  ``min_work`` for calls of that mask kind (as :class:`MosaicPrimal`'s) and head_dim."""
+  ``min_work`` for calls of that mask kind (as :class:`MosaicPrimal`'s) and head_dim;
+  ``triton_forward_work``, ``((mask, head_dim, min_work, max_work), ...)``: calls of rule 4 in
+  one of these ranges run the Triton forward instead (differentiated calls as rule 4 says)."""
 
   min_work: int
   min_head_dim: int
   min_work_at: tuple[tuple[str, int, int], ...]
+  triton_forward_work: tuple[tuple[str, int, int, int], ...]
 
   def threshold(self, mask_kind: str | None, head_dim: int) -> int:
     """The least work at which a call of this mask kind and head_dim runs cuDNN."""
