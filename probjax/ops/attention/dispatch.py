@@ -215,12 +215,7 @@ def mosaic_primal(call: AttentionCall, device: Device, defaults: DeviceDefaults 
   if not (_in_ranges(ranges, call) and min(call.q_len, call.kv_len) >= defaults.mosaic_long.min_len
           and _mosaic_takes(call, device)):
     return None
-  grad = _under_grad(call, device, defaults)
-  rule = _cudnn_rule(device) + "; forward: the Mosaic kernel is faster at this mask, head_dim and work"
-  if grad is None:
-    return Decision("mosaic", rule, grad_implementation="cudnn")
-  return Decision("mosaic", f"{rule}; {grad.rule}", grad.backward_pass_impl,
-                  grad_implementation=None if grad.implementation == "mosaic" else grad.implementation)
+  return _kernel_forward("mosaic", "the Mosaic kernel", call, device, defaults)
 
 
 def cudnn(call: AttentionCall, device: Device, defaults: DeviceDefaults | None) -> Decision | None:
@@ -245,13 +240,9 @@ def cudnn(call: AttentionCall, device: Device, defaults: DeviceDefaults | None) 
   (rule 10)."""
   if defaults is None or not _cudnn_takes(call, device, defaults):
     return None
-  grad = _under_grad(call, device, defaults)
   if _in_ranges(defaults.cudnn.triton_forward_work, call):
-    rule = _cudnn_rule(device) + "; forward: the Triton kernel is faster at this mask, head_dim and work"
-    if grad is None:
-      return Decision("triton", rule, grad_implementation="cudnn")
-    return Decision("triton", f"{rule}; {grad.rule}", grad.backward_pass_impl,
-                    grad_implementation=None if grad.implementation == "triton" else grad.implementation)
+    return _kernel_forward("triton", "the Triton kernel", call, device, defaults)
+  grad = _under_grad(call, device, defaults)
   if grad is None:
     return Decision("cudnn", _cudnn_rule(device))
   return Decision("cudnn", f"{_cudnn_rule(device)}; {grad.rule} at this head_dim and work", grad.backward_pass_impl,
@@ -416,6 +407,18 @@ def _cudnn_takes(call: AttentionCall, device: Device, defaults: DeviceDefaults) 
           and call.head_dim >= defaults.cudnn.min_head_dim
           and (call.head_dim <= CUDNN_TABLE_MAX_HEAD_DIM or call.v_head_dim is not None)
           and not decoding and REGISTRY.get("cudnn").supports(call, device) is None)
+
+
+def _kernel_forward(impl: str, name: str, call: AttentionCall, device: Device,
+                    defaults: DeviceDefaults) -> Decision:
+  """A call of rule 4 whose forward ``impl`` runs faster (rules 3 and 4): that forward, and
+  under grad what rules 5-6 give, else cuDNN's forward and backward."""
+  grad = _under_grad(call, device, defaults)
+  rule = f"{_cudnn_rule(device)}; forward: {name} is faster at this mask, head_dim and work"
+  if grad is None:
+    return Decision(impl, rule, grad_implementation="cudnn")
+  return Decision(impl, f"{rule}; {grad.rule}", grad.backward_pass_impl,
+                  grad_implementation=None if grad.implementation == impl else grad.implementation)
 
 
 def _in_ranges(ranges, call: AttentionCall) -> bool:
