@@ -275,7 +275,7 @@ def row_key(row: dict) -> tuple:
 
 
 # The suites with their own row schema (bench/lm_step.py, moe.py, scan.py, dit_step.py,
-# mla.py, isab.py, segment_traced.py; mla_decode_tiles.json, a tile sweep of MLA's decode kernel): the fields that
+# mla.py, isab.py, segment_traced.py, quickstart.py; mla_decode_tiles.json, a tile sweep of MLA's decode kernel): the fields that
 # key their rows, by file name.
 OWN_SCHEMA_KEYS = {"lm_step": ("section", "case", "impl"),
                    "moe": ("suite", "mode", "impl", "size", "dist", "shape"),
@@ -284,7 +284,8 @@ OWN_SCHEMA_KEYS = {"lm_step": ("section", "case", "impl"),
                    "mla": ("suite", "case", "impl", "mode"),
                    "isab": ("case", "impl", "mode"),
                    "mla_decode_tiles": ("case", "impl"),
-                   "segment_traced": ("case", "impl")}
+                   "segment_traced": ("case", "impl"),
+                   "quickstart": ("suite",)}
 
 
 def key_function(path: str):

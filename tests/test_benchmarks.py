@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -731,3 +732,10 @@ def test_probjax_and_docs_import_nothing_from_bench():
             mods = ([a.name for a in node.names] if isinstance(node, ast.Import)
                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not any(m.split(".")[0] in ("bench", "docs") for m in mods), (path, mods)
+
+
+def test_quickstart_times_the_readme_quick_start_as_written():
+  from bench import quickstart
+  code = quickstart.quick_start_code((pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text())
+  compile(code, "quick_start.py", "exec")
+  assert "dot_product_attention(q, k, v" in code and "```" not in code
