@@ -29,7 +29,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from probjax.core.device import Device
-from probjax.nn.layers.attention import Mask
+from probjax.ops.attention import Mask
 from probjax.ops.mla import forms
 from probjax.ops.mla.call import FORMS, MLACall, make_call
 from probjax.ops.mla.dispatch import Decision, decide

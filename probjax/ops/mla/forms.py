@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from probjax.nn.layers.attention import dot_product_attention
+from probjax.ops.attention import dot_product_attention
 
 
 def _acc(dtype):
@@ -103,7 +103,7 @@ def gather_pages(pool, page_table):
 
 def _attend_xla(q_lat, q_rope, kv_latent, k_rope, lengths, page_table, scale):
   """The absorbed form's attention alone on XLA: ``[B, Tq, H, d_c]``."""
-  from probjax.nn.layers.attention import KVLenMask
+  from probjax.ops.attention import KVLenMask
   if page_table is not None:
     kv_latent, k_rope = gather_pages(kv_latent, page_table), gather_pages(k_rope, page_table)
   ok = valid_positions(lengths, kv_latent.shape[1])

@@ -1,0 +1,508 @@
+"""Attention's public face: ``dot_product_attention``, ``flex_attention``, ``mha``,
+``explain_dispatch`` and ``available_implementations`` (re-exported by
+:mod:`probjax.ops.attention`, :mod:`probjax` and :mod:`probjax.nn.layers.attention`).
+
+Inputs are ``[batch, seq, heads, head_dim]``; keys and values may have fewer
+heads than queries (grouped-query / multi-query attention), which no path
+repeats in memory. ``implementation=None`` picks the fastest path that
+computes the call exactly (:func:`explain_dispatch` says which and why); an
+explicit ``implementation`` that cannot compute the call raises ValueError.
+
+A call validates its arguments and asks the dispatch once, in Python; what it then computes
+is a function of the arrays and the static call description. Called eagerly (outside
+``jax.jit``), that computation is compiled once per description and shape
+(:func:`probjax.core.eager.compile_once`), not retraced per call.
+
+>>> import jax, jax.numpy as jnp
+>>> from probjax.ops.attention import dot_product_attention, CausalMask
+>>> q = k = v = jax.random.normal(jax.random.key(0), (2, 100, 4, 32))
+>>> dot_product_attention(q, k, v, mask=CausalMask()).shape
+(2, 100, 4, 32)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from probjax.core.eager import compile_once
+from probjax.ops.attention import base
+from probjax.ops.attention import dispatch, registry
+from probjax.ops.attention.backends import xla as xla_backend
+from probjax.ops.attention.autodiff import with_forward_mode
+from probjax.ops.attention.call import AttentionCall
+from probjax.ops.attention.context_parallel import context_parallel_attention
+from probjax.ops.attention.backends.cudnn.config import CudnnConfig
+from probjax.ops.attention.dispatch import Decision, Device
+from probjax.ops.attention.masks import (CausalMask, KVLenMask, LengthMask, LocalWindowMask, Mask,
+                                         MaskWithDense, PrefixLMMask, SegmentMask, structured_equivalent)
+
+__all__ = [
+    "dot_product_attention", "flex_attention", "mha", "explain_dispatch", "available_implementations",
+    "Mask", "MaskWithDense", "CausalMask", "KVLenMask", "LengthMask", "LocalWindowMask", "SegmentMask", "PrefixLMMask",
+    "Decision",
+    "CudnnConfig",
+    "context_parallel_attention",
+]
+
+BACKWARD_PASS_IMPLS = ("auto", "triton_onepass", "triton_fused", "triton_split", "mosaic")
+
+
+def available_implementations(device: Device | None = None) -> list[str]:
+  """Implementation names that can run on ``device`` (default: the current one)."""
+  return registry.available(device or Device.current())
+
+
+def explain_dispatch(q_shape, kv_shape, dtype, *, dense_mask=False, **kw) -> Decision:
+  """The implementation ``implementation=None`` picks for a call, and the rule; see
+  :func:`probjax.ops.attention.dispatch.explain_dispatch` for the arguments.
+
+  ``dense_mask`` may be the dense boolean array itself: where a concrete one equals a
+  structured mask (a dense causal mask is ``CausalMask()``), the rule names it, since passing
+  that instead lets the kernels run."""
+  flag = dense_mask is not False and dense_mask is not None
+  decision = dispatch.explain_dispatch(tuple(q_shape), tuple(kv_shape), dtype, dense_mask=flag, **kw)
+  if flag and not isinstance(dense_mask, bool):
+    same = structured_equivalent(dense_mask, q_shape[1], kv_shape[1])
+    if same is not None:
+      decision = dataclasses.replace(
+          decision, rule=f"{decision.rule}; this dense mask equals {same}, which as mask= leaves "
+                         "the kernels eligible (a dense mask forces the XLA path)")
+  return decision
+
+
+def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dropout: bool = True,
+                          dropout_rng=None, dropout_rate: float = 0.0, deterministic: bool = False,
+                          dtype=None, precision=None, module=None, promote_dtype=None,
+                          is_causal: bool = False, *, input_positions=None,
+                          implementation: str | None = None, scale: float | None = None,
+                          score_mod: Callable | None = None, query_seq_lengths=None,
+                          key_value_seq_lengths=None, local_window_size=None, logits_soft_cap=None,
+                          return_lse: bool = False, backward_pass_impl: str = "auto", split_kv=None,
+                          interpret: bool = False):
+  """Exact scaled dot-product attention; a drop-in ``attention_fn`` for Flax NNX (see docs/flax.md).
+
+  The positional arguments and ``is_causal``/``input_positions`` are those that
+  ``flax.nnx.MultiHeadAttention`` passes; ``scale``, ``query_seq_lengths``,
+  ``key_value_seq_lengths`` and ``local_window_size`` are ``jax.nn.dot_product_attention``'s.
+
+  Args:
+    query: ``[batch..., q_len, heads, head_dim]`` (any number of batch axes, including none).
+    key, value: ``[batch..., kv_len, kv_heads, head_dim]`` with query's batch axes;
+      ``heads % kv_heads == 0``.
+    bias: additive float bias broadcastable to ``[batch..., heads, q_len, kv_len]``
+      (differentiable).
+    mask: a position :class:`Mask` (e.g. ``CausalMask() & KVLenMask(lengths)``; with several
+      batch axes its arrays are ``[batch...]`` / ``[batch..., len]`` or flattened), a boolean
+      array broadcastable to ``[batch..., heads, q_len, kv_len]`` (True = attend; Flax's float
+      1/0 masks too), or both (``CausalMask() & array``, which runs the XLA path). An array
+      (mask or bias) with fewer axes than that whose axes before ``[q_len, kv_len]`` are not
+      all 1 is refused as ambiguous (numpy broadcasting, as jax.nn and Flax do it, would read
+      ``[batch, q_len, kv_len]`` as ``[heads, q_len, kv_len]``): pass all axes.
+    broadcast_dropout, dropout_rng, dropout_rate, deterministic: dropout on the
+      attention weights, as in ``flax.nnx.dot_product_attention``.
+    dtype: computation dtype (inputs are cast to it); precision: matmul precision.
+    module: if given, the attention weights are sown into it (dense path).
+    promote_dtype: Flax's dtype promotion hook ``f((q, k, v), dtype=dtype)``; None promotes
+      as ``flax.nnx.nn.dtypes.promote_dtype`` does (``dtype``, else the inputs' common dtype).
+    is_causal: shorthand for ``mask & CausalMask()``.
+    input_positions: accepted because Flax's MultiHeadAttention forwards it; unused (positions
+      enter attention only through RoPE, which is applied to query and key before this call).
+    implementation: None (automatic), "xla", "triton" (alias "pallas"), "cudnn" or "mosaic"
+      (sm_90: the Mosaic GPU forward with the Triton backward).
+    scale: softmax scale, default ``head_dim ** -0.5``; a traced scale runs the XLA path.
+    score_mod: ``f(score, b, h, q_idx, kv_idx) -> score`` (see :func:`flex_attention`).
+    query_seq_lengths, key_value_seq_lengths: ``[batch...]`` ints, as jax.nn's:
+      ``LengthMask``/``KVLenMask``. Queries past their length return zeros, as in jax.nn;
+      unlike jax.nn (the mean of the values), rows with no valid key return zeros too.
+    local_window_size: ``w`` or ``(left, right)``: query ``q`` sees keys
+      ``q - left <= k <= q + right`` (jax.nn's; ``w`` is ``(w, w)``): ``LocalWindowMask``.
+    logits_soft_cap: ``c``: scores become ``c * tanh(s / c)`` after scaling, bias and
+      ``score_mod``, before masking (Gemma 2's cap).
+    return_lse: also return the log-sum-exp of the masked, scaled scores, ``[batch..., q_len,
+      heads]`` float32 (jax.nn's ``return_residual``; no gradient flows through it; -inf for
+      rows with no valid key). Computed by the XLA path only, densely (``[batch, heads,
+      q_len, kv_len]`` scores): an explicit non-XLA ``implementation`` raises ValueError.
+    backward_pass_impl: Triton backward: "auto", "triton_onepass", "triton_fused",
+      "triton_split"; or "mosaic" (with ``implementation="mosaic"``: the Mosaic GPU backward).
+    split_kv: Triton split-KV forward for decoding: None (automatic: at most 64
+      queries, at least 1024 keys, two or more splits), False (never), True or a
+      ``SplitKVConfig`` (whenever the call allows; ValueError otherwise). Under
+      ``jax.grad`` the regular kernel runs.
+    interpret: run the Triton or Mosaic kernels in Pallas interpret mode (CPU testing).
+  Returns:
+    ``[batch..., q_len, heads, head_dim]`` in the (promoted) input dtype; with ``return_lse``,
+    ``(out, lse)``. Rows with no valid key are zero.
+  """
+  del input_positions  # positions only matter to RoPE, applied before attention
+  if promote_dtype is not None:
+    query, key, value = promote_dtype((query, key, value), dtype=dtype)
+  else:
+    query, key, value = _promote((query, key, value), dtype)
+  query, key, value, batch_dims = _flatten_batch(query, key, value)
+  pos_mask, dense = _split_mask(mask)
+  pos_mask = _and(pos_mask, _lengths_mask(query_seq_lengths, key_value_seq_lengths))
+  pos_mask = _and(pos_mask, _window_mask(local_window_size))
+  if is_causal:
+    pos_mask = _and(pos_mask, CausalMask())
+  q_len, heads, kv_len = query.shape[1], query.shape[2], key.shape[1]
+  if pos_mask is not None:
+    pos_mask = _flatten_mask_arrays(pos_mask, batch_dims)
+  dense = _flatten_dense("mask", dense, batch_dims, heads, q_len, kv_len)
+  bias = _flatten_dense("bias", bias, batch_dims, heads, q_len, kv_len)
+  shape = base.check_qkv(query, key, value)
+  pos_mask, _ = base.check_mask(pos_mask, shape)
+  _, dense_mask = base.check_mask(dense, shape)
+  if pos_mask is not None:
+    pos_mask = pos_mask.clamped(shape.q_len, shape.kv_len)
+  bias = base.check_broadcast("bias", bias, shape, boolean=False)
+  score_mod = _soft_capped(score_mod, logits_soft_cap)
+  rate, rng = base.check_dropout(dropout_rate, dropout_rng, deterministic)
+  if return_lse:
+    if dispatch.canonical(implementation) not in (None, "xla"):
+      raise ValueError(f"return_lse=True is computed by the XLA path only; got implementation="
+                       f"{implementation!r}: pass implementation=None or 'xla'")
+    implementation = "xla"
+  out = _attention(query, key, value, shape, bias=bias, mask=pos_mask, dense_mask=dense_mask,
+                   score_mod=score_mod, scale=scale, dropout_rate=rate, dropout_rng=rng,
+                   broadcast_dropout=broadcast_dropout, precision=precision, module=module,
+                   implementation=implementation, backward_pass_impl=backward_pass_impl,
+                   split_kv=split_kv, interpret=interpret)
+  out = out.reshape(batch_dims + out.shape[1:])
+  if not return_lse:
+    return out
+  lse = _lse_once(query, key, shape, bias=bias, mask=pos_mask, dense_mask=dense_mask, score_mod=score_mod,
+                  scale=scale, precision=precision)
+  return out, lse.reshape(batch_dims + lse.shape[1:])
+
+
+def _promote(arrays, dtype):
+  """``flax.nnx.nn.dtypes.promote_dtype``: all to ``dtype``, else to the inputs' common
+  (inexact) dtype, so a bfloat16 query with float32 keys computes in float32."""
+  for name, x in zip(("query", "key", "value"), arrays):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+      raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+  if dtype is None:
+    dtype = jnp.result_type(*arrays)
+    if not jnp.issubdtype(dtype, jnp.inexact):
+      dtype = jnp.promote_types(dtype, jnp.float32)
+  return tuple(jnp.asarray(x, dtype) for x in arrays)
+
+
+def _flatten_batch(query, key, value):
+  """q/k/v ``[batch..., seq, heads, dim]`` as ``[prod(batch), ...]``, and ``batch...``."""
+  for name, x in (("query", query), ("key", key), ("value", value)):
+    if not hasattr(x, "ndim") or x.ndim < 3:
+      raise ValueError(f"{name} must have shape [batch..., seq, heads, head_dim] (rank >= 3), got "
+                       f"{tuple(getattr(x, 'shape', ()))}")
+  batch_dims = tuple(query.shape[:-3])
+  for name, x in (("key", key), ("value", value)):
+    if tuple(x.shape[:-3]) != batch_dims:
+      raise ValueError(f"{name}'s batch axes {tuple(x.shape[:-3])} must equal query's {batch_dims} "
+                       f"(shapes [batch..., seq, heads, head_dim])")
+  flat = lambda x: x.reshape((math.prod(batch_dims),) + tuple(x.shape[-3:]))
+  return flat(query), flat(key), flat(value), batch_dims
+
+
+def _split_mask(mask):
+  """``mask`` as ``(Mask or None, dense array or None)``."""
+  if mask is None or isinstance(mask, Mask):
+    return mask, None
+  if isinstance(mask, MaskWithDense):
+    return mask.mask, mask.dense
+  return None, mask
+
+
+def _and(a, b):
+  return b if a is None else a if b is None else a & b
+
+
+def _lengths_mask(q_lengths, kv_lengths):
+  """jax.nn's ``query_seq_lengths``/``key_value_seq_lengths`` as a Mask (batch axes kept)."""
+  def ints(name, x):
+    if x is None:
+      return None
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+      raise TypeError(f"{name} must be an integer array of shape [batch...], got dtype {x.dtype}")
+    return x.astype(jnp.int32)
+  q, k = ints("query_seq_lengths", q_lengths), ints("key_value_seq_lengths", kv_lengths)
+  return None if q is None and k is None else Mask(q_lengths=q, kv_lengths=k)
+
+
+def _window_mask(size):
+  """jax.nn's ``local_window_size`` (``w`` or ``(left, right)``) as a LocalWindowMask."""
+  if size is None:
+    return None
+  if isinstance(size, (int, np.integer)) and not isinstance(size, bool):
+    size = (int(size), int(size))
+  if (not isinstance(size, (tuple, list)) or len(size) != 2
+      or not all(v is None or (isinstance(v, (int, np.integer)) and not isinstance(v, bool)) for v in size)):
+    raise TypeError(f"local_window_size must be an int or a (left, right) pair of ints, got {size!r}")
+  if any(v is not None and v < 0 for v in size):
+    raise ValueError(f"local_window_size must be >= 0, got {size!r}")
+  return LocalWindowMask(*size)
+
+
+def _flatten_mask_arrays(mask: Mask, batch_dims):
+  """A Mask's per-batch arrays with ``batch...`` leading axes flattened to one, as q/k/v are."""
+  n = len(batch_dims)
+
+  def flat(x, extra):
+    if x is None or not hasattr(x, "shape") or len(batch_dims) == 1:
+      return x
+    if x.ndim == n + extra and tuple(x.shape[:n]) == batch_dims:
+      return jnp.reshape(x, (math.prod(batch_dims),) + tuple(x.shape[n:]))
+    return x  # flattened already, or wrong: Mask.validate names the expected shape
+  # Per-batch ([batch...]) arrays have role "b"; per position ([batch..., len]) "bt"/"bs".
+  return mask.with_arrays(flat(x, 0 if role == "b" else 1) for role, x in mask.arrays())
+
+
+def _flatten_dense(name, x, batch_dims, heads, q_len, kv_len):
+  """A dense mask or bias broadcastable to ``[batch..., heads, q_len, kv_len]`` as a rank-4
+  array ``[prod(batch) | 1, heads | 1, q_len | 1, kv_len | 1]``."""
+  if x is None:
+    return None
+  if not hasattr(x, "shape"):
+    raise TypeError(f"{name} must be an array broadcastable to [batch..., heads, q_len, kv_len], "
+                    f"got {type(x).__name__}")
+  full = batch_dims + (heads, q_len, kv_len)
+  rank = len(full)
+  if x.ndim > rank:
+    raise ValueError(f"{name} of shape {tuple(x.shape)} has more axes than [batch..., heads, q_len, "
+                     f"kv_len] = {full}")
+  if x.ndim < rank and any(d != 1 for d in x.shape[:-2]):
+    raise ValueError(
+        f"{name} of shape {tuple(x.shape)} is ambiguous: it has fewer axes than [batch..., heads, "
+        f"q_len, kv_len] = {full}, so its leading axis could be batch or heads (jax.nn and Flax "
+        f"broadcast it as heads). Pass all {rank} axes, e.g. {name}[:, None] for [batch, 1, q_len, "
+        f"kv_len] or {name}[None] for [1, heads, q_len, kv_len]")
+  x = jnp.reshape(x, (1,) * (rank - x.ndim) + tuple(x.shape))
+  lead = tuple(x.shape[:len(batch_dims)])
+  if all(d == 1 for d in lead):
+    return jnp.reshape(x, (1,) + tuple(x.shape[len(batch_dims):]))
+  if any(d not in (1, want) for d, want in zip(lead, batch_dims)):
+    raise ValueError(f"{name} of shape {tuple(x.shape)} does not broadcast to [batch..., heads, q_len, "
+                     f"kv_len] = {full}")
+  x = jnp.broadcast_to(x, batch_dims + tuple(x.shape[len(batch_dims):]))
+  return jnp.reshape(x, (math.prod(batch_dims),) + tuple(x.shape[len(batch_dims):]))
+
+
+def _soft_capped(score_mod, cap):
+  """``score_mod`` followed by ``cap * tanh(s / cap)``; a Python float cap keeps the modifier
+  free of arrays, so the kernels can run it."""
+  if cap is None:
+    return score_mod
+  if not base.is_traced(cap):
+    cap = float(cap)
+    if not (np.isfinite(cap) and cap > 0):
+      raise ValueError(f"logits_soft_cap must be a finite number > 0, got {cap}")
+  return _SoftCapped(score_mod, cap)
+
+
+@dataclasses.dataclass(frozen=True)
+class _SoftCapped:
+  """``user`` (None: the identity) followed by ``cap * tanh(s / cap)``: a value (equal for equal
+  ``user`` and ``cap``), so that eager calls with the same cap share one compiled computation."""
+
+  user: Callable | None
+  cap: object
+
+  def __call__(self, s, b, h, i, j):
+    s = s if self.user is None else self.user(s, b, h, i, j)
+    return self.cap * jnp.tanh(s / self.cap)
+
+
+def _lse(query, key, shape: base.AttentionShape, *, bias, mask, dense_mask, score_mod, scale, precision):
+  """``logsumexp`` over keys of the masked, scaled scores, ``[batch, q_len, heads]`` float32
+  (float64 for float64 inputs), without gradient."""
+  query, key = jax.lax.stop_gradient(query), jax.lax.stop_gradient(key)
+  scale = base.check_scale(scale, shape.head_dim)
+  acc = jnp.promote_types(shape.dtype, jnp.float32)
+  b, tq, h, d = query.shape
+  q = query.reshape(b, tq, shape.kv_heads, shape.groups, d)
+  s = jnp.einsum("bqkgd,bskd->bkgqs", q, key, precision=precision, preferred_element_type=acc)
+  s = s.reshape(b, h, tq, shape.kv_len) * scale
+  if bias is not None:
+    s = s + jax.lax.stop_gradient(bias).astype(acc)
+  bi = jnp.arange(b)[:, None, None, None]
+  hi = jnp.arange(h)[None, :, None, None]
+  qi = jnp.arange(tq)[None, None, :, None]
+  ki = jnp.arange(shape.kv_len)[None, None, None, :]
+  if score_mod is not None:
+    s = score_mod(s, bi, hi, qi, ki).astype(acc)
+  ok = jnp.ones(s.shape, bool)
+  if mask is not None:  # element() gives [batch, q, k] for per-batch arrays, else [q, k]
+    ok = ok & mask.element(jnp.arange(tq)[:, None], jnp.arange(shape.kv_len)[None, :])[..., None, :, :]
+  if dense_mask is not None:
+    ok = ok & dense_mask
+  s = jnp.where(ok, s, -jnp.inf)
+  lse = jax.nn.logsumexp(s, axis=-1)  # rows with no valid key: -inf
+  return jax.lax.stop_gradient(jnp.transpose(lse, (0, 2, 1)))
+
+
+_lse_once = compile_once(_lse)
+
+
+def flex_attention(query, key, value, *, mask: Mask | None = None, score_mod: Callable | None = None,
+                   scale: float | None = None, implementation: str | None = None,
+                   backward_pass_impl: str = "auto", forward_config=None, backward_config=None,
+                   split_kv=None, interpret: bool = False):
+  """Attention with a position mask and a functional score modifier.
+
+  Args:
+    query: ``[batch, q_len, heads, head_dim]``; key, value ``[batch, kv_len, kv_heads, head_dim]``.
+    mask: a :class:`Mask` (combine with ``&``); tiles it empties are skipped.
+    score_mod: ``f(score, b, h, q_idx, kv_idx) -> score``, elementwise on float32
+      scores after scaling, before masking; index arguments broadcast against
+      the score. Differentiable, including through arrays it closes over
+      (those run on the XLA path).
+    implementation, backward_pass_impl, split_kv, interpret: as in :func:`dot_product_attention`.
+    forward_config, backward_config: explicit tile configs (Triton: ``ForwardConfig``,
+      ``BackwardConfig``; "mosaic": ``MosaicForwardConfig`` and the Triton backward's ``BackwardConfig``;
+      "cudnn": a ``CudnnConfig`` as forward_config, for probjax's FFI call of cuDNN).
+
+  ALiBi as a score modifier (the slopes are differentiable too):
+
+  >>> import jax, jax.numpy as jnp
+  >>> q = k = v = jax.random.normal(jax.random.key(0), (1, 300, 2, 16))
+  >>> slopes = jnp.array([0.5, 0.25])
+  >>> alibi = lambda s, b, h, qi, ki: s - slopes[h] * jnp.abs(qi - ki)
+  >>> flex_attention(q, k, v, mask=CausalMask(), score_mod=alibi).shape
+  (1, 300, 2, 16)
+  """
+  shape = base.check_qkv(query, key, value)
+  if mask is not None and not isinstance(mask, Mask):
+    raise TypeError(f"flex_attention's mask must be a probjax Mask (e.g. CausalMask()), got {type(mask).__name__}; "
+                    "use dot_product_attention for dense boolean masks")
+  if mask is not None:
+    mask.validate(shape.batch, shape.q_len, shape.kv_len)
+    mask = mask.clamped(shape.q_len, shape.kv_len)
+  return _attention(query, key, value, shape, mask=mask, score_mod=score_mod, scale=scale,
+                    implementation=implementation, backward_pass_impl=backward_pass_impl,
+                    forward_config=forward_config, backward_config=backward_config,
+                    split_kv=split_kv, interpret=interpret)
+
+
+def mha(query, key, value, *, causal: bool = False, mask: Mask | None = None, scale: float | None = None,
+        backward_pass_impl: str = "auto", forward_config=None, backward_config=None,
+        split_kv=None, interpret: bool = False):
+  """The fused Triton kernel itself (no dispatch): ``[batch, seq, heads, head_dim]`` in and out.
+
+  Raises ValueError where the kernel cannot compute the call exactly.
+  """
+  if causal:
+    mask = CausalMask() if mask is None else mask & CausalMask()
+  return flex_attention(query, key, value, mask=mask, scale=scale, implementation="triton",
+                        backward_pass_impl=backward_pass_impl, forward_config=forward_config,
+                        backward_config=backward_config, split_kv=split_kv, interpret=interpret)
+
+
+def _exact(query, key, device, score_mod, scale):
+  """The exact XLA formulation ``f(q, k, v, mask)`` whose jvp gives the kernels' tangents."""
+  formulation = dispatch.xla_formulation(query.shape, key.shape, device)
+  return lambda q, k, v, mask: xla_backend.attention(q, k, v, formulation=formulation, mask=mask,
+                                                     score_mod=score_mod, scale=scale)
+
+
+def _attention(query, key, value, shape: base.AttentionShape, *, bias=None, mask=None, dense_mask=None,
+               score_mod=None, scale=None, dropout_rate=0.0, dropout_rng=None, broadcast_dropout=True,
+               precision=None, module=None, implementation=None, backward_pass_impl="auto",
+               forward_config=None, backward_config=None, split_kv=None, interpret=False):
+  if backward_pass_impl not in BACKWARD_PASS_IMPLS:
+    raise ValueError(f"backward_pass_impl must be one of {BACKWARD_PASS_IMPLS}, got {backward_pass_impl!r}")
+  if score_mod is not None and not callable(score_mod):
+    raise TypeError(f"score_mod must be callable f(score, b, h, q_idx, kv_idx), got {type(score_mod).__name__}")
+  scale = base.check_scale(scale, shape.head_dim)
+  if base.is_traced(scale):
+    if dispatch.canonical(implementation) not in (None, "xla"):
+      raise ValueError(f"implementation={implementation!r} cannot take a traced scale (the kernels compile "
+                       "the scale in): pass a Python float, or implementation=None or 'xla'")
+    score_mod, bias, scale = _fold_traced_scale(scale, score_mod, bias)
+  # Interpret mode emulates the GPU kernel anywhere.
+  device = Device.interpreter() if interpret else Device.current()
+  decision = dispatch.explain_dispatch(
+      query.shape, key.shape, shape.dtype, mask=mask, bias=bias is not None,
+      dense_mask=dense_mask is not None, dropout=dropout_rate > 0, score_mod=score_mod,
+      precision=precision, module=module is not None, implementation=implementation,
+      backward_pass_impl=backward_pass_impl, split_kv=split_kv,
+      kernel_args_default=(backward_pass_impl == "auto" and forward_config is None
+                           and backward_config is None and split_kv is None),
+      v_head_dim=value.shape[-1], scale=scale, device=device)
+  cudnn_config = isinstance(forward_config, CudnnConfig)
+  if cudnn_config and (decision.implementation != "cudnn" or backward_config is not None):
+    raise ValueError(f"a CudnnConfig configures the cuDNN route (no backward_config), but this call runs "
+                     f"{decision}; pass implementation='cudnn'")
+  if (not cudnn_config and (forward_config is not None or backward_config is not None)
+      and decision.implementation not in ("triton", "mosaic")):
+    raise ValueError(f"forward_config/backward_config configure the Triton or Mosaic kernel, but this call "
+                     f"runs {decision}; pass implementation='triton' or 'mosaic'")
+  call = None
+  if decision.implementation != "xla":
+    # The kernels' call description; its mask is the argument below (arrays never in a key).
+    call = AttentionCall(query.shape, key.shape, shape.dtype, score_mod=score_mod, scale=scale,
+                         v_head_dim=value.shape[-1],
+                         backward_pass_impl=backward_pass_impl, split_kv=split_kv,
+                         forward_config=forward_config, backward_config=backward_config, interpret=interpret)
+  run = _Run(decision, device, call, score_mod, scale, dropout_rate, broadcast_dropout, precision)
+  # ``module`` receives the attention weights (sown as the call runs): run as it is.
+  compute = _compute if module is not None else _compute_once
+  return compute(run, query, key, value, mask, bias, dense_mask, dropout_rng, module)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+  """What a call computes besides its arrays, once validated and dispatched: the key under
+  which eager calls share one compiled computation (:func:`probjax.core.eager.compile_once`)."""
+
+  decision: Decision
+  device: Device
+  call: AttentionCall | None  # the kernels' call (its mask left out); None on the XLA path
+  score_mod: Callable | None
+  scale: float
+  dropout_rate: float
+  broadcast_dropout: bool
+  precision: object
+
+
+def _compute(run: _Run, query, key, value, mask, bias, dense_mask, dropout_rng, module=None):
+  decision = run.decision
+  if run.call is not None:
+    call = dataclasses.replace(run.call, mask=mask)
+    runner = lambda name: None if name is None else functools.partial(
+        registry.REGISTRY.get(name), call=call, backward_pass_impl=decision.backward_pass_impl)
+    return with_forward_mode(runner(decision.implementation),
+                             _exact(query, key, run.device, run.score_mod, run.scale),
+                             runner(decision.grad_implementation))(query, key, value, mask)
+  return xla_backend.attention(query, key, value, formulation=decision.formulation, module=module,
+                               bias=bias, mask=mask, dense_mask=dense_mask, score_mod=run.score_mod,
+                               scale=run.scale, dropout_rate=run.dropout_rate, dropout_rng=dropout_rng,
+                               broadcast_dropout=run.broadcast_dropout, precision=run.precision)
+
+
+_compute_once = compile_once(_compute)
+
+
+def _fold_traced_scale(scale, score_mod, bias):
+  """``(score_mod, bias, 1.0)`` computing scores at a traced ``scale``: the scores are formed at
+  scale 1 and the modifier scales them and adds the bias, in the order of the static-scale path
+  (``score_mod(scale * q k^T + bias)``). The modifier closes over traced arrays, so only the XLA
+  path runs it, and the scale (and bias) stay differentiable."""
+  user = score_mod
+
+  def mod(s, b, h, i, j):
+    s = s * scale
+    if bias is not None:
+      # bias is [b|1, h|1, q|1, k|1]; a size-1 axis broadcasts, and padded tile positions
+      # (masked later) read the last row or column.
+      at = lambda idx, n: jnp.zeros_like(idx) if n == 1 else jnp.minimum(idx, n - 1)
+      s = s + bias[at(b, bias.shape[0]), at(h, bias.shape[1]), at(i, bias.shape[2]),
+                   at(j, bias.shape[3])].astype(s.dtype)
+    return s if user is None else user(s, b, h, i, j)
+  return mod, None, 1.0
