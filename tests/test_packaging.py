@@ -5,6 +5,7 @@ the source tree skip where it is absent."""
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata
 import pathlib
 import re
@@ -56,6 +57,37 @@ def test_import_is_cheap():
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
   assert out.returncode == 0, out.stderr
   assert out.stdout.strip() == "[]"
+
+
+def _type_checking_names(module) -> set[str]:
+  """The names a module binds in its ``if TYPE_CHECKING:`` block (what type checkers see)."""
+  tree = ast.parse(pathlib.Path(module.__file__).read_text())
+  blocks = [n for n in tree.body if isinstance(n, ast.If) and isinstance(n.test, ast.Name)
+            and n.test.id == "TYPE_CHECKING"]
+  assert len(blocks) == 1, module.__name__
+  return {a.asname or a.name for n in blocks[0].body if isinstance(n, ast.ImportFrom) for a in n.names}
+
+
+def test_lazy_names_are_typed():
+  # Type checkers do not run the lazy module __getattr__: each lazy package imports its names
+  # under TYPE_CHECKING (tests/typing/ checks what mypy makes of them); the lists must agree.
+  import probjax.nn
+  import probjax.nn.layers
+  assert _type_checking_names(probjax) == set(probjax._EXPORTS) | set(probjax._SUBMODULES)
+  assert _type_checking_names(probjax.nn.layers) == set(probjax.nn.layers._EXPORTS)
+  assert _type_checking_names(probjax.nn) == set(probjax.nn.layers.__all__) | {"layers"}
+  for module in (probjax, probjax.nn, probjax.nn.layers):
+    assert "__getattr__" in vars(module) and "TYPE_CHECKING" in vars(module)
+
+
+def test_layers_load_lazily():
+  # Importing probjax.nn.layers (or probjax.nn) imports no layer module until a name is used.
+  code = ("import sys, probjax.nn.layers, probjax.nn; "
+          "print(sorted(m for m in sys.modules if m.startswith('probjax.nn.layers.')), 'flax' in sys.modules); "
+          "probjax.nn.MLP; print('probjax.nn.layers.mlp' in sys.modules)")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.split("\n")[:2] == ["[] False", "True"]
 
 
 @source_tree
