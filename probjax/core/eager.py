@@ -27,6 +27,7 @@ import collections
 import dataclasses
 import functools
 import threading
+import weakref
 from typing import Any, Callable
 
 import jax
@@ -37,7 +38,7 @@ __all__ = ["compile_once", "CacheInfo", "caches", "clear_all"]
 
 MAX_ENTRIES = 64  # per function; the least recently used description is dropped beyond
 _ARRAY = object()  # a leaf that is a jitted function's argument
-_CACHES: list[_Cache] = []
+_CACHES: weakref.WeakSet[_Cache] = weakref.WeakSet()  # every function's, while it lives
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +142,7 @@ def compile_once(fn: Callable | None = None, *, max_entries: int = MAX_ENTRIES):
   if fn is None:
     return functools.partial(compile_once, max_entries=max_entries)
   cache = _Cache(fn, max_entries)
-  _CACHES.append(cache)
+  _CACHES.add(cache)
 
   @functools.wraps(fn)
   def wrapper(*args, **kwargs):

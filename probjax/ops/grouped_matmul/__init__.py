@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from probjax.core.device import Device
+from probjax.core.eager import compile_once
 from probjax.ops.grouped_matmul.call import GroupedMatmulCall, clamp_group_sizes, make_call
 from probjax.ops.grouped_matmul.dispatch import Decision, decide
 from probjax.ops.grouped_matmul.registry import REGISTRY
@@ -77,9 +78,18 @@ def grouped_matmul(lhs, rhs, group_sizes, *, implementation: str | None = None, 
   """
   call = make_call(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type,
                    transpose_rhs=transpose_rhs, interpret=interpret)
-  decision = decide(call, _device(None, interpret), implementation)
+  device = _device(None, interpret)
+  decision = decide(call, device, implementation)
   lhs, rhs = jnp.asarray(lhs, call.dtype), jnp.asarray(rhs, call.dtype)
   if call.empty:
     return jnp.zeros((call.m, call.n), call.out_dtype)
-  sizes = clamp_group_sizes(jnp.asarray(group_sizes), call.m)
-  return REGISTRY.get(decision.implementation)(lhs, rhs, sizes, call=call)
+  return _run(decision.implementation, call, device, lhs, rhs, jnp.asarray(group_sizes))
+
+
+@compile_once
+def _run(implementation: str, call: GroupedMatmulCall, device: Device, lhs, rhs, group_sizes):
+  """The chosen backend's product of the validated call: eager calls compile it once per call
+  description (:func:`probjax.core.eager.compile_once`; ``device`` is part of the description,
+  the kernels fit their tiles to it)."""
+  del device
+  return REGISTRY.get(implementation)(lhs, rhs, clamp_group_sizes(group_sizes, call.m), call=call)

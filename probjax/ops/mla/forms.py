@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from probjax.core.eager import compile_once
 from probjax.ops.attention import dot_product_attention
 
 
@@ -47,6 +48,7 @@ def absorbed(q_nope, q_rope, kv_latent, k_rope, w_uk, w_uv, *, mask, scale, impl
   return _proj("bthc,chd->bthd", o_lat, w_uv, dt)
 
 
+@compile_once  # eager calls: its scan compiled once per call description
 def log_sum_exp(q_nope, q_rope, kv_latent, k_rope, w_uk, *, mask, scale, block: int = 512):
   """The softmax's log-sum-exp ``[B, Tq, H]`` (float32; float64 for float64 inputs), ``-inf``
   for rows with no valid key, in XLA over key blocks of ``block`` (one block's scores at a time;
@@ -114,6 +116,7 @@ def _attend_xla(q_lat, q_rope, kv_latent, k_rope, lengths, page_table, scale):
                                implementation="xla")
 
 
+@compile_once  # eager calls: the kernel compiled once per call description
 def absorbed_decode(q_nope, q_rope, kv_latent, k_rope, w_uk, w_uv, *, lengths, page_table, scale,
                     interpret: bool = False):
   """The absorbed form with MLA's Triton decode kernel as its attention (forward only: the

@@ -19,6 +19,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from probjax.core.device import Device
+from probjax.core.eager import compile_once
 from probjax.ops.scan import chunked_math, dispatch
 from probjax.ops.scan.calls import MambaCall, RLACall, SSDCall
 from probjax.ops.scan.chunked_math import compute_dtype, feature_map
@@ -26,6 +28,11 @@ from probjax.ops.scan.dispatch import Decision, available_implementations, expla
 
 __all__ = ["mamba_scan", "ssd_scan", "residual_linear_attention", "explain_dispatch",
            "available_implementations", "feature_map", "Decision", "MambaCall", "SSDCall", "RLACall"]
+
+
+def _device(call) -> Device:
+  """The device :func:`dispatch.resolve` decides for (part of an eager call's description)."""
+  return Device.interpreter() if call.interpret else Device.current()
 
 
 def _dt(dt, dt_bias, dt_softplus, cd):
@@ -67,6 +74,16 @@ def mamba_scan(x, dt, A, B, C, D=None, *, z=None, dt_bias=None, dt_softplus: boo
   """
   call = MambaCall.of(x, dt, A, B, C, D, z=z, dt_bias=dt_bias, initial_state=initial_state,
                       chunk_size=chunk_size, interpret=interpret)
+  return _mamba(call, implementation, _device(call), dt_softplus, return_final_state, x, dt, A, B, C, D, z,
+                dt_bias, initial_state)
+
+
+# The computations after validation: eager calls compile each once per call description
+# (:func:`probjax.core.eager.compile_once`; ``device`` is in it, as dispatch reads it).
+@compile_once
+def _mamba(call, implementation, device, dt_softplus, return_final_state, x, dt, A, B, C, D, z, dt_bias,
+           initial_state):
+  del device
   cd = compute_dtype(x.dtype)
   h0 = (jnp.zeros((call.batch, call.channels, call.state), cd) if initial_state is None
         else initial_state.astype(cd))
@@ -94,6 +111,14 @@ def ssd_scan(x, dt, A, B, C, D=None, *, z=None, dt_bias=None, dt_softplus: bool 
   """
   call = SSDCall.of(x, dt, A, B, C, D, z=z, dt_bias=dt_bias, initial_state=initial_state,
                     chunk_size=chunk_size, interpret=interpret)
+  return _ssd(call, implementation, _device(call), dt_softplus, return_final_state, x, dt, A, B, C, D, z,
+              dt_bias, initial_state)
+
+
+@compile_once
+def _ssd(call, implementation, device, dt_softplus, return_final_state, x, dt, A, B, C, D, z, dt_bias,
+         initial_state):
+  del device
   cd = compute_dtype(x.dtype)
   h0 = (jnp.zeros((call.batch, call.heads, call.head_dim, call.state), cd) if initial_state is None
         else initial_state.astype(cd))
@@ -134,6 +159,13 @@ def residual_linear_attention(q, k, v, *, window_size: int, feature_map: str = "
   """
   call = RLACall.of(q, k, v, window_size=window_size, feature_map=feature_map,
                     initial_state=initial_state, chunk_size=chunk_size, interpret=interpret)
+  return _rla(call, implementation, _device(call), window_size, feature_map, return_final_state, q, k, v,
+              initial_state)
+
+
+@compile_once
+def _rla(call, implementation, device, window_size, feature_map, return_final_state, q, k, v, initial_state):
+  del device
   cd = compute_dtype(q.dtype)
   s0 = (jnp.zeros((call.batch, call.kv_heads, call.features, call.v_head_dim), cd)
         if initial_state is None else initial_state.astype(cd))
