@@ -129,7 +129,7 @@ def resolve_dispatch(dispatch: str, device: Device, dtype, *, sizes: tuple[int, 
     if device.interpret:
       return "sorted", "triton", "interpret mode: the sorted dispatch on the Triton kernel"
     if device.platform != "gpu":
-      return "sorted", "xla", f"{device.platform}: the sorted dispatch on XLA's ragged_dot"
+      return "sorted", "xla", f"{device.platform}: the sorted dispatch on the XLA grouped matmul"
   sixteen = jnp.dtype(dtype).itemsize == 2
   if device.kind == "sm_90" and sixteen and all(s % 64 == 0 for s in sizes):
     return "sorted", "mosaic", "sm_90, 16-bit compute: the sorted dispatch on the Mosaic GPU kernels"

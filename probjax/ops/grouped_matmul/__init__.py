@@ -63,7 +63,7 @@ def grouped_matmul(lhs, rhs, group_sizes, *, implementation: str | None = None, 
       or a sum above M; this reads them to the host); traced ones are clamped (negative sizes count as zero, groups are cut
       at row M: :func:`~probjax.ops.grouped_matmul.call.clamp_group_sizes`).
     implementation: None (the default per device, :func:`explain_dispatch`), ``"xla"``
-      (``jax.lax.ragged_dot_general``), ``"triton"`` (Pallas Triton) or ``"mosaic"`` (Pallas
+      (a loop over row tiles, each multiplied by its group's matrix), ``"triton"`` (Pallas Triton) or ``"mosaic"`` (Pallas
       Mosaic GPU, sm_90, 16-bit operands, K and N multiples of 64). An explicit one that cannot
       compute the call raises ValueError with the reason.
     preferred_element_type: the output dtype (default: the operands'); products accumulate in

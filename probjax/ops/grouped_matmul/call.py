@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
+
+from probjax.core.values import concrete_values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,11 +69,6 @@ class GroupedMatmulCall:
     return 2 * self.m * self.k * self.n
 
 
-def _is_concrete(x) -> bool:
-  """Holds values (an array, not a tracer or a ``jax.ShapeDtypeStruct``)."""
-  return isinstance(x, (np.ndarray, jax.Array, list, tuple)) and not isinstance(x, jax.core.Tracer)
-
-
 def _shape(x) -> tuple[int, ...]:
   return tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
 
@@ -103,16 +99,28 @@ def make_call(lhs, rhs, group_sizes, *, preferred_element_type=None, transpose_r
     raise ValueError(f"rhs {layout} = {_shape(rhs)} does not contract with lhs [M, K] = {_shape(lhs)}")
   if _shape(group_sizes) != (g,):
     raise ValueError(f"group_sizes must have shape ({g},) (one size per rhs group), got {_shape(group_sizes)}")
-  if _is_concrete(group_sizes):
-    sizes = np.asarray(group_sizes, np.int64)
+  sizes = concrete_values(group_sizes)
+  if sizes is not None:
+    sizes = sizes.astype(np.int64)
     if (sizes < 0).any():
       raise ValueError(f"group_sizes must be non-negative, got {sizes[sizes < 0][:4].tolist()} ...")
     if sizes.sum() > m:
       raise ValueError(f"group_sizes sum to {int(sizes.sum())}, more than the {m} rows of lhs")
   dtype = jnp.promote_types(_dtype(lhs), _dtype(rhs))
-  out = dtype if preferred_element_type is None else np.dtype(preferred_element_type)
+  out = dtype if preferred_element_type is None else _out_dtype(preferred_element_type)
   return GroupedMatmulCall(int(m), int(k), int(n), int(g), np.dtype(dtype).name, np.dtype(out).name,
                            bool(transpose_rhs), bool(interpret))
+
+
+def _out_dtype(preferred_element_type):
+  try:
+    out = np.dtype(preferred_element_type)
+  except TypeError:
+    out = None
+  if out is None or not jnp.issubdtype(out, jnp.floating):
+    raise TypeError(f"preferred_element_type must be a floating dtype (e.g. jnp.float32) or None, "
+                    f"got {preferred_element_type!r}")
+  return out
 
 
 def clamp_group_sizes(group_sizes, m: int):

@@ -4,7 +4,7 @@ each decision with its reason (tests ask them of fake devices on CPU).
 Default (``implementation=None``):
 
 1. interpret mode: the Triton kernel, emulated (the kernels' CPU test path);
-2. off the GPU: XLA (``ragged_dot``), the only backend there;
+2. off the GPU: XLA (row tiles, each times its group's matrix), the only backend there;
 3. sm_90 and a call the Mosaic GPU kernels compute (16-bit operands, K and N multiples of 64):
    Mosaic GPU, the wgmma kernels (the spec's H100 page: the fastest sorted MoE dispatch);
 4. any other GPU call: the Triton kernel (it computes every float call but float64);
@@ -50,11 +50,11 @@ def decide(call: GroupedMatmulCall, device: Device, implementation: str | None =
   if device.interpret:
     return Decision("triton", "interpret mode: the Triton kernel, emulated")
   if device.platform != "gpu":
-    return Decision("xla", f"{device.platform}: XLA's ragged_dot, the only backend off the GPU")
+    return Decision("xla", f"{device.platform}: XLA (row tiles by group), the only backend off the GPU")
   if device.kind == "sm_90" and REGISTRY.get("mosaic").supports(call, device) is None:
     return Decision("mosaic", "sm_90, 16-bit operands, K and N multiples of 64: the wgmma kernels")
   why = REGISTRY.get("triton").supports(call, device)
   if why is None:
     return Decision("triton", f"{device.kind}: the Triton kernel"
                     + ("" if device.kind != "sm_90" else f" (Mosaic GPU: {REGISTRY.get('mosaic').supports(call, device)})"))
-  return Decision("xla", f"XLA's ragged_dot (Triton: {why})")
+  return Decision("xla", f"XLA row tiles (Triton: {why})")

@@ -29,6 +29,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from probjax.core.device import Device
+from probjax.core.values import concrete_values
 from probjax.ops.attention import Mask
 from probjax.ops.mla import forms
 from probjax.ops.mla.call import FORMS, MLACall, make_call
@@ -52,10 +53,21 @@ def explain(q_nope, q_rope, kv_latent, k_rope, w_uk, w_uv, *, form: str = "auto"
 
 
 def _paged_shapes(kv_latent, k_rope, page_table):
-  """The contiguous cache shapes a paged call stands for (``[B, pages * page_size, d]``)."""
+  """The contiguous cache shapes a paged call stands for (``[B, pages * page_size, d]``), after
+  checking ``page_table``: rank 2, integer, and (when its values are known) every entry a page
+  of the pool, in ``[0, num_pages)``."""
   import jax
-  if page_table.ndim != 2 or not jnp.issubdtype(page_table.dtype, jnp.integer):
-    raise ValueError(f"page_table must be int32 [batch, pages_per_seq], got {page_table.dtype} {tuple(page_table.shape)}")
+  if not hasattr(page_table, "shape") or len(page_table.shape) != 2:
+    raise ValueError(f"page_table must be [batch, pages_per_seq] int32, got shape {tuple(getattr(page_table, 'shape', ()))}")
+  if not jnp.issubdtype(page_table.dtype, jnp.integer):
+    raise TypeError(f"page_table must be an integer array [batch, pages_per_seq], got {page_table.dtype}")
+  num_pages = int(kv_latent.shape[0])
+  table = concrete_values(page_table)
+  if table is not None and table.size and (table.min() < 0 or table.max() >= num_pages):
+    bad = table[(table < 0) | (table >= num_pages)]
+    raise ValueError(f"page_table entries must be pages of the pool, in [0, {num_pages}); got "
+                     f"{bad[:4].tolist()}{' ...' if bad.size > 4 else ''} (pad unused entries with any "
+                     "valid page, e.g. 0: positions past the lengths are never read)")
   b, n = page_table.shape
   return tuple(jax.ShapeDtypeStruct((b, n * x.shape[1], x.shape[2]), x.dtype) for x in (kv_latent, k_rope))
 
@@ -75,6 +87,9 @@ def mla(q_nope, q_rope, kv_latent, k_rope, w_uk, w_uv, *, mask: Mask | None = No
       cannot compute the call); other names are passed to attention (None: see :func:`explain`).
     page_table: ``[B, pages_per_seq]`` int32: ``kv_latent`` / ``k_rope`` are then page pools
       ``[num_pages, page_size, d]`` and the mask's ``KVLenMask`` gives the sequence lengths.
+      Entries must be in ``[0, num_pages)``: a concrete table is checked (ValueError); in a
+      traced one an entry below 0 reads page 0 and one past the pool its last page, so no path
+      reads outside the pool.
     return_lse: also return the softmax's log-sum-exp ``[B, Tq, H]`` (float32, ``-inf`` for rows
       with no valid key), computed on XLA beside the attention call.
   Returns:

@@ -6,7 +6,8 @@ import dataclasses
 from typing import Any
 
 import jax.numpy as jnp
-import numpy as np
+
+from probjax.ops.attention.base import check_scale
 
 FORMS = ("auto", "expanded", "absorbed")
 _FLOATS = tuple(jnp.dtype(t) for t in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64))
@@ -79,8 +80,6 @@ def make_call(q_nope, q_rope, kv_latent, k_rope, w_uk, w_uv, *, scale=None) -> M
   dtypes = {jnp.dtype(x.dtype) for x in (q_nope, q_rope, kv_latent, k_rope)}
   if len(dtypes) != 1:
     raise TypeError(f"q_nope, q_rope, kv_latent and k_rope must share a dtype, got {sorted(map(str, dtypes))}")
-  if scale is not None and not hasattr(scale, "shape"):
-    scale = float(scale)
-    if not np.isfinite(scale):
-      raise ValueError(f"scale must be finite, got {scale}")
+  if scale is not None:
+    scale = check_scale(scale, dn + dr)
   return MLACall(b, t, s, h, dn, dr, dc, uv[2], dtypes.pop(), scale)

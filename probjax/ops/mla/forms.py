@@ -98,9 +98,11 @@ def valid_positions(lengths, n):
 
 def gather_pages(pool, page_table):
   """A paged cache ``pool [num_pages, page_size, d]`` read through ``page_table [B, pages]``
-  (int32) as a contiguous ``[B, pages * page_size, d]``."""
+  (int32) as a contiguous ``[B, pages * page_size, d]``; entries are clamped into the pool
+  (below 0: page 0, past it: the last page), as the decode kernel reads them."""
   b, n = page_table.shape
-  return pool[page_table.reshape(-1)].reshape(b, n * pool.shape[1], pool.shape[2])
+  pages = jnp.clip(page_table.reshape(-1), 0, pool.shape[0] - 1)
+  return jnp.take(pool, pages, axis=0, mode="clip").reshape(b, n * pool.shape[1], pool.shape[2])
 
 
 def _attend_xla(q_lat, q_rope, kv_latent, k_rope, lengths, page_table, scale):

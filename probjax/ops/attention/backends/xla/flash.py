@@ -428,6 +428,13 @@ def flash_attention(q, k, v, *, bias=None, mask: Mask | None = None, dense_mask=
   if mask is not None:
     # Band only: handled by loop bounds and the static band; else every predicate, on the padded tiles.
     mask = mask.padded(bsz, tq_p, tk_p) if mask.has_arrays else None
+  if jax.default_backend() == "cpu":
+    # Mask arrays, dense masks and biases that are constants of the program (closed over by
+    # jit) stay opaque to XLA:CPU: folded, a fully masked tile's probabilities become a
+    # constant zero broadcast, and its YNNPACK dot fusion miscomputes dots with such an operand
+    # (garbage up to NaN in dq of rows with no valid key); folding them also costs seconds of
+    # compile time. On GPUs the fold stays: it removes the tile-skipping conds of empty tiles.
+    mask, dense_mask, bias = jax.tree.map(_opaque, (mask, dense_mask, bias))
   st = _Static(tq, tk, bq, bk, float(scale), g, band, float(dropout_rate),
                bool(broadcast_dropout), precision, mod, cdt)
 
@@ -441,6 +448,10 @@ def flash_attention(q, k, v, *, bias=None, mask: Mask | None = None, dense_mask=
   out = _flash(st, qi, ki, vi, bias_i, consts, mask, dense_i, rng)
   out = out[:, :, :, :tq].reshape(bsz, h, tq, dv)
   return zero_rows(jnp.transpose(out, (0, 2, 1, 3)), q_ok)
+
+
+def _opaque(x):
+  return lax.optimization_barrier(x) if isinstance(x, (jax.Array, np.ndarray)) else x
 
 
 def _heads_split(x, hkv, g, tq_p, tk_p, pad_value):
