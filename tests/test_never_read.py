@@ -181,3 +181,13 @@ def test_grouped_matmul_concrete_group_sizes_out_of_range_are_refused():
   for sizes, msg in (([-1, 3], "non-negative"), ([4, 3], "sum to 7")):
     with pytest.raises(ValueError, match=msg):
       grouped_matmul(jnp.ones((6, 3)), jnp.ones((2, 3, 2)), jnp.asarray(sizes, jnp.int32))
+
+
+# -- bad attention inputs -------------------------------------------------------------------
+@pytest.mark.parametrize("which", ["query", "key", "value"])
+def test_attention_integer_inputs_are_refused(which):
+  from probjax.ops.attention import dot_product_attention
+  qkv = {n: jnp.ones((1, 4, 2, 8)) for n in ("query", "key", "value")}
+  qkv[which] = jnp.ones((1, 4, 2, 8), jnp.int32)
+  with pytest.raises(TypeError, match=f"{which} must be a floating array"):
+    dot_product_attention(qkv["query"], qkv["key"], qkv["value"])

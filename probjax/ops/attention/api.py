@@ -141,6 +141,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
     ``(out, lse)``. Rows with no valid key are zero.
   """
   del input_positions  # positions only matter to RoPE, applied before attention
+  _check_floating((query, key, value), dtype)
   if promote_dtype is not None:
     query, key, value = promote_dtype((query, key, value), dtype=dtype)
   else:
@@ -182,17 +183,22 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
   return out, lse.reshape(batch_dims + lse.shape[1:])
 
 
-def _promote(arrays, dtype):
-  """``flax.nnx.nn.dtypes.promote_dtype``: all to ``dtype``, else to the inputs' common
-  (inexact) dtype, so a bfloat16 query with float32 keys computes in float32."""
+def _check_floating(arrays, dtype):
+  """query/key/value are float arrays (integers would be scores of rounded values: refused,
+  not cast), and ``dtype``, if given, a float dtype."""
   for name, x in zip(("query", "key", "value"), arrays):
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
       raise TypeError(f"{name} must be an array, got {type(x).__name__}")
-  if dtype is None:
-    dtype = jnp.result_type(*arrays)
-    if not jnp.issubdtype(dtype, jnp.inexact):
-      dtype = jnp.promote_types(dtype, jnp.float32)
-  return tuple(jnp.asarray(x, dtype) for x in arrays)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise TypeError(f"{name} must be a floating array (float32, bfloat16, float16 or float64), got {x.dtype}")
+  if dtype is not None and not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(f"dtype must be a floating dtype or None, got {dtype!r}")
+
+
+def _promote(arrays, dtype):
+  """``flax.nnx.nn.dtypes.promote_dtype``: all to ``dtype``, else to the inputs' common
+  dtype, so a bfloat16 query with float32 keys computes in float32."""
+  return tuple(jnp.asarray(x, jnp.result_type(*arrays) if dtype is None else dtype) for x in arrays)
 
 
 def _flatten_batch(query, key, value):
