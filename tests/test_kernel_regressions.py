@@ -232,20 +232,22 @@ def test_gpu_mosaic_garbage_past_lengths(fwd, bwd, mask_name):
   _check_garbage_ignored(attn, x, mask, what=f"mosaic forward {fwd}, backward {bwd}, {mask_name}")
 
 
+@pytest.mark.parametrize("q_len, kv_len", [(40, 70), (1, 71), (7, 70)])
 @pytest.mark.parametrize("grads", [False, True])
-def test_cudnn_route_zeroes_kv_past_lengths(monkeypatch, grads):
+def test_cudnn_route_zeroes_kv_past_lengths(monkeypatch, grads, q_len, kv_len):
   """The cuDNN route on CPU, its cuDNN call replaced by jax.nn's XLA attention with the same
   arguments: like cuDNN, that masks the scores past the key lengths but multiplies the rows
   there by zero weights, so NaN/inf left in K/V would reach every output (what the H200 run
-  of the test below showed for cuDNN itself). The route zeroes those rows first."""
+  of the test below showed for cuDNN itself). The route zeroes those rows first. Odd lengths
+  run padded to even ones (jax.nn's cuDNN call refuses to differentiate them with lengths)."""
   import jax.nn
   from probjax.ops.attention.backends import cudnn
   monkeypatch.setattr(cudnn.ffi, "ready", lambda env=None: "replaced in this test")
   xla = jax.nn.dot_product_attention
   monkeypatch.setattr(jax.nn, "dot_product_attention",
                       lambda *a, implementation=None, **kw: xla(*a, implementation="xla", **kw))
-  x = make_inputs(13, 2, 40, 70, 4, 2, 16, jnp.float32)
-  mask = M.KVLenMask(jnp.asarray((65, 0), jnp.int32))
+  x = make_inputs(13, 2, q_len, kv_len, 4, 2, 16, jnp.float32)
+  mask = M.KVLenMask(jnp.asarray((kv_len - 5, 0), jnp.int32))
   attn = lambda q, k, v: cudnn.attention(q, k, v, mask=mask, scale=16 ** -0.5)
   _check_garbage_ignored(attn, x, mask, grads=grads, what="cuDNN route, XLA in place of cuDNN")
 

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from probjax.core.eager import compile_once
+from probjax.core.values import check_scale, is_traced
 from probjax.ops.attention import base
 from probjax.ops.attention import dispatch, registry
 from probjax.ops.attention.backends import xla as xla_backend
@@ -305,7 +306,7 @@ def _soft_capped(score_mod, cap):
   free of arrays, so the kernels can run it."""
   if cap is None:
     return score_mod
-  if not base.is_traced(cap):
+  if not is_traced(cap):
     cap = float(cap)
     if not (np.isfinite(cap) and cap > 0):
       raise ValueError(f"logits_soft_cap must be a finite number > 0, got {cap}")
@@ -329,7 +330,7 @@ def _lse(query, key, shape: base.AttentionShape, *, bias, mask, dense_mask, scor
   """``logsumexp`` over keys of the masked, scaled scores, ``[batch, q_len, heads]`` float32
   (float64 for float64 inputs), without gradient."""
   query, key = jax.lax.stop_gradient(query), jax.lax.stop_gradient(key)
-  scale = base.check_scale(scale, shape.head_dim)
+  scale = check_scale(scale, shape.head_dim)
   acc = jnp.promote_types(shape.dtype, jnp.float32)
   b, tq, h, d = query.shape
   q = query.reshape(b, tq, shape.kv_heads, shape.groups, d)
@@ -425,8 +426,8 @@ def _attention(query, key, value, shape: base.AttentionShape, *, bias=None, mask
     raise ValueError(f"backward_pass_impl must be one of {BACKWARD_PASS_IMPLS}, got {backward_pass_impl!r}")
   if score_mod is not None and not callable(score_mod):
     raise TypeError(f"score_mod must be callable f(score, b, h, q_idx, kv_idx), got {type(score_mod).__name__}")
-  scale = base.check_scale(scale, shape.head_dim)
-  if base.is_traced(scale):
+  scale = check_scale(scale, shape.head_dim)
+  if is_traced(scale):
     if dispatch.canonical(implementation) not in (None, "xla"):
       raise ValueError(f"implementation={implementation!r} cannot take a traced scale (the kernels compile "
                        "the scale in): pass a Python float, or implementation=None or 'xla'")

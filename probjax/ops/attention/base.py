@@ -122,37 +122,6 @@ def check_kernel_call(backend: str, reason: str | None, q, k, v, mask) -> None:
     mask.validate(q.shape[0], q.shape[1], k.shape[1])
 
 
-def check_scale(scale, head_dim: int):
-  """The softmax scale: ``head_dim ** -0.5`` for None, a Python float for a finite real
-  scalar, or a traced float scalar as it is (only the XLA path takes those)."""
-  if scale is None:
-    return 1.0 / float(np.sqrt(head_dim))
-  if isinstance(scale, (bool, np.bool_)) or isinstance(scale, (str, bytes)):
-    raise TypeError(f"scale must be a finite real number (or a traced scalar), got {type(scale).__name__}")
-  if isinstance(scale, jax.core.Tracer):
-    if np.ndim(scale) != 0 or not (jnp.issubdtype(scale.dtype, jnp.floating)
-                                   or jnp.issubdtype(scale.dtype, jnp.integer)):
-      raise TypeError(f"a traced scale must be a real scalar, got {scale.dtype}{list(np.shape(scale))}")
-    return scale
-  try:
-    if np.ndim(scale) != 0:
-      raise TypeError
-    value = np.asarray(scale)
-    if not (np.issubdtype(value.dtype, np.floating) or np.issubdtype(value.dtype, np.integer)):
-      raise TypeError
-    value = float(value)
-  except TypeError:
-    raise TypeError(f"scale must be a finite real number (or a traced scalar), got {type(scale).__name__}"
-                    f"{'' if np.ndim(scale) == 0 else f' of shape {np.shape(scale)}'}") from None
-  if not np.isfinite(value):
-    raise ValueError(f"scale must be finite, got {value}")
-  return value
-
-
-def is_traced(x) -> bool:
-  return isinstance(x, jax.core.Tracer)
-
-
 def check_dropout(dropout_rate, dropout_rng, deterministic):
   if not 0.0 <= float(dropout_rate) < 1.0:
     raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")

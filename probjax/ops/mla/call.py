@@ -7,7 +7,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from probjax.ops.attention.base import check_scale
+from probjax.core.values import check_scale
 
 FORMS = ("auto", "expanded", "absorbed")
 _FLOATS = tuple(jnp.dtype(t) for t in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64))

@@ -101,6 +101,20 @@ def jaxnn_arguments(mask: Mask | None, batch: int) -> dict:
   return kw
 
 
+def _jaxnn_attention(q, k, v, mask: Mask | None, scale):
+  """jax.nn's cuDNN call. With key lengths, jax.nn refuses to differentiate an odd query or
+  key length (its cuDNN graph takes the lengths as a bias, which needs even lengths in
+  training): such calls run with one more query row (zero, sliced off: its cotangent is zero,
+  so it adds nothing to dK/dV) or one more key (past every length: never read)."""
+  kw = jaxnn_arguments(mask, q.shape[0])
+  tq, tk = q.shape[1], k.shape[1]
+  if kw["key_value_seq_lengths"] is None or not (tq % 2 or tk % 2):
+    return jax.nn.dot_product_attention(q, k, v, scale=scale, implementation="cudnn", **kw)
+  pad = lambda x, n: jnp.pad(x, ((0, 0), (0, n % 2), (0, 0), (0, 0)))  # causal: equal lengths stay equal
+  out = jax.nn.dot_product_attention(pad(q, tq), pad(k, tk), pad(v, tk), scale=scale, implementation="cudnn", **kw)
+  return out[:, :tq]
+
+
 def route(env=None) -> str:
   """Which call the cuDNN route makes: ``"probjax FFI"`` or ``"jax.nn (<why not the FFI>)"``."""
   why = ffi.unavailable(env)
@@ -131,8 +145,7 @@ def attention(q, k, v, *, mask: Mask | None = None, scale: float | None = None,
     raise ValueError(f"cuDNN attention with q/k head_dim {q.shape[-1]} and value head_dim {v.shape[-1]} "
                      f"{NEEDS_EXTENSION}, which is unavailable: {why}")
   else:
-    kw = jaxnn_arguments(mask, q.shape[0])
-    out = jax.nn.dot_product_attention(q, k, v, scale=scale, implementation="cudnn", **kw)
+    out = _jaxnn_attention(q, k, v, mask, scale)
   kv_lens = None if mask is None else mask.lengths(q.shape[0])[1]
   if kv_lens is not None:  # rows with no valid key are zeros, as on every path
     valid = kv_lens > 0
