@@ -146,6 +146,8 @@ def decode_cases(z: Sizes, dtype):
       impls = {
           "mla_absorbed": (lambda *a, mask=mask: mla(*a, mask=mask, form="absorbed"), args),
           "mla_triton": (lambda *a, mask=mask: mla(*a, mask=mask, form="absorbed", implementation="triton"), args),
+          # the op with attention's XLA path in place of the decode kernel (projections included)
+          "mla_absorbed_xla": (lambda *a, mask=mask: mla(*a, mask=mask, form="absorbed", implementation="xla"), args),
           "triton_paged": (lambda *a, mask=mask, table=table: mla(*a, mask=mask, form="absorbed", implementation="triton",
                                                                   page_table=table),
                            (*args[:2], pool(args[2]), pool(args[3]), *args[4:])),
@@ -228,8 +230,15 @@ def main(argv=None):
   p.add_argument("--cpu-smoke", action="store_true", help="tiny sizes in float32, for CPU")
   p.add_argument("--force", action="store_true", help="re-measure rows already in --output")
   p.add_argument("--no-torch", action="store_true", help="skip the expanded suite's torch peers")
+  p.add_argument("--decode-shapes", default="", help="decode suite's BxS cases, e.g. 128x8192,4x16384 "
+                 "(default: 64x4096,8x32768)")
+  p.add_argument("--decode-queries", default="", help="decode suite's queries per step, e.g. 1,2,4")
   args = p.parse_args(argv)
   z = SMOKE if args.cpu_smoke else Sizes()
+  if args.decode_shapes:
+    z = dataclasses.replace(z, decode_shapes=tuple(tuple(int(n) for n in c.split("x")) for c in args.decode_shapes.split(",")))
+  if args.decode_queries:
+    z = dataclasses.replace(z, decode_queries=tuple(int(n) for n in args.decode_queries.split(",")))
   dtype = jnp.float32 if args.cpu_smoke else jnp.bfloat16
   if args.cpu_smoke:
     args.repeats = min(args.repeats, 2)

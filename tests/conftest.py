@@ -28,6 +28,7 @@ def pytest_addoption(parser):
 def pytest_configure(config):
   config.addinivalue_line("markers", "gpu: needs an NVIDIA GPU; run with pytest --gpu")
   config.addinivalue_line("markers", "slow: long CPU tests")
+  config.addinivalue_line("markers", "quick: a few-minute GPU selection: pytest --gpu -m 'gpu and quick'")
 
 
 @functools.cache

@@ -52,6 +52,7 @@ def test_cudnn_agrees_with_triton(mask_name, t, heads, kv_heads):
   _assert_agree("cudnn", x, mask)
 
 
+@pytest.mark.quick  # the few-minute GPU selection (MARK='gpu and quick')
 def test_default_routes_to_cudnn_on_sm90_and_is_exact():
   # Above the sm_90 table's cuDNN work threshold (B4 H8 T1024 is below it: Triton there), a
   # mask the table's Mosaic forward rule does not take.
@@ -71,6 +72,7 @@ def test_default_fp32_is_exact(t):
                           mask=M.CausalMask(), tf32=True)
 
 
+@pytest.mark.quick  # the few-minute GPU selection (MARK='gpu and quick')
 @pytest.mark.parametrize("mask_name", ["window", "segments", "lengths"])
 def test_default_masked_bf16_is_exact(mask_name):
   from probjax.testing import make_mask
@@ -91,6 +93,7 @@ def test_default_ragged_forward_runs_mosaic_and_is_exact(causal):
   check_against_reference(lambda q, k, v, b: dot_product_attention(q, k, v, mask=mask), x, mask=mask)
 
 
+@pytest.mark.quick  # the few-minute GPU selection (MARK='gpu and quick')
 def test_cudnn_causal_window_is_exact():
   """The sm_90 default routes LocalWindowMask(left, 0) to cuDNN's sliding window."""
   x = make_inputs(5, 2, 2048, 2048, 8, 8, 128, jnp.bfloat16)
@@ -99,6 +102,7 @@ def test_cudnn_causal_window_is_exact():
                           x, mask=mask)
 
 
+@pytest.mark.quick  # the few-minute GPU selection (MARK='gpu and quick')
 def test_default_d64_differentiated_runs_kernels_and_is_exact():
   # An odd length where the sm_90 table differentiates on a kernel. Which kernels it pairs is
   # the table's to say (the golden dispatch grid pins it on fake devices); here the default
@@ -157,6 +161,7 @@ def test_default_long_window_d64_runs_mosaic_and_is_exact():
   check_against_reference(lambda q, k, v, b: dot_product_attention(q, k, v, mask=mask), x, mask=mask)
 
 
+@pytest.mark.quick  # the few-minute GPU selection (MARK='gpu and quick')
 def test_default_causal_forward_runs_mosaic_and_agrees():
   # sm_90, a causal forward in the table's Mosaic forward range (B1 H32 T8192 D128: 2^31): the
   # Mosaic forward; under grad (above grad_mosaic.causal_max_work, rule 5) cuDNN. Both agree with Triton.

@@ -596,6 +596,7 @@ def test_device_time_is_optional_and_never_fails_a_row():
                                             repeats=1, min_repeat_s=0.0, max_calls=1)
 
 
+@pytest.mark.quick  # the few-minute GPU selection (MARK='gpu and quick')
 @pytest.mark.gpu
 def test_gpu_device_time_reads_kernel_durations():
   import jax

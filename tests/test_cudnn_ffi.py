@@ -214,6 +214,7 @@ def test_gpu_ffi_configs_agree(config, mask_name):
     assert np.all(np.isfinite(u)) and np.max(np.abs(u - w)) <= AGREE * max(1.0, np.max(np.abs(w))), name
 
 
+@pytest.mark.quick  # the few-minute GPU selection (MARK='gpu and quick')
 @pytest.mark.gpu
 @pytest.mark.parametrize("mask_name", ["none", "causal", "kv_len"])
 def test_gpu_ffi_is_exact(mask_name):
@@ -285,6 +286,7 @@ def test_gpu_ffi_value_head_dim_is_exact(mask_name, d, dv):
                           scale=scale)
 
 
+@pytest.mark.quick  # the few-minute GPU selection (MARK='gpu and quick')
 @pytest.mark.gpu
 def test_gpu_ffi_value_head_dim_through_the_registry():
   """The cuDNN backend's call with values of their own width: the FFI call, not jax.nn's."""

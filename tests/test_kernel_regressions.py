@@ -198,6 +198,7 @@ def test_gpu_triton_garbage_past_lengths(impl, mask_name, d):
   _check_garbage_ignored(attn, x, mask, what=f"triton {impl} {mask_name} d{d}")
 
 
+@pytest.mark.quick  # the few-minute GPU selection (MARK='gpu and quick')
 @pytest.mark.gpu
 @pytest.mark.parametrize("q_len,mask_name", [(1, "kv_lengths"), (4, "lengths"), (16, "kv_lengths")])
 def test_gpu_triton_split_kv_garbage_past_lengths(q_len, mask_name):

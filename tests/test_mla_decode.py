@@ -121,6 +121,7 @@ def test_dispatch_and_refusals():
     mla(*args, form="absorbed", page_table=jnp.zeros((1, 2), jnp.int32))
 
 
+@pytest.mark.quick  # the few-minute GPU selection (MARK='gpu and quick')
 @pytest.mark.gpu
 def test_gpu_h128_bf16():
   b, s = 4, 4096

@@ -366,6 +366,7 @@ def test_tile_sweep_records_the_auto_config():
   assert mcfg.fit(explicit, 2, 64, "sm_90", mask=M.CausalMask()) == explicit  # exact, if slower
 
 
+@pytest.mark.quick  # the few-minute GPU selection (MARK='gpu and quick')
 @pytest.mark.gpu
 @pytest.mark.parametrize("mask_name,tq,tk,d", [("none", 4096, 4096, 128), ("causal", 3000, 3000, 64),
                                                ("causal&kv_len", 2048, 3000, 128)])
@@ -561,6 +562,7 @@ def test_value_head_dim_supports_and_fit():
     mcfg.fit(pm.MosaicForwardConfig(64, 128, 2, 2), 2, 192, "sm_90", v_head_dim=128)
 
 
+@pytest.mark.quick  # the few-minute GPU selection (MARK='gpu and quick')
 @pytest.mark.gpu
 @pytest.mark.parametrize("grads", [False, True])
 def test_gpu_value_head_dim_of_its_own(grads):

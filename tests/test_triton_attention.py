@@ -396,6 +396,7 @@ def test_gpu_full_size(dtype, d, tq, tk, mask_name, impl):
          tf32=dtype == "float32")
 
 
+@pytest.mark.quick  # the few-minute GPU selection (MARK='gpu and quick')
 @pytest.mark.gpu
 def test_gpu_score_mod_and_determinism():
   q, k, v, do = _inputs(20, 2, 2048, 2048, 4, 2, 128, jnp.bfloat16)
@@ -696,6 +697,7 @@ def test_value_head_dim_supports_and_tiles():
     cfg.fit_forward_config(wide, jnp.bfloat16, 128, 4096, 4096, "sm_90", 256)
 
 
+@pytest.mark.quick  # the few-minute GPU selection (MARK='gpu and quick')
 @pytest.mark.gpu
 def test_gpu_value_head_dim_mla_widths():
   """MLA's widths, q/k 192 and v 128, causal, with the tuned tiles, every backward variant."""

@@ -6,12 +6,14 @@
 #   MARK="gpu and quick" bash tools/gpu_tests.sh # the few-minute selection
 #   WORKERS=1 bash tools/gpu_tests.sh -k mosaic  # extra arguments go to pytest
 #
-# Workers compile kernels in parallel (the suite is mostly compilation); each allocates GPU
-# memory as it needs it (no preallocation), so they fit on one device. Without pytest-xdist
-# (or with WORKERS=1) the suite runs in one process. Wheels in .gpu_wheels/ (pytest,
-# pytest-xdist, pytest-timeout and their pure-Python dependencies, e.g. `pip download
-# --no-deps -d .gpu_wheels pytest-xdist execnet pytest-timeout`) are installed into a scratch
-# directory first for machines that lack them. Results: $OUT/gpu_junit.xml when OUT is set.
+# Workers compile kernels in parallel (the suite is mostly compilation) and allocate GPU memory
+# as they need it and free it after (XLA's platform allocator: no preallocated pools that
+# grow per worker until the GPU runs out). The benchmark tests (tests/test_*bench*.py) time
+# the GPU and need it alone: they run after, in one process. Without pytest-xdist (or with
+# WORKERS=1) everything runs in one process. Wheels in .gpu_wheels/ (pytest, pytest-xdist,
+# pytest-timeout and their pure-Python dependencies, e.g. `pip download --no-deps -d
+# .gpu_wheels pytest-xdist execnet pytest-timeout`) are installed into a scratch directory
+# first for machines that lack them. Results: $OUT/gpu_junit*.xml when OUT is set.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 site=${TMPDIR:-/tmp}/probjax_gpu_site
@@ -22,10 +24,13 @@ if [ -d .gpu_wheels ] && ! python -c "import pytest, xdist, pytest_timeout" 2>/d
   done
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}${site:+:$site}"
-export XLA_PYTHON_CLIENT_PREALLOCATE=false
+export XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform
 workers=${WORKERS:-4}
 xdist=()
 if [ "$workers" -gt 1 ] && python -c "import xdist" 2>/dev/null; then xdist=(-n "$workers"); fi
-junit=()
-if [ -n "${OUT:-}" ]; then junit=(--junitxml="$OUT/gpu_junit.xml"); fi
-exec python -m pytest --gpu -m "${MARK:-gpu}" "${xdist[@]}" -q -rfE --durations=25 "${junit[@]}" "$@"
+junit() { if [ -n "${OUT:-}" ]; then echo "--junitxml=$OUT/gpu_junit_$1.xml"; fi; }
+common=(--gpu -m "${MARK:-gpu}" -q -rfE --durations=15)
+rc=0
+python -m pytest "${common[@]}" "${xdist[@]}" --ignore-glob='tests/test_*bench*' $(junit kernels) "$@" || rc=$?
+python -m pytest "${common[@]}" $(junit bench) tests/test_*bench*.py "$@" || { r=$?; [ $r -eq 5 ] || rc=$r; }
+exit $rc
