@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 
@@ -25,15 +26,32 @@ def _valid(start, shape, bounds):
   return ok
 
 
+def _window(ref, index):
+  """``ref.at[index]``, where a window may run past its axis's end (a power-of-two block over a
+  shorter axis, read and written under the mask). JAX 0.12 rejects such a window when its start
+  is static (0.11 did not check a start of 0), not when the kernel computes it, as the sequence
+  chunks' starts: a static start past which the window ends is made a run-time value, from one
+  of the index's scalars (a program id: ``pl.program_id`` itself does not run inside a loop in
+  interpret mode)."""
+  scalars = [i for i in index if not isinstance(i, (int, pl.Slice))]
+
+  def runtime(i, dim):
+    if isinstance(i, pl.Slice) and isinstance(i.start, int) and i.start + (i.size - 1) * i.stride >= dim:
+      zero = scalars[0] * 0 if scalars else pl.program_id(0) * 0
+      return pl.Slice(zero + i.start, i.size, i.stride)
+    return i
+  return ref.at[tuple(runtime(i, d) for i, d in zip(index, ref.shape))]
+
+
 def load(ref, index, start, shape, bounds):
   """``ref[index]`` as a float32 ``shape`` block: ``index`` holds scalars for the leading axes
   and ``pl.ds`` windows (at ``start``, within ``bounds``) for the block's axes."""
-  return plgpu.load(ref.at[index], mask=_valid(start, shape, bounds), other=0).astype(jnp.float32)
+  return plgpu.load(_window(ref, index), mask=_valid(start, shape, bounds), other=0).astype(jnp.float32)
 
 
 def store(ref, index, start, value, bounds):
   """``ref[index] = value`` for the elements of the block within ``bounds``."""
-  plgpu.store(ref.at[index], value.astype(ref.dtype), mask=_valid(start, value.shape, bounds))
+  plgpu.store(_window(ref, index), value.astype(ref.dtype), mask=_valid(start, value.shape, bounds))
 
 
 def tril(n: int, transposed: bool = False):
