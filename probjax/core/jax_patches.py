@@ -1,6 +1,6 @@
 """Rules probjax registers on JAX's ``linear_call`` primitive, applied by :func:`apply`.
 
-JAX 0.11.2 ships ``jax.custom_derivatives.linear_call`` with
+JAX 0.11.2 and 0.12 ship ``jax.custom_derivatives.linear_call`` with
 
 * an abstract eval that reports none of its callee's effects. A kernel's vjp becomes a
   ``linear_call`` callee under ``jax.grad`` (:mod:`probjax.ops.attention.autodiff`), and in
@@ -11,15 +11,26 @@ JAX 0.11.2 ships ``jax.custom_derivatives.linear_call`` with
   failed;
 * a JVP rule that asserts the residuals have no tangent, so any second derivative
   (``jax.jvp(jax.grad(f))``, ``jax.hessian``, ``jax.grad(jax.grad(f))``) failed with a bare
-  AssertionError.
+  AssertionError, and that fails on a tangent in only some of the linear inputs.
 
 :func:`apply` registers the three rules once (a second call does nothing); the modules whose
 calls need them (the attention autodiff wrapper, the XLA flash path) call it on import.
+
+Scope: the rules are JAX's primitive's, so they hold for every ``linear_call`` in the process
+once probjax's attention is imported, not only probjax's. They change no call that JAX computes
+without them: where JAX's rules apply (no ordered effect in the callee, no batching, every
+linear input with a tangent and none in the residuals) the abstract eval, the JVP and the
+transpose are JAX's own, and the values, jvp, transposes and gradients are the same with and
+without the import (``tests/test_jax_patches.py`` runs a plain ``linear_call`` both ways). The
+calls JAX rejects (``vmap``; a tangent in the residuals; a jvp or gradient in only some linear
+inputs; an ordered effect under ``jax.jit``) compute instead, with the user's ``fun_transpose``
+as the transpose of the linear part.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax.custom_derivatives import linear_call
 
 from probjax.core.compat import ad, ad_util, batching, core, effects, linear_call_p
@@ -78,11 +89,13 @@ def _linear_call_jvp(primals, tangents, *, callee, transpose_thunk, num_callee_c
   ``linear_call``, still transposed by the given transpose) plus the jvp of ``f`` in the
   residuals at fixed ``lin`` (JAX's own rule asserts the residuals have no tangent).
 
-  The same call is re-bound only when every linear input has a tangent: a zero one would be a
-  constant linear input, which ``linear_call``'s transpose rule rejects. Otherwise the linear
-  term joins the plain jvp (symbolic zeros, no zero arrays). The jvp terms are ordinary
-  operations of ``f``: transposing them (reverse over reverse) needs ``f`` to be
-  reverse-differentiable.
+  The same call is re-bound when every linear input has a tangent (JAX's rule). Where some have
+  none (a symbolic zero), a zero would be a constant linear input, which ``linear_call``'s
+  transpose rule rejects: the linear term is then a ``linear_call`` of ``f`` restricted to the
+  inputs that have one (zeros in the others), transposed by the given transpose's cotangents
+  for those inputs (:func:`_linear_call_of_some`), so the given transpose stays the transpose,
+  whichever inputs are differentiated. The residuals' term is an ordinary jvp of ``f``:
+  transposing it (reverse over reverse) needs ``f`` to be reverse-differentiable.
   """
   params = dict(callee=callee, transpose_thunk=transpose_thunk, num_callee_consts=num_callee_consts,
                 num_res=num_res)
@@ -90,9 +103,12 @@ def _linear_call_jvp(primals, tangents, *, callee, transpose_thunk, num_callee_c
   n = num_callee_consts + num_res
   nonzero = [type(t) is not ad_util.Zero for t in tangents]
   terms = []
-  if all(nonzero[n:]):
+  if all(nonzero[n:]):  # JAX's own rule, where it applies
     terms.append(linear_call_p.bind(*primals[:n], *tangents[n:], **params))
-    nonzero[n:] = [False] * (len(primals) - n)
+  elif any(nonzero[n:]):
+    terms.append(_linear_call_of_some(primals[:n], tangents[n:], nonzero[n:], callee, transpose_thunk,
+                                      num_callee_consts))
+  nonzero[n:] = [False] * (len(primals) - n)
   if any(nonzero):
     f = core.jaxpr_as_fun(callee)
 
@@ -104,3 +120,24 @@ def _linear_call_jvp(primals, tangents, *, callee, transpose_thunk, num_callee_c
   if not terms:
     return out, [ad_util.Zero(a.to_tangent_aval()) for a in callee.out_avals]
   return out, [sum(ts[1:], ts[0]) for ts in zip(*terms)]
+
+
+def _linear_call_of_some(res, lin_dots, some, callee, transpose_thunk, num_callee_consts):
+  """``f(res, lin_dots)`` with zeros for the linear inputs not in ``some``, as a ``linear_call``
+  in the others, whose transpose is the given transpose's cotangents for them."""
+  f = core.jaxpr_as_fun(callee)
+  avals = callee.in_avals[len(res):]
+
+  def full(lin):
+    it = iter(lin)
+    return [next(it) if k else jnp.zeros(a.shape, a.dtype) for a, k in zip(avals, some)]
+
+  def fun(res, lin):
+    return f(*res, *full(lin))
+
+  def fun_t(res, cts):
+    t, t_consts = transpose_thunk()
+    outs = core.jaxpr_as_fun(t)(*t_consts, *res[num_callee_consts:], *cts)
+    return [o for o, k in zip(outs, some) if k]
+
+  return linear_call(fun, fun_t, list(res), [t for t, k in zip(lin_dots, some) if k])
