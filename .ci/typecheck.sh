@@ -15,7 +15,7 @@ if ! "$py" -c 'import mypy' 2>/dev/null; then
   "$py" -m pip install -q "mypy>=1.10"
 fi
 echo "typecheck: $("$py" -m mypy --version)"
-"$py" -m mypy --config-file tests/typing/mypy.ini --cache-dir "${TMPDIR:-/tmp}/probjax-mypy-cache" \
+"$py" -m mypy --config-file tests/typing/mypy.ini --cache-dir "${TMPDIR:-/tmp}/probjax-mypy-cache/typecheck" \
   tests/typing/user_script.py tests/typing/user_errors.py || true   # the three expected errors, for the log
 "$py" -m pytest -q -n 0 -rs tests/typing/test_mypy.py
 echo "typecheck: ok"

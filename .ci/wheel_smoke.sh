@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The installed package, not the checkout: builds the sdist and from it the wheel, installs the
 # wheel into a fresh venv outside the repository, and from there imports probjax, checks one
-# attention call against the float64 reference and runs tests/test_api.py and
-# tests/test_packaging.py from a copy of tests/.
+# attention call against the float64 reference and runs tests/test_api.py,
+# tests/test_packaging.py and tests/typing/test_mypy.py (mypy on a user's script against the
+# installed package) from a copy of tests/.
 #
 # Python: $PYTHON, else the checkout's .venv (made by `make test`), else python3.
 set -euo pipefail
@@ -22,9 +23,11 @@ py="$work/venv/bin/python"
 # sdist first, then the wheel built from the unpacked sdist (python -m build's default), so a
 # file the sdist misses fails here.
 "$py" -m build -o "$work/dist" "$repo" >"$work/build.log" 2>&1 || { cat "$work/build.log"; exit 1; }
-wheel="$(ls "$work"/dist/probjax-*.whl)"
+# The distribution is probjax-attention (probjax on PyPI is another project); installed as the
+# README says, by a direct reference that names it, so pip checks the wheel is this project.
+wheel="$(ls "$work"/dist/probjax_attention-*.whl)"
 echo "built $(cd "$work/dist" && ls)"
-"$py" -m pip install -q "$wheel[test]"
+"$py" -m pip install -q "probjax-attention[test] @ file://$wheel"
 
 cd "$work"
 export JAX_PLATFORMS=cpu
@@ -59,5 +62,5 @@ cp -r "$repo/tests" "$work/tests"
 rm -rf "$work/tests/__pycache__"
 printf '[pytest]\naddopts = -p no:cacheprovider\n' >"$work/tests/pytest.ini"
 "$py" -m pytest -q -n 0 -c "$work/tests/pytest.ini" --rootdir "$work/tests" --timeout 600 \
-  "$work/tests/test_api.py" "$work/tests/test_packaging.py"
+  "$work/tests/test_api.py" "$work/tests/test_packaging.py" "$work/tests/typing/test_mypy.py"
 echo "wheel smoke: ok"

@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     print("[quickstart] building the wheel", flush=True)
     run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(work / "dist"), str(ROOT),
         stdout=subprocess.DEVNULL)
-    wheel = next((work / "dist").glob("probjax-*.whl"))
+    wheel = next((work / "dist").glob("probjax_attention-*.whl"))
     run(sys.executable, "-m", "venv", str(work / "venv"))
     py = str(work / "venv/bin/python")
     (work / "quick_start.py").write_text(quick_start_code((ROOT / "README.md").read_text()))

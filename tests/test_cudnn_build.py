@@ -121,7 +121,7 @@ def test_missing_headers_are_named(tmp_path):
     extension.find_headers([tmp_path], {"CUDA_HOME": str(tmp_path / "cuda")})
   msg = str(e.value)
   assert "cudnn_version.h (looked in" in msg and str(tmp_path / "nvidia/cudnn/include") in msg
-  assert "cudnn_frontend_version.h" in msg and 'pip install "probjax[cuda13]"' in msg
+  assert "cudnn_frontend_version.h" in msg and extension.INSTALL in msg and "[cuda13]" in extension.INSTALL
 
 
 def test_cache_root_and_key(tmp_path, monkeypatch):
@@ -191,7 +191,7 @@ def test_first_use_builds_once_and_a_failure_is_not_retried(tmp_path, site, fres
   assert capsys.readouterr().err.count("probjax: building the cuDNN FFI extension") == 1
   (notice,) = _notices(caplog)
   msg = notice.getMessage()
-  assert "\n" not in msg and why in msg and 'pip install "probjax[cuda13]"' in msg
+  assert "\n" not in msg and why in msg and extension.INSTALL in msg
   assert "PROBJAX_ATTENTION_CUDNN_FFI=0 silences this" in msg
   # another process: the failure's log is there, so it reports it instead of compiling again
   ffi._failed.clear()

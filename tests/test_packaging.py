@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata
+import json
 import pathlib
 import re
+import shlex
 import subprocess
 import sys
 import tomllib
@@ -23,13 +25,32 @@ source_tree = pytest.mark.skipif(not PYPROJECT.is_file() or not (ROOT / "probjax
                                  reason="needs the source tree (pyproject.toml)")
 
 
+# The distribution's name (the import name is probjax): "probjax" on PyPI is another project.
+DISTRIBUTION = "probjax-attention"
+
+
+def _distribution() -> importlib.metadata.Distribution:
+  try:
+    return importlib.metadata.distribution(DISTRIBUTION)
+  except importlib.metadata.PackageNotFoundError:
+    pytest.skip(f"{DISTRIBUTION} is not installed (probjax imported from a path)")
+
+
 def test_version_is_the_distributions():
   assert re.fullmatch(r"\d+\.\d+\.\d+([.-]?\w+)*", probjax.__version__)
-  try:
-    installed = importlib.metadata.version("probjax")
-  except importlib.metadata.PackageNotFoundError:
-    pytest.skip("probjax is not installed (imported from a path)")
-  assert installed == probjax.__version__
+  assert _distribution().version == probjax.__version__
+
+
+def test_installed_metadata():
+  dist = _distribution()
+  meta = dist.metadata
+  assert meta["Name"] == DISTRIBUTION
+  assert meta["License-Expression"] == "Apache-2.0"
+  assert "LICENSE" in (meta.get_all("License-File") or [])
+  requires = dist.requires or []
+  assert any(r.replace(" ", "").startswith("jax<0.13,>=0.11.2") or r.replace(" ", "").startswith("jax>=0.11.2,<0.13")
+             for r in requires), requires
+  assert "cuda13" in (meta.get_all("Provides-Extra") or [])
 
 
 def test_py_typed_ships_with_the_package():
@@ -94,6 +115,7 @@ def test_layers_load_lazily():
 def test_metadata():
   meta = tomllib.loads(PYPROJECT.read_text())
   project = meta["project"]
+  assert project["name"] == DISTRIBUTION
   assert project["license"] == "Apache-2.0" and (ROOT / "LICENSE").is_file()
   assert "Apache License" in (ROOT / "LICENSE").read_text()[:200]
   assert "version" in project["dynamic"]
@@ -101,10 +123,75 @@ def test_metadata():
   assert "py.typed" in meta["tool"]["setuptools"]["package-data"]["probjax"]
   deps = {re.split(r"[<>=!~ ;\[]", d, maxsplit=1)[0]: d for d in project["dependencies"]}
   assert deps["jax"].startswith("jax>=") and deps["flax"].startswith("flax>=")
+  # JAX internals: the next minor is excluded until tested (.ci/newest_jax.sh runs the newest)
+  assert ",<0." in deps["jax"] and ",<0." in deps["flax"], deps
   extras = [d for ds in project["optional-dependencies"].values() for d in ds]
   exact = [d for d in project["dependencies"] + extras if "==" in d]
   assert not exact, f"exact pins: {exact}"
   assert (ROOT / "CHANGELOG.md").is_file()
+
+
+def _pip_installs(text: str):
+  """The arguments of each ``pip install`` command in ``text`` (a shell comment or the end of
+  an inline code span ends one)."""
+  for m in re.finditer(r"pip3? install ([^`\n]*)", text):
+    cmd = re.split(r"\s#\s", m.group(1))[0]
+    try:
+      yield shlex.split(cmd)
+    except ValueError:  # an unbalanced quote: a command broken across lines of prose
+      yield cmd.split()
+
+
+def _bad_install(args: list[str]) -> str | None:
+  """Why a ``pip install`` would fetch probjax by name from an index (or another project)."""
+  for i, a in enumerate(args):
+    name = re.fullmatch(r"(probjax[\w.-]*)(\[[\w,-]+\])?", a)
+    if name and not (i + 1 < len(args) and args[i + 1] == "@"):
+      return f"{a}: a name, installed from an index"
+    ref = re.fullmatch(r"([\w.-]+)(\[[\w,-]+\])?\s*@\s*\S+", a)
+    if ref and ref.group(1).startswith("probjax") and ref.group(1) != DISTRIBUTION:
+      return f"{a}: a direct reference must name {DISTRIBUTION}"
+  return None
+
+
+@source_tree
+def test_install_commands_install_this_project():
+  # Every pip command the docs and messages give installs this project from a path, a file or a
+  # URL, never `probjax` (another project) or this distribution by name from an index.
+  files = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").rglob("*.md")),
+           *sorted((ROOT / "probjax").rglob("*.py")), *sorted((ROOT / ".ci").glob("*"))]
+  seen, bad = 0, []
+  for f in files:
+    for args in _pip_installs(f.read_text()):
+      seen += 1
+      if why := _bad_install(args):
+        bad.append(f"{f.relative_to(ROOT)}: pip install {' '.join(args)} ({why})")
+  assert seen > 5 and not bad, bad
+  assert _bad_install(["probjax[cuda13]"]) and _bad_install(["-U", "probjax"])
+  assert _bad_install(["probjax[cuda13] @ file:///x.whl"]) and _bad_install([DISTRIBUTION])
+  assert not _bad_install([".[cuda13]"]) and not _bad_install([f"{DISTRIBUTION}[cuda13] @ git+https://h/r"])
+
+
+def test_the_cudnn_notice_names_this_installation(monkeypatch, tmp_path):
+  # The cuDNN route's notice (no FFI headers) names the command that adds the cuda13 extra to
+  # this copy, from where it was installed (PEP 610's direct_url.json).
+  from probjax.ops.attention.backends.cudnn import extension
+  assert extension.DISTRIBUTION == DISTRIBUTION
+  assert not _bad_install(shlex.split(extension.INSTALL.removeprefix("pip install ")))
+
+  def installed_from(info):
+    class Dist:
+      def read_text(self, name):
+        return None if info is None else json.dumps(info)
+    monkeypatch.setattr(importlib.metadata, "distributions", lambda name: [Dist()])
+    return extension.install_command("cuda13")
+
+  wheel = (tmp_path / "probjax_attention-0.1.0-py3-none-any.whl").as_uri()
+  assert installed_from({"url": wheel, "archive_info": {}}) == f'pip install "{DISTRIBUTION}[cuda13] @ {wheel}"'
+  assert installed_from({"url": tmp_path.as_uri(), "dir_info": {"editable": True}}) == f'pip install -e "{tmp_path}[cuda13]"'
+  assert installed_from({"url": "https://example.org/r.git", "vcs_info": {"vcs": "git", "commit_id": "abc"}}) == \
+      f'pip install "{DISTRIBUTION}[cuda13] @ git+https://example.org/r.git@abc"'
+  assert "[cuda13]" in installed_from(None) and "probjax[" not in installed_from(None)
 
 
 @source_tree

@@ -8,6 +8,7 @@ the installed wheel (.ci/wheel_smoke.sh); ``.ci/typecheck.sh`` runs the same che
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import pathlib
 import re
@@ -33,7 +34,9 @@ def mypy(*files: pathlib.Path) -> dict[str, list[tuple[int, str, str]]]:
   """mypy's errors per file name: (line, code, message)."""
   if importlib.util.find_spec("mypy") is None:
     pytest.skip("mypy is not installed (pip install -e .[test] installs it)")
-  cache = pathlib.Path(tempfile.gettempdir()) / "probjax-mypy-cache"
+  # one cache per environment (the checkout's venv, the wheel smoke's), kept between runs
+  env = hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]
+  cache = pathlib.Path(tempfile.gettempdir()) / "probjax-mypy-cache" / env
   cmd = [sys.executable, "-m", "mypy", "--config-file", str(HERE / "mypy.ini"), "--cache-dir", str(cache),
          "--no-error-summary", "--no-pretty", *map(str, files)]
   out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)

@@ -3,8 +3,8 @@
     python -m probjax.ops.attention.backends.cudnn.build [--force] [--output PATH]
 
 The cuDNN route builds it by itself on first use on a GPU; this builds it ahead, or again
-after a failed build. Headers come from the NVIDIA pip packages (``pip install
-"probjax[cuda13]"``), else ``$CUDA_HOME`` and ``/usr/local/cuda``
+after a failed build. Headers come from the NVIDIA pip packages (probjax's ``cuda13``
+extra, ``extension.INSTALL``), else ``$CUDA_HOME`` and ``/usr/local/cuda``
 (:mod:`probjax.ops.attention.backends.cudnn.extension`). ``--output``, with the ``--*-include``
 folders, is for staging a library elsewhere (``bench/stage_cudnn_ffi.sh`` builds into
 ``_build/``, which calls look at first): the run-time lookup finds cache builds only under the

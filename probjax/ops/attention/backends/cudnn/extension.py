@@ -10,7 +10,7 @@ first use on a GPU; ``python -m probjax.ops.attention.backends.cudnn.build`` bui
 
 Building needs a C++ compiler and headers only, no GPU and no CUDA library: XLA FFI's
 (jaxlib's), the CUDA runtime's and NVRTC's, cuDNN's and the header-only cudnn-frontend's, all in
-the NVIDIA pip packages (``pip install "probjax[cuda13]"``; CUDA 13's runtime headers need ``crt/`` and ``nv/``, of
+the NVIDIA pip packages (the ``cuda13`` extra, ``INSTALL``; CUDA 13's runtime headers need ``crt/`` and ``nv/``, of
 nvidia-cuda-crt and nvidia-cuda-cccl), else in ``$CUDA_HOME`` or
 ``/usr/local/cuda``. The library finds cuDNN and the CUDA runtime at run time (cudnn-frontend's
 dynamic loading), after ffi.py has loaded them from those packages.
@@ -25,6 +25,7 @@ import functools
 import hashlib
 import importlib.metadata
 import importlib.util
+import json
 import os
 import pathlib
 import re
@@ -33,6 +34,8 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import urllib.parse
+import urllib.request
 from collections.abc import Callable, Iterable, Mapping
 
 from probjax.core.version import __version__
@@ -43,7 +46,37 @@ NAME = "libprobjax_cudnn_sdpa.so"
 IN_TREE = HERE / "_build" / NAME
 CACHE_ENV = "PROBJAX_CACHE_DIR"
 BUILD_COMMAND = "python -m probjax.ops.attention.backends.cudnn.build"
-INSTALL = 'pip install "probjax[cuda13]"'
+# The distribution (pyproject.toml's name; the import name is probjax). Not on a package index:
+# "probjax" there is another project, so install commands name a checkout, sdist or wheel.
+DISTRIBUTION = "probjax-attention"
+
+
+def install_command(extra: str = "cuda13") -> str:
+  """The pip command that adds ``extra``'s packages to this installation: probjax installed again,
+  with the extra, from where it came (PEP 610's ``direct_url.json``: the checkout, editable or
+  not, the sdist or wheel file, or the VCS URL and commit), never by name from a package index."""
+  # the first record that says (a checkout's own egg-info, found first from its folder, does not)
+  records = (d.read_text("direct_url.json") for d in importlib.metadata.distributions(name=DISTRIBUTION))
+  try:
+    info = json.loads(next((r for r in records if r), "{}"))
+  except ValueError:
+    info = {}
+  url = info.get("url", "") if isinstance(info, dict) else ""
+  if url.startswith("file:") and info.get("dir_info", {}).get("editable"):
+    path = urllib.request.url2pathname(urllib.parse.urlparse(url).path)
+    return f'pip install -e "{path}[{extra}]"'
+  if url and "vcs_info" in info:
+    vcs = info["vcs_info"]
+    url = f"{vcs['vcs']}+{url}" + (f"@{vcs['commit_id']}" if vcs.get("commit_id") else "")
+  if url:
+    return f'pip install "{DISTRIBUTION}[{extra}] @ {url}"'
+  checkout = HERE.parents[4]  # not installed: run from a checkout (PYTHONPATH)
+  if (checkout / "pyproject.toml").is_file():
+    return f'pip install "{checkout}[{extra}]"'
+  return f'pip install "{DISTRIBUTION}[{extra}] @ <probjax checkout, sdist or wheel>"'
+
+
+INSTALL = install_command()
 # A failed build leaves its compiler output here (and no library): later processes report it
 # instead of compiling again; the build command retries.
 LOG = "build.log"

@@ -6,8 +6,8 @@ and the workspace before each launch (3 memsets per forward, 9 per forward+backw
 docs/decisions.md, "Settled by probes": "Why jax.nn's cuDNN route trailed torch's, and
 probjax's own FFI call"). The extension's library
 (:mod:`~probjax.ops.attention.backends.cudnn.extension`: where it is looked for, how it is built)
-is built on the first call on a GPU where the headers are installed (``pip install
-"probjax[cuda13]"``); without it the cuDNN route calls jax.nn, saying so once (a warning of the
+is built on the first call on a GPU where the headers are installed (probjax's ``cuda13`` extra,
+``extension.INSTALL``); without it the cuDNN route calls jax.nn, saying so once (a warning of the
 ``probjax`` logger), and with ``PROBJAX_ATTENTION_CUDNN_FFI=0`` silently. :func:`extension_status`
 says which it is.
 
