@@ -35,9 +35,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from probjax.nn.layers._checks import check_array, check_instance
+
 LAYOUTS = ("per_layer", "stacked")
 
-__all__ = ["KVCache", "write", "write_prefix", "read", "check_room", "check_prefix"]
+__all__ = ["KVCache", "write", "write_prefix", "read", "check_room", "check_prefix", "check_cache"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +99,35 @@ def _concrete(x):
     return None
 
 
+def check_cache(cache, sizes=None, k_tail=(), v_tail=None, *, layers=None, num_layers=None):
+  """Raises unless ``cache`` is a :class:`KVCache` whose ``k`` is ``[batch, max_len, *k_tail]``
+  and ``v`` ``[batch, max_len, *v_tail]`` (``v_tail`` default ``k_tail``; entries as
+  :func:`~probjax.nn.layers._checks.check_array`'s) of a floating dtype, and ``lengths``
+  ``[batch]`` integers (TypeError for types and dtypes, ValueError for shapes, naming
+  ``cache.k``, ``cache.v`` or ``cache.lengths``). ``sizes``: sizes bound already (``batch``
+  from the layer's input). ``layers``: the cache of one layer of a stack (its k, v have a
+  leading layer axis: the stacked layout, indexed with ``layer=``); ``num_layers``: a whole
+  stack's cache, in either layout, of that many layers. Returns the sizes bound."""
+  check_instance("cache", cache, KVCache, "a KVCache (from init_cache)")
+  v_tail = k_tail if v_tail is None else v_tail
+  lead = ("layers",) if layers else ()
+  ks, vs = cache.k, cache.v
+  if num_layers is not None:
+    if isinstance(ks, (tuple, list)):
+      if len(ks) != num_layers or not isinstance(vs, (tuple, list)) or len(vs) != num_layers:
+        raise ValueError(f"cache: the per-layer cache must hold num_layers={num_layers} k and v arrays, "
+                         f"got {len(ks)} and {len(vs) if isinstance(vs, (tuple, list)) else type(vs).__name__}")
+    else:
+      lead = (("num_layers", num_layers),)
+  ks = ks if isinstance(ks, (tuple, list)) else (ks,)
+  vs = vs if isinstance(vs, (tuple, list)) else (vs,)
+  sizes = dict(sizes or {})
+  for k, v in zip(ks, vs):
+    sizes = check_array("cache.k", k, (*lead, "batch", "max_len", *k_tail), sizes=sizes)
+    sizes = check_array("cache.v", v, (*lead, "batch", "max_len", *v_tail), sizes=sizes)
+  return check_array("cache.lengths", cache.lengths, ("batch",), dtype="int", sizes=sizes)
+
+
 def check_room(cache: KVCache, num_new: int, lengths=None) -> None:
   """Raises ValueError (naming ``max_len``) if ``num_new`` tokens do not fit after ``lengths``
   (default ``cache.lengths``) where those are concrete; a no-op for traced lengths."""
@@ -113,6 +144,10 @@ def write(cache: KVCache, k_new, v_new, *, layer=None, advance: bool = True) -> 
   """Writes ``k_new``/``v_new`` ``[batch, n, kv_heads, head_dim]`` at positions
   ``lengths[b] + arange(n)`` (of layer ``layer`` of a stacked cache); with ``advance`` the
   returned cache's lengths are ``lengths + n``."""
+  tail = tuple((cache.k[0] if cache.per_layer else cache.k).shape[-2:])
+  s = check_array("k_new", k_new, ("batch", "n", *tail), sizes={"batch": (cache.batch, "cache")})
+  check_array("v_new", v_new, ("batch", "n", *tuple((cache.v[0] if cache.per_layer else cache.v).shape[-2:])),
+              sizes=s)
   n = k_new.shape[1]
   check_room(cache, n)
   pos = cache.lengths[:, None] + jnp.arange(n, dtype=jnp.int32)          # [b, n]
@@ -131,6 +166,7 @@ def check_prefix(cache: KVCache, p: int, lengths) -> None:
     raise ValueError(f"KV cache overflow: a prompt of {p} tokens does not fit in max_len={cache.max_len}")
   if jnp.shape(lengths) != (cache.batch,):
     raise ValueError(f"prefill: lengths must have shape [batch] = ({cache.batch},), got {jnp.shape(lengths)}")
+  check_array("lengths", lengths, ("batch",), dtype="int")
   n = _concrete(lengths)
   if n is not None and n.size and (n.min() < 0 or n.max() > p):
     raise ValueError(f"prefill: lengths must lie in [0, {p}] (the prompt length), got [{n.min()}, {n.max()}]")

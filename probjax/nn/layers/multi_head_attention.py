@@ -25,6 +25,7 @@ from flax import nnx
 
 from probjax.nn.layers.attention import dot_product_attention
 from probjax.nn.layers import kv_cache as kvc
+from probjax.nn.layers._checks import check_array, check_mask
 from probjax.nn.layers.rotary import apply_rotary, default_positions
 from probjax.ops.attention.masks import KVLenMask
 
@@ -154,6 +155,19 @@ class MultiHeadAttention(nnx.Module):
     b, t = out.shape[:2]
     return self.out(out.reshape(b, t, self.num_heads * self.head_dim))
 
+  # -- input checks (static: shapes and dtypes) -----------------------------------
+  def _check_x(self, x, seq="seq", positions=None):
+    """ValueError/TypeError naming ``x`` / ``positions`` unless ``x`` is floating ``[batch,
+    seq, in_features]`` and ``positions`` (if given) integer ``[batch, seq]``."""
+    s = check_array("x", x, ("batch", seq, ("in_features", self.in_features)))
+    if positions is not None:
+      check_array("positions", positions, ("batch", seq), dtype="int", sizes=s)
+    return s
+
+  def _check_cache(self, cache, sizes, layer):
+    return kvc.check_cache(cache, sizes, (("num_kv_heads", self.num_kv_heads), ("head_dim", self.head_dim)),
+                           layers=layer is not None)
+
   # -- forward -------------------------------------------------------------------
   def __call__(self, x, context=None, *, positions=None, mask=None, is_causal: bool | None = None,
                deterministic: bool | None = None, rngs=None):
@@ -170,6 +184,17 @@ class MultiHeadAttention(nnx.Module):
     Returns:
       ``[batch, seq, out_features]``.
     """
+    s = self._check_x(x, positions=positions)
+    kv_len = s["seq"][0]
+    if self.kv is None and context is not None:
+      raise ValueError("context given to a self-attention layer (construct it with context_features)")
+    if self.kv is not None:
+      if context is None:
+        raise ValueError("a cross-attention layer (context_features set) needs a context")
+      s = check_array("context", context, ("batch", "ctx_seq", ("context_features", self.context_features)),
+                      sizes=s)
+      kv_len = s["ctx_seq"][0]
+    check_mask(mask, s["batch"][0], s["seq"][0], kv_len)
     if self.dropout_rate > 0.0 and deterministic is None:
       raise ValueError("deterministic must be given (True or False) when dropout_rate > 0")
     q, k, v = self._project(x, context, positions)
@@ -198,6 +223,7 @@ class MultiHeadAttention(nnx.Module):
     at padded positions are unspecified. ``layer``: index into a stacked cache.
     """
     self._check_decoding()
+    self._check_cache(cache, self._check_x(x, "P", positions), layer)
     kvc.check_prefix(cache, x.shape[1], lengths)
     q, k, v = self._project(x, None, positions)
     cache = kvc.write_prefix(cache, k, v, lengths, layer=layer)
@@ -210,6 +236,7 @@ class MultiHeadAttention(nnx.Module):
     Returns ``(y [batch, n, out_features], cache)`` with lengths advanced by ``n``.
     """
     self._check_decoding()
+    self._check_cache(cache, self._check_x(x, "n", positions), layer)
     b, n = x.shape[:2]
     kvc.check_room(cache, n)
     if positions is None:

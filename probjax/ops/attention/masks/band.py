@@ -26,7 +26,7 @@ class Band(Predicate):
   @classmethod
   def from_fields(cls, lower=None, upper=None):
     for name, v in (("lower", lower), ("upper", upper)):
-      if v is not None and not isinstance(v, (int, np.integer)):
+      if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer))):
         raise TypeError(f"Mask.{name} must be a Python int or None, got {type(v).__name__}")
     return None if lower is None and upper is None else cls(lower, upper)
 
@@ -82,6 +82,11 @@ def CausalMask(offset: int = 0) -> Mask:  # noqa: N802 (mask types read as class
   ``offset=0`` aligns the first query with the first key (as
   ``jax.nn.dot_product_attention(is_causal=True)``); for decoding with a
   cache use ``offset=kv_len - q_len`` (bottom-right alignment).
+
+  Every int offset has that meaning, negative ones included: ``offset=-1`` is strictly
+  causal (a query does not see its own key), and the first ``-offset`` queries see no key
+  at all; such queries return zeros (and zero gradients), as every query without a visible
+  key does. ``offset`` must be a Python int (TypeError otherwise: the band is static).
   """
   return Mask(Band(upper=static_int("offset", offset)))
 
@@ -90,7 +95,10 @@ def LocalWindowMask(left: int | None, right: int | None = 0, offset: int = 0) ->
   """Sliding window: ``q + offset - left <= k <= q + offset + right``.
 
   ``left=None`` (or ``right=None``) leaves that side unbounded. The default
-  ``right=0`` is a causal window.
+  ``right=0`` is a causal window. ``left`` and ``right`` are window sizes: a negative one
+  (a window that excludes its own centre) raises ValueError naming it, as does leaving both
+  unbounded; ``offset`` shifts the window's centre and, as :func:`CausalMask`'s, may be any
+  int (queries whose window holds no key return zeros).
   """
   if left is None and right is None:
     raise ValueError("LocalWindowMask: at least one of left, right must be an int")
