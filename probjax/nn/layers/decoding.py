@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from probjax.nn.layers import kv_cache as kvc
+from probjax.nn.layers._checks import check_array
 
 __all__ = ["sample_logits", "decode_loop", "generate", "check_sampling"]
 
@@ -50,6 +51,7 @@ def sample_logits(logits, rng, *, temperature=0.0, top_k=None):
   ``jax.jit``, so that changing them does not recompile) select it on device, with the
   ``top_k``-th largest logit from a sort of the vocabulary.
   """
+  check_array("logits", logits, ("batch", "vocab"))
   check_sampling(logits.shape[-1], temperature, top_k)
   logits = logits.astype(jnp.float32)
   v = logits.shape[-1]
@@ -84,6 +86,7 @@ def decode_loop(model, cache: kvc.KVCache, token, rng, *, num_steps: int, temper
   if early_stop and eos_id is None:
     raise ValueError("early_stop needs eos_id")
   check_sampling(model.vocab_size, temperature, top_k)
+  check_array("token", token, ("batch",), dtype="int")
   b = token.shape[0]
   eos = lambda t: (t == eos_id) if eos_id is not None else jnp.zeros_like(t, bool)
 
@@ -164,10 +167,10 @@ def generate(model, prompts, lengths, *, max_new_tokens: int, max_len: int | Non
   greedy and sampled generation share one compilation. Returns ``(tokens [batch, max_new_tokens], num_tokens
   [batch])``: ``pad_id`` after an element's EOS, whose count includes its EOS.
   """
+  s = check_array("prompts", prompts, ("batch", "P"), dtype="int")
+  check_array("lengths", lengths, ("batch",), dtype="int", sizes=s)
   prompts = jnp.asarray(prompts, jnp.int32)
   lengths = jnp.asarray(lengths, jnp.int32)
-  if prompts.ndim != 2 or lengths.shape != prompts.shape[:1]:
-    raise ValueError(f"prompts must be [batch, P] and lengths [batch]; got {prompts.shape}, {lengths.shape}")
   if max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
   check_sampling(model.vocab_size, temperature, top_k)

@@ -12,13 +12,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from probjax.nn.layers._checks import check_array
+
 __all__ = ["MLP", "FiLM"]
 
 ACTIVATIONS = ("gelu", "swiglu")
 
 
 class MLP(nnx.Module):
-  """``[batch, seq, features] -> [batch, seq, features]``.
+  """``[batch, seq, features] -> [batch, seq, features]`` (row-wise: any leading axes,
+``[..., features]``; a floating ``x`` whose last axis is not ``features`` raises ValueError
+naming ``x``, an integer one TypeError).
 
   ``activation="gelu"``: ``W2 gelu(W1 x)``; ``"swiglu"``: ``W2 (silu(x Wg) * (x Wu))`` with the
   gate and up projections fused into one matmul. ``hidden_features`` defaults to
@@ -32,13 +36,14 @@ class MLP(nnx.Module):
       raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     if hidden_features is None:
       hidden_features = 4 * features if activation == "gelu" else -(-(8 * features // 3) // 64) * 64
-    self.activation, self.hidden_features = activation, hidden_features
+    self.features, self.activation, self.hidden_features = features, activation, hidden_features
     kw = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     width = hidden_features * (2 if activation == "swiglu" else 1)
     self.up = nnx.Linear(features, width, **kw)
     self.down = nnx.Linear(hidden_features, features, **kw)
 
   def __call__(self, x):
+    check_array("x", x, (..., ("features", self.features)))
     h = self.up(x)
     if self.activation == "swiglu":
       gate, up = jnp.split(h, 2, axis=-1)
@@ -58,12 +63,14 @@ class FiLM(nnx.Module):
 
   def __init__(self, *, features: int, context_features: int, num: int = 1, dtype=None,
                param_dtype=jnp.float32, rngs: nnx.Rngs):
-    self.features, self.num = features, num
+    self.features, self.context_features, self.num = features, context_features, num
     self.proj = nnx.Linear(context_features, 2 * num * features, kernel_init=nnx.initializers.zeros_init(),
                            dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
   def __call__(self, context):
-    """``[(scale, shift), ...]`` (``num`` pairs), each ``[batch, 1, features]``."""
+    """``[(scale, shift), ...]`` (``num`` pairs), each ``[batch, 1, features]``, from a floating
+    ``context [batch, context_features]``."""
+    check_array("context", context, ("batch", ("context_features", self.context_features)))
     p = self.proj(context)[:, None, :]
     parts = jnp.split(p, 2 * self.num, axis=-1)
     return [(parts[2 * i], parts[2 * i + 1]) for i in range(self.num)]

@@ -28,6 +28,7 @@ from flax import nnx
 
 from probjax.nn.layers.attention import dot_product_attention
 from probjax.nn.layers import kv_cache as kvc
+from probjax.nn.layers._checks import check_array, check_mask
 from probjax.nn.layers.mlp import ACTIVATIONS as MLP_KINDS, FiLM, MLP
 from probjax.nn.layers.multi_head_attention import MultiHeadAttention, check_heads
 
@@ -81,6 +82,7 @@ class TransformerBlock(nnx.Module):
     if not 0.0 <= dropout_rate < 1.0:
       raise ValueError(f"dropout_rate must lie in [0, 1), got {dropout_rate}")
     check_heads(features, num_heads, num_kv_heads, head_dim)
+    self.features, self.context_features, self.film_features = features, context_features, film_features
     kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     attn = dict(num_heads=num_heads, in_features=features, num_kv_heads=num_kv_heads,
                 head_dim=head_dim, use_bias=use_bias, dropout_rate=attention_dropout_rate,
@@ -100,6 +102,26 @@ class TransformerBlock(nnx.Module):
     self.film = (None if film_features is None else
                  FiLM(features=features, context_features=film_features, num=n_sites, **kw))
     self.dropout = nnx.Dropout(dropout_rate, rngs=rngs) if dropout_rate > 0 else None
+
+  def check_inputs(self, x, seq="seq", *, context=None, context_mask=None, film=None, positions=None,
+                   mask=None):
+    """Static checks of a call's inputs (ValueError for shapes, TypeError for dtypes and types,
+    naming the argument): floating ``x [batch, seq, features]``, integer ``positions [batch,
+    seq]``, ``mask`` fitting ``[batch, seq, seq]``, floating ``context [batch, ctx_seq,
+    context_features]`` with ``context_mask`` fitting ``[batch, seq, ctx_seq]``, floating
+    ``film [batch, film_features]``. Returns the sizes bound (``batch``, ``seq``, ...)."""
+    s = check_array("x", x, ("batch", seq, ("features", self.features)))
+    b, t = s["batch"][0], s[seq][0]
+    if positions is not None:
+      check_array("positions", positions, ("batch", seq), dtype="int", sizes=s)
+    check_mask(mask, b, t, t)
+    if context is not None and self.context_features is not None:
+      s = check_array("context", context, ("batch", "ctx_seq", ("context_features", self.context_features)),
+                      sizes=s)
+      check_mask(context_mask, b, t, s["ctx_seq"][0], name="context_mask")
+    if film is not None and self.film_features is not None:
+      check_array("film", film, ("batch", ("film_features", self.film_features)), sizes=s)
+    return s
 
   def _residual(self, x, y, deterministic):
     if self.dropout is not None:
@@ -130,7 +152,9 @@ class TransformerBlock(nnx.Module):
                deterministic: bool | None = None):
     """``x [batch, seq, features] -> [batch, seq, features]``. ``context [batch, ctx_seq,
     context_features]`` and ``context_mask`` (e.g. ``KVLenMask``) for cross-attention; ``film
-    [batch, film_features]``; ``positions``/``mask`` as in :class:`MultiHeadAttention`."""
+    [batch, film_features]``; ``positions``/``mask`` as in :class:`MultiHeadAttention`. Wrong
+    shapes or dtypes raise ValueError / TypeError naming the argument (:meth:`check_inputs`)."""
+    self.check_inputs(x, context=context, context_mask=context_mask, film=film, positions=positions, mask=mask)
     attn = lambda h: (self.attn(h, positions=positions, mask=mask, deterministic=deterministic), None)
     return self._apply(x, attn, context=context, context_mask=context_mask, film=film,
                        deterministic=deterministic)[0]
@@ -138,6 +162,7 @@ class TransformerBlock(nnx.Module):
   def prefill(self, x, cache, lengths, *, layer=None, positions=None, context=None,
               context_mask=None, film=None):
     """As :meth:`MultiHeadAttention.prefill` for the block; returns ``(x, cache)``."""
+    self.check_inputs(x, "P", context=context, context_mask=context_mask, film=film, positions=positions)
     attn = lambda h: self.attn.prefill(h, cache, lengths, positions=positions, layer=layer)
     return self._apply(x, attn, context=context, context_mask=context_mask, film=film,
                        deterministic=True)
@@ -145,6 +170,7 @@ class TransformerBlock(nnx.Module):
   def decode_step(self, x, cache, *, layer=None, positions=None, context=None, context_mask=None,
                   film=None):
     """As :meth:`MultiHeadAttention.decode_step` for the block; returns ``(x, cache)``."""
+    self.check_inputs(x, "n", context=context, context_mask=context_mask, film=film, positions=positions)
     attn = lambda h: self.attn.decode_step(h, cache, positions=positions, layer=layer)
     return self._apply(x, attn, context=context, context_mask=context_mask, film=film,
                        deterministic=True)
@@ -189,7 +215,9 @@ class Transformer(nnx.Module):
   def __call__(self, x, *, context=None, context_mask=None, film=None, positions=None, mask=None,
                deterministic: bool | None = None):
     """``[batch, seq, features] -> [batch, seq, features]``; arguments as in
-    :meth:`TransformerBlock.__call__`, shared by every layer."""
+    :meth:`TransformerBlock.__call__`, shared by every layer (and checked as there)."""
+    self.blocks.check_inputs(x, context=context, context_mask=context_mask, film=film, positions=positions,
+                             mask=mask)
     def body(x, block):
       return block(x, context=context, context_mask=context_mask, film=film, positions=positions,
                    mask=mask, deterministic=deterministic)
@@ -209,6 +237,10 @@ class Transformer(nnx.Module):
     every step as ``layers=`` (:func:`~probjax.nn.layers.decoding.decode_loop` does)."""
     graphdef, state = nnx.split(self.blocks)
     return [nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state)) for i in range(self.num_layers)]
+
+  def _check_cache(self, cache, sizes):
+    kvc.check_cache(cache, sizes, (("num_kv_heads", self.num_kv_heads), ("head_dim", self.head_dim)),
+                    num_layers=self.num_layers)
 
   def _cached(self, method, x, cache, layers=None, **kw):
     if cache.per_layer:
@@ -238,6 +270,8 @@ class Transformer(nnx.Module):
               context_mask=None, film=None):
     """Right-padded prompts ``x [batch, P, features]`` with ``lengths [batch]`` into an empty
     stacked cache; returns ``(y [batch, P, features], cache)`` with ``cache.lengths = lengths``."""
+    self._check_cache(cache, self.blocks.check_inputs(x, "P", context=context, context_mask=context_mask,
+                                                      film=film, positions=positions))
     kvc.check_prefix(cache, x.shape[1], lengths)
     x, k, v = self._cached("prefill", x, cache, lengths=lengths, positions=positions,
                            context=context, context_mask=context_mask, film=film)
@@ -248,6 +282,8 @@ class Transformer(nnx.Module):
     """``x [batch, n, features]`` new tokens at ``cache.lengths[b] + arange(n)``; returns
     ``(y [batch, n, features], cache)`` with lengths advanced by ``n``. ``layers``: the
     :meth:`unstacked` blocks to use (per-layer cache; default: sliced here)."""
+    self._check_cache(cache, self.blocks.check_inputs(x, "n", context=context, context_mask=context_mask,
+                                                      film=film, positions=positions))
     n = x.shape[1]
     kvc.check_room(cache, n)
     x, k, v = self._cached("decode_step", x, cache, layers=layers, positions=positions,
@@ -299,7 +335,9 @@ class TransformerLM(nnx.Module):
 
   def __call__(self, tokens, *, positions=None, mask=None, deterministic: bool | None = None):
     """``tokens [batch, seq]`` ints -> logits ``[batch, seq, vocab]``; causal, combined with
-    ``mask`` (e.g. ``SegmentMask(doc_ids)`` with per-document ``positions``)."""
+    ``mask`` (e.g. ``SegmentMask(doc_ids)`` with per-document ``positions``). Float tokens
+    raise TypeError, other shapes ValueError, naming ``tokens``."""
+    check_array("tokens", tokens, ("batch", "seq"), dtype="int")
     h = self.transformer(self.embed(tokens), positions=positions, mask=mask,
                          deterministic=deterministic)
     return self._logits(h)
@@ -312,12 +350,14 @@ class TransformerLM(nnx.Module):
     """Right-padded prompts ``tokens [batch, P]`` with ``lengths [batch]``; returns
     ``(logits [batch, P, vocab], cache)``. The next-token logits of element ``b`` are at
     ``lengths[b] - 1``."""
+    check_array("tokens", tokens, ("batch", "P"), dtype="int")
     h, cache = self.transformer.prefill(self.embed(tokens), cache, lengths, positions=positions)
     return self._logits(h), cache
 
   def decode_step(self, tokens, cache: kvc.KVCache, *, positions=None, layers=None):
     """``tokens [batch, n]`` (one or several new tokens per element); returns
     ``(logits [batch, n, vocab], cache)``. ``layers``: see :meth:`Transformer.decode_step`."""
+    check_array("tokens", tokens, ("batch", "n"), dtype="int")
     h, cache = self.transformer.decode_step(self.embed(tokens), cache, positions=positions,
                                             layers=layers)
     return self._logits(h), cache
