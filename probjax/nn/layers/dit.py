@@ -43,6 +43,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from probjax.nn.layers.attention import dot_product_attention
+from probjax.nn.layers._checks import check_array, check_mask
 from probjax.nn.layers.mlp import ACTIVATIONS as MLP_KINDS, FiLM, MLP
 from probjax.nn.layers.multi_head_attention import MultiHeadAttention, check_heads
 
@@ -98,7 +99,7 @@ class DiTBlock(nnx.Module):
     kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     attn = dict(num_heads=num_heads, in_features=features, num_kv_heads=num_kv_heads,
                 head_dim=head_dim, qk_norm=qk_norm, use_bias=use_bias, attention_fn=attention_fn, **kw)
-    self.features = features
+    self.features, self.context_features = features, context_features
     self.sites = 2 + (context_features is not None)
     self.norms = nnx.List([_plain_norm(features, **kw) for _ in range(self.sites)])
     self.attn = MultiHeadAttention(**attn)
@@ -110,10 +111,18 @@ class DiTBlock(nnx.Module):
   def __call__(self, x, modulation, *, context=None, context_mask=None, mask=None):
     """``x [batch, n, features]``, ``modulation [batch, 1, sites * 3 * features]``; ``context
     [batch, m, context_features]`` with ``context_mask`` for cross-attention; ``mask`` for
-    self-attention. Returns ``[batch, n, features]``."""
+    self-attention. Returns ``[batch, n, features]``. Wrong shapes raise ValueError, wrong
+    dtypes TypeError, naming the argument (``modulation`` may also be ``[1, 1, ...]``)."""
     if (context is None) != (self.cross is None):
       raise ValueError("context must be given exactly when the block has context_features"
                        if self.cross is not None else "context given to a block without context_features")
+    s = check_array("x", x, ("batch", "n", ("features", self.features)))
+    width = ("sites * 3 * features", self.sites * 3 * self.features)
+    check_array("modulation", modulation, [("batch", 1, width), (1, 1, width)], sizes=s)
+    check_mask(mask, s["batch"][0], s["n"][0], s["n"][0])
+    if context is not None:
+      s = check_array("context", context, ("batch", "m", ("context_features", self.context_features)), sizes=s)
+      check_mask(context_mask, s["batch"][0], s["n"][0], s["m"][0], name="context_mask")
     mods = jnp.split(modulation, 3 * self.sites, axis=-1)
     sublayers = [lambda h: self.attn(h, mask=mask)]
     if self.cross is not None:
@@ -187,6 +196,7 @@ class DiffusionTransformer(nnx.Module):
     self.out_features = in_features if out_features is None else out_features
     self.patch_size, self.num_classes = patch_size, num_classes
     self.class_dropout_rate, self.cond_features = class_dropout_rate, cond_features
+    self.context_features = context_features
     self.frequency_features, self.time_scale, self.remat = frequency_features, time_scale, remat
     self.scan_layers = scan_layers
     kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -222,9 +232,46 @@ class DiffusionTransformer(nnx.Module):
     """The label of the unconditional model (classifier-free guidance)."""
     return self.num_classes
 
+  # -- input checks (static: shapes and dtypes) ---------------------------------
+  def _check_x(self, x):
+    """The sizes of ``x`` (tokens ``[batch, n, in_features]`` or an image ``[batch, H, W,
+    in_features]``, floating), or ValueError/TypeError naming ``x``."""
+    if self.patch_size is None:
+      return check_array("x", x, ("batch", "n", ("in_features", self.in_features)))
+    s = check_array("x", x, ("batch", "H", "W", ("in_features", self.in_features)))
+    hh, ww, p = s["H"][0], s["W"][0], self.patch_size
+    if hh % p or ww % p:
+      raise ValueError(f"patch_size ({p}) must divide the image's height and width, got {hh}x{ww} "
+                       f"(x of shape {tuple(x.shape)})")
+    return {**s, "n": (hh // p * (ww // p), "x")}
+
+  def _check_conditioning(self, t, labels, cond, sizes=None):
+    """``t [batch]`` (integer or floating), ``labels [batch]`` integers, ``cond [batch,
+    cond_features]`` floating (``sizes``: ``batch`` bound by ``x``)."""
+    if isinstance(t, (int, float)) or getattr(t, "shape", None) == ():
+      b = f" (batch={sizes['batch'][0]} as x's)" if sizes else ""
+      raise ValueError(f"t must be [batch]{b}, one time per batch element, got a scalar: pass "
+                       "jnp.full((batch,), t)")
+    s = check_array("t", t, ("batch",), dtype="real", sizes=sizes)
+    if labels is not None and self.label_embed is not None:
+      check_array("labels", labels, ("batch",), dtype="int", sizes=s)
+    if cond is not None and self.cond_proj is not None:
+      check_array("cond", cond, ("batch", ("cond_features", self.cond_features)), sizes=s)
+    return s
+
+  def _check_context(self, sizes, context, context_mask, mask):
+    b, n = sizes["batch"][0], sizes["n"][0]
+    check_mask(mask, b, n, n)
+    if context is not None and self.context_features is not None:
+      s = check_array("context", context, ("batch", "m", ("context_features", self.context_features)),
+                      sizes=sizes)
+      check_mask(context_mask, b, n, s["m"][0], name="context_mask")
+
   # -- conditioning -----------------------------------------------------------
   def conditioning(self, t, *, labels=None, cond=None, deterministic=None, rngs=None):
-    """The conditioning vector ``c [batch, features]`` from ``t [batch]`` and the labels / cond."""
+    """The conditioning vector ``c [batch, features]`` from ``t [batch]`` and the labels / cond
+    (a scalar ``t``, or labels / cond of another batch, raise ValueError naming them)."""
+    self._check_conditioning(t, labels, cond)
     c = self.time_out(jax.nn.silu(self.time_in(
         timestep_embedding(self.time_scale * jnp.asarray(t), self.frequency_features))))
     if (labels is None) != (self.label_embed is None):
@@ -273,6 +320,9 @@ class DiffusionTransformer(nnx.Module):
   def hidden(self, x, c, *, context=None, context_mask=None, mask=None):
     """Tokens after the embedding and every block, ``[batch, n, features]``, with the
     conditioning ``c`` (:meth:`conditioning`); returns ``(hidden, final_modulation)``."""
+    s = self._check_x(x)
+    check_array("c", c, ("batch", ("features", self.features)), sizes=s)
+    self._check_context(s, context, context_mask, mask)
     b, f, l, k = x.shape[0], self.features, self.num_layers, self.sites * 3
     mods = self.modulation(jax.nn.silu(c))                         # one matmul for every block
     blocks, final = jnp.split(mods, [l * k * f], axis=-1)
@@ -305,6 +355,9 @@ class DiffusionTransformer(nnx.Module):
       deterministic: False drops labels (with ``class_dropout_rate > 0``); rngs: an
         ``nnx.Rngs`` (its ``dropout`` stream) or a stream for that, default the model's own.
     """
+    s = self._check_x(x)
+    self._check_conditioning(t, labels, cond, s)
+    self._check_context(s, context, context_mask, mask)
     c = self.conditioning(t, labels=labels, cond=cond, deterministic=deterministic, rngs=rngs)
     h, final = self.hidden(x, c, context=context, context_mask=context_mask, mask=mask)
     shift, scale = jnp.split(final, 2, axis=-1)
