@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from probjax.nn.layers.attention import dot_product_attention
+from probjax.nn.layers._checks import check_array, check_mask
 from probjax.nn.layers.mlp import ACTIVATIONS as MLP_KINDS, MLP
 from probjax.nn.layers.multi_head_attention import MultiHeadAttention, check_heads
 from probjax.nn.layers.transformer import NORMS, Transformer, _norm
@@ -48,6 +49,15 @@ def check_key_mask(mask):
   if not isinstance(mask, Mask) or mask.components not in ((), ("kv_lengths",)):
     name = mask.name if isinstance(mask, Mask) else type(mask).__name__
     raise ValueError(f"mask must be a probjax key-length mask (KVLenMask(set_sizes)), got {name}")
+
+
+def _check_set(name, x, features, mask, label="features"):
+  """The sizes of a floating set ``[batch, n, features]`` (ValueError/TypeError naming ``name``),
+  after checking that a key-length ``mask`` fits it."""
+  s = check_array(name, x, ("batch", "n", (label, features)))
+  check_key_mask(mask)
+  check_mask(mask, s["batch"][0], s["n"][0], s["n"][0])
+  return s
 
 
 def _count(name, n):
@@ -97,7 +107,11 @@ class MAB(nnx.Module):
 
   def __call__(self, x, y, *, mask=None):
     """``mask``: a probjax mask of ``[batch, heads, n, m]`` (e.g. ``KVLenMask(sizes)`` over
-    ``y``'s elements), passed to ``attention_fn``."""
+    ``y``'s elements), passed to ``attention_fn``. Wrong shapes or dtypes of ``x``, ``y`` or
+    ``mask`` raise ValueError / TypeError naming the argument."""
+    s = check_array("x", x, ("batch", "n", ("features", self.features)))
+    s = check_array("y", y, ("batch", "m", ("context_features", self.context_features)), sizes=s)
+    check_mask(mask, s["batch"][0], s["n"][0], s["m"][0])
     h = x + self.attn(self.norm_x(x), self.norm_y(y), mask=mask).astype(x.dtype)
     return h + self.mlp(self.norm_h(h)).astype(h.dtype)
 
@@ -145,7 +159,7 @@ class ISAB(nnx.Module):
 
   def __call__(self, x, *, mask=None):
     """``mask``: a key-length mask over the set (``KVLenMask(set_sizes)``)."""
-    check_key_mask(mask)
+    _check_set("x", x, self.mab_out.features, mask)
     i = jnp.broadcast_to(self.inducing[...], (x.shape[0],) + self.inducing.shape[1:])
     return self.mab_out(x, self.mab_in(i.astype(x.dtype), x, mask=mask))
 
@@ -174,7 +188,7 @@ class PMA(nnx.Module):
 
   def __call__(self, x, *, mask=None):
     """``mask``: a key-length mask over the set (``KVLenMask(set_sizes)``)."""
-    check_key_mask(mask)
+    _check_set("x", x, self.mab.features, mask)
     s = jnp.broadcast_to(self.seeds[...], (x.shape[0],) + self.seeds.shape[1:])
     return self.mab(s.astype(x.dtype), self.ff(x), mask=mask)
 
@@ -219,7 +233,7 @@ class CrossAttentionConditioner(nnx.Module):
 
   def __call__(self, context, *, mask=None):
     """``mask``: a key-length mask over the context set (``KVLenMask(set_sizes)``)."""
-    check_key_mask(mask)
+    _check_set("context", context, self.cross.context_features, mask, "context_features")
     z = jnp.broadcast_to(self.latents[...], (context.shape[0],) + self.latents.shape[1:])
     z = self.cross(z.astype(context.dtype), context, mask=mask)
     if self.blocks is not None:
