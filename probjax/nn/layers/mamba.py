@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from probjax.nn.layers._checks import check_array, check_instance
 from probjax.ops.scan import mamba_scan, ssd_scan
 
 __all__ = ["Mamba", "Mamba2", "MambaState"]
@@ -102,15 +103,31 @@ class _Block(nnx.Module):
     """The negative decay rates, ``-exp(A_log)``."""
     return -jnp.exp(self.A_log[...].astype(jnp.float32))
 
+  def _check(self, x, state, dims):
+    """Static checks of ``x`` (floating, ``dims``) and ``state`` (None or a :class:`MambaState`
+    of :meth:`init_state`'s shapes for x's batch), naming the argument."""
+    s = check_array("x", x, dims)
+    if state is None:
+      return
+    check_instance("state", state, MambaState, "a MambaState (from init_state or a previous call)")
+    conv = ("batch", ("d_conv - 1", self.d_conv - 1), ("conv_channels", self.conv.weight.shape[1]))
+    check_array("state.conv", state.conv, conv, sizes=s)
+    check_array("state.ssm", state.ssm, ("batch", *self._ssm_dims()), sizes=s)
+
   def __call__(self, x, state: MambaState | None = None, *, return_state: bool = False):
     """``x [batch, length, d_model]`` after ``state`` (default: the start); returns y like x
-    (and the state after it)."""
+    (and the state after it). Wrong shapes raise ValueError, wrong dtypes or types TypeError,
+    naming ``x`` or ``state``."""
+    self._check(x, state, ("batch", "length", ("d_model", self.d_model)))
     y, state = self._forward(x, state, recurrent=False)
     return (y, state) if return_state else y
 
   def step(self, x, state: MambaState):
     """One token ``x [batch, d_model]`` after ``state``, by the recurrence: ``(y [batch,
     d_model], state)``."""
+    if state is None:
+      raise TypeError("state must be a MambaState (from init_state or a previous call), got None")
+    self._check(x, state, ("batch", ("d_model", self.d_model)))
     y, state = self._forward(x[:, None], state, recurrent=True)
     return y[:, 0], state
 
@@ -154,6 +171,9 @@ class Mamba(_Block):
     dtype = dtype or self.dtype or self.param_dtype
     return MambaState(jnp.zeros((batch, self.d_conv - 1, self.d_inner), dtype),
                       jnp.zeros((batch, self.d_inner, self.d_state), jnp.float32))
+
+  def _ssm_dims(self):
+    return ("d_inner", self.d_inner), ("d_state", self.d_state)
 
   def _forward(self, x, state, recurrent):
     xs, z = jnp.split(self.in_proj(x), 2, axis=-1)
@@ -229,6 +249,9 @@ class Mamba2(_Block):
     conv = self.conv.weight.shape[1]
     return MambaState(jnp.zeros((batch, self.d_conv - 1, conv), dtype),
                       jnp.zeros((batch, self.heads, self.head_dim, self.d_state), jnp.float32))
+
+  def _ssm_dims(self):
+    return ("heads", self.heads), ("head_dim", self.head_dim), ("d_state", self.d_state)
 
   def _forward(self, x, state, recurrent):
     b, length = x.shape[:2]

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from probjax.core.device import Device
+from probjax.nn.layers._checks import check_array
 from probjax.nn.layers.mlp import MLP
 from probjax.ops.grouped_matmul import grouped_matmul
 from probjax.ops.grouped_matmul import registry as gmm_registry
@@ -143,7 +144,8 @@ def _expert_init(fan_in_axis: int):
 
 
 class MoELayer(nnx.Module):
-  """``[batch, seq, d_model]`` (or ``[tokens, d_model]``) ``-> (same shape, RouterAux)``.
+  """``[batch, seq, d_model]`` (or ``[tokens, d_model]``) ``-> (same shape, RouterAux)``; another
+  shape raises ValueError, a non-floating ``x`` TypeError, naming ``x``.
 
   Each token goes to its ``top_k`` experts (:func:`route`; router logits in float32 or wider), each an
   MLP ``d_model -> d_hidden -> d_model`` (SwiGLU: ``w_out (silu(x w_gate) * (x w_up))`` with
@@ -194,9 +196,9 @@ class MoELayer(nnx.Module):
     return resolve_dispatch(self.dispatch, device, dtype, sizes=sizes)
 
   def __call__(self, x):
+    width = ("d_model", self.d_model)
+    check_array("x", x, [("batch", "seq", width), ("tokens", width)])
     shape = x.shape
-    if shape[-1] != self.d_model:
-      raise ValueError(f"x's last axis must be d_model = {self.d_model}, got shape {shape}")
     dtype = self.dtype or jnp.result_type(x.dtype, self.w_in.dtype)
     x2 = x.reshape(-1, self.d_model).astype(dtype)
     acc = jnp.promote_types(dtype, jnp.float32)  # router, weights and sums: float32 or wider
