@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from probjax.nn.layers import kv_cache as kvc
+from probjax.nn.layers._checks import check_array, check_mask
 from probjax.nn.layers.rotary import apply_rotary, default_positions
 from probjax.ops.attention.masks import CausalMask, KVLenMask, Mask
 from probjax.ops.mla import mla
@@ -123,6 +124,13 @@ class MultiHeadLatentAttention(nnx.Module):
     b, t = out.shape[:2]
     return self.out(out.reshape(b, t, self.num_heads * self.d_v))
 
+  # -- input checks (static: shapes and dtypes) -----------------------------------
+  def _check_x(self, x, seq, positions):
+    s = check_array("x", x, ("batch", seq, ("in_features", self.in_features)))
+    if positions is not None:
+      check_array("positions", positions, ("batch", seq), dtype="int", sizes=s)
+    return s
+
   # -- forward -------------------------------------------------------------------
   def __call__(self, x, *, positions=None, mask: Mask | None = None, is_causal: bool | None = None):
     """Self-attention of ``x [batch, seq, in_features]``.
@@ -134,7 +142,15 @@ class MultiHeadLatentAttention(nnx.Module):
       is_causal: overrides the constructor's.
     Returns:
       ``[batch, seq, out_features]``.
+    Raises:
+      ValueError / TypeError naming ``x``, ``positions`` or ``mask`` for a wrong shape, dtype
+      or type (``mask`` must be a structured ``Mask``: ``mla`` takes no dense mask).
     """
+    s = self._check_x(x, "seq", positions)
+    if mask is not None and not isinstance(mask, Mask):
+      raise TypeError(f"mask must be a probjax Mask (e.g. SegmentMask(ids), KVLenMask(lengths)), got "
+                      f"{type(mask).__name__}: multi-head latent attention takes no dense mask")
+    check_mask(mask, s["batch"][0], s["seq"][0], s["seq"][0])
     b, t = x.shape[:2]
     if positions is None:
       positions = default_positions(b, t)
@@ -156,12 +172,16 @@ class MultiHeadLatentAttention(nnx.Module):
     zeros = lambda d: jnp.zeros((int(batch), int(max_len), 1, d), dtype)
     return kvc.KVCache(zeros(self.kv_lora_rank), zeros(self.d_rope), jnp.zeros((int(batch),), jnp.int32))
 
-  def _check_decoding(self, cache):
+  def _check_decoding(self, cache, sizes):
     if not self.is_causal:
       raise ValueError("latent-cache decoding needs a causal layer (construct it with is_causal=True)")
-    if cache.k.shape[-2:] != (1, self.kv_lora_rank) or cache.v.shape[-2:] != (1, self.d_rope):
+    if not isinstance(cache, kvc.KVCache):
+      raise TypeError(f"cache must be a latent cache from init_cache (a KVCache), got {type(cache).__name__}")
+    if jnp.shape(cache.k)[-2:] != (1, self.kv_lora_rank) or jnp.shape(cache.v)[-2:] != (1, self.d_rope):
       raise ValueError(f"cache must be a latent cache from init_cache (k [..., 1, {self.kv_lora_rank}], "
-                       f"v [..., 1, {self.d_rope}]), got k {cache.k.shape} and v {cache.v.shape}")
+                       f"v [..., 1, {self.d_rope}]), got k {jnp.shape(cache.k)} and v {jnp.shape(cache.v)}")
+    kvc.check_cache(cache, sizes, (1, ("kv_lora_rank", self.kv_lora_rank)),
+                    (1, ("qk_rope_head_dim", self.d_rope)))
 
   def prefill(self, x, cache: kvc.KVCache, lengths, *, positions=None):
     """Runs right-padded prompts ``x [batch, P, in_features]`` (valid lengths ``[batch]``)
@@ -170,7 +190,7 @@ class MultiHeadLatentAttention(nnx.Module):
     Returns ``(y [batch, P, out_features], cache)`` with ``cache.lengths = lengths``; outputs at
     padded positions are unspecified.
     """
-    self._check_decoding(cache)
+    self._check_decoding(cache, self._check_x(x, "P", positions))
     b, p = x.shape[:2]
     kvc.check_prefix(cache, p, lengths)
     if positions is None:
@@ -187,7 +207,7 @@ class MultiHeadLatentAttention(nnx.Module):
 
     Returns ``(y [batch, n, out_features], cache)`` with lengths advanced by ``n``.
     """
-    self._check_decoding(cache)
+    self._check_decoding(cache, self._check_x(x, "n", positions))
     b, n = x.shape[:2]
     kvc.check_room(cache, n)
     if positions is None:

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from probjax.nn.layers._checks import check_array, check_instance
 from probjax.nn.layers.attention import KVLenMask, LocalWindowMask, dot_product_attention
 from probjax.nn.layers.multi_head_attention import check_heads
 from probjax.ops.scan import feature_map as rla_features
@@ -82,6 +83,7 @@ class RAttention(nnx.Module):
     if feature_map not in FEATURE_MAPS:
       raise ValueError(f"feature_map must be one of {FEATURE_MAPS}, got {feature_map!r}")
     self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+    self.in_features = in_features
     self.window_size, self.feature_map = window_size, feature_map
     self.implementation, self.attention_implementation = implementation, attention_implementation
     self.dtype, self.param_dtype = dtype, param_dtype
@@ -109,7 +111,9 @@ class RAttention(nnx.Module):
 
   def __call__(self, x, *, return_state: bool = False):
     """``x [batch, length, in_features]`` from the start; returns ``[batch, length,
-    out_features]`` (and the decoding state after it)."""
+    out_features]`` (and the decoding state after it). A wrong shape or a non-floating ``x``
+    raises ValueError / TypeError naming ``x``."""
+    check_array("x", x, ("batch", "length", ("in_features", self.in_features)))
     q, k, v = self._project(x)
     window = dot_product_attention(q, k, v, mask=LocalWindowMask(self.window_size, 0),
                                    implementation=self.attention_implementation)
@@ -134,7 +138,17 @@ class RAttention(nnx.Module):
 
   def step(self, x, state: RAttentionState):
     """One token ``x [batch, in_features]`` at ``state.position``: ``(y [batch, out_features],
-    state)``."""
+    state)``. Wrong shapes raise ValueError, wrong dtypes or types TypeError, naming ``x`` or
+    ``state``."""
+    s = check_array("x", x, ("batch", ("in_features", self.in_features)))
+    check_instance("state", state, RAttentionState, "an RAttentionState (from init_state or a previous call)")
+    ring = ("batch", ("window_size + 1", self.window_size + 1), ("num_kv_heads", self.num_kv_heads),
+            ("head_dim", self.head_dim))
+    check_array("state.k", state.k, ring, sizes=s)
+    check_array("state.v", state.v, ring, sizes=s)
+    check_array("state.linear", state.linear, ("batch", ("num_kv_heads", self.num_kv_heads),
+                                               ("features", self.features), ("head_dim", self.head_dim)), sizes=s)
+    check_array("state.position", state.position, (), dtype="int")
     q, k, v = self._project(x[:, None])
     t, slots = state.position, self.window_size + 1
     slot = t % slots
