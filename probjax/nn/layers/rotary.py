@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from probjax.nn.layers._checks import check_array
+
 __all__ = ["apply_rotary", "default_positions"]
 
 
@@ -29,8 +31,11 @@ def default_positions(batch: int, seq: int, offset=None):
 def apply_rotary(x, positions, *, base: float = 10000.0):
   """Rotates ``x [batch, seq, heads, head_dim]`` by ``positions [batch, seq]`` (ints).
 
-  Returns an array of ``x``'s shape and dtype. ``head_dim`` must be even.
+  Returns an array of ``x``'s shape and dtype. ``head_dim`` must be even. A non-floating ``x``
+  or non-numeric ``positions`` raise TypeError, an ``x`` of another rank ValueError.
   """
+  s = check_array("x", x, ("batch", "seq", "heads", "head_dim"))
+  check_array("positions", positions, ("batch", "seq"), dtype="real", sizes=s)
   head_dim = x.shape[-1]
   if head_dim % 2:
     raise ValueError(f"apply_rotary: head_dim must be even, got {head_dim}")
