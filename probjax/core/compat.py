@@ -1,6 +1,6 @@
 """The one module of the library that imports JAX internals (``jax._src``).
 
-Each name below is an internal that no public JAX API exposes (JAX 0.11.2), with why the
+Each name below is an internal that no public JAX API exposes (JAX 0.11.2 and 0.12), with why the
 library needs it. When JAX moves one, this is the only file to change; the rest of the
 library imports these names from here (``tests/test_import_rules.py`` holds the rule).
 The patches that register rules on JAX's primitives are :mod:`probjax.core.jax_patches`.

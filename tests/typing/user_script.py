@@ -17,7 +17,7 @@ import probjax.nn.layers
 from probjax.masks import Mask
 from probjax.nn import TransformerLM
 from probjax.nn.layers import MultiHeadAttention, MoELayer
-from probjax.ops.attention.dispatch import Decision
+from probjax.ops.attention import Decision
 
 
 def quick_start() -> None:
