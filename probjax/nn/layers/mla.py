@@ -142,9 +142,9 @@ class MultiHeadLatentAttention(nnx.Module):
       is_causal: overrides the constructor's.
     Returns:
       ``[batch, seq, out_features]``.
-    Raises:
-      ValueError / TypeError naming ``x``, ``positions`` or ``mask`` for a wrong shape, dtype
-      or type (``mask`` must be a structured ``Mask``: ``mla`` takes no dense mask).
+
+    A wrong shape, dtype or type of ``x``, ``positions`` or ``mask`` raises ValueError /
+    TypeError naming it (``mask`` must be a structured ``Mask``: ``mla`` takes no dense mask).
     """
     s = self._check_x(x, "seq", positions)
     if mask is not None and not isinstance(mask, Mask):
