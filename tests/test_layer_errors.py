@@ -20,8 +20,10 @@ from probjax.nn.layers import (ISAB, MAB, MLP, PMA, SAB, CrossAttentionCondition
                                FiLM, KVCache, Mamba, Mamba2, MoELayer, MultiHeadAttention, MultiHeadLatentAttention,
                                RAttention, Transformer, TransformerBlock, TransformerLM, apply_rotary, generate,
                                sample_logits)
+from probjax.nn.layers.dit import timestep_embedding
 from probjax.nn.layers.kv_cache import write
 from probjax.nn.layers.mamba import MambaState
+from probjax.nn.layers.moe import route
 
 R = lambda: nnx.Rngs(0)  # noqa: E731
 F = lambda *shape: jnp.ones(shape, jnp.float32)  # noqa: E731
@@ -107,6 +109,9 @@ BAD = [
     ("mha-prefill-cache-heads", "mha",
      lambda m: m.prefill(X, KVCache.init(2, 8, kv_heads=1, head_dim=4), jnp.array([5, 5])), ValueError,
      r"^cache\.k must be .*num_kv_heads=2"),
+    ("mha-prefill-cache-stack", "mha",
+     lambda m: m.prefill(X, KVCache.init(2, 8, kv_heads=2, head_dim=4, num_layers=2), jnp.array([5, 5])),
+     ValueError, r"^cache: a layer takes one layer's cache"),
     ("mha-prefill-lengths-float", "mha", lambda m: m.prefill(X, m.init_cache(2, 8), jnp.array([5.0, 5.0])),
      TypeError, r"^lengths must have an integer"),
     ("mha-prefill-x-width", "mha", lambda m: m.prefill(F(2, 5, 3), m.init_cache(2, 8), jnp.array([5, 5])),
@@ -216,7 +221,9 @@ BAD = [
     ("pma-x-2d", "pma", lambda m: m(F(5, 8)), ValueError, r"^x must be \[batch, n, 8\]"),
     ("conditioner-context-width", "conditioner", lambda m: m(F(2, 5, 4)), ValueError,
      r"^context must be \[batch, n, 3\] \(context_features=3\)"),
+    ("timestep-embedding-t", None, lambda _: timestep_embedding(F(2, 1), 4), ValueError, r"^t must be \[batch\]"),
     # MoE
+    ("route-logits", None, lambda _: route(F(2, 3, 4), 1), ValueError, r"^logits must be \[tokens, num_experts\]"),
     ("moe-x-width", "moe", lambda m: m(F(2, 5, 4)), ValueError,
      r"^x must be \[batch, seq, 8\] or \[tokens, 8\] \(d_model=8\)"),
     ("moe-x-4d", "moe", lambda m: m(F(1, 2, 5, 8)), ValueError, r"^x must be \[batch, seq, 8\] or \[tokens, 8\]"),

@@ -53,6 +53,7 @@ __all__ = ["DiTBlock", "DiffusionTransformer", "timestep_embedding", "sincos_2d"
 def timestep_embedding(t, features: int, max_period: float = 10000.0):
   """``t [batch]`` -> ``[batch, features]``: ``cos(t w_i), sin(t w_i)`` with frequencies
   ``w_i = max_period^(-i / (features / 2))`` (float32; ``features`` even)."""
+  check_array("t", t, ("batch",), dtype="real")
   half = features // 2
   freqs = jnp.exp(-math.log(max_period) * jnp.arange(half, dtype=jnp.float32) / half)
   arg = jnp.asarray(t, jnp.float32)[:, None] * freqs

@@ -112,6 +112,9 @@ def check_cache(cache, sizes=None, k_tail=(), v_tail=None, *, layers=None, num_l
   v_tail = k_tail if v_tail is None else v_tail
   lead = ("layers",) if layers else ()
   ks, vs = cache.k, cache.v
+  if num_layers is None and isinstance(ks, (tuple, list)):
+    raise ValueError(f"cache: a layer takes one layer's cache, got a per-layer stack of {len(ks)} (pass "
+                     "KVCache(cache.k[i], cache.v[i], cache.lengths), or the stack to the Transformer)")
   if num_layers is not None:
     if isinstance(ks, (tuple, list)):
       if len(ks) != num_layers or not isinstance(vs, (tuple, list)) or len(vs) != num_layers:

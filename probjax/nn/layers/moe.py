@@ -73,6 +73,7 @@ def route(logits, top_k: int, *, router: str = "softmax", renormalize: bool = Fa
   ``ceil(capacity_factor * T * top_k / E)`` assignments, the earliest tokens first (by token,
   then choice); the others are dropped (weight zero). None: dropless.
   """
+  check_array("logits", logits, ("tokens", "num_experts"))
   t, e = logits.shape
   if not 1 <= top_k <= e:
     raise ValueError(f"top_k must be in [1, num_experts = {e}], got {top_k}")
