@@ -876,7 +876,8 @@ def h200_page(all_rows, fig_dir, fig_rel, alt_rows=()) -> str:
   name, table = _device_table_text()
   if name:
     parts += [f"`probjax.nn.layers.attention_device.{name}` (the table the dispatch reads, loaded from "
-              "`probjax/ops/attention/tuning/sm_*.json`, where each value's evidence rows are):", "",
+              "`probjax/ops/attention/tuning/sm_*.json`, generated from `bench/tuning/sm_*.json`, where each "
+              "value's evidence rows are):", "",
               "```", _pretty(table), "```", ""]
   else:
     parts += [f"_{table}._", ""]
@@ -1059,8 +1060,7 @@ def _pretty(obj) -> str:
     lines.append(f"compute capability {k}:" if k != "" else "")
     if dc.is_dataclass(v):
       for f in dc.fields(v):
-        if f.name != "evidence":
-          lines.append(f"  {f.name} = {getattr(v, f.name)!r}")
+        lines.append(f"  {f.name} = {getattr(v, f.name)!r}")
     else:
       lines.append(f"  {v!r}")
   return "\n".join(lines)[:6000]

@@ -315,11 +315,38 @@ def test_explicit_implementations_are_checked_not_replaced():
     decide(implementation="flash")
 
 
+def _evidence(cc) -> dict:
+  """The entries of compute capability ``cc``'s evidence file in bench/tuning/ (name -> value and
+  evidence rows); the shipped table holds the values only."""
+  from bench import tuning_table
+  path = pathlib.Path(tuning_table.EVIDENCE_DIR) / ("sm_%d%d.json" % cc)
+  return tuning_table.load_evidence(str(path))["entries"]
+
+
 def test_table_entries_cite_evidence():
   for cc, entry in attention_device.DEVICE_DEFAULTS.items():
-    assert entry.evidence, cc
+    evidence = _evidence(cc)
+    assert all(e["evidence"] for e in evidence.values()), cc
     for impl in (entry.backward.impl, entry.backward.band_impl):
       assert impl in ("triton_onepass", "triton_fused", "triton_split")
+
+
+def test_shipped_tables_are_generated_from_the_evidence():
+  """probjax/ops/attention/tuning/sm_*.json is what ``python -m bench.tuning_table --write``
+  makes of bench/tuning/sm_*.json: values only, the same values, one table per evidence file."""
+  import json
+  from bench import tuning_table
+  from probjax.ops.attention import tuning
+  assert tuning_table.evidence_files() and tuning_table.stale() == []
+  for path, text in tuning_table.generated().items():
+    doc = json.loads(text)
+    assert set(doc) == {"compute_capability", "measured_on", "entries"}
+    assert "evidence" not in text
+    cc, entry = tuning.load(path)
+    assert entry == attention_device.DEVICE_DEFAULTS[cc]
+    for name, e in _evidence(cc).items():
+      group, field = name.split(".")
+      assert getattr(getattr(entry, group), field) == tuning._frozen(e["value"]), name
 
 
 def test_decision_str_mentions_rule():
@@ -363,7 +390,7 @@ def test_split_kv_decision():
 def test_table_groups_read_as_the_flat_names_too():
   from probjax.ops.attention import tuning
   entry = attention_device.DEVICE_DEFAULTS[(9, 0)]
-  assert set(entry.evidence) == set(tuning.entry_names())
+  assert set(_evidence((9, 0))) == set(tuning.entry_names())
   for flat, name in tuning._FLAT_NAMES.items():
     group, field = name.split(".")
     assert getattr(entry, flat) == getattr(getattr(entry, group), field), flat

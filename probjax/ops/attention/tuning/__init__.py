@@ -1,11 +1,18 @@
 """Per-device defaults for ``implementation=None``, loaded from data.
 
-One JSON file per CUDA compute capability in this folder (``sm_90.json``): each entry is
-named ``group.field`` after a field of one rule's group of :class:`DeviceDefaults` (``"cudnn.min_work"``
-is ``DeviceDefaults.cudnn.min_work``), with its ``value`` and its ``evidence`` (the benchmark
-rows it was chosen from, as ``[results file, row key, commit]``). The rules that read each group
-are numbered as in :mod:`probjax.ops.attention.dispatch`; why each value is what it is and how
-to measure it again: ``docs/decisions.md``.
+One JSON file per CUDA compute capability in this folder (``sm_90.json``), values only::
+
+    {"compute_capability": [9, 0], "measured_on": "NVIDIA H200",
+     "entries": {"cudnn.min_work": 50331648, "cudnn.min_head_dim": 40, ...}}
+
+Each entry is named ``group.field`` after a field of one rule's group of :class:`DeviceDefaults`
+(``"cudnn.min_work"`` is ``DeviceDefaults.cudnn.min_work``); every field has one, and JSON lists
+are read as tuples. The files are generated (``python -m bench.tuning_table --write``) from the
+evidence in the repository's ``bench/tuning/sm_*.json``, which holds each value with the
+benchmark rows it was chosen from (``[results file, row key, commit]``); the wheel ships the
+values only. The rules that read each group are numbered as in
+:mod:`probjax.ops.attention.dispatch`; why each value is what it is and how to measure it again:
+``docs/decisions.md``.
 
 The dispatch consults the table only when every kernel argument of the call is at its default
 (no explicit implementation, ``backward_pass_impl="auto"``, no explicit tile configs) and
@@ -144,8 +151,7 @@ class DeviceDefaults:
   groups (``mosaic_primal``, ``grad_mosaic``, ``mosaic_long``) under
   ``PROBJAX_ATTENTION_MOSAIC=0``: a rule whose group is None does not apply. The flat names of
   the fields before the groups (``cudnn_min_work`` for ``cudnn.min_work``, ...) read the same
-  values. ``evidence``: entry name (``"cudnn.min_work"``) -> its ``(results file, row key,
-  commit)`` rows.
+  values.
   """
 
   decode: Decode
@@ -156,7 +162,6 @@ class DeviceDefaults:
   fp32_dense: Fp32Dense
   mosaic_long: MosaicLong | None
   backward: Backward
-  evidence: types.MappingProxyType = dataclasses.field(compare=False, repr=False)
 
   def __getattr__(self, name):
     # Only reached for names that are not fields: the flat names.
@@ -190,10 +195,9 @@ def load(path: str) -> tuple[tuple[int, int], DeviceDefaults]:
   missing, extra = set(names) - set(entries), set(entries) - set(names)
   if missing or extra:
     raise ValueError(f"{path}: missing entries {sorted(missing)}, unknown entries {sorted(extra)}")
-  evidence = types.MappingProxyType({k: tuple(tuple(e) for e in entries[k]["evidence"]) for k in names})
-  groups = {g: cls(**{f.name: _frozen(entries[f"{g}.{f.name}"]["value"]) for f in dataclasses.fields(cls)})
+  groups = {g: cls(**{f.name: _frozen(entries[f"{g}.{f.name}"]) for f in dataclasses.fields(cls)})
             for g, cls in _GROUPS.items()}
-  return tuple(doc["compute_capability"]), DeviceDefaults(**groups, evidence=evidence)
+  return tuple(doc["compute_capability"]), DeviceDefaults(**groups)
 
 
 @functools.cache
