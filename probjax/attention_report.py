@@ -44,7 +44,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from probjax.core import timing
+from probjax.core import config, timing
 from probjax.core.timing import STATUSES, classify_error  # noqa: F401 (the report's statuses)
 
 MASKS = ("none", "causal", "window", "kv_len", "segments")
@@ -393,7 +393,7 @@ def run_case(case: Case, impls, repeats: int, device: str, platform_kind: str,
       except Exception as e:  # noqa: BLE001 -- recorded in the row, the report goes on
         row["status"] = classify_error(e)[0]
         row["error"] = f"{type(e).__name__}: {_first_line(e)}"
-        if os.environ.get("PROBJAX_REPORT_TRACEBACK"):
+        if config.REPORT_TRACEBACK.value():
           traceback.print_exc()
       rows.append(row)
   annotate(rows)

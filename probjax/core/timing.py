@@ -27,6 +27,8 @@ import time
 import traceback
 from typing import Any, Callable
 
+from probjax.core import config
+
 STATUSES = ("ok", "oom", "unsupported", "fail", "error")
 
 
@@ -192,7 +194,7 @@ def code_commit() -> str | None:
   """The probjax commit measured: ``$PROBJAX_COMMIT`` (a device machine gets the working
   tree without .git), else ``git rev-parse --short HEAD`` with ``+dirty`` for local edits
   under ``probjax/``; None outside a checkout."""
-  commit = os.environ.get("PROBJAX_COMMIT") or None
+  commit = config.COMMIT.value()
   if commit is None:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     try:

@@ -37,6 +37,7 @@ import os
 
 import jax.numpy as jnp
 
+from probjax.core import config
 from probjax.core.device import Device
 from probjax.ops.attention import tuning
 from probjax.ops.attention.backends import cudnn as cudnn_backend
@@ -73,10 +74,6 @@ class Decision:
     if self.grad_implementation:
       extra += f"; under grad {self.grad_implementation}, backward={self.backward_pass_impl}"
     return f"{self.implementation}{extra} ({self.rule})"
-
-
-def _env_off(name: str, env) -> bool:
-  return env.get(name, "1").strip().lower() in ("0", "false", "off", "no")
 
 
 def canonical(implementation: str | None) -> str | None:
@@ -139,15 +136,15 @@ def defaults_in_effect(device: Device, env) -> DeviceDefaults | None:
   """The device table's entry for ``device`` less the groups its opt-outs switch off
   (``PROBJAX_ATTENTION_CUDNN=0``: rules 3-4; ``PROBJAX_ATTENTION_MOSAIC=0``: rules 3, 5, 9),
   or None (no entry, or ``PROBJAX_ATTENTION_DEVICE_DEFAULTS=0``)."""
-  if _env_off("PROBJAX_ATTENTION_DEVICE_DEFAULTS", env):
+  if not config.ATTENTION_DEVICE_DEFAULTS.enabled(env):
     return None
   defaults = tuning.lookup(device.compute_capability)
   if defaults is None:
     return None
   off = {}
-  if _env_off("PROBJAX_ATTENTION_CUDNN", env):
+  if not config.ATTENTION_CUDNN.enabled(env):
     off.update(cudnn=None)
-  if _env_off("PROBJAX_ATTENTION_MOSAIC", env):
+  if not config.ATTENTION_MOSAIC.enabled(env):
     off.update(mosaic_primal=None, grad_mosaic=None, mosaic_long=None)
   return dataclasses.replace(defaults, **off)
 

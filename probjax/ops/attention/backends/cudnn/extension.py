@@ -38,13 +38,14 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterable, Mapping
 
+from probjax.core import config
 from probjax.core.version import __version__
 
 HERE = pathlib.Path(__file__).resolve().parent
 SOURCE = HERE / "csrc" / "sdpa_ffi.cc"
 NAME = "libprobjax_cudnn_sdpa.so"
 IN_TREE = HERE / "_build" / NAME
-CACHE_ENV = "PROBJAX_CACHE_DIR"
+CACHE_ENV = config.CACHE_DIR.name
 BUILD_COMMAND = "python -m probjax.ops.attention.backends.cudnn.build"
 # The distribution (pyproject.toml's name; the import name is probjax). Not on a package index:
 # "probjax" there is another project, so install commands name a checkout, sdist or wheel.
@@ -184,8 +185,8 @@ def discover(env: Mapping[str, str]) -> Headers:
 
 def cache_root(env: Mapping[str, str]) -> pathlib.Path:
   """``$PROBJAX_CACHE_DIR``, else ``$XDG_CACHE_HOME/probjax``, else ``~/.cache/probjax``."""
-  if env.get(CACHE_ENV):
-    return pathlib.Path(env[CACHE_ENV])
+  if config.CACHE_DIR.value(env):
+    return pathlib.Path(config.CACHE_DIR.value(env))
   return pathlib.Path(env.get("XDG_CACHE_HOME") or pathlib.Path(env.get("HOME") or pathlib.Path.home()) / ".cache",
                       "probjax")
 

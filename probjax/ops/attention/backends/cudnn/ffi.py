@@ -32,13 +32,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from probjax.core import config
 from probjax.ops.attention import sharding
 from probjax.ops.attention.backends.cudnn import extension
 from probjax.ops.attention.backends.cudnn.config import CudnnConfig
 from probjax.ops.attention.masks import Mask
 
-ENV = "PROBJAX_ATTENTION_CUDNN_FFI"
-LIBRARY_ENV = "PROBJAX_CUDNN_FFI_LIBRARY"
+ENV = config.ATTENTION_CUDNN_FFI.name
+LIBRARY_ENV = config.CUDNN_FFI_LIBRARY.name
 _TARGETS = {"probjax_cudnn_sdpa_fwd": "ProbjaxCudnnSdpaForward",
             "probjax_cudnn_sdpa_fwd_stats": "ProbjaxCudnnSdpaForwardStats",
             "probjax_cudnn_sdpa_bwd": "ProbjaxCudnnSdpaBackward"}
@@ -53,13 +54,13 @@ _log = logging.getLogger("probjax")
 
 
 def _disabled(env) -> bool:
-  return env.get(ENV, "1").strip().lower() in ("0", "false", "off", "no")
+  return not config.ATTENTION_CUDNN_FFI.enabled(env)
 
 
 def _locate(env) -> tuple[pathlib.Path | None, bool, str | None]:
   """(the library calls load, whether it exists, why there is none to load or build)."""
-  if env.get(LIBRARY_ENV):
-    path = pathlib.Path(env[LIBRARY_ENV])
+  if config.CUDNN_FFI_LIBRARY.value(env):
+    path = pathlib.Path(config.CUDNN_FFI_LIBRARY.value(env))
     return path, path.exists(), None if path.exists() else f"the FFI extension is not built ({path})"
   if extension.IN_TREE.exists():
     return extension.IN_TREE, True, None
