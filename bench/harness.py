@@ -285,7 +285,9 @@ OWN_SCHEMA_KEYS = {"lm_step": ("section", "case", "impl"),
                    "isab": ("case", "impl", "mode"),
                    "mla_decode_tiles": ("case", "impl"),
                    "segment_traced": ("case", "impl"),
-                   "quickstart": ("suite",)}
+                   "quickstart": ("suite",),
+                   "mla_decode_xla_check": ("suite", "case", "impl", "mode"),
+                   "gpu_suite": ("selection",)}
 
 
 def key_function(path: str):
