@@ -329,6 +329,8 @@ def main(argv=None) -> None:
   p.add_argument("--max-minutes", type=float, default=9.0)
   p.add_argument("--cpu-smoke", action="store_true",
                  help="tiny sizes on CPU, the Pallas kernels in interpret mode (checks the script, not speed)")
+  p.add_argument("--cpu", action="store_true",
+                 help="time on CPU at the given sizes (the CPU dispatch's evidence, e.g. --tokens 512)")
   p.add_argument("--no-progress", action="store_true")
   args = p.parse_args(argv)
   args.interpret = args.cpu_smoke
@@ -339,8 +341,8 @@ def main(argv=None) -> None:
   args.dist = args.dist.split(",")
   if args.cpu_smoke:
     args.rounds, args.repeats, args.warmup, args.min_repeat_ms = min(args.rounds, 2), min(args.repeats, 2), 0, 0.0
-  elif jax.devices()[0].platform != "gpu":
-    sys.exit("bench.moe times GPUs; use --cpu-smoke to check it on CPU")
+  elif jax.devices()[0].platform != "gpu" and not args.cpu:
+    sys.exit("bench.moe times GPUs; use --cpu-smoke to check it on CPU, --cpu to time the CPU dispatch")
   wanted = set(args.impl.split(",")) if args.impl else None
 
   info = timing.device_info()
