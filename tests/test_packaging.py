@@ -123,12 +123,23 @@ def test_metadata():
   assert "py.typed" in meta["tool"]["setuptools"]["package-data"]["probjax"]
   deps = {re.split(r"[<>=!~ ;\[]", d, maxsplit=1)[0]: d for d in project["dependencies"]}
   assert deps["jax"].startswith("jax>=") and deps["flax"].startswith("flax>=")
-  # JAX internals: the next minor is excluded until tested (.ci/newest_jax.sh runs the newest)
+  # JAX internals: the next minor is excluded until tested (.ci/jax_env.sh runs the newest and the lowest)
   assert ",<0." in deps["jax"] and ",<0." in deps["flax"], deps
   extras = [d for ds in project["optional-dependencies"].values() for d in ds]
   exact = [d for d in project["dependencies"] + extras if "==" in d]
   assert not exact, f"exact pins: {exact}"
   assert (ROOT / "CHANGELOG.md").is_file()
+
+
+@source_tree
+def test_lowest_constraints_are_the_ranges_lower_bounds():
+  """.ci/jax_env.sh lowest installs .ci/lowest.txt's pins: they must be the ranges' bounds."""
+  deps = tomllib.loads(PYPROJECT.read_text())["project"]["dependencies"]
+  lower = {re.split(r"[<>=!~ ;\[]", d, maxsplit=1)[0]: re.search(r">=([0-9.]+)", d).group(1)
+           for d in deps if re.split(r"[<>=!~ ;\[]", d, maxsplit=1)[0] in ("jax", "flax")}
+  pins = dict(l.split("==") for l in (ROOT / ".ci" / "lowest.txt").read_text().splitlines()
+              if l.strip() and not l.startswith("#"))
+  assert pins["jax"] == pins["jaxlib"] == lower["jax"] and pins["flax"] == lower["flax"], (pins, lower)
 
 
 def _pip_installs(text: str):
