@@ -119,6 +119,7 @@ def test_configs_without_triton_raise():
     flex_attention(x.q, x.k, x.v, forward_config=object(), implementation="xla")
 
 
+@pytest.mark.slow  # the split-KV Triton kernel in interpret mode through three functions
 def test_split_kv_through_the_api():
   from probjax.ops.attention.backends.triton import SplitKVConfig
   x = make_inputs(5, 2, 2, 300, 8, 2, 32)

@@ -21,8 +21,11 @@ def test_scale_rejects_non_finite_and_non_real(bad, error):
     dot_product_attention(x.q, x.k, x.v, scale=bad)
 
 
-@pytest.mark.parametrize("t", [64, 300, 600])  # dense, single-tile flash, multi-tile flash
-@pytest.mark.parametrize("with_bias", [False, True])
+# t: dense, single-tile flash, multi-tile flash; each case compiles its forward and gradient
+# (2-3 s of CPU): make test keeps each length once.
+@pytest.mark.parametrize("with_bias,t", [
+    (b, t) if (b, t) in ((False, 64), (True, 300), (False, 600)) else pytest.param(b, t, marks=pytest.mark.slow)
+    for b in (False, True) for t in (64, 300, 600)])
 def test_traced_scale_values_and_gradient(t, with_bias):
   x = make_inputs(1, 1, t, t, 2, 1, 16)
   bias = jax.random.normal(jax.random.key(2), (1, 2, t, t)) if with_bias else None
@@ -50,7 +53,8 @@ def test_cudnn_in_interpret_mode_is_a_value_error():
     dot_product_attention(x.q, x.k, x.v, implementation="cudnn", interpret=True)
 
 
-@pytest.mark.parametrize("t", [40, 300, 600])
+@pytest.mark.parametrize("t", [pytest.param(40, marks=pytest.mark.slow), 300,  # 3-6 s of CPU each
+                               pytest.param(600, marks=pytest.mark.slow)])
 def test_traced_out_of_range_lengths_are_clamped(t):
   x = make_inputs(3, 2, t, t, 2, 1, 16)
   got = jax.jit(lambda lens: dot_product_attention(x.q, x.k, x.v, mask=KVLenMask(lens)))(jnp.array([-3, t + 25]))

@@ -145,10 +145,13 @@ _SCRIPT = textwrap.dedent("""
 
 
 @pytest.fixture(scope="module")
-def results():
+def results():  # about a minute of CPU: the tests that use it are slow
   return {r["case"]: r for r in run_on_fake_devices(_SCRIPT, 8)}
 
 
+# One subprocess on 8 fake CPU devices compiling 16 sharded programs with their gradients
+# (about a minute of CPU); each xdist worker that runs a test of it starts its own.
+@pytest.mark.slow
 def test_every_schedule_matches_one_device_values_and_gradients(results):
   cases = [r for r in results.values() if r["case"] != "errors"]
   assert len(cases) == 16, sorted(results)
@@ -157,6 +160,7 @@ def test_every_schedule_matches_one_device_values_and_gradients(results):
   assert results["2d_mesh"]["spec"] == "P('data', 'seq')", results["2d_mesh"]
 
 
+@pytest.mark.slow  # the same subprocess (results)
 def test_errors_name_the_argument(results):
   e = results["errors"]["errors"]
   assert "axis_name 'model'" in e["axis_name"], e

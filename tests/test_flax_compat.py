@@ -95,6 +95,7 @@ def test_mixed_dtypes_promote_like_flax():
 
 
 # -- 5. batch axes -----------------------------------------------------------------------------
+@pytest.mark.slow  # six batch layouts, each a forward of its own (about 10 s of CPU)
 def test_several_and_no_batch_axes():
   q, k, v = _qkv((2, 3, 5, 4, 8), (2, 3, 6, 2, 8))
   mask = jax.random.bernoulli(jax.random.key(4), 0.8, (2, 1, 1, 5, 6)) | (jnp.arange(6) == 0)
@@ -131,8 +132,12 @@ def test_dense_mask_ranks():
 
 
 # -- 7. jax.nn-style arguments -----------------------------------------------------------------
-@pytest.mark.parametrize("window", [2, (3, 1), (0, 2)])
-@pytest.mark.parametrize("causal", [False, True])
+# Two forwards a case (ours and jax.nn's): make test keeps a symmetric window without and an
+# asymmetric one with is_causal; the other four are slow.
+@pytest.mark.parametrize("causal,window", [
+    (c, w) if (c, w) in ((False, 2), (True, (3, 1))) else pytest.param(c, w, marks=pytest.mark.slow)
+    for c in (False, True) for w in (2, (3, 1), (0, 2))],
+    ids=[f"{c}-{w}" for c in (False, True) for w in ("2", "window1", "window2")])
 def test_local_window_size_matches_jax_nn(window, causal):
   q, k, v = _qkv((2, 11, 4, 16), (2, 11, 2, 16))
   want = jax.nn.dot_product_attention(q, k, v, local_window_size=window, is_causal=causal, implementation="xla")

@@ -36,6 +36,10 @@ from probjax.testing import assert_matches, make_inputs, poison  # noqa: E402
 pytestmark = pytest.mark.timeout(300, method="thread")
 
 IMPLS = ("triton_split", "triton_fused", "triton_onepass")
+# The interpret-mode cases compile their kernels (Triton: 2-7 s of CPU a case) or, for Mosaic
+# GPU, compile anew at every call and interpret its warpgroups (4-11 s with gradients). make
+# test keeps one case of each kernel's regression; the other variants are slow.
+SLOW = pytest.mark.slow
 # Lengths that cut tiles of 32, 64 and 128 rows inside (and, at 128, either 64-row half).
 KV_LENS, Q_LENS = (100, 37), (90, 41)
 
@@ -76,10 +80,9 @@ def _triton(mask, impl):
 
 
 @pytest.mark.parametrize("impl,mask_name", [
-    ("triton_split", "lengths"), ("triton_fused", "kv_lengths"), ("triton_onepass", "causal&lengths"),
-    pytest.param("triton_split", "kv_lengths", marks=pytest.mark.slow),
-    pytest.param("triton_fused", "lengths", marks=pytest.mark.slow),
-    pytest.param("triton_onepass", "lengths", marks=pytest.mark.slow)])
+    pytest.param("triton_split", "lengths", marks=SLOW), ("triton_fused", "kv_lengths"),
+    ("triton_onepass", "causal&lengths"), pytest.param("triton_split", "kv_lengths", marks=SLOW),
+    pytest.param("triton_fused", "lengths", marks=SLOW), pytest.param("triton_onepass", "lengths", marks=SLOW)])
 def test_triton_garbage_past_lengths(impl, mask_name):
   """The Triton forward and each backward variant: K/V rows past the tile a key length cuts,
   Q/dO rows past the tile a query length cuts, load as zeros; tiles past the lengths are
@@ -89,7 +92,7 @@ def test_triton_garbage_past_lengths(impl, mask_name):
   _check_garbage_ignored(_triton(mask, impl), x, mask, what=f"triton {impl} {mask_name}")
 
 
-@pytest.mark.parametrize("mask_name", ["kv_lengths", "lengths"])
+@pytest.mark.parametrize("mask_name", [pytest.param("kv_lengths", marks=SLOW), "lengths"])
 def test_triton_split_kv_garbage_past_lengths(mask_name):
   """The split-KV decoding forward: the key split a length cuts loads zeros past it."""
   x = make_inputs(1, 2, 3, 200, 4, 2, 64)
@@ -104,9 +107,9 @@ MOSAIC_FWD = pm.MosaicForwardConfig(block_q=64, block_k=64, num_stages=2, comput
 MOSAIC_BWD = pm.MosaicBackwardConfig(block_q=64, block_k=64, num_stages=2, compute_wgs=1)
 
 
-@pytest.mark.parametrize("backward,bcfg", [
-    ("mosaic", MOSAIC_BWD), ("auto", None),
-    pytest.param("mosaic", dataclasses.replace(MOSAIC_BWD, fused_dq=True), marks=pytest.mark.slow)])
+@pytest.mark.parametrize("backward,bcfg", [  # auto: the Triton backward (the Mosaic one is slower to interpret)
+    pytest.param("mosaic", MOSAIC_BWD, marks=SLOW), ("auto", None),
+    pytest.param("mosaic", dataclasses.replace(MOSAIC_BWD, fused_dq=True), marks=SLOW)])
 def test_mosaic_garbage_past_lengths(backward, bcfg):
   """The Mosaic forward (V's rows past the key length zeroed in shared memory) with the Mosaic
   backward (K, V, Q, dO rows likewise; ``fused_dq`` also multiplies dS by the resident K rows)
@@ -118,7 +121,7 @@ def test_mosaic_garbage_past_lengths(backward, bcfg):
   _check_garbage_ignored(attn, x, mask, what=f"mosaic forward, backward {backward} {bcfg}")
 
 
-@pytest.mark.slow
+@SLOW
 @pytest.mark.parametrize("cfg", [pm.MosaicForwardConfig(64, 128, 2, 1, overlap=True),
                                  pm.MosaicForwardConfig(64, 128, 3, 1, persistent=True)])
 def test_mosaic_forward_variants_garbage_past_lengths(cfg):
@@ -143,7 +146,7 @@ def _check_grads(got, x, mask, what):
   assert_matches(dict(zip(names, got)), dict(zip(names, want)), x.q.dtype, what=what)
 
 
-@pytest.mark.slow
+@SLOW  # the Mosaic backward interpreted, jitted and eager
 def test_mosaic_backward_under_jit_in_interpret_mode():
   """``jax.jit(jax.grad(f))`` through dot_product_attention (with_forward_mode: the kernel's vjp
   is linear_call's transpose) with the Mosaic backward in interpret mode, whose kernels carry
@@ -157,6 +160,7 @@ def test_mosaic_backward_under_jit_in_interpret_mode():
     assert bool(jnp.all(a == b))
 
 
+@SLOW  # interpret-mode Mosaic forward and the Triton backward, jitted
 def test_mosaic_interpret_jitted_forward_and_gradient_complete():
   """The jitted forward and gradient of B1 T70 H2/1 (a partial query and key tile) that hung in
   interpret mode (see PJRT_NPROC above; the module's timeout fails it if it stalls)."""
@@ -234,7 +238,7 @@ def test_gpu_mosaic_garbage_past_lengths(fwd, bwd, mask_name):
 
 
 @pytest.mark.parametrize("q_len, kv_len", [(40, 70), (1, 71), (7, 70)])
-@pytest.mark.parametrize("grads", [False, True])
+@pytest.mark.parametrize("grads", [pytest.param(False, marks=SLOW), True])  # True checks the output too
 def test_cudnn_route_zeroes_kv_past_lengths(monkeypatch, grads, q_len, kv_len):
   """The cuDNN route on CPU, its cuDNN call replaced by jax.nn's XLA attention with the same
   arguments: like cuDNN, that masks the scores past the key lengths but multiplies the rows

@@ -77,6 +77,7 @@ def test_padding_changes_nothing_and_permutations(kind):
   assert not np.allclose(out[0], out[1])   # the sets differ, and so do their outputs
 
 
+@pytest.mark.slow  # gradients of every conditioner under three attention functions, eagerly
 def test_gradients_match_across_attention_functions():
   sets, _ = _inputs("isab")
   mask = KVLenMask(jnp.asarray(SIZES))

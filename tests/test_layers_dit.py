@@ -45,6 +45,7 @@ def _forward(model, a, mask=None, context_mask=None):
                context_mask=context_mask)
 
 
+@pytest.mark.slow  # three DiT variants built and run eagerly (every op compiles on first use)
 def test_identity_blocks_and_zero_output_at_init():
   model = _dit()
   a = _inputs()
@@ -96,6 +97,7 @@ def test_image_patches_round_trip_and_bfloat16():
     model(jnp.ones((2, 5, 6, 3)), jnp.ones(2))
 
 
+@pytest.mark.slow  # gradients of the model under three attention functions, eagerly
 def test_gradients_match_across_attention_functions():
   # The default against plain attention (test_layers_conditioners also forces "xla").
   a = _inputs()

@@ -84,6 +84,7 @@ def test_cache_decode_matches_full_forward(setup):
         np.testing.assert_allclose(_at(logits1, b, 0), _at(want, b, n + 3), **TOL)
 
 
+@pytest.mark.slow  # three eager generate loops
 def test_generate_greedy_sampled_and_eos(setup):
   lm, forward, _, prompts, _ = setup
   lengths = jnp.asarray(LENGTHS)

@@ -25,8 +25,11 @@ def x_of(seed, b, t, f=24):
   return jax.random.normal(jax.random.key(seed), (b, t, f))
 
 
-@pytest.mark.parametrize("q_lora_rank", [None, 10])
-@pytest.mark.parametrize("t", [1, 7, 48])
+# The layer runs eagerly: every op compiles on its first use, 2-6 s of CPU a new shape. make
+# test keeps one shape with each projection of the queries; the others are slow.
+@pytest.mark.parametrize("t,q_lora_rank", [
+    (t, r) if (t, r) in ((7, None), (48, 10)) else pytest.param(t, r, marks=pytest.mark.slow)
+    for t in (1, 7, 48) for r in (None, 10)])
 def test_forward_matches_reference_in_both_forms(q_lora_rank, t):
   m = layer(q_lora_rank=q_lora_rank)
   x = x_of(t, 2, t)
@@ -55,7 +58,8 @@ def test_forms_have_the_same_gradients():
     assert max_error(a, b) <= tolerance(jnp.float32, grad=True)
 
 
-@pytest.mark.parametrize("form", ["auto", "expanded", "absorbed"])
+@pytest.mark.parametrize("form", [pytest.param("auto", marks=pytest.mark.slow),  # auto: absorbed, as below
+                                  pytest.param("expanded", marks=pytest.mark.slow), "absorbed"])
 def test_decode_step_by_step_equals_the_full_forward(form):
   b, t, max_len = 2, 7, 9
   m = layer(q_lora_rank=10, form=form)
@@ -75,6 +79,7 @@ def test_decode_step_by_step_equals_the_full_forward(form):
   assert cache.lengths.tolist() == [4, 7]
 
 
+@pytest.mark.slow  # a prefill and decode steps of several tokens, eagerly
 def test_decode_several_tokens_at_once():
   m = layer()
   x = x_of(3, 1, 7)

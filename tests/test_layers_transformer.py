@@ -9,6 +9,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 from jax.flatten_util import ravel_pytree
 from jax.test_util import check_grads
@@ -51,6 +52,7 @@ def _check_every_leaf(loss, tree, seed=0):
   return len(sizes)
 
 
+@pytest.mark.slow  # float64 gradients of a cross-attention/FiLM/remat model against finite differences
 def test_gradients_float64_cross_attention_film_remat():
   with jax.enable_x64(True):
     model = numpy_init(lambda: Transformer(
@@ -94,6 +96,7 @@ def test_gradients_float64_lm_packed():
     assert _check_every_leaf(loss, params) == 11
 
 
+@pytest.mark.slow  # trains the example model, then generates
 def test_example_training_lowers_loss_and_generates(capsys):
   spec = importlib.util.spec_from_file_location("train_lm", ROOT / "examples" / "lm" / "train_lm.py")
   train_lm = importlib.util.module_from_spec(spec)

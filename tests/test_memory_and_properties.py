@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from probjax.ops.attention import masks as M
@@ -30,6 +31,7 @@ def test_fwd_bwd_temporaries_grow_linearly():
 _MASKS = st.sampled_from(["none", "causal", "window", "kv_len", "segments", "causal&kv_len"])
 
 
+@pytest.mark.slow  # 8 hypothesis examples, each compiling its own forward, backward and reference
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(tq=st.integers(1, 40), tk=st.integers(1, 40), hkv=st.sampled_from([1, 2]), groups=st.sampled_from([1, 3]),
        d=st.sampled_from([4, 8]), mask_name=_MASKS, seed=st.integers(0, 10_000), block=st.sampled_from([8, 16]))

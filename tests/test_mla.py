@@ -61,8 +61,15 @@ def check(args, do, mask, form, dtype=jnp.float32, **kw):
   return out, grads
 
 
-@pytest.mark.parametrize("mask_name", ["none", "causal", "kv_len_zero", "causal&kv_len"])
-@pytest.mark.parametrize("tq,s", [(1, 1), (1, 48), (7, 48), (48, 48)])
+# Each case runs both forms eagerly (values and gradients) and the float64 reference: 3-10 s of
+# CPU a new shape, most of it compiling. make test keeps every mask at 7 queries over 48 keys
+# and the one-query decode under causal; the other shapes are slow.
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("tq,s,mask_name", [
+    (tq, s, m) if (tq, s) == (7, 48) or (tq, s, m) == (1, 48, "causal") else pytest.param(tq, s, m, marks=SLOW)
+    for tq, s in [(1, 1), (1, 48), (7, 48), (48, 48)] for m in ("none", "causal", "kv_len_zero", "causal&kv_len")])
 def test_forms_match_reference_values_and_grads(tq, s, mask_name):
   args, do = inputs(tq * 100 + s, 2, tq, s)
   mask = masks(mask_name, 2, tq, s)
@@ -77,6 +84,7 @@ def test_forms_match_reference_values_and_grads(tq, s, mask_name):
       assert np.all(np.asarray(g[0]) == 0)
 
 
+@SLOW  # four eager forms and two references at a shape of its own
 def test_scale_is_the_model_key_width_in_both_forms():
   args, do = inputs(1, 1, 5, 9)
   ref = reference_mla(*args, scale=(8 + 4) ** -0.5)
@@ -99,7 +107,7 @@ def test_cache_tail_may_hold_nan_and_padded_queries_are_zero():
     assert all(np.all(np.isfinite(np.asarray(g))) for g in grads)
 
 
-@pytest.mark.parametrize("mask_name", ["causal", "kv_len_zero"])
+@pytest.mark.parametrize("mask_name", [pytest.param("causal", marks=SLOW), "kv_len_zero"])
 def test_return_lse(mask_name):
   args, do = inputs(3, 2, 7, 48)
   mask = masks(mask_name, 2, 7, 48)
@@ -124,6 +132,7 @@ def test_lse_over_several_key_blocks():
   assert max_error(lse, ref_lse) <= tolerance(jnp.float32, tf32=TF32)
 
 
+@SLOW  # jvp of both forms and of the float64 reference
 def test_jvp_matches_reference():
   args, _ = inputs(5, 2, 7, 20)
   mask = CausalMask(offset=13) & KVLenMask(jnp.array([9, 20]))
@@ -138,6 +147,7 @@ def test_jvp_matches_reference():
     assert max_error(got, want) <= tolerance(jnp.float32, grad=True, tf32=TF32)
 
 
+@SLOW  # both forms again in bfloat16
 def test_bfloat16_forms_agree_with_reference():
   args, do = inputs(6, 2, 7, 48, dtype=jnp.bfloat16)
   for form in ("expanded", "absorbed"):

@@ -45,20 +45,30 @@ def _mosaic_bwd(mask, bcfg=BSMALL):
   return _attn(mask, backward_pass_impl="mosaic", backward_config=bcfg)
 
 
-SLOW = pytest.mark.slow  # interpret-mode cases over about 10 s on a 2-core machine
+# Interpret-mode Mosaic GPU compiles every call anew (its kernels hold host callbacks: no cache)
+# and runs each warpgroup as a thread: a forward takes about 2 s of CPU, with gradients 4-14 s,
+# whatever the (already small) shapes. make test keeps one case of each kernel path (the
+# forward under a band, persistent, overlapped and clustered; the Mosaic backward and its fused
+# dQ); the other masks, configs and dtypes of each path are slow.
+SLOW = pytest.mark.slow
 
 
-@pytest.mark.parametrize("mask_name", [pytest.param("none", marks=SLOW), "causal", "causal_offset", "window",
-                                       "window_right", "kv_len", "kv_len_zero", "lengths", "causal&kv_len",
-                                       pytest.param("segments", marks=SLOW),
-                                       pytest.param("window&segments", marks=SLOW)])
+def _slow_except(values, *fast):
+  """``values`` as parameters, all but those in ``fast`` marked slow."""
+  return [v if v in fast else pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=SLOW) for v in values]
+
+
+@pytest.mark.parametrize("mask_name", _slow_except(("none", "causal", "causal_offset", "window", "window_right",
+                                                    "kv_len", "kv_len_zero", "lengths", "causal&kv_len", "segments",
+                                                    "window&segments"), "causal_offset"))
 def test_masks_values_and_grads(mask_name):
   x = make_inputs(1, 2, 150, 200, 2, 1, 64, jnp.bfloat16)  # odd lengths, GQA 2:1
   mask = make_mask(mask_name, 2, 150, 200)
   check_against_reference(_attn(mask), x, mask=mask)
 
 
-@pytest.mark.parametrize("mask_name", ["none", "causal", "kv_len_zero", "window&segments"])
+@pytest.mark.parametrize("mask_name", _slow_except(("none", "causal", "kv_len_zero", "window&segments"),
+                                                   "kv_len_zero", "window&segments"))
 def test_persistent_forward(mask_name):
   # Two CTAs in interpret mode, each looping over several tiles: the K/V ring's slots and
   # barrier phases carry over from one tile to the next.
@@ -68,9 +78,11 @@ def test_persistent_forward(mask_name):
   check_against_reference(_attn(mask, cfg), x, mask=mask, grads=False)
 
 
-@pytest.mark.parametrize("persistent", [False, True])
-@pytest.mark.parametrize("mask_name", ["none", "causal_offset", "window_right", "kv_len_zero", "lengths",
-                                       "window&segments"])
+@pytest.mark.parametrize("mask_name,persistent", _slow_except(  # make test: each mask once, either way
+    [(m, p) for m in ("none", "causal_offset", "window_right", "kv_len_zero", "lengths", "window&segments")
+     for p in (False, True)],
+    ("none", False), ("causal_offset", True), ("window_right", False), ("kv_len_zero", True), ("lengths", False),
+    ("window&segments", True)))
 def test_overlap_forward(mask_name, persistent):
   # overlap=True: the first tile's softmax, then per tile its Q K^T with the last tile's P V,
   # then the last P V; the three loops split at the first and last full tile (kv_len_zero: a
@@ -81,6 +93,7 @@ def test_overlap_forward(mask_name, persistent):
   check_against_reference(_attn(mask, cfg), x, mask=mask, grads=False)
 
 
+@SLOW
 @pytest.mark.parametrize("tq,tk,d,dtype,cfg", [
     (64, 64, 64, jnp.float16, SMALL),                                      # one key tile: no loop step
     (70, 300, 128, jnp.bfloat16, pm.MosaicForwardConfig(64, 128, 3, 1)),  # 3 slots, a partial last tile
@@ -91,7 +104,8 @@ def test_overlap_shapes_dtypes_configs(tq, tk, d, dtype, cfg):
   check_against_reference(_attn(None, dataclasses.replace(cfg, overlap=True)), x, grads=False)
 
 
-@pytest.mark.parametrize("mask_name", ["none", "causal", "window", "causal&kv_len", "lengths"])
+@pytest.mark.parametrize("mask_name", _slow_except(("none", "causal", "window", "causal&kv_len", "lengths"),
+                                                   "causal&kv_len"))
 def test_clusters_share_kv_tiles(mask_name):
   # CTA pairs on adjacent query tiles of a head (GQA 2:1), each loading half of every K/V
   # tile for both (interpret mode copies whole tiles; the pair's release barriers are real);
@@ -104,6 +118,7 @@ def test_clusters_share_kv_tiles(mask_name):
   check_against_reference(_attn(mask, cfg), x, mask=mask, grads=False)
 
 
+@SLOW  # two interpret-mode forwards
 def test_one_cta_per_tile_in_groups_of_heads(monkeypatch):
   # One CTA per tile under a causal band: heaviest first across groups of 1 and 3 of the
   # 4 (batch, head) pairs; each CTA still computes its own tile.
@@ -114,17 +129,17 @@ def test_one_cta_per_tile_in_groups_of_heads(monkeypatch):
     check_against_reference(_attn(M.CausalMask(50)), x, mask=M.CausalMask(50), grads=False)
 
 
-@pytest.mark.parametrize("mask_name", [pytest.param(m, marks=SLOW) for m in ("none", "causal_offset", "window_right")]
-                         + ["lengths", "kv_len_zero"]
-                         + [pytest.param(m, marks=SLOW) for m in ("segments", "window&segments")])
+@pytest.mark.parametrize("mask_name", _slow_except(("none", "causal_offset", "window_right", "lengths", "kv_len_zero",
+                                                    "segments", "window&segments"), "kv_len_zero"))
 def test_mosaic_backward(mask_name):
   x = make_inputs(5, 2, 150, 200, 4, 2, 64, jnp.bfloat16)  # odd lengths, GQA 2:1 (dK/dV summed over the group)
   mask = make_mask(mask_name, 2, 150, 200)
   check_against_reference(_mosaic_bwd(mask), x, mask=mask)
 
 
-@pytest.mark.parametrize("shared", [False, True])
-@pytest.mark.parametrize("mask_name", ["none", "causal_offset", "window&segments", "kv_len_zero"])
+@pytest.mark.parametrize("mask_name,shared", _slow_except(
+    [(m, s) for m in ("none", "causal_offset", "window&segments", "kv_len_zero") for s in (False, True)],
+    ("window&segments", True)))
 def test_mosaic_backward_fused_dq(mask_name, shared):
   # One kernel: dK/dV, and dQ added tile by tile into a float32 buffer (in interpret mode by
   # read-add-write, the CTAs running one at a time; on the GPU by TMA reduce-add). shared:
@@ -135,7 +150,8 @@ def test_mosaic_backward_fused_dq(mask_name, shared):
   check_against_reference(_mosaic_bwd(mask, bcfg), x, mask=mask)
 
 
-@pytest.mark.parametrize("mask_name", [pytest.param("none", marks=SLOW), "causal_offset"])
+@SLOW
+@pytest.mark.parametrize("mask_name", ["none", "causal_offset"])
 def test_mosaic_backward_fused_dq_head_dim_128(mask_name):
   # head_dim 128, where each warpgroup's dQ partial is 64 accumulator registers per thread.
   x = make_inputs(10, 1, 150, 200, 4, 2, 128, jnp.bfloat16)
@@ -143,9 +159,9 @@ def test_mosaic_backward_fused_dq_head_dim_128(mask_name):
   check_against_reference(_mosaic_bwd(mask, dataclasses.replace(BSMALL, fused_dq=True)), x, mask=mask)
 
 
-@pytest.mark.parametrize("shared,mask_name", [(True, "none"), (False, "causal")] + [
-    pytest.param(*case, marks=SLOW) for case in ((True, "causal"), (True, "window&segments"),
-                                                 (False, "window&segments"))])
+@SLOW  # two interpreted compute warpgroups: the slowest interpret runs (the sm_90 lowering tests cover the path)
+@pytest.mark.parametrize("shared,mask_name", [(True, "none"), (False, "causal"), (True, "causal"),
+                                              (True, "window&segments"), (False, "window&segments")])
 def test_mosaic_backward_fused_dq_two_warpgroups(shared, mask_name):
   # Two compute warpgroups add their dS K products into one dQ: interpret mode's read, add and
   # write of a tile takes one partial per warpgroup (two of the same rows lost sums). shared_dq's
@@ -164,7 +180,8 @@ def test_shared_dq_config_is_validated():
     pm.backward.fit(pm.MosaicBackwardConfig(fused_dq=True, shared_dq=True), 2, 64, "interpret")
 
 
-@pytest.mark.parametrize("backward", [pytest.param("mosaic", marks=SLOW), "auto"])
+@SLOW
+@pytest.mark.parametrize("backward", ["mosaic", "auto"])
 def test_gradients_within_twice_a_same_precision_reference(backward):
   from probjax.nn.layers.attention import dot_product_attention
   x = make_inputs(7, 2, 150, 200, 4, 2, 64, jnp.bfloat16)
@@ -175,6 +192,7 @@ def test_gradients_within_twice_a_same_precision_reference(backward):
       lambda q, k, v: dot_product_attention(q, k, v, mask=mask, implementation="xla"), x, mask=mask)
 
 
+@SLOW
 @pytest.mark.parametrize("tq,tk,d,dtype,bcfg", [
     (70, 130, 128, jnp.float16, pm.MosaicBackwardConfig(128, 64, 3, 1)),
     (200, 64, 64, jnp.bfloat16, pm.MosaicBackwardConfig(64, 128, 2, 1)),
@@ -184,6 +202,7 @@ def test_mosaic_backward_shapes_configs(tq, tk, d, dtype, bcfg):
   check_against_reference(_mosaic_bwd(M.CausalMask(tk - tq), bcfg), x, mask=M.CausalMask(tk - tq))
 
 
+@SLOW
 @pytest.mark.parametrize("tq,tk,d,dtype,cfg", [
     (64, 64, 64, jnp.float16, SMALL),
     (70, 300, 128, jnp.bfloat16, pm.MosaicForwardConfig(64, 128, 3, 1)),  # 1 compute warpgroup, 3 slots
@@ -198,6 +217,7 @@ def _alibi_softcap(s, b, h, q_idx, kv_idx):
   return 20.0 * jnp.tanh((s - 0.25 * (h + 1) * jnp.abs(q_idx - kv_idx).astype(jnp.float32) / 8) / 20.0)
 
 
+@SLOW
 @pytest.mark.parametrize("mask_name,scale", [("none", 0.3), ("causal", -0.3), ("window&segments", None)])
 def test_score_mod(mask_name, scale):
   # The score modifier in the Mosaic forward (before the mask; a negative scale is fine with
@@ -209,8 +229,8 @@ def test_score_mod(mask_name, scale):
   check_against_reference(f, x, mask=mask, score_mod=_alibi_softcap, scale=scale)
 
 
-@pytest.mark.parametrize("mask_name", ["none"] + [pytest.param(m, marks=SLOW) for m in ("causal_offset",
-                                                                                     "window&segments")])
+@SLOW
+@pytest.mark.parametrize("mask_name", ["none", "causal_offset", "window&segments"])
 def test_score_mod_mosaic_backward(mask_name):
   # dK/dV summed over the GQA group: score_mod sees each query head's own h.
   x = make_inputs(9, 2, 150, 200, 4, 2, 64, jnp.bfloat16)
@@ -248,6 +268,7 @@ def test_gpu_score_mod(mask_name, d, backward):
   check_against_reference(f, x, mask=mask, score_mod=_alibi_softcap)
 
 
+@SLOW  # two interpret-mode forwards and the backward
 def test_rows_without_keys_are_zero():
   # CausalMask(-40): the first 40 queries see no key.
   x = make_inputs(3, 1, 100, 100, 1, 1, 64, jnp.bfloat16)
@@ -572,10 +593,10 @@ def test_gpu_value_head_dim_of_its_own(grads):
   check_against_reference(lambda q, k, v, _: pm.attention(q, k, v, mask=mask), x, mask=mask, grads=grads)
 
 
-@pytest.mark.parametrize("d,dv,mask,cfg", [
-    pytest.param(192, 128, M.CausalMask(), None, marks=SLOW), (192, 128, None, None),
+@pytest.mark.parametrize("d,dv,mask,cfg", [  # lowering only, no interpret run: fast
+    (192, 128, M.CausalMask(), None), (192, 128, None, None),
     (192, 128, None, pm.MosaicForwardConfig(64, 64, 2, 2, overlap=True)),  # not persistent: an output buffer of its own
-    pytest.param(128, 64, None, pm.MosaicForwardConfig(64, 128, 2, 2, True, cluster=2, overlap=True), marks=SLOW)])
+    (128, 64, None, pm.MosaicForwardConfig(64, 128, 2, 2, True, cluster=2, overlap=True))])
 def test_value_head_dim_of_its_own_lowers_for_sm90(monkeypatch, d, dv, mask, cfg):
   # The paths interpret mode cannot run (registers as wgmma's P operand, in-place accumulation).
   import re

@@ -17,8 +17,8 @@ test_rows_without_keys_are_zero        rows with no valid key: exact zeros, zero
 test_traced_lengths_are_clamped        traced out-of-range lengths: exactly the clamped call
 test_float64                           float64 inputs are computed in float64
 test_triton_interpret                  the Triton kernel in Pallas interpret mode, small
-test_triton_interpret_thorough (slow)  the same at more tiles, more examples
-test_mosaic_interpret_thorough (slow)  the Mosaic GPU kernel in interpret mode (bf16/fp16, d 64)
+test_triton_interpret_thorough (thor)  the same at more tiles, more examples
+test_mosaic_interpret_thorough (thor)  the Mosaic GPU kernel in interpret mode (bf16/fp16, d 64)
 =====================================  =========================================================
 
 The XLA properties run ``implementation=None`` (the CPU default) and ``"xla"``; which
@@ -26,10 +26,11 @@ formulation runs (dense, decoding, one flash tile, 256-tiles) follows from the d
 Explicit ``@example`` cases pin known regressions.
 
 Profiles (registered here): "probjax-quick" by default, a few examples per property at small
-sizes, no shrinking (the unmarked tests take about 75 s of CPU time); "probjax-thorough"
-for the tests marked ``slow``, with more and larger examples and shrinking. The slow tests run
-only when selected: ``pytest -m slow tests/test_properties.py``, or with
-``PROBJAX_HYPOTHESIS_PROFILE=thorough``, which also gives the unmarked tests the thorough
+sizes, no shrinking (the properties take about 75 s of CPU time: they are marked ``slow``);
+"probjax-thorough" for the tests marked ``thorough`` (also slow), with more and larger examples
+and shrinking. The thorough tests run only when selected: ``pytest -m slow
+tests/test_properties.py``, or with
+``PROBJAX_HYPOTHESIS_PROFILE=thorough``, which also gives the other properties the thorough
 budget; PROBJAX_HYPOTHESIS_EXPLICIT=0 skips the pinned examples. Every example is
 derandomized and nothing is stored in a database, so a run is repeatable; a failure prints
 its ``AttnCase`` and the drawn arguments as a reproducer.
@@ -51,6 +52,11 @@ from probjax.ops.attention.masks import round_up
 from probjax.testing import (HEADS, KERNEL_SCORE_MODS, LENGTHS, REGIMES, AttnCase, MaskSpec, assert_matches,
                              attention_cases, lengths_pairs, poison, reference_apply, reference_grads,
                              reference_jvp, reference_valid, regime)
+
+# Every drawn example compiles its own calls (2-10 s of CPU a property, whatever the sizes): the
+# properties run in the slow step (make test-slow), the thorough ones by hand (marked thorough:
+# CI's -k "not thorough" leaves them out).
+SLOW = pytest.mark.slow
 
 # -- hypothesis profiles ----------------------------------------------------------------------
 _COMMON = dict(deadline=None, derandomize=True, database=None, print_blob=False,
@@ -149,6 +155,7 @@ def test_drawn_lengths_reach_every_formulation():
   assert {regime(*p) for p in pairs} == set(REGIMES)
 
 
+@SLOW
 @timeout(150)
 @budget(2, 60)
 @given(case=cases, api=APIS, implementation=IMPLEMENTATIONS, jit=st.booleans())
@@ -160,6 +167,7 @@ def test_values_and_gradients(case, api, implementation, jit):
   assert_matches(got, ref_named(case, x, bias), case.dtype, what=f"{case.regime} {case}")
 
 
+@SLOW
 @timeout(150)
 @budget(2, 60)
 @given(case=cases, tangents=st.sets(st.sampled_from(["q", "k", "v", "bias"]), min_size=1),
@@ -187,6 +195,7 @@ def test_jvp(case, tangents, implementation, jit):
                  what=f"{case.regime} jvp in {active}{' (jit)' if jit else ''}: {case}")
 
 
+@SLOW
 @timeout(150)
 @budget(2, 30)
 @given(case=attention_cases(max_work=WORK // 2, biases=()), mode=st.sampled_from(["fwd-over-rev", "rev-over-rev"]),
@@ -214,6 +223,7 @@ def test_second_order(case, mode, jit):
                  what=f"{case.regime} {mode}: {case}")
 
 
+@SLOW
 @timeout(150)
 @budget(2, 30)
 @given(case=cases, api=APIS, implementation=IMPLEMENTATIONS)
@@ -232,6 +242,7 @@ def _flipped(mask):
   return jax.tree.map(lambda a: a[::-1], mask)
 
 
+@SLOW
 @timeout(150)
 @budget(2, 30)
 @given(case=attention_cases(dtypes=DTYPES, max_work=WORK // 2, masks=POSITION_MASKS),
@@ -258,6 +269,7 @@ def test_vmap(case, implementation, jit):
                    named(r[0], r[1:]), case.dtype, what=f"{case.regime} vmap slice {i}: {case}")
 
 
+@SLOW
 @timeout(150)
 @budget(2, 40)
 @given(case=attention_cases(dtypes=("float32", "bfloat16"), max_work=WORK, masks=LENGTH_MASKS),
@@ -318,6 +330,7 @@ CONSTANT_EMPTY_MASK = AttnCase(1, 512, 512, 6, 2, 64, mask=MaskSpec(kv_lengths=(
                                                                      segments=(22, 0)), seed=5)
 
 
+@SLOW
 @timeout(150)
 @budget(2, 50)
 @given(case=empty_row_cases(), implementation=IMPLEMENTATIONS,
@@ -357,6 +370,7 @@ def test_rows_without_keys_are_zero(case, implementation, jit):
     _exactly_zero_where("dbias", got["dbias"], dead)
 
 
+@SLOW
 @timeout(150)
 @budget(2, 40)
 @given(case=attention_cases(dtypes=("float32", "bfloat16"), max_work=WORK, masks=LENGTH_MASKS,
@@ -378,6 +392,7 @@ def test_traced_lengths_are_clamped(case, implementation):
   assert_matches(raw, ref_named(case, x, bias), case.dtype, what=f"{case.regime} clamped lengths: {case}")
 
 
+@SLOW
 @timeout(150)
 @budget(2, 30)
 @given(case=attention_cases(max_work=WORK // 2, dtypes=("float64",)), api=APIS,
@@ -444,6 +459,7 @@ def kernel_calls(draw, *, lengths, dtypes, head_dims, max_work, heads=HEADS, sca
   return case, jit
 
 
+@SLOW
 @timeout(150)
 @budget(2, 12)
 @given(call=kernel_calls(lengths=SMALL, dtypes=("float32", "bfloat16"), head_dims=(16, 32),
@@ -455,7 +471,7 @@ def test_triton_interpret(call, implementation, transform):
   kernel_check(case, implementation=implementation, transform=transform, jit=jit, interpret=True)
 
 
-@pytest.mark.slow
+@pytest.mark.thorough
 @pytest.mark.timeout(1800)
 @budget(0, 40, slow=True)
 @given(call=kernel_calls(lengths=(1, 5, 16, 63, 64, 65, 127, 200, 257, 300), dtypes=("float32", "bfloat16", "float16"),
@@ -473,7 +489,7 @@ MOSAIC_KV_CACHE = AttnCase(1, 64, 64, 2, 1, 64, dtype="bfloat16", mask=MaskSpec(
 
 # Interpret-mode Mosaic runs warpgroups as threads that can deadlock inside XLA callbacks, where a
 # signal cannot interrupt them: the thread method ends the run loudly instead of hanging it.
-@pytest.mark.slow
+@pytest.mark.thorough
 @pytest.mark.timeout(900, method="thread")
 @budget(0, 8, slow=True)
 @given(call=kernel_calls(lengths=(1, 64, 65, 150), dtypes=("bfloat16", "float16"), head_dims=(64,),

@@ -53,6 +53,7 @@ def test_help():
     assert opt in r.stdout
 
 
+@pytest.mark.slow  # the --quick report in a fresh interpreter: every implementation, fwd and fwd+bwd
 def test_quick_cli_writes_rows(tmp_path):
   out = tmp_path / "report.json"
   r = _run_cli("--quick", "--output", str(out))
@@ -141,7 +142,10 @@ def test_runtime_failure_in_one_impl_does_not_abort(tmp_path, monkeypatch, capsy
   assert all(r["status"] == "ok" for r in rows if r["impl"] == "probjax_default")
 
 
-@pytest.mark.parametrize("mask", ["window", "kv_len", "segments"])
+# Each report runs three implementations forward and backward (3-6 s of CPU): the kv_len one in
+# make test, the other masks slow.
+@pytest.mark.parametrize("mask", [pytest.param("window", marks=pytest.mark.slow), "kv_len",
+                                  pytest.param("segments", marks=pytest.mark.slow)])
 def test_masks_and_gqa_options(tmp_path, mask):
   out = tmp_path / "r.json"
   rc = report.main(["--quick", "--seq", "40", "--heads", "4", "--kv-heads", "2", "--mask", mask,
@@ -239,7 +243,8 @@ def test_time_call_returns_the_compiling_calls_output():
   assert len(calls) == 1 + 1 + 3  # the compiling call, the estimate, 3 repeats
 
 
-@pytest.mark.parametrize("mask", ["none", "causal", "kv_len", "segments"])
+@pytest.mark.parametrize("mask", [pytest.param("none", marks=pytest.mark.slow), "causal",  # 2-5 s a mask
+                                  pytest.param("kv_len", marks=pytest.mark.slow), "segments"])
 def test_chunked_reference_matches_reference(mask):
   from probjax.ops.attention.reference import reference_vjp
   from probjax.ops.attention.tolerances import max_error

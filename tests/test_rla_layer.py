@@ -28,7 +28,9 @@ def _x():
 with_state = nnx.jit(lambda layer, x: layer(x, return_state=True))
 
 
-@pytest.mark.parametrize("kw", [{}, {"window_size": 0, "feature_map": "relu"},
+# Decoding step by step (a jitted step per position and full passes): make test keeps one
+# configuration; the default and the GQA window are slow.
+@pytest.mark.parametrize("kw", [pytest.param({}, marks=pytest.mark.slow), {"window_size": 0, "feature_map": "relu"},
                                 pytest.param({"window_size": 20, "num_kv_heads": 1}, marks=pytest.mark.slow)])
 def test_decoding_equals_the_full_pass(kw):
   layer, x = _layer(**kw), _x()

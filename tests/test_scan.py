@@ -23,6 +23,14 @@ FNS = {"mamba": mamba_scan, "ssd": ssd_scan, "rla": residual_linear_attention}
 CASES = [(op, impl) for op, impls in IMPLS.items() for impl in impls]
 WINDOW = 5
 
+# Each case compiles the op's forward and backward (the Triton kernels in interpret mode on
+# CPU) and runs the float64 reference in NumPy: 1-4 s of CPU a case. make test runs every op
+# and implementation once (test_matches_reference) and the bf16, optional-input and kernel
+# checks once; the other lengths, chunk sizes and ops are slow, and the chunk sizes beyond the
+# default and 16 are thorough (CI leaves them to make test-slow).
+SLOW = pytest.mark.slow
+THOROUGH = pytest.mark.thorough
+
 
 def inputs(op, length, seed=0, *, decay=1.0, optional=True, channels=6, state=4):
   """Float32 inputs of ``op`` at ``length`` (small widths; GQA and groups > 1). ``decay``
@@ -96,7 +104,7 @@ def test_matches_reference(op, impl):
   check(op, impl, inputs(op, 65), chunk_size=chunk_for(impl))
 
 
-@pytest.mark.slow
+@SLOW  # 42 cases
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("length", [1, 63, 64, 1000])
 @pytest.mark.parametrize("op, impl", CASES)
@@ -104,7 +112,7 @@ def test_lengths(op, impl, length):
   check(op, impl, inputs(op, length, seed=length))
 
 
-@pytest.mark.slow
+@SLOW  # 10 cases
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("length", [63, 64])
 @pytest.mark.parametrize("op, impl", [c for c in CASES if c[1] in ("chunked", "triton")])
@@ -112,8 +120,7 @@ def test_chunk_boundaries(op, impl, length):
   check(op, impl, inputs(op, length, seed=3), chunk_size=chunk_for(impl))
 
 
-@pytest.mark.parametrize("op", ["mamba", pytest.param("ssd", marks=pytest.mark.slow),
-                                pytest.param("rla", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("op", ["mamba", pytest.param("ssd", marks=SLOW), pytest.param("rla", marks=SLOW)])
 def test_without_optional_inputs(op):
   kw = {"dt_softplus": False} if op != "rla" else {"feature_map": "relu"}
   a = inputs(op, 40, optional=False)
@@ -142,16 +149,17 @@ def bf16_inputs(op, length, seed=0):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("op", list(IMPLS))
+@pytest.mark.parametrize("op", [pytest.param("mamba", marks=SLOW), "ssd", pytest.param("rla", marks=SLOW)])
 def test_bfloat16_chunked_default_chunk(op):
   """At the default chunk (Mamba-1: 16 at this length, SSD and RLA: 64): within the bf16 bounds
   (so NaN-free) in values and gradients."""
   check(op, "chunked", bf16_inputs(op, 130), dtype=jnp.bfloat16)
 
 
-@pytest.mark.slow
+@SLOW  # 30 cases at length 300; chunks 8, 32, 64 and 128 repeat the default's and 16's checks
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("chunk", [None, 8, 16, 32, 64, 128])
+@pytest.mark.parametrize("chunk", [None, pytest.param(8, marks=THOROUGH), 16, pytest.param(32, marks=THOROUGH),
+                                   pytest.param(64, marks=THOROUGH), pytest.param(128, marks=THOROUGH)])
 @pytest.mark.parametrize("op, impl", [c for c in CASES if c[1] in ("chunked", "triton")])
 def test_bfloat16_at_chunks(op, impl, chunk):
   if impl == "triton" and chunk == 8:

@@ -114,6 +114,7 @@ _SHARDED = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a subprocess on 4 fake CPU devices compiling every partitioning (and the Triton kernel)
 def test_partitioned_over_batch_and_heads_on_four_devices():
   rows = run_on_fake_devices(_SHARDED, 4, timeout=300)
   got = {(r["kv_heads"], r["spec"]): r for r in rows if "spec" in r}

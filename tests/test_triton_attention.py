@@ -26,7 +26,16 @@ TF32 = float32_is_tf32()  # on a GPU, float32 matmuls run as TF32 (tolerances bo
 
 # Interpret-mode runs that crawl on a loaded machine fail loudly rather than stall CI.
 pytestmark = pytest.mark.timeout(300, method="thread")
-SLOW = pytest.mark.slow  # interpret-mode cases over about 10 s on a 2-core machine
+# Interpret mode: each new shape, config or mask compiles the forward and backward kernels
+# (2-9 s of CPU a case, most of it XLA compiling; the shapes run in milliseconds). make test
+# keeps one or two cases of each kernel feature and backward variant; the rest of each grid is
+# slow.
+SLOW = pytest.mark.slow
+
+
+def _slow_except(values, *fast):
+  """``values`` as parameters, all but those in ``fast`` marked slow."""
+  return [v if v in fast else pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=SLOW) for v in values]
 
 IMPLS = ("triton_split", "triton_fused", "triton_onepass")
 FC16 = pt.ForwardConfig(16, 16, 4, 1)
@@ -85,30 +94,31 @@ MASKS = ("none", "causal", "causal_offset", "causal_neg", "window", "window_caus
          "lengths", "segments", "segments_causal", "window_kvlen")
 
 
-@pytest.mark.parametrize("mask_name", MASKS)
+@pytest.mark.parametrize("mask_name", _slow_except(MASKS, "causal_offset", "lengths", "segments_causal"))
 def test_masks(mask_name):
   tq, tk = (63, 100) if MASKS.index(mask_name) % 2 else (100, 63)
   q, k, v, do = _inputs(MASKS.index(mask_name) * 7 + tq, 2, tq, tk, 4, 2, 32, jnp.float32)
   _check(q, k, v, do, mask=_mask(mask_name, 2, tq, tk))
 
 
-@pytest.mark.parametrize("tq,tk,d", [(1, 1, 32), (1, 200, 64), (7, 7, 32), (200, 7, 32), (63, 63, 64),
-                                     (200, 200, 32), (7, 100, 96)])
+@pytest.mark.parametrize("tq,tk,d", _slow_except([(1, 1, 32), (1, 200, 64), (7, 7, 32), (200, 7, 32), (63, 63, 64),
+                                                  (200, 200, 32), (7, 100, 96)], (7, 100, 96)))
 def test_lengths_and_head_dims(tq, tk, d):
   q, k, v, do = _inputs(tq * 1000 + tk + d, 2, tq, tk, 4, 2, d, jnp.float32)
   _check(q, k, v, do, mask=CausalMask(tk - tq), bc=BC_MIXED)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("mask_name", ["causal_offset", "segments_causal"])
+@pytest.mark.parametrize("mask_name,impl", _slow_except(  # test_masks runs triton_split
+    [(m, i) for m in ("causal_offset", "segments_causal") for i in IMPLS],
+    ("causal_offset", "triton_fused"), ("causal_offset", "triton_onepass")))
 def test_backward_variants(impl, mask_name):
   q, k, v, do = _inputs(11, 2, 63, 100, 4, 2, 32, jnp.float32)
   _check(q, k, v, do, mask=_mask(mask_name, 2, 63, 100), impl=impl, bc=BC_MIXED)
 
 
-@pytest.mark.parametrize("impl,h,hkv", [pytest.param("triton_split", 4, 1, marks=SLOW), ("triton_fused", 4, 1),
-                                        ("triton_onepass", 4, 1), ("triton_split", 4, 4),
-                                        pytest.param("triton_fused", 6, 2, marks=SLOW)])
+@pytest.mark.parametrize("impl,h,hkv", _slow_except([("triton_split", 4, 1), ("triton_fused", 4, 1), ("triton_onepass", 4, 1),
+                                                     ("triton_split", 4, 4), ("triton_fused", 6, 2)],
+                                                    ("triton_onepass", 4, 1)))
 def test_gqa_mqa(impl, h, hkv):
   q, k, v, do = _inputs(12 + h + hkv, 2, 50, 70, h, hkv, 32, jnp.float32)
   _check(q, k, v, do, mask=CausalMask(20), impl=impl)
@@ -118,23 +128,24 @@ def _alibi_softcap(s, b, h, q_idx, kv_idx):
   return 20.0 * jnp.tanh((s - 0.25 * (h + 1) * jnp.abs(q_idx - kv_idx).astype(jnp.float32) / 8) / 20.0)
 
 
-@pytest.mark.parametrize("impl,mask_name", [("triton_split", "none"), ("triton_split", "segments"),
-                                             ("triton_fused", "window_causal"),
-                                             ("triton_onepass", "window_causal")])
+@pytest.mark.parametrize("impl,mask_name", _slow_except([("triton_split", "none"), ("triton_split", "segments"),
+                                                       ("triton_fused", "window_causal"), ("triton_onepass", "window_causal")],
+                                                      ("triton_onepass", "window_causal")))
 def test_score_mod(impl, mask_name):
   q, k, v, do = _inputs(13, 2, 63, 100, 4, 2, 32, jnp.float32)
   _check(q, k, v, do, mask=_mask(mask_name, 2, 63, 100), score_mod=_alibi_softcap, impl=impl, scale=0.3)
 
 
-@pytest.mark.parametrize("impl,dtype", [(i, jnp.bfloat16) for i in IMPLS] + [("triton_split", jnp.float16)])
+@pytest.mark.parametrize("impl,dtype", _slow_except([(i, jnp.bfloat16) for i in IMPLS] + [("triton_split", jnp.float16)],
+                                                    ("triton_onepass", jnp.bfloat16)))
 def test_half_precision(impl, dtype):
   q, k, v, do = _inputs(14, 2, 100, 63, 4, 2, 64, dtype)
   _check(q, k, v, do, mask=_mask("segments_causal", 2, 100, 63), impl=impl,
          fc=pt.ForwardConfig(32, 16, 4, 1), bc=pt.BackwardConfig(16, 32, 32, 16, 4, 1))
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("splits", [1, 2, 4])
+@pytest.mark.parametrize("splits,impl", _slow_except([(s, i) for s in (1, 2, 4) for i in IMPLS],
+                                                    (2, "triton_fused"), (4, "triton_onepass")))
 def test_gqa_group_splits(impl, splits):
   """dK/dV summed by one program per group, or by 2/4 programs whose partials XLA adds."""
   q, k, v, do = _inputs(60 + splits, 2, 50, 70, 8, 2, 32, jnp.float32)
@@ -164,8 +175,8 @@ def test_heavy_first_order_is_a_permutation(n_tiles, ny, nz, group):
   assert cfg.order_group("sm_90", 8 << 20) == 3 and cfg.order_group("sm_86", 1 << 30) == 1
 
 
-@pytest.mark.parametrize("impl,mask_name", [("triton_split", "causal"), ("triton_onepass", "causal"),
-                                            ("triton_split", "segments_causal")])
+@pytest.mark.parametrize("impl,mask_name", _slow_except([("triton_split", "causal"), ("triton_onepass", "causal"),
+                                                       ("triton_split", "segments_causal")], ("triton_onepass", "causal")))
 def test_causal_grids_in_groups_of_heads(monkeypatch, impl, mask_name):
   # Groups of at most 1 and 3 (batch, head) pairs (the forward's 8 pairs: 2, 3, 3): each program still
   # computes its own tile exactly.
@@ -188,7 +199,7 @@ def test_group_splits_choice():
     pt.BackwardConfig(group_splits=0)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", _slow_except(IMPLS, "triton_onepass"))
 def test_fully_masked_rows_are_zero(impl):
   q, k, v, do = _inputs(15, 2, 40, 40, 4, 2, 32, jnp.float32)
   # batch 0 has no keys at all; rows 0..2 of every batch have none under causal(-3).
@@ -201,7 +212,7 @@ def test_fully_masked_rows_are_zero(impl):
   assert not np.any(np.asarray(dq[0])) and not np.any(np.asarray(dk[0])) and not np.any(np.asarray(dv[0]))
 
 
-@pytest.mark.parametrize("impl", [pytest.param("triton_split", marks=SLOW), "triton_fused", "triton_onepass"])
+@pytest.mark.parametrize("impl", _slow_except(IMPLS, "triton_onepass"))
 def test_skipped_tiles_are_not_loaded(impl):
   """Keys in tiles that the mask empties hold NaN: skipped tiles never touch them."""
   q, k, v, do = _inputs(16, 2, 48, 64, 4, 2, 32, jnp.float32)
@@ -222,7 +233,7 @@ def test_skipped_tiles_are_not_loaded(impl):
     assert max_error(dq, ref[1]) <= tolerance(jnp.float32, grad=True)
 
 
-@pytest.mark.parametrize("impl", ["triton_split", "triton_fused"])
+@pytest.mark.parametrize("impl", _slow_except(("triton_split", "triton_fused"), "triton_fused"))
 def test_two_pass_backward_is_deterministic(impl):
   q, k, v, do = _inputs(17, 2, 100, 63, 4, 2, 32, jnp.float32)
   f = lambda q, k, v: pt.attention(q, k, v, mask=CausalMask(5), backward_pass_impl=impl,
@@ -419,13 +430,13 @@ def test_gpu_fast_exp2(mask_name):
          bc=pt.BackwardConfig(32, 128, 128, 64, 4, 3, fast_exp2=True), interpret=False)
 
 
-@pytest.mark.parametrize("scale", [-0.3, 0.0, 2.0])
+@pytest.mark.parametrize("scale", _slow_except((-0.3, 0.0, 2.0), 0.0))
 def test_any_scale(scale):
   q, k, v, do = _inputs(11, 2, 40, 70, 2, 1, 32, jnp.float32)
   _check(q, k, v, do, mask=CausalMask(30), scale=scale)
 
 
-@pytest.mark.parametrize("impl", [pytest.param("triton_split", marks=SLOW), "triton_fused", "triton_onepass"])
+@pytest.mark.parametrize("impl", _slow_except(IMPLS, "triton_onepass"))
 def test_gradients_within_twice_a_same_precision_reference(impl):
   from probjax.nn.layers.attention import dot_product_attention
   from probjax.testing import check_against_same_precision, make_inputs
@@ -437,7 +448,7 @@ def test_gradients_within_twice_a_same_precision_reference(impl):
       lambda q, k, v: dot_product_attention(q, k, v, mask=mask, implementation="xla"), x, mask=mask)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", _slow_except(IMPLS, "triton_onepass"))
 def test_odd_lengths_with_very_negative_scores(impl):
   # Every score near -150: a key row past kv_len (zeros, score 0) would get p = exp(150) =
   # inf, and inf * 0 = NaN in the onepass dQ, unless its tile is masked.
@@ -451,10 +462,11 @@ def test_odd_lengths_with_very_negative_scores(impl):
 SKV = pt.SplitKVConfig(block_k=16, num_splits=3)
 
 
-@pytest.mark.parametrize("tq,h,hkv,tk,d,mask_name", [
+@pytest.mark.parametrize("tq,h,hkv,tk,d,mask_name", _slow_except([
     (1, 8, 2, 300, 64, "none"), (3, 4, 4, 517, 32, "kv_lengths"), (5, 6, 2, 700, 64, "causal_offset"),
     (2, 4, 1, 400, 64, "window_causal"), (4, 4, 2, 333, 32, "segments"), (7, 4, 2, 260, 96, "lengths"),
-    (33, 2, 1, 200, 32, "none")])  # 66 packed rows: two row tiles of 64
+    (33, 2, 1, 200, 32, "none")],  # 66 packed rows: two row tiles of 64
+    (33, 2, 1, 200, 32, "none")))
 def test_split_kv_matches_reference(tq, h, hkv, tk, d, mask_name):
   q, k, v, _ = _inputs(tq * tk, 2, tq, tk, h, hkv, d, jnp.float32)
   mask = _mask(mask_name, 2, tq, tk)
@@ -488,6 +500,7 @@ def test_split_kv_combine():
   assert np.all(got[4] == 0)
 
 
+@SLOW
 def test_split_kv_rows_without_keys_are_zero():
   q, k, v, _ = _inputs(3, 3, 2, 300, 4, 2, 32, jnp.float32)
   mask = KVLenMask(jnp.array([0, 5, 300]))  # batch 0 has no key; batch 1's keys are in split 0
@@ -496,7 +509,7 @@ def test_split_kv_rows_without_keys_are_zero():
   assert max_error(out, reference_attention(q, k, v, mask=mask)) <= tolerance(jnp.float32)
 
 
-@pytest.mark.parametrize("band", [None, LocalWindowMask(100, 0)])
+@pytest.mark.parametrize("band", [pytest.param(None, marks=SLOW), LocalWindowMask(100, 0)])
 def test_split_kv_shares_the_valid_keys(band):
   """Key lengths far below the cache: the splits divide each element's valid tiles (a split
   may get none: its lse is -inf), also inside a band."""
@@ -507,6 +520,7 @@ def test_split_kv_shares_the_valid_keys(band):
   assert max_error(out, reference_attention(q, k, v, mask=mask)) <= tolerance(jnp.float32)
 
 
+@SLOW  # the split-KV forward, the regular kernels and their backward
 def test_split_kv_bf16_and_grad_runs_the_regular_kernel():
   q, k, v, do = _inputs(4, 2, 2, 400, 8, 2, 64, jnp.bfloat16)
   f = lambda q, k, v: pt.attention(q, k, v, split_kv=SKV, forward_config=FC16, backward_config=BC16,
@@ -589,7 +603,7 @@ def test_ranges_from_classes():
   assert r[:, 2].tolist() == [6, 6, 6, 6]   # nothing to visit
 
 
-@pytest.mark.parametrize("backend", ["triton", "mosaic"])
+@pytest.mark.parametrize("backend", ["triton", pytest.param("mosaic", marks=SLOW)])  # mosaic: interpret-mode Mosaic GPU
 def test_score_mod_with_non_finite_values_under_the_mask(backend):
   # The modifier and its derivative are NaN exactly where the causal mask hides the key (the
   # log of a negative number): the kernels' outputs and gradients stay finite.
@@ -660,8 +674,8 @@ def test_value_head_dim_fully_masked_rows_are_zero(impl):
   assert not np.any(np.asarray(dq[0])) and not np.any(np.asarray(dk[0])) and not np.any(np.asarray(dv[0]))
 
 
-@pytest.mark.parametrize("d,dv,mask_name", [(48, 32, "causal_offset"), (32, 64, "kv_lengths"),
-                                             pytest.param(48, 32, "kv_lengths", marks=SLOW)])
+@pytest.mark.parametrize("d,dv,mask_name", _slow_except([(48, 32, "causal_offset"), (32, 64, "kv_lengths"),
+                                                         (48, 32, "kv_lengths")], (48, 32, "causal_offset")))
 def test_split_kv_value_head_dim(d, dv, mask_name):
   from probjax.testing import make_inputs
   x = make_inputs(d * dv, 2, 3, 100, 4, 2, d, v_head_dim=dv)

@@ -14,6 +14,17 @@ from probjax.ops.attention.reference import reference_attention, _attention64
 from probjax.ops.attention.tolerances import max_error, scaled_tolerance, tolerance
 from probjax.testing import MASK_NAMES, check_against_reference, make_inputs, make_mask
 
+# Each case compiles its own forward, backward and float64 reference: 1-13 s of CPU a case on a
+# 2-core machine, nearly all of it XLA compiling (the shapes run in milliseconds). make test
+# keeps the mask grid of the dense and the one-tile flash formulations and one or two cases of
+# each other test; the multi-tile grid, the other lengths, dtypes and repeats are slow.
+SLOW = pytest.mark.slow
+
+
+def _slow_except(values, *fast):
+  """``values`` as parameters, all but those in ``fast`` marked slow."""
+  return [v if v in fast else pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=SLOW) for v in values]
+
 
 def _xla(formulation, mask=None, score_mod=None, **kw):
   def attn(q, k, v, bias):
@@ -22,16 +33,19 @@ def _xla(formulation, mask=None, score_mod=None, **kw):
   return attn
 
 
-@pytest.mark.parametrize("mask_name", MASK_NAMES)
-@pytest.mark.parametrize("formulation,tq,tk", [("dense", 37, 53), ("flash", 300, 211), ("flash", 600, 600)])
+@pytest.mark.parametrize("formulation,tq,tk,mask_name", _slow_except(
+    [(f, tq, tk, m) for f, tq, tk in [("dense", 37, 53), ("flash", 300, 211), ("flash", 600, 600)] for m in MASK_NAMES],
+    *[(f, tq, tk, m) for f, tq, tk in [("dense", 37, 53), ("flash", 300, 211)] for m in MASK_NAMES],
+    ("flash", 600, 600, "lengths"), ("flash", 600, 600, "causal&kv_len"), ("flash", 600, 600, "window&segments")))
 def test_masks_values_and_grads(mask_name, formulation, tq, tk):
   x = make_inputs(hash((mask_name, tq)) % 1000, 2, tq, tk, 4, 2, 32)
   mask = make_mask(mask_name, 2, tq, tk, seed=tq)
   check_against_reference(_xla(formulation, mask), x, mask=mask)
 
 
-@pytest.mark.parametrize("tq,tk,blocks", [(1, 1, None), (7, 63, None), (63, 7, None), (257, 513, None),
-                                          (1500, 1500, None), (600, 1500, 128), (3000, 5, None)])
+@pytest.mark.parametrize("tq,tk,blocks", _slow_except([(1, 1, None), (7, 63, None), (63, 7, None), (257, 513, None),
+                                                       (1500, 1500, None), (600, 1500, 128), (3000, 5, None)],
+                                                      (7, 63, None), (257, 513, None)))
 def test_odd_lengths_gqa(tq, tk, blocks):
   x = make_inputs(tq * 7 + tk, 1, tq, tk, 6, 2, 16)
   mask = M.CausalMask(offset=tk - tq) if tk >= tq else None
@@ -39,6 +53,7 @@ def test_odd_lengths_gqa(tq, tk, blocks):
   check_against_reference(attn, x, mask=mask)
 
 
+@SLOW  # three formulations at 700 x 700
 def test_regimes_agree_and_tiles_are_skipped():
   """Dense, single-tile and 256-tiled formulations compute the same function."""
   x = make_inputs(3, 2, 700, 700, 2, 1, 32)
@@ -54,6 +69,7 @@ def test_regimes_agree_and_tiles_are_skipped():
   assert (int(lo), int(hi)) == (1, 3)  # query tile 2 (rows 512..699) needs key tiles 1..2 only
 
 
+@SLOW  # six forward + backward compiles
 def test_bias_gradient_broadcast_shapes():
   x = make_inputs(11, 2, 300, 290, 4, 4, 16)
   for shape in [(1, 4, 300, 290), (2, 1, 1, 290), (300, 290)]:
@@ -65,6 +81,7 @@ def test_bias_gradient_broadcast_shapes():
       assert "dbias" in errs
 
 
+@SLOW  # gradients in float32 and float64 on two formulations
 def test_score_mod_with_captured_array_gradient():
   x = make_inputs(5, 1, 300, 300, 4, 2, 16)
   slopes = jnp.linspace(0.05, 0.4, 4)
@@ -88,7 +105,7 @@ def test_score_mod_with_captured_array_gradient():
   check_against_reference(_xla("flash", M.CausalMask(), mod), x, mask=M.CausalMask(), score_mod=mod, scale=None)
 
 
-@pytest.mark.parametrize("formulation,t", [("dense", 40), ("flash", 300)])
+@pytest.mark.parametrize("formulation,t", _slow_except([("dense", 40), ("flash", 300)], ("flash", 300)))
 def test_jvp_matches_reference(formulation, t):
   x = make_inputs(8, 2, t, t, 4, 2, 16)
   mask = M.CausalMask() & M.KVLenMask(jnp.array([t, 0]))
@@ -105,6 +122,7 @@ def test_jvp_matches_reference(formulation, t):
   assert max_error(got, want) <= tolerance(jnp.float32, grad=True)
 
 
+@SLOW  # vmap of grad, three grads and a vmap of jvp
 def test_vmap_of_grad_and_jvp():
   x = make_inputs(9, 3, 300, 300, 2, 1, 16)
   f = lambda q, k, v: flex_attention(q[None], k[None], v[None], mask=M.CausalMask())[0]
@@ -115,8 +133,8 @@ def test_vmap_of_grad_and_jvp():
   assert t.shape == x.q.shape and np.all(np.isfinite(np.asarray(t)))
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("t", [100, 600])
+@pytest.mark.parametrize("t,dtype", _slow_except([(t, d) for t in (100, 600) for d in (jnp.bfloat16, jnp.float16)],
+                                                  (100, jnp.float16)))
 def test_low_precision_inputs(dtype, t):
   x = make_inputs(4, 2, t, t, 4, 2, 64, dtype)
   mask = make_mask("segments", 2, t, t)
@@ -145,8 +163,9 @@ def test_fully_masked_rows_are_zero_with_zero_gradients():
     assert np.all(np.asarray(dk[1, 50:]) == 0)
 
 
-@pytest.mark.parametrize("formulation,t", [("dense", 64), ("flash", 300)])
-@pytest.mark.parametrize("broadcast", [True, False])
+@pytest.mark.parametrize("broadcast,formulation,t", _slow_except(
+    [(b, f, t) for b in (False, True) for f, t in (("dense", 64), ("flash", 300))],
+    (False, "dense", 64), (False, "flash", 300)))
 def test_dropout(formulation, t, broadcast):
   x = make_inputs(2, 2, t, t, 2, 2, 16)
   v = jnp.ones_like(x.v)  # rows of P·1 are 1 before dropout: the mean after dropout must stay 1
@@ -168,6 +187,7 @@ def test_dropout(formulation, t, broadcast):
   assert max_error(zero, reference_attention(x.q, x.k, x.v)) <= tolerance(jnp.float32)
 
 
+@SLOW  # three compiles of the flash dropout path
 def test_dropout_flash_matches_dense_expectation():
   """Flash dropout is exact for its keep mask: its vjp matches a finite difference."""
   x = make_inputs(3, 1, 300, 300, 1, 1, 8)
@@ -191,9 +211,11 @@ def test_auto_formulation():
 
 
 # -- value head_dim != query/key head_dim (multi-head latent attention) --------------------------
-@pytest.mark.parametrize("mask_name", ["none", "causal", "kv_len_zero", "causal&kv_len"])
-@pytest.mark.parametrize("formulation,tq,tk", [("dense", 1, 48), ("dense", 7, 7), ("dense", 48, 48),
-                                               ("flash", 7, 300), ("flash", 300, 211)])
+@pytest.mark.parametrize("formulation,tq,tk,mask_name", _slow_except(
+    [(f, tq, tk, m) for f, tq, tk in [("dense", 1, 48), ("dense", 7, 7), ("dense", 48, 48), ("flash", 7, 300),
+                                      ("flash", 300, 211)] for m in ("none", "causal", "kv_len_zero", "causal&kv_len")],
+    *[(f, tq, tk, m) for f, tq, tk in [("dense", 48, 48), ("flash", 7, 300)]
+      for m in ("none", "causal", "kv_len_zero", "causal&kv_len")]))
 def test_value_head_dim_differs(mask_name, formulation, tq, tk):
   # GQA (4 query heads over 2 KV heads), q/k width 24, v width 16: values, dq, dk, dv.
   x = make_inputs(hash((mask_name, formulation, tq, tk)) % 1000, 2, tq, tk, 4, 2, 24, v_head_dim=16)
@@ -202,6 +224,7 @@ def test_value_head_dim_differs(mask_name, formulation, tq, tk):
   assert set(errors) == {"out", "dq", "dk", "dv"}
 
 
+@SLOW  # two public functions, forward and gradients
 def test_value_head_dim_differs_public_api_scale_and_empty_rows():
   x = make_inputs(3, 2, 7, 48, 4, 1, 12, v_head_dim=20)   # MQA, v wider than q/k
   mask = M.KVLenMask(jnp.array([48, 0]))
@@ -216,7 +239,7 @@ def test_value_head_dim_differs_public_api_scale_and_empty_rows():
     assert np.all(np.asarray(dq[1]) == 0) and np.all(np.asarray(dk[1]) == 0) and np.all(np.asarray(dv[1]) == 0)
 
 
-@pytest.mark.parametrize("formulation,t", [("dense", 7), ("flash", 300)])
+@pytest.mark.parametrize("formulation,t", _slow_except([("dense", 7), ("flash", 300)], ("flash", 300)))
 def test_value_head_dim_differs_jvp(formulation, t):
   x = make_inputs(11, 2, t, t, 4, 2, 24, v_head_dim=8)
   mask = M.CausalMask() & M.KVLenMask(jnp.array([t, 0]))
@@ -265,9 +288,10 @@ def _traced_segments(formulation, other=None, **kw):
   return run
 
 
-@pytest.mark.parametrize("kind", ["sorted", "unsorted", "padded"])
-@pytest.mark.parametrize("formulation,tq,tk,blocks", [("flash", 300, 300, None), ("flash", 300, 260, 128),
-                                                      ("dense", 40, 56, None)])
+@pytest.mark.parametrize("formulation,tq,tk,blocks,kind", _slow_except(
+    [(f, tq, tk, b, k) for f, tq, tk, b in [("flash", 300, 300, None), ("flash", 300, 260, 128), ("dense", 40, 56, None)]
+     for k in ("sorted", "unsorted", "padded")],
+    ("flash", 300, 260, 128, "padded"), ("dense", 40, 56, None, "unsorted")))
 def test_traced_segment_ids_match_reference(kind, formulation, tq, tk, blocks):
   """Ids passed to jit (the training case) compute what the float64 reference does, values and
   every gradient, on one tile and on several; queries and keys get different ids (cross
@@ -279,7 +303,8 @@ def test_traced_segment_ids_match_reference(kind, formulation, tq, tk, blocks):
   check_against_reference(lambda q, k, v, b: run(q, k, v, q_ids, kv_ids), x, mask=mask)
 
 
-@pytest.mark.parametrize("other", [M.CausalMask(), M.KVLenMask(jnp.array([250, 130])),
+@pytest.mark.parametrize("other", [pytest.param(M.CausalMask(), marks=SLOW),
+                                   pytest.param(M.KVLenMask(jnp.array([250, 130])), marks=SLOW),
                                    M.CausalMask() & M.KVLenMask(jnp.array([300, 1]))],
                          ids=["causal", "kv_len", "causal&kv_len"])
 def test_traced_segment_ids_with_other_predicates(other):
@@ -290,7 +315,7 @@ def test_traced_segment_ids_with_other_predicates(other):
   check_against_reference(lambda q, k, v, b: run(q, k, v, ids, ids), x, mask=mask)
 
 
-@pytest.mark.parametrize("blocks", [None, 128])
+@pytest.mark.parametrize("blocks", [None, pytest.param(128, marks=SLOW)])
 def test_traced_segment_ids_fully_masked_rows_are_zero(blocks):
   """Queries whose id no key has give zeros and zero gradients, never NaN."""
   t = 300

@@ -19,6 +19,12 @@ from probjax.testing import make_inputs
 
 # (formulation, q_len, kv_len): dense, one flash tile per axis, several 256-tiles.
 FORMULATIONS = [("dense", 40, 40), ("flash", 300, 300), ("flash", 600, 520)]
+
+# Each case compiles forward, backward, tangents and their float64 references (every tangent
+# subset: 30 compiles; second derivatives: four transforms in two precisions): 1-27 s of CPU on
+# a 2-core machine, nearly all XLA compiling. make test keeps one case of each regression on
+# the formulation it was found on; the others are slow.
+SLOW = pytest.mark.slow
 NAMES = ("q", "k", "v", "bias")
 
 
@@ -55,8 +61,8 @@ def _assert_close(got, want, dtype=jnp.float32, grad=True, what=""):
 
 
 # -- 1. jitted jvp: only the terms of present tangents ------------------------------------
-@pytest.mark.parametrize("formulation,tq,tk", FORMULATIONS[:2] + [
-    pytest.param(*FORMULATIONS[2], marks=pytest.mark.slow)])
+@SLOW  # every subset of four tangents, jitted and eager: 30 compiles a case
+@pytest.mark.parametrize("formulation,tq,tk", FORMULATIONS)
 def test_jit_jvp_matches_eager_and_reference_for_every_tangent_subset(formulation, tq, tk):
   """A missing tangent used to be a zeros array feeding an einsum; under jax.jit XLA:CPU's
   YNNPACK fusion turned that dot with a broadcast zero into garbage (1e36, inf, NaN) on the
@@ -77,6 +83,7 @@ def test_jit_jvp_matches_eager_and_reference_for_every_tangent_subset(formulatio
       _assert_close(eager, want, what=f"eager jvp in {names}")
 
 
+@SLOW
 def test_linearize_and_vmap_of_jvp_under_jit():
   """The fuzz report's other routes to the single-tile tangent pass: jax.linearize and
   vmap(jvp), jitted, with tangents on q only."""
@@ -94,8 +101,9 @@ def test_linearize_and_vmap_of_jvp_under_jit():
 
 
 # -- 2. rows at -inf from the bias or the score modifier ---------------------------------------
-@pytest.mark.parametrize("formulation,tq,tk", FORMULATIONS + [("dense", 4, 1500)])
-@pytest.mark.parametrize("source", ["bias", "score_mod"])
+@pytest.mark.parametrize("source,formulation,tq,tk", [
+    (s, *f) if (s, *f) in (("score_mod", "dense", 40, 40), ("score_mod", "flash", 300, 300)) else
+    pytest.param(s, *f, marks=SLOW) for s in ("bias", "score_mod") for f in FORMULATIONS + [("dense", 4, 1500)]])
 def test_rows_at_minus_inf_are_zero_with_zero_gradients(formulation, tq, tk, source):
   """A whole row at -inf (bias, or score_mod) has no valid key: zeros and zero gradients on
   every formulation (the dense one gave NaN through jax.nn.softmax), as in the reference."""
@@ -146,8 +154,9 @@ def _poison(x, lengths):
   return jnp.where(bad[:, :, None, None], junk, x)
 
 
-@pytest.mark.parametrize("t", [64, 300, 600])
-@pytest.mark.parametrize("mask_kind", ["kv_lengths", "lengths", "causal&kv_lengths"])
+@pytest.mark.parametrize("mask_kind,t", [
+    (m, t) if (m, t) in (("lengths", 64), ("lengths", 300), ("causal&kv_lengths", 600)) else
+    pytest.param(m, t, marks=SLOW) for m in ("kv_lengths", "lengths", "causal&kv_lengths") for t in (64, 300, 600)])
 def test_garbage_past_lengths_never_reaches_outputs_or_gradients(t, mask_kind):
   """NaN/inf in K, V past kv_lengths (one batch element with none valid) and in Q, dO and the
   tangents past q_lengths: outputs, gradients and tangents equal the reference's on clean
@@ -182,6 +191,7 @@ def test_garbage_past_lengths_never_reaches_outputs_or_gradients(t, mask_kind):
 
 
 # -- 4. float64 inputs compute in float64 ---------------------------------------------------
+@SLOW  # float64 forward, backward and tangent compiles
 @pytest.mark.parametrize("formulation,tq,tk", FORMULATIONS)
 def test_float64_inputs_compute_in_float64(formulation, tq, tk):
   """Output, gradients (bias too) and tangent within the float64 tolerance (they were
@@ -237,10 +247,10 @@ def _second_order(f, x, t):
 
 
 @pytest.mark.parametrize("formulation,t,mask", [
-    ("dense", 40, None), ("flash", 300, None), ("flash", 300, M.CausalMask()),
-    pytest.param("flash", 600, None, marks=pytest.mark.slow),
-    pytest.param("flash", 600, M.LocalWindowMask(left=200, right=0) & M.KVLenMask(jnp.array([550])),
-                 marks=pytest.mark.slow)])
+    pytest.param("dense", 40, None, marks=SLOW), pytest.param("flash", 300, None, marks=SLOW),
+    ("flash", 300, M.CausalMask()),
+    pytest.param("flash", 600, None, marks=SLOW),
+    pytest.param("flash", 600, M.LocalWindowMask(left=200, right=0) & M.KVLenMask(jnp.array([550])), marks=SLOW)])
 def test_second_derivatives_match_reference(formulation, t, mask):
   """The flash path is a custom_jvp whose tangent is a linear_call, whose JVP rule asserted
   the residuals had no tangent (a bare AssertionError for any second derivative), and its tile
@@ -255,7 +265,7 @@ def test_second_derivatives_match_reference(formulation, t, mask):
   _assert_close(gg, want[1], what="grad of grad")
 
 
-@pytest.mark.slow
+@SLOW
 @pytest.mark.parametrize("blocks", [None, 128])
 def test_second_derivatives_with_traced_segment_ids(blocks):
   """Segment ids as arguments of a jitted function: the tile skip decided from them at run
@@ -273,6 +283,7 @@ def test_second_derivatives_with_traced_segment_ids(blocks):
   _assert_close(gg, want[1], what="grad of grad")
 
 
+@SLOW  # jax.hessian in float32 and float64
 def test_hessian_in_score_mod_array():
   """jax.hessian (forward over reverse) in an array the score modifier closes over (ALiBi
   slopes), on the single-tile flash path with a causal mask."""
@@ -292,6 +303,7 @@ def test_hessian_in_score_mod_array():
   _assert_close(got, want, what="hessian")
 
 
+@SLOW
 def test_second_derivatives_through_with_forward_mode():
   """with_forward_mode's linear_call (a kernel's vjp as the transpose, an exact jvp as the
   tangent): its second derivatives too, with the XLA flash path in both roles."""
