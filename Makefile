@@ -2,8 +2,11 @@
 #
 #   make run    the attention report for this machine (python -m probjax.attention_report)
 #   make test   the test suite without the slow cases (pytest -q -n 2 -m "not slow")
-#   make test-slow  the slow cases (interpret-mode kernels at larger sizes, thorough
-#               property profile); CI runs both
+#   make test-slow  the slow cases (pytest -q -n 2 -m slow): marked where each test is defined,
+#               with the reason; CI runs both, this one with -k "not thorough" (the cases
+#               marked thorough repeat other slow cases at more sizes)
+#   Both share JAX's persistent compilation cache (tests/conftest.py; PROBJAX_TEST_JAX_CACHE=off
+#   turns it off).
 #
 # Both create .venv with a Python >= 3.12 found on this machine (override with
 # PYTHON=/path/to/python3.12), install `pip install -e .[test,bench]` when
@@ -28,7 +31,7 @@ PYTEST_MARK ?= not slow
 help:
 	@echo "make run    - attention report on this machine (ARGS=\"--quick\" etc.)"
 	@echo "make test   - test suite without slow cases, pytest -q -n $(PYTEST_WORKERS) (PYTEST_ARGS=... to pass more)"
-	@echo "make test-slow - the slow cases (CI's second step)"
+	@echo "make test-slow - the slow cases, thorough ones included (CI: PYTEST_ARGS='-k \"not thorough\"')"
 	@echo "make bench-cpu - CPU benchmark JSON (bench/results/cpu/)"
 	@echo "make docs   - figures and README performance section from the JSON"
 	@echo "make docs-site - the documentation site into site/ (mkdocs build --strict; the docs extra)"
