@@ -5,7 +5,7 @@
 #   bash .ci/jax_env.sh newest [PYTEST ARGS]   # pip picks the newest jax, jaxlib and flax in the ranges
 #   bash .ci/jax_env.sh lowest [PYTEST ARGS]   # the ranges' lower bounds (.ci/lowest.txt as constraints)
 #
-# It installs `pip install -e .[test]`, prints what it got and runs the README's test
+# It installs `pip install -e .[test,bench]` (as make test's .venv), prints what it got and runs the README's test
 # selection, python -m pytest -q -n 2 -m "not slow" (arguments are passed on). `make test`'s
 # .venv is made the same way as `newest` on a fresh clone, so CI runs `lowest` beside it.
 #
@@ -38,8 +38,8 @@ venv="${JAX_ENV_VENV:-${TMPDIR:-/tmp}/probjax-$which-jax}"
 rm -rf "$venv"
 "$base" -m venv "$venv"
 py="$venv/bin/python"
-echo "jax_env $which: installing pip install -e .[test] into $venv ($("$py" -c 'import platform; print(platform.python_version())'))"
-"$py" -m pip install -q -e '.[test]' "${constraints[@]}" >"$venv/install.log" 2>&1 || { cat "$venv/install.log"; exit 1; }
+echo "jax_env $which: installing pip install -e .[test,bench] into $venv ($("$py" -c 'import platform; print(platform.python_version())'))"
+"$py" -m pip install -q -e '.[test,bench]' "${constraints[@]}" >"$venv/install.log" 2>&1 || { cat "$venv/install.log"; exit 1; }
 JAX_ENV_WHICH="$which" "$py" - <<'PY'
 import importlib.metadata as md
 import os

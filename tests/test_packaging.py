@@ -142,6 +142,16 @@ def test_lowest_constraints_are_the_ranges_lower_bounds():
   assert pins["jax"] == pins["jaxlib"] == lower["jax"] and pins["flax"] == lower["flax"], (pins, lower)
 
 
+@source_tree
+def test_ci_environments_install_make_tests_extras():
+  """.ci/jax_env.sh runs make test's selection on other JAX versions: it needs the same extras
+  (the benchmark page tests import matplotlib from the bench extra)."""
+  extras = lambda text: {e for e in re.findall(r"pip install -q -e '\.\[([\w,]+)\]'", text)
+                         if "test" in e.split(",")}
+  make = extras((ROOT / "Makefile").read_text())
+  assert make and extras((ROOT / ".ci" / "jax_env.sh").read_text()) == make
+
+
 def _pip_installs(text: str):
   """The arguments of each ``pip install`` command in ``text`` (a shell comment or the end of
   an inline code span ends one)."""
