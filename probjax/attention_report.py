@@ -250,10 +250,11 @@ def explain(case: Case, mask) -> dict:
     d = explain_dispatch((case.batch, case.q_len, case.q_heads, case.head_dim),
                          (case.batch, case.kv_len, case.kv_heads, case.head_dim),
                          jnp.dtype(case.dtype), mask=mask)
-    out = dict(default_impl=str(getattr(d, "implementation", d)), default_rule=str(getattr(d, "rule", "")))
-    for attr in ("backward_pass_impl", "formulation"):
-      if getattr(d, attr, None) is not None:
-        out[f"default_{attr}"] = str(getattr(d, attr))
+    out = dict(default_impl=d.implementation, default_rule=d.rule)
+    if d.under_grad.backward is not None:
+      out["default_backward_pass_impl"] = d.under_grad.backward
+    if d.get("formulation") is not None:
+      out["default_formulation"] = d.get("formulation")
     return out
   except Exception as e:  # noqa: BLE001
     return dict(default_impl="?", default_rule=f"explain_dispatch failed: {type(e).__name__}: {_first_line(e)}")

@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 import pathlib
@@ -41,8 +40,8 @@ def decisions() -> dict[str, dict]:
       DEVICES.items(), DTYPES, HEAD_DIMS, SHAPES, MASKS):
     decision = explain_dispatch((b, tq, h, d), (b, tk, hk, d), jnp.dtype(dtype),
                                 mask=_mask(mask, b, tq, tk), device=device, env={})
-    row = dataclasses.asdict(decision)
-    row.pop("route")  # which cuDNN call runs depends on whether the FFI extension is built
+    row = decision.as_dict()
+    row["config"].pop("route", None)  # which cuDNN call runs depends on whether the FFI extension is built
     out[f"{dev} {dtype} D{d} B{b} Tq{tq} Tkv{tk} H{h}/{hk} {mask}"] = row
   return out
 

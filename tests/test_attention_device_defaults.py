@@ -110,7 +110,7 @@ def test_default_d64_differentiated_runs_kernels_and_is_exact():
   x = make_inputs(1, 16, 1500, 1500, 8, 8, 64, jnp.bfloat16)
   d = explain_dispatch(x.q.shape, x.k.shape, x.q.dtype)
   if str(jax.devices()[0].compute_capability) == "9.0":
-    assert d.implementation != "xla" and (d.grad_implementation or d.implementation) != "xla", d
+    assert d.implementation != "xla" and d.under_grad.implementation != "xla", d
   check_against_reference(lambda q, k, v, b: dot_product_attention(q, k, v), x)
   f = lambda q: dot_product_attention(q, x.k, x.v)
   primal = np.asarray(f(x.q), np.float32)
@@ -128,7 +128,7 @@ def test_default_causal_differentiated_runs_mosaic_and_is_exact(d):
   dec = explain_dispatch(x.q.shape, x.k.shape, x.q.dtype, mask=mask)
   if str(jax.devices()[0].compute_capability) == "9.0":
     assert dec.implementation == "mosaic", dec
-    assert (dec.grad_implementation or dec.implementation) == "mosaic", dec
+    assert dec.under_grad.implementation == "mosaic", dec
   check_against_reference(lambda q, k, v, b: dot_product_attention(q, k, v, mask=mask), x, mask=mask)
   f = lambda q: dot_product_attention(q, x.k, x.v, mask=mask)
   primal = np.asarray(f(x.q), np.float32)
@@ -146,7 +146,7 @@ def test_default_long_segments_d128_runs_mosaic_both_ways_and_agrees():
   mask = make_mask("segments", 4, 4096, 4096)
   dec = explain_dispatch(x.q.shape, x.k.shape, x.q.dtype, mask=mask)
   if str(jax.devices()[0].compute_capability) == "9.0":
-    assert dec.implementation == "mosaic" and dec.backward_pass_impl == "mosaic", dec
+    assert dec.implementation == "mosaic" and dec.under_grad.backward == "mosaic", dec
   _assert_agree(None, x, mask)
 
 
@@ -157,7 +157,7 @@ def test_default_long_window_d64_runs_mosaic_and_is_exact():
   mask = M.LocalWindowMask(300, 5)
   dec = explain_dispatch(x.q.shape, x.k.shape, x.q.dtype, mask=mask)
   if str(jax.devices()[0].compute_capability) == "9.0":
-    assert dec.implementation == "mosaic" and dec.backward_pass_impl != "mosaic", dec
+    assert dec.implementation == "mosaic" and dec.under_grad.backward != "mosaic", dec
   check_against_reference(lambda q, k, v, b: dot_product_attention(q, k, v, mask=mask), x, mask=mask)
 
 
@@ -170,7 +170,7 @@ def test_default_causal_forward_runs_mosaic_and_agrees():
   mask = M.CausalMask()
   dec = explain_dispatch(x.q.shape, x.k.shape, x.q.dtype, mask=mask)
   if str(jax.devices()[0].compute_capability) == "9.0":
-    assert dec.implementation == "mosaic" and dec.grad_implementation == "cudnn", dec
+    assert dec.implementation == "mosaic" and dec.under_grad.implementation == "cudnn", dec
   f = lambda q: dot_product_attention(q, x.k, x.v, mask=mask)
   want = np.asarray(dot_product_attention(x.q, x.k, x.v, mask=mask, implementation="triton"), np.float32)
   for got in (f(x.q), jax.vjp(f, x.q)[0]):
@@ -193,7 +193,7 @@ def test_default_at_head_dims_the_triton_kernel_pads_is_exact(d, t, causal, fwd,
   mask = M.CausalMask() if causal else None
   dec = explain_dispatch(x.q.shape, x.k.shape, x.q.dtype, mask=mask)
   if str(jax.devices()[0].compute_capability) == "9.0":
-    assert (dec.implementation, dec.grad_implementation or dec.implementation) == (fwd, grad), dec
+    assert (dec.implementation, dec.under_grad.implementation) == (fwd, grad), dec
   check_against_reference(lambda q, k, v, b: dot_product_attention(q, k, v, mask=mask), x, mask=mask)
   # The forward alone (no vjp) runs the primal implementation.
   out = jax.jit(lambda q, k, v: dot_product_attention(q, k, v, mask=mask))(x.q, x.k, x.v)

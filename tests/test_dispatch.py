@@ -36,8 +36,8 @@ def test_generic_rules_send_non_kernel_arguments_to_xla(flag):
   mid = ((4, 2048, 8, 128), (4, 2048, 8, 128))
   d = decide(mid, device=RTX3090, **{flag: True})
   assert d.implementation == "xla"
-  assert d.formulation == "dense"  # fits in a quarter of 24 GiB: dense XLA is the fast XLA form on GPUs
-  assert decide(device=RTX3090, **{flag: True}).formulation == "auto"  # 8.6 GB of scores: tiled
+  assert d.get("formulation") == "dense"  # fits in a quarter of 24 GiB: dense XLA is the fast XLA form on GPUs
+  assert decide(device=RTX3090, **{flag: True}).get("formulation") == "auto"  # 8.6 GB of scores: tiled
 
 
 def test_score_mod_the_kernels_cannot_lower_goes_to_xla():
@@ -70,7 +70,7 @@ def test_short_kv_goes_to_xla():
 def test_position_masks_and_gqa_go_to_the_kernel_without_a_table(mask):
   shapes = ((4, 4096, 32, 128), (4, 4096, 8, 128))
   d = decide(shapes, device=RTX3090, mask=mask)
-  assert d.implementation == "triton" and d.backward_pass_impl == "auto"
+  assert d.implementation == "triton" and d.under_grad.backward == "auto"
 
 
 @pytest.mark.parametrize("mask", [None, M.CausalMask(), M.KVLenMask(jnp.full((4,), 100))])
@@ -90,7 +90,7 @@ def test_sm90_table_falls_back_to_triton_where_cudnn_cannot(mask, shapes):
   entry = attention_device.DEVICE_DEFAULTS[(9, 0)]
   want = entry.backward.band_impl if mask is not None and mask.has_band else entry.backward.impl
   d = decide(shapes, mask=mask, env={"PROBJAX_ATTENTION_MOSAIC": "0"})
-  assert d.implementation == "triton" and d.backward_pass_impl == want
+  assert d.implementation == "triton" and d.under_grad.backward == want
   d = decide(shapes, mask=mask)  # long calls: the Mosaic kernel where it takes the call (below)
   assert d.implementation == ("triton" if shapes[0][-1] == 36 else "mosaic"), d
 
@@ -103,29 +103,29 @@ def test_sm90_long_calls_run_mosaic_where_triton_would():
     shapes = ((4, n, 8, d), (4, n, 8, d))
     dec = decide(shapes, mask=M.SegmentMask(jnp.zeros((4, n), jnp.int32)))
     assert dec.implementation == "mosaic" and "Mosaic forward" in dec.rule, dec
-    assert dec.backward_pass_impl == entry.backward.impl  # below every Mosaic-backward limit
+    assert dec.under_grad.backward == entry.backward.impl  # below every Mosaic-backward limit
     for env in ({"PROBJAX_ATTENTION_MOSAIC": "0"}, {"PROBJAX_ATTENTION_DEVICE_DEFAULTS": "0"}):
       assert decide(shapes, mask=M.SegmentMask(jnp.zeros((4, n), jnp.int32)), env=env).implementation == "triton"
     short = ((4, n - 1, 8, d), (4, n, 8, d))
     assert decide(short, mask=M.SegmentMask(jnp.zeros((4, n - 1), jnp.int32))).implementation == "triton"
     long = decide(((4, 8192, 8, d), (4, 8192, 8, d)), mask=docs)
-    assert long.backward_pass_impl == ("mosaic" if d in bwd_min and 4 * 8 * 8192**2 >= bwd_min[d]
+    assert long.under_grad.backward == ("mosaic" if d in bwd_min and 4 * 8 * 8192**2 >= bwd_min[d]
                                        else entry.backward.impl), long
     # float32 (the Mosaic kernel does not take it) keeps the Triton kernel; a score modifier
     # takes the Mosaic forward too (measured: softcap30), unless it cannot lower there.
     assert decide(shapes, dtype=jnp.float32, mask=M.CausalMask()).implementation == "triton"
     assert decide(shapes, score_mod=lambda s, *idx: 30 * jnp.tanh(s / 30)).implementation == "mosaic"
     assert decide(shapes, score_mod=lambda s, *idx: jnp.round(s)).implementation == "xla"
-  assert decide(((4, 8192, 8, 128), (4, 8192, 8, 128)), mask=docs).backward_pass_impl == "mosaic"
+  assert decide(((4, 8192, 8, 128), (4, 8192, 8, 128)), mask=docs).under_grad.backward == "mosaic"
   assert decide(((4, 8192, 8, 128), (4, 8192, 8, 128)), mask=M.LocalWindowMask(256, 0),
-                env={"PROBJAX_ATTENTION_CUDNN": "0"}).backward_pass_impl == "mosaic"
+                env={"PROBJAX_ATTENTION_CUDNN": "0"}).under_grad.backward == "mosaic"
   # Lengths off the Mosaic tiles too (the kernel reads the partial tile with TMA's zero fill).
   for d in (64, 128):
     odd = decide(((4, 3000, 8, d), (4, 3000, 8, d)), mask=M.SegmentMask(jnp.zeros((4, 3000), jnp.int32)))
     assert odd.implementation == "mosaic", odd
   # ... and the unmasked forward at 3000 keys (differentiated: cuDNN, above the D64 grad rule's keys).
   odd = decide(((4, 3000, 8, 64), (4, 3000, 8, 64)))
-  assert (odd.implementation, odd.grad_implementation, odd.backward_pass_impl) == ("mosaic", "cudnn", "auto"), odd
+  assert (odd.implementation, odd.under_grad.implementation, odd.under_grad.backward) == ("mosaic", "cudnn", None), odd
   # Decoding keeps the split-KV Triton forward (its queries are far below the limit).
   assert decide(((8, 16, 32, 128), (8, 65536, 8, 128))).implementation == "triton"
   assert 2048 <= n and all(d <= 128 for d in bwd_min)  # the Mosaic backward's head_dims
@@ -137,7 +137,7 @@ def test_sm90_decoding_skips_cudnn():
   decoding = ((8, n, 32, 128), (8, long, 8, 128))
   assert 8 * 32 * n * long >= entry.cudnn.min_work
   d = decide(decoding)
-  assert d.implementation == "triton" and d.split_kv and d.split_kv >= 2
+  assert d.implementation == "triton" and d.get("split_kv", 0) and d.get("split_kv", 0) >= 2
   assert decide(((8, n + 1, 32, 128), (8, long, 8, 128))).implementation == "cudnn"
   short_cache = ((64, n, 32, 128), (64, entry.decode.min_kv_len - 1, 8, 128))
   assert decide(short_cache).implementation == "cudnn"
@@ -145,7 +145,7 @@ def test_sm90_decoding_skips_cudnn():
 
 def _under_grad(dec) -> str:
   """What a differentiated call runs."""
-  return dec.grad_implementation or dec.implementation
+  return dec.under_grad.implementation
 
 
 def test_sm90_differentiated_d64_runs_triton():
@@ -153,17 +153,17 @@ def test_sm90_differentiated_d64_runs_triton():
   # Below mosaic_min_len, above cudnn.triton_forward_work: cuDNN's forward.
   d64 = ((4, 1024, 32, 64), (4, 1024, 32, 64))
   d = decide(d64)
-  assert d.implementation == "cudnn" and d.grad_implementation == "triton"
-  assert d.backward_pass_impl == entry.backward.impl and "under grad triton" in str(d)
-  assert decide(d64, mask=M.CausalMask()).backward_pass_impl == entry.backward.band_impl
+  assert d.implementation == "cudnn" and d.under_grad.implementation == "triton"
+  assert d.under_grad.backward == entry.backward.impl and "under grad triton" in str(d)
+  assert decide(d64, mask=M.CausalMask()).under_grad.backward == entry.backward.band_impl
   # At the work limit, above the key limit, at head_dim 128, or without the table: cuDNN's own backward.
   n = int((entry.grad_triton.max_work // (4 * 8)) ** 0.5)
-  assert decide(((4, n, 8, 64), (4, n, 8, 64))).grad_implementation is None
+  assert decide(((4, n, 8, 64), (4, n, 8, 64))).grad is None
   t = entry.grad_triton.max_kv_len
   assert _under_grad(decide(((4, t, 32, 64), (4, t, 32, 64)))) == "triton"
   assert _under_grad(decide(((4, t + 1, 32, 64), (4, t + 1, 32, 64)))) == "cudnn"
   assert _under_grad(decide(((4, 2048, 8, 128), (4, 2048, 8, 128)))) == "cudnn"
-  assert decide(d64, implementation="cudnn").grad_implementation is None
+  assert decide(d64, implementation="cudnn").grad is None
   assert decide(d64, kernel_args_default=False).implementation == "triton"
 
 
@@ -174,7 +174,7 @@ def test_sm90_small_work_uses_triton():
 
 def test_sm90_fp32_rule():
   d = decide(dtype=jnp.float32)
-  assert d.implementation == "xla" and d.formulation == "dense" and "float32" in d.rule
+  assert d.implementation == "xla" and d.get("formulation") == "dense" and "float32" in d.rule
   long = ((1, 32768, 8, 128), (1, 32768, 8, 128))
   assert decide(long, dtype=jnp.float32).implementation == "triton"
   tiny_mem = Device("gpu", (9, 0), 1 << 30)
@@ -185,13 +185,13 @@ def test_sm90_fp32_rule():
     assert decide(dtype=jnp.float32, mask=mask).implementation == "triton"
     n = entry.fp32_dense.band_max_len
     short = ((4, n, 8, 128), (4, n, 8, 128))
-    assert decide(short, dtype=jnp.float32, mask=mask).formulation == "dense"
-  assert decide(dtype=jnp.float32, mask=M.KVLenMask(jnp.full((4,), 100))).formulation == "dense"
+    assert decide(short, dtype=jnp.float32, mask=mask).get("formulation") == "dense"
+  assert decide(dtype=jnp.float32, mask=M.KVLenMask(jnp.full((4,), 100))).get("formulation") == "dense"
   # At small head_dims the kernel's TF32 tiles win at every length.
   for d in (32, entry.fp32_dense.kernel_max_head_dim):
     assert decide(((4, 1024, 8, d), (4, 1024, 8, d)), dtype=jnp.float32).implementation == "triton"
   d = entry.fp32_dense.kernel_max_head_dim + 32
-  assert decide(((4, 1024, 8, d), (4, 1024, 8, d)), dtype=jnp.float32).formulation == "dense"
+  assert decide(((4, 1024, 8, d), (4, 1024, 8, d)), dtype=jnp.float32).get("formulation") == "dense"
 
 
 @pytest.mark.parametrize("var", ["PROBJAX_ATTENTION_CUDNN", "PROBJAX_ATTENTION_DEVICE_DEFAULTS"])
@@ -199,15 +199,15 @@ def test_env_opt_outs(var):
   d = decide(env={var: "0", "PROBJAX_ATTENTION_MOSAIC": "0"})
   assert d.implementation == "triton"
   if var == "PROBJAX_ATTENTION_DEVICE_DEFAULTS":
-    assert d.backward_pass_impl == "auto"  # generic rules
+    assert d.under_grad.backward == "auto"  # generic rules
   else:
-    assert d.backward_pass_impl == "triton_split"  # still the sm_90 table
+    assert d.under_grad.backward == "triton_split"  # still the sm_90 table
   assert decide(env={var: "1", "PROBJAX_ATTENTION_MOSAIC": "0"}).implementation == "cudnn"
 
 
 def test_mosaic_only_when_requested():
   d = decide(implementation="mosaic", mask=M.CausalMask())
-  assert d.implementation == "mosaic" and d.backward_pass_impl == "auto"  # the Triton backward's own rules
+  assert d.implementation == "mosaic" and d.under_grad.backward == "auto"  # the Triton backward's own rules
   big64 = ((4, 4096, 8, 64), (4, 4096, 8, 64))  # unmasked D64: cuDNN's forward (the table)
   assert "mosaic" not in {decide(s).implementation for s in (big64, SMALL)}
   with pytest.raises(ValueError, match="mosaic.*float32"):
@@ -219,7 +219,7 @@ def test_mosaic_only_when_requested():
   with pytest.raises(ValueError, match="score_mod closes over arrays"):
     decide(implementation="mosaic", score_mod=lambda s, b, h, qi, ki: s - slopes[h] * (qi - ki))
   assert decide(implementation="mosaic", mask=M.SegmentMask(jnp.zeros((4, 4096), jnp.int32))).implementation == "mosaic"
-  assert decide(implementation="mosaic", backward_pass_impl="mosaic").backward_pass_impl == "mosaic"
+  assert decide(implementation="mosaic", backward_pass_impl="mosaic").under_grad.backward == "mosaic"
   for impl in (None, "triton"):
     with pytest.raises(ValueError, match="needs implementation='mosaic'"):
       decide(implementation=impl, backward_pass_impl="mosaic")
@@ -235,14 +235,15 @@ def test_sm90_differentiated_causal_runs_mosaic():
     n = int((work // (4 * 8)) ** 0.5)  # B4 H8 T n: at the limit
     dec = decide(((4, n, 8, d), (4, n, 8, d)), mask=causal)
     assert _under_grad(dec) == "mosaic", dec  # (its primal: the forward rule, below)
-    assert dec.backward_pass_impl == entry.backward.band_impl and "Triton backward" in dec.rule
+    assert dec.under_grad.backward == entry.backward.band_impl and "Triton backward" in dec.rule
     over = decide(((4, 2 * n, 8, d), (4, 2 * n, 8, d)), mask=causal)
     assert _under_grad(over) in ("cudnn", "triton"), over
-    assert decide(((4, n, 8, d), (4, n, 8, d))).grad_implementation != "mosaic"  # no mask
+    nomask = decide(((4, n, 8, d), (4, n, 8, d)))
+    assert nomask.grad is None or nomask.grad.implementation != "mosaic", nomask  # no mask
     off = decide(((4, n, 8, d), (4, n, 8, d)), mask=causal, env={"PROBJAX_ATTENTION_MOSAIC": "0"})
-    assert off.grad_implementation != "mosaic", off
+    assert off.grad is None or off.grad.implementation != "mosaic", off
     window = decide(((4, n, 8, d), (4, n, 8, d)), mask=M.LocalWindowMask(256, 0))
-    assert window.grad_implementation != "mosaic", window  # unmeasured
+    assert window.grad is None or window.grad.implementation != "mosaic", window  # unmeasured
   assert 256 not in limits and 2**29 >= limits[64] >= limits[128]
 
 
@@ -263,9 +264,9 @@ def test_sm90_forward_rule_runs_mosaic():
       dec = decide(shapes, mask=mask)
       assert dec.implementation == "mosaic", (kind, d, n, dec)
       grad_mosaic = kind == "causal" and 32 * n * n <= grad_limits.get(d, -1)
-      assert dec.grad_implementation == (None if grad_mosaic else "cudnn"), dec
+      assert (dec.grad and dec.grad.implementation) == (None if grad_mosaic else "cudnn"), dec
       if grad_mosaic:  # the Mosaic forward with the Triton backward under grad
-        assert dec.backward_pass_impl == entry.backward.band_impl, dec
+        assert dec.under_grad.backward == entry.backward.band_impl, dec
       assert decide(shapes, mask=mask, env={"PROBJAX_ATTENTION_MOSAIC": "0"}).implementation == "cudnn"
       assert decide(shapes, mask=mask, dtype=jnp.float32).implementation != "mosaic"
       # Unmeasured masks that cuDNN takes keep its forward.
@@ -293,15 +294,15 @@ def test_sm90_forward_rule_runs_mosaic():
 
 def test_kernel_arguments_disable_the_table():
   d = decide(kernel_args_default=False, backward_pass_impl="triton_onepass")
-  assert d.implementation == "triton" and d.backward_pass_impl == "triton_onepass"
+  assert d.implementation == "triton" and d.under_grad.backward == "triton_onepass"
 
 
 def test_explicit_implementations_are_checked_not_replaced():
   assert decide(implementation="triton").implementation == "triton"
   assert decide(implementation="pallas").implementation == "triton"
   assert decide(implementation="xla").implementation == "xla"
-  assert decide(implementation="xla").formulation == "dense"  # GPU, fits: the einsum
-  assert decide(implementation="xla", device=CPU).formulation == "auto"  # CPU: linear memory
+  assert decide(implementation="xla").get("formulation") == "dense"  # GPU, fits: the einsum
+  assert decide(implementation="xla", device=CPU).get("formulation") == "auto"  # CPU: linear memory
   assert decide(implementation="cudnn", dtype=jnp.float16).implementation == "cudnn"
   with pytest.raises(ValueError, match="cudnn.*float32"):
     decide(implementation="cudnn", dtype=jnp.float32)
@@ -378,9 +379,9 @@ def test_split_kv_decision():
   """Decoding shapes run the split-KV forward; explain_dispatch says so."""
   dec = ((1, 1, 32, 128), (1, 32768, 8, 128))
   d = decide(dec)
-  assert d.implementation == "triton" and d.split_kv >= 2 and "split_kv=" in str(d)
-  assert decide(dec, split_kv=False).split_kv == 0
-  assert decide(BIG, device=RTX3090).split_kv == 0  # 4096 queries: the regular forward
+  assert d.implementation == "triton" and d.get("split_kv", 0) >= 2 and "split_kv=" in str(d)
+  assert decide(dec, split_kv=False).get("split_kv", 0) == 0
+  assert decide(BIG, device=RTX3090).get("split_kv", 0) == 0  # 4096 queries: the regular forward
   with pytest.raises(ValueError, match="split_kv=True configures the Triton kernel"):
     decide(dec, implementation="xla", split_kv=True)
   with pytest.raises(ValueError, match="split_kv=True configures the Triton kernel"):
@@ -421,7 +422,7 @@ def test_rules_are_numbered_in_order_in_the_code_readme_and_decisions():
   assert [numbers[r] for r in dispatch.RULES] == sorted(numbers[r] for r in dispatch.RULES)
   root = pathlib.Path(__file__).parent.parent
   readme = (root / "README.md").read_text().split("## Implementations and dispatch")[1].split("\n## ")[0]
-  decisions = (root / "docs" / "decisions.md").read_text()
+  decisions = (root / "docs" / "dev" / "decisions.md").read_text()
   for rule, n in numbers.items():
     assert re.search(rf"^ *{n}\. `{rule.__name__}`", readme, re.M), (n, rule.__name__)
     assert re.search(rf"^ *{n}\. `{rule.__name__}`", decisions, re.M), (n, rule.__name__)
@@ -470,10 +471,10 @@ def test_sm90_triton_forward_ranges_keep_cudnn_under_grad():
     last = int(math.floor((hi / 32) ** 0.5))
     for n in (first, last):
       got = decide(((4, n, 8, d),) * 2, mask=mask)
-      assert (got.implementation, got.grad_implementation) == ("triton", "cudnn"), (n, got)
+      assert (got.implementation, got.under_grad.implementation) == ("triton", "cudnn"), (n, got)
       assert "forward: the Triton kernel is faster" in got.rule
     assert decide(((4, last + 1, 8, d),) * 2, mask=mask).implementation == "cudnn"
-    assert decide(((4, first, 8, d),) * 2, mask=mask, env={"PROBJAX_ATTENTION_CUDNN": "0"}).grad_implementation is None
+    assert decide(((4, first, 8, d),) * 2, mask=mask, env={"PROBJAX_ATTENTION_CUDNN": "0"}).grad is None
 
 
 @pytest.mark.parametrize("d,impl", [(32, "triton"), (40, "cudnn"), (48, "cudnn"), (80, "cudnn"), (96, "cudnn")])
@@ -489,6 +490,6 @@ def test_sm90_head_dims_the_triton_kernel_pads_run_cudnn(d, impl):
 def test_sm90_short_unmasked_backward_is_fused():
   b = attention_device.DEVICE_DEFAULTS[(9, 0)].backward
   for d, t in b.short_impl_max_kv_len:
-    assert decide(((4, t, 4, d),) * 2).backward_pass_impl == b.band_impl
-    assert decide(((4, t + 1, 4, d),) * 2).backward_pass_impl == b.impl
-  assert decide(((4, 600, 4, 64),) * 2).backward_pass_impl == b.impl      # another head_dim
+    assert decide(((4, t, 4, d),) * 2).under_grad.backward == b.band_impl
+    assert decide(((4, t + 1, 4, d),) * 2).under_grad.backward == b.impl
+  assert decide(((4, 600, 4, 64),) * 2).under_grad.backward == b.impl      # another head_dim

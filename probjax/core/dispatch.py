@@ -49,6 +49,11 @@ class Decision:
     """The config value ``name``, or ``default`` where the decision sets none."""
     return dict(self.config).get(name, default)
 
+  @property
+  def under_grad(self) -> Decision:
+    """What a differentiated call runs: :attr:`grad`, else this decision."""
+    return self if self.grad is None else self.grad
+
   def replace(self, **changes) -> Decision:
     """A copy with fields changed; ``config=`` entries are merged into the existing ones."""
     if "config" in changes:

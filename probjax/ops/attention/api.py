@@ -40,7 +40,8 @@ from probjax.ops.attention.autodiff import with_forward_mode
 from probjax.ops.attention.call import AttentionCall
 from probjax.ops.attention.context_parallel import context_parallel_attention
 from probjax.ops.attention.backends.cudnn.config import CudnnConfig
-from probjax.ops.attention.dispatch import Decision, Device
+from probjax.core.dispatch import Decision
+from probjax.ops.attention.dispatch import Device
 from probjax.ops.attention.masks import (CausalMask, KVLenMask, LengthMask, LocalWindowMask, Mask,
                                          MaskWithDense, PrefixLMMask, SegmentMask, structured_equivalent)
 
@@ -72,8 +73,8 @@ def explain_dispatch(q_shape, kv_shape, dtype, *, dense_mask=False, **kw) -> Dec
   if flag and not isinstance(dense_mask, bool):
     same = structured_equivalent(dense_mask, q_shape[1], kv_shape[1])
     if same is not None:
-      decision = dataclasses.replace(
-          decision, rule=f"{decision.rule}; this dense mask equals {same}, which as mask= leaves "
+      decision = decision.replace(
+          rule=f"{decision.rule}; this dense mask equals {same}, which as mask= leaves "
                          "the kernels eligible (a dense mask forces the XLA path)")
   return decision
 
@@ -482,12 +483,11 @@ def _compute(run: _Run, query, key, value, mask, bias, dense_mask, dropout_rng, 
   decision = run.decision
   if run.call is not None:
     call = dataclasses.replace(run.call, mask=mask)
-    runner = lambda name: None if name is None else functools.partial(
-        registry.REGISTRY.get(name), call=call, backward_pass_impl=decision.backward_pass_impl)
-    return with_forward_mode(runner(decision.implementation),
-                             _exact(query, key, run.device, run.score_mod, run.scale),
-                             runner(decision.grad_implementation))(query, key, value, mask)
-  return xla_backend.attention(query, key, value, formulation=decision.formulation, module=module,
+    runner = lambda d: None if d is None else functools.partial(
+        registry.REGISTRY.get(d.implementation), call=call, backward_pass_impl=d.backward)
+    return with_forward_mode(runner(decision), _exact(query, key, run.device, run.score_mod, run.scale),
+                             runner(decision.grad))(query, key, value, mask)
+  return xla_backend.attention(query, key, value, formulation=decision.get("formulation", "auto"), module=module,
                                bias=bias, mask=mask, dense_mask=dense_mask, score_mod=run.score_mod,
                                scale=run.scale, dropout_rate=run.dropout_rate, dropout_rng=dropout_rng,
                                broadcast_dropout=run.broadcast_dropout, precision=run.precision)

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 
 from probjax.core import config
 from probjax.core.device import Device
+from probjax.core.dispatch import REQUESTED, Decision
 from probjax.ops.attention import tuning
 from probjax.ops.attention.backends import cudnn as cudnn_backend
 from probjax.ops.attention.call import AttentionCall
@@ -51,29 +52,13 @@ MIN_KERNEL_KV_LEN = 32
 _DENSE_BYTES_PER_SCORE = 4 * 4
 
 
-@dataclasses.dataclass(frozen=True)
-class Decision:
-  """The implementation chosen for a call and the rule that chose it."""
+def _xla(rule: str, formulation: str = "auto") -> Decision:
+  """XLA's exact path; ``formulation``: "auto" (by length), "dense" or "flash"."""
+  return Decision("xla", rule, config=(("formulation", formulation),))
 
-  implementation: str
-  rule: str
-  backward_pass_impl: str = "auto"
-  formulation: str = "auto"  # XLA path: "auto" (by length), "dense" or "flash"
-  split_kv: int = 0  # Triton: key splits of the split-KV forward (0: the regular forward)
-  # What differentiated calls run (forward with residuals and backward) when it differs
-  # from ``implementation``; ``backward_pass_impl`` is then its backward.
-  grad_implementation: str | None = None
-  route: str = ""  # cuDNN: which call runs it (:func:`probjax.ops.attention.backends.cudnn.route`)
 
-  def __str__(self):
-    extra = f", via {self.route}" if self.route else ""
-    if self.implementation in ("triton", "mosaic"):
-      extra = f", backward={self.backward_pass_impl}"
-      if self.split_kv:
-        extra += f", split_kv={self.split_kv} splits"
-    if self.grad_implementation:
-      extra += f"; under grad {self.grad_implementation}, backward={self.backward_pass_impl}"
-    return f"{self.implementation}{extra} ({self.rule})"
+def _differentiated_by_cudnn() -> Decision:
+  return Decision("cudnn", "differentiated: cuDNN's forward and backward")
 
 
 def canonical(implementation: str | None) -> str | None:
@@ -119,7 +104,7 @@ def explain_dispatch(q_shape, kv_shape, dtype, *, mask: Mask | None = None, bias
   else:
     decision = _requested(impl, call, device)
   if decision.implementation == "cudnn":
-    decision = dataclasses.replace(decision, route=cudnn_backend.route(env))
+    decision = decision.replace(config={"route": cudnn_backend.route(env)})
   if decision.implementation != "triton":
     if split_kv is not None and split_kv is not False:
       raise ValueError(f"split_kv={split_kv!r} configures the Triton kernel, but this call runs "
@@ -129,7 +114,7 @@ def explain_dispatch(q_shape, kv_shape, dtype, *, mask: Mask | None = None, bias
   kind = "sm_%d%d" % device.compute_capability if device.compute_capability else "interpret"
   cfg = decode.plan(q_shape, kv_shape, dtype, mask=mask, score_mod=score_mod, split_kv=split_kv,
                     device=kind, v_head_dim=call.v_head_dim)
-  return dataclasses.replace(decision, split_kv=cfg.num_splits if cfg is not None else 0)
+  return decision if cfg is None else decision.replace(config={"split_kv": cfg.num_splits})
 
 
 def defaults_in_effect(device: Device, env) -> DeviceDefaults | None:
@@ -152,12 +137,11 @@ def defaults_in_effect(device: Device, env) -> DeviceDefaults | None:
 def _requested(impl: str, call: AttentionCall, device: Device) -> Decision:
   """An explicit ``implementation=``: checked, never replaced."""
   if impl == "xla":
-    return Decision("xla", "requested", formulation=xla_formulation(call.q_shape, call.kv_shape, device))
+    return _xla(REQUESTED, xla_formulation(call.q_shape, call.kv_shape, device))
   why = REGISTRY.get(impl).supports(call, device)
   if why:
     raise ValueError(f"implementation={impl!r} cannot compute this call exactly: {why}")
-  backward = _resolve_backward(call) if impl != "cudnn" else "auto"
-  return Decision(impl, "requested", backward)
+  return Decision(impl, REQUESTED, backward=None if impl == "cudnn" else _resolve_backward(call))
 
 
 def decide(call: AttentionCall, device: Device, defaults: DeviceDefaults | None) -> Decision:
@@ -165,7 +149,7 @@ def decide(call: AttentionCall, device: Device, defaults: DeviceDefaults | None)
   return next(d for d in (rule(call, device, defaults) for rule in RULES) if d is not None)
 
 
-# The rules, numbered as in docs/decisions.md and the README. The reasons they give are the
+# The rules, numbered as in docs/dev/decisions.md and the README. The reasons they give are the
 # ``Decision.rule`` strings explain_dispatch reports (tests/data/dispatch_grid.json records them).
 
 
@@ -176,7 +160,7 @@ def off_gpu(call: AttentionCall, device: Device, defaults) -> Decision | None:
   CPU lowering (interpret mode emulates them, far slower), and the tiled loop keeps memory
   linear in T where jax.nn's XLA attention materialises the 4096 x 4096 scores per head."""
   if device.platform != "gpu":
-    return Decision("xla", f"platform {device.platform}: exact linear-memory XLA path")
+    return _xla(f"platform {device.platform}: exact linear-memory XLA path")
   return None
 
 
@@ -188,8 +172,8 @@ def kernel_arguments(call: AttentionCall, device: Device, defaults) -> Decision 
   which reads structured masks only; the reason names the structured mask to pass instead."""
   what = call.not_for_kernels()
   if what:
-    return Decision("xla", f"{what}: the kernels cannot take it{_DENSE_MASK_HINT if call.dense_mask else ''}",
-                    formulation=xla_formulation(call.q_shape, call.kv_shape, device))
+    return _xla(f"{what}: the kernels cannot take it{_DENSE_MASK_HINT if call.dense_mask else ''}",
+                xla_formulation(call.q_shape, call.kv_shape, device))
   return None
 
 
@@ -242,8 +226,7 @@ def cudnn(call: AttentionCall, device: Device, defaults: DeviceDefaults | None) 
   grad = _under_grad(call, device, defaults)
   if grad is None:
     return Decision("cudnn", _cudnn_rule(device))
-  return Decision("cudnn", f"{_cudnn_rule(device)}; {grad.rule} at this head_dim and work", grad.backward_pass_impl,
-                  grad_implementation=grad.implementation)
+  return Decision("cudnn", f"{_cudnn_rule(device)}; {grad.rule} at this head_dim and work", grad=grad)
 
 
 def grad_mosaic(call: AttentionCall, device: Device, defaults: DeviceDefaults) -> Decision | None:
@@ -263,7 +246,7 @@ def grad_mosaic(call: AttentionCall, device: Device, defaults: DeviceDefaults) -
   if (limit is not None and call.mask is not None and call.mask.is_causal() and call.work <= limit
       and _mosaic_takes(call, device)):
     return Decision("mosaic", "differentiated causal: the Mosaic forward with the Triton backward is faster",
-                    _resolve_backward(call, defaults))
+                    backward=_resolve_backward(call, defaults))
   return None
 
 
@@ -280,7 +263,7 @@ def grad_triton(call: AttentionCall, device: Device, defaults: DeviceDefaults) -
   if (call.head_dim <= g.max_head_dim and call.work < g.max_work and call.kv_len <= g.max_kv_len
       and REGISTRY.get("triton").supports(call, device) is None):
     return Decision("triton", "differentiated: the Triton kernel's backward is faster",
-                    _resolve_backward(call, defaults))
+                    backward=_resolve_backward(call, defaults))
   return None
 
 
@@ -302,8 +285,7 @@ def fp32_dense(call: AttentionCall, device: Device, defaults: DeviceDefaults | N
   dense_max = f.band_max_len if band else f.max_len
   if (call.dtype == jnp.float32 and max(call.q_len, call.kv_len) <= dense_max and call.score_mod is None
       and call.head_dim > f.kernel_max_head_dim and _dense_fits(call.q_shape, call.kv_shape, device)):
-    return Decision("xla", f"{_cc(device)} device table: float32 runs fastest in XLA's dense formulation (TF32)",
-                    formulation="dense")
+    return _xla(f"{_cc(device)} device table: float32 runs fastest in XLA's dense formulation (TF32)", "dense")
   return None
 
 
@@ -314,10 +296,10 @@ def few_keys(call: AttentionCall, device: Device, defaults) -> Decision | None:
   assumed faster (unmeasured below 32 keys). From 32 keys the kernel is level or ahead: at B64 H8
   with 64 keys, D32 level and D64 ahead; in the ISAB block (B64 H4 D32, 1024 queries over 32
   inducing keys) the block is faster with the Triton kernel for that attention than with XLA's
-  einsum (docs/decisions.md, rule 8)."""
+  einsum (docs/dev/decisions.md, rule 8)."""
   if call.kv_len < MIN_KERNEL_KV_LEN:
-    return Decision("xla", f"fewer than {MIN_KERNEL_KV_LEN} keys: the einsum is faster",
-                    formulation=xla_formulation(call.q_shape, call.kv_shape, device))
+    return _xla(f"fewer than {MIN_KERNEL_KV_LEN} keys: the einsum is faster",
+                xla_formulation(call.q_shape, call.kv_shape, device))
   return None
 
 
@@ -340,10 +322,10 @@ def mosaic_long(call: AttentionCall, device: Device, defaults: DeviceDefaults | 
   bwd_min = dict(m.backward_min_work).get(call.head_dim)
   if bwd_min is not None and call.work >= bwd_min:
     return Decision("mosaic", f"{_cc(device)} device table: long 16-bit call, the Mosaic forward and "
-                    "backward are faster than the Triton kernel's", "mosaic")
+                    "backward are faster than the Triton kernel's", backward="mosaic")
   return Decision("mosaic", f"{_cc(device)} device table: long 16-bit call, the Mosaic forward is faster "
                   "than the Triton kernel's (the Triton backward)",
-                  _resolve_backward(call, defaults))
+                  backward=_resolve_backward(call, defaults))
 
 
 def triton(call: AttentionCall, device: Device, defaults: DeviceDefaults | None) -> Decision | None:
@@ -356,7 +338,7 @@ def triton(call: AttentionCall, device: Device, defaults: DeviceDefaults | None)
   Decoding calls (at most 64 queries, at least 1024 keys) get its split-KV forward."""
   if REGISTRY.get("triton").supports(call, device) is None:
     return Decision("triton", "fused kernel: exact for this call",
-                    _resolve_backward(call, defaults))
+                    backward=_resolve_backward(call, defaults))
   return None
 
 
@@ -366,8 +348,7 @@ def xla(call: AttentionCall, device: Device, defaults) -> Decision:
   A score_mod with ``jnp.round`` (no Pallas lowering) or a head_dim above the kernel's limit
   runs XLA's exact formulation instead of failing inside a kernel's lowering."""
   why = REGISTRY.get("triton").supports(call, device)
-  return Decision("xla", f"the kernel cannot take it ({why})",
-                  formulation=xla_formulation(call.q_shape, call.kv_shape, device))
+  return _xla(f"the kernel cannot take it ({why})", xla_formulation(call.q_shape, call.kv_shape, device))
 
 
 RULES = (off_gpu, kernel_arguments, mosaic_primal, cudnn, fp32_dense, few_keys, mosaic_long, triton, xla)
@@ -390,7 +371,7 @@ def _cudnn_rule(device: Device) -> str:
 # The cuDNN thresholds of the device table were measured at head_dims up to 128 with values as
 # wide as keys, and at MLA's 192/128 (values of their own width, probjax's FFI call only), where
 # cuDNN's backward is 3-4x ahead of the Triton one and its forward level with or ahead of the
-# Mosaic one (docs/decisions.md). Wider heads with values as wide (e.g. 256/256) are not measured:
+# Mosaic one (docs/dev/decisions.md). Wider heads with values as wide (e.g. 256/256) are not measured:
 # rule 4 leaves them to the kernels' rules (implementation="cudnn" still runs them).
 CUDNN_TABLE_MAX_HEAD_DIM = 128
 
@@ -413,9 +394,10 @@ def _kernel_forward(impl: str, name: str, call: AttentionCall, device: Device,
   grad = _under_grad(call, device, defaults)
   rule = f"{_cudnn_rule(device)}; forward: {name} is faster at this mask, head_dim and work"
   if grad is None:
-    return Decision(impl, rule, grad_implementation="cudnn")
-  return Decision(impl, f"{rule}; {grad.rule}", grad.backward_pass_impl,
-                  grad_implementation=None if grad.implementation == impl else grad.implementation)
+    return Decision(impl, rule, grad=_differentiated_by_cudnn())
+  if grad.implementation == impl:
+    return Decision(impl, f"{rule}; {grad.rule}", backward=grad.backward)
+  return Decision(impl, f"{rule}; {grad.rule}", grad=grad)
 
 
 def _in_ranges(ranges, call: AttentionCall) -> bool:
