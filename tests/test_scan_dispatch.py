@@ -25,6 +25,11 @@ RLA = RLACall(4, 4096, 8, 8, 64, 64, 512, "softmax", "bfloat16")
 CALLS = {"mamba": MAMBA, "ssd": SSD, "rla": RLA}
 
 
+def _grad(decision):
+  """The implementation a differentiated call runs instead (None: the decision's own)."""
+  return None if decision.grad is None else decision.grad.implementation
+
+
 @pytest.mark.parametrize("op, expect", [("mamba", "scan"), ("ssd", "chunked"), ("rla", "chunked")])
 def test_cpu_default_is_the_fastest_exact_xla_form(op, expect):
   d = scan.explain_dispatch(CALLS[op], device=CPU)
@@ -37,15 +42,15 @@ def test_cpu_default_is_the_fastest_exact_xla_form(op, expect):
 def test_gpu_default_is_the_fastest_measured_form(op, device):
   d = scan.explain_dispatch(CALLS[op], device=device)
   # Forward: the Mamba-1 kernel; SSD's and RLA's chunked XLA forms. Differentiated: the
-  # Mamba-1 kernels, the chunked forms (one form forward and backward: no grad_implementation).
+  # Mamba-1 kernels, the chunked forms (one form forward and backward: no grad decision).
   assert d.implementation == {"mamba": "triton", "ssd": "chunked", "rla": "chunked"}[op], d
-  assert d.grad_implementation is None, d
+  assert d.grad is None, d
   if op == "mamba":
-    assert d.chunk_size == 32
+    assert d.get("chunk_size") == 32
   # The kernels asked for: SSD has no backward kernel (the chunked form runs), Mamba-1's and
   # RLA's run.
   asked = scan.explain_dispatch(CALLS[op], implementation="triton", device=device)
-  assert asked.grad_implementation == ("chunked" if op == "ssd" else None), asked
+  assert _grad(asked) == ("chunked" if op == "ssd" else None), asked
 
 
 def test_gpu_grad_default_falls_back_to_chunked_for_memory():
@@ -54,9 +59,9 @@ def test_gpu_grad_default_falls_back_to_chunked_for_memory():
   of [B, L, D, N]) the chunked form runs instead."""
   fits = MambaCall(2, 1024, 1536, 512, "float32")        # 3 x 6.4 GB of 140 GB
   too_big = MambaCall(8, 8192, 1536, 512, "float32")     # 3 x 206 GB
-  assert scan.explain_dispatch(fits, device=H200).grad_implementation == "associative"
+  assert _grad(scan.explain_dispatch(fits, device=H200)) == "associative"
   big = scan.explain_dispatch(too_big, device=H200)  # the forward is chunked too: one form
-  assert (big.implementation, big.grad_implementation) == ("chunked", None)
+  assert (big.implementation, _grad(big)) == ("chunked", None)
 
 
 @pytest.mark.parametrize("call, why", [
@@ -97,13 +102,15 @@ def test_unknown_implementation():
 
 
 def test_chunk_sizes():
-  chunked = lambda call: scan.explain_dispatch(call, implementation="chunked", device=CPU).chunk_size
+  chunked = lambda call: scan.explain_dispatch(call, implementation="chunked", device=CPU).get("chunk_size")
   assert chunked(MAMBA) == 64 and chunked(MambaCall(1, 1, 1, 1, "float32")) == 1
   assert chunked(SSD) == 64 and chunked(SSDCall(1, 20, 2, 4, 1, 4, "float32")) == 32
   assert chunked(RLACall(1, 20, 2, 2, 4, 4, 0, "relu", "float32", chunk_size=5)) == 5
   short = RLACall(1, 20, 2, 2, 4, 4, 0, "relu", "float32")
-  assert scan.explain_dispatch(short, device=H200).chunk_size == 32
-  assert scan.explain_dispatch(RLACall(1, 9, 2, 2, 4, 4, 0, "relu", "float32"), device=H200).chunk_size == 16
+  assert scan.explain_dispatch(short, device=H200).get("chunk_size") == 32
+  assert scan.explain_dispatch(RLACall(1, 9, 2, 2, 4, 4, 0, "relu", "float32"), device=H200).get("chunk_size") == 16
+  # Forms without a chunk set none.
+  assert scan.explain_dispatch(MAMBA, device=CPU).config == ()
 
 
 def test_registries_and_availability():
@@ -124,6 +131,253 @@ def test_bad_calls(kw, match):
 def test_interpret_call_dispatches_as_on_a_gpu():
   call = MambaCall(2, 10, 4, 4, "float32", interpret=True)
   assert scan.explain_dispatch(call).implementation == "triton"
+
+
+# -- every decision as recorded before scan took the shared Decision (issue 40) -----------------
+# For each call and device: the outcome of implementation=None, then of each registered name in
+# the registry's order, as "implementation[/chunk_size][ grad implementation[/chunk_size]] #rule"
+# (rule: an index into _RULES) or "ValueError #message". Recorded from the code at 51f288f.
+
+_DEVICES = {"cpu": CPU, "h200": H200, "rtx3090": RTX3090, "interpret": INTERPRET}
+
+_RULES = (
+    'platform cpu: the fastest exact XLA form measured on CPU',
+    'requested',
+    "mamba_scan: implementation='triton' cannot compute this call: the Triton kernels need an NVIDIA GPU (platform is cpu); interpret=True emulates them on any platform",
+    'GPU: the Triton kernels compute the call exactly; differentiated, the fastest forward+backward measured',
+    "ssd_scan: implementation='triton' cannot compute this call: the Triton kernels need an NVIDIA GPU (platform is cpu); interpret=True emulates them on any platform",
+    'GPU: the chunked XLA form, the fastest forward measured; differentiated, the fastest forward+backward measured',
+    "residual_linear_attention: implementation='triton' cannot compute this call: the Triton kernels need an NVIDIA GPU (platform is cpu); interpret=True emulates them on any platform",
+    "GPU: the Triton kernels cannot take it (state = 512 is above the kernels' 256 (their state lives in registers))",
+    "mamba_scan: implementation='triton' cannot compute this call: state = 512 is above the kernels' 256 (their state lives in registers)",
+    'GPU: the Triton kernels cannot take it (the kernels take float32, bfloat16, float16 inputs, not float64)',
+    "mamba_scan: implementation='triton' cannot compute this call: the kernels take float32, bfloat16, float16 inputs, not float64",
+    "GPU: the Triton kernels cannot take it (the kernels' chunk_size is one of (16, 32, 64, 128), got 24)",
+    "mamba_scan: implementation='triton' cannot compute this call: the kernels' chunk_size is one of (16, 32, 64, 128), got 24",
+    "ssd_scan: implementation='triton' cannot compute this call: the kernels' chunk_size is one of (16, 32, 64, 128), got 24",
+    "ssd_scan: implementation='triton' cannot compute this call: state = 512 is above the kernels' 256 (their state lives in registers)",
+    "residual_linear_attention: implementation='triton' cannot compute this call: features = 512 is above the kernels' 256 (their state lives in registers)",
+    "residual_linear_attention: implementation='triton' cannot compute this call: v_head_dim = 512 is above the kernels' 256 (their state lives in registers)",
+    "residual_linear_attention: implementation='triton' cannot compute this call: the kernels' chunk_size is one of (16, 32, 64, 128), got 5",
+)
+_RECORDED = {
+    ('mamba L9 float32', 'cpu'): ['scan #0', 'scan #1', 'associative #1', 'chunked/4 #1', 'ValueError #2'],
+    ('mamba L9 float32', 'h200'): ['triton/16 #3', 'scan #1', 'associative #1', 'chunked/4 #1', 'triton/16 #1'],
+    ('mamba L9 float32', 'rtx3090'): ['triton/16 #3', 'scan #1', 'associative #1', 'chunked/4 #1', 'triton/16 #1'],
+    ('mamba L9 float32', 'interpret'): ['triton/16 #3', 'scan #1', 'associative #1', 'chunked/4 #1', 'triton/16 #1'],
+    ('ssd L9 float32', 'cpu'): ['chunked/16 #0', 'scan #1', 'associative #1', 'chunked/16 #1', 'ValueError #4'],
+    ('ssd L9 float32', 'h200'): ['chunked/16 #5', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/16 grad chunked/16 #1'],
+    ('ssd L9 float32', 'rtx3090'): ['chunked/16 #5', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/16 grad chunked/16 #1'],
+    ('ssd L9 float32', 'interpret'): ['chunked/16 #5', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/16 grad chunked/16 #1'],
+    ('rla L9 float32', 'cpu'): ['chunked/16 #0', 'scan #1', 'chunked/16 #1', 'ValueError #6'],
+    ('rla L9 float32', 'h200'): ['chunked/16 #5', 'scan #1', 'chunked/16 #1', 'triton/16 #1'],
+    ('rla L9 float32', 'rtx3090'): ['chunked/16 #5', 'scan #1', 'chunked/16 #1', 'triton/16 #1'],
+    ('rla L9 float32', 'interpret'): ['chunked/16 #5', 'scan #1', 'chunked/16 #1', 'triton/16 #1'],
+    ('mamba L20 float32', 'cpu'): ['scan #0', 'scan #1', 'associative #1', 'chunked/4 #1', 'ValueError #2'],
+    ('mamba L20 float32', 'h200'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/4 #1', 'triton/32 #1'],
+    ('mamba L20 float32', 'rtx3090'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/4 #1', 'triton/32 #1'],
+    ('mamba L20 float32', 'interpret'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/4 #1', 'triton/32 #1'],
+    ('ssd L20 float32', 'cpu'): ['chunked/32 #0', 'scan #1', 'associative #1', 'chunked/32 #1', 'ValueError #4'],
+    ('ssd L20 float32', 'h200'): ['chunked/32 #5', 'scan #1', 'associative #1', 'chunked/32 #1', 'triton/32 grad chunked/32 #1'],
+    ('ssd L20 float32', 'rtx3090'): ['chunked/32 #5', 'scan #1', 'associative #1', 'chunked/32 #1', 'triton/32 grad chunked/32 #1'],
+    ('ssd L20 float32', 'interpret'): ['chunked/32 #5', 'scan #1', 'associative #1', 'chunked/32 #1', 'triton/32 grad chunked/32 #1'],
+    ('rla L20 float32', 'cpu'): ['chunked/32 #0', 'scan #1', 'chunked/32 #1', 'ValueError #6'],
+    ('rla L20 float32', 'h200'): ['chunked/32 #5', 'scan #1', 'chunked/32 #1', 'triton/32 #1'],
+    ('rla L20 float32', 'rtx3090'): ['chunked/32 #5', 'scan #1', 'chunked/32 #1', 'triton/32 #1'],
+    ('rla L20 float32', 'interpret'): ['chunked/32 #5', 'scan #1', 'chunked/32 #1', 'triton/32 #1'],
+    ('mamba L300 float32', 'cpu'): ['scan #0', 'scan #1', 'associative #1', 'chunked/16 #1', 'ValueError #2'],
+    ('mamba L300 float32', 'h200'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/32 #1'],
+    ('mamba L300 float32', 'rtx3090'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/32 #1'],
+    ('mamba L300 float32', 'interpret'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/32 #1'],
+    ('ssd L300 float32', 'cpu'): ['chunked/64 #0', 'scan #1', 'associative #1', 'chunked/64 #1', 'ValueError #4'],
+    ('ssd L300 float32', 'h200'): ['chunked/64 #5', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
+    ('ssd L300 float32', 'rtx3090'): ['chunked/64 #5', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
+    ('ssd L300 float32', 'interpret'): ['chunked/64 #5', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
+    ('rla L300 float32', 'cpu'): ['chunked/64 #0', 'scan #1', 'chunked/64 #1', 'ValueError #6'],
+    ('rla L300 float32', 'h200'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'triton/32 #1'],
+    ('rla L300 float32', 'rtx3090'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'triton/32 #1'],
+    ('rla L300 float32', 'interpret'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'triton/32 #1'],
+    ('mamba L2048 float32', 'cpu'): ['scan #0', 'scan #1', 'associative #1', 'chunked/64 #1', 'ValueError #2'],
+    ('mamba L2048 float32', 'h200'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 #1'],
+    ('mamba L2048 float32', 'rtx3090'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 #1'],
+    ('mamba L2048 float32', 'interpret'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 #1'],
+    ('ssd L2048 float32', 'cpu'): ['chunked/64 #0', 'scan #1', 'associative #1', 'chunked/64 #1', 'ValueError #4'],
+    ('ssd L2048 float32', 'h200'): ['chunked/64 #5', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
+    ('ssd L2048 float32', 'rtx3090'): ['chunked/64 #5', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
+    ('ssd L2048 float32', 'interpret'): ['chunked/64 #5', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
+    ('rla L2048 float32', 'cpu'): ['chunked/64 #0', 'scan #1', 'chunked/64 #1', 'ValueError #6'],
+    ('rla L2048 float32', 'h200'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'triton/32 #1'],
+    ('rla L2048 float32', 'rtx3090'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'triton/32 #1'],
+    ('rla L2048 float32', 'interpret'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'triton/32 #1'],
+    ('mamba L9 bfloat16', 'cpu'): ['scan #0', 'scan #1', 'associative #1', 'chunked/4 #1', 'ValueError #2'],
+    ('mamba L9 bfloat16', 'h200'): ['triton/16 #3', 'scan #1', 'associative #1', 'chunked/4 #1', 'triton/16 #1'],
+    ('mamba L9 bfloat16', 'rtx3090'): ['triton/16 #3', 'scan #1', 'associative #1', 'chunked/4 #1', 'triton/16 #1'],
+    ('mamba L9 bfloat16', 'interpret'): ['triton/16 #3', 'scan #1', 'associative #1', 'chunked/4 #1', 'triton/16 #1'],
+    ('ssd L9 bfloat16', 'cpu'): ['chunked/16 #0', 'scan #1', 'associative #1', 'chunked/16 #1', 'ValueError #4'],
+    ('ssd L9 bfloat16', 'h200'): ['chunked/16 #5', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/16 grad chunked/16 #1'],
+    ('ssd L9 bfloat16', 'rtx3090'): ['chunked/16 #5', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/16 grad chunked/16 #1'],
+    ('ssd L9 bfloat16', 'interpret'): ['chunked/16 #5', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/16 grad chunked/16 #1'],
+    ('rla L9 bfloat16', 'cpu'): ['chunked/16 #0', 'scan #1', 'chunked/16 #1', 'ValueError #6'],
+    ('rla L9 bfloat16', 'h200'): ['chunked/16 #5', 'scan #1', 'chunked/16 #1', 'triton/16 #1'],
+    ('rla L9 bfloat16', 'rtx3090'): ['chunked/16 #5', 'scan #1', 'chunked/16 #1', 'triton/16 #1'],
+    ('rla L9 bfloat16', 'interpret'): ['chunked/16 #5', 'scan #1', 'chunked/16 #1', 'triton/16 #1'],
+    ('mamba L20 bfloat16', 'cpu'): ['scan #0', 'scan #1', 'associative #1', 'chunked/4 #1', 'ValueError #2'],
+    ('mamba L20 bfloat16', 'h200'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/4 #1', 'triton/32 #1'],
+    ('mamba L20 bfloat16', 'rtx3090'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/4 #1', 'triton/32 #1'],
+    ('mamba L20 bfloat16', 'interpret'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/4 #1', 'triton/32 #1'],
+    ('ssd L20 bfloat16', 'cpu'): ['chunked/32 #0', 'scan #1', 'associative #1', 'chunked/32 #1', 'ValueError #4'],
+    ('ssd L20 bfloat16', 'h200'): ['chunked/32 #5', 'scan #1', 'associative #1', 'chunked/32 #1', 'triton/32 grad chunked/32 #1'],
+    ('ssd L20 bfloat16', 'rtx3090'): ['chunked/32 #5', 'scan #1', 'associative #1', 'chunked/32 #1', 'triton/32 grad chunked/32 #1'],
+    ('ssd L20 bfloat16', 'interpret'): ['chunked/32 #5', 'scan #1', 'associative #1', 'chunked/32 #1', 'triton/32 grad chunked/32 #1'],
+    ('rla L20 bfloat16', 'cpu'): ['chunked/32 #0', 'scan #1', 'chunked/32 #1', 'ValueError #6'],
+    ('rla L20 bfloat16', 'h200'): ['chunked/32 #5', 'scan #1', 'chunked/32 #1', 'triton/32 #1'],
+    ('rla L20 bfloat16', 'rtx3090'): ['chunked/32 #5', 'scan #1', 'chunked/32 #1', 'triton/32 #1'],
+    ('rla L20 bfloat16', 'interpret'): ['chunked/32 #5', 'scan #1', 'chunked/32 #1', 'triton/32 #1'],
+    ('mamba L300 bfloat16', 'cpu'): ['scan #0', 'scan #1', 'associative #1', 'chunked/16 #1', 'ValueError #2'],
+    ('mamba L300 bfloat16', 'h200'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/32 #1'],
+    ('mamba L300 bfloat16', 'rtx3090'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/32 #1'],
+    ('mamba L300 bfloat16', 'interpret'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/32 #1'],
+    ('ssd L300 bfloat16', 'cpu'): ['chunked/64 #0', 'scan #1', 'associative #1', 'chunked/64 #1', 'ValueError #4'],
+    ('ssd L300 bfloat16', 'h200'): ['chunked/64 #5', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
+    ('ssd L300 bfloat16', 'rtx3090'): ['chunked/64 #5', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
+    ('ssd L300 bfloat16', 'interpret'): ['chunked/64 #5', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
+    ('rla L300 bfloat16', 'cpu'): ['chunked/64 #0', 'scan #1', 'chunked/64 #1', 'ValueError #6'],
+    ('rla L300 bfloat16', 'h200'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'triton/32 #1'],
+    ('rla L300 bfloat16', 'rtx3090'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'triton/32 #1'],
+    ('rla L300 bfloat16', 'interpret'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'triton/32 #1'],
+    ('mamba L2048 bfloat16', 'cpu'): ['scan #0', 'scan #1', 'associative #1', 'chunked/64 #1', 'ValueError #2'],
+    ('mamba L2048 bfloat16', 'h200'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 #1'],
+    ('mamba L2048 bfloat16', 'rtx3090'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 #1'],
+    ('mamba L2048 bfloat16', 'interpret'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 #1'],
+    ('ssd L2048 bfloat16', 'cpu'): ['chunked/64 #0', 'scan #1', 'associative #1', 'chunked/64 #1', 'ValueError #4'],
+    ('ssd L2048 bfloat16', 'h200'): ['chunked/64 #5', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
+    ('ssd L2048 bfloat16', 'rtx3090'): ['chunked/64 #5', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
+    ('ssd L2048 bfloat16', 'interpret'): ['chunked/64 #5', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
+    ('rla L2048 bfloat16', 'cpu'): ['chunked/64 #0', 'scan #1', 'chunked/64 #1', 'ValueError #6'],
+    ('rla L2048 bfloat16', 'h200'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'triton/32 #1'],
+    ('rla L2048 bfloat16', 'rtx3090'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'triton/32 #1'],
+    ('rla L2048 bfloat16', 'interpret'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'triton/32 #1'],
+    ('mamba big state', 'cpu'): ['scan #0', 'scan #1', 'associative #1', 'chunked/32 #1', 'ValueError #2'],
+    ('mamba big state', 'h200'): ['chunked/32 grad associative #7', 'scan #1', 'associative #1', 'chunked/32 #1', 'ValueError #8'],
+    ('mamba big state', 'rtx3090'): ['chunked/32 #7', 'scan #1', 'associative #1', 'chunked/32 #1', 'ValueError #8'],
+    ('mamba big state', 'interpret'): ['chunked/32 grad associative #7', 'scan #1', 'associative #1', 'chunked/32 #1', 'ValueError #8'],
+    ('mamba big state huge', 'cpu'): ['scan #0', 'scan #1', 'associative #1', 'chunked/64 #1', 'ValueError #2'],
+    ('mamba big state huge', 'h200'): ['chunked/64 #7', 'scan #1', 'associative #1', 'chunked/64 #1', 'ValueError #8'],
+    ('mamba big state huge', 'rtx3090'): ['chunked/64 #7', 'scan #1', 'associative #1', 'chunked/64 #1', 'ValueError #8'],
+    ('mamba big state huge', 'interpret'): ['chunked/64 grad associative #7', 'scan #1', 'associative #1', 'chunked/64 #1', 'ValueError #8'],
+    ('mamba float64', 'cpu'): ['scan #0', 'scan #1', 'associative #1', 'chunked/8 #1', 'ValueError #2'],
+    ('mamba float64', 'h200'): ['chunked/8 grad associative #9', 'scan #1', 'associative #1', 'chunked/8 #1', 'ValueError #10'],
+    ('mamba float64', 'rtx3090'): ['chunked/8 grad associative #9', 'scan #1', 'associative #1', 'chunked/8 #1', 'ValueError #10'],
+    ('mamba float64', 'interpret'): ['chunked/8 grad associative #9', 'scan #1', 'associative #1', 'chunked/8 #1', 'ValueError #10'],
+    ('mamba chunk 24', 'cpu'): ['scan #0', 'scan #1', 'associative #1', 'chunked/24 #1', 'ValueError #2'],
+    ('mamba chunk 24', 'h200'): ['chunked/24 grad associative #11', 'scan #1', 'associative #1', 'chunked/24 #1', 'ValueError #12'],
+    ('mamba chunk 24', 'rtx3090'): ['chunked/24 grad associative #11', 'scan #1', 'associative #1', 'chunked/24 #1', 'ValueError #12'],
+    ('mamba chunk 24', 'interpret'): ['chunked/24 grad associative #11', 'scan #1', 'associative #1', 'chunked/24 #1', 'ValueError #12'],
+    ('mamba chunk 64', 'cpu'): ['scan #0', 'scan #1', 'associative #1', 'chunked/64 #1', 'ValueError #2'],
+    ('mamba chunk 64', 'h200'): ['triton/64 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/64 #1'],
+    ('mamba chunk 64', 'rtx3090'): ['triton/64 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/64 #1'],
+    ('mamba chunk 64', 'interpret'): ['triton/64 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/64 #1'],
+    ('ssd chunk 24', 'cpu'): ['chunked/24 #0', 'scan #1', 'associative #1', 'chunked/24 #1', 'ValueError #4'],
+    ('ssd chunk 24', 'h200'): ['chunked/24 #5', 'scan #1', 'associative #1', 'chunked/24 #1', 'ValueError #13'],
+    ('ssd chunk 24', 'rtx3090'): ['chunked/24 #5', 'scan #1', 'associative #1', 'chunked/24 #1', 'ValueError #13'],
+    ('ssd chunk 24', 'interpret'): ['chunked/24 #5', 'scan #1', 'associative #1', 'chunked/24 #1', 'ValueError #13'],
+    ('ssd state 512', 'cpu'): ['chunked/64 #0', 'scan #1', 'associative #1', 'chunked/64 #1', 'ValueError #4'],
+    ('ssd state 512', 'h200'): ['chunked/64 #5', 'scan #1', 'associative #1', 'chunked/64 #1', 'ValueError #14'],
+    ('ssd state 512', 'rtx3090'): ['chunked/64 #5', 'scan #1', 'associative #1', 'chunked/64 #1', 'ValueError #14'],
+    ('ssd state 512', 'interpret'): ['chunked/64 #5', 'scan #1', 'associative #1', 'chunked/64 #1', 'ValueError #14'],
+    ('rla features 512', 'cpu'): ['chunked/64 #0', 'scan #1', 'chunked/64 #1', 'ValueError #6'],
+    ('rla features 512', 'h200'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'ValueError #15'],
+    ('rla features 512', 'rtx3090'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'ValueError #15'],
+    ('rla features 512', 'interpret'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'ValueError #15'],
+    ('rla v_head_dim 512', 'cpu'): ['chunked/64 #0', 'scan #1', 'chunked/64 #1', 'ValueError #6'],
+    ('rla v_head_dim 512', 'h200'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'ValueError #16'],
+    ('rla v_head_dim 512', 'rtx3090'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'ValueError #16'],
+    ('rla v_head_dim 512', 'interpret'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'ValueError #16'],
+    ('rla chunk 5', 'cpu'): ['chunked/5 #0', 'scan #1', 'chunked/5 #1', 'ValueError #6'],
+    ('rla chunk 5', 'h200'): ['chunked/5 #5', 'scan #1', 'chunked/5 #1', 'ValueError #17'],
+    ('rla chunk 5', 'rtx3090'): ['chunked/5 #5', 'scan #1', 'chunked/5 #1', 'ValueError #17'],
+    ('rla chunk 5', 'interpret'): ['chunked/5 #5', 'scan #1', 'chunked/5 #1', 'ValueError #17'],
+}
+_RECORDED_CALLS = {
+    'mamba L9 float32': MambaCall(2, 9, 64, 16, 'float32'),
+    'ssd L9 float32': SSDCall(2, 9, 8, 64, 2, 128, 'float32'),
+    'rla L9 float32': RLACall(2, 9, 8, 2, 64, 64, 16, 'softmax', 'float32'),
+    'mamba L20 float32': MambaCall(2, 20, 64, 16, 'float32'),
+    'ssd L20 float32': SSDCall(2, 20, 8, 64, 2, 128, 'float32'),
+    'rla L20 float32': RLACall(2, 20, 8, 2, 64, 64, 16, 'softmax', 'float32'),
+    'mamba L300 float32': MambaCall(2, 300, 64, 16, 'float32'),
+    'ssd L300 float32': SSDCall(2, 300, 8, 64, 2, 128, 'float32'),
+    'rla L300 float32': RLACall(2, 300, 8, 2, 64, 64, 16, 'softmax', 'float32'),
+    'mamba L2048 float32': MambaCall(2, 2048, 64, 16, 'float32'),
+    'ssd L2048 float32': SSDCall(2, 2048, 8, 64, 2, 128, 'float32'),
+    'rla L2048 float32': RLACall(2, 2048, 8, 2, 64, 64, 16, 'softmax', 'float32'),
+    'mamba L9 bfloat16': MambaCall(2, 9, 64, 16, 'bfloat16'),
+    'ssd L9 bfloat16': SSDCall(2, 9, 8, 64, 2, 128, 'bfloat16'),
+    'rla L9 bfloat16': RLACall(2, 9, 8, 2, 64, 64, 16, 'softmax', 'bfloat16'),
+    'mamba L20 bfloat16': MambaCall(2, 20, 64, 16, 'bfloat16'),
+    'ssd L20 bfloat16': SSDCall(2, 20, 8, 64, 2, 128, 'bfloat16'),
+    'rla L20 bfloat16': RLACall(2, 20, 8, 2, 64, 64, 16, 'softmax', 'bfloat16'),
+    'mamba L300 bfloat16': MambaCall(2, 300, 64, 16, 'bfloat16'),
+    'ssd L300 bfloat16': SSDCall(2, 300, 8, 64, 2, 128, 'bfloat16'),
+    'rla L300 bfloat16': RLACall(2, 300, 8, 2, 64, 64, 16, 'softmax', 'bfloat16'),
+    'mamba L2048 bfloat16': MambaCall(2, 2048, 64, 16, 'bfloat16'),
+    'ssd L2048 bfloat16': SSDCall(2, 2048, 8, 64, 2, 128, 'bfloat16'),
+    'rla L2048 bfloat16': RLACall(2, 2048, 8, 2, 64, 64, 16, 'softmax', 'bfloat16'),
+    'mamba big state': MambaCall(2, 1024, 1536, 512, 'float32'),
+    'mamba big state huge': MambaCall(8, 8192, 1536, 512, 'float32'),
+    'mamba float64': MambaCall(2, 100, 64, 16, 'float64'),
+    'mamba chunk 24': MambaCall(2, 100, 64, 16, 'float32', 24),
+    'mamba chunk 64': MambaCall(2, 100, 64, 16, 'float32', 64),
+    'ssd chunk 24': SSDCall(2, 100, 4, 64, 1, 16, 'float32', 24),
+    'ssd state 512': SSDCall(2, 100, 4, 64, 1, 512, 'bfloat16'),
+    'rla features 512': RLACall(2, 100, 4, 4, 256, 64, 8, 'softmax', 'float32'),
+    'rla v_head_dim 512': RLACall(2, 100, 4, 4, 64, 512, 8, 'relu', 'float32'),
+    'rla chunk 5': RLACall(1, 20, 2, 2, 4, 4, 0, 'relu', 'float32', 5),
+}
+
+
+def _outcome(call, implementation, device) -> str:
+  try:
+    d = scan.explain_dispatch(call, implementation=implementation, device=device)
+  except ValueError as e:
+    return f"ValueError #{_RULES.index(str(e))}" if str(e) in _RULES else f"ValueError {e}"
+  form = lambda d: d.implementation + (f"/{d.get('chunk_size')}" if d.get("chunk_size") else "")
+  grad = "" if d.grad is None else f" grad {form(d.grad)}"
+  return f"{form(d)}{grad} #{_RULES.index(d.rule) if d.rule in _RULES else d.rule}"
+
+
+@pytest.mark.parametrize("name", list(_RECORDED_CALLS))
+def test_decisions_are_the_recorded_ones(name):
+  call = _RECORDED_CALLS[name]
+  for device_name, device in _DEVICES.items():
+    got = [_outcome(call, impl, device) for impl in (None, *dispatch.registry_of(call).names())]
+    assert got == _RECORDED[name, device_name], device_name
+
+
+def test_the_decision_is_the_shared_one():
+  from probjax.core.dispatch import Decision
+  d = scan.explain_dispatch(_RECORDED_CALLS["mamba big state"], device=H200)
+  assert scan.Decision is Decision and isinstance(d, Decision) and isinstance(d.grad, Decision)
+  assert d.as_dict()["config"] == {"chunk_size": 32} and d.grad.config == ()
+  assert str(d).startswith("chunked, chunk_size=32 (GPU: the Triton kernels cannot take it")
+  assert "under grad associative" in str(d)
+  asked = scan.explain_dispatch(SSD, implementation="triton", device=H200)
+  assert asked.grad == Decision("chunked", dispatch.GRAD_RULE_NO_BACKWARD, config={"chunk_size": 64})
+
+
+def test_the_face_is_one_set_of_objects():
+  import subprocess
+  import sys
+  from probjax.ops.scan import api
+  assert sorted(scan.__all__) == sorted(api.__all__)
+  for name in api.__all__:
+    assert getattr(scan, name) is getattr(api, name), name
+  # Importing one of the op's modules does not load the face.
+  code = ("import sys, probjax.ops.scan.calls, probjax.ops.scan.reference; "
+          "print('probjax.ops.scan.api' in sys.modules, 'probjax.ops.scan.dispatch' in sys.modules)")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.split() == ["False", "False"]
 
 
 # -- lowering for sm_90 (Pallas -> Triton IR; Triton's own compilation needs the GPU) ----------

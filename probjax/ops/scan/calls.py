@@ -16,16 +16,21 @@ import numpy as np
 FEATURE_MAPS = ("softmax", "relu")
 
 
+def _int_at_least(v, minimum: int) -> bool:
+  """Whether ``v`` is an int (not a bool) of at least ``minimum``."""
+  return isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= minimum
+
+
 def _dims(call, names):
   for name in names:
     v = getattr(call, name)
-    if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+    if not _int_at_least(v, 1):
       raise ValueError(f"{type(call).__name__}: {name} must be an int >= 1, got {v!r}")
 
 
 def _chunk(call):
   c = call.chunk_size
-  if c is not None and (not isinstance(c, (int, np.integer)) or isinstance(c, bool) or c < 1):
+  if c is not None and not _int_at_least(c, 1):
     raise ValueError(f"chunk_size must be None or an int >= 1, got {c!r}")
 
 
@@ -63,6 +68,11 @@ class MambaCall:
   def __post_init__(self):
     _dims(self, ("batch", "length", "channels", "state"))
     _chunk(self)
+
+  @property
+  def state_shape(self) -> tuple[int, ...]:
+    """The scan state: ``[batch, channels, state]``."""
+    return (self.batch, self.channels, self.state)
 
   @classmethod
   def of(cls, x, dt, A, B, C, D=None, *, z=None, dt_bias=None, initial_state=None,
@@ -106,6 +116,11 @@ class SSDCall:
       raise ValueError(f"SSDCall: groups ({self.groups}) must divide heads ({self.heads})")
     _chunk(self)
 
+  @property
+  def state_shape(self) -> tuple[int, ...]:
+    """The scan state: ``[batch, heads, head_dim, state]``."""
+    return (self.batch, self.heads, self.head_dim, self.state)
+
   @classmethod
   def of(cls, x, dt, A, B, C, D=None, *, z=None, dt_bias=None, initial_state=None,
          chunk_size=None, interpret=False) -> "SSDCall":
@@ -147,7 +162,7 @@ class RLACall:
   def __post_init__(self):
     _dims(self, ("batch", "length", "heads", "kv_heads", "head_dim", "v_head_dim"))
     w = self.window_size
-    if not isinstance(w, (int, np.integer)) or isinstance(w, bool) or w < 0:
+    if not _int_at_least(w, 0):
       raise ValueError(f"window_size must be an int >= 0, got {w!r}")
     if self.heads % self.kv_heads:
       raise ValueError(f"kv_heads ({self.kv_heads}) must divide heads ({self.heads})")
@@ -159,6 +174,11 @@ class RLACall:
   def features(self) -> int:
     """Width of the feature map: ``2 * head_dim`` for softmax ([softmax(x), softmax(-x)])."""
     return 2 * self.head_dim if self.feature_map == "softmax" else self.head_dim
+
+  @property
+  def state_shape(self) -> tuple[int, ...]:
+    """The scan state: ``[batch, kv_heads, features, v_head_dim]``."""
+    return (self.batch, self.kv_heads, self.features, self.v_head_dim)
 
   @classmethod
   def of(cls, q, k, v, *, window_size, feature_map="softmax", initial_state=None,
@@ -178,6 +198,6 @@ class RLACall:
                        f"length, kv_heads) = {(b, l, hk)} like k, got {tuple(v.shape)}")
     call = cls(b, l, h, hk, d, v.shape[3], window_size, feature_map, jnp.dtype(q.dtype).name,
                chunk_size, interpret)
-    _shape(op, "initial_state", initial_state, (b, hk, call.features, v.shape[3]),
+    _shape(op, "initial_state", initial_state, call.state_shape,
            "[batch, kv_heads, features, v_head_dim]")
     return call

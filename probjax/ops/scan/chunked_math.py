@@ -1,6 +1,6 @@
-"""The chunk-parallel XLA formulations, shared by the chunked backend and the Triton backend
-(which runs them for differentiated SSD calls): backends share math through this module, never
-through each other.
+"""The chunk-parallel XLA formulations and the math the scan room's backends share (the compute
+dtype, RLA's feature map, a Mamba-1 step, the group a head reads): backends share math through
+this module, never through each other.
 
 Every function takes the core operands the op's wrapper prepares (dt after bias and softplus,
 an initial state, float32 or wider) and returns ``(y, final_state)`` in the compute dtype
@@ -34,6 +34,20 @@ def feature_map(x, kind: str):
   if kind == "softmax":
     return jnp.concatenate([jax.nn.softmax(x, axis=-1), jax.nn.softmax(-x, axis=-1)], axis=-1)
   return jax.nn.relu(x)
+
+
+def group_of_heads(heads: int, groups: int):
+  """``[heads]``: the group (of B and C, or the key/value head) each head reads,
+  ``h // (heads // groups)``."""
+  return jnp.arange(heads) // (heads // groups)
+
+
+def mamba_step(h, x, dt, B, C, A):
+  """One Mamba-1 step over any leading axes: ``h = exp(dt A) ⊙ h + dt x B`` and ``y = C · h``.
+
+  x, dt ``[..., d]``; B, C ``[..., n]``; h ``[..., d, n]``; A ``[d, n]``. Returns ``(h, y)``."""
+  h = jnp.exp(dt[..., None] * A) * h + (dt * x)[..., None] * B[..., None, :]
+  return h, jnp.einsum("...dn,...n->...d", h, C)
 
 
 def chunked(x, chunk: int):
@@ -79,9 +93,7 @@ def mamba_chunked(x, dt, A, B, C, h0, *, chunk: int):
   @jax.checkpoint
   def local(x, dt, B, C):
     def step(h, xs):
-      xt, dtt, bt, ct = xs                                     # [b, nc, d], [b, nc, n]
-      h = jnp.exp(dtt[..., None] * A) * h + (dtt * xt)[..., None] * bt[:, :, None, :]
-      return h, jnp.einsum("bcdn,bcn->bcd", h, ct)
+      return mamba_step(h, *xs, A)                             # [b, nc, d], [b, nc, n]
     move = lambda t: jnp.moveaxis(t, 2, 0)
     h = jnp.zeros(x.shape[:2] + A.shape, cd)
     end, y = jax.lax.scan(step, h, tuple(map(move, (x, dt, B, C))))

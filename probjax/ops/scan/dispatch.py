@@ -1,5 +1,6 @@
 """Which implementation computes a scan-room call: pure rules over ``(call, Device)``, each
-decision with its reason, so tests run them on CPU with fake devices.
+decision (:class:`probjax.core.dispatch.Decision`) with its reason, so tests run them on CPU
+with fake devices.
 
 Rules for ``implementation=None``:
   1. A GPU (or Pallas interpret mode): ``"triton"`` where its kernels compute the call
@@ -8,19 +9,23 @@ Rules for ``implementation=None``:
   2. Elsewhere the fastest exact XLA form measured on CPU (:data:`CPU_DEFAULT`).
 An explicit ``implementation`` is checked, never replaced: where it cannot run on the device or
 compute the call exactly, ValueError says why.
+
+A decision's ``config`` is ``(("chunk_size", n),)`` where the implementation runs the call in
+chunks of ``n``; its ``grad`` is the decision a differentiated call runs instead (forward with
+residuals, then backward), where that is another implementation.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 
 from probjax.core.backend import Registry
 from probjax.core.device import Device
+from probjax.core.dispatch import REQUESTED, Decision
 from probjax.ops.scan import registry
-from probjax.ops.scan.calls import MambaCall, RLACall, SSDCall
+from probjax.ops.scan.calls import SSDCall
 
 # Measured on a two-core CPU (float32, lengths 256 and 2048), forward and forward+backward:
 # Mamba-1's sequential scan is the fastest in both (its chunked form does the elementwise
@@ -50,6 +55,23 @@ GPU_GRAD_DEFAULT = {"mamba_scan": "triton", "ssd_scan": "chunked", "residual_lin
 # E.g. B2 L1024 D1536 N512 (a state the kernels refuse): 3 x 6.4 GB of 140 GB, associative.
 ASSOCIATIVE_MEMORY_SHARE = 0.25
 
+# Why a differentiated call runs another implementation than its forward (a decision's
+# ``grad.rule``).
+GRAD_RULE_GPU = ("GPU, differentiated: the fastest exact forward+backward measured; where the Triton "
+                 "kernels cannot take the call, the associative form (memory permitting)")
+GRAD_RULE_NO_BACKWARD = "the SSD Triton kernel has no backward: the chunked form runs forward and backward"
+
+
+def registry_of(call) -> Registry:
+  """The registry of ``call``'s op."""
+  return registry.of(call)
+
+
+def device_of(call) -> Device:
+  """The device a call is decided for by default: the interpreter's for ``interpret=True``,
+  else the current one."""
+  return Device.interpreter() if call.interpret else Device.current()
+
 
 def _gpu_grad(call, device: Device, kernel_ok: bool) -> str:
   """What a differentiated call runs on a GPU (:data:`GPU_GRAD_DEFAULT`; the associative form
@@ -64,63 +86,36 @@ def _gpu_grad(call, device: Device, kernel_ok: bool) -> str:
   return grad
 
 
-@dataclasses.dataclass(frozen=True)
-class Decision:
-  """The implementation chosen for a call, the rule that chose it, its chunk (None: it has
-  none) and, where a differentiated call runs another implementation forward and backward,
-  that one (``grad_implementation``, a registry name) and its chunk."""
-
-  implementation: str
-  rule: str
-  chunk_size: int | None = None
-  grad_implementation: str | None = None
-  grad_chunk_size: int | None = None
-
-  def __str__(self):
-    extra = f", chunk {self.chunk_size}" if self.chunk_size else ""
-    if self.grad_implementation:
-      extra += f"; differentiated: {self.grad_implementation}"
-      extra += f", chunk {self.grad_chunk_size}" if self.grad_chunk_size else ""
-    return f"{self.implementation}{extra} ({self.rule})"
+def _config(reg: Registry, name: str, call) -> tuple:
+  """``(("chunk_size", n),)`` where ``name`` runs ``call`` in chunks of ``n``, else empty."""
+  chunk = reg.get(name).chunk_size(call)
+  return () if chunk is None else (("chunk_size", chunk),)
 
 
-def registry_of(call) -> Registry:
-  """The registry of ``call``'s op."""
-  for kind, reg in ((MambaCall, registry.MAMBA), (SSDCall, registry.SSD), (RLACall, registry.RLA)):
-    if isinstance(call, kind):
-      return reg
-  raise TypeError(f"not a scan-room call: {type(call).__name__}")
-
-
-def _decision(call, name: str, rule: str, grad: str | None = None) -> Decision:
+def _decision(call, name: str, rule: str, grad: str | None = None, grad_rule: str = GRAD_RULE_GPU) -> Decision:
   """``name`` runs the call; differentiated, ``grad`` does (None: ``name`` itself, or for the
   SSD kernel, which has no backward, ``"chunked"``)."""
   reg = registry_of(call)
   if grad is None and name == "triton" and isinstance(call, SSDCall):
-    grad = "chunked"
+    grad, grad_rule = "chunked", GRAD_RULE_NO_BACKWARD
   if grad == name:
     grad = None
-  return Decision(name, rule, reg.get(name).chunk_size(call), grad,
-                  None if grad is None else reg.get(grad).chunk_size(call))
+  return Decision(name, rule, config=_config(reg, name, call),
+                  grad=None if grad is None else Decision(grad, grad_rule, config=_config(reg, grad, call)))
 
 
-def explain_dispatch(call, *, implementation: str | None = None, device: Device | None = None) -> Decision:
-  """The :class:`Decision` for ``call`` (a :class:`MambaCall`, :class:`SSDCall` or
-  :class:`RLACall`) on ``device`` (default: the current one, or the interpreter's for a call
-  with ``interpret=True``)."""
+def decide(call, implementation: str | None, device: Device) -> Decision:
+  """The :class:`~probjax.core.dispatch.Decision` for ``call`` on ``device``
+  (:func:`probjax.ops.scan.explain_dispatch` with the device given)."""
   reg = registry_of(call)
-  if device is None:
-    device = Device.interpreter() if call.interpret else Device.current()
   name = reg.canonical(implementation)
   if name is not None:
-    backend = reg.get(name)
-    why = backend.available(device) or backend.supports(call, device)
+    why = registry.refusal(reg, name, call, device)
     if why:
       raise ValueError(f"{reg.op}: implementation={name!r} cannot compute this call: {why}")
-    return _decision(call, name, "requested")
+    return _decision(call, name, REQUESTED)
   if device.platform == "gpu":
-    kernel = reg.get("triton")
-    why = kernel.available(device) or kernel.supports(call, device)
+    why = registry.refusal(reg, "triton", call, device)
     grad = _gpu_grad(call, device, why is None)
     if GPU_FORWARD_DEFAULT[reg.op] == "chunked":
       return _decision(call, "chunked", "GPU: the chunked XLA form, the fastest forward measured; "
@@ -134,20 +129,26 @@ def explain_dispatch(call, *, implementation: str | None = None, device: Device 
 
 def with_grad_of(primal, grad):
   """``primal(*arrays)``, differentiated as ``grad(*arrays)`` (its forward with residuals and its
-  backward): how a decision's ``grad_implementation`` runs beside a forward-only kernel."""
+  backward): how a decision's ``grad`` runs beside a forward-only kernel."""
   f = jax.custom_vjp(primal)
   f.defvjp(lambda *arrays: jax.vjp(grad, *arrays), lambda vjp, ct: vjp(ct))
   return f
 
 
-def resolve(call, implementation: str | None = None):
-  """The function ``f(*arrays)`` that computes ``call`` as :func:`explain_dispatch` decides."""
-  decision = explain_dispatch(call, implementation=implementation)
+def runner(call, decision: Decision):
+  """The function ``f(*arrays)`` that computes ``call`` as ``decision`` says: its
+  implementation, differentiated as its ``grad`` where it has one."""
   reg = registry_of(call)
   primal = functools.partial(reg.get(decision.implementation), call=call)
-  if decision.grad_implementation is None:
+  if decision.grad is None:
     return primal
-  return with_grad_of(primal, functools.partial(reg.get(decision.grad_implementation), call=call))
+  return with_grad_of(primal, functools.partial(reg.get(decision.grad.implementation), call=call))
+
+
+def resolve(call, implementation: str | None = None, device: Device | None = None):
+  """The function ``f(*arrays)`` that computes ``call`` as dispatch decides on ``device``
+  (default: :func:`device_of`)."""
+  return runner(call, decide(call, implementation, device or device_of(call)))
 
 
 def available_implementations(call, device: Device | None = None) -> list[str]:

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from probjax.core.backend import Backend
 from probjax.ops.scan.calls import MambaCall, SSDCall
-from probjax.ops.scan.chunked_math import compute_dtype
+from probjax.ops.scan.chunked_math import compute_dtype, group_of_heads
 
 
 def _combine(left, right):
@@ -45,7 +45,7 @@ class MambaAssociative(_Associative, Backend[MambaCall]):
 class SSDAssociative(_Associative, Backend[SSDCall]):
   def __call__(self, x, dt, A, B, C, h0, *, call: SSDCall):
     cd = compute_dtype(x.dtype)
-    group = jnp.arange(call.heads) // (call.heads // call.groups)
+    group = group_of_heads(call.heads, call.groups)
     x, dt, B, C = (t.astype(cd) for t in (x, dt, B, C))
     B, C = B[:, :, group], C[:, :, group]                         # [b, L, heads, n]
     decay = jnp.exp(dt * A)[..., None, None]                      # [b, L, h, 1, 1]

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from probjax.core.backend import Backend
 from probjax.ops.scan.calls import MambaCall, RLACall, SSDCall
-from probjax.ops.scan.chunked_math import compute_dtype
+from probjax.ops.scan.chunked_math import compute_dtype, group_of_heads, mamba_step
 
 
 def _scan(step, h0, xs):
@@ -33,9 +33,7 @@ class MambaScan(_Sequential, Backend[MambaCall]):
     cd = compute_dtype(x.dtype)
 
     def step(h, xs):
-      xt, dtt, bt, ct = (t.astype(cd) for t in xs)
-      h = jnp.exp(dtt[..., None] * A) * h + (dtt * xt)[..., None] * bt[:, None, :]
-      return h, jnp.einsum("bdn,bn->bd", h, ct)
+      return mamba_step(h, *(t.astype(cd) for t in xs), A)
 
     return _scan(step, h0.astype(cd), (x, dt, B, C))
 
@@ -43,7 +41,7 @@ class MambaScan(_Sequential, Backend[MambaCall]):
 class SSDScan(_Sequential, Backend[SSDCall]):
   def __call__(self, x, dt, A, B, C, h0, *, call: SSDCall):
     cd = compute_dtype(x.dtype)
-    group = jnp.arange(call.heads) // (call.heads // call.groups)
+    group = group_of_heads(call.heads, call.groups)
 
     def step(h, xs):
       xt, dtt, bt, ct = (t.astype(cd) for t in xs)
@@ -57,7 +55,7 @@ class SSDScan(_Sequential, Backend[SSDCall]):
 class RLAScan(_Sequential, Backend[RLACall]):
   def __call__(self, fq, fk, v, s0, *, call: RLACall):
     cd = compute_dtype(v.dtype)
-    kv_head = jnp.arange(call.heads) // (call.heads // call.kv_heads)
+    kv_head = group_of_heads(call.heads, call.kv_heads)
 
     def step(s, xs):
       qt, kt, vt = (t.astype(cd) for t in xs)

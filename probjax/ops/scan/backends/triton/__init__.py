@@ -3,8 +3,8 @@
 * Mamba-1: forward and backward kernels (:mod:`.mamba`), exact; the backward recomputes the
   states inside each chunk from the chunk-boundary states its forward saved.
 * SSD: a chunked forward kernel (:mod:`.ssd`), no backward: the dispatch's decision names what
-  a differentiated call runs instead, forward and backward (``Decision.grad_implementation``,
-  ``"chunked"`` when the kernels are requested), and the op composes the two
+  a differentiated call runs instead, forward and backward (``Decision.grad``, ``"chunked"``
+  when the kernels are requested), and the op composes the two
   (:func:`probjax.ops.scan.dispatch.with_grad_of`). That backward needs its own forward's
   residuals, which the kernel does not save.
 * RLA: forward and backward kernels (:mod:`.rla`), exact.
