@@ -387,6 +387,11 @@ def run_sample(calls: list[SampledCall], out: str, *, build: Callable | None = N
   for r in load_rows(out):
     old.setdefault(r.get("call_id"), []).append(r)
   os.makedirs(os.path.dirname(os.path.abspath(out)) or ".", exist_ok=True)
+  if os.path.exists(out) and os.path.getsize(out):
+    with open(out, "rb+") as f:  # a line cut by a killed run: the next row starts on a line of its own
+      f.seek(-1, os.SEEK_END)
+      if f.read(1) != b"\n":
+        f.write(b"\n")
   stats = {"calls": len(calls), "calls_done": 0, "calls_skipped": 0, "rows_written": 0, "stopped": False}
   spent = {"fwd": [], "fwd_bwd": []}  # seconds per implementation timed, by mode
   for pos, c in enumerate(calls, 1):
