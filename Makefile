@@ -57,7 +57,7 @@ bench-cpu: venv
 	fi
 	JAX_PLATFORMS=cpu $(PY) -m bench.benchmark_kernel_attn_cpu --device cpu
 
-# Figures and pages (docs/attention-performance.md, docs/h200.md, docs/figures/) and README's
+# Figures and pages (docs/dev/attention-performance.md, docs/dev/h200.md, docs/dev/figures/) and README's
 # performance section, all from the JSON in bench/results/.
 docs: venv
 	$(PY) -m bench.benchmark_figures

@@ -1,7 +1,10 @@
 """Builds the figures and the performance pages from the benchmark JSON only.
 
   python -m bench.benchmark_figures            # bench/results/<device>/<suite>.json ->
-      docs/attention-performance.md, docs/h200.md, docs/figures/*.png
+      docs/dev/attention-performance.md, docs/dev/h200.md, docs/dev/figures/*.png
+
+The pages are the benchmark evidence of the developer section of the docs (docs/dev/, beside
+decisions.md, which their links name), not user pages.
 
 Every number on the pages comes from the JSON rows; suites that have no rows
 yet print "not measured yet". Cells: median ms; OOM, fail† (XLA autotuning
@@ -19,6 +22,7 @@ import sys
 
 from bench.harness import IMPL_LABELS, OWN_SCHEMA_KEYS, RESULTS_DIR, ROOT, load_rows, row_key
 
+DOCS_DIR = os.path.join(ROOT, "docs", "dev")  # where the pages and figures/ go by default
 STATUS_CELL = {"oom": "OOM", "fail": "fail†", "unsupported": "unsup.", "error": "error"}
 NOT_MEASURED = "_Not measured yet._"
 PEER_PREFIXES = ("jaxnn_", "torch_", "tokamax_")
@@ -1084,7 +1088,7 @@ def build(results_dir: str, docs_dir: str, fig_dir: str) -> dict:
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__)
   p.add_argument("--results-dir", default=RESULTS_DIR)
-  p.add_argument("--docs-dir", default=os.path.join(ROOT, "docs"))
+  p.add_argument("--docs-dir", default=DOCS_DIR)
   p.add_argument("--fig-dir", default=None, help="default: DOCS_DIR/figures")
   args = p.parse_args(argv)
   fig_dir = args.fig_dir or os.path.join(args.docs_dir, "figures")

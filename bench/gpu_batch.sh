@@ -22,7 +22,7 @@
 #   gqar  the GQA suite's rows of $GQA_IMPLS the same way
 # DEVICE_TIME=1: every suite also records device_ms (kernel time from a profile).
 # DIFFERENCED=1: every step times each repeat as (2n calls - n calls) / n; for device-bound calls
-#   only (host-bound ones, e.g. T1024, scatter under it: docs/decisions.md, "Timing").
+#   only (host-bound ones, e.g. T1024, scatter under it: docs/dev/decisions.md, "Timing").
 # The SM clock, temperature, power and throttle reasons are sampled every 0.5 s into
 # $OUT/gpu_clocks.csv (to read a run's noise; not committed).
 # newops_tests: the grouped-matmul, scan and MoE tests with their kernels compiled (not interpreted).

@@ -13,7 +13,7 @@ Every suite builds a list of :class:`Case` objects (one per JSON row) and hands 
 * writes one JSON object per line, flushed after each row, with the device, its compute
   capability, the library versions, the commit measured and the command line.
 
-FLOP convention (docs/architecture.md): forward = 4·B·H·Tq·Tkv·D, halved for causal;
+FLOP convention (docs/dev/architecture.md): forward = 4·B·H·Tq·Tkv·D, halved for causal;
 forward+backward = 3.5 × forward.
 
 Row schema (required fields): see :data:`REQUIRED_FIELDS`; a row's key: :data:`KEY_FIELDS`
@@ -300,7 +300,7 @@ def key_function(path: str):
 def row_id(row: dict) -> str:
   """A row's key as text, e.g. ``grid probjax_default bfloat16 B4 H8/8 T4096/4096 D128 causal
   none fwd_bwd`` (``variant`` last where set): what the tuning tables' evidence and
-  docs/decisions.md cite."""
+  docs/dev/decisions.md cite."""
   parts = [row["suite"], row["impl"], row["dtype"], f"B{row['batch']}",
            f"H{row['q_heads']}/{row['kv_heads']}", f"T{row['q_len']}/{row['kv_len']}",
            f"D{row['head_dim']}", "causal" if row["causal"] else "noncausal", row["mask"], row["mode"]]

@@ -359,6 +359,28 @@ def test_pages_from_synthetic_json(tmp_path):
   assert any(f.endswith(".png") for f in info["figures"])
 
 
+def test_generated_pages_live_in_the_developer_docs(monkeypatch):
+  # The generated pages are benchmark evidence: docs/dev/ (the site's Developers section, beside
+  # decisions.md, which they link), not the user docs.
+  import re
+  dev = os.path.join(ROOT, "docs", "dev")
+  called = []
+  monkeypatch.setattr(bf, "build", lambda results, docs, figs: called.append((docs, figs)) or {})
+  assert bf.main([]) == 0
+  assert [tuple(map(os.path.normpath, c)) for c in called] == [(dev, os.path.join(dev, "figures"))]
+  for page in ("attention-performance.md", "h200.md"):
+    assert os.path.isfile(os.path.join(dev, page)), page
+    assert not os.path.exists(os.path.join(ROOT, "docs", page)), page
+    with open(os.path.join(dev, page)) as f:
+      text = f.read()
+    assert "[decisions.md](decisions.md)" in text and os.path.isfile(os.path.join(dev, "decisions.md"))
+    for fig in set(re.findall(r"\]\((figures/[^)]+)\)", text)):
+      assert os.path.isfile(os.path.join(dev, fig)), (page, fig)
+  assert not os.path.exists(os.path.join(ROOT, "docs", "figures"))
+  nav = open(os.path.join(ROOT, "mkdocs.yml")).read()
+  assert "dev/attention-performance.md" in nav and "dev/h200.md" in nav
+
+
 def test_interleaved_tables_rate_probjax_against_the_fastest_peer():
   rows = [_row(suite="interleaved", impl=i, q_len=4096, kv_len=4096, head_dim=128, mode="fwd", ms=ms,
                commit="abc", command="cmd", timing="plain")

@@ -23,7 +23,8 @@ def test_site_builds_strictly(tmp_path):
   run = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert run.returncode == 0, run.stdout + run.stderr
-  for page in ("index.html", "guide/quickstart.html", "api/attention.html", "api/layers/transformer.html"):
+  for page in ("index.html", "guide/quickstart.html", "api/attention.html", "api/layers/transformer.html",
+               "performance.html", "dev/index.html", "dev/architecture.html", "dev/decisions.html"):
     assert (tmp_path / "site" / page).is_file(), page
   api = (tmp_path / "site" / "api" / "attention.html").read_text()
   assert "dot_product_attention" in api and "explain_dispatch" in api

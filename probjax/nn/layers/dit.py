@@ -18,7 +18,7 @@ zero-initialised final projection makes the output exactly zero. The blocks' par
 stacked (``nnx.vmap``) and applied by default by a Python loop over their slices (one
 compiled copy per block), or with ``scan_layers=True`` by ``nnx.scan`` (one compiled block:
 shorter compiles for deep models, but XLA's loop stores every block's residuals for the
-backward pass with extra copies; docs/decisions.md, "DiT"); the parameters and the output are
+backward pass with extra copies; docs/dev/decisions.md, "DiT"); the parameters and the output are
 the same either way.
 
 ``mask`` (a probjax mask, e.g. ``KVLenMask(sizes)`` for token sets right-padded to a common

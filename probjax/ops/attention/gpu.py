@@ -49,7 +49,7 @@ def order_group(device: str, bytes_per_pair: int) -> int:
   ``device``'s L2: at most the group a causal-like grid runs heaviest-first across
   (:func:`probjax.ops.attention.masks.heavy_first_program`, groups of near-equal size): a
   group's K/V then stay in L2 while its heaviest tiles run, and no small last group ends the
-  grid on a few heavy programs (the measurements: docs/decisions.md, "Settled by probes")."""
+  grid on a few heavy programs (the measurements: docs/dev/decisions.md, "Settled by probes")."""
   return max(1, (L2_BYTES.get(device, DEFAULT_L2_BYTES) // 2) // max(1, bytes_per_pair))
 
 

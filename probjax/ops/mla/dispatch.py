@@ -91,7 +91,7 @@ def attention_implementation(call: MLACall, form: str, device: Device,
 KERNELS = ("triton",)
 # auto: the decode kernel for at most this many queries per step. Its row tiles hold heads x
 # queries and each reads the step's latent, so its time grows with the queries: at 128 heads it
-# is ahead of attention's XLA path with one query and behind it with two (docs/decisions.md,
+# is ahead of attention's XLA path with one query and behind it with two (docs/dev/decisions.md,
 # "MLA: values of their own width and decoding").
 DECODE_MAX_QUERIES = 1
 

@@ -35,14 +35,14 @@ from probjax.ops.scan.calls import SSDCall
 CPU_DEFAULT = {"mamba_scan": "scan", "ssd_scan": "chunked", "residual_linear_attention": "chunked"}
 
 # What an undifferentiated call runs on a GPU: the fastest exact forward measured on the H200
-# (docs/decisions.md, "Forward GPU calls"). Mamba-1's per-(channel, state) decay has no matmul
+# (docs/dev/decisions.md, "Forward GPU calls"). Mamba-1's per-(channel, state) decay has no matmul
 # form, so the sequential Triton kernel, reading each input once, wins; SSD's and RLA's chunked
 # XLA forms run their intra-chunk work as large tensor-core matmuls, which the Triton kernels'
 # smaller tiles do not match.
 GPU_FORWARD_DEFAULT = {"mamba_scan": "triton", "ssd_scan": "chunked", "residual_linear_attention": "chunked"}
 
 # What a differentiated call runs on a GPU (forward with residuals and backward): the fastest
-# exact form of forward+backward measured on the H200 (docs/decisions.md, "Differentiated GPU
+# exact form of forward+backward measured on the H200 (docs/dev/decisions.md, "Differentiated GPU
 # calls"). Mamba-1's Triton kernels read each input once per pass and keep only chunk-boundary
 # states, where the associative form materialises every position's state; calls those kernels
 # cannot take run the associative form (memory permitting). RLA's chunked XLA form keeps its

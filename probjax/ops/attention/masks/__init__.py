@@ -12,7 +12,7 @@ index ``k`` of batch element ``b``:
 Each kind is a :class:`~probjax.ops.attention.masks.base.Predicate` (``base.py``): its element
 function, tile classification, static key/query ranges, validation, clamping, padding and
 kernel operands. A new kind is one module and one entry in the registry below
-(``docs/adding-a-mask.md``).
+(``docs/dev/adding-a-mask.md``).
 
 Lengths are clamped to ``[0, q_len]`` / ``[0, kv_len]``: concrete out-of-range lengths raise
 ``ValueError``, traced ones (under ``jax.jit``) are clipped (:meth:`Mask.clamped`), on every

@@ -12,7 +12,7 @@ evidence in the repository's ``bench/tuning/sm_*.json``, which holds each value 
 benchmark rows it was chosen from (``[results file, row key, commit]``); the wheel ships the
 values only. The rules that read each group are numbered as in
 :mod:`probjax.ops.attention.dispatch`; why each value is what it is and how to measure it again:
-``docs/decisions.md``.
+``docs/dev/decisions.md``.
 
 The dispatch consults the table only when every kernel argument of the call is at its default
 (no explicit implementation, ``backward_pass_impl="auto"``, no explicit tile configs) and

@@ -3,7 +3,7 @@
 The same cuDNN kernels as ``jax.nn.dot_product_attention(implementation="cudnn")``,
 without what XLA's runtime adds around its fMHA custom calls: it zeroes every output
 and the workspace before each launch (3 memsets per forward, 9 per forward+backward;
-docs/decisions.md, "Settled by probes": "Why jax.nn's cuDNN route trailed torch's, and
+docs/dev/decisions.md, "Settled by probes": "Why jax.nn's cuDNN route trailed torch's, and
 probjax's own FFI call"). The extension's library
 (:mod:`~probjax.ops.attention.backends.cudnn.extension`: where it is looked for, how it is built)
 is built on the first call on a GPU where the headers are installed (probjax's ``cuda13`` extra,

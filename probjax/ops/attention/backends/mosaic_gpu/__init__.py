@@ -112,7 +112,7 @@ def attention(q, k, v, *, mask: Mask | None = None, score_mod: Callable | None =
       Triton backward's variant (``"auto"``, ``"triton_*"``, see :mod:`probjax.ops.attention.backends.triton`;
       "mosaic" needs ``v_head_dim == head_dim``):
       "auto" is the Triton backward, faster at head_dim 64 (the device table gives head_dim 128
-      calls from 2^29 work the Mosaic backward; evidence in docs/decisions.md).
+      calls from 2^29 work the Mosaic backward; evidence in docs/dev/decisions.md).
     forward_config: explicit tiles, checked against the device's shared memory.
     backward_config: the backward's tiles (a ``MosaicBackwardConfig`` for "mosaic", else the
       Triton ``BackwardConfig``).

@@ -88,7 +88,7 @@ class MosaicBackwardConfig:
 # fused_dq stays off by default: this backward promises bitwise-equal gradients across runs,
 # and at head_dim 128 the fused dK/dV kernel spills registers and is slower (at head_dim 64 it
 # is faster). The tiles are the H200 sweep's best two-kernel configs. Measurements:
-# docs/decisions.md ("Settled by probes", mosaic_long.backward_min_work) and bench/results/h200/tiles.json.
+# docs/dev/decisions.md ("Settled by probes", mosaic_long.backward_min_work) and bench/results/h200/tiles.json.
 DEFAULTS = {64: MosaicBackwardConfig(128, 128, 2, 2), 128: MosaicBackwardConfig(64, 128, 2, 2)}
 # dK and dV of 64 rows stay in registers as float32: at head_dim 256 they alone would take
 # 256 registers per thread, over the 232 a compute warpgroup gets.

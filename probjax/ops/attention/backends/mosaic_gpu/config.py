@@ -97,7 +97,7 @@ class MosaicForwardConfig:
 
 
 # Why these defaults (evidence: the H200 tile sweep, bench/results/h200/tiles.json, and
-# docs/decisions.md, "Settled by probes"): block_k 128 with two compute warpgroups is the
+# docs/dev/decisions.md, "Settled by probes"): block_k 128 with two compute warpgroups is the
 # fastest family at head_dim 64 and 128 (three compute warpgroups are not faster; at head_dim
 # 128 deeper rings and block_k 192 do not fit), and persistent CTAs are faster than one CTA per
 # tile there; causal calls, whose tiles differ in work, gain from persistence too ("Mosaic

@@ -223,7 +223,7 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, rng_ref, qid_ref, kid_ref, order_ref, 
         b2 = jnp.clip(fhi, b1, hi)
         # One loop, each tile's predicate (where a tile can need one) in a branch of its
         # softmax: with P and the accumulator carried from one loop into the next (masked, full,
-        # masked tiles), ptxas serialized every wgmma of the kernel (warning C7513; docs/decisions.md,
+        # masked tiles), ptxas serialized every wgmma of the kernel (warning C7513; docs/dev/decisions.md,
         # "Settled by probes": "Intra-warpgroup overlap in the Mosaic forward").
         masked = (lambda n: (n < b1) | (n >= b2)) if masked_tiles else (lambda n: False)
         acc, m, l, p = lax.fori_loop(lo + 1, hi, lambda n, c: overlapped(n, c, masked(n)), carry)

@@ -208,7 +208,7 @@ BACKWARD_TABLE = {
 # fast_exp2=None resolves to this per device kind (absent: False). sm_90: FlashAttention's
 # and Triton's own kernels use ex2.approx; checked by the tile sweep's "auto_libdevice_exp2"
 # rows (bench/results/h200/tiles.json), the auto tiles with libdevice's exp2f. The fused
-# multiply-add before it (tiles.exp2_affine), which XLA's Triton kept apart: docs/decisions.md,
+# multiply-add before it (tiles.exp2_affine), which XLA's Triton kept apart: docs/dev/decisions.md,
 # "Settled by probes", "The Triton exponent".
 FAST_EXP2 = {"sm_90": True}
 

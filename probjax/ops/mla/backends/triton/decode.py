@@ -107,7 +107,7 @@ def combine(o, lse):
 # each pipeline stage holds a key block of latent and rope plus its value slice, 68 KiB at 32
 # positions and the whole 512-wide value; two stages make 200 KiB of sm_90's 227 KiB (64
 # positions would not fit). The whole value width in one tile reads each latent block once per
-# row tile; 256-wide value tiles read it twice (measured slower: docs/decisions.md).
+# row tile; 256-wide value tiles read it twice (measured slower: docs/dev/decisions.md).
 DEFAULT_BLOCK_K = 32
 DEFAULT_BLOCK_V = 512
 
