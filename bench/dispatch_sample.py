@@ -285,9 +285,17 @@ def _impl_of(decision, grad: bool = False) -> str | None:
   return decision.implementation
 
 
+class Refused(tuple):
+  """``(status, message)``: why ``explain_dispatch`` gave no decision for an implementation
+  (its ValueError: "unsupported")."""
+
+  def __new__(cls, status: str, message: str):
+    return super().__new__(cls, (status, message))
+
+
 def plan_call(c: SampledCall, device=None, mask=None) -> dict:
-  """``{implementation name or None: Decision or the ValueError's message}``: what
-  ``explain_dispatch`` says the default and each exact implementation would run."""
+  """``{implementation name or None: Decision or Refused}``: what ``explain_dispatch`` says the
+  default and each exact implementation would run."""
   from probjax.ops.attention import explain_dispatch
   mask = make_mask(c) if mask is None else mask
   out = {}
@@ -296,8 +304,9 @@ def plan_call(c: SampledCall, device=None, mask=None) -> dict:
       out[impl] = explain_dispatch((c.batch, c.q_len, c.q_heads, c.head_dim),
                                    (c.batch, c.kv_len, c.kv_heads, c.head_dim), _dtype(c.dtype),
                                    mask=mask, implementation=impl, device=device)
-    except ValueError as e:
-      out[impl] = str(e)
+    except Exception as e:  # noqa: BLE001 (ValueError: refused; anything else is recorded, never raised)
+      from probjax.core.timing import classify_error
+      out[impl] = Refused(*classify_error(e))
   return out
 
 
@@ -359,9 +368,10 @@ def row_extra(c: SampledCall, plan: dict, impl: str | None) -> dict:
           "causal_offset": c.causal_offset if c.mask in ("causal", "window", "causal&kv_lengths") else None,
           "kv_lengths": None if c.kv_lengths is None else list(c.kv_lengths), "est_ms": c.est_ms,
           "visible_keys": round(visible_keys(c.q_len, c.kv_len, c.mask, c.window, c.kv_lengths), 3),
-          "decision": None if isinstance(own, str) else str(own),
-          "default_decision": str(d), "default_impl": _impl_of(d),
-          "default_grad_impl": _impl_of(d, grad=True) if c.mode == "fwd_bwd" else None}
+          "decision": None if isinstance(own, Refused) else str(own),
+          "default_decision": None if isinstance(d, Refused) else str(d),
+          "default_impl": None if isinstance(d, Refused) else _impl_of(d),
+          "default_grad_impl": _impl_of(d, grad=True) if c.mode == "fwd_bwd" and not isinstance(d, Refused) else None}
 
 
 def row_key(row: dict) -> tuple:
@@ -406,6 +416,8 @@ def run_sample(calls: list[SampledCall], out: str, *, build: Callable | None = N
         f.write(b"\n")
   stats = {"calls": len(calls), "calls_done": 0, "calls_skipped": 0, "rows_written": 0, "stopped": False}
   spent = {"fwd": [], "fwd_bwd": []}  # seconds per implementation timed, by mode
+  log(f"[dispatch_sample] {len(calls)} call(s), {sum(c.call_id in old for c in calls)} with rows in {out} already; "
+      f"budget {budget_s if budget_s is not None else 'none'} s")
   for pos, c in enumerate(calls, 1):
     stored = old.get(c.call_id, [])
     for r in stored[:1]:
@@ -417,7 +429,7 @@ def run_sample(calls: list[SampledCall], out: str, *, build: Callable | None = N
     if not todo:
       stats["calls_skipped"] += 1
       continue
-    timed = [impl for impl in todo if not isinstance(plan[impl], str)]
+    timed = [impl for impl in todo if not isinstance(plan[impl], Refused)]
     per_impl = statistics.mean(spent[c.mode]) if spent[c.mode] else PRIOR_IMPL_S[c.mode]
     elapsed = clock() - start
     if budget_s is not None and elapsed + 1.5 * per_impl * len(timed) > budget_s:
@@ -443,7 +455,7 @@ def run_sample(calls: list[SampledCall], out: str, *, build: Callable | None = N
       if impl in outcomes:
         result, status, error = outcomes[impl]
       else:
-        result, status, error = None, "unsupported", plan[impl]
+        result, (status, error) = None, plan[impl]
       row = harness.make_row(_case(c, impl, None), result, status, error)
       row.update(row_extra(c, plan, impl))
       rows.append(row)
@@ -516,6 +528,7 @@ def calls_of(rows: Iterable[dict]) -> list[dict]:
     rec["best_impl"] = min(exact, key=exact.get) if exact else None
     rec["best_ms"] = exact[rec["best_impl"]] if exact else None
     rec["ratio"] = (rec["default_ms"] / rec["best_ms"]) if rec["default_ms"] and rec["best_ms"] else None
+    rec["default_pick"] = (rec.get("default_grad_impl") if rec.get("mode") == "fwd_bwd" else None) or rec.get("default_impl")
     rec["group"] = group_key(rec)
     out.append(rec)
   return sorted(out, key=lambda r: (r.get("seed") or 0, r.get("index") or 0))
@@ -545,11 +558,11 @@ def summarize_calls(calls: list[dict], miss: float = MISS) -> dict:
           "miss_share": (sum(c["ratio"] > miss for c in cmp) / len(cmp)) if cmp else None,
           "geomean": geomean([c["ratio"] for c in cmp]),
           "worst": None if worst is None else {"call_id": worst["call_id"], "ratio": worst["ratio"],
-                                               "default_impl": worst.get("default_impl"),
+                                               "default_impl": worst.get("default_pick"),
                                                "best_impl": worst["best_impl"], "call": describe(worst)},
           "default_ms_sum": sum(c["default_ms"] for c in cmp), "best_ms_sum": sum(c["best_ms"] for c in cmp),
           "default_failed": [c["call_id"] for c in calls if c["default_ms"] is None and c["best_ms"] is not None],
-          "best_impl_counts": count("best_impl"), "default_impl_counts": count("default_impl")}
+          "best_impl_counts": count("best_impl"), "default_impl_counts": count("default_pick")}
 
 
 def _counts(xs) -> dict:
@@ -629,7 +642,7 @@ def markdown(report: dict, top: int = 15) -> str:
     lines += ["", f"### {name}: the {len(worst)} largest misses", "",
               "| call | default | default ms | best | best ms | default/best | all (ms) |", "|---|---|---|---|---|---|---|"]
     for c in worst:
-      lines.append(f"| {describe(c)} | {c.get('default_impl')} | {_f(c['default_ms'])} | {c['best_impl']} | "
+      lines.append(f"| {describe(c)} | {c.get('default_pick')} | {_f(c['default_ms'])} | {c['best_impl']} | "
                    f"{_f(c['best_ms'])} | {c['ratio']:.2f} | "
                    f"{', '.join(f'{k} {v:.3f}' for k, v in sorted(c['ms'].items()) if k != 'default')} |")
   return "\n".join(lines) + "\n"

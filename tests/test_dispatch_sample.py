@@ -179,6 +179,24 @@ def test_runner_honours_the_budget(tmp_path, calls):
   assert len(ds.load_rows(out)) == 5 * len(calls)
 
 
+def test_runner_times_the_real_calls_on_cpu(tmp_path):
+  """The JAX builder end to end on a tiny call: on CPU the default and XLA run, the kernels are
+  refused."""
+  c = ds.SampledCall(9, 0, "self", 1, 2, 1, 40, 40, 32, "causal&kv_lengths", "bfloat16", "fwd",
+                     kv_lengths=(40,))
+  out = str(tmp_path / "rows.json")
+  st = ds.run_sample([c], out, rounds=2, log=lambda s: None,
+                     timing_kw=dict(warmup=0, repeats=1, min_repeat_s=0.0, max_calls=1))
+  rows = {r["impl"]: r for r in ds.load_rows(out)}
+  assert st["rows_written"] == 5 and set(rows) == {ds.ROW_IMPL[i] for i in (None, *ds.EXACT_IMPLS)}
+  for name in (ds.DEFAULT, "probjax_xla"):
+    r = rows[name]
+    assert r["status"] == "ok" and r["ms"] > 0 and len(r["round_ms"]) == 2 and r["compile_s"] >= 0
+    assert r["probe_ms"] > 0
+  assert rows[ds.DEFAULT]["default_impl"] == "xla" and rows["probjax_xla"]["decision"].startswith("xla")
+  assert {rows[n]["status"] for n in ("probjax_triton", "probjax_cudnn", "probjax_mosaic")} == {"unsupported"}
+
+
 def test_command_line_run_report_and_seed(tmp_path, capsys):
   out, prefix = str(tmp_path / "fit.json"), str(tmp_path / "rep")
   fake = FakeTiming()
@@ -210,10 +228,11 @@ def test_command_line_run_report_and_seed(tmp_path, capsys):
 # report arithmetic on synthetic rows
 # ---------------------------------------------------------------------------
 def _rows(call_id, ms_by_impl, *, head_dim=128, mask="none", mode="fwd", kind="self", default_impl="triton",
-          seed=1, index=0):
+          seed=1, index=0, default_grad_impl=None):
   base = dict(suite=ds.SUITE, call_id=call_id, seed=seed, index=index, kind=kind, dtype="bfloat16", batch=2,
               q_heads=8, kv_heads=8, q_len=1024, kv_len=1024, head_dim=head_dim, mask=mask, window=None,
-              mode=mode, default_impl=default_impl, default_decision=f"{default_impl} (rule)")
+              mode=mode, default_impl=default_impl, default_decision=f"{default_impl} (rule)",
+              default_grad_impl=default_grad_impl)
   out = []
   for impl, ms in ms_by_impl.items():
     status = ms if isinstance(ms, str) else "ok"
@@ -249,6 +268,11 @@ def test_report_arithmetic():
   # a later row of a call and implementation replaces the earlier one
   again = ds.calls_of(rows + _rows("a", {"default": 0.9}, index=0))
   assert next(c for c in again if c["call_id"] == "a")["ratio"] == pytest.approx(0.9)
+  # under grad the default's pick is what the differentiated call runs
+  g = ds.calls_of(_rows("g", {"default": 2.0, "cudnn": 1.0}, mode="fwd_bwd", default_impl="mosaic",
+                        default_grad_impl="cudnn"))
+  assert g[0]["default_pick"] == "cudnn" and g[0]["group"] == "D128 none fwd_bwd prefill"
+  assert ds.summarize_calls(g)["default_impl_counts"] == {"cudnn": 1}
   rep = ds.build_report(rows, _rows("z", {"default": 2.0, "xla": 1.0}, seed=1))
   assert "share seeds [1]" in rep["warning"]
   md = ds.markdown(rep)
