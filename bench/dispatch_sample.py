@@ -65,7 +65,7 @@ import secrets
 import statistics
 import sys
 import time
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -400,7 +400,9 @@ def run_sample(calls: list[SampledCall], out: str, *, build: Callable | None = N
   (``bench.harness``'s rounds), appending rows to ``out``. Rows already in ``out`` (by call id
   and implementation) are skipped. A call is started only where the time spent (from ``start``)
   plus its expected cost (the mean seconds per implementation so far, x1.5) stays within
-  ``budget_s``; its rows are written when its rounds end. Returns counts."""
+  ``budget_s``; the run stops at the first call that does not fit (never skipping to a cheaper
+  one, so that the calls measured stay the first ones of the sample). A call's rows are written
+  when its rounds end. Returns counts."""
   from bench import harness
   log = log or (lambda s: print(s, file=sys.stderr, flush=True))
   start = clock() if start is None else start
@@ -457,7 +459,7 @@ def run_sample(calls: list[SampledCall], out: str, *, build: Callable | None = N
       else:
         result, (status, error) = None, plan[impl]
       row = harness.make_row(_case(c, impl, None), result, status, error)
-      row.update(row_extra(c, plan, impl))
+      row.update(row_extra(c, plan, impl), jax_version=row.get("versions", {}).get("jax"))
       rows.append(row)
     with open(out, "a") as f:
       f.writelines(json.dumps(r, default=harness._json_default) + "\n" for r in rows)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 
 import pytest
 
@@ -128,7 +127,7 @@ def test_runner_writes_rows_and_resumes(tmp_path, calls):
     assert not harness.validate_row(r), harness.validate_row(r)
     assert r["suite"] == ds.SUITE and r["variant"] == r["call_id"] and r["sampler"] == ds.SAMPLER_VERSION
     assert r["default_decision"] and r["default_impl"] in ds.EXACT_IMPLS and r["device"] and r["command"]
-    assert "jax" in r["versions"]
+    assert "jax" in r["versions"] and r["jax_version"] == r["versions"]["jax"]
     impl = None if r["impl"] == ds.DEFAULT else r["impl"].removeprefix("probjax_")
     if r["status"] == "ok":
       assert r["ms"] == FAKE_MS[impl] and r["round_ms"] == [FAKE_MS[impl]] * 2 and r["decision"]
