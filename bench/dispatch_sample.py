@@ -531,6 +531,8 @@ def calls_of(rows: Iterable[dict]) -> list[dict]:
     rec["best_ms"] = exact[rec["best_impl"]] if exact else None
     rec["ratio"] = (rec["default_ms"] / rec["best_ms"]) if rec["default_ms"] and rec["best_ms"] else None
     rec["default_pick"] = (rec.get("default_grad_impl") if rec.get("mode") == "fwd_bwd" else None) or rec.get("default_impl")
+    same = rec["ms"].get(rec["default_pick"] or "")
+    rec["pick_ratio"] = rec["default_ms"] / same if rec["default_ms"] and same else None
     rec["group"] = group_key(rec)
     out.append(rec)
   return sorted(out, key=lambda r: (r.get("seed") or 0, r.get("index") or 0))
@@ -549,13 +551,23 @@ def geomean(xs: list[float]) -> float | None:
 
 def summarize_calls(calls: list[dict], miss: float = MISS) -> dict:
   """n calls, compared (the default and an exact implementation ran), misses (default more than
-  ``miss`` x the best), their share, the geometric mean and the worst of default / best, the
-  summed default and best ms, the calls where the default failed, and how often each
-  implementation was the best and the default's pick."""
+  ``miss`` x the best), their share, the geometric mean, median, 90th percentile and worst of
+  default / best, the summed default and best ms, the calls where the default failed, how often
+  each implementation was the best and the default's pick, and ``pick_spread_p50/p90``: the
+  default against the same implementation requested, as max(r, 1/r) (the measurement's spread
+  where both run the same kernel)."""
   cmp = [c for c in calls if c["ratio"] is not None]
   worst = max(cmp, key=lambda c: c["ratio"]) if cmp else None
   count = lambda key: dict(sorted(_counts(c[key] for c in cmp).items()))
+  ratios = [c["ratio"] for c in cmp]
+  picks = [max(c["pick_ratio"], 1 / c["pick_ratio"]) for c in calls if c.get("pick_ratio")]
+  from probjax.core.timing import percentile
   return {"calls": len(calls), "compared": len(cmp),
+          "p50": percentile(ratios, 50) if ratios else None, "p90": percentile(ratios, 90) if ratios else None,
+          # the default against the same implementation requested (it runs the same kernel unless its
+          # settings differ): the spread of the measurement itself
+          "pick_spread_p50": percentile(picks, 50) if picks else None,
+          "pick_spread_p90": percentile(picks, 90) if picks else None,
           "misses": sum(c["ratio"] > miss for c in cmp),
           "miss_share": (sum(c["ratio"] > miss for c in cmp) / len(cmp)) if cmp else None,
           "geomean": geomean([c["ratio"] for c in cmp]),
@@ -625,14 +637,16 @@ def markdown(report: dict, top: int = 15) -> str:
            "", f"A miss: the default more than {report['miss_threshold']:.2f}x the best exact implementation's ms.", ""]
   if report.get("warning"):
     lines += [f"**Warning: {report['warning']}.**", ""]
-  lines += ["| sample | seeds | calls | compared | misses | geomean default/best | worst | worst call |",
-            "|---|---|---|---|---|---|---|---|"]
+  lines += ["| sample | seeds | calls | compared | misses | geomean default/best | p90 | worst | worst call "
+            "| default vs its pick requested (p50/p90) |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
   for name, s in report["samples"].items():
     m = s["summary"]
     w = m["worst"] or {}
     lines.append(f"| {name} | {','.join(map(str, s['seeds']))} | {m['calls']} | {m['compared']} | {m['misses']} | "
-                 f"{_f(m['geomean'])} | {_f(w.get('ratio'), '.2f')} | {w.get('call', '-')} "
-                 f"({w.get('default_impl', '-')} vs {w.get('best_impl', '-')}) |")
+                 f"{_f(m['geomean'])} | {_f(m['p90'])} | {_f(w.get('ratio'), '.2f')} | {w.get('call', '-')} "
+                 f"({w.get('default_impl', '-')} vs {w.get('best_impl', '-')}) | "
+                 f"{_f(m['pick_spread_p50'])}/{_f(m['pick_spread_p90'])} |")
   for name, s in report["samples"].items():
     lines += ["", f"## {name}: by head_dim, mask, mode, decode", "",
               "| group | compared | misses | geomean | worst | default picks | best |", "|---|---|---|---|---|---|---|"]

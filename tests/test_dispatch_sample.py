@@ -258,6 +258,10 @@ def test_report_arithmetic():
   assert s["default_failed"] == ["d"]
   assert s["default_ms_sum"] == pytest.approx(3.24) and s["best_ms_sum"] == pytest.approx(3.0)
   assert s["best_impl_counts"] == {"cudnn": 1, "triton": 1, "xla": 1}
+  assert s["p50"] == pytest.approx(1.04) and s["p90"] == pytest.approx(1.04 + 0.8 * 0.16)
+  # the default (its pick: triton) against triton requested: a 2.0/1.2, c 1.04/1.0
+  assert calls["a"]["pick_ratio"] == pytest.approx(0.6) and calls["c"]["pick_ratio"] == pytest.approx(1.04)
+  assert s["pick_spread_p90"] == pytest.approx(1.04 + 0.9 * (1 / 0.6 - 1.04))
   groups = ds.group_calls(list(calls.values()))
   assert list(groups)[0] == "D128 none fwd prefill"  # the worst geometric mean first
   assert groups["D128 none fwd prefill"]["compared"] == 1 and groups["D128 causal fwd prefill"]["misses"] == 0
@@ -275,4 +279,4 @@ def test_report_arithmetic():
   rep = ds.build_report(rows, _rows("z", {"default": 2.0, "xla": 1.0}, seed=1))
   assert "share seeds [1]" in rep["warning"]
   md = ds.markdown(rep)
-  assert "| fit | 1 | 5 | 3 | 1 | 1.077 | 1.20 |" in md and "**Warning" in md
+  assert "| fit | 1 | 5 | 3 | 1 | 1.077 | 1.168 | 1.20 |" in md and "**Warning" in md
