@@ -8,13 +8,15 @@ import numpy as np
 import pytest
 
 from probjax.core.device import Device
+from probjax.core.dispatch import Decision
 from probjax.core.tolerances import max_error, tolerance
 from probjax.nn.layers.attention import CausalMask, KVLenMask, LengthMask
 from probjax.ops.attention import dispatch as attention_dispatch
 from probjax.ops.attention.call import AttentionCall
 from probjax.ops.attention.registry import REGISTRY
-from probjax.ops.mla import explain, mla
+from probjax.ops.mla import REGISTRY as MLA_REGISTRY, explain, explain_dispatch, mla
 from probjax.ops.attention.reference import reference_attention
+from probjax.ops.mla.call import make_call
 from probjax.ops.mla.reference import NAMES, reference_mla, reference_mla_vjp
 from probjax.testing import float32_is_tf32
 
@@ -164,20 +166,183 @@ def shapes(b, tq, s, h=128, dn=128, dr=64, dc=512, dv=128, dtype=jnp.bfloat16):
                                        (64, 4096, "absorbed"), (512, 4096, "expanded"), (2048, 2048, "expanded"),
                                        (1, 1, "expanded")])
 def test_auto_form(tq, s, form):
-  d = explain(*shapes(2, tq, s), device=CPU)
-  assert d.form == form and "queries over" in d.rule
-  assert d.attention_implementation is None
+  d = explain_dispatch(*shapes(2, tq, s), device=CPU)
+  assert d.get("form") == form and "queries over" in d.get("form_rule")
+  assert d.implementation == "xla" and d.get("attention").implementation == "default"
 
 
 def test_on_a_gpu_widths_that_differ_leave_it_to_attention():
   """Attention's dispatch sees the value width (test_default_dispatch_of_value_head_dim: where to)."""
-  d = explain(*shapes(2, 4096, 4096), device=H200)        # expanded: d_qk 192, d_v 128
-  assert d.form == "expanded" and d.attention_implementation is None and "value head_dim 128" in d.attention_rule
-  d = explain(*shapes(64, 1, 4096), device=H200)          # absorbed: d_qk 576, d_v 512
-  assert d.form == "absorbed" and d.attention_implementation is None and "head_dim 576" in d.attention_rule
-  d = explain(*shapes(2, 4096, 4096, dn=64, dv=128), device=H200)   # 64 + 64 = 128: one width
-  assert d.attention_implementation is None
-  assert explain(*shapes(2, 64, 64), implementation="triton", device=H200).attention_implementation == "triton"
+  d = explain_dispatch(*shapes(2, 4096, 4096), device=H200)        # expanded: d_qk 192, d_v 128
+  assert d.get("form") == "expanded" and d.get("attention").implementation == "default"
+  assert "value head_dim 128" in d.get("attention").rule
+  d = explain_dispatch(*shapes(64, 2, 4096), device=H200)          # absorbed: d_qk 576, d_v 512
+  assert d.get("form") == "absorbed" and d.get("attention").implementation == "default"
+  assert "head_dim 576" in d.get("attention").rule
+  d = explain_dispatch(*shapes(2, 4096, 4096, dn=64, dv=128), device=H200)   # 64 + 64 = 128: one width
+  assert d.get("attention") == Decision("default", "attention's default")
+  d = explain_dispatch(*shapes(2, 64, 64), implementation="triton", device=H200)
+  assert d.implementation == "xla" and d.get("attention") == Decision("triton", "requested")
+
+
+# -- every decision against the one the dispatch gave before the registry (issue 40) ----------
+# The rows were computed by the previous dispatch (MLA's own Decision: form, rule, kernel,
+# kernel_rule, attention_implementation, attention_rule) before it moved to the core Decision;
+# they are data, so a change of any choice or reason shows here. Columns: device, widths, q_len,
+# kv_len, form, implementation, mask, page_size -> implementation (the MLA backend), form, the
+# form's reason, the backend's reason, what the form asks attention for and why (None on the
+# kernel), or the ValueError's message.
+DEVICES = {"h200": H200, "cpu": CPU, "rocm": Device("gpu", None, 64 << 30)}
+WIDTHS = {  # batch, heads, d_nope, d_rope, d_c, d_v, dtype
+    "deepseek": (4, 128, 128, 64, 512, 128, jnp.bfloat16),
+    "small": (2, 4, 8, 4, 12, 6, jnp.float32),
+    "equal": (2, 8, 64, 64, 512, 128, jnp.bfloat16),
+}
+ABSORBED = "{} queries over {} positions: attending over the shared latent does less work than forming K and V per head".format
+EXPANDED = "{} queries over {} positions: forming K and V per head does less work than attending over the wide latent".format
+SLOWER = "{} queries > 1: the kernel is slower than attention's XLA path here".format
+SPLIT_KV = ("absorbed decode of 1 queries: the latent streamed once per head tile by split-KV (forward; the gradient is "
+            "the XLA form's)")
+NOT_GPU = "not an absorbed call on an NVIDIA GPU"
+ATTENTION_REQUESTED = "an attention implementation was requested"
+WIDE_576 = "attention's default at query/key head_dim 576, value head_dim 512"
+NARROW_192 = "attention's default at query/key head_dim 192, value head_dim 128"
+DISPATCH_TABLE = [
+    (('h200', 'deepseek', 1, 4096, 'auto', None, None, None),
+     ('triton', 'absorbed', ABSORBED(1, 4096), SPLIT_KV, None, None)),
+    (('h200', 'deepseek', 1, 4096, 'auto', None, 'kv_len', None),
+     ('triton', 'absorbed', ABSORBED(1, 4096), SPLIT_KV, None, None)),
+    (('h200', 'deepseek', 1, 4096, 'auto', None, 'kv_len', 64),
+     ('triton', 'absorbed', ABSORBED(1, 4096), SPLIT_KV, None, None)),
+    (('h200', 'deepseek', 1, 4096, 'auto', None, 'kv_len', 8),
+     ('xla', 'absorbed', ABSORBED(1, 4096), 'page_size 8 must be a multiple of 16 (>= 16)', 'default', WIDE_576)),
+    (('h200', 'deepseek', 1, 4096, 'auto', None, 'causal', None),
+     ('xla', 'absorbed', ABSORBED(1, 4096), "mask predicates ('band',): the decode kernel takes KVLenMask only", 'default', WIDE_576)),
+    (('h200', 'deepseek', 1, 4096, 'auto', None, 'causal&kv_len', 64),
+     ('xla', 'absorbed', ABSORBED(1, 4096), "mask predicates ('band', 'kv_lengths'): the decode kernel takes KVLenMask only", 'default', WIDE_576)),
+    (('h200', 'deepseek', 2, 4096, 'auto', None, None, None),
+     ('xla', 'absorbed', ABSORBED(2, 4096), SLOWER(2), 'default', WIDE_576)),
+    (('h200', 'deepseek', 2, 4096, 'auto', None, 'kv_len', 64),
+     ('xla', 'absorbed', ABSORBED(2, 4096), SLOWER(2), 'default', WIDE_576)),
+    (('h200', 'deepseek', 16, 4096, 'auto', None, 'kv_len', None),
+     ('xla', 'absorbed', ABSORBED(16, 4096), SLOWER(16), 'default', WIDE_576)),
+    (('h200', 'deepseek', 64, 4096, 'auto', None, None, None),
+     ('xla', 'absorbed', ABSORBED(64, 4096), SLOWER(64), 'default', WIDE_576)),
+    (('h200', 'deepseek', 4096, 4096, 'auto', None, 'causal', None),
+     ('xla', 'expanded', EXPANDED(4096, 4096), NOT_GPU, 'default', NARROW_192)),
+    (('h200', 'deepseek', 4096, 4096, 'absorbed', None, None, None),
+     ('xla', 'absorbed', 'requested', SLOWER(4096), 'default', WIDE_576)),
+    (('h200', 'deepseek', 1, 4096, 'expanded', None, None, None),
+     ('xla', 'expanded', 'requested', NOT_GPU, 'default', NARROW_192)),
+    (('h200', 'deepseek', 1, 4096, 'absorbed', 'triton', None, None),
+     ('triton', 'absorbed', 'requested', 'requested', None, None)),
+    (('h200', 'deepseek', 1, 4096, 'absorbed', 'triton', 'kv_len', 64),
+     ('triton', 'absorbed', 'requested', 'requested', None, None)),
+    (('h200', 'deepseek', 1, 4096, 'auto', 'triton', 'kv_len', None),
+     ('triton', 'absorbed', ABSORBED(1, 4096), 'requested', None, None)),
+    (('h200', 'deepseek', 2, 4096, 'absorbed', 'triton', None, None),
+     ('triton', 'absorbed', 'requested', 'requested', None, None)),
+    (('h200', 'deepseek', 4096, 4096, 'auto', 'triton', 'causal', None),
+     ('xla', 'expanded', EXPANDED(4096, 4096), ATTENTION_REQUESTED, 'triton', 'requested')),
+    (('h200', 'deepseek', 4096, 4096, 'expanded', 'triton', None, None),
+     ('xla', 'expanded', 'requested', ATTENTION_REQUESTED, 'triton', 'requested')),
+    (('h200', 'deepseek', 1, 4096, 'absorbed', 'cudnn', None, None),
+     ('xla', 'absorbed', 'requested', ATTENTION_REQUESTED, 'cudnn', 'requested')),
+    (('h200', 'deepseek', 1, 4096, 'auto', 'xla', 'kv_len', 64),
+     ('xla', 'absorbed', ABSORBED(1, 4096), ATTENTION_REQUESTED, 'xla', 'requested')),
+    (('h200', 'deepseek', 1, 4096, 'auto', 'pallas', None, None),
+     ('xla', 'absorbed', ABSORBED(1, 4096), ATTENTION_REQUESTED, 'pallas', 'requested')),
+    (('h200', 'deepseek', 1, 4096, 'absorbed', 'triton', 'causal', None),
+     (ValueError, "implementation='triton': mask predicates ('band',): the decode kernel takes KVLenMask only")),
+    (('h200', 'deepseek', 1, 4096, 'absorbed', 'triton', 'kv_len', 8),
+     (ValueError, "implementation='triton': page_size 8 must be a multiple of 16 (>= 16)")),
+    (('h200', 'small', 1, 64, 'absorbed', 'triton', None, None),
+     (ValueError, "implementation='triton': d_c 12 is not a multiple of 16")),
+    (('h200', 'small', 1, 64, 'auto', None, None, None),
+     ('xla', 'absorbed', ABSORBED(1, 64), 'd_c 12 is not a multiple of 16', 'default', "attention's default at query/key head_dim 16, value head_dim 12")),
+    (('h200', 'small', 4, 64, 'auto', None, 'causal', None),
+     ('xla', 'absorbed', ABSORBED(4, 64), SLOWER(4), 'default', "attention's default at query/key head_dim 16, value head_dim 12")),
+    (('h200', 'equal', 4096, 4096, 'auto', None, None, None),
+     ('xla', 'expanded', EXPANDED(4096, 4096), NOT_GPU, 'default', "attention's default")),
+    (('h200', 'equal', 1, 4096, 'auto', None, 'kv_len', 64),
+     ('triton', 'absorbed', ABSORBED(1, 4096), SPLIT_KV, None, None)),
+    (('rocm', 'deepseek', 1, 4096, 'auto', None, None, None),
+     ('xla', 'absorbed', ABSORBED(1, 4096), NOT_GPU, 'default', WIDE_576)),
+    (('cpu', 'deepseek', 1, 4096, 'auto', None, None, None),
+     ('xla', 'absorbed', ABSORBED(1, 4096), NOT_GPU, 'default', WIDE_576)),
+    (('cpu', 'deepseek', 1, 4096, 'auto', None, 'kv_len', 64),
+     ('xla', 'absorbed', ABSORBED(1, 4096), NOT_GPU, 'default', WIDE_576)),
+    (('cpu', 'deepseek', 4096, 4096, 'auto', None, 'causal', None),
+     ('xla', 'expanded', EXPANDED(4096, 4096), NOT_GPU, 'default', NARROW_192)),
+    (('cpu', 'deepseek', 1, 4096, 'absorbed', 'triton', 'kv_len', None),
+     ('triton', 'absorbed', 'requested', 'requested (Pallas interpret mode off the GPU)', None, None)),
+    (('cpu', 'deepseek', 1, 4096, 'absorbed', 'triton', 'kv_len', 64),
+     ('triton', 'absorbed', 'requested', 'requested (Pallas interpret mode off the GPU)', None, None)),
+    (('cpu', 'deepseek', 1, 4096, 'auto', 'triton', None, None),
+     ('triton', 'absorbed', ABSORBED(1, 4096), 'requested (Pallas interpret mode off the GPU)', None, None)),
+    (('cpu', 'deepseek', 4096, 4096, 'auto', 'triton', None, None),
+     ('xla', 'expanded', EXPANDED(4096, 4096), ATTENTION_REQUESTED, 'triton', 'requested')),
+    (('cpu', 'small', 1, 64, 'auto', None, None, None),
+     ('xla', 'absorbed', ABSORBED(1, 64), NOT_GPU, 'default', "attention's default at query/key head_dim 16, value head_dim 12")),
+    (('cpu', 'small', 1, 64, 'absorbed', 'triton', None, None),
+     (ValueError, "implementation='triton': d_c 12 is not a multiple of 16")),
+    (('cpu', 'small', 2, 9, 'expanded', None, 'causal', None),
+     ('xla', 'expanded', 'requested', NOT_GPU, 'default', "attention's default at query/key head_dim 12, value head_dim 6")),
+    (('cpu', 'small', 1, 1, 'auto', None, None, None),
+     ('xla', 'expanded', EXPANDED(1, 1), NOT_GPU, 'default', "attention's default at query/key head_dim 12, value head_dim 6")),
+    (('cpu', 'equal', 2048, 2048, 'auto', 'cudnn', None, None),
+     ('xla', 'expanded', EXPANDED(2048, 2048), ATTENTION_REQUESTED, 'cudnn', 'requested')),
+    (('cpu', 'deepseek', 1, 4096, 'sideways', None, None, None),
+     (ValueError, "form must be one of ('auto', 'expanded', 'absorbed'), got 'sideways'")),
+]
+
+
+def table_arguments(widths, q_len, kv_len, mask, page_size):
+  b, h, dn, dr, dc, dv, dt = WIDTHS[widths]
+  sd = lambda *sh: jax.ShapeDtypeStruct(sh, dt)
+  lengths = KVLenMask(jnp.full((b,), kv_len // 2, jnp.int32))
+  kw = {"mask": {None: None, "kv_len": lengths, "causal": CausalMask(), "causal&kv_len": CausalMask() & lengths}[mask]}
+  if page_size is None:
+    lat, rope = sd(b, kv_len, dc), sd(b, kv_len, dr)
+  else:
+    pages = kv_len // page_size
+    lat, rope = sd(b * pages, page_size, dc), sd(b * pages, page_size, dr)
+    kw["page_table"] = jax.ShapeDtypeStruct((b, pages), jnp.int32)
+  return (sd(b, q_len, h, dn), sd(b, q_len, h, dr), lat, rope, sd(dc, h, dn), sd(dc, h, dv)), kw
+
+
+def test_every_decision_is_the_previous_dispatch_s():
+  for (device, widths, q_len, kv_len, form, implementation, mask, page_size), want in DISPATCH_TABLE:
+    args, kw = table_arguments(widths, q_len, kv_len, mask, page_size)
+    ask = lambda: explain_dispatch(*args, form=form, implementation=implementation, device=DEVICES[device], **kw)
+    if want[0] is ValueError:
+      with pytest.raises(ValueError) as err:
+        ask()
+      assert str(err.value) == want[1], (device, widths, q_len, kv_len, form, implementation, mask, page_size)
+      continue
+    d = ask()
+    attention = d.get("attention")
+    got = (d.implementation, d.get("form"), d.get("form_rule"), d.rule,
+           None if attention is None else attention.implementation, None if attention is None else attention.rule)
+    assert got == want, (device, widths, q_len, kv_len, form, implementation, mask, page_size)
+    assert d.implementation in MLA_REGISTRY.names() and isinstance(d, Decision)
+    assert explain(*args, form=form, implementation=implementation, device=DEVICES[device], **kw) == d
+
+
+def test_the_registry_names_and_requests():
+  """Two backends; an explicit "triton" with the absorbed form is MLA's kernel (a ValueError with
+  the kernel's reason where it cannot compute the call), any other name goes to attention."""
+  assert MLA_REGISTRY.names() == ("xla", "triton") and explain is explain_dispatch
+  call = shapes(4, 1, 4096)
+  triton = MLA_REGISTRY.get("triton")
+  assert triton.supports(make_call(*call), H200) is None
+  assert "KVLenMask" in triton.supports(make_call(*call, mask_kinds=("band",)), H200)
+  assert "page_size 8" in triton.supports(make_call(*call, page_size=8), H200)
+  assert MLA_REGISTRY.get("xla").supports(make_call(*call, mask_kinds=("band",)), CPU) is None
+  d = explain_dispatch(*call, device=CPU, implementation="flash")   # attention refuses it when called
+  assert d.implementation == "xla" and d.get("attention") == Decision("flash", "requested")
+  row = explain_dispatch(*call, device=H200).as_dict()
+  assert row["implementation"] == "triton" and row["config"]["form"] == "absorbed" and row["rule"] == SPLIT_KV
 
 
 @pytest.mark.parametrize("name", ["triton", "mosaic", "cudnn"])
@@ -232,11 +397,11 @@ def test_default_dispatch_of_value_head_dim(monkeypatch):
   for mask in (CausalMask(), None):
     if ffi.unavailable() is None:
       d = attention_dispatch.explain_dispatch(*shapes, mask=mask, device=H200, env={}, v_head_dim=128)
-      assert (d.implementation, d.grad_implementation) == ("cudnn", None), d
+      assert (d.implementation, d.grad) == ("cudnn", None), d
     monkeypatch.setenv("PROBJAX_ATTENTION_CUDNN_FFI", "0")
     d = attention_dispatch.explain_dispatch(*shapes, mask=mask, device=H200, env={}, v_head_dim=128)
-    assert (d.implementation, d.grad_implementation) == ("mosaic", None), d
-    assert d.backward_pass_impl.startswith("triton"), d
+    assert (d.implementation, d.grad) == ("mosaic", None), d
+    assert d.backward.startswith("triton"), d
     monkeypatch.delenv("PROBJAX_ATTENTION_CUDNN_FFI")
   # the absorbed form's 576-wide keys are wider than every kernel's tiles: XLA
   d = attention_dispatch.explain_dispatch((64, 1, 128, 576), (64, 4096, 1, 576), jnp.bfloat16,

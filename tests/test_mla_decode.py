@@ -9,7 +9,7 @@ import pytest
 from probjax.core.device import Device
 from probjax.core.tolerances import max_error, tolerance
 from probjax.nn.layers.attention import CausalMask, KVLenMask
-from probjax.ops.mla import explain, forms, mla
+from probjax.ops.mla import explain_dispatch, forms, mla
 from probjax.ops.mla.backends.triton import decode
 from probjax.ops.mla.reference import reference_mla
 from probjax.testing import float32_is_tf32
@@ -105,17 +105,17 @@ def test_dispatch_and_refusals():
   sds = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
   shapes = lambda tq, s: (sds(4, tq, 128, 128), sds(4, tq, 128, 64), sds(4, s, 512), sds(4, s, 64),
                           sds(512, 128, 128), sds(512, 128, 128))
-  d = explain(*shapes(1, 4096), device=H200)
-  assert d.form == "absorbed" and d.kernel == "triton" and "split-KV" in d.kernel_rule
-  assert explain(*shapes(1, 4096), device=CPU).kernel is None
-  assert explain(*shapes(1, 4096), device=H200, mask=CausalMask()).kernel is None
-  assert explain(*shapes(4096, 4096), device=H200).kernel is None
-  assert explain(*shapes(2, 4096), device=H200).kernel is None   # two queries: XLA is faster (measured)
+  d = explain_dispatch(*shapes(1, 4096), device=H200)
+  assert d.get("form") == "absorbed" and d.implementation == "triton" and "split-KV" in d.rule
+  assert explain_dispatch(*shapes(1, 4096), device=CPU).implementation == "xla"
+  assert explain_dispatch(*shapes(1, 4096), device=H200, mask=CausalMask()).implementation == "xla"
+  assert explain_dispatch(*shapes(4096, 4096), device=H200).implementation == "xla"
+  assert explain_dispatch(*shapes(2, 4096), device=H200).implementation == "xla"   # two queries: XLA is faster (measured)
   with pytest.raises(ValueError, match="implementation"):
-    explain(*shapes(1, 4096), device=H200, implementation="triton", form="absorbed", mask=CausalMask())
+    explain_dispatch(*shapes(1, 4096), device=H200, implementation="triton", form="absorbed", mask=CausalMask())
   bad = (sds(1, 1, 4, 8), sds(1, 1, 4, 12), sds(1, 16, 64), sds(1, 16, 12), sds(64, 4, 8), sds(64, 4, 8))
   with pytest.raises(ValueError, match="d_rope"):
-    explain(*bad, device=H200, implementation="triton", form="absorbed")
+    explain_dispatch(*bad, device=H200, implementation="triton", form="absorbed")
   args = inputs(5, 1, 1, 32)
   with pytest.raises(ValueError, match="KVLenMask"):
     mla(*args, form="absorbed", page_table=jnp.zeros((1, 2), jnp.int32))
@@ -128,7 +128,7 @@ def test_gpu_h128_bf16():
   lengths = jnp.array([4096, 1000, 1, 0], jnp.int32)
   args = plant_nan(inputs(6, b, 1, s, heads=128, d_nope=128, d_rope=64, d_c=512, d_v=128, dtype=jnp.bfloat16), lengths)
   mask = KVLenMask(lengths)
-  assert explain(*args, mask=mask).kernel == "triton"
+  assert explain_dispatch(*args, mask=mask).implementation == "triton"
   out = mla(*args, mask=mask, form="absorbed")
   ref = reference_mla(*args, mask=mask)
   assert max_error(out, ref) <= tolerance(jnp.bfloat16)

@@ -1,4 +1,4 @@
-"""One multi-head latent attention call as the form rule and the tests see it."""
+"""One multi-head latent attention call as the form rule, the backends and the tests see it."""
 
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ class MLACall:
   """The static description of a call: everything but the arrays.
 
   ``q_len`` queries of ``heads`` heads over ``kv_len`` cached positions; per head the query
-  has ``d_nope`` + ``d_rope`` features, the latent ``d_c``, the output ``d_v``.
+  has ``d_nope`` + ``d_rope`` features, the latent ``d_c``, the output ``d_v``. ``mask_kinds``
+  are the mask's predicates (``Mask.kinds``, empty without a mask); ``page_size`` is the page
+  length of a paged cache (None: contiguous; ``kv_len`` is then pages x page_size).
   """
 
   batch: int
@@ -31,6 +33,8 @@ class MLACall:
   d_v: int
   dtype: Any
   scale: float | None = None
+  mask_kinds: tuple[str, ...] = ()
+  page_size: int | None = None
 
   @property
   def key_width(self) -> int:
@@ -52,8 +56,10 @@ def _array(name, x, ndim, form):
   return tuple(int(n) for n in x.shape)
 
 
-def make_call(q_nope, q_rope, kv_latent, k_rope, w_uk, w_uv, *, scale=None) -> MLACall:
-  """Validates the arrays (ValueError / TypeError naming the argument) and describes the call."""
+def make_call(q_nope, q_rope, kv_latent, k_rope, w_uk, w_uv, *, scale=None, mask_kinds: tuple[str, ...] = (),
+              page_size: int | None = None) -> MLACall:
+  """Validates the arrays (ValueError / TypeError naming the argument) and describes the call
+  (``kv_latent`` / ``k_rope`` as the contiguous ``[B, S, d]`` a paged cache stands for)."""
   b, t, h, dn = _array("q_nope", q_nope, 4, "[batch, q_len, heads, d_nope]")
   qr = _array("q_rope", q_rope, 4, "[batch, q_len, heads, d_rope]")
   lat = _array("kv_latent", kv_latent, 3, "[batch, kv_len, d_c]")
@@ -82,4 +88,4 @@ def make_call(q_nope, q_rope, kv_latent, k_rope, w_uk, w_uv, *, scale=None) -> M
     raise TypeError(f"q_nope, q_rope, kv_latent and k_rope must share a dtype, got {sorted(map(str, dtypes))}")
   if scale is not None:
     scale = check_scale(scale, dn + dr)
-  return MLACall(b, t, s, h, dn, dr, dc, uv[2], dtypes.pop(), scale)
+  return MLACall(b, t, s, h, dn, dr, dc, uv[2], dtypes.pop(), scale, tuple(mask_kinds), page_size)

@@ -1,36 +1,31 @@
-"""Which form computes a call, and which attention implementation it asks for: pure rules
+"""Which MLA backend computes a call, in which form, and what it asks attention for: pure rules
 over the call and a :class:`Device`, each with its reason (tested on CPU with fake devices).
 
 The two forms compute the same function (see :mod:`probjax.ops.mla`) and differ in work: the
 expanded form forms K and V per head once per cached position and then attends at the narrow
 widths ``d_nope + d_rope`` / ``d_v``; the absorbed form never forms them but attends at the latent
 widths ``d_c + d_rope`` / ``d_c`` and reads one latent row that all heads share.
+
+The :class:`~probjax.core.dispatch.Decision` names the backend of :data:`~probjax.ops.mla.registry.REGISTRY`
+(``"xla"``: the form through attention's face; ``"triton"``: the absorbed form with MLA's decode
+kernel) with the reason it was chosen, or the other not (``rule``), and carries
+
+* ``("form", "absorbed" | "expanded")`` and ``("form_rule", why that form)``;
+* on the ``xla`` backend, ``("attention", Decision(name, why))``: the implementation the form
+  passes to attention, ``"default"`` for attention's own dispatch.
+
+An explicit ``implementation`` naming an MLA kernel (``"triton"``) with the absorbed form asks
+for that backend (ValueError with its reason where it cannot compute the call); any other name,
+or that one with the expanded form, is passed to attention, which refuses what it cannot compute.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 from probjax.core.device import Device
+from probjax.core.dispatch import Decision
+from probjax.ops.mla.backends.xla import ATTENTION_DEFAULT
 from probjax.ops.mla.call import FORMS, MLACall
-
-
-@dataclasses.dataclass(frozen=True)
-class Decision:
-  """The form, the attention implementation it asks for (None: attention's default), and why."""
-
-  form: str
-  rule: str
-  attention_implementation: str | None = None
-  attention_rule: str = "attention's default"
-  kernel: str | None = None       # MLA's own kernel ("triton": the absorbed decode), None: attention
-  kernel_rule: str = ""
-
-  def __str__(self):
-    if self.kernel is not None:
-      return f"{self.form} ({self.rule}); mla kernel {self.kernel} ({self.kernel_rule})"
-    impl = self.attention_implementation or "default"
-    return f"{self.form} ({self.rule}); attention {impl} ({self.attention_rule})"
+from probjax.ops.mla.registry import REGISTRY
 
 
 def absorbed_is_cheaper(call: MLACall) -> bool:
@@ -88,7 +83,9 @@ def attention_implementation(call: MLACall, form: str, device: Device,
   return None, "attention's default"
 
 
-KERNELS = ("triton",)
+# The backend that runs a form through attention's face; every other backend is MLA's own kernel
+# of the absorbed form.
+ATTENTION_ROUTE = "xla"
 # auto: the decode kernel for at most this many queries per step. Its row tiles hold heads x
 # queries and each reads the step's latent, so its time grows with the queries: at 128 heads it
 # is ahead of attention's XLA path with one query and behind it with two (docs/dev/decisions.md,
@@ -96,20 +93,29 @@ KERNELS = ("triton",)
 DECODE_MAX_QUERIES = 1
 
 
-def decode_kernel(call: MLACall, form: str, device: Device, implementation: str | None = None, *,
-                  mask_kinds: tuple[str, ...] = (), page_size: int | None = None) -> tuple[str | None, str]:
+def requested_kernel(implementation) -> str | None:
+  """The MLA kernel backend an explicit ``implementation`` names (through the registry, aliases
+  resolved), or None: a name MLA passes to attention (``"xla"``, ``"cudnn"``, ...)."""
+  try:
+    name = REGISTRY.canonical(implementation)
+  except (TypeError, ValueError):
+    return None
+  return None if name in (None, ATTENTION_ROUTE) else name
+
+
+def decode_kernel(call: MLACall, form: str, device: Device, implementation: str | None = None) -> tuple[str | None, str]:
   """MLA's own absorbed-decode kernel for the call (``"triton"``) or None (attention computes
   it), and why. ``implementation="triton"`` with the absorbed form asks for it: ValueError naming
-  the argument if it cannot compute the call. By default it runs on an NVIDIA GPU for absorbed
-  calls of at most ``DECODE_MAX_QUERIES`` queries it supports (forward only: its gradient is
-  the XLA form's). A paged cache that the kernel does not take runs gathered on XLA."""
-  from probjax.ops.mla.backends.triton import why_not
-  why = why_not(q_len=call.q_len, heads=call.heads, d_c=call.d_c, d_rope=call.d_rope,
-                mask_kinds=mask_kinds, page_size=page_size)
-  if implementation in KERNELS and form == "absorbed":
+  the argument if it cannot compute the call (with the absorbed form not chosen, the name is
+  attention's). By default it runs on an NVIDIA GPU for absorbed calls of at most
+  ``DECODE_MAX_QUERIES`` queries it supports (forward only: its gradient is the XLA form's). A
+  paged cache that the kernel does not take runs gathered on XLA."""
+  kernel = requested_kernel(implementation)
+  if kernel is not None and form == "absorbed":
+    why = REGISTRY.get(kernel).supports(call, device)
     if why:
       raise ValueError(f"implementation={implementation!r}: {why}")
-    return implementation, "requested" + ("" if device.platform == "gpu" else " (Pallas interpret mode off the GPU)")
+    return kernel, "requested" + ("" if device.platform == "gpu" else " (Pallas interpret mode off the GPU)")
   if implementation is not None:
     return None, "an attention implementation was requested"
   if form != "absorbed" or device.platform != "gpu" or device.compute_capability is None:
@@ -117,16 +123,22 @@ def decode_kernel(call: MLACall, form: str, device: Device, implementation: str 
   if call.q_len > DECODE_MAX_QUERIES:
     return None, (f"{call.q_len} queries > {DECODE_MAX_QUERIES}: the kernel is slower than attention's "
                   "XLA path here")
+  why = REGISTRY.get("triton").supports(call, device)
   if why:
     return None, why
   return "triton", (f"absorbed decode of {call.q_len} queries: the latent streamed once per head tile "
                     "by split-KV (forward; the gradient is the XLA form's)")
 
 
-def decide(call: MLACall, device: Device, form: str = "auto", implementation: str | None = None, *,
-           mask_kinds: tuple[str, ...] = (), page_size: int | None = None) -> Decision:
-  form, rule = choose_form(call, form)
-  kernel, kernel_rule = decode_kernel(call, form, device, implementation, mask_kinds=mask_kinds,
-                                      page_size=page_size)
-  impl, why = attention_implementation(call, form, device, implementation)
-  return Decision(form, rule, impl, why, kernel, kernel_rule)
+def decide(call: MLACall, device: Device, form: str = "auto", implementation: str | None = None) -> Decision:
+  """The backend, form and attention request for ``call`` on ``device`` (see the module
+  docstring); raises ValueError for an unknown form or an explicit kernel that cannot compute
+  the call."""
+  form, form_rule = choose_form(call, form)
+  kernel, rule = decode_kernel(call, form, device, implementation)
+  config = (("form", form), ("form_rule", form_rule))
+  if kernel is not None:
+    return Decision(kernel, rule, config=config)
+  attention, attention_rule = attention_implementation(call, form, device, implementation)
+  return Decision(ATTENTION_ROUTE, rule,
+                  config=config + (("attention", Decision(attention or ATTENTION_DEFAULT, attention_rule)),))

@@ -1,7 +1,8 @@
-"""The two forms of multi-head latent attention, each one attention call.
+"""The two forms of multi-head latent attention, each one attention call, and what MLA's
+backends share (projections, the log-sum-exp, paged caches, the valid positions).
 
-Both call probjax's public ``dot_product_attention`` (masks, GQA/MQA and whatever kernels
-attention dispatches to are reused); nothing here imports attention's backends.
+Both forms call probjax's public ``dot_product_attention`` (masks, GQA/MQA and whatever kernels
+attention dispatches to are reused); nothing here imports attention's backends, or MLA's.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ def _acc(dtype):
   return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
 
 
-def _proj(spec, x, w, dtype):
+def project(spec, x, w, dtype):
   """``einsum(spec, x, w)`` accumulated in float32 (float64 for float64), cast to ``dtype``."""
   return jnp.einsum(spec, x, w.astype(x.dtype), preferred_element_type=_acc(dtype)).astype(dtype)
 
@@ -28,9 +29,9 @@ def expanded(q_nope, q_rope, kv_latent, k_rope, w_uk, w_uv, *, mask, scale, impl
   dt = q_nope.dtype
   b, s, _ = kv_latent.shape
   h = q_nope.shape[2]
-  k_nope = _proj("bsc,chd->bshd", kv_latent, w_uk, dt)
+  k_nope = project("bsc,chd->bshd", kv_latent, w_uk, dt)
   k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None, :], (b, s, h, k_rope.shape[-1]))], -1)
-  v = _proj("bsc,chd->bshd", kv_latent, w_uv, dt)
+  v = project("bsc,chd->bshd", kv_latent, w_uv, dt)
   q = jnp.concatenate([q_nope, q_rope], -1)
   return dot_product_attention(q, k, v, mask=mask, scale=scale, implementation=implementation)
 
@@ -40,12 +41,12 @@ def absorbed(q_nope, q_rope, kv_latent, k_rope, w_uk, w_uv, *, mask, scale, impl
   attention of the H heads over the one latent head (keys ``[latent, k_rope]``, values the
   latent), then the output projected by ``w_uv``; ``[B, Tq, H, d_v]``."""
   dt = q_nope.dtype
-  q_lat = _proj("bthd,chd->bthc", q_nope, w_uk, dt)
+  q_lat = project("bthd,chd->bthc", q_nope, w_uk, dt)
   q = jnp.concatenate([q_lat, q_rope], -1)
   k = jnp.concatenate([kv_latent, k_rope], -1)[:, :, None, :]
   v = kv_latent[:, :, None, :]
   o_lat = dot_product_attention(q, k, v, mask=mask, scale=scale, implementation=implementation)
-  return _proj("bthc,chd->bthd", o_lat, w_uv, dt)
+  return project("bthc,chd->bthd", o_lat, w_uv, dt)
 
 
 @compile_once  # eager calls: its scan compiled once per call description
@@ -62,7 +63,7 @@ def log_sum_exp(q_nope, q_rope, kv_latent, k_rope, w_uk, *, mask, scale, block: 
   s = kv_latent.shape[1]
   if s == 0:
     return jnp.full((b, tq, h), -jnp.inf, acc)
-  q = jnp.concatenate([_proj("bthd,chd->bthc", q_nope, w_uk, acc), q_rope.astype(acc)], -1)
+  q = jnp.concatenate([project("bthd,chd->bthc", q_nope, w_uk, acc), q_rope.astype(acc)], -1)
   k = jnp.concatenate([kv_latent, k_rope], -1).astype(acc)
   block = min(block, s)
   n = -(-s // block)
@@ -105,42 +106,22 @@ def gather_pages(pool, page_table):
   return jnp.take(pool, pages, axis=0, mode="clip").reshape(b, n * pool.shape[1], pool.shape[2])
 
 
-def _attend_xla(q_lat, q_rope, kv_latent, k_rope, lengths, page_table, scale):
-  """The absorbed form's attention alone on XLA: ``[B, Tq, H, d_c]``."""
-  from probjax.ops.attention import KVLenMask
+def valid_inputs(q_nope, q_rope, kv_latent, k_rope, *, call, mask, page_table):
+  """The inputs as the XLA forms and the log-sum-exp read them: a paged cache gathered to a
+  contiguous ``[B, S, d]``, and positions past the mask's lengths zeroed; with ``q_ok``
+  (``[B, Tq, 1, 1]`` bool: the valid query rows, None without query lengths).
+
+  Positions past the lengths may hold NaN (a cache's unwritten tail). Attention zeroes its own
+  inputs there, but the projections around it would still meet them (dw_uk = latent^T dk with
+  a zero dk is NaN where the latent is), so they are zeroed before any projection."""
   if page_table is not None:
     kv_latent, k_rope = gather_pages(kv_latent, page_table), gather_pages(k_rope, page_table)
-  ok = valid_positions(lengths, kv_latent.shape[1])
-  kv_latent, k_rope = jnp.where(ok, kv_latent, 0), jnp.where(ok, k_rope, 0)
-  q = jnp.concatenate([q_lat, q_rope], -1)
-  k = jnp.concatenate([kv_latent, k_rope], -1)[:, :, None, :]
-  return dot_product_attention(q, k, kv_latent[:, :, None, :], mask=KVLenMask(lengths), scale=scale,
-                               implementation="xla")
-
-
-@compile_once  # eager calls: the kernel compiled once per call description
-def absorbed_decode(q_nope, q_rope, kv_latent, k_rope, w_uk, w_uv, *, lengths, page_table, scale,
-                    interpret: bool = False):
-  """The absorbed form with MLA's Triton decode kernel as its attention (forward only: the
-  gradient is the XLA form's, through a custom_vjp); caches contiguous or paged (see
-  :func:`probjax.ops.mla.backends.triton.decode`); ``[B, Tq, H, d_v]``."""
-  import jax
-  from probjax.ops.mla.backends.triton import decode
-
-  @jax.custom_vjp
-  def attend(q_lat, q_rope, kv_latent, k_rope, lengths, page_table):
-    return decode(q_lat, q_rope, kv_latent, k_rope, lengths, scale=scale, page_table=page_table,
-                  interpret=interpret)[0]
-
-  def fwd(*args):
-    return attend(*args), args
-
-  def bwd(args, g):
-    xla = lambda a, b, c, d: _attend_xla(a, b, c, d, args[4], args[5], scale)
-    return (*jax.vjp(xla, *args[:4])[1](g), None, None)
-
-  attend.defvjp(fwd, bwd)
-  dt = q_nope.dtype
-  q_lat = _proj("bthd,chd->bthc", q_nope, w_uk, dt)
-  o_lat = attend(q_lat, q_rope, kv_latent, k_rope, jnp.asarray(lengths, jnp.int32), page_table)
-  return _proj("bthc,chd->bthd", o_lat, w_uv, dt)
+  q_ok = None
+  q_lens, kv_lens = (None, None) if mask is None else mask.lengths(call.batch)
+  if kv_lens is not None:
+    k_ok = valid_positions(kv_lens, call.kv_len)
+    kv_latent, k_rope = jnp.where(k_ok, kv_latent, 0), jnp.where(k_ok, k_rope, 0)
+  if q_lens is not None:
+    q_ok = valid_positions(q_lens, call.q_len)[..., None]
+    q_nope, q_rope = jnp.where(q_ok, q_nope, 0), jnp.where(q_ok, q_rope, 0)
+  return q_nope, q_rope, kv_latent, k_rope, q_ok
