@@ -74,7 +74,7 @@ def attention_implementation(call: MLACall, form: str, device: Device,
                              implementation: str | None = None) -> tuple[str | None, str]:
   """The ``implementation`` the form passes to attention, and why: an explicit one as given
   (attention refuses what it cannot compute), else attention's default, whose dispatch sees the
-  value width (:func:`probjax.nn.layers.attention.explain_dispatch` says which kernel)."""
+  value width (:func:`probjax.ops.attention.explain_dispatch` says which kernel)."""
   if implementation is not None:
     return implementation, "requested"
   d_qk, d_v = attention_widths(call, form)
