@@ -45,7 +45,7 @@ from probjax.core import timing
 from probjax.core.device import Device
 from probjax.ops.grouped_matmul import REGISTRY
 from probjax.ops.grouped_matmul.call import make_call
-from probjax.ops.grouped_matmul.fused import activate
+from probjax.ops.grouped_matmul.activations import activate
 from probjax.ops.grouped_matmul.permute import expand_sorted, permute_rows, sort_assignments
 
 SPEC = dict(d_model=512, experts=64, top_k=8, width=128, shared=1024)

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from probjax.core.device import Device
+from probjax.core.dispatch import Decision
 from probjax.core.tolerances import max_error, tolerance
 from probjax.ops.grouped_matmul import REGISTRY, explain_dispatch, grouped_matmul
 from probjax.ops.grouped_matmul.call import clamp_group_sizes
@@ -266,3 +267,136 @@ def test_explicit_dispatch_refusals(impl, device, match):
   dtype = jnp.float64 if match == "float64" else jnp.bfloat16
   with pytest.raises(ValueError, match=match):
     explain_dispatch(S((64, k), dtype), S((2, k, 64), dtype), implementation=impl, device=device)
+
+
+# explain_dispatch's answers recorded before the op took the shared Decision (issue 40, at
+# 51f288f): every implementation name (aliases too) and the default on CPU, the interpreter,
+# an H200 and an RTX 3090, bfloat16 and float32, K x N on and off 64. "implementation device
+# dtype KxN": (implementation, rule), or the ValueError's message.
+DEVICES = {"cpu": CPU, "interpret": Device.interpreter(), "h200": H200, "rtx3090": RTX3090}
+DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}
+RECORDED = {
+    'None cpu bf16 512x256': ('xla', 'cpu: XLA (row tiles by group), the only backend off the GPU'),
+    'None cpu bf16 520x256': ('xla', 'cpu: XLA (row tiles by group), the only backend off the GPU'),
+    'None cpu f32 512x256': ('xla', 'cpu: XLA (row tiles by group), the only backend off the GPU'),
+    'None cpu f32 520x256': ('xla', 'cpu: XLA (row tiles by group), the only backend off the GPU'),
+    'None interpret bf16 512x256': ('triton', 'interpret mode: the Triton kernel, emulated'),
+    'None interpret bf16 520x256': ('triton', 'interpret mode: the Triton kernel, emulated'),
+    'None interpret f32 512x256': ('triton', 'interpret mode: the Triton kernel, emulated'),
+    'None interpret f32 520x256': ('triton', 'interpret mode: the Triton kernel, emulated'),
+    'None h200 bf16 512x256': ('mosaic', 'sm_90, 16-bit operands, K and N multiples of 64: the wgmma kernels'),
+    'None h200 bf16 520x256': ('triton', "sm_90: the Triton kernel (Mosaic GPU: K = 520, N = 256: both must be multiples of 64 (the TMA copies' 128-byte swizzle tile))"),
+    'None h200 f32 512x256': ('triton', 'sm_90: the Triton kernel (Mosaic GPU: float32 operands: the wgmma kernels take bfloat16 or float16)'),
+    'None h200 f32 520x256': ('triton', 'sm_90: the Triton kernel (Mosaic GPU: float32 operands: the wgmma kernels take bfloat16 or float16)'),
+    'None rtx3090 bf16 512x256': ('triton', 'sm_86: the Triton kernel'),
+    'None rtx3090 bf16 520x256': ('triton', 'sm_86: the Triton kernel'),
+    'None rtx3090 f32 512x256': ('triton', 'sm_86: the Triton kernel'),
+    'None rtx3090 f32 520x256': ('triton', 'sm_86: the Triton kernel'),
+    'xla cpu bf16 512x256': ('xla', 'requested'),
+    'xla cpu bf16 520x256': ('xla', 'requested'),
+    'xla cpu f32 512x256': ('xla', 'requested'),
+    'xla cpu f32 520x256': ('xla', 'requested'),
+    'xla interpret bf16 512x256': ('xla', 'requested'),
+    'xla interpret bf16 520x256': ('xla', 'requested'),
+    'xla interpret f32 512x256': ('xla', 'requested'),
+    'xla interpret f32 520x256': ('xla', 'requested'),
+    'xla h200 bf16 512x256': ('xla', 'requested'),
+    'xla h200 bf16 520x256': ('xla', 'requested'),
+    'xla h200 f32 512x256': ('xla', 'requested'),
+    'xla h200 f32 520x256': ('xla', 'requested'),
+    'xla rtx3090 bf16 512x256': ('xla', 'requested'),
+    'xla rtx3090 bf16 520x256': ('xla', 'requested'),
+    'xla rtx3090 f32 512x256': ('xla', 'requested'),
+    'xla rtx3090 f32 520x256': ('xla', 'requested'),
+    'triton cpu bf16 512x256': "ValueError: grouped_matmul implementation='triton' cannot compute this call: Pallas Triton needs an NVIDIA GPU or interpret mode, not cpu",
+    'triton cpu bf16 520x256': "ValueError: grouped_matmul implementation='triton' cannot compute this call: Pallas Triton needs an NVIDIA GPU or interpret mode, not cpu",
+    'triton cpu f32 512x256': "ValueError: grouped_matmul implementation='triton' cannot compute this call: Pallas Triton needs an NVIDIA GPU or interpret mode, not cpu",
+    'triton cpu f32 520x256': "ValueError: grouped_matmul implementation='triton' cannot compute this call: Pallas Triton needs an NVIDIA GPU or interpret mode, not cpu",
+    'triton interpret bf16 512x256': ('triton', 'requested'),
+    'triton interpret bf16 520x256': ('triton', 'requested'),
+    'triton interpret f32 512x256': ('triton', 'requested'),
+    'triton interpret f32 520x256': ('triton', 'requested'),
+    'triton h200 bf16 512x256': ('triton', 'requested'),
+    'triton h200 bf16 520x256': ('triton', 'requested'),
+    'triton h200 f32 512x256': ('triton', 'requested'),
+    'triton h200 f32 520x256': ('triton', 'requested'),
+    'triton rtx3090 bf16 512x256': ('triton', 'requested'),
+    'triton rtx3090 bf16 520x256': ('triton', 'requested'),
+    'triton rtx3090 f32 512x256': ('triton', 'requested'),
+    'triton rtx3090 f32 520x256': ('triton', 'requested'),
+    'mosaic cpu bf16 512x256': "ValueError: grouped_matmul implementation='mosaic' cannot compute this call: Mosaic GPU's wgmma and TMA kernels need sm_90 (or interpret mode), not cpu",
+    'mosaic cpu bf16 520x256': "ValueError: grouped_matmul implementation='mosaic' cannot compute this call: Mosaic GPU's wgmma and TMA kernels need sm_90 (or interpret mode), not cpu",
+    'mosaic cpu f32 512x256': "ValueError: grouped_matmul implementation='mosaic' cannot compute this call: Mosaic GPU's wgmma and TMA kernels need sm_90 (or interpret mode), not cpu",
+    'mosaic cpu f32 520x256': "ValueError: grouped_matmul implementation='mosaic' cannot compute this call: Mosaic GPU's wgmma and TMA kernels need sm_90 (or interpret mode), not cpu",
+    'mosaic interpret bf16 512x256': ('mosaic', 'requested'),
+    'mosaic interpret bf16 520x256': "ValueError: grouped_matmul implementation='mosaic' cannot compute this call: K = 520, N = 256: both must be multiples of 64 (the TMA copies' 128-byte swizzle tile)",
+    'mosaic interpret f32 512x256': "ValueError: grouped_matmul implementation='mosaic' cannot compute this call: float32 operands: the wgmma kernels take bfloat16 or float16",
+    'mosaic interpret f32 520x256': "ValueError: grouped_matmul implementation='mosaic' cannot compute this call: float32 operands: the wgmma kernels take bfloat16 or float16",
+    'mosaic h200 bf16 512x256': ('mosaic', 'requested'),
+    'mosaic h200 bf16 520x256': "ValueError: grouped_matmul implementation='mosaic' cannot compute this call: K = 520, N = 256: both must be multiples of 64 (the TMA copies' 128-byte swizzle tile)",
+    'mosaic h200 f32 512x256': "ValueError: grouped_matmul implementation='mosaic' cannot compute this call: float32 operands: the wgmma kernels take bfloat16 or float16",
+    'mosaic h200 f32 520x256': "ValueError: grouped_matmul implementation='mosaic' cannot compute this call: float32 operands: the wgmma kernels take bfloat16 or float16",
+    'mosaic rtx3090 bf16 512x256': "ValueError: grouped_matmul implementation='mosaic' cannot compute this call: Mosaic GPU's wgmma and TMA kernels need sm_90 (or interpret mode), not sm_86",
+    'mosaic rtx3090 bf16 520x256': "ValueError: grouped_matmul implementation='mosaic' cannot compute this call: Mosaic GPU's wgmma and TMA kernels need sm_90 (or interpret mode), not sm_86",
+    'mosaic rtx3090 f32 512x256': "ValueError: grouped_matmul implementation='mosaic' cannot compute this call: Mosaic GPU's wgmma and TMA kernels need sm_90 (or interpret mode), not sm_86",
+    'mosaic rtx3090 f32 520x256': "ValueError: grouped_matmul implementation='mosaic' cannot compute this call: Mosaic GPU's wgmma and TMA kernels need sm_90 (or interpret mode), not sm_86",
+    'pallas_triton cpu bf16 512x256': "ValueError: grouped_matmul implementation='pallas_triton' cannot compute this call: Pallas Triton needs an NVIDIA GPU or interpret mode, not cpu",
+    'pallas_triton cpu bf16 520x256': "ValueError: grouped_matmul implementation='pallas_triton' cannot compute this call: Pallas Triton needs an NVIDIA GPU or interpret mode, not cpu",
+    'pallas_triton cpu f32 512x256': "ValueError: grouped_matmul implementation='pallas_triton' cannot compute this call: Pallas Triton needs an NVIDIA GPU or interpret mode, not cpu",
+    'pallas_triton cpu f32 520x256': "ValueError: grouped_matmul implementation='pallas_triton' cannot compute this call: Pallas Triton needs an NVIDIA GPU or interpret mode, not cpu",
+    'pallas_triton interpret bf16 512x256': ('triton', 'requested'),
+    'pallas_triton interpret bf16 520x256': ('triton', 'requested'),
+    'pallas_triton interpret f32 512x256': ('triton', 'requested'),
+    'pallas_triton interpret f32 520x256': ('triton', 'requested'),
+    'pallas_triton h200 bf16 512x256': ('triton', 'requested'),
+    'pallas_triton h200 bf16 520x256': ('triton', 'requested'),
+    'pallas_triton h200 f32 512x256': ('triton', 'requested'),
+    'pallas_triton h200 f32 520x256': ('triton', 'requested'),
+    'pallas_triton rtx3090 bf16 512x256': ('triton', 'requested'),
+    'pallas_triton rtx3090 bf16 520x256': ('triton', 'requested'),
+    'pallas_triton rtx3090 f32 512x256': ('triton', 'requested'),
+    'pallas_triton rtx3090 f32 520x256': ('triton', 'requested'),
+    'mosaic_gpu cpu bf16 512x256': "ValueError: grouped_matmul implementation='mosaic_gpu' cannot compute this call: Mosaic GPU's wgmma and TMA kernels need sm_90 (or interpret mode), not cpu",
+    'mosaic_gpu cpu bf16 520x256': "ValueError: grouped_matmul implementation='mosaic_gpu' cannot compute this call: Mosaic GPU's wgmma and TMA kernels need sm_90 (or interpret mode), not cpu",
+    'mosaic_gpu cpu f32 512x256': "ValueError: grouped_matmul implementation='mosaic_gpu' cannot compute this call: Mosaic GPU's wgmma and TMA kernels need sm_90 (or interpret mode), not cpu",
+    'mosaic_gpu cpu f32 520x256': "ValueError: grouped_matmul implementation='mosaic_gpu' cannot compute this call: Mosaic GPU's wgmma and TMA kernels need sm_90 (or interpret mode), not cpu",
+    'mosaic_gpu interpret bf16 512x256': ('mosaic', 'requested'),
+    'mosaic_gpu interpret bf16 520x256': "ValueError: grouped_matmul implementation='mosaic_gpu' cannot compute this call: K = 520, N = 256: both must be multiples of 64 (the TMA copies' 128-byte swizzle tile)",
+    'mosaic_gpu interpret f32 512x256': "ValueError: grouped_matmul implementation='mosaic_gpu' cannot compute this call: float32 operands: the wgmma kernels take bfloat16 or float16",
+    'mosaic_gpu interpret f32 520x256': "ValueError: grouped_matmul implementation='mosaic_gpu' cannot compute this call: float32 operands: the wgmma kernels take bfloat16 or float16",
+    'mosaic_gpu h200 bf16 512x256': ('mosaic', 'requested'),
+    'mosaic_gpu h200 bf16 520x256': "ValueError: grouped_matmul implementation='mosaic_gpu' cannot compute this call: K = 520, N = 256: both must be multiples of 64 (the TMA copies' 128-byte swizzle tile)",
+    'mosaic_gpu h200 f32 512x256': "ValueError: grouped_matmul implementation='mosaic_gpu' cannot compute this call: float32 operands: the wgmma kernels take bfloat16 or float16",
+    'mosaic_gpu h200 f32 520x256': "ValueError: grouped_matmul implementation='mosaic_gpu' cannot compute this call: float32 operands: the wgmma kernels take bfloat16 or float16",
+    'mosaic_gpu rtx3090 bf16 512x256': "ValueError: grouped_matmul implementation='mosaic_gpu' cannot compute this call: Mosaic GPU's wgmma and TMA kernels need sm_90 (or interpret mode), not sm_86",
+    'mosaic_gpu rtx3090 bf16 520x256': "ValueError: grouped_matmul implementation='mosaic_gpu' cannot compute this call: Mosaic GPU's wgmma and TMA kernels need sm_90 (or interpret mode), not sm_86",
+    'mosaic_gpu rtx3090 f32 512x256': "ValueError: grouped_matmul implementation='mosaic_gpu' cannot compute this call: Mosaic GPU's wgmma and TMA kernels need sm_90 (or interpret mode), not sm_86",
+    'mosaic_gpu rtx3090 f32 520x256': "ValueError: grouped_matmul implementation='mosaic_gpu' cannot compute this call: Mosaic GPU's wgmma and TMA kernels need sm_90 (or interpret mode), not sm_86",
+}
+
+
+def test_dispatch_decisions_unchanged():
+  for key, want in RECORDED.items():
+    impl, device, dtype, shape = key.split()
+    k, n = map(int, shape.split("x"))
+    dt = DTYPES[dtype]
+    try:
+      d = explain_dispatch(S((1000, k), dt), S((8, k, n), dt), implementation=None if impl == "None" else impl,
+                           device=DEVICES[device])
+    except ValueError as e:
+      assert f"ValueError: {e}" == want, key
+      continue
+    assert isinstance(d, Decision) and d.config == () and d.backward is None and d.grad is None, key
+    assert (d.implementation, d.rule) == want, key
+
+
+def test_the_face():
+  """The package exports the api module's names, the same objects; the decision is the core one."""
+  import probjax.ops.grouped_matmul as op
+  from probjax.ops.grouped_matmul import api, dispatch
+  assert sorted(op.__all__) == sorted(api.__all__)
+  for name in api.__all__:
+    assert getattr(op, name) is getattr(api, name), name
+  assert op.Decision is dispatch.Decision is Decision
+  assert str(explain_dispatch(S((6, 4), jnp.float32), S((2, 4, 3), jnp.float32), device=CPU)) == (
+      "xla (cpu: XLA (row tiles by group), the only backend off the GPU)")

@@ -19,8 +19,11 @@ import pytest
 from flax import nnx
 
 from probjax.core.device import Device
+from probjax.core.dispatch import Decision
 from probjax.core.tolerances import max_error, tolerance
+from probjax.nn.layers import moe as moe_module
 from probjax.nn.layers.moe import MoELayer, resolve_dispatch, route
+from probjax.ops.grouped_matmul import DISPATCHES, STRATEGIES, MoECall, explain_moe_dispatch
 from probjax.ops.grouped_matmul.permute import expand_sorted, permute_rows, sort_assignments
 from probjax.testing import float32_is_tf32, interpret_kernels
 
@@ -236,3 +239,238 @@ def test_resolve_dispatch_refusals():
     resolve_dispatch("fused_gsum", Device("cpu"), jnp.float32)
   with pytest.raises(ValueError, match="dispatch must be one of"):
     resolve_dispatch("scatter", Device("cpu"), jnp.float32)
+
+
+# resolve_dispatch's answers recorded before the MoE dispatch moved into the grouped-matmul op
+# (issue 40, at 51f288f): every dispatch on CPU, the interpreter, an H200 and an RTX 3090, in
+# bfloat16 and float32, for the spec's sizes, sizes off 64 and no sizes. "dispatch device dtype
+# sizes": (mode, grouped-matmul implementation, reason), or the ValueError's message.
+DEVICES = {"cpu": Device("cpu"), "interpret": Device.interpreter(), "h200": H200, "rtx3090": RTX3090}
+DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}
+SIZES = {"spec": (512, 256, 128), "off64": (520, 256, 128), "none": ()}
+RECORDED = {
+    'auto cpu bf16 spec': ('sorted', 'xla', 'cpu: the sorted dispatch on the XLA grouped matmul'),
+    'auto cpu bf16 off64': ('sorted', 'xla', 'cpu: the sorted dispatch on the XLA grouped matmul'),
+    'auto cpu bf16 none': ('sorted', 'xla', 'cpu: the sorted dispatch on the XLA grouped matmul'),
+    'auto cpu f32 spec': ('sorted', 'xla', 'cpu: the sorted dispatch on the XLA grouped matmul'),
+    'auto cpu f32 off64': ('sorted', 'xla', 'cpu: the sorted dispatch on the XLA grouped matmul'),
+    'auto cpu f32 none': ('sorted', 'xla', 'cpu: the sorted dispatch on the XLA grouped matmul'),
+    'auto interpret bf16 spec': ('sorted', 'triton', 'interpret mode: the sorted dispatch on the Triton kernel'),
+    'auto interpret bf16 off64': ('sorted', 'triton', 'interpret mode: the sorted dispatch on the Triton kernel'),
+    'auto interpret bf16 none': ('sorted', 'triton', 'interpret mode: the sorted dispatch on the Triton kernel'),
+    'auto interpret f32 spec': ('sorted', 'triton', 'interpret mode: the sorted dispatch on the Triton kernel'),
+    'auto interpret f32 off64': ('sorted', 'triton', 'interpret mode: the sorted dispatch on the Triton kernel'),
+    'auto interpret f32 none': ('sorted', 'triton', 'interpret mode: the sorted dispatch on the Triton kernel'),
+    'auto h200 bf16 spec': ('sorted', 'mosaic', 'sm_90, 16-bit compute: the sorted dispatch on the Mosaic GPU kernels'),
+    'auto h200 bf16 off64': ('sorted', 'triton', 'the sorted dispatch on the Triton kernel (sizes off 64)'),
+    'auto h200 bf16 none': ('sorted', 'mosaic', 'sm_90, 16-bit compute: the sorted dispatch on the Mosaic GPU kernels'),
+    'auto h200 f32 spec': ('sorted', 'triton', 'the sorted dispatch on the Triton kernel (32-bit compute)'),
+    'auto h200 f32 off64': ('sorted', 'triton', 'the sorted dispatch on the Triton kernel (32-bit compute)'),
+    'auto h200 f32 none': ('sorted', 'triton', 'the sorted dispatch on the Triton kernel (32-bit compute)'),
+    'auto rtx3090 bf16 spec': ('sorted', 'triton', 'the sorted dispatch on the Triton kernel (not sm_90)'),
+    'auto rtx3090 bf16 off64': ('sorted', 'triton', 'the sorted dispatch on the Triton kernel (not sm_90)'),
+    'auto rtx3090 bf16 none': ('sorted', 'triton', 'the sorted dispatch on the Triton kernel (not sm_90)'),
+    'auto rtx3090 f32 spec': ('sorted', 'triton', 'the sorted dispatch on the Triton kernel (not sm_90)'),
+    'auto rtx3090 f32 off64': ('sorted', 'triton', 'the sorted dispatch on the Triton kernel (not sm_90)'),
+    'auto rtx3090 f32 none': ('sorted', 'triton', 'the sorted dispatch on the Triton kernel (not sm_90)'),
+    'dense cpu bf16 spec': ('dense', None, 'requested'),
+    'dense cpu bf16 off64': ('dense', None, 'requested'),
+    'dense cpu bf16 none': ('dense', None, 'requested'),
+    'dense cpu f32 spec': ('dense', None, 'requested'),
+    'dense cpu f32 off64': ('dense', None, 'requested'),
+    'dense cpu f32 none': ('dense', None, 'requested'),
+    'dense interpret bf16 spec': ('dense', None, 'requested'),
+    'dense interpret bf16 off64': ('dense', None, 'requested'),
+    'dense interpret bf16 none': ('dense', None, 'requested'),
+    'dense interpret f32 spec': ('dense', None, 'requested'),
+    'dense interpret f32 off64': ('dense', None, 'requested'),
+    'dense interpret f32 none': ('dense', None, 'requested'),
+    'dense h200 bf16 spec': ('dense', None, 'requested'),
+    'dense h200 bf16 off64': ('dense', None, 'requested'),
+    'dense h200 bf16 none': ('dense', None, 'requested'),
+    'dense h200 f32 spec': ('dense', None, 'requested'),
+    'dense h200 f32 off64': ('dense', None, 'requested'),
+    'dense h200 f32 none': ('dense', None, 'requested'),
+    'dense rtx3090 bf16 spec': ('dense', None, 'requested'),
+    'dense rtx3090 bf16 off64': ('dense', None, 'requested'),
+    'dense rtx3090 bf16 none': ('dense', None, 'requested'),
+    'dense rtx3090 f32 spec': ('dense', None, 'requested'),
+    'dense rtx3090 f32 off64': ('dense', None, 'requested'),
+    'dense rtx3090 f32 none': ('dense', None, 'requested'),
+    'sorted cpu bf16 spec': ('sorted', None, 'requested'),
+    'sorted cpu bf16 off64': ('sorted', None, 'requested'),
+    'sorted cpu bf16 none': ('sorted', None, 'requested'),
+    'sorted cpu f32 spec': ('sorted', None, 'requested'),
+    'sorted cpu f32 off64': ('sorted', None, 'requested'),
+    'sorted cpu f32 none': ('sorted', None, 'requested'),
+    'sorted interpret bf16 spec': ('sorted', None, 'requested'),
+    'sorted interpret bf16 off64': ('sorted', None, 'requested'),
+    'sorted interpret bf16 none': ('sorted', None, 'requested'),
+    'sorted interpret f32 spec': ('sorted', None, 'requested'),
+    'sorted interpret f32 off64': ('sorted', None, 'requested'),
+    'sorted interpret f32 none': ('sorted', None, 'requested'),
+    'sorted h200 bf16 spec': ('sorted', None, 'requested'),
+    'sorted h200 bf16 off64': ('sorted', None, 'requested'),
+    'sorted h200 bf16 none': ('sorted', None, 'requested'),
+    'sorted h200 f32 spec': ('sorted', None, 'requested'),
+    'sorted h200 f32 off64': ('sorted', None, 'requested'),
+    'sorted h200 f32 none': ('sorted', None, 'requested'),
+    'sorted rtx3090 bf16 spec': ('sorted', None, 'requested'),
+    'sorted rtx3090 bf16 off64': ('sorted', None, 'requested'),
+    'sorted rtx3090 bf16 none': ('sorted', None, 'requested'),
+    'sorted rtx3090 f32 spec': ('sorted', None, 'requested'),
+    'sorted rtx3090 f32 off64': ('sorted', None, 'requested'),
+    'sorted rtx3090 f32 none': ('sorted', None, 'requested'),
+    'fused_gsum cpu bf16 spec': "ValueError: dispatch='fused_gsum' runs Triton kernels: Pallas Triton needs an NVIDIA GPU or interpret mode, not cpu",
+    'fused_gsum cpu bf16 off64': "ValueError: dispatch='fused_gsum' runs Triton kernels: Pallas Triton needs an NVIDIA GPU or interpret mode, not cpu",
+    'fused_gsum cpu bf16 none': "ValueError: dispatch='fused_gsum' runs Triton kernels: Pallas Triton needs an NVIDIA GPU or interpret mode, not cpu",
+    'fused_gsum cpu f32 spec': "ValueError: dispatch='fused_gsum' runs Triton kernels: Pallas Triton needs an NVIDIA GPU or interpret mode, not cpu",
+    'fused_gsum cpu f32 off64': "ValueError: dispatch='fused_gsum' runs Triton kernels: Pallas Triton needs an NVIDIA GPU or interpret mode, not cpu",
+    'fused_gsum cpu f32 none': "ValueError: dispatch='fused_gsum' runs Triton kernels: Pallas Triton needs an NVIDIA GPU or interpret mode, not cpu",
+    'fused_gsum interpret bf16 spec': ('fused_gsum', None, 'requested'),
+    'fused_gsum interpret bf16 off64': ('fused_gsum', None, 'requested'),
+    'fused_gsum interpret bf16 none': ('fused_gsum', None, 'requested'),
+    'fused_gsum interpret f32 spec': ('fused_gsum', None, 'requested'),
+    'fused_gsum interpret f32 off64': ('fused_gsum', None, 'requested'),
+    'fused_gsum interpret f32 none': ('fused_gsum', None, 'requested'),
+    'fused_gsum h200 bf16 spec': ('fused_gsum', None, 'requested'),
+    'fused_gsum h200 bf16 off64': ('fused_gsum', None, 'requested'),
+    'fused_gsum h200 bf16 none': ('fused_gsum', None, 'requested'),
+    'fused_gsum h200 f32 spec': ('fused_gsum', None, 'requested'),
+    'fused_gsum h200 f32 off64': ('fused_gsum', None, 'requested'),
+    'fused_gsum h200 f32 none': ('fused_gsum', None, 'requested'),
+    'fused_gsum rtx3090 bf16 spec': ('fused_gsum', None, 'requested'),
+    'fused_gsum rtx3090 bf16 off64': ('fused_gsum', None, 'requested'),
+    'fused_gsum rtx3090 bf16 none': ('fused_gsum', None, 'requested'),
+    'fused_gsum rtx3090 f32 spec': ('fused_gsum', None, 'requested'),
+    'fused_gsum rtx3090 f32 off64': ('fused_gsum', None, 'requested'),
+    'fused_gsum rtx3090 f32 none': ('fused_gsum', None, 'requested'),
+    'triton cpu bf16 spec': ('sorted', 'triton', 'requested'),
+    'triton cpu bf16 off64': ('sorted', 'triton', 'requested'),
+    'triton cpu bf16 none': ('sorted', 'triton', 'requested'),
+    'triton cpu f32 spec': ('sorted', 'triton', 'requested'),
+    'triton cpu f32 off64': ('sorted', 'triton', 'requested'),
+    'triton cpu f32 none': ('sorted', 'triton', 'requested'),
+    'triton interpret bf16 spec': ('sorted', 'triton', 'requested'),
+    'triton interpret bf16 off64': ('sorted', 'triton', 'requested'),
+    'triton interpret bf16 none': ('sorted', 'triton', 'requested'),
+    'triton interpret f32 spec': ('sorted', 'triton', 'requested'),
+    'triton interpret f32 off64': ('sorted', 'triton', 'requested'),
+    'triton interpret f32 none': ('sorted', 'triton', 'requested'),
+    'triton h200 bf16 spec': ('sorted', 'triton', 'requested'),
+    'triton h200 bf16 off64': ('sorted', 'triton', 'requested'),
+    'triton h200 bf16 none': ('sorted', 'triton', 'requested'),
+    'triton h200 f32 spec': ('sorted', 'triton', 'requested'),
+    'triton h200 f32 off64': ('sorted', 'triton', 'requested'),
+    'triton h200 f32 none': ('sorted', 'triton', 'requested'),
+    'triton rtx3090 bf16 spec': ('sorted', 'triton', 'requested'),
+    'triton rtx3090 bf16 off64': ('sorted', 'triton', 'requested'),
+    'triton rtx3090 bf16 none': ('sorted', 'triton', 'requested'),
+    'triton rtx3090 f32 spec': ('sorted', 'triton', 'requested'),
+    'triton rtx3090 f32 off64': ('sorted', 'triton', 'requested'),
+    'triton rtx3090 f32 none': ('sorted', 'triton', 'requested'),
+    'pallas cpu bf16 spec': ('sorted', 'triton', 'the sorted dispatch on the Triton kernel (not sm_90)'),
+    'pallas cpu bf16 off64': ('sorted', 'triton', 'the sorted dispatch on the Triton kernel (not sm_90)'),
+    'pallas cpu bf16 none': ('sorted', 'triton', 'the sorted dispatch on the Triton kernel (not sm_90)'),
+    'pallas cpu f32 spec': ('sorted', 'triton', 'the sorted dispatch on the Triton kernel (not sm_90)'),
+    'pallas cpu f32 off64': ('sorted', 'triton', 'the sorted dispatch on the Triton kernel (not sm_90)'),
+    'pallas cpu f32 none': ('sorted', 'triton', 'the sorted dispatch on the Triton kernel (not sm_90)'),
+    'pallas interpret bf16 spec': ('sorted', 'triton', 'the sorted dispatch on the Triton kernel (not sm_90)'),
+    'pallas interpret bf16 off64': ('sorted', 'triton', 'the sorted dispatch on the Triton kernel (not sm_90)'),
+    'pallas interpret bf16 none': ('sorted', 'triton', 'the sorted dispatch on the Triton kernel (not sm_90)'),
+    'pallas interpret f32 spec': ('sorted', 'triton', 'the sorted dispatch on the Triton kernel (not sm_90)'),
+    'pallas interpret f32 off64': ('sorted', 'triton', 'the sorted dispatch on the Triton kernel (not sm_90)'),
+    'pallas interpret f32 none': ('sorted', 'triton', 'the sorted dispatch on the Triton kernel (not sm_90)'),
+    'pallas h200 bf16 spec': ('sorted', 'mosaic', 'sm_90, 16-bit compute: the sorted dispatch on the Mosaic GPU kernels'),
+    'pallas h200 bf16 off64': ('sorted', 'triton', 'the sorted dispatch on the Triton kernel (sizes off 64)'),
+    'pallas h200 bf16 none': ('sorted', 'mosaic', 'sm_90, 16-bit compute: the sorted dispatch on the Mosaic GPU kernels'),
+    'pallas h200 f32 spec': ('sorted', 'triton', 'the sorted dispatch on the Triton kernel (32-bit compute)'),
+    'pallas h200 f32 off64': ('sorted', 'triton', 'the sorted dispatch on the Triton kernel (32-bit compute)'),
+    'pallas h200 f32 none': ('sorted', 'triton', 'the sorted dispatch on the Triton kernel (32-bit compute)'),
+    'pallas rtx3090 bf16 spec': ('sorted', 'triton', 'the sorted dispatch on the Triton kernel (not sm_90)'),
+    'pallas rtx3090 bf16 off64': ('sorted', 'triton', 'the sorted dispatch on the Triton kernel (not sm_90)'),
+    'pallas rtx3090 bf16 none': ('sorted', 'triton', 'the sorted dispatch on the Triton kernel (not sm_90)'),
+    'pallas rtx3090 f32 spec': ('sorted', 'triton', 'the sorted dispatch on the Triton kernel (not sm_90)'),
+    'pallas rtx3090 f32 off64': ('sorted', 'triton', 'the sorted dispatch on the Triton kernel (not sm_90)'),
+    'pallas rtx3090 f32 none': ('sorted', 'triton', 'the sorted dispatch on the Triton kernel (not sm_90)'),
+    'mosaic cpu bf16 spec': ('sorted', 'mosaic', 'requested'),
+    'mosaic cpu bf16 off64': ('sorted', 'mosaic', 'requested'),
+    'mosaic cpu bf16 none': ('sorted', 'mosaic', 'requested'),
+    'mosaic cpu f32 spec': ('sorted', 'mosaic', 'requested'),
+    'mosaic cpu f32 off64': ('sorted', 'mosaic', 'requested'),
+    'mosaic cpu f32 none': ('sorted', 'mosaic', 'requested'),
+    'mosaic interpret bf16 spec': ('sorted', 'mosaic', 'requested'),
+    'mosaic interpret bf16 off64': ('sorted', 'mosaic', 'requested'),
+    'mosaic interpret bf16 none': ('sorted', 'mosaic', 'requested'),
+    'mosaic interpret f32 spec': ('sorted', 'mosaic', 'requested'),
+    'mosaic interpret f32 off64': ('sorted', 'mosaic', 'requested'),
+    'mosaic interpret f32 none': ('sorted', 'mosaic', 'requested'),
+    'mosaic h200 bf16 spec': ('sorted', 'mosaic', 'requested'),
+    'mosaic h200 bf16 off64': ('sorted', 'mosaic', 'requested'),
+    'mosaic h200 bf16 none': ('sorted', 'mosaic', 'requested'),
+    'mosaic h200 f32 spec': ('sorted', 'mosaic', 'requested'),
+    'mosaic h200 f32 off64': ('sorted', 'mosaic', 'requested'),
+    'mosaic h200 f32 none': ('sorted', 'mosaic', 'requested'),
+    'mosaic rtx3090 bf16 spec': ('sorted', 'mosaic', 'requested'),
+    'mosaic rtx3090 bf16 off64': ('sorted', 'mosaic', 'requested'),
+    'mosaic rtx3090 bf16 none': ('sorted', 'mosaic', 'requested'),
+    'mosaic rtx3090 f32 spec': ('sorted', 'mosaic', 'requested'),
+    'mosaic rtx3090 f32 off64': ('sorted', 'mosaic', 'requested'),
+    'mosaic rtx3090 f32 none': ('sorted', 'mosaic', 'requested'),
+}
+
+
+def _recorded_case(key):
+  dispatch, device, dtype, sizes = key.split()
+  return dispatch, DEVICES[device], DTYPES[dtype], SIZES[sizes]
+
+
+def test_dispatch_decisions_unchanged():
+  """The op's MoE dispatch gives every recorded decision, reason and refusal unchanged, and
+  resolve_dispatch is its decision as a tuple."""
+  assert {k.split()[0] for k in RECORDED} == set(DISPATCHES)
+  for key, want in RECORDED.items():
+    dispatch, device, dtype, sizes = _recorded_case(key)
+    try:
+      got = resolve_dispatch(dispatch, device, dtype, sizes=sizes)
+    except ValueError as e:
+      got = f"ValueError: {e}"
+    assert got == want, key
+    if isinstance(want, str):
+      with pytest.raises(ValueError):
+        explain_moe_dispatch(MoECall(dtype, sizes), dispatch, device=device)
+      continue
+    d = explain_moe_dispatch(MoECall(dtype, sizes), dispatch, device=device)
+    assert isinstance(d, Decision) and d.implementation in STRATEGIES.names(), key
+    assert (d.implementation, d.get("grouped_matmul"), d.rule) == want, key
+
+
+def test_layer_asks_the_op():
+  layer = MoELayer(64, 64, 4, 2, dispatch="pallas", rngs=nnx.Rngs(0))
+  call = layer.moe_call(jnp.bfloat16)
+  assert call.sizes == (64, 128, 64) and (call.num_experts, call.top_k, call.activation) == (4, 2, "swiglu")
+  d = layer.explain_dispatch(jnp.bfloat16, H200)
+  assert d == explain_moe_dispatch(call, "pallas", device=H200)
+  assert str(d) == "sorted, grouped_matmul=mosaic (sm_90, 16-bit compute: the sorted dispatch on the Mosaic GPU kernels)"
+  assert layer.plan(jnp.bfloat16, H200) == resolve_dispatch("pallas", H200, jnp.bfloat16, sizes=call.sizes)
+  assert layer.plan(jnp.float32, Device("cpu"))[1] == "triton"  # "pallas" names the kernels everywhere
+
+
+def test_fused_gsum_is_a_registered_strategy():
+  assert STRATEGIES.names() == ("dense", "sorted", "fused_gsum")
+  assert STRATEGIES.available(Device("cpu")) == ["dense", "sorted"]
+  assert STRATEGIES.available(H200) == STRATEGIES.available(Device.interpreter()) == ["dense", "sorted", "fused_gsum"]
+  why = STRATEGIES.get("fused_gsum").supports(MoECall("float32", (16,)), Device("cpu"))
+  assert why == "runs Triton kernels: Pallas Triton needs an NVIDIA GPU or interpret mode, not cpu"
+
+
+def test_activation_math_is_written_once():
+  """The layer and the strategies read the op's activations; no other module of the op or the
+  layer computes them."""
+  import pathlib
+  import probjax.ops.grouped_matmul as op
+  from probjax.ops.grouped_matmul import activations, fused
+  assert fused.activate is activations.activate and moe_module.ACTIVATIONS is activations.ACTIVATIONS
+  sources = [*pathlib.Path(op.__file__).parent.rglob("*.py"), pathlib.Path(moe_module.__file__)]
+  writers = sorted(p.name for p in sources if any(f in p.read_text() for f in ("nn.silu", "nn.gelu")))
+  assert writers == ["activations.py"], writers

@@ -18,16 +18,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from probjax.core.device import Device
+from probjax.core.dispatch import Decision
 from probjax.nn.layers._checks import check_array
 from probjax.nn.layers.mlp import MLP
-from probjax.ops.grouped_matmul import grouped_matmul
-from probjax.ops.grouped_matmul import registry as gmm_registry
-from probjax.ops.grouped_matmul.fused import ACTIVATIONS, activate, fused_experts
-from probjax.ops.grouped_matmul.permute import expand_sorted, permute_rows, sort_assignments
+from probjax.ops.grouped_matmul import ACTIVATIONS, DISPATCHES, MoECall, explain_moe_dispatch, moe_experts
+from probjax.ops.grouped_matmul.permute import sort_assignments
 
 __all__ = ["MoELayer", "RouterAux", "Routing", "route", "resolve_dispatch", "DISPATCHES", "ROUTERS"]
 
-DISPATCHES = ("auto", "dense", "sorted", "fused_gsum", "triton", "pallas", "mosaic")
 ROUTERS = ("softmax", "sigmoid")
 
 
@@ -109,34 +107,26 @@ def route(logits, top_k: int, *, router: str = "softmax", renormalize: bool = Fa
 
 
 def resolve_dispatch(dispatch: str, device: Device, dtype, *, sizes: tuple[int, ...] = ()) -> tuple[str, str | None, str]:
-  """``(mode, grouped-matmul implementation, reason)`` for a dispatch name on ``device``.
+  """``(mode, grouped-matmul implementation, reason)`` for a dispatch name on ``device``: a thin
+  client of the grouped-matmul op's MoE dispatch
+  (:func:`probjax.ops.grouped_matmul.explain_moe_dispatch`, whose rules are the only ones),
+  its :class:`~probjax.core.dispatch.Decision` as a tuple.
 
-  ``mode`` is ``"dense"``, ``"sorted"`` or ``"fused_gsum"``; the implementation (sorted
-  mode) None means the grouped matmul's own default. ``"pallas"`` is Mosaic GPU on sm_90 for
-  16-bit compute when the Mosaic kernels compute every product (``sizes``: the matmuls' K
-  and N), else Triton; ``"auto"`` is the sorted dispatch with XLA off the GPU, the Triton
-  kernel in interpret mode, else ``"pallas"``.
+  ``mode`` is ``"dense"``, ``"sorted"`` or ``"fused_gsum"`` (the decision's strategy); the
+  implementation (sorted mode, the decision's ``grouped_matmul`` config) None means the
+  grouped matmul's own default. ``"pallas"`` is Mosaic GPU on sm_90 for 16-bit compute when
+  the Mosaic kernels compute every product (``sizes``: the matmuls' K and N), else Triton;
+  ``"auto"`` is the sorted dispatch with XLA off the GPU, the Triton kernel in interpret mode,
+  else ``"pallas"``.
+
+  >>> resolve_dispatch("auto", Device("gpu", (9, 0)), jnp.bfloat16, sizes=(512, 256, 128))
+  ('sorted', 'mosaic', 'sm_90, 16-bit compute: the sorted dispatch on the Mosaic GPU kernels')
   """
-  if dispatch not in DISPATCHES:
-    raise ValueError(f"dispatch must be one of {DISPATCHES}, got {dispatch!r}")
-  if dispatch in ("dense", "sorted"):
-    return dispatch, None, "requested"
-  if dispatch == "fused_gsum":
-    if (why := gmm_registry.REGISTRY.get("triton").available(device)) is not None:
-      raise ValueError(f"dispatch='fused_gsum' runs Triton kernels: {why}")
-    return "fused_gsum", None, "requested"
-  if dispatch in ("triton", "mosaic"):
-    return "sorted", dispatch, "requested"
-  if dispatch == "auto":
-    if device.interpret:
-      return "sorted", "triton", "interpret mode: the sorted dispatch on the Triton kernel"
-    if device.platform != "gpu":
-      return "sorted", "xla", f"{device.platform}: the sorted dispatch on the XLA grouped matmul"
-  sixteen = jnp.dtype(dtype).itemsize == 2
-  if device.kind == "sm_90" and sixteen and all(s % 64 == 0 for s in sizes):
-    return "sorted", "mosaic", "sm_90, 16-bit compute: the sorted dispatch on the Mosaic GPU kernels"
-  why = "not sm_90" if device.kind != "sm_90" else ("32-bit compute" if not sixteen else "sizes off 64")
-  return "sorted", "triton", f"the sorted dispatch on the Triton kernel ({why})"
+  return _as_tuple(explain_moe_dispatch(MoECall(jnp.dtype(dtype), sizes), dispatch, device=device))
+
+
+def _as_tuple(d: Decision) -> tuple[str, str | None, str]:
+  return d.implementation, d.get("grouped_matmul"), d.rule
 
 
 def _expert_init(fan_in_axis: int):
@@ -160,8 +150,11 @@ class MoELayer(nnx.Module):
   ``"triton"`` / ``"mosaic"`` name that grouped matmul; ``"pallas"`` is Mosaic GPU on sm_90
   for 16-bit compute, else Triton; ``"fused_gsum"`` gathers token rows inside the Triton
   kernels and scatter-sums the weighted outputs in the down projection's epilogue, so no
-  ``[T * top_k, d_model]`` array exists; ``"auto"`` picks per device
-  (:func:`resolve_dispatch`). ``interpret``: the Pallas kernels in interpret mode (tests).
+  ``[T * top_k, d_model]`` array exists; ``"auto"`` picks per device. The choice is the
+  grouped-matmul op's (:func:`probjax.ops.grouped_matmul.explain_moe_dispatch`, which
+  :meth:`explain_dispatch`, :meth:`plan` and :func:`resolve_dispatch` report), and so is the
+  computation of the experts (:func:`probjax.ops.grouped_matmul.moe_experts`); the layer
+  routes. ``interpret``: the Pallas kernels in interpret mode (tests).
   """
 
   def __init__(self, d_model: int, d_hidden: int, num_experts: int, top_k: int, *,
@@ -188,13 +181,22 @@ class MoELayer(nnx.Module):
     self.shared = (MLP(features=d_model, hidden_features=shared_hidden, activation=activation, dtype=dtype,
                        param_dtype=param_dtype, rngs=rngs) if shared_hidden else None)
 
+  def moe_call(self, dtype) -> MoECall:
+    """The expert block's description for compute ``dtype``, as the grouped-matmul op's MoE
+    dispatch and strategies read it."""
+    return MoECall(jnp.dtype(dtype), (self.d_model, self.w_in.shape[2], self.d_hidden), self.num_experts,
+                   self.top_k, self.activation, self.interpret)
+
+  def explain_dispatch(self, dtype, device: Device | None = None) -> Decision:
+    """The grouped-matmul op's decision for this layer's ``dispatch`` and compute ``dtype``
+    (:func:`probjax.ops.grouped_matmul.explain_moe_dispatch`; default device: the interpreter
+    under ``interpret``, else the current one)."""
+    return explain_moe_dispatch(self.moe_call(dtype), self.dispatch, device=device)
+
   def plan(self, dtype, device: Device | None = None) -> tuple[str, str | None, str]:
-    """:func:`resolve_dispatch` of this layer for compute ``dtype`` (default device: the
-    interpreter under ``interpret``, else the current one)."""
-    if device is None:
-      device = Device.interpreter() if self.interpret else Device.current()
-    sizes = (self.d_model, self.w_in.shape[2], self.d_hidden)
-    return resolve_dispatch(self.dispatch, device, dtype, sizes=sizes)
+    """:meth:`explain_dispatch` as :func:`resolve_dispatch`'s ``(mode, implementation,
+    reason)``."""
+    return _as_tuple(self.explain_dispatch(dtype, device))
 
   def __call__(self, x):
     width = ("d_model", self.d_model)
@@ -207,37 +209,9 @@ class MoELayer(nnx.Module):
     r = route(logits, self.top_k, router=self.router_kind, renormalize=self.renormalize,
               capacity_factor=self.capacity_factor)
     w_in, w_out = self.w_in[...].astype(dtype), self.w_out[...].astype(dtype)
-    mode, impl, _ = self.plan(dtype)
-    if mode == "dense":
-      y = self._dense(x2, r, w_in, w_out)
-    else:
-      s = sort_assignments(r.expert_ids.reshape(-1), self.num_experts,
-                           None if self.capacity_factor is None else r.keep.reshape(-1))
-      if mode == "fused_gsum":
-        row_w = permute_rows(r.weights.reshape(-1), s.order, s.inverse)
-        y = fused_experts(x2, s.order // self.top_k, row_w, s.group_sizes, w_in, w_out,
-                          activation=self.activation, interpret=self.interpret)
-      else:
-        y = self._sorted(x2, r, s, w_in, w_out, impl)
+    keep = None if self.capacity_factor is None else r.keep
+    y = moe_experts(x2, r.expert_ids, r.weights, keep, w_in, w_out, call=self.moe_call(dtype), dispatch=self.dispatch)
     y = y.astype(dtype).reshape(shape)
     if self.shared is not None:
       y = y + self.shared(x.astype(dtype)).astype(dtype)
     return y, r.aux
-
-  def _dense(self, x, r: Routing, w_in, w_out):
-    # Outputs in the compute dtype (XLA accumulates 16-bit products in float32), as the
-    # grouped matmuls round theirs.
-    hp = jnp.einsum("td,edf->tef", x, w_in)
-    h = activate(hp, self.activation).astype(x.dtype)
-    ye = jnp.einsum("teh,ehd->ted", h, w_out)
-    dense_w = jnp.einsum("tke,tk->te", jax.nn.one_hot(r.expert_ids, self.num_experts, dtype=r.weights.dtype),
-                         r.weights)
-    return jnp.einsum("te,ted->td", dense_w, ye.astype(r.weights.dtype))
-
-  def _sorted(self, x, r: Routing, s, w_in, w_out, impl):
-    kw = dict(implementation=impl, interpret=self.interpret)
-    hp = grouped_matmul(expand_sorted(x, s, self.top_k), w_in, s.group_sizes, **kw)
-    h = activate(hp, self.activation).astype(x.dtype)
-    ys = grouped_matmul(h, w_out, s.group_sizes, **kw)
-    yk = permute_rows(ys, s.inverse, s.order).reshape(-1, self.top_k, self.d_model)
-    return jnp.einsum("tkd,tk->td", yk.astype(r.weights.dtype), r.weights)

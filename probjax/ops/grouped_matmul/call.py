@@ -129,3 +129,37 @@ def clamp_group_sizes(group_sizes, m: int):
   # Each size clipped to [0, m] first, so the running sum cannot overflow int32.
   ends = jnp.minimum(jnp.cumsum(jnp.clip(group_sizes, 0, m).astype(jnp.int32)), m)
   return jnp.diff(ends, prepend=jnp.zeros((1,), jnp.int32))
+
+
+@dataclasses.dataclass(frozen=True)
+class MoECall:
+  """The static description of one MoE expert block (the routed experts of
+  :class:`~probjax.nn.layers.moe.MoELayer`): what the MoE dispatch
+  (:func:`~probjax.ops.grouped_matmul.moe_dispatch.decide_moe`) and the strategies'
+  ``supports`` read, and what the strategies compute with.
+
+  ``dtype``: the compute dtype (operands of the grouped matmuls). ``sizes``: the K and N of the
+  block's grouped matmuls (``d_model``, the up projection's width, ``d_hidden``: forward and
+  backward read the same ones). ``num_experts``, ``top_k``, ``activation`` (one of
+  :data:`~probjax.ops.grouped_matmul.activations.ACTIVATIONS`) and ``interpret`` (the Pallas
+  kernels in interpret mode) are what the strategies run with; the dispatch rules read
+  ``dtype`` and ``sizes`` only.
+  """
+
+  dtype: str
+  sizes: tuple[int, ...] = ()
+  num_experts: int = 1
+  top_k: int = 1
+  activation: str = "swiglu"
+  interpret: bool = False
+
+  def __post_init__(self):
+    object.__setattr__(self, "dtype", np.dtype(self.dtype).name)
+    object.__setattr__(self, "sizes", tuple(int(s) for s in self.sizes))
+
+  def products(self) -> tuple[GroupedMatmulCall, ...]:
+    """One grouped-matmul call per size ``s`` with ``K = N = s`` in the compute dtype (no
+    sizes: one call of size zero, so that the dtypes alone are read): what the grouped-matmul
+    rules are asked of for the block (they read K, N and the dtypes, not the rows)."""
+    return tuple(GroupedMatmulCall(0, s, s, max(1, self.num_experts), self.dtype, self.dtype)
+                 for s in self.sizes or (0,))

@@ -1,7 +1,8 @@
 """Which backend computes a grouped matmul: pure rules over the call and a :class:`Device`,
 each decision with its reason (tests ask them of fake devices on CPU).
 
-Default (``implementation=None``):
+Every decision is the shared :class:`probjax.core.dispatch.Decision` (implementation and
+rule; the grouped matmul's backends take no config). Default (``implementation=None``):
 
 1. interpret mode: the Triton kernel, emulated (the kernels' CPU test path);
 2. off the GPU: XLA (row tiles, each times its group's matrix), the only backend there;
@@ -11,6 +12,9 @@ Default (``implementation=None``):
 5. else XLA.
 
 An explicit ``implementation`` that cannot compute the call raises ValueError with the reason.
+Rule 3 is :func:`wgmma_default`, which the MoE expert block's dispatch
+(:mod:`probjax.ops.grouped_matmul.moe_dispatch`) asks of each of its products: the sm_90 rule
+is written here only.
 
 The GPU rules (3, 4) are not yet measured for these kernels: they follow the spec's H100 page
 (the sorted dispatch on wgmma ragged-dot kernels is the fastest MoE train step) and the H200
@@ -20,22 +24,18 @@ train step, and out of memory at 131,072 tokens); ``bench/moe.py`` measures them
 
 from __future__ import annotations
 
-import dataclasses
-
 from probjax.core.device import Device
+from probjax.core.dispatch import REQUESTED, Decision
 from probjax.ops.grouped_matmul.call import GroupedMatmulCall
 from probjax.ops.grouped_matmul.registry import REGISTRY
 
+__all__ = ["Decision", "decide", "wgmma_default"]
 
-@dataclasses.dataclass(frozen=True)
-class Decision:
-  """The backend chosen for a call and the rule that chose it."""
 
-  implementation: str
-  rule: str
-
-  def __str__(self):
-    return f"{self.implementation} ({self.rule})"
+def wgmma_default(call: GroupedMatmulCall, device: Device) -> bool:
+  """Rule 3, the one sm_90 rule (the MoE dispatch asks it too, of each of its products): on
+  sm_90 the default is the Mosaic GPU wgmma kernels for every call they compute."""
+  return device.kind == "sm_90" and REGISTRY.get("mosaic").supports(call, device) is None
 
 
 def decide(call: GroupedMatmulCall, device: Device, implementation: str | None = None) -> Decision:
@@ -46,12 +46,12 @@ def decide(call: GroupedMatmulCall, device: Device, implementation: str | None =
     why = REGISTRY.get(name).supports(call, device)
     if why is not None:
       raise ValueError(f"grouped_matmul implementation={implementation!r} cannot compute this call: {why}")
-    return Decision(name, "requested")
+    return Decision(name, REQUESTED)
   if device.interpret:
     return Decision("triton", "interpret mode: the Triton kernel, emulated")
   if device.platform != "gpu":
     return Decision("xla", f"{device.platform}: XLA (row tiles by group), the only backend off the GPU")
-  if device.kind == "sm_90" and REGISTRY.get("mosaic").supports(call, device) is None:
+  if wgmma_default(call, device):
     return Decision("mosaic", "sm_90, 16-bit operands, K and N multiples of 64: the wgmma kernels")
   why = REGISTRY.get("triton").supports(call, device)
   if why is None:

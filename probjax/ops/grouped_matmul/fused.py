@@ -14,6 +14,11 @@ experts' two grouped matmuls on the Triton kernels (:mod:`.backends.triton.kerne
   the hidden activations with the gathered cotangent times the transposed down projection.
 
 Only expert-width arrays ``[T * top_k, hidden]`` (the hidden activations) are kept.
+
+This is the kernel math of the ``"fused_gsum"`` strategy of the MoE expert block
+(:mod:`.strategies`, registered in :data:`.strategies.STRATEGIES`, chosen by
+:func:`.moe_dispatch.decide_moe`); it is a shared module of the op, not a backend, since it
+runs the Triton backend's kernels.
 """
 
 from __future__ import annotations
@@ -24,20 +29,9 @@ import jax
 import jax.numpy as jnp
 
 from probjax.core.device import Device
+from probjax.ops.grouped_matmul.activations import ACTIVATIONS, activate
 from probjax.ops.grouped_matmul.backends.triton import config as triton_config
 from probjax.ops.grouped_matmul.backends.triton import kernels
-
-ACTIVATIONS = ("swiglu", "gelu")
-
-
-def activate(h, activation: str):
-  """SwiGLU (``silu(gate) * up`` of the two halves, gate first) or GELU, in float32 (or
-  float64)."""
-  h = h.astype(jnp.promote_types(h.dtype, jnp.float32))
-  if activation == "swiglu":
-    gate, up = jnp.split(h, 2, axis=-1)
-    return jax.nn.silu(gate) * up
-  return jax.nn.gelu(h)
 
 
 def fused_experts(x, src, row_weights, group_sizes, w_in, w_out, *, activation: str, interpret: bool = False):
