@@ -16,10 +16,12 @@ of the arrays, the call and the decision, compiled once per description when cal
 (:func:`probjax.core.eager.compile_once`).
 
 >>> import jax.numpy as jnp
->>> from probjax.ops.scan import mamba_scan
->>> x = jnp.ones((2, 10, 8)); B = jnp.ones((2, 10, 4))
->>> mamba_scan(x, x, -jnp.ones((8, 4)), B, B, jnp.ones(8)).shape
-(2, 10, 8)
+>>> x = jnp.ones((1, 6, 2, 4))
+>>> call = RLACall.of(x, x, x, window_size=2)
+>>> explain_dispatch(call, device=Device("cpu")).summary()
+'chunked, chunk_size=8'
+>>> residual_linear_attention(x, x, x, window_size=2).shape
+(1, 6, 2, 4)
 """
 
 from __future__ import annotations
