@@ -2,9 +2,9 @@
 test helpers at the top). core imports neither ops nor nn, ops never import nn, and an op
 built on another (mla on attention) imports only that op's face (``probjax.ops.<op>``, whose
 names its ``api`` module defines), never its internals. Within an op, no module of a backend
-(``ops/<op>/backends/<name>/...``) imports another backend's: a forward of one paired with the
-backward of another is composed in a shared module of the op (``ops/attention/compose.py``),
-which may import both. JAX internals (``jax._src``) are imported by one module only."""
+(``ops/<op>/backends/<name>/...``) imports another backend's: a forward of one pairs with the
+backward of another by name, through the op's registry (``ops/attention/registry.py``, which
+may import both). JAX internals (``jax._src``) are imported by one module only."""
 
 import ast
 import importlib
@@ -18,7 +18,7 @@ TOP = 4  # probjax/*.py: the report, test helpers, the top-level API
 
 # Backend-to-backend imports that stand for now, each with its reason: (importing module, imported
 # module) -> why. None today: the one pairing of two backends (the Mosaic GPU forward with the
-# Triton backward) lives in ops/attention/compose.py, a shared module, not in either backend.
+# Triton backward) goes through ops/attention/registry.py by the backward's name.
 KNOWN_CROSS_BACKEND: dict[tuple[str, str], str] = {}
 
 
@@ -86,6 +86,85 @@ def _violations():
         yield f"{where} imports {name} (another backend)"
 
 
+def _module_of(name: str) -> tuple[str, ...] | None:
+  """The ``probjax/<parts>`` module a ``probjax.*`` import loads (``module.name``: the module)."""
+  parts = tuple(name.split(".")[1:])
+  while parts and not _is_module(parts):
+    parts = parts[:-1]
+  return parts or None
+
+
+def _load_time_imports(parts: tuple[str, ...]):
+  """What importing ``probjax/<parts>`` runs: its packages' ``__init__`` and its module-level
+  imports (not those in function bodies, which run when called, nor ``if TYPE_CHECKING:``)."""
+  path = ROOT.joinpath(*parts)
+  path = path / "__init__.py" if (path / "__init__.py").is_file() else path.with_suffix(".py")
+  pkg = ("probjax", *parts) if path.name == "__init__.py" else ("probjax", *parts[:-1])
+  yield from (parts[:i] for i in range(1, len(parts)))
+
+  def walk(body):
+    for node in body:
+      if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.dump(node.test):
+        yield from walk(node.orelse)
+      elif isinstance(node, (ast.If, ast.Try, ast.With)):
+        yield from walk(getattr(node, "body", []) + getattr(node, "orelse", []) + getattr(node, "finalbody", [])
+                        + [n for h in getattr(node, "handlers", []) for n in h.body])
+      elif isinstance(node, ast.ClassDef):
+        yield from walk(node.body)
+      elif isinstance(node, ast.Import):
+        yield from (a.name for a in node.names if a.name.split(".")[0] == "probjax")
+      elif isinstance(node, ast.ImportFrom):
+        base = node.module or ""
+        if node.level:
+          base = ".".join(pkg[:len(pkg) - node.level + 1] + ((base,) if base else ()))
+        if base.split(".")[0] == "probjax":
+          yield from (f"{base}.{a.name}" for a in node.names)
+
+  for name in walk(ast.parse(path.read_text()).body):
+    module = _module_of(name)
+    if module:
+      yield module
+
+
+def _loaded_with(parts: tuple[str, ...]) -> set[tuple[str, ...]]:
+  """What importing ``probjax/<parts>`` loads, following module-level imports, less what an
+  op's face (``ops/<op>/__init__``, which Python runs before any module of the op) loads: a
+  face may register its backends as it loads; the rule is about the backends' own code."""
+  seen, todo = set(), [parts]
+  while todo:
+    m = todo.pop()
+    if m not in seen:
+      seen.add(m)
+      if not (len(m) == 2 and m[0] == "ops"):
+        todo.extend(_load_time_imports(m))
+  return seen
+
+
+def test_importing_a_backend_loads_no_other_backend():
+  # Transitively: a backend may use the op's shared modules (the registry included, which
+  # imports backends only when asked), but importing it never loads another backend.
+  bad = []
+  for init in sorted(ROOT.glob("ops/*/backends/*/__init__.py")) + sorted(ROOT.glob("ops/*/backends/*.py")):
+    parts = init.relative_to(ROOT).with_suffix("").parts
+    parts = parts[:-1] if parts[-1] == "__init__" else parts
+    if parts[-1] == "backends":
+      continue
+    mine = _backend(parts)
+    for m in _loaded_with(parts):
+      other = _backend(m)
+      if other and other[0] == mine[0] and other != mine:
+        bad.append(f"importing {'/'.join(parts)} loads {'/'.join(m)}")
+  assert not bad, "\n".join(sorted(set(bad)))
+
+
+def test_load_time_imports_follow_packages_and_skip_function_bodies():
+  loaded = _loaded_with(("ops", "attention", "registry"))
+  assert ("ops", "attention", "call") in loaded and ("ops", "attention") in loaded
+  assert not any(_backend(m) for m in loaded)  # the registry imports its backends in functions
+  assert ("ops", "attention", "backends", "triton", "forward") in _loaded_with(
+      ("ops", "attention", "backends", "triton"))
+
+
 # JAX internals: probjax/core/compat.py names each one; the test helpers patch Pallas's lowering.
 JAX_INTERNALS_ALLOWED = {"core/compat.py", "testing.py"}
 
@@ -134,7 +213,7 @@ def test_a_violation_is_seen(src, name, room):
     (("ops", "attention", "backends", "mosaic_gpu", "forward"), "probjax.ops.attention.backends.triton.config.smem_limit", True),
     (("ops", "grouped_matmul", "backends", "mosaic_gpu"), "probjax.ops.grouped_matmul.backends.triton.config", True),
     (("ops", "scan", "backends", "chunked"), "probjax.ops.scan.backends.triton", True),
-    (("ops", "attention", "compose"), "probjax.ops.attention.backends.triton.backward", False),  # a shared module
+    (("ops", "attention", "registry"), "probjax.ops.attention.backends.triton", False),  # a shared module
     (("ops", "attention", "backends", "triton", "forward"), "probjax.ops.attention.gpu.kernel_device", False),
     (("ops", "attention", "backends", "triton", "forward"), "probjax.ops.attention.backends.triton.tiles", False),
 ])

@@ -4,8 +4,8 @@ grids run across, the backward's ``delta``, whether Pallas lowers a ``score_mod`
 Mosaic GPU kernel call runs per shard.
 
 Backends never import each other (``tests/test_import_rules.py``): what two of them need lives
-here or in another module of the op (:mod:`.compose` runs one backend's forward with another's
-backward)."""
+here or in another module of the op (:mod:`.vjp` runs one backend's forward with another's
+backward, which :func:`.registry.backward_kernel` finds by name)."""
 
 from __future__ import annotations
 

@@ -1,17 +1,42 @@
 """Attention's backends, registered once: the names ``implementation=`` takes, what each
-runs on, whether it computes a call exactly, and the call itself.
+runs on, whether it computes a call exactly, the call itself, and the backward passes each
+offers to other backends' forwards.
 
 Each backend module keeps its own ``supports`` and ``attention``; the classes here adapt
-them to :class:`probjax.core.backend.Backend` over one :class:`AttentionCall`. The Pallas
+them to :class:`AttentionBackend` over one :class:`AttentionCall`. The Pallas
 backends are imported only when asked for, so CPU-only installs never load them.
+
+A fused forward saves the output and the natural log-sum-exp, so any backend's forward pairs
+with any backend's backward (:mod:`probjax.ops.attention.vjp`): a backend that offers its
+backward to others names the ``backward_pass_impl`` variants it computes
+(:attr:`AttentionBackend.backward_variants`) and builds the pass
+(:meth:`AttentionBackend.backward_kernel`); :func:`backward_kernel` finds it by variant, so a
+forward asks for a backward by name and never imports the backend that computes it.
 """
 
 from __future__ import annotations
+
+from typing import Callable, ClassVar
 
 from probjax.core.backend import Backend, Registry
 from probjax.core.device import Device
 from probjax.ops.attention.base import check_kernel_call
 from probjax.ops.attention.call import AttentionCall
+
+
+
+class AttentionBackend(Backend[AttentionCall]):
+  """An attention backend: :class:`probjax.core.backend.Backend` over :class:`AttentionCall`,
+  plus the backward passes it offers to other backends' forwards."""
+
+  backward_variants: ClassVar[tuple[str, ...]] = ()
+
+  def backward_kernel(self, q, k, v, *, variant: str, scale: float, score_mod: Callable | None,
+                      config, interpret: bool):
+    """The :class:`probjax.ops.attention.vjp.Kernel` of the backward ``variant`` (one of
+    :attr:`backward_variants`) for these operands."""
+    raise NotImplementedError(f"{self.name} offers no backward pass to other backends")
+
 
 REGISTRY: Registry[AttentionCall] = Registry("attention")
 
@@ -21,7 +46,7 @@ def _flags(call: AttentionCall) -> dict:
               dropout=call.dropout, v_head_dim=call.v_head_dim)
 
 
-class Xla(Backend[AttentionCall]):
+class Xla(AttentionBackend):
   """The exact XLA formulation (every platform, every argument)."""
 
   name = "xla"
@@ -35,11 +60,12 @@ class Xla(Backend[AttentionCall]):
                          scale=call.scale, precision=call.precision, **xla_args)
 
 
-class Triton(Backend[AttentionCall]):
+class Triton(AttentionBackend):
   """The fused Pallas-Triton kernels (NVIDIA GPUs; anywhere in interpret mode)."""
 
   name = "triton"
   aliases = ("pallas",)
+  backward_variants = ("auto", "triton_onepass", "triton_fused", "triton_split")
 
   def available(self, device):
     if device.platform != "gpu":
@@ -58,8 +84,13 @@ class Triton(Backend[AttentionCall]):
                             forward_config=call.forward_config, backward_config=call.backward_config,
                             split_kv=call.split_kv, interpret=call.interpret)
 
+  def backward_kernel(self, q, k, v, *, variant, scale, score_mod, config, interpret):
+    from probjax.ops.attention.backends import triton
+    return triton.backward_kernel(q, k, v, scale=scale, score_mod=score_mod, variant=variant, config=config,
+                                  interpret=interpret)
 
-class Mosaic(Backend[AttentionCall]):
+
+class Mosaic(AttentionBackend):
   """The Pallas Mosaic GPU kernels (sm_90; anywhere in interpret mode)."""
 
   name = "mosaic"
@@ -88,7 +119,7 @@ class Mosaic(Backend[AttentionCall]):
                                 interpret=call.interpret)
 
 
-class Cudnn(Backend[AttentionCall]):
+class Cudnn(AttentionBackend):
   """cuDNN's fused attention, for the calls it computes exactly (NVIDIA GPUs, 16-bit)."""
 
   name = "cudnn"
@@ -119,6 +150,20 @@ class Cudnn(Backend[AttentionCall]):
 
 for _backend in (Xla(), Triton(), Cudnn(), Mosaic()):
   REGISTRY.register(_backend)
+
+
+def backward_kernel(variant: str, q, k, v, *, scale: float, score_mod: Callable | None = None, config=None,
+                    interpret: bool = False):
+  """The backward pass ``variant`` (a ``backward_pass_impl`` name) names, from the backend that
+  offers it, for another backend's forward on these operands."""
+  for name in REGISTRY.names():
+    backend = REGISTRY.get(name)
+    if variant in backend.backward_variants:
+      return backend.backward_kernel(q, k, v, variant=variant, scale=scale, score_mod=score_mod, config=config,
+                                     interpret=interpret)
+  offered = [v for n in REGISTRY.names() for v in REGISTRY.get(n).backward_variants]
+  raise ValueError(f"backward_pass_impl={variant!r} is not a backward another forward can pair with; "
+                   f"expected one of {offered}")
 
 
 def available(device: Device) -> list[str]:

@@ -1,6 +1,7 @@
 """The attention backends: ``xla``, ``triton``, ``mosaic_gpu`` and ``cudnn``.
 
-Each is a package that implements :class:`probjax.ops.attention.base.AttentionBackend` and is
+Each is a package adapted to :class:`probjax.ops.attention.registry.AttentionBackend` and
 registered in :mod:`probjax.ops.attention.registry`; no backend imports another (a forward of
-one backend with the backward of another is composed in :mod:`probjax.ops.attention.compose`).
+one backend runs with the backward of another through :mod:`probjax.ops.attention.vjp`, the
+backward found by name in the registry).
 """

@@ -6,23 +6,22 @@ Built so far (16-bit, head_dim 64/128/192/256, values of their own width among t
 per-batch query/key lengths, segment ids -- with tile skipping, GQA, any length): the
 forward (:mod:`.forward`) and a deterministic two-kernel backward (:mod:`.backward`,
 ``backward_pass_impl="mosaic"``, head_dim up to 128); other ``backward_pass_impl`` values run
-the Triton kernels' backward on the same residuals (:mod:`probjax.ops.attention.compose`).
-``score_mod`` runs in the forward and in both backwards (its gradient per tile by ``jax.vjp``). The default dispatch picks the kernel on
-sm_90 where the device table measured it faster (:mod:`probjax.nn.layers.attention_device`);
-``implementation="mosaic"`` asks for it.
+the Triton kernels' backward on the same residuals, paired by name through
+:func:`probjax.ops.attention.registry.backward_kernel` (this package never imports another
+backend). ``score_mod`` runs in the forward and in both backwards (its gradient per tile by
+``jax.vjp``). The default dispatch picks the kernel on sm_90 where the device table measured it
+faster (:mod:`probjax.ops.attention.dispatch`); ``implementation="mosaic"`` asks for it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Callable
 
-import jax
 import jax.numpy as jnp
 
-from probjax.ops.attention import compose, gpu, sharding  # compose: the Triton backward
+from probjax.ops.attention import gpu, registry, vjp  # registry: the other backends' backwards
 from probjax.ops.attention.base import check_kernel_call, score_mod_reason
 from probjax.ops.attention.masks import Mask
 from probjax.ops.attention.backends.mosaic_gpu import backward as backward_lib
@@ -95,7 +94,7 @@ def _lowerable(score_mod: Callable | None, *, mosaic_grad: bool = False) -> str 
 def attention(q, k, v, *, mask: Mask | None = None, score_mod: Callable | None = None,
               scale: float | None = None, backward_pass_impl: str = "auto",
               forward_config: MosaicForwardConfig | None = None,
-              backward_config: compose.BackwardConfig | MosaicBackwardConfig | None = None,
+              backward_config=None,
               interpret: bool = False):
   """Exact attention with the Mosaic GPU forward and the Triton backward.
 
@@ -115,7 +114,7 @@ def attention(q, k, v, *, mask: Mask | None = None, score_mod: Callable | None =
       calls from 2^29 work the Mosaic backward; evidence in docs/dev/decisions.md).
     forward_config: explicit tiles, checked against the device's shared memory.
     backward_config: the backward's tiles (a ``MosaicBackwardConfig`` for "mosaic", else the
-      Triton ``BackwardConfig``).
+      config of the backend whose backward the variant names, the Triton ``BackwardConfig``).
     interpret: Mosaic GPU interpret mode (CPU testing; where the machine has few cores, set
       PJRT_NPROC, see :func:`.config.warn_if_interpret_may_hang`).
   Returns:
@@ -134,6 +133,7 @@ def attention(q, k, v, *, mask: Mask | None = None, score_mod: Callable | None =
   if backward_config is not None and isinstance(backward_config, MosaicBackwardConfig) != mosaic_bwd:
     raise TypeError(f"backward_config {type(backward_config).__name__} does not match "
                     f"backward_pass_impl={backward_pass_impl!r} (MosaicBackwardConfig goes with 'mosaic')")
+  st = _Static(scale, cfg, None, bool(interpret), score_mod)
   if mosaic_bwd:
     why = _lowerable(score_mod, mosaic_grad=True) or (
         None if dv == d else f"the Mosaic backward takes values of the queries' head_dim {d}, not {dv}")
@@ -142,27 +142,23 @@ def attention(q, k, v, *, mask: Mask | None = None, score_mod: Callable | None =
     bcfg = backward_lib.fit(backward_config, itemsize, d, device)
     if interpret:
       config_lib.warn_if_interpret_may_hang(max(cfg.cluster * (cfg.compute_wgs + 1), bcfg.compute_wgs + 1))
-    return _attention(_Static(scale, cfg, bcfg, bool(interpret), score_mod), q, k, v, mask)
-  if interpret:
-    config_lib.warn_if_interpret_may_hang(cfg.cluster * (cfg.compute_wgs + 1))
-  return compose.mosaic_forward_triton_backward(q, k, v, mask, scale=scale, mosaic_config=cfg, score_mod=score_mod,
-                                                backward_pass_impl=backward_pass_impl,
-                                                backward_config=backward_config, interpret=interpret)
+    backward = vjp.Kernel(_backward_shard, dataclasses.replace(st, bcfg=bcfg), gpu.mosaic_partitioned(st))
+  else:
+    if interpret:
+      config_lib.warn_if_interpret_may_hang(cfg.cluster * (cfg.compute_wgs + 1))
+    backward = registry.backward_kernel(backward_pass_impl, q, k, v, scale=scale, score_mod=score_mod,
+                                        config=backward_config, interpret=interpret)
+  return vjp.attention(vjp.Kernel(_forward_shard, st, gpu.mosaic_partitioned(st)), backward, q, k, v, mask)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Static:
-  """Hashable non-array arguments of the all-Mosaic custom_vjp."""
+  """The kernels' static arguments (the backward config: the Mosaic backward's, else None)."""
   scale: float
   fcfg: MosaicForwardConfig
-  bcfg: MosaicBackwardConfig
+  bcfg: MosaicBackwardConfig | None
   interpret: bool
   score_mod: Callable | None = None
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(st: _Static, q, k, v, mask):
-  return _fwd(st, q, k, v, mask)[0]
 
 
 def _forward_shard(st: _Static, q, k, v, mask):
@@ -173,7 +169,3 @@ def _forward_shard(st: _Static, q, k, v, mask):
 def _backward_shard(st: _Static, q, k, v, out, lse, do, mask):
   return backward_lib.backward(q, k, v, out, lse, do, mask, scale=st.scale, config=st.bcfg,
                                interpret=st.interpret, score_mod=st.score_mod)
-
-
-_fwd, _bwd = sharding.attention_vjp(_forward_shard, _backward_shard, gpu.mosaic_partitioned)
-_attention.defvjp(_fwd, _bwd)

@@ -11,14 +11,13 @@ call is computed exactly by these kernels; the dispatcher uses it to choose.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
-from probjax.ops.attention import sharding
+from probjax.ops.attention import vjp
 from probjax.ops.attention.base import check_kernel_call, score_mod_reason
 from probjax.ops.attention.call import KERNEL_MASK_KINDS
 from probjax.ops.attention.gpu import triton_lowerable  # (re-exported)
@@ -28,10 +27,9 @@ from probjax.ops.attention.backends.triton import backward as backward_lib
 from probjax.ops.attention.backends.triton.config import BackwardConfig, ForwardConfig, SplitKVConfig
 from probjax.ops.attention.backends.triton import decode as decode_lib
 from probjax.ops.attention.backends.triton import forward as forward_lib
-from probjax.ops.attention.sharding import KV, Q
 from probjax.ops.attention.backends.triton.tiles import padded_head_dim
 
-__all__ = ["attention", "supports", "ForwardConfig", "BackwardConfig", "SplitKVConfig"]
+__all__ = ["attention", "supports", "backward_kernel", "ForwardConfig", "BackwardConfig", "SplitKVConfig"]
 
 _HEAD_DIMS_MAX = 256
 _DTYPES = ("bfloat16", "float16", "float32")
@@ -121,48 +119,60 @@ def attention(q, k, v, *, mask: Mask | None = None, score_mod: Callable | None =
                                       interpret)
   split = decode_lib.plan(q.shape, k.shape, q.dtype, mask=mask, score_mod=score_mod,
                           split_kv=split_kv, device=device, v_head_dim=v.shape[-1])
-  static = _Static(score_mod, float(scale), fcfg, bcfg, impl, split, bool(interpret))
-  return _attention(static, q, k, v, mask)
+  st = _Static(score_mod, float(scale), fcfg, bcfg, impl, split, bool(interpret))
+  kernel = lambda fn: vjp.Kernel(fn, st, _partitioned(score_mod))
+  return vjp.attention(kernel(_forward_shard), kernel(_backward_shard), q, k, v, mask,
+                       primal=None if split is None else kernel(_decode_shard))
+
+
+def backward_kernel(q, k, v, *, scale: float, score_mod: Callable | None = None, variant: str = "auto",
+                    config: BackwardConfig | None = None, interpret: bool = False) -> vjp.Kernel:
+  """The Triton backward as a pass that another backend's forward pairs with
+  (:func:`probjax.ops.attention.vjp.attention`: the residuals are the output and the natural
+  log-sum-exp every fused forward saves). ``variant``: ``"auto"`` or a ``"triton_*"``
+  backward; ``config``: its tiles (None: fitted to the device). Inputs validated by the caller."""
+  impl, bcfg = _backward_config(q, k, v, config, variant, config_lib.kernel_device(interpret))
+  st = _Static(score_mod, float(scale), None, bcfg, impl, None, bool(interpret))
+  return vjp.Kernel(_backward_shard, st, _partitioned(score_mod))
 
 
 def _configs(q, k, v, forward_config, backward_config, backward_pass_impl: str, interpret: bool):
   """``(device, forward config, backward variant, backward config)`` of a call, fitted to the
   device (``"interpret"`` in interpret mode)."""
   device = config_lib.kernel_device(interpret)
+  fcfg = config_lib.fit_forward_config(forward_config, q.dtype, padded_head_dim(q.shape[-1]), q.shape[1],
+                                       k.shape[1], device, padded_head_dim(v.shape[-1]))
+  return (device, fcfg, *_backward_config(q, k, v, backward_config, backward_pass_impl, device))
+
+
+def _backward_config(q, k, v, config, variant: str, device: str):
+  """``(backward variant, its config)`` fitted to the device: the variant rules read the wider
+  of the two head widths (their tables were tuned with every operand that wide) and the tiles
+  fit both widths' shared memory."""
   d, dv, q_len, kv_len = q.shape[-1], v.shape[-1], q.shape[1], k.shape[1]
-  dp, dvp = padded_head_dim(d), padded_head_dim(dv)
-  fcfg = config_lib.fit_forward_config(forward_config, q.dtype, dp, q_len, kv_len, device, dvp)
-  # The variant rules bound the head_dim by shared memory: the wider of the two widths.
-  impl = config_lib.resolve_backward_impl(backward_pass_impl, device, q.dtype, max(d, dv), q_len, kv_len)
-  bcfg = config_lib.fit_backward_config(backward_config, q.dtype, dp, q_len, kv_len, device, impl, dvp)
-  return device, fcfg, impl, bcfg
+  impl = config_lib.resolve_backward_impl(variant, device, q.dtype, max(d, dv), q_len, kv_len)
+  return impl, config_lib.fit_backward_config(config, q.dtype, padded_head_dim(d), q_len, kv_len, device, impl,
+                                              padded_head_dim(dv))
 
 
 @dataclasses.dataclass(frozen=True)
 class _Static:
-  """Hashable bundle of the non-array arguments of the custom_vjp."""
+  """The kernels' static arguments (one bundle for the forward, split-KV and backward passes;
+  a backward paired with another backend's forward has no forward config)."""
 
   score_mod: Callable | None
   scale: float
-  fcfg: ForwardConfig
+  fcfg: ForwardConfig | None
   bcfg: BackwardConfig
   impl: str
   split: SplitKVConfig | None
   interpret: bool
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(st: _Static, q, k, v, mask):
-  if st.split is not None:  # primal only: the vjp's forward below saves the residuals
-    return sharding.masked_call(_decode_shard, st, (q, k, v), (Q, KV, KV), mask, (Q,),
-                                partition=_partitioned(st))[0]
-  return _fwd(st, q, k, v, mask)[0]
-
-
-def _partitioned(st: _Static) -> bool:
+def _partitioned(score_mod: Callable | None) -> bool:
   """Whether the kernels run per shard of batch and heads (:func:`sharding.masked_call`): not
   with a ``score_mod`` (it sees global batch and head indices)."""
-  return st.score_mod is None
+  return score_mod is None
 
 
 def _decode_shard(st: _Static, q, k, v, mask):
@@ -179,5 +189,3 @@ def _backward_shard(st: _Static, q, k, v, out, lse, do, mask):
                                impl=st.impl, config=st.bcfg, interpret=st.interpret)
 
 
-_fwd, _bwd = sharding.attention_vjp(_forward_shard, _backward_shard, _partitioned)
-_attention.defvjp(_fwd, _bwd)
