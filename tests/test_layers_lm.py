@@ -155,3 +155,17 @@ def test_packed_documents_equal_separate_documents(setup):
     for d in row:
       np.testing.assert_allclose(packed[r, start:start + len(d)], want[i, :len(d)], **TOL)
       start, i = start + len(d), i + 1
+
+
+def test_generate_without_lengths_is_full_length_prompts(setup):
+  """Unpadded prompts: ``lengths`` omitted equals ``lengths = P`` for every element (one
+  compilation: the lengths are an argument), greedy and sampled."""
+  lm, _, _, prompts, _ = setup
+  full = jnp.full((prompts.shape[0],), prompts.shape[1], jnp.int32)
+  for kw in (dict(), dict(temperature=1.5, top_k=4, rng=jax.random.key(2))):
+    toks, n = generate(lm, prompts, max_new_tokens=M, **kw)
+    want, want_n = generate(lm, prompts, full, max_new_tokens=M, **kw)
+    np.testing.assert_array_equal(toks, want)
+    np.testing.assert_array_equal(n, want_n)
+  with pytest.raises(TypeError, match="lengths"):
+    generate(lm, prompts, full.astype(jnp.float32), max_new_tokens=M)

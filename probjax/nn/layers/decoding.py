@@ -1,6 +1,6 @@
 """Sampling and on-device decode loops for :class:`~probjax.nn.layers.transformer.TransformerLM`.
 
-:func:`generate` prefills right-padded prompts into a fresh KV cache and decodes
+:func:`generate` prefills right-padded prompts (``lengths`` omitted: unpadded ones) into a fresh KV cache and decodes
 ``max_new_tokens`` tokens under one ``jax.jit``: a ``lax.scan`` over a fixed number of steps,
 or, with ``eos_id``, a ``lax.while_loop`` that stops once every element has emitted EOS.
 ``temperature=0`` is greedy; otherwise softmax sampling at ``temperature`` over the ``top_k``
@@ -156,18 +156,44 @@ def _generate(graphdef, state, prompts, lengths, rng, temperature, top_k, *, max
   return toks, n
 
 
-def generate(model, prompts, lengths, *, max_new_tokens: int, max_len: int | None = None, rng=None,
+def generate(model, prompts, lengths=None, *, max_new_tokens: int, max_len: int | None = None, rng=None,
              temperature: float = 0.0, top_k: int | None = None, eos_id: int | None = None,
              pad_id: int = 0, cache_dtype=None):
-  """Generates ``max_new_tokens`` tokens after right-padded ``prompts [batch, P]`` (valid
-  ``lengths [batch]``, each >= 1) under one ``jax.jit``.
+  """Generates ``max_new_tokens`` tokens after right-padded ``prompts [batch, P]`` under one
+  ``jax.jit``.
 
-  ``max_len`` (default ``P + max_new_tokens``) sizes the cache; too small a one raises
-  ValueError naming ``max_len``. ``temperature`` and ``top_k`` enter the program as values:
-  greedy and sampled generation share one compilation. Returns ``(tokens [batch, max_new_tokens], num_tokens
-  [batch])``: ``pad_id`` after an element's EOS, whose count includes its EOS.
+  Args:
+    model: a :class:`~probjax.nn.layers.transformer.TransformerLM` (anything with its
+      ``vocab_size``, ``init_cache``, ``prefill`` and ``decode_step``).
+    prompts: ``[batch, P]`` integer tokens, right-padded.
+    lengths: ``[batch]`` integer valid prompt lengths, each in ``[1, P]``; None (default):
+      every prompt is unpadded, all ``P`` tokens valid (``lengths = full((batch,), P)``).
+    max_new_tokens: tokens to generate per element (>= 1).
+    max_len: the cache's size (default ``P + max_new_tokens``); too small a one raises
+      ValueError naming ``max_len``.
+    rng: a ``jax.random.key`` for sampling (default ``key(0)``).
+    temperature: 0 is greedy, else softmax sampling at it; top_k: sample among the ``top_k``
+      largest logits (None: all). Both enter the program as values: greedy and sampled
+      generation share one compilation.
+    eos_id: an element stops at its first ``eos_id`` (None: never); pad_id: emitted after it.
+    cache_dtype: the KV cache's dtype (default: the model's).
+
+  Returns ``(tokens [batch, max_new_tokens], num_tokens [batch])``: ``pad_id`` after an
+  element's EOS, whose count includes its EOS.
+
+  >>> import jax.numpy as jnp
+  >>> from flax import nnx
+  >>> from probjax.nn.layers.transformer import TransformerLM
+  >>> lm = TransformerLM(vocab_size=7, features=8, num_layers=1, num_heads=2, rngs=nnx.Rngs(0))
+  >>> prompts = jnp.array([[1, 2, 3], [4, 5, 6]])
+  >>> a, _ = generate(lm, prompts, max_new_tokens=3)            # unpadded: lengths are P = 3
+  >>> b, _ = generate(lm, prompts, jnp.array([3, 3]), max_new_tokens=3)
+  >>> bool((a == b).all())
+  True
   """
   s = check_array("prompts", prompts, ("batch", "P"), dtype="int")
+  if lengths is None:
+    lengths = jnp.full((s["batch"][0],), s["P"][0], jnp.int32)
   check_array("lengths", lengths, ("batch",), dtype="int", sizes=s)
   prompts = jnp.asarray(prompts, jnp.int32)
   lengths = jnp.asarray(lengths, jnp.int32)
