@@ -140,3 +140,26 @@ def test_jit_and_tracer_lengths():
   lens = jnp.array([300, 17])
   ref = reference_attention(x.q, x.k, x.v, mask=KVLenMask(lens))
   assert max_error(f(x.q, x.k, x.v, lens), ref) <= tolerance(jnp.float32)
+
+
+@pytest.mark.parametrize("flags,mask", [
+    (dict(is_causal=True), CausalMask()),
+    (dict(local_window_size=(16, 0)), LocalWindowMask(16, 0)),
+    (dict(key_value_seq_lengths=jnp.array([5, 9])), KVLenMask(jnp.array([5, 9]))),
+    (dict(is_causal=True, key_value_seq_lengths=jnp.array([5, 9])), CausalMask() & KVLenMask(jnp.array([5, 9]))),
+])
+def test_explain_dispatch_takes_jax_nn_flags(flags, mask):
+  from probjax.ops.attention import explain_dispatch
+  from probjax.ops.attention.dispatch import Device
+  for device in (None, Device("gpu", (9, 0), 140 << 30), Device("gpu", (8, 6), 24 << 30)):
+    for dtype, shapes in ((jnp.bfloat16, ((2, 4096, 8, 128), (2, 4096, 8, 128))),
+                          (jnp.float32, ((2, 300, 4, 64), (2, 300, 2, 64)))):
+      dev = {} if device is None else dict(device=device)
+      want = explain_dispatch(*shapes, dtype, mask=mask, **dev)
+      assert explain_dispatch(*shapes, dtype, **flags, **dev) == want
+      # jax.nn's flags combine with mask=, as dot_product_attention combines them.
+      assert (explain_dispatch(*shapes, dtype, mask=CausalMask(), **flags, **dev)
+              == explain_dispatch(*shapes, dtype, mask=mask & CausalMask(), **dev))
+  assert explain_dispatch((2, 8, 4, 16), (2, 8, 2, 16), jnp.float32, is_causal=True,
+                          implementation="xla").implementation == "xla"
+

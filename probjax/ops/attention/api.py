@@ -61,13 +61,23 @@ def available_implementations(device: Device | None = None) -> list[str]:
   return registry.available(device or Device.current())
 
 
-def explain_dispatch(q_shape, kv_shape, dtype, *, dense_mask=False, **kw) -> Decision:
+def explain_dispatch(q_shape, kv_shape, dtype, *, dense_mask=False, mask: Mask | None = None,
+                     is_causal: bool = False, query_seq_lengths=None, key_value_seq_lengths=None,
+                     local_window_size=None, **kw) -> Decision:
   """The implementation ``implementation=None`` picks for a call, and the rule; see
   :func:`probjax.ops.attention.dispatch.explain_dispatch` for the arguments.
 
   ``dense_mask`` may be the dense boolean array itself: where a concrete one equals a
   structured mask (a dense causal mask is ``CausalMask()``), the rule names it, since passing
-  that instead lets the kernels run."""
+  that instead lets the kernels run.
+
+  ``is_causal``, ``query_seq_lengths``, ``key_value_seq_lengths`` and ``local_window_size`` are
+  ``jax.nn.dot_product_attention``'s flags, read as :func:`dot_product_attention` reads them (one
+  mapping, :func:`_jaxnn_mask`) and combined with ``mask``: ``explain_dispatch(..., is_causal=True)``
+  is ``explain_dispatch(..., mask=CausalMask())``."""
+  mask = _jaxnn_mask(mask, is_causal, query_seq_lengths, key_value_seq_lengths, local_window_size)
+  if mask is not None:
+    kw["mask"] = mask
   flag = dense_mask is not False and dense_mask is not None
   decision = dispatch.explain_dispatch(tuple(q_shape), tuple(kv_shape), dtype, dense_mask=flag, **kw)
   if flag and not isinstance(dense_mask, bool):
@@ -150,10 +160,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
     query, key, value = _promote((query, key, value), dtype)
   query, key, value, batch_dims = _flatten_batch(query, key, value)
   pos_mask, dense = _split_mask(mask)
-  pos_mask = _and(pos_mask, _lengths_mask(query_seq_lengths, key_value_seq_lengths))
-  pos_mask = _and(pos_mask, _window_mask(local_window_size))
-  if is_causal:
-    pos_mask = _and(pos_mask, CausalMask())
+  pos_mask = _jaxnn_mask(pos_mask, is_causal, query_seq_lengths, key_value_seq_lengths, local_window_size)
   q_len, heads, kv_len = query.shape[1], query.shape[2], key.shape[1]
   if pos_mask is not None:
     pos_mask = _flatten_mask_arrays(pos_mask, batch_dims)
@@ -229,6 +236,15 @@ def _split_mask(mask):
 
 def _and(a, b):
   return b if a is None else a if b is None else a & b
+
+
+def _jaxnn_mask(mask: Mask | None, is_causal, query_seq_lengths, key_value_seq_lengths, local_window_size):
+  """``mask`` (a Mask or None) and jax.nn's mask flags as one Mask (None: no mask): the one
+  mapping of jax.nn's spelling, shared by :func:`dot_product_attention` and
+  :func:`explain_dispatch`."""
+  mask = _and(mask, _lengths_mask(query_seq_lengths, key_value_seq_lengths))
+  mask = _and(mask, _window_mask(local_window_size))
+  return _and(mask, CausalMask()) if is_causal else mask
 
 
 def _lengths_mask(q_lengths, kv_lengths):
