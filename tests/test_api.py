@@ -163,3 +163,24 @@ def test_explain_dispatch_takes_jax_nn_flags(flags, mask):
   assert explain_dispatch((2, 8, 4, 16), (2, 8, 2, 16), jnp.float32, is_causal=True,
                           implementation="xla").implementation == "xla"
 
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("kw", [dict(), dict(is_causal=True), dict(key_value_seq_lengths=jnp.array([7, 3], jnp.int32)),
+                                dict(local_window_size=(2, 1))])
+def test_return_residual_is_jax_nn_s(kw, dtype):
+  """``return_residual`` as jax.nn spells it: the log-sum-exp, ``[batch, q_len, heads]`` in the
+  inputs' dtype, without gradient."""
+  x = make_inputs(3, 2, 6, 7, 4, 2, 8, dtype=dtype)
+  want_out, want_res = jax.nn.dot_product_attention(x.q, x.k, x.v, return_residual=True, implementation="xla", **kw)
+  out, res = dot_product_attention(x.q, x.k, x.v, return_residual=True, **kw)
+  assert res.shape == want_res.shape == (2, 6, 4) and res.dtype == want_res.dtype == dtype
+  assert max_error(out, want_out) <= tolerance(dtype)
+  assert max_error(res, want_res) <= tolerance(dtype)
+  _, lse = dot_product_attention(x.q, x.k, x.v, return_lse=True, **kw)
+  assert lse.dtype == jnp.float32 and max_error(res, lse.astype(dtype)) == 0
+  g = jax.grad(lambda q: dot_product_attention(q, x.k, x.v, return_residual=True, **kw)[1].astype(jnp.float32).sum())
+  assert not np.any(np.asarray(g(x.q), np.float32))
+  with pytest.raises(ValueError, match="not both"):
+    dot_product_attention(x.q, x.k, x.v, return_residual=True, return_lse=True)
+  with pytest.raises(ValueError, match="return_residual"):
+    dot_product_attention(x.q, x.k, x.v, return_residual=True, implementation="triton")

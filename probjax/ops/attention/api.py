@@ -97,7 +97,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
                           score_mod: Callable | None = None, query_seq_lengths=None,
                           key_value_seq_lengths=None, local_window_size=None, logits_soft_cap=None,
                           return_lse: bool = False, backward_pass_impl: str = "auto", split_kv=None,
-                          interpret: bool = False):
+                          interpret: bool = False, return_residual: bool = False):
   """Exact scaled dot-product attention; a drop-in ``attention_fn`` for Flax NNX (see docs/flax.md).
 
   The positional arguments and ``is_causal``/``input_positions`` are those that
@@ -141,6 +141,11 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
       heads]`` float32 (jax.nn's ``return_residual``; no gradient flows through it; -inf for
       rows with no valid key). Computed by the XLA path only, densely (``[batch, heads,
       q_len, kv_len]`` scores): an explicit non-XLA ``implementation`` raises ValueError.
+    return_residual: ``jax.nn.dot_product_attention``'s spelling: ``(out, residual)``, the
+      residual the log-sum-exp of ``return_lse`` in jax.nn's layout ``[batch..., q_len, heads]``
+      (``BTN``) and, as jax.nn's, in the inputs' (promoted) dtype, without gradient. Unlike
+      jax.nn's (which masks with a large finite negative), rows with no valid key give -inf.
+      Not together with ``return_lse``.
     backward_pass_impl: Triton backward: "auto", "triton_onepass", "triton_fused",
       "triton_split"; or "mosaic" (with ``implementation="mosaic"``: the Mosaic GPU backward).
     split_kv: Triton split-KV forward for decoding: None (automatic: at most 64
@@ -174,9 +179,15 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
   bias = base.check_broadcast("bias", bias, shape, boolean=False)
   score_mod = _soft_capped(score_mod, logits_soft_cap)
   rate, rng = base.check_dropout(dropout_rate, dropout_rng, deterministic)
+  if return_lse and return_residual:
+    raise ValueError("pass one of return_lse (float32 log-sum-exp) and return_residual (jax.nn's "
+                     "spelling: the same in the inputs' dtype), not both")
+  residual_dtype = query.dtype if return_residual else None
+  return_lse = return_lse or return_residual
   if return_lse:
     if dispatch.canonical(implementation) not in (None, "xla"):
-      raise ValueError(f"return_lse=True is computed by the XLA path only; got implementation="
+      flag = "return_residual" if residual_dtype is not None else "return_lse"
+      raise ValueError(f"{flag}=True is computed by the XLA path only; got implementation="
                        f"{implementation!r}: pass implementation=None or 'xla'")
     implementation = "xla"
   out = _attention(query, key, value, shape, bias=bias, mask=pos_mask, dense_mask=dense_mask,
@@ -189,7 +200,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
     return out
   lse = _lse_once(query, key, shape, bias=bias, mask=pos_mask, dense_mask=dense_mask, score_mod=score_mod,
                   scale=scale, precision=precision)
-  return out, lse.reshape(batch_dims + lse.shape[1:])
+  lse = lse.reshape(batch_dims + lse.shape[1:])
+  return out, lse if residual_dtype is None else lse.astype(residual_dtype)
 
 
 def _check_floating(arrays, dtype):
