@@ -33,6 +33,7 @@ import sys
 import time
 from typing import Any, Callable, Iterable
 
+from bench.peers import free_memory, peers_present, require_gpu  # noqa: F401 (require_gpu: the suites')
 from probjax.core import timing
 from probjax.core.timing import STATUSES, Unsupported, classify_error, device_info, summarize  # noqa: F401
 
@@ -104,13 +105,6 @@ def time_fn(fn: Callable[[], Any], sync: Callable[[Any], Any], *, device_time: b
     except Exception as e:  # noqa: BLE001 (the wall-clock row stands without it)
       res["device_ms_error"] = f"{type(e).__name__}: {e}"[:300]
   return res
-
-
-def require_gpu(what: str) -> None:
-  """Raises :class:`Unsupported` ("``what`` needs an NVIDIA GPU") unless JAX runs on a GPU."""
-  import jax
-  if jax.devices()[0].platform != "gpu":
-    raise Unsupported(f"{what} needs an NVIDIA GPU")
 
 
 def backend_of(impl: str) -> str:
@@ -542,8 +536,7 @@ def _run_rounds(group: list[Case], rounds: int) -> list:
     outcome[i] = _outcome(lambda: finish(dict(median_round, ms=statistics.median(ms), round_ms=ms,
                                               rounds=len(ms))))
   prepared = timings = None
-  from bench import impls
-  impls.free_memory()  # the shape's compiled calls and buffers, before the next shape
+  free_memory()  # the shape's compiled calls and buffers, before the next shape
   return [outcome[i] for i in range(len(group))]
 
 
@@ -643,8 +636,7 @@ def setup_environment(args) -> dict:
   """Records device, versions, commit and which peers import; prints them once."""
   info = dict(device_info())
   try:
-    from bench import impls
-    peers = impls.peers_present()
+    peers = peers_present()
   except Exception as e:  # noqa: BLE001
     peers = {"error": repr(e)}
   _PEERS.clear()

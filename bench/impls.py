@@ -13,10 +13,9 @@ Mask names: "none", "window512" (causal, 512 keys to the left), "docs4"
 
 from __future__ import annotations
 
-import functools
-import importlib
-
-from bench.harness import Unsupported, require_gpu
+from bench.harness import Case, backend_of, time_fn
+from bench.peers import (Unsupported, free_memory, peers_present, probjax_api, require_gpu,  # noqa: F401
+                         tokamax_mod, torch_mod)
 
 PROBJAX_IMPLS = {
     # impl name -> kwargs of probjax dot_product_attention
@@ -53,49 +52,9 @@ SOFTCAP = 30.0
 
 
 # ---------------------------------------------------------------------------
-# availability
+# availability: bench/peers.py (probjax_api, torch_mod, tokamax_mod, peers_present,
+# require_gpu, free_memory; shared with the harness)
 # ---------------------------------------------------------------------------
-@functools.lru_cache(None)
-def probjax_api():
-  """(dot_product_attention, module) or raises Unsupported."""
-  try:
-    from probjax.nn.layers import attention as mod
-    return mod.dot_product_attention, mod
-  except Exception as e:  # noqa: BLE001
-    raise Unsupported(f"probjax.nn.layers.attention not importable: {type(e).__name__}: {e}") from e
-
-
-@functools.lru_cache(None)
-def _peer_module(name: str):
-  """The peer package ``name`` or raises Unsupported (the row records why)."""
-  try:
-    return importlib.import_module(name)
-  except Exception as e:  # noqa: BLE001
-    raise Unsupported(f"{name} not importable: {type(e).__name__}: {e}") from e
-
-
-def torch_mod():
-  return _peer_module("torch")
-
-
-def tokamax_mod():
-  return _peer_module("tokamax")
-
-
-def peers_present() -> dict:
-  """Which peers are usable. torch is only looked up (not imported: a JAX-side process
-  must not load torch's CUDA runtime); tokamax and probjax are imported."""
-  import importlib.util
-  out = {"torch": True if importlib.util.find_spec("torch") is not None else "torch not installed"}
-  for name, f in (("tokamax", tokamax_mod), ("probjax", probjax_api)):
-    try:
-      f()
-      out[name] = True
-    except Unsupported as e:
-      out[name] = str(e)[:200]
-  return out
-
-
 def jnp_dtype(dtype: str):
   import jax.numpy as jnp
   return {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}[dtype]
@@ -343,20 +302,6 @@ def build(impl, arrays, dtype, causal, mode, mask="none"):
   return build_jax_side(impl, arrays, dtype, causal, mode, mask)
 
 
-def free_memory():
-  """Drops cached compilations/buffers between shapes (best effort)."""
-  import gc
-  gc.collect()
-  try:
-    import sys
-    if "torch" in sys.modules:
-      import torch
-      if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-  except Exception:  # noqa: BLE001
-    pass
-
-
 # ---------------------------------------------------------------------------
 # Cases
 # ---------------------------------------------------------------------------
@@ -439,8 +384,6 @@ def timed_case(suite, impl, dtype, batch, q_heads, kv_heads, q_len, kv_len, head
   Forward rows also get ``max_abs_err``: the largest |difference| of the
   output slice (batch 0, head 0, first 64 queries) from a float64 reference.
   """
-  from bench.harness import Case, backend_of, time_fn
-
   def prepare():
     arrays = inputs(batch, q_len, kv_len, q_heads, kv_heads, head_dim)
     fn, sync = build(impl, arrays, dtype, causal, mode, mask)
@@ -474,8 +417,6 @@ def timed_case(suite, impl, dtype, batch, q_heads, kv_heads, q_len, kv_len, head
 def memory_case(suite, impl, dtype, batch, q_heads, kv_heads, t, head_dim, measure):
   """A harness.Case (non-causal fwd_bwd, no FLOPs) whose row is ``measure(impl, arrays, dtype)``
   on the shared inputs of the shape (a dict of byte counts)."""
-  from bench.harness import Case
-
   def run():
     try:
       return measure(impl, inputs(batch, t, t, q_heads, kv_heads, head_dim), dtype)
