@@ -72,3 +72,48 @@ def test_bfloat16_layer(name):
 def test_bad_arguments(make, match):
   with pytest.raises(ValueError, match=match):
     make()
+
+
+def _same_params(a, b):
+  sa, sb = nnx.state(a, nnx.Param), nnx.state(b, nnx.Param)
+  assert jax.tree.structure(sa) == jax.tree.structure(sb)
+  for u, v in zip(jax.tree.leaves(sa), jax.tree.leaves(sb)):
+    np.testing.assert_array_equal(u, v)
+
+
+@pytest.mark.parametrize("mamba_ssm, probjax", [
+    (lambda: Mamba(16, d_state=4, d_conv=3, expand=2, dt_rank="auto", bias=True, conv_bias=False,
+                   use_fast_path=False, layer_idx=3, device=None, rngs=nnx.Rngs(0)),
+     lambda: Mamba(d_model=16, d_state=4, d_conv=3, expand=2, dt_rank=None, use_bias=True,
+                   conv_bias=False, rngs=nnx.Rngs(0))),
+    (lambda: Mamba2(16, d_state=8, d_conv=4, expand=2, headdim=8, ngroups=2, bias=True,
+                    rmsnorm=True, norm_before_gate=False, D_has_hdim=False, d_ssm=None,
+                    dt_limit=(0.0, float("inf")), use_mem_eff_path=True, layer_idx=0, rngs=nnx.Rngs(0)),
+     lambda: Mamba2(d_model=16, d_state=8, d_conv=4, expand=2, head_dim=8, n_groups=2,
+                    use_bias=True, rngs=nnx.Rngs(0))),
+])
+def test_mamba_ssm_spellings_map_to_probjax_names(mamba_ssm, probjax):
+  """mamba_ssm's constructor spellings build the layer that probjax's names build: the same
+  configuration and the same parameters (values, from the same rngs)."""
+  a, b = mamba_ssm(), probjax()
+  for name in ("d_model", "d_inner", "d_conv", "dt_rank", "head_dim", "n_groups", "heads"):
+    assert getattr(a, name, None) == getattr(b, name, None), name
+  assert (a.in_proj.bias is None) == (b.in_proj.bias is None) == False  # noqa: E712 (bias=True)
+  _same_params(a, b)
+  np.testing.assert_array_equal(full_pass(a, _x()), full_pass(b, _x()))
+
+
+@pytest.mark.parametrize("make, error, match", [
+    (lambda: Mamba2(d_model=16, head_dim=8, headdim=8, rngs=nnx.Rngs(0)), TypeError, "head_dim.*headdim"),
+    (lambda: Mamba2(d_model=16, n_groups=1, ngroups=1, rngs=nnx.Rngs(0)), TypeError, "n_groups.*ngroups"),
+    (lambda: Mamba(d_model=16, use_bias=False, bias=True, rngs=nnx.Rngs(0)), TypeError, "use_bias.*bias"),
+    (lambda: Mamba(d_model=16, headdim=8, rngs=nnx.Rngs(0)), TypeError, "headdim"),
+    (lambda: Mamba(d_model=16, dt_rank="full", rngs=nnx.Rngs(0)), ValueError, "dt_rank"),
+    (lambda: Mamba(rngs=nnx.Rngs(0)), TypeError, "d_model"),
+    (lambda: Mamba2(d_model=16, head_dim=8, rmsnorm=False, rngs=nnx.Rngs(0)), ValueError, "rmsnorm"),
+    (lambda: Mamba2(d_model=16, head_dim=8, norm_before_gate=True, rngs=nnx.Rngs(0)), ValueError,
+     "norm_before_gate"),
+])
+def test_mamba_ssm_spelling_errors(make, error, match):
+  with pytest.raises(error, match=match):
+    make()

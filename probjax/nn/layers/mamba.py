@@ -12,6 +12,26 @@ the recurrence itself. Both equal the full pass over the concatenated sequence.
 >>> y1, state = m.step(jnp.ones((2, 16)), m.init_state(2))
 >>> y1.shape, state.ssm.shape
 ((2, 16), (2, 32, 4))
+
+mamba_ssm's spellings are accepted too: ``d_model`` positionally, ``dt_rank="auto"``, and
+
+| mamba_ssm | probjax | notes |
+| --- | --- | --- |
+| ``bias`` | ``use_bias`` | both blocks |
+| ``headdim`` | ``head_dim`` | :class:`Mamba2` |
+| ``ngroups`` | ``n_groups`` | :class:`Mamba2` |
+| ``dt_rank="auto"`` | ``dt_rank=None`` (``"auto"`` accepted) | :class:`Mamba`: ``ceil(d_model / 16)`` |
+| ``use_fast_path``, ``use_mem_eff_path``, ``layer_idx``, ``device``, ``sequence_parallel`` | ignored | ``implementation`` picks the scan; decoding state is passed explicitly |
+| ``rmsnorm=True``, ``norm_before_gate=False``, ``D_has_hdim=False``, ``d_ssm=None``, ``conv_init=None``, ``dt_limit=(0.0, inf)``, ``process_group=None`` | the only variant | :class:`Mamba2`; other values raise ValueError naming the argument |
+
+The other names (``d_state``, ``d_conv``, ``expand``, ``dt_min``, ``dt_max``,
+``dt_init_floor``, ``conv_bias``, ``A_init_range``, ``chunk_size``) are the same in both.
+``dtype`` keeps probjax's meaning, the compute dtype (mamba_ssm's ``dtype`` is the parameters':
+``param_dtype`` here). Giving both spellings of one argument raises TypeError naming both.
+
+>>> m2 = Mamba2(16, d_state=8, headdim=8, ngroups=2, bias=False, rngs=nnx.Rngs(0))
+>>> m2.head_dim, m2.n_groups
+(8, 2)
 """
 
 from __future__ import annotations
@@ -47,6 +67,36 @@ def _positive(**kw):
   for name, v in kw.items():
     if not isinstance(v, int) or v < 1:
       raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+
+
+# mamba_ssm's spellings: alias -> probjax name; accepted and ignored; accepted at one value only.
+_ALIASES = {"Mamba": {"bias": "use_bias"},
+            "Mamba2": {"bias": "use_bias", "headdim": "head_dim", "ngroups": "n_groups"}}
+_IGNORED = ("use_fast_path", "use_mem_eff_path", "layer_idx", "device", "sequence_parallel")
+_FIXED = {"Mamba": {},
+          "Mamba2": {"rmsnorm": True, "norm_before_gate": False, "D_has_hdim": False, "d_ssm": None,
+                     "conv_init": None, "dt_limit": (0.0, float("inf")), "process_group": None}}
+
+
+def _mamba_ssm_kwargs(cls: str, given: dict, extra: dict) -> dict:
+  """The probjax arguments that mamba_ssm spellings in ``extra`` stand for (``given``: the
+  probjax arguments as passed, None where not). TypeError for an unknown name or an argument
+  given under both spellings; ValueError for a mamba_ssm variant probjax does not implement."""
+  out = {}
+  for name, value in extra.items():
+    if name in _ALIASES[cls]:
+      target = _ALIASES[cls][name]
+      if given[target] is not None:
+        raise TypeError(f"{cls}() got both {target}={given[target]!r} and its mamba_ssm spelling "
+                        f"{name}={value!r}; pass one of them")
+      out[target] = value
+    elif name in _FIXED[cls]:
+      if value != _FIXED[cls][name]:
+        raise ValueError(f"{name}={value!r} is not implemented: {cls} supports mamba_ssm's "
+                         f"{name}={_FIXED[cls][name]!r} only")
+    elif name not in _IGNORED:
+      raise TypeError(f"{cls}() got an unexpected keyword argument {name!r}")
+  return out
 
 
 def _dt_bias(rngs, n, dt_min, dt_max, dt_init_floor):
@@ -138,22 +188,44 @@ class Mamba(_Block):
   gate SiLU(z)), out-projection.
 
   Args:
-    d_model: features in and out; ``d_inner = expand * d_model`` channels are scanned.
-    d_state: state per channel; d_conv: convolution taps; dt_rank: rank of dt's projection
-      (default ``ceil(d_model / 16)``).
-    dt_min, dt_max, dt_init_floor: the initial ``softplus(dt_bias)`` range.
-    implementation, chunk_size: passed to :func:`probjax.ops.scan.mamba_scan`.
-    dtype: compute dtype (None: from the inputs and params); param_dtype: parameter dtype.
+    d_model: features in and out (keyword, or the one positional argument as in mamba_ssm);
+      ``d_inner = expand * d_model`` channels are scanned.
+    d_state: state per channel.
+    d_conv: convolution taps.
+    expand: ``d_inner / d_model``.
+    dt_rank: rank of dt's projection; None or "auto" (mamba_ssm's spelling): ``ceil(d_model
+      / 16)``.
+    dt_min: low end of the initial ``softplus(dt_bias)`` range.
+    dt_max: high end of that range.
+    dt_init_floor: the initial ``softplus(dt_bias)``'s floor.
+    use_bias: biases of the in- and out-projections (None: False; mamba_ssm: ``bias``).
+    conv_bias: the convolution's bias.
+    implementation: passed to :func:`probjax.ops.scan.mamba_scan`.
+    chunk_size: passed to :func:`probjax.ops.scan.mamba_scan`.
+    dtype: compute dtype (None: from the inputs and params).
+    param_dtype: parameter dtype.
+    rngs: the parameters' random streams.
+    **mamba_ssm: mamba_ssm's spellings (see the module docstring's table).
+
+  >>> from flax import nnx
+  >>> Mamba(32, dt_rank="auto", bias=False, use_fast_path=True, rngs=nnx.Rngs(0)).dt_rank
+  2
   """
 
-  def __init__(self, *, d_model: int, d_state: int = 16, d_conv: int = 4, expand: int = 2,
-               dt_rank: int | None = None, dt_min: float = 0.001, dt_max: float = 0.1,
-               dt_init_floor: float = 1e-4, use_bias: bool = False, conv_bias: bool = True,
+  def __init__(self, d_model: int | None = None, *, d_state: int = 16, d_conv: int = 4, expand: int = 2,
+               dt_rank: int | str | None = None, dt_min: float = 0.001, dt_max: float = 0.1,
+               dt_init_floor: float = 1e-4, use_bias: bool | None = None, conv_bias: bool = True,
                implementation: str | None = None, chunk_size: int | None = None, dtype=None,
-               param_dtype=jnp.float32, rngs: nnx.Rngs):
-    _positive(d_state=d_state, expand=expand)
+               param_dtype=jnp.float32, rngs: nnx.Rngs, **mamba_ssm):
+    if d_model is None:
+      raise TypeError("Mamba() missing the argument d_model")
+    use_bias = _mamba_ssm_kwargs("Mamba", dict(use_bias=use_bias), mamba_ssm).get("use_bias", use_bias)
+    use_bias = bool(use_bias)
+    _positive(d_model=d_model, d_state=d_state, expand=expand)
     d_inner = expand * d_model
-    self.dt_rank = math.ceil(d_model / 16) if dt_rank is None else dt_rank
+    if isinstance(dt_rank, str) and dt_rank != "auto":
+      raise ValueError(f"dt_rank must be an int >= 1, None or \"auto\", got {dt_rank!r}")
+    self.dt_rank = math.ceil(d_model / 16) if dt_rank in (None, "auto") else dt_rank
     _positive(dt_rank=self.dt_rank)
     self.d_state, self.implementation, self.chunk_size = d_state, implementation, chunk_size
     self._setup(d_model=d_model, d_inner=d_inner, conv_channels=d_inner, in_features=2 * d_inner,
@@ -208,21 +280,41 @@ class Mamba2(_Block):
   ``y * SiLU(z)``, out-projection.
 
   Args:
-    d_model: features in and out; ``d_inner = expand * d_model`` in ``d_inner / head_dim``
-      heads.
-    d_state: state per head and head_dim entry; n_groups: B/C groups (dividing the heads).
+    d_model: features in and out (keyword, or the one positional argument as in mamba_ssm);
+      ``d_inner = expand * d_model`` in ``d_inner / head_dim`` heads.
+    d_state: state per head and head_dim entry.
+    d_conv: convolution taps.
+    expand: ``d_inner / d_model``.
+    head_dim: features per head (None: 64; mamba_ssm: ``headdim``).
+    n_groups: B/C groups, dividing the heads (None: 1; mamba_ssm: ``ngroups``).
     A_init_range: ``exp(A_log)`` starts uniform in it.
-
-  The other arguments are as :class:`Mamba`'s (``implementation``, ``chunk_size`` for
-  :func:`probjax.ops.scan.ssd_scan`).
+    dt_min: low end of the initial ``softplus(dt_bias)`` range.
+    dt_max: high end of that range.
+    dt_init_floor: the initial ``softplus(dt_bias)``'s floor.
+    use_bias: biases of the in- and out-projections (None: False; mamba_ssm: ``bias``).
+    conv_bias: the convolution's bias.
+    implementation: passed to :func:`probjax.ops.scan.ssd_scan`.
+    chunk_size: passed to :func:`probjax.ops.scan.ssd_scan`.
+    dtype: compute dtype (None: from the inputs and params).
+    param_dtype: parameter dtype.
+    rngs: the parameters' random streams.
+    **mamba_ssm: mamba_ssm's spellings (see the module docstring's table).
   """
 
-  def __init__(self, *, d_model: int, d_state: int = 128, d_conv: int = 4, expand: int = 2,
-               head_dim: int = 64, n_groups: int = 1, A_init_range=(1.0, 16.0),
+  def __init__(self, d_model: int | None = None, *, d_state: int = 128, d_conv: int = 4, expand: int = 2,
+               head_dim: int | None = None, n_groups: int | None = None, A_init_range=(1.0, 16.0),
                dt_min: float = 0.001, dt_max: float = 0.1, dt_init_floor: float = 1e-4,
-               use_bias: bool = False, conv_bias: bool = True, implementation: str | None = None,
-               chunk_size: int | None = None, dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
-    _positive(d_state=d_state, expand=expand, head_dim=head_dim, n_groups=n_groups)
+               use_bias: bool | None = None, conv_bias: bool = True, implementation: str | None = None,
+               chunk_size: int | None = None, dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs,
+               **mamba_ssm):
+    given = dict(use_bias=use_bias, head_dim=head_dim, n_groups=n_groups)
+    if d_model is None:
+      raise TypeError("Mamba2() missing the argument d_model")
+    given.update(_mamba_ssm_kwargs("Mamba2", given, mamba_ssm))
+    use_bias = bool(given["use_bias"])
+    head_dim = 64 if given["head_dim"] is None else given["head_dim"]
+    n_groups = 1 if given["n_groups"] is None else given["n_groups"]
+    _positive(d_model=d_model, d_state=d_state, expand=expand, head_dim=head_dim, n_groups=n_groups)
     d_inner = expand * d_model
     if d_inner % head_dim:
       raise ValueError(f"head_dim ({head_dim}) must divide d_inner = expand * d_model ({d_inner})")
