@@ -6,13 +6,16 @@ a device (:meth:`Backend.available`) and whether it computes a call exactly
 (:meth:`Backend.supports`, a reason or None), and computes it (:meth:`Backend.__call__`,
 differentiable in reverse mode). The op's :class:`Registry` is the only list of its backends:
 what is available on a device, which names (and aliases) exist and what an explicit
-``implementation=`` resolves to all come from it, so a new backend is one module and one
-``register`` call.
+``implementation=`` resolves to all come from it, so a new backend is its module and one
+registry line: ``register(backend)`` for an object, or ``add(name, "module:Class")``, which
+imports the backend's module the first time the backend is asked for (kernels a device cannot
+run are then never imported on it).
 """
 
 from __future__ import annotations
 
 import abc
+import importlib
 from typing import Any, ClassVar, Generic, TypeVar
 
 from probjax.core.device import Device
@@ -48,16 +51,29 @@ class Registry(Generic[Call]):
 
   def __init__(self, op: str):
     self.op = op
-    self._backends: dict[str, Backend[Call]] = {}
+    self._backends: dict[str, Backend[Call] | str] = {}  # a str: "module:Class", not imported yet
     self._aliases: dict[str, str] = {}
 
   def register(self, backend: Backend[Call]) -> Backend[Call]:
-    for name in (backend.name, *backend.aliases):
-      if name in self._backends or name in self._aliases:
-        raise ValueError(f"{self.op}: implementation name {name!r} is registered twice")
+    """Registers a backend object under its ``name`` and ``aliases``."""
+    self._claim(backend.name, backend.aliases)
     self._backends[backend.name] = backend
-    self._aliases.update({a: backend.name for a in backend.aliases})
     return backend
+
+  def add(self, name: str, target: str, *, aliases: tuple[str, ...] = ()) -> None:
+    """Registers the backend class ``target`` (``"package.module:Class"``) under ``name`` and
+    ``aliases`` without importing it: the first :meth:`get` imports the module and makes one
+    instance, whose own ``name`` and ``aliases`` must be these."""
+    if ":" not in target:
+      raise ValueError(f"{self.op}: backend target must be 'module:Class', got {target!r}")
+    self._claim(name, aliases)
+    self._backends[name] = target
+
+  def _claim(self, name: str, aliases: tuple[str, ...]) -> None:
+    for n in (name, *aliases):
+      if n in self._backends or n in self._aliases:
+        raise ValueError(f"{self.op}: implementation name {n!r} is registered twice")
+    self._aliases.update({a: name for a in aliases})
 
   def names(self) -> tuple[str, ...]:
     return tuple(self._backends)
@@ -77,8 +93,18 @@ class Registry(Generic[Call]):
     return name
 
   def get(self, implementation: str) -> Backend[Call]:
-    return self._backends[self.canonical(implementation)]
+    name = self.canonical(implementation)
+    backend = self._backends[name]
+    if isinstance(backend, str):
+      module, cls = backend.split(":")
+      backend = getattr(importlib.import_module(module), cls)()
+      aliases = tuple(a for a, n in self._aliases.items() if n == name)
+      if backend.name != name or tuple(backend.aliases) != aliases:
+        raise ValueError(f"{self.op}: {module}:{cls} is named {backend.name!r} (aliases {backend.aliases}), "
+                         f"but registered as {name!r} (aliases {aliases})")
+      self._backends[name] = backend
+    return backend
 
   def available(self, device: Device) -> list[str]:
     """Names of the backends that can run on ``device``."""
-    return [n for n, b in self._backends.items() if b.available(device) is None]
+    return [n for n in self._backends if self.get(n).available(device) is None]

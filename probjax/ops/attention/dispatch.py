@@ -141,7 +141,8 @@ def _requested(impl: str, call: AttentionCall, device: Device) -> Decision:
   why = REGISTRY.get(impl).supports(call, device)
   if why:
     raise ValueError(f"implementation={impl!r} cannot compute this call exactly: {why}")
-  return Decision(impl, REQUESTED, backward=None if impl == "cudnn" else _resolve_backward(call))
+  takes_variants = bool(REGISTRY.get(impl).backward_pass_impls)
+  return Decision(impl, REQUESTED, backward=_resolve_backward(call) if takes_variants else None)
 
 
 def decide(call: AttentionCall, device: Device, defaults: DeviceDefaults | None) -> Decision:

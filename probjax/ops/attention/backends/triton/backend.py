@@ -1,0 +1,36 @@
+"""The Triton backend's registry object: the kernels of this package, over one call."""
+
+from __future__ import annotations
+
+from probjax.ops.attention.backend import AttentionBackend, call_flags
+
+
+class Triton(AttentionBackend):
+  """The fused Pallas-Triton kernels (NVIDIA GPUs; anywhere in interpret mode)."""
+
+  name = "triton"
+  aliases = ("pallas",)
+  backward_pass_impls = ("auto", "triton_onepass", "triton_fused", "triton_split")
+  backward_variants = backward_pass_impls
+
+  def available(self, device):
+    if device.platform != "gpu":
+      return f"the Triton kernel needs an NVIDIA GPU (platform is {device.platform}); use interpret=True to run it on CPU"
+    return None
+
+  def supports(self, call, device):
+    from probjax.ops.attention.backends import triton
+    return (self.available(device) or call.not_for_kernels()
+            or triton.supports(call.q_shape, call.kv_shape, call.dtype, interpret=True, **call_flags(call)))
+
+  def __call__(self, q, k, v, mask, *, call, backward_pass_impl=None):
+    from probjax.ops.attention.backends import triton
+    return triton.attention(q, k, v, mask=mask, score_mod=call.score_mod, scale=call.scale,
+                            backward_pass_impl=backward_pass_impl or call.backward_pass_impl,
+                            forward_config=call.forward_config, backward_config=call.backward_config,
+                            split_kv=call.split_kv, interpret=call.interpret)
+
+  def backward_kernel(self, q, k, v, *, variant, scale, score_mod, config, interpret):
+    from probjax.ops.attention.backends import triton
+    return triton.backward_kernel(q, k, v, scale=scale, score_mod=score_mod, variant=variant, config=config,
+                                  interpret=interpret)
