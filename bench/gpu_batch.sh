@@ -116,8 +116,8 @@ for s in "${steps[@]}"; do
                grep -E "^\[FAILED\]|passed|failed" "$OUT/gpu_tests.log" | tail -20 | tee -a "$OUT/batch.log" ;;
     newops_tests) t=${TESTS_MAX_S:-$(python3 -c "print(int(60 * $(left_min) / 3))")}   # the new ops' kernels, compiled
                echo "[batch] $(date +%T) newops_tests (max ${t} s)" | tee -a "$OUT/batch.log"
-               timeout "$t" $PY -m pytest --gpu -q -p no:cacheprovider -n 6 -m "not slow" tests/test_grouped_matmul.py \
-                 tests/test_scan.py tests/test_moe.py > "$OUT/newops_tests.log" 2>&1
+               timeout "$t" $PY -m pytest --gpu -q -p no:cacheprovider -n 6 -m "not slow" tests/ops/grouped_matmul/test_grouped_matmul.py \
+                 tests/ops/scan/test_scan.py tests/test_moe.py > "$OUT/newops_tests.log" 2>&1
                grep -E "^\[FAILED\]|passed|failed" "$OUT/newops_tests.log" | tail -20 | tee -a "$OUT/batch.log" ;;
     moe|moe:*) suites="${s#moe}"; suites="${suites#:}"   # moe[:SUITES+...[:TOKENS+...]]
                IFS=':' read -r suites tokens <<< "${suites:-moe_train+moe_fwd+gmm}"

@@ -13,7 +13,7 @@ the wheel carries and :mod:`probjax.ops.attention.tuning` loads, is the values o
 
 To change a value: edit its ``value`` and ``evidence`` in ``bench/tuning/``, run ``--write``, and
 say why in ``docs/dev/decisions.md``. ``tests/test_benchmarks.py`` checks each triple is a row of that
-results file at that commit; ``tests/test_dispatch.py`` that the shipped table is this script's.
+results file at that commit; ``tests/ops/attention/test_dispatch.py`` that the shipped table is this script's.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Each :class:`Setting` has its name, its default, the module that reads it and what it does;
 ``docs/guide/implementations.md`` ("Settings and environment variables") lists them, and
-``tests/test_config.py`` checks that every ``PROBJAX_*`` name in probjax's Python source is
+``tests/core/test_config.py`` checks that every ``PROBJAX_*`` name in probjax's Python source is
 declared here and documented there.
 
 Settings are read when they are used (a call traced, a library located), never cached at import:

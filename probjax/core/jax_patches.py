@@ -21,7 +21,7 @@ once probjax's attention is imported, not only probjax's. They change no call th
 without them: where JAX's rules apply (no ordered effect in the callee, no batching, every
 linear input with a tangent and none in the residuals) the abstract eval, the JVP and the
 transpose are JAX's own, and the values, jvp, transposes and gradients are the same with and
-without the import (``tests/test_jax_patches.py`` runs a plain ``linear_call`` both ways). The
+without the import (``tests/core/test_jax_patches.py`` runs a plain ``linear_call`` both ways). The
 calls JAX rejects (``vmap``; a tangent in the residuals; a jvp or gradient in only some linear
 inputs; an ordered effect under ``jax.jit``) compute instead, with the user's ``fun_transpose``
 as the transpose of the linear part.

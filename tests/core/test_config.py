@@ -6,7 +6,7 @@ import re
 
 from probjax.core import config
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs" / "guide" / "implementations.md"
 NAME = re.compile(r"\bPROBJAX_[A-Z0-9_]+\b")
 

@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 PAGE = ROOT / "docs" / "dev" / "adding-a-backend.md"
 pytestmark = pytest.mark.skipif(not PAGE.is_file(), reason="needs the source tree (docs/dev)")
 

@@ -24,7 +24,7 @@ import pytest
 import probjax
 from probjax.ops.attention.backends.cudnn import build, extension, ffi
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 MODULE = "probjax.ops.attention.backends.cudnn.build"
 
 

@@ -155,7 +155,7 @@ def test_ffi_shapes_with_a_value_head_dim(mask_name):
 
 # --- GPU ----------------------------------------------------------------------------------------
 
-AGREE = 0.004  # bf16 precision, as tests/test_attention_device_defaults.py
+AGREE = 0.004  # bf16 precision, as tests/ops/attention/test_attention_device_defaults.py
 
 
 def _ffi_built():

@@ -420,7 +420,7 @@ def _rule_numbers():
 def test_rules_are_numbered_in_order_in_the_code_readme_and_decisions():
   numbers = _rule_numbers()
   assert [numbers[r] for r in dispatch.RULES] == sorted(numbers[r] for r in dispatch.RULES)
-  root = pathlib.Path(__file__).parent.parent
+  root = pathlib.Path(__file__).resolve().parents[3]
   readme = (root / "README.md").read_text().split("## Implementations and dispatch")[1].split("\n## ")[0]
   decisions = (root / "docs" / "dev" / "decisions.md").read_text()
   for rule, n in numbers.items():

@@ -14,7 +14,7 @@ from probjax.ops.attention.backends.triton.config import BackwardConfig, Forward
 from probjax.testing import check_against_reference, make_inputs
 
 CFG = dict(forward_config=ForwardConfig(16, 16, 4, 1), backward_config=BackwardConfig(16, 16, 16, 16, 4, 1))
-# Interpret-mode kernels: a stalled run fails loudly (see tests/test_kernel_regressions.py).
+# Interpret-mode kernels: a stalled run fails loudly (see tests/ops/attention/test_kernel_regressions.py).
 pytestmark = pytest.mark.timeout(300, method="thread")
 
 

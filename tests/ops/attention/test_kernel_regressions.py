@@ -102,7 +102,7 @@ def test_triton_split_kv_garbage_past_lengths(mask_name):
                          grads=False, what=f"triton split-KV {mask_name}")
 
 
-# One compute warpgroup, as in tests/test_mosaic_attention.py.
+# One compute warpgroup, as in tests/ops/attention/test_mosaic_attention.py.
 MOSAIC_FWD = pm.MosaicForwardConfig(block_q=64, block_k=64, num_stages=2, compute_wgs=1)
 MOSAIC_BWD = pm.MosaicBackwardConfig(block_q=64, block_k=64, num_stages=2, compute_wgs=1)
 

@@ -29,7 +29,7 @@ Profiles (registered here): "probjax-quick" by default, a few examples per prope
 sizes, no shrinking (the properties take about 75 s of CPU time: they are marked ``slow``);
 "probjax-thorough" for the tests marked ``thorough`` (also slow), with more and larger examples
 and shrinking. The thorough tests run only when selected: ``pytest -m slow
-tests/test_properties.py``, or with
+tests/ops/attention/test_properties.py``, or with
 ``PROBJAX_HYPOTHESIS_PROFILE=thorough``, which also gives the other properties the thorough
 budget; PROBJAX_HYPOTHESIS_EXPLICIT=0 skips the pinned examples. Every example is
 derandomized and nothing is stored in a database, so a run is repeatable; a failure prints

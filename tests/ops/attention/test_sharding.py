@@ -5,7 +5,7 @@ On CPU: vmap folds into the batch (the call sees rank-4 operands), and on 4 CPU 
 (a subprocess with ``--xla_force_host_platform_device_count=4``) each device runs the call on
 its shard of batch and heads, GQA included, with no gather; sequence shardings are gathered,
 and heads are replicated where key/value heads do not divide. The cuDNN FFI call itself is
-checked on two GPUs in ``tests/test_cudnn_ffi.py``; the Triton kernel's calls (interpret
+checked on two GPUs in ``tests/ops/attention/test_cudnn_ffi.py``; the Triton kernel's calls (interpret
 mode), with a mask's segment ids as operands, on the 4 CPU devices here.
 """
 
@@ -72,7 +72,7 @@ _SHARDED = textwrap.dedent("""
     import json, sys
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from tests import test_sharding as T
+    from tests.ops.attention import test_sharding as T
     from probjax.testing import make_inputs, run_on_fake_devices
     mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
     results = []

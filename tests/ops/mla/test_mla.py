@@ -349,7 +349,7 @@ def test_the_registry_names_and_requests():
 def test_kernels_refuse_a_value_head_dim_of_their_own(name, monkeypatch):
   """The Triton kernels compute values of their own width; the Mosaic forward MLA's 192/128
   (not a value head_dim 32, below); cuDNN only through probjax's FFI extension, switched off
-  here (tests/test_cudnn_ffi.py checks it with the extension)."""
+  here (tests/ops/attention/test_cudnn_ffi.py checks it with the extension)."""
   monkeypatch.setenv("PROBJAX_ATTENTION_CUDNN_FFI", "0")
   call = AttentionCall((2, 4096, 16, 192), (2, 4096, 16, 192), jnp.bfloat16, mask=CausalMask(), v_head_dim=128)
   why = REGISTRY.get(name).supports(call, H200)

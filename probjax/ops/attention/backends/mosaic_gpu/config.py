@@ -4,7 +4,7 @@ Shared-memory model (:func:`smem_total`): every scratch buffer rounded up to 1 K
 per barrier, and 2 KiB that Mosaic GPU reserves. It reproduces the byte counts of the
 Mosaic compiler's own errors on sm_90 (235,672 for ``block_k=128, num_stages=3,
 compute_wgs=2`` and 235,632 for ``192, 2, 2`` at head_dim 128, bf16, before the schedule
-barrier; ``tests/test_mosaic_attention.py::test_smem_model_covers_the_compilers_counts``).
+barrier; ``tests/ops/attention/test_mosaic_attention.py::test_smem_model_covers_the_compilers_counts``).
 """
 
 from __future__ import annotations
