@@ -41,36 +41,65 @@
 # file: a device call returns at most 8). Here, afterwards:
 #   mkdir -p /tmp/r && tar xzf FILES_AT/results.tar.gz -C /tmp/r && python -m bench.merge_rows bench/results /tmp/r
 # and the same command again continues. Output: a short log per step, $OUT/batch.log.
+# DRY_RUN=1: print each step's command ("[dry] ..."), run and copy nothing, no peers installed
+# (tests/test_bench_runner.py checks that every step names a suite and options it has).
 set -u
 PLAN="${1:-all}"
 MINUTES="${2:-8.5}"
 OUT="${OUT:-/tmp/bench_out}"
+DRY_RUN="${DRY_RUN:-}"
 mkdir -p "$OUT"
-source bench/gpu_env.sh
+if [ -n "$DRY_RUN" ]; then PY="${PY:-python3}"; else source bench/gpu_env.sh; fi
 echo "[batch] probjax commit: ${PROBJAX_COMMIT:-unknown}" | tee -a "$OUT/batch.log"
-RES="${RES:-$(mktemp -d /tmp/bench_results.XXXXXX)}"
-[ -n "$(ls -A "$RES" 2>/dev/null)" ] || cp -r bench/results/. "$RES"/
-DEV=$($PY -c "from bench import harness; print(harness.device_slug())")
+if [ -n "$DRY_RUN" ]; then RES="${RES:-/tmp/bench_results.dry}"; else RES="${RES:-$(mktemp -d /tmp/bench_results.XXXXXX)}"; fi
+[ -n "$DRY_RUN" ] || [ -n "$(ls -A "$RES" 2>/dev/null)" ] || cp -r bench/results/. "$RES"/
+if [ -n "$DRY_RUN" ]; then DEV=dry; else DEV=$($PY -c "from bench import harness; print(harness.device_slug())"); fi
 echo "[batch] rows go to $RES/$DEV/" | tee -a "$OUT/batch.log"
 start=$(date +%s)
 deadline=$(python3 -c "print($start + int(60*$MINUTES))")
 [ "$PLAN" = all ] && PLAN="dispatch,grid_core,peak,residuals,ext,masked,tiles,grid_bf16,grid_fp32,tiles_fp32"
 
-left_min() { python3 -c "import time; print(max(0.0, ($deadline - time.time())/60 - 0.7))"; }
+left_min() {  # minutes left before the deadline, less 0.7 for the step's exit and the copy
+  if [ -n "$DRY_RUN" ]; then echo "$MINUTES"; return; fi
+  python3 -c "import time; print(max(0.0, ($deadline - time.time())/60 - 0.7))"
+}
+left_s() { python3 -c "print(int(60 * $(left_min)))"; }
+commas() { echo "${1//+/,}"; }   # a step's '+'-joined list (the plan splits on commas)
+log() { echo "[batch] $(date +%T) $*" | tee -a "$OUT/batch.log"; }
 
-run_step() {  # module args...: one suite run, resumed (--append) into $RES
+run_step() {  # module args...: one harness suite run, resumed (--append) into $RES
   local mins; mins=$(left_min)
-  if python3 -c "import sys; sys.exit(0 if $mins > 0.3 else 1)"; then :; else
+  if [ -n "$DRY_RUN" ] || python3 -c "import sys; sys.exit(0 if $mins > 0.3 else 1)"; then :; else
     echo "[batch] no time left for $*" | tee -a "$OUT/batch.log"; return; fi
-  echo "[batch] $(date +%T) $* (max ${mins} min)" | tee -a "$OUT/batch.log"
-  $PY -m "$@" --results-dir "$RES" --append --no-progress --max-minutes "$mins" \
-    ${DEVICE_TIME:+--device-time} ${DIFFERENCED:+--differenced} 2>&1 \
+  log "$* (max ${mins} min)"
+  set -- "$@" --results-dir "$RES" --append --no-progress --max-minutes "$mins" \
+    ${DEVICE_TIME:+--device-time} ${DIFFERENCED:+--differenced}
+  if [ -n "$DRY_RUN" ]; then echo "[dry] $PY -m $*"; return; fi
+  $PY -m "$@" 2>&1 \
     | grep -E "^\[harness\] (done|--max|[0-9]+ case)|^Traceback|^[A-Za-z.]*Error" | tail -5 | tee -a "$OUT/batch.log"
+}
+
+own_step() {  # LINES python-args...: a suite with its own runner (moe, scan, lm, dit, mla, isab,
+  # interleaved), cut at the deadline; the last LINES lines of its output go to the log
+  local lines="$1"; shift
+  log "$s"
+  if [ -n "$DRY_RUN" ]; then echo "[dry] $PY $*"; return; fi
+  timeout "$(left_s)" $PY "$@" 2>&1 | tail -"$lines" | tee -a "$OUT/batch.log"
+}
+
+tests_step() {  # LOG pytest-args...: GPU tests, at most a third of the remaining time (or TESTS_MAX_S)
+  local logf="$OUT/$1" t; shift
+  t=${TESTS_MAX_S:-$(python3 -c "print(int(60 * $(left_min) / 3))")}
+  log "$s (max ${t} s)"
+  if [ -n "$DRY_RUN" ]; then echo "[dry] $PY -m pytest --gpu -q -p no:cacheprovider $*"; return; fi
+  timeout "$t" $PY -m pytest --gpu -q -p no:cacheprovider "$@" > "$logf" 2>&1
+  grep -E "^\[FAILED\]|passed|failed" "$logf" | tail -20 | tee -a "$OUT/batch.log"
 }
 
 remeasure() {  # suite drop_rows-filters...: drops those rows of the suite's file, so that a
   # --rounds step measures them again in one process
   local file="$RES/$DEV/$1.json"; shift
+  if [ -n "$DRY_RUN" ]; then echo "[dry] $PY -m bench.drop_rows $file $*"; return; fi
   [ -f "$file" ] && $PY -m bench.drop_rows "$file" "$@" | tee -a "$OUT/batch.log"
 }
 
@@ -99,7 +128,7 @@ core() {  # dtype module args...: core implementations, JAX side then torch side
   fi
 }
 
-if command -v nvidia-smi >/dev/null; then
+if [ -z "$DRY_RUN" ] && command -v nvidia-smi >/dev/null; then
   nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,temperature.gpu,power.draw,clocks_throttle_reasons.active \
     --format=csv -lms 500 > "$OUT/gpu_clocks.csv" 2>/dev/null &
   clock_pid=$!
@@ -108,47 +137,28 @@ fi
 IFS=',' read -ra steps <<< "$PLAN"
 for s in "${steps[@]}"; do
   case "$s" in
-    tests|tests:*) t=${TESTS_MAX_S:-$(python3 -c "print(int(60 * $(left_min) / 3))")}
-               sel="${s#tests}"; sel="${sel#:}"
-               echo "[batch] $(date +%T) tests ${sel:+-k $sel }(max ${t} s)" | tee -a "$OUT/batch.log"
-               timeout "$t" $PY -m pytest tests --gpu -m gpu -q -p no:cacheprovider -n "${TEST_WORKERS:-2}" --durations=8 \
-                 ${sel:+-k "$sel"} > "$OUT/gpu_tests.log" 2>&1
-               grep -E "^\[FAILED\]|passed|failed" "$OUT/gpu_tests.log" | tail -20 | tee -a "$OUT/batch.log" ;;
-    newops_tests) t=${TESTS_MAX_S:-$(python3 -c "print(int(60 * $(left_min) / 3))")}   # the new ops' kernels, compiled
-               echo "[batch] $(date +%T) newops_tests (max ${t} s)" | tee -a "$OUT/batch.log"
-               timeout "$t" $PY -m pytest --gpu -q -p no:cacheprovider -n 6 -m "not slow" tests/ops/grouped_matmul/test_grouped_matmul.py \
-                 tests/ops/scan/test_scan.py tests/test_moe.py > "$OUT/newops_tests.log" 2>&1
-               grep -E "^\[FAILED\]|passed|failed" "$OUT/newops_tests.log" | tail -20 | tee -a "$OUT/batch.log" ;;
+    tests|tests:*) sel="${s#tests}"; sel="${sel#:}"
+               tests_step gpu_tests.log tests -m gpu -n "${TEST_WORKERS:-2}" --durations=8 ${sel:+-k "$sel"} ;;
+    newops_tests) tests_step newops_tests.log -n 6 -m "not slow" \
+                 tests/ops/grouped_matmul/test_grouped_matmul.py tests/ops/scan/test_scan.py tests/test_moe.py ;;
     moe|moe:*) suites="${s#moe}"; suites="${suites#:}"   # moe[:SUITES+...[:TOKENS+...]]
                IFS=':' read -r suites tokens <<< "${suites:-moe_train+moe_fwd+gmm}"
-               echo "[batch] $(date +%T) $s" | tee -a "$OUT/batch.log"
-               timeout "$(python3 -c "print(int(60 * $(left_min)))")" $PY -m bench.moe --suite "${suites//+/,}" \
-                 ${tokens:+--tokens "${tokens//+/,}"} --output "$RES/$DEV/moe.json" --append --no-progress \
-                 --max-minutes "$(left_min)" 2>&1 | tail -5 | tee -a "$OUT/batch.log" ;;
+               own_step 5 -m bench.moe --suite "$(commas "$suites")" ${tokens:+--tokens "$(commas "$tokens")"} \
+                 --output "$RES/$DEV/moe.json" --append --no-progress --max-minutes "$(left_min)" ;;
     scan|scan:*) modes="${s#scan}"; modes="${modes#:}"   # scan[:MODES+...]
-               echo "[batch] $(date +%T) $s" | tee -a "$OUT/batch.log"
-               timeout "$(python3 -c "print(int(60 * $(left_min)))")" $PY -m bench.scan --modes "$(m=${modes:-fwd+fwd_bwd}; echo "${m//+/,}")" \
-                 --output "$RES/$DEV/scan.json" --append --max-minutes "$(left_min)" 2>&1 | tail -5 | tee -a "$OUT/batch.log" ;;
+               own_step 5 -m bench.scan --modes "$(commas "${modes:-fwd+fwd_bwd}")" \
+                 --output "$RES/$DEV/scan.json" --append --max-minutes "$(left_min)" ;;
     lm|lm:*)   sections="${s#lm}"; sections="${sections#:}"   # lm[:SECTIONS+...]
-               echo "[batch] $(date +%T) $s" | tee -a "$OUT/batch.log"
-               timeout "$(python3 -c "print(int(60 * $(left_min)))")" $PY bench/lm_step.py \
-                 --sections "$(x=${sections:-matmul+train+train_packed+decode}; echo "${x//+/,}")" \
-                 --output "$RES/$DEV/lm_step.json" --max-minutes "$(left_min)" 2>&1 | tail -12 | tee -a "$OUT/batch.log" ;;
+               own_step 12 bench/lm_step.py --sections "$(commas "${sections:-matmul+train+train_packed+decode}")" \
+                 --output "$RES/$DEV/lm_step.json" --max-minutes "$(left_min)" ;;
     dit|dit:*) IFS=':' read -r _ cases variants <<< "$s"   # dit[:CASES+...[:VARIANTS+...]]: bench/dit_step.py
-               echo "[batch] $(date +%T) $s" | tee -a "$OUT/batch.log"
-               timeout "$(python3 -c "print(int(60 * $(left_min)))")" $PY bench/dit_step.py \
-                 ${cases:+--cases "${cases//+/,}"} ${variants:+--variants "${variants//+/,}"} \
-                 --output "$RES/$DEV/dit_step.json" --max-minutes "$(left_min)" 2>&1 \
-                 | tail -24 | tee -a "$OUT/batch.log" ;;
+               own_step 24 bench/dit_step.py ${cases:+--cases "$(commas "$cases")"} \
+                 ${variants:+--variants "$(commas "$variants")"} --output "$RES/$DEV/dit_step.json" --max-minutes "$(left_min)" ;;
     mla|mla:*) suites="${s#mla}"; suites="${suites#:}"   # mla[:SUITES+...]: bench/mla.py
-               echo "[batch] $(date +%T) $s" | tee -a "$OUT/batch.log"
-               timeout "$(python3 -c "print(int(60 * $(left_min)))")" $PY -m bench.mla \
-                 ${suites:+--suite "${suites//+/,}"} --output "$RES/$DEV/mla.json" 2>&1 | tail -8 | tee -a "$OUT/batch.log" ;;
+               own_step 8 -m bench.mla ${suites:+--suite "$(commas "$suites")"} --output "$RES/$DEV/mla.json" ;;
     isab|isab:*) sizes="${s#isab}"; sizes="${sizes#:}"   # isab[:SIZES+...]: bench/isab.py
-               echo "[batch] $(date +%T) $s" | tee -a "$OUT/batch.log"
-               timeout "$(python3 -c "print(int(60 * $(left_min)))")" $PY -m bench.isab ${sizes:+--sizes "${sizes//+/,}"} \
-                 --output "$RES/$DEV/isab.json" --append --no-progress --max-minutes "$(left_min)" 2>&1 \
-                 | tail -12 | tee -a "$OUT/batch.log" ;;
+               own_step 12 -m bench.isab ${sizes:+--sizes "$(commas "$sizes")"} \
+                 --output "$RES/$DEV/isab.json" --append --no-progress --max-minutes "$(left_min)" ;;
     dispatch)  run_step bench.benchmark_kernel_attn_gpu --device gpu --suite dispatch ;;
     grid_core) split bench.benchmark_gpu_attention --suite grid --dtypes bf16 --lengths 1024,4096,16384 ;;
     peak)      run_step bench.benchmark_kernel_attn_gpu --device gpu --suite peak --child-timeout 100 ;;
@@ -157,20 +167,19 @@ for s in "${steps[@]}"; do
     masked)    split bench.benchmark_gpu_attention --suite masked ;;
     interleaved:*) IFS=':' read -r _ lens dims causal modes impls mask bh <<< "$s"   # one process, rotating rounds
                bh="${bh:-4+8}"; mask="${mask:-none}"
-               echo "[batch] $(date +%T) $s" | tee -a "$OUT/batch.log"
-               timeout "$(python3 -c "print(int(60 * $(left_min)))")" $PY -m bench.interleaved --results-dir "$RES" \
-                 --no-progress --lengths "${lens//+/,}" --head-dims "${dims//+/,}" --causal "$causal" \
-                 --modes "${modes//+/,}" --impls "${impls//+/,}" --mask "$mask" --batch "${bh%+*}" --heads "${bh#*+}" \
-                 ${DIFFERENCED:+--differenced} 2>&1 | tail -5 | tee -a "$OUT/batch.log" ;;
+               own_step 5 -m bench.interleaved --results-dir "$RES" --no-progress --lengths "$(commas "$lens")" \
+                 --head-dims "$(commas "$dims")" --causal "$causal" --modes "$(commas "$modes")" \
+                 --impls "$(commas "$impls")" --mask "$mask" --batch "${bh%+*}" --heads "${bh#*+}" \
+                 ${DIFFERENCED:+--differenced} ;;
     tiles)     run_step bench.benchmark_gpu_attention_tiles --dtypes bf16 ;;
     tiles_1024) run_step bench.benchmark_gpu_attention_tiles --dtypes bf16 --lengths 1024 ;;
     tiles:*)   IFS=':' read -r _ lens dt dims modes <<< "$s"   # tiles:LENGTHS:DTYPE[:HEAD_DIMS[:MODES]]
                run_step bench.benchmark_gpu_attention_tiles --dtypes "$dt" \
-                 --lengths "${lens//+/,}" --head-dims "$(d=${dims:-64+128}; echo "${d//+/,}")" \
-                 --modes "$(m=${modes:-fwd+fwd_bwd}; echo "${m//+/,}")" ;;
+                 --lengths "$(commas "$lens")" --head-dims "$(commas "${dims:-64+128}")" \
+                 --modes "$(commas "${modes:-fwd+fwd_bwd}")" ;;
     tiles_mbwd:*) IFS=':' read -r _ lens dims <<< "$s"   # tiles_mbwd:LENGTHS[:HEAD_DIMS]: the Mosaic backward
                run_step bench.benchmark_gpu_attention_tiles --kernel mosaic_bwd \
-                 --dtypes bf16 --lengths "${lens//+/,}" --head-dims "$(d=${dims:-64+128}; echo "${d//+/,}")" ;;
+                 --dtypes bf16 --lengths "$(commas "$lens")" --head-dims "$(commas "${dims:-64+128}")" ;;
     tiles_fp32) run_step bench.benchmark_gpu_attention_tiles --dtypes fp32 ;;
     tiles_mosaic) run_step bench.benchmark_gpu_attention_tiles --kernel mosaic --dtypes bf16 ;;
     tiles_mosaic_1024) run_step bench.benchmark_gpu_attention_tiles --kernel mosaic --dtypes bf16 --lengths 1024 ;;
@@ -180,9 +189,9 @@ for s in "${steps[@]}"; do
                dims="${dims:-64+128}"; modes="${modes:-fwd+fwd_bwd}"
                dtname=$(python3 -c "print({'bf16': 'bfloat16', 'fp16': 'float16', 'fp32': 'float32'}['$dt'])")
                remeasure grid --suite grid --impl "$CORE_JAX,$CORE_TORCH" --dtype "$dtname" \
-                 --q_len "${lens//+/,}" --head_dim "${dims//+/,}" --mode "${modes//+/,}"
+                 --q_len "$(commas "$lens")" --head_dim "$(commas "$dims")" --mode "$(commas "$modes")"
                run_step bench.benchmark_gpu_attention --suite grid --dtypes "$dt" \
-                 --lengths "${lens//+/,}" --head-dims "${dims//+/,}" --modes "${modes//+/,}" \
+                 --lengths "$(commas "$lens")" --head-dims "$(commas "$dims")" --modes "$(commas "$modes")" \
                  --impl "$CORE_JAX,$CORE_TORCH" --rounds "${ROUNDS:-3}" ;;
     gqar)      remeasure gqa --suite gqa --impl "$GQA_IMPLS"   # the GQA suite in one process
                run_step bench.benchmark_kernel_attn_ext --device gpu --suite gqa \
@@ -190,11 +199,12 @@ for s in "${steps[@]}"; do
     grid:*|gridall:*) IFS=':' read -r kind lens dt dims modes <<< "$s"
                all=$([ "$kind" = gridall ] && echo 1 || echo "${GRID_ALL:-0}")
                GRID_ALL=$all core "$dt" bench.benchmark_gpu_attention --suite grid --dtypes "$dt" \
-                 --lengths "${lens//+/,}" --head-dims "$(d=${dims:-64+128}; echo "${d//+/,}")" \
-                 --modes "$(m=${modes:-fwd+fwd_bwd}; echo "${m//+/,}")" ;;
+                 --lengths "$(commas "$lens")" --head-dims "$(commas "${dims:-64+128}")" \
+                 --modes "$(commas "${modes:-fwd+fwd_bwd}")" ;;
     *) echo "[batch] unknown step $s" ;;
   esac
 done
+[ -n "$DRY_RUN" ] && exit 0
 changed=()
 while IFS= read -r f; do cmp -s "$RES/$f" "bench/results/$f" || changed+=("$f"); done < <(cd "$RES" && find . -name '*.json' | sort)
 for f in "${changed[@]}"; do echo "$f: $(wc -l < "$RES/$f") rows, $(grep -c '"status": "ok"' "$RES/$f") ok"; done

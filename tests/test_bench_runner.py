@@ -129,3 +129,48 @@ def test_make_run_runs_the_report_with_progress_and_figure():
   text = (ROOT / "Makefile").read_text()
   body = text.split("\nrun: venv\n", 1)[1].split("\n\n", 1)[0]
   assert body.strip() == "$(PY) -m bench.report $(ARGS)"
+
+
+# -----------------------------------------------------------------------------
+# the device wrapper (bench/gpu_batch.sh) without a GPU: DRY_RUN=1 prints each step's command
+# -----------------------------------------------------------------------------
+EVERY_STEP = ("tests,tests:mosaic,newops_tests,moe,moe:gmm:1024+2048,scan:fwd,lm:train,dit:S+B:baseline,"
+              "mla:decode,isab:64+128,interleaved:4096:64+128:both:fwd+fwd_bwd:probjax_default+jaxnn_cudnn,"
+              "dispatch,grid_core,peak,residuals,ext,masked,tiles,tiles_1024,tiles:1024:bf16,tiles_mbwd:4096,"
+              "tiles_fp32,tiles_mosaic,tiles_mosaic_1024,grid_bf16,grid_fp32,gridr:4096+16384:bf16,gqar,"
+              "grid:4096:bf16,gridall:1024:fp32")
+
+
+def _dry_commands(tmp_path, plan: str) -> list[list[str]]:
+  import os
+  import shlex
+  import subprocess
+  env = dict(os.environ, DRY_RUN="1", OUT=str(tmp_path), RES=str(tmp_path / "res"), PY="python")
+  p = subprocess.run(["bash", "bench/gpu_batch.sh", plan, "5"], cwd=ROOT, env=env, capture_output=True,
+                     text=True, timeout=60)
+  assert p.returncode == 0, p.stderr
+  assert "unknown step" not in p.stdout and "no time left" not in p.stdout, p.stdout
+  assert not (tmp_path / "res").exists() and not (tmp_path / "results.tar.gz").exists()  # nothing ran
+  return [shlex.split(line[len("[dry] "):]) for line in p.stdout.splitlines() if line.startswith("[dry] ")]
+
+
+def test_every_gpu_batch_step_names_a_suite_and_options_it_has(tmp_path):
+  from bench import harness
+  cmds = _dry_commands(tmp_path, EVERY_STEP)
+  assert len(cmds) >= len(EVERY_STEP.split(","))
+  common = (BENCH / "harness.py").read_text()
+  for cmd in cmds:
+    assert cmd[0] == "python", cmd
+    if cmd[1:3] == ["-m", "pytest"]:
+      files = [a for a in cmd if a.startswith("tests/") or a == "tests"]
+      assert files and all((ROOT / f).exists() for f in files), cmd
+      continue
+    module = cmd[2] if cmd[1] == "-m" else cmd[1]
+    path = ROOT / (module.replace(".", "/") + ".py" if cmd[1] == "-m" else module)
+    assert path.exists(), cmd
+    source = path.read_text()
+    for opt in (a for a in cmd if a.startswith("--")):
+      if module == "bench.drop_rows":
+        assert opt[2:] in harness.KEY_FIELDS, (opt, cmd)
+      else:
+        assert f'"{opt}"' in source or f'"{opt}"' in common, (opt, cmd)
