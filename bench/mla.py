@@ -43,6 +43,7 @@ if ROOT not in sys.path:
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from bench import harness  # noqa: E402
 from probjax.core.timing import classify_error, device_info, time_fn  # noqa: E402
 from probjax.nn.layers.attention import CausalMask, KVLenMask, dot_product_attention  # noqa: E402
 from probjax.ops.attention.backends.xla import attention as xla_attention  # noqa: E402
@@ -214,13 +215,6 @@ def key_of(row):
   return (row["suite"], row["case"], row["mode"], row["impl"])
 
 
-def load(path):
-  if not path or not os.path.exists(path):
-    return []
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
-
-
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--suite", default=",".join(SUITES))
@@ -246,7 +240,7 @@ def main(argv=None):
   common = dict(device=info["device"], platform=info["platform"], versions=info["versions"],
                 commit=info["commit"], command="python -m bench.mla " + " ".join(argv if argv is not None else sys.argv[1:]),
                 dtype=jnp.dtype(dtype).name)
-  rows = load(args.output)
+  rows = harness.load_rows(args.output)
   done = {key_of(r) for r in rows}
   suites = [s for s in args.suite.split(",") if s]
   impls = {s for s in args.impl.split(",") if s}

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from bench import harness
 from probjax.core import timing
 from probjax.core.device import Device
 from probjax.ops.grouped_matmul import REGISTRY
@@ -218,13 +219,6 @@ def row_key(row: dict) -> tuple:
   return tuple(row.get(f) for f in KEY)
 
 
-def load_rows(path: str) -> list[dict]:
-  if not os.path.exists(path):
-    return []
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
-
-
 # The implementation every other is compared against (the first of these that runs): the
 # dense dispatch computes every expert on every token, so it shares no routing code path with
 # the grouped matmuls; where it runs out of memory the sorted dispatch is the reference.
@@ -350,7 +344,7 @@ def main(argv=None) -> None:
                 versions=info["versions"], commit=info["commit"], command=" ".join(["python -m bench.moe", *sys.argv[1:]]))
   done = {}
   if args.append:
-    done = {row_key(r): r for r in load_rows(args.output)}
+    done = {row_key(r): r for r in harness.load_rows(args.output)}
   elif os.path.exists(args.output):
     os.remove(args.output)
   os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)

@@ -29,9 +29,7 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -40,12 +38,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from probjax.ops import scan
+from bench import harness
+from probjax.core import timing
 from probjax.core.device import Device
+from probjax.ops import scan
 from probjax.ops.scan import registry
 from probjax.ops.scan.calls import MambaCall, RLACall, SSDCall
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEY = ("case", "impl", "mode", "dtype", "shape")
 REGISTRIES = {"mamba": registry.MAMBA, "ssd": registry.SSD, "rla": registry.RLA}
 
@@ -122,46 +121,6 @@ def block_ms(fn, inputs, calls: int) -> float:
   return (time.perf_counter() - t0) / calls * 1e3
 
 
-def classify(exc: BaseException) -> str:
-  low = f"{type(exc).__name__}: {exc}".lower()
-  if "resource_exhausted" in low or "out of memory" in low:
-    return "oom"
-  return "unsupported" if isinstance(exc, (ValueError, NotImplementedError)) else "error"
-
-
-def versions() -> dict:
-  import importlib.metadata as md
-  out = {"python": platform.python_version()}
-  for pkg in ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "flax", "numpy"):
-    try:
-      out[pkg] = md.version(pkg)
-    except md.PackageNotFoundError:
-      pass
-  return out
-
-
-def commit() -> str | None:
-  """``$PROBJAX_COMMIT`` (a device machine has no .git), else git's HEAD (``+dirty`` with edits
-  under probjax/)."""
-  if os.environ.get("PROBJAX_COMMIT"):
-    return os.environ["PROBJAX_COMMIT"]
-  git = lambda *a: subprocess.run(["git", "-C", ROOT, *a], capture_output=True, text=True, timeout=10)
-  try:
-    head = git("rev-parse", "--short", "HEAD")
-    if head.returncode:
-      return None
-    dirty = git("status", "--porcelain", "--untracked-files=no", "probjax").stdout.strip()
-    return head.stdout.strip() + ("+dirty" if dirty else "")
-  except (OSError, subprocess.SubprocessError):
-    return None
-
-
-def device_slug(device) -> str:
-  if device.platform == "cpu":
-    return "cpu"
-  return device.device_kind.lower().replace("nvidia", "").strip().split()[0]
-
-
 def key_of(row) -> str:
   return json.dumps([row.get(k) for k in KEY])
 
@@ -174,7 +133,7 @@ def measure(case, mode, dtype, impls, args, interpret, meta, progress):
   fns = {}
 
   def failed(impl, e):
-    rows[impl].update(status=classify(e), error=f"{type(e).__name__}: {e}"[:2000])
+    rows[impl].update(status=timing.classify_error(e)[0], error=f"{type(e).__name__}: {e}"[:2000])
     if rows[impl]["status"] == "error":
       rows[impl]["traceback"] = traceback.format_exc()[-2000:]
 
@@ -243,14 +202,13 @@ def main(argv=None):
     sys.exit("bench/scan.py times GPUs; pass --cpu-smoke to run tiny shapes on this device")
   interpret = args.cpu_smoke
   table = SMOKE if args.cpu_smoke else CASES
-  output = args.output or os.path.join(ROOT, "bench", "results", device_slug(device), "scan.json")
+  output = args.output or harness.results_file("scan")
   os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
   done = set()
-  if args.append and os.path.exists(output):
-    with open(output) as f:
-      done = {key_of(json.loads(line)) for line in f if line.strip()}
-  meta = dict(device=device.device_kind, platform=device.platform, versions=versions(),
-              commit=commit(), command=" ".join([os.path.basename(sys.executable), "-m", "bench.scan", *sys.argv[1:]]),
+  if args.append:
+    done = {key_of(r) for r in harness.load_rows(output)}
+  meta = dict(device=device.device_kind, platform=device.platform, versions=timing.library_versions(),
+              commit=timing.code_commit(), command=" ".join([os.path.basename(sys.executable), "-m", "bench.scan", *sys.argv[1:]]),
               interpret=interpret)
   jobs = [(case, mode, getattr(jnp, dt)) for name in args.cases.split(",") for case in table[name]
           for mode in args.modes.split(",") for dt in args.dtypes.split(",")]
