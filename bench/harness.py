@@ -271,7 +271,8 @@ def row_key(row: dict) -> tuple:
 # The suites with their own row schema (bench/lm_step.py, moe.py, scan.py, dit_step.py,
 # mla.py, isab.py, quickstart.py; and results of probes whose conclusion docs/dev/decisions.md
 # records, their scripts in git history: mla_decode_tiles.json, a tile sweep of MLA's decode
-# kernel, mla_decode_xla_check.json, segment_traced.json of bench/segment_traced.py): the fields that key their rows, by file name.
+# kernel, mla_decode_xla_check.json, segment_traced.json of bench/segment_traced.py): the
+# fields that key their rows, by file name.
 OWN_SCHEMA_KEYS = {"lm_step": ("section", "case", "impl"),
                    "moe": ("suite", "mode", "impl", "size", "dist", "shape"),
                    "scan": ("case", "impl", "mode", "dtype", "shape"),
