@@ -47,18 +47,11 @@ def grid_cases(args):
                     for c in _csv(args.causal))
     modes, batch, heads = _csv(args.modes), args.batch, args.heads
     impl_list = PROBJAX_GRID + PEERS_GRID
-  cases = []
-  for dtype in dtypes:
-    for d in dims:
-      for causal in causals:
-        for t in lengths:
-          for mode in modes:
-            for impl in impl_list:
-              if mode == "fwd" and impl in BWD_VARIANTS:
-                continue  # the forward of probjax_triton (probjax_mosaic for the mosaic backward)
-              cases.append(impls.timed_case("grid", impl, dtype, batch, heads, heads, t, t, d,
-                                            causal, mode, timing))
-  return cases
+  shapes = [impls.shape(dtype, batch, heads, heads, t, t, d, causal, mode) for dtype in dtypes
+            for d in dims for causal in causals for t in lengths for mode in modes]
+  # a backward variant's forward is probjax_triton's (probjax_mosaic's for the mosaic backward)
+  return impls.timed_cases("grid", impl_list, shapes, timing,
+                           skip=lambda impl, s: s["mode"] == "fwd" and impl in BWD_VARIANTS)
 
 
 def masked_cases(args):
@@ -71,20 +64,15 @@ def masked_cases(args):
     shapes = [(1, 16, 16384, 128)]
     masks = ("window512", "docs4", "docs4_causal", "softcap30")
     impl_list = MASKED_IMPLS
-  cases = []
-  for b, h, t, d in shapes:
-    for mask in masks:
-      for mode in ("fwd", "fwd_bwd"):
-        for impl in impl_list:
-          if mask == "softcap30" and impl == "jaxnn_cudnn":
-            continue  # no score modifier in jax.nn
-          if mask not in ("window512", "softcap30") and not (impl.startswith("probjax") or impl == "torch_flex"):
-            continue
-          dtype = "float32" if args.quick else "bfloat16"
-          cases.append(impls.timed_case("masked", impl, dtype, b, h, h, t, t, d,
-                                        mask in ("window512", "docs4_causal", "softcap30"), mode, timing,
-                                        mask=mask))
-  return cases
+  dtype = "float32" if args.quick else "bfloat16"
+  table = [impls.shape(dtype, b, h, h, t, t, d, mask in ("window512", "docs4_causal", "softcap30"), mode,
+                       mask=mask) for b, h, t, d in shapes for mask in masks for mode in ("fwd", "fwd_bwd")]
+
+  def skip(impl, s):
+    if s["mask"] == "softcap30" and impl == "jaxnn_cudnn":
+      return True  # no score modifier in jax.nn
+    return s["mask"] not in ("window512", "softcap30") and not (impl.startswith("probjax") or impl == "torch_flex")
+  return impls.timed_cases("masked", impl_list, table, timing, skip=skip)
 
 
 def main(argv=None):

@@ -90,9 +90,8 @@ def cpu_cases(args, torch_py, note):
     shapes = [(t, False, ("fwd", "fwd_bwd")) for t in lengths] + [(4096, True, ("fwd_bwd",))]
   cases = []
   for t, causal, modes in shapes:
-    for mode in modes:
-      for impl in JAX_IMPLS:
-        cases.append(impls.timed_case("cpu", impl, "float32", b, h, h, t, t, d, causal, mode, timing))
+    for mode in modes:  # the JAX implementations, then torch in its own interpreter
+      cases += impls.timed_cases("cpu", JAX_IMPLS, [impls.shape("float32", b, h, h, t, t, d, causal, mode)], timing)
       cases.append(torch_cpu_case(args, "float32", b, h, h, t, t, d, causal, mode, timing,
                                   torch_py, note))
   return cases

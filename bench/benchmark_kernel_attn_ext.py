@@ -40,9 +40,8 @@ def gqa_cases(args):
     impl_list = GQA_IMPLS if args.device == "gpu" else CPU_IMPLS + ("probjax_repeat_kv",)
   cases = []
   for t in lengths:
-    for mode in ("fwd", "fwd_bwd"):
-      for impl in impl_list:
-        cases.append(impls.timed_case("gqa", impl, dtype, b, hq, hk, t, t, d, False, mode, timing))
+    cases += impls.timed_cases("gqa", impl_list, [impls.shape(dtype, b, hq, hk, t, t, d, False, mode)
+                                                  for mode in ("fwd", "fwd_bwd")], timing)
     for impl in ("probjax_default", "probjax_repeat_kv"):
       cases.append(impls.memory_case("gqa_memory", impl, dtype, b, hq, hk, t, d, impls.fwd_bwd_memory))
   return cases
@@ -63,12 +62,8 @@ def decode_cases(args):
               for lkv in lkvs for lq in lqs]
     if args.device == "gpu":  # a cache whose length is not a multiple of the kernel's tiles
       combos += [(dtype, 8, 32, 8, 128, lq, 65000) for lq in lqs]
-  cases = []
-  for dtype, b, hq, hk, d, lq, lkv in combos:
-    for impl in impl_list:
-      cases.append(impls.timed_case("decode", impl, dtype, b, hq, hk, lq, lkv, d, False, "fwd",
-                                    timing))
-  return cases
+  return impls.timed_cases("decode", impl_list, [impls.shape(dtype, b, hq, hk, lq, lkv, d, False, "fwd")
+                                                 for dtype, b, hq, hk, d, lq, lkv in combos], timing)
 
 
 def main(argv=None):

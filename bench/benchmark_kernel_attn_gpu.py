@@ -65,23 +65,21 @@ def dispatch_cases(args):
     dtype, b, h = harness.DTYPE_NAMES[args.dtype], 64, 8
     lengths, dims = (64, 128, 192, 256, 384, 512, 768, 1024), (32, 64)
     impl_list = DISPATCH_IMPLS
-  cases = []
-  for d in dims:
-    for t in lengths:
-      for impl in impl_list:
-        c = impls.timed_case("dispatch", impl, dtype, b, h, h, t, t, d, False, "fwd_bwd", timing)
-        if impl == "probjax_default":
-          run0 = c.run
+  shapes = [impls.shape(dtype, b, h, h, t, t, d, False, "fwd_bwd") for d in dims for t in lengths]
 
-          def run(run0=run0, t=t, d=d):
-            res = run0()
-            e = explain((b, t, h, d), (b, t, h, d), dtype, False)
-            if e is not None:
-              res["dispatch"] = e
-            return res
-          c = dataclasses.replace(c, run=run)
-        cases.append(c)
-  return cases
+  def with_dispatch(c):  # the default's row also says what it picked (explain_dispatch)
+    if c.impl != "probjax_default":
+      return c
+    run0, t, d = c.run, c.q_len, c.head_dim
+
+    def run():
+      res = run0()
+      e = explain((b, t, h, d), (b, t, h, d), dtype, False)
+      if e is not None:
+        res["dispatch"] = e
+      return res
+    return dataclasses.replace(c, run=run)
+  return [with_dispatch(c) for c in impls.timed_cases("dispatch", impl_list, shapes, timing)]
 
 
 def residual_cases(args):

@@ -414,6 +414,20 @@ def timed_case(suite, impl, dtype, batch, q_heads, kv_heads, q_len, kv_len, head
               variant=variant, flops=(mask == "none"), prepare=prepare)
 
 
+def shape(dtype, batch, q_heads, kv_heads, q_len, kv_len, head_dim, causal, mode, mask="none") -> dict:
+  """One shape of a suite's table: the :func:`timed_case` arguments besides the implementation."""
+  return dict(dtype=dtype, batch=batch, q_heads=q_heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len,
+              head_dim=head_dim, causal=causal, mode=mode, mask=mask)
+
+
+def timed_cases(suite, names, shapes, timing, skip=None) -> list:
+  """A suite as data: a :func:`timed_case` per shape (:func:`shape`) and implementation, the
+  implementations of a shape together (the order the harness runs and ``--rounds`` groups),
+  leaving out the pairs ``skip(impl, shape)`` rejects."""
+  return [timed_case(suite, impl, timing=timing, **s) for s in shapes for impl in names
+          if skip is None or not skip(impl, s)]
+
+
 def memory_case(suite, impl, dtype, batch, q_heads, kv_heads, t, head_dim, measure):
   """A harness.Case (non-causal fwd_bwd, no FLOPs) whose row is ``measure(impl, arrays, dtype)``
   on the shared inputs of the shape (a dict of byte counts)."""

@@ -35,12 +35,9 @@ def cases(args) -> list[harness.Case]:
     dtype, names = "bfloat16", tuple(x for x in args.impls.split(",") if x)
     shapes = [(args.batch, args.heads, t, d, c, mode) for t in ints(args.lengths) for d in ints(args.head_dims)
               for c in CAUSAL[args.causal] for mode in args.modes.split(",") if mode]
-  out = []
-  for b, h, t, d, causal, mode in shapes:
-    for impl in names:
-      out.append(impls.timed_case("interleaved", impl, dtype, b, h, h, t, t, d,
-                                  causal or args.mask in MASK_IS_CAUSAL, mode, timing, mask=args.mask))
-  return out
+  return impls.timed_cases("interleaved", names, [
+      impls.shape(dtype, b, h, h, t, t, d, causal or args.mask in MASK_IS_CAUSAL, mode, mask=args.mask)
+      for b, h, t, d, causal, mode in shapes], timing)
 
 
 def main(argv=None):

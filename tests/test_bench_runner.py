@@ -174,3 +174,39 @@ def test_every_gpu_batch_step_names_a_suite_and_options_it_has(tmp_path):
         assert opt[2:] in harness.KEY_FIELDS, (opt, cmd)
       else:
         assert f'"{opt}"' in source or f'"{opt}"' in common, (opt, cmd)
+
+
+# -----------------------------------------------------------------------------
+# suites as data: implementations x shapes
+# -----------------------------------------------------------------------------
+def test_timed_cases_are_implementations_by_shapes():
+  from bench import harness, impls
+  timing = dict(warmup=0, repeats=1)
+  shapes = [impls.shape("float32", 1, 2, 2, t, t, 16, False, mode) for t in (64, 128) for mode in ("fwd", "fwd_bwd")]
+  cases = impls.timed_cases("s", ("a", "b_bwd"), shapes, timing,
+                            skip=lambda impl, s: s["mode"] == "fwd" and impl.endswith("_bwd"))
+  assert all(isinstance(c, harness.Case) for c in cases)
+  assert [(c.q_len, c.mode, c.impl) for c in cases] == [
+      (64, "fwd", "a"), (64, "fwd_bwd", "a"), (64, "fwd_bwd", "b_bwd"),
+      (128, "fwd", "a"), (128, "fwd_bwd", "a"), (128, "fwd_bwd", "b_bwd")]
+  # a shape's implementations are adjacent: --rounds times them against each other
+  assert [len(g) for g in harness.shape_groups(cases)] == [1, 2, 1, 2]
+  masked = impls.timed_cases("m", ("a",), [impls.shape("float32", 1, 2, 2, 64, 64, 16, True, "fwd", mask="docs4")],
+                             timing)
+  assert masked[0].mask == "docs4" and masked[0].flops is False and masked[0].causal is True
+
+
+def test_the_harness_suites_build_their_tables_with_timed_cases(monkeypatch):
+  """Each harness suite's cases come from impls.timed_cases (the tables' sizes, --quick and full)."""
+  from bench import benchmark_gpu_attention, benchmark_kernel_attn_ext, benchmark_kernel_attn_gpu, harness, impls
+  calls, got = [], {}
+  real = impls.timed_cases
+  monkeypatch.setattr(impls, "timed_cases", lambda suite, *a, **k: calls.append(suite) or real(suite, *a, **k))
+  monkeypatch.setattr(harness, "run_cases", lambda cases, args, **k: got.__setitem__("n", len(list(cases))))
+  for main, argv, suites, n in (
+      (benchmark_gpu_attention.main, ["--suite", "grid,masked"], {"grid", "masked"}, 2226),
+      (benchmark_kernel_attn_ext.main, ["--device", "gpu"], {"gqa", "decode"}, 262),
+      (benchmark_kernel_attn_gpu.main, ["--device", "gpu", "--suite", "dispatch"], {"dispatch"}, 80)):
+    calls.clear()
+    main(argv)
+    assert set(calls) == suites and got["n"] == n, (argv, calls, got)
