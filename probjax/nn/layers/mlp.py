@@ -14,9 +14,19 @@ from flax import nnx
 
 from probjax.nn.layers._checks import check_array
 
-__all__ = ["MLP", "FiLM"]
+__all__ = ["MLP", "FiLM", "default_hidden_features"]
 
 ACTIVATIONS = ("gelu", "swiglu")
+
+
+def default_hidden_features(features: int, activation: str) -> int:
+  """The hidden width of an MLP (or an expert) left unset: ``4 * features`` (GELU) or
+  ``round_up(8/3 * features, 64)`` (SwiGLU).
+
+  >>> default_hidden_features(96, "gelu"), default_hidden_features(96, "swiglu")
+  (384, 256)
+  """
+  return 4 * features if activation == "gelu" else -(-(8 * features // 3) // 64) * 64
 
 
 class MLP(nnx.Module):
@@ -35,7 +45,7 @@ naming ``x``, an integer one TypeError).
     if activation not in ACTIVATIONS:
       raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     if hidden_features is None:
-      hidden_features = 4 * features if activation == "gelu" else -(-(8 * features // 3) // 64) * 64
+      hidden_features = default_hidden_features(features, activation)
     self.features, self.activation, self.hidden_features = features, activation, hidden_features
     kw = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     width = hidden_features * (2 if activation == "swiglu" else 1)

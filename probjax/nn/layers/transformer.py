@@ -20,7 +20,7 @@ Its KV cache is one :class:`~probjax.nn.layers.kv_cache.KVCache` with one ``leng
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -29,10 +29,10 @@ from flax import nnx
 from probjax.nn.layers.attention import dot_product_attention
 from probjax.nn.layers import kv_cache as kvc
 from probjax.nn.layers._checks import check_array, check_mask
-from probjax.nn.layers.mlp import ACTIVATIONS as MLP_KINDS, FiLM, MLP
+from probjax.nn.layers.mlp import ACTIVATIONS as MLP_KINDS, FiLM, MLP, default_hidden_features
 from probjax.nn.layers.multi_head_attention import MultiHeadAttention, check_heads
 
-__all__ = ["TransformerBlock", "Transformer", "TransformerLM"]
+__all__ = ["TransformerBlock", "Transformer", "TransformerLM", "MIXERS", "FFNS"]
 
 NORMS = ("layernorm", "rmsnorm")
 
@@ -43,20 +43,87 @@ def _norm(kind, features, dtype, param_dtype, rngs):
   return nnx.RMSNorm(features, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
 
+MIXERS = ("attention", "mamba", "mamba2", "rla")
+FFNS = ("mlp", "moe")
+
+
+def _kwargs(name, value, kind, kinds):
+  """The constructor's keyword arguments: ``value`` itself, or, when every key of ``value``
+  names a kind (``{"rla": {...}, "mamba": {...}}``), the entry of ``kind`` (none: {})."""
+  if value is None:
+    return {}
+  if not isinstance(value, Mapping):
+    raise TypeError(f"{name} must be a dict of keyword arguments (or of them by kind) or None, "
+                    f"got {type(value).__name__}")
+  if value and all(k in kinds for k in value):
+    value = value.get(kind)
+    value = {} if value is None else value
+    if not isinstance(value, Mapping):
+      raise TypeError(f"{name}[{kind!r}] must be a dict of keyword arguments, got {type(value).__name__}")
+  return dict(value)
+
+
+def _check_choice(name, value, choices):
+  if isinstance(value, str):
+    if value not in choices:
+      raise ValueError(f"{name} must be one of {choices} or a factory, got {value!r}")
+  elif not callable(value):
+    raise TypeError(f"{name} must be one of {choices} or a factory (a callable returning a module), "
+                    f"got {type(value).__name__}")
+
+
 class TransformerBlock(nnx.Module):
-  """Pre-norm block on ``[batch, seq, features]``: ``x + attn(norm(x))``, then (with
-  ``context_features``) ``x + cross_attn(norm(x), context)``, then ``x + mlp(norm(x))``.
+  """Pre-norm block on ``[batch, seq, features]``: ``x + mixer(norm(x))``, then (with
+  ``context_features``) ``x + cross_attn(norm(x), context)``, then ``x + ffn(norm(x))``.
+
+  The sequence mixer and the feed-forward sublayer are chosen by keyword: ``mixer`` is
+  ``"attention"`` (the default: :class:`MultiHeadAttention`, at ``self.attn``), ``"mamba"`` /
+  ``"mamba2"`` (:class:`~probjax.nn.layers.mamba.Mamba` / ``Mamba2`` with ``d_model=features``),
+  ``"rla"`` (:class:`~probjax.nn.layers.rattention.RAttention` with the block's heads; its
+  ``window_size`` in ``mixer_kwargs``) or a factory; ``ffn`` is ``"mlp"`` (the default:
+  :class:`MLP`) or ``"moe"`` (:class:`~probjax.nn.layers.moe.MoELayer` with ``d_model=features``,
+  ``d_hidden=mlp_features`` and the ``mlp`` activation; ``num_experts`` and ``top_k`` in
+  ``ffn_kwargs``) or a factory. Mamba, Mamba-2 and RLA mixers (at ``self.mixer``) are causal
+  whatever ``is_causal``, take no ``mask`` (ValueError) and no positions (they have no
+  positional encoding); KV-cache decoding (:meth:`prefill`, :meth:`decode_step`) needs the
+  attention mixer. :class:`Transformer` takes per-layer lists of ``mixer`` / ``ffn`` (hybrid
+  and MoE models).
 
   Args:
-    features, num_heads, num_kv_heads, head_dim, rotary, rotary_base, qk_norm, is_causal:
-      of the self-attention (see :class:`MultiHeadAttention`).
-    mlp: "gelu" or "swiglu"; mlp_features: its hidden width (see :class:`MLP`).
+    features: the block's width (of ``x`` in and out).
+    num_heads: heads of the attention (and of the "rla" mixer and the cross-attention); needed
+      unless the mixer is "mamba", "mamba2" or a factory and there is no cross-attention.
+    num_kv_heads: key/value heads (see :class:`MultiHeadAttention`).
+    head_dim: per-head features (see :class:`MultiHeadAttention`).
+    mlp: the feed-forward activation, "gelu" or "swiglu" (of the MLP, or of the experts).
+    mlp_features: the feed-forward hidden width (see :class:`MLP`; per expert with ``ffn="moe"``).
     norm: "layernorm" or "rmsnorm".
+    rotary: RoPE in the self-attention (see :class:`MultiHeadAttention`).
+    rotary_base: RoPE's base.
+    qk_norm: RMS-norm of queries and keys in every attention.
+    is_causal: the self-attention's default causal masking.
     context_features: features of a cross-attention context (None: no cross-attention).
     film_features: features of a FiLM conditioning vector modulating each normalized
       sublayer input (None: no FiLM).
-    dropout_rate: residual dropout; attention_dropout_rate: on the attention weights.
+    dropout_rate: residual dropout.
+    attention_dropout_rate: dropout on the attention weights.
+    use_bias: biases in the attention, MLP (and Mamba/RLA unless ``mixer_kwargs`` says) projections.
     attention_fn: passed to every attention layer.
+    mixer: "attention", "mamba", "mamba2", "rla", or a factory called as ``mixer(features=,
+      dtype=, param_dtype=, rngs=, **mixer_kwargs)`` returning a module ``h [batch, seq,
+      features] -> [batch, seq, features]``.
+    mixer_kwargs: more keyword arguments of the mixer's constructor (e.g. ``{"window_size":
+      64}`` for "rla", ``{"d_state": 16}`` for "mamba"), or a dict of them by mixer kind
+      (``{"rla": {"window_size": 64}, "mamba": {"d_state": 16}}``: the block takes its kind's
+      entry; for hybrid stacks).
+    ffn: "mlp", "moe", or a factory called as ``ffn(features=, dtype=, param_dtype=, rngs=,
+      **ffn_kwargs)`` returning a module ``h -> y`` or ``h -> (y, aux)``.
+    ffn_kwargs: more keyword arguments of the feed-forward's constructor (e.g.
+      ``{"num_experts": 8, "top_k": 2}`` for "moe"), or a dict of them by kind (``{"moe":
+      {...}}``: an "mlp" block takes none).
+    dtype: compute dtype (None: from the inputs and params).
+    param_dtype: parameter dtype.
+    rngs: the parameters' (and dropout's) random streams.
 
   >>> import jax.numpy as jnp
   >>> from flax import nnx
@@ -65,15 +132,22 @@ class TransformerBlock(nnx.Module):
   >>> apply = nnx.jit(lambda m, x, c, f: m(x, context=c, film=f))
   >>> apply(blk, jnp.ones((2, 6, 32)), jnp.ones((2, 5, 8)), jnp.ones((2, 3))).shape
   (2, 6, 32)
+  >>> hybrid = TransformerBlock(features=32, mixer="mamba", mixer_kwargs={"d_state": 8}, ffn="moe",
+  ...                           ffn_kwargs={"num_experts": 4, "top_k": 2}, rngs=nnx.Rngs(0))
+  >>> y, aux = hybrid(jnp.ones((2, 6, 32)), return_aux=True)   # aux: the MoE's RouterAux
+  >>> y.shape, aux.expert_counts.shape
+  ((2, 6, 32), (4,))
   """
 
-  def __init__(self, *, features: int, num_heads: int, num_kv_heads: int | None = None,
+  def __init__(self, *, features: int, num_heads: int | None = None, num_kv_heads: int | None = None,
                head_dim: int | None = None, mlp: str = "gelu", mlp_features: int | None = None,
                norm: str = "layernorm", rotary: bool = False, rotary_base: float = 10000.0,
                qk_norm: bool = False, is_causal: bool = False, context_features: int | None = None,
                film_features: int | None = None, dropout_rate: float = 0.0,
                attention_dropout_rate: float = 0.0, use_bias: bool = False,
-               attention_fn: Callable = dot_product_attention, dtype=None,
+               attention_fn: Callable = dot_product_attention, mixer: str | Callable = "attention",
+               mixer_kwargs: Mapping[str, Any] | None = None, ffn: str | Callable = "mlp",
+               ffn_kwargs: Mapping[str, Any] | None = None, dtype=None,
                param_dtype=jnp.float32, rngs: nnx.Rngs):
     if norm not in NORMS:
       raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
@@ -81,23 +155,48 @@ class TransformerBlock(nnx.Module):
       raise ValueError(f"mlp must be one of {MLP_KINDS}, got {mlp!r}")
     if not 0.0 <= dropout_rate < 1.0:
       raise ValueError(f"dropout_rate must lie in [0, 1), got {dropout_rate}")
-    check_heads(features, num_heads, num_kv_heads, head_dim)
+    _check_choice("mixer", mixer, MIXERS)
+    _check_choice("ffn", ffn, FFNS)
+    mixer_kwargs = _kwargs("mixer_kwargs", mixer_kwargs, mixer, MIXERS)
+    ffn_kwargs = _kwargs("ffn_kwargs", ffn_kwargs, ffn, FFNS)
+    if isinstance(features, bool) or not isinstance(features, int) or features < 1:
+      raise ValueError(f"features must be an int >= 1, got {features!r}")
+    needs_heads = mixer in ("attention", "rla") or context_features is not None
+    if num_heads is None and needs_heads:
+      raise ValueError(f"num_heads must be given (mixer={mixer!r}"
+                       f"{', context_features set' if context_features is not None else ''})")
+    if needs_heads:
+      check_heads(features, num_heads, num_kv_heads, head_dim)
     self.features, self.context_features, self.film_features = features, context_features, film_features
+    self.mixer_kind = mixer if isinstance(mixer, str) else "factory"
+    self.ffn_kind = ffn if isinstance(ffn, str) else "factory"
+    self.dtype, self.param_dtype = dtype, param_dtype
     kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     attn = dict(num_heads=num_heads, in_features=features, num_kv_heads=num_kv_heads,
                 head_dim=head_dim, use_bias=use_bias, dropout_rate=attention_dropout_rate,
                 attention_fn=attention_fn, **kw)
     self.attn_norm = _norm(norm, features, dtype, param_dtype, rngs)
-    self.attn = MultiHeadAttention(rotary=rotary, rotary_base=rotary_base, qk_norm=qk_norm,
-                                   is_causal=is_causal, **attn)
+    if mixer == "attention":
+      self.attn = MultiHeadAttention(rotary=rotary, rotary_base=rotary_base, qk_norm=qk_norm,
+                                     is_causal=is_causal, **{**attn, **mixer_kwargs})
+      self.mixer = None
+    else:
+      self.attn = None
+      self.mixer = _make_mixer(mixer, mixer_kwargs, features=features, num_heads=num_heads,
+                               num_kv_heads=num_kv_heads, head_dim=head_dim, use_bias=use_bias, **kw)
     if context_features is not None:
       self.cross_norm = _norm(norm, features, dtype, param_dtype, rngs)
       self.cross = MultiHeadAttention(context_features=context_features, qk_norm=qk_norm, **attn)
     else:
       self.cross_norm = self.cross = None
     self.mlp_norm = _norm(norm, features, dtype, param_dtype, rngs)
-    self.mlp = MLP(features=features, hidden_features=mlp_features, activation=mlp,
-                   use_bias=use_bias, **kw)
+    if ffn == "mlp":
+      self.mlp = MLP(features=features, hidden_features=mlp_features, activation=mlp,
+                     use_bias=use_bias, **{**kw, **ffn_kwargs})
+    elif ffn == "moe":
+      self.mlp = _make_moe(ffn_kwargs, features=features, mlp=mlp, mlp_features=mlp_features, **kw)
+    else:
+      self.mlp = ffn(features=features, **kw, **ffn_kwargs)
     n_sites = 2 + (context_features is not None)
     self.film = (None if film_features is None else
                  FiLM(features=features, context_features=film_features, num=n_sites, **kw))
@@ -107,13 +206,17 @@ class TransformerBlock(nnx.Module):
                    mask=None):
     """Static checks of a call's inputs (ValueError for shapes, TypeError for dtypes and types,
     naming the argument): floating ``x [batch, seq, features]``, integer ``positions [batch,
-    seq]``, ``mask`` fitting ``[batch, seq, seq]``, floating ``context [batch, ctx_seq,
-    context_features]`` with ``context_mask`` fitting ``[batch, seq, ctx_seq]``, floating
-    ``film [batch, film_features]``. Returns the sizes bound (``batch``, ``seq``, ...)."""
+    seq]``, ``mask`` fitting ``[batch, seq, seq]`` (and no mask for a mixer other than
+    attention), floating ``context [batch, ctx_seq, context_features]`` with ``context_mask``
+    fitting ``[batch, seq, ctx_seq]``, floating ``film [batch, film_features]``. Returns the
+    sizes bound (``batch``, ``seq``, ...)."""
     s = check_array("x", x, ("batch", seq, ("features", self.features)))
     b, t = s["batch"][0], s[seq][0]
     if positions is not None:
       check_array("positions", positions, ("batch", seq), dtype="int", sizes=s)
+    if mask is not None and self.attn is None:
+      raise ValueError(f"mask: the {self.mixer_kind!r} mixer takes no mask (it is causal over the "
+                       "whole sequence); packed documents need the attention mixer")
     check_mask(mask, b, t, t)
     if context is not None and self.context_features is not None:
       s = check_array("context", context, ("batch", "ctx_seq", ("context_features", self.context_features)),
@@ -131,7 +234,9 @@ class TransformerBlock(nnx.Module):
     return x + y.astype(x.dtype)
 
   def _apply(self, x, self_attn, *, context, context_mask, film, deterministic):
-    """The block with ``self_attn(h) -> (y, aux)`` as its self-attention; returns (x, aux)."""
+    """The block with ``self_attn(h) -> (y, aux)`` as its sequence mixer; returns ``(x, aux,
+    ffn_aux)`` (``ffn_aux``: the feed-forward's auxiliary output, e.g. the MoE's RouterAux, or
+    None)."""
     if (film is None) != (self.film is None):
       raise ValueError("film must be given exactly when the block has film_features"
                        if self.film is not None else "film given to a block without film_features")
@@ -145,35 +250,92 @@ class TransformerBlock(nnx.Module):
       h = FiLM.apply(self.cross_norm(x), mods[1])
       x = self._residual(x, self.cross(h, context, mask=context_mask, deterministic=deterministic),
                          deterministic)
-    x = self._residual(x, self.mlp(FiLM.apply(self.mlp_norm(x), mods[-1])), deterministic)
-    return x, aux
+    out = self.mlp(FiLM.apply(self.mlp_norm(x), mods[-1]))
+    y, ffn_aux = out if isinstance(out, tuple) else (out, None)
+    x = self._residual(x, y, deterministic)
+    return x, aux, ffn_aux
 
   def __call__(self, x, *, context=None, context_mask=None, film=None, positions=None, mask=None,
-               deterministic: bool | None = None):
-    """``x [batch, seq, features] -> [batch, seq, features]``. ``context [batch, ctx_seq,
-    context_features]`` and ``context_mask`` (e.g. ``KVLenMask``) for cross-attention; ``film
-    [batch, film_features]``; ``positions``/``mask`` as in :class:`MultiHeadAttention`. Wrong
-    shapes or dtypes raise ValueError / TypeError naming the argument (:meth:`check_inputs`)."""
+               deterministic: bool | None = None, return_aux: bool = False):
+    """``x [batch, seq, features] -> [batch, seq, features]``.
+
+    Args:
+      x: ``[batch, seq, features]`` floating.
+      context: ``[batch, ctx_seq, context_features]`` for the cross-attention.
+      context_mask: the cross-attention's mask (e.g. ``KVLenMask``).
+      film: ``[batch, film_features]``.
+      positions: as in :class:`MultiHeadAttention` (attention mixer; the others ignore them).
+      mask: as in :class:`MultiHeadAttention` (attention mixer only).
+      deterministic: False applies dropout (needed when a dropout rate is set).
+      return_aux: also return the feed-forward's auxiliary output (the MoE's
+        :class:`~probjax.nn.layers.moe.RouterAux`; None for the MLP).
+
+    Wrong shapes or dtypes raise ValueError / TypeError naming the argument (:meth:`check_inputs`).
+    """
     self.check_inputs(x, context=context, context_mask=context_mask, film=film, positions=positions, mask=mask)
-    attn = lambda h: (self.attn(h, positions=positions, mask=mask, deterministic=deterministic), None)
-    return self._apply(x, attn, context=context, context_mask=context_mask, film=film,
-                       deterministic=deterministic)[0]
+    if self.attn is not None:
+      mix = lambda h: (self.attn(h, positions=positions, mask=mask, deterministic=deterministic), None)
+    else:
+      mix = lambda h: (self.mixer(h), None)
+    x, _, ffn_aux = self._apply(x, mix, context=context, context_mask=context_mask, film=film,
+                                deterministic=deterministic)
+    return (x, ffn_aux) if return_aux else x
+
+  def _check_decoding(self):
+    if self.attn is None:
+      raise ValueError(f"KV-cache decoding needs the attention mixer; this block's mixer is "
+                       f"{self.mixer_kind!r}")
 
   def prefill(self, x, cache, lengths, *, layer=None, positions=None, context=None,
               context_mask=None, film=None):
     """As :meth:`MultiHeadAttention.prefill` for the block; returns ``(x, cache)``."""
+    self._check_decoding()
     self.check_inputs(x, "P", context=context, context_mask=context_mask, film=film, positions=positions)
     attn = lambda h: self.attn.prefill(h, cache, lengths, positions=positions, layer=layer)
     return self._apply(x, attn, context=context, context_mask=context_mask, film=film,
-                       deterministic=True)
+                       deterministic=True)[:2]
 
   def decode_step(self, x, cache, *, layer=None, positions=None, context=None, context_mask=None,
                   film=None):
     """As :meth:`MultiHeadAttention.decode_step` for the block; returns ``(x, cache)``."""
+    self._check_decoding()
     self.check_inputs(x, "n", context=context, context_mask=context_mask, film=film, positions=positions)
     attn = lambda h: self.attn.decode_step(h, cache, positions=positions, layer=layer)
     return self._apply(x, attn, context=context, context_mask=context_mask, film=film,
-                       deterministic=True)
+                       deterministic=True)[:2]
+
+
+def _make_mixer(kind, kwargs, *, features, num_heads, num_kv_heads, head_dim, use_bias, dtype,
+                param_dtype, rngs):
+  kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+  if kind in ("mamba", "mamba2"):
+    from probjax.nn.layers.mamba import Mamba, Mamba2
+    return (Mamba if kind == "mamba" else Mamba2)(d_model=features, **{"use_bias": use_bias, **kw, **kwargs})
+  if kind == "rla":
+    from probjax.nn.layers.rattention import RAttention
+    if "window_size" not in kwargs:
+      raise ValueError("mixer='rla' needs its window_size in mixer_kwargs, e.g. "
+                       "mixer_kwargs={'window_size': 64}")
+    return RAttention(num_heads=num_heads, in_features=features, num_kv_heads=num_kv_heads,
+                      head_dim=head_dim, **{"use_bias": use_bias, **kw, **kwargs})
+  return kind(features=features, **kw, **kwargs)
+
+
+def _make_moe(kwargs, *, features, mlp, mlp_features, dtype, param_dtype, rngs):
+  from probjax.nn.layers.moe import MoELayer
+  missing = [k for k in ("num_experts", "top_k") if k not in kwargs]
+  if missing:
+    raise ValueError(f"ffn='moe' needs {' and '.join(missing)} in ffn_kwargs, e.g. "
+                     "ffn_kwargs={'num_experts': 8, 'top_k': 2}")
+  kwargs = dict(kwargs)
+  d_hidden = kwargs.pop("d_hidden", mlp_features)
+  d_hidden = default_hidden_features(features, mlp) if d_hidden is None else d_hidden
+  kwargs.setdefault("activation", mlp)
+  return MoELayer(features, d_hidden, kwargs.pop("num_experts"), kwargs.pop("top_k"), dtype=dtype,
+                  param_dtype=param_dtype, rngs=rngs, **kwargs)
+
+
+PER_LAYER_KEYS = ("mixer", "mixer_kwargs", "ffn", "ffn_kwargs")
 
 
 class Transformer(nnx.Module):
@@ -183,6 +345,20 @@ class Transformer(nnx.Module):
   :class:`TransformerBlock`'s (``features``, ``num_heads``, ...). ``remat=True`` recomputes each
   block's activations in the backward pass (``nnx.remat``).
 
+  Hybrid and MoE stacks: ``mixer``, ``mixer_kwargs``, ``ffn`` and ``ffn_kwargs`` may each be a
+  list of ``num_layers`` entries, one per layer (e.g. ``mixer=["mamba", "attention"] * 2``,
+  ``ffn=["mlp", "moe", "moe", "moe"]``). Such layers differ, so they are not stacked:
+  ``blocks`` is an ``nnx.List`` of separate blocks applied one after the other (each compiled
+  on its own). KV-cache decoding needs the attention mixer in every layer and, for a list of
+  blocks, the "per_layer" cache layout.
+
+  Args:
+    num_layers: the number of blocks (>= 1).
+    remat: recompute each block's activations in the backward pass.
+    rngs: the parameters' (and dropout's) random streams.
+    **block_kwargs: :class:`TransformerBlock`'s arguments, shared by every layer (the four
+      above may be per-layer lists).
+
   >>> import jax.numpy as jnp
   >>> from flax import nnx
   >>> tr = Transformer(num_layers=3, features=16, num_heads=2, rngs=nnx.Rngs(0))
@@ -190,51 +366,99 @@ class Transformer(nnx.Module):
   (3, 16, 64)
   >>> nnx.jit(lambda m, x: m(x))(tr, jnp.ones((2, 5, 16))).shape
   (2, 5, 16)
+  >>> hybrid = Transformer(num_layers=3, features=16, num_heads=2, mixer=["rla", "attention", "rla"],
+  ...                      mixer_kwargs={"rla": {"window_size": 2}}, ffn=["mlp", "moe", "moe"],
+  ...                      ffn_kwargs={"moe": {"num_experts": 4, "top_k": 1}}, rngs=nnx.Rngs(0))
+  >>> [(b.mixer_kind, b.ffn_kind) for b in hybrid.blocks]
+  [('rla', 'mlp'), ('attention', 'moe'), ('rla', 'moe')]
   """
 
   def __init__(self, *, num_layers: int, remat: bool = False, rngs: nnx.Rngs, **block_kwargs):
-    if num_layers < 1:
-      raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+      raise ValueError(f"num_layers must be an int >= 1, got {num_layers!r}")
     self.num_layers, self.remat = num_layers, remat
+    lists = [k for k in PER_LAYER_KEYS if isinstance(block_kwargs.get(k), (list, tuple))]
+    for k in lists:
+      if len(block_kwargs[k]) != num_layers:
+        raise ValueError(f"{k}: a per-layer list needs num_layers={num_layers} entries, got "
+                         f"{len(block_kwargs[k])}")
+    self.stacked = not lists
+    if self.stacked:
+      @nnx.split_rngs(splits=num_layers)
+      @nnx.vmap(in_axes=(0,), out_axes=0)
+      def make(rngs):
+        return TransformerBlock(rngs=rngs, **block_kwargs)
 
-    @nnx.split_rngs(splits=num_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
-    def make(rngs):
-      return TransformerBlock(rngs=rngs, **block_kwargs)
+      self.blocks = make(rngs)
+    else:
+      per_layer = lambda i: {**block_kwargs, **{k: block_kwargs[k][i] for k in lists}}
+      self.blocks = nnx.List([TransformerBlock(rngs=rngs, **per_layer(i)) for i in range(num_layers)])
+    first = self._first
+    attn = next((b.attn for b in ([first] if self.stacked else self.blocks) if b.attn is not None), None)
+    self.num_kv_heads = None if attn is None else attn.num_kv_heads
+    self.head_dim = None if attn is None else attn.head_dim
+    self.dtype, self.param_dtype = first.dtype, first.param_dtype
 
-    self.blocks = make(rngs)
-    attn = self.blocks.attn
-    self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
-    self.dtype, self.param_dtype = attn.dtype, attn.param_dtype
+  @property
+  def _first(self) -> TransformerBlock:
+    """The stacked blocks (one module), or the first of a list."""
+    return self.blocks if self.stacked else self.blocks[0]
 
-  def _scan(self, body, carry):
+  def _scan(self, body, carry, aux=False):
     if self.remat:
       body = nnx.remat(body)
-    return nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(carry, self.blocks)
+    out_axes = (nnx.Carry, 0) if aux else nnx.Carry
+    return nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=out_axes)(carry, self.blocks)
 
   def __call__(self, x, *, context=None, context_mask=None, film=None, positions=None, mask=None,
-               deterministic: bool | None = None):
+               deterministic: bool | None = None, return_aux: bool = False):
     """``[batch, seq, features] -> [batch, seq, features]``; arguments as in
-    :meth:`TransformerBlock.__call__`, shared by every layer (and checked as there)."""
-    self.blocks.check_inputs(x, context=context, context_mask=context_mask, film=film, positions=positions,
-                             mask=mask)
-    def body(x, block):
-      return block(x, context=context, context_mask=context_mask, film=film, positions=positions,
-                   mask=mask, deterministic=deterministic)
-    return self._scan(body, x)
+    :meth:`TransformerBlock.__call__`, shared by every layer (and checked as there).
+    ``return_aux``: also return the feed-forwards' auxiliary outputs: stacked blocks, one
+    pytree with a leading layer axis (e.g. a ``RouterAux`` of ``[num_layers]`` losses; None
+    without MoE); a list of blocks, a list of ``num_layers`` (None for an MLP layer)."""
+    self._first.check_inputs(x, context=context, context_mask=context_mask, film=film,
+                             positions=positions, mask=mask)
+    kw = dict(context=context, context_mask=context_mask, film=film, positions=positions, mask=mask,
+              deterministic=deterministic)
+    if not self.stacked:
+      auxes = []
+      for block in self.blocks:
+        call = (lambda b, x: b(x, return_aux=True, **kw))
+        x, a = (nnx.remat(call) if self.remat else call)(block, x)
+        auxes.append(a)
+      return (x, auxes) if return_aux else x
+    if return_aux:
+      return self._scan(lambda x, block: block(x, return_aux=True, **kw), x, aux=True)
+    return self._scan(lambda x, block: block(x, **kw), x)
 
   def init_cache(self, batch: int, max_len: int, dtype=None, *, layout: str = "per_layer") -> kvc.KVCache:
     """An empty cache (zeros, lengths 0) in ``layout`` "per_layer" (k, v: tuples of
     ``num_layers`` arrays ``[batch, max_len, num_kv_heads, head_dim]``) or "stacked" (k, v
     ``[num_layers, batch, max_len, num_kv_heads, head_dim]``); see the module docstring."""
+    self._check_decodable(layout)
     dtype = dtype or self.dtype or self.param_dtype
     return kvc.KVCache.init(batch, max_len, kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                             dtype=dtype, num_layers=self.num_layers, layout=layout)
 
+  def _check_decodable(self, layout):
+    kinds = [self._first.mixer_kind] if self.stacked else [b.mixer_kind for b in self.blocks]
+    bad = [(i, k) for i, k in enumerate(kinds) if k != "attention"]
+    if bad:
+      i, k = bad[0]
+      raise ValueError(f"KV-cache decoding needs the attention mixer in every layer; "
+                       f"{'the layers have' if self.stacked else f'layer {i} has'} mixer {k!r}")
+    if layout == "stacked" and not self.stacked:
+      raise ValueError("layout='stacked' needs stacked blocks (no per-layer mixer/ffn lists); "
+                       "use layout='per_layer'")
+
   def unstacked(self) -> list[TransformerBlock]:
     """The ``num_layers`` blocks as separate modules, each with its slice of the stacked
     parameters (copies). A decode loop slices them once, outside the loop, and passes them to
-    every step as ``layers=`` (:func:`~probjax.nn.layers.decoding.decode_loop` does)."""
+    every step as ``layers=`` (:func:`~probjax.nn.layers.decoding.decode_loop` does). A list
+    of blocks (per-layer mixers or ffns): the blocks themselves."""
+    if not self.stacked:
+      return list(self.blocks)
     graphdef, state = nnx.split(self.blocks)
     return [nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state)) for i in range(self.num_layers)]
 
@@ -244,6 +468,7 @@ class Transformer(nnx.Module):
 
   def _cached(self, method, x, cache, layers=None, **kw):
     if cache.per_layer:
+      self._check_decodable("per_layer")
       if len(cache.k) != self.num_layers:
         raise ValueError(f"the cache has {len(cache.k)} layers, the model {self.num_layers}")
       layers = self.unstacked() if layers is None else layers
@@ -262,6 +487,7 @@ class Transformer(nnx.Module):
 
     if layers is not None:
       raise ValueError("layers= is for the per-layer cache layout")
+    self._check_decodable("stacked")
     x, k, v, _ = nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(
         (x, cache.k, cache.v, jnp.zeros((), jnp.int32)), self.blocks)
     return x, k, v
@@ -270,7 +496,7 @@ class Transformer(nnx.Module):
               context_mask=None, film=None):
     """Right-padded prompts ``x [batch, P, features]`` with ``lengths [batch]`` into an empty
     stacked cache; returns ``(y [batch, P, features], cache)`` with ``cache.lengths = lengths``."""
-    self._check_cache(cache, self.blocks.check_inputs(x, "P", context=context, context_mask=context_mask,
+    self._check_cache(cache, self._first.check_inputs(x, "P", context=context, context_mask=context_mask,
                                                       film=film, positions=positions))
     kvc.check_prefix(cache, x.shape[1], lengths)
     x, k, v = self._cached("prefill", x, cache, lengths=lengths, positions=positions,
@@ -282,7 +508,7 @@ class Transformer(nnx.Module):
     """``x [batch, n, features]`` new tokens at ``cache.lengths[b] + arange(n)``; returns
     ``(y [batch, n, features], cache)`` with lengths advanced by ``n``. ``layers``: the
     :meth:`unstacked` blocks to use (per-layer cache; default: sliced here)."""
-    self._check_cache(cache, self.blocks.check_inputs(x, "n", context=context, context_mask=context_mask,
+    self._check_cache(cache, self._first.check_inputs(x, "n", context=context, context_mask=context_mask,
                                                       film=film, positions=positions))
     n = x.shape[1]
     kvc.check_room(cache, n)
@@ -297,7 +523,25 @@ class TransformerLM(nnx.Module):
 
   ``TransformerLM(*, vocab_size, features, num_layers, num_heads, tie_embeddings=True,
   mlp="swiglu", norm="rmsnorm", rotary=True, remat=False, rngs, **block_kwargs)``.
-  Logits are float32 ``[batch, seq, vocab_size]`` (float64 for float64 params).
+  Logits are float32 ``[batch, seq, vocab_size]`` (float64 for float64 params). Hybrid and
+  MoE models are one configuration: ``mixer`` / ``ffn`` (and their kwargs) as in
+  :class:`Transformer`, per layer as lists.
+
+  Args:
+    vocab_size: the vocabulary (>= 1).
+    features: the model width.
+    num_layers: blocks.
+    num_heads: attention heads (may be None when no layer has attention or an "rla" mixer).
+    tie_embeddings: the output head is ``embed.attend`` (else a separate Linear).
+    mlp: the feed-forward activation, "gelu" or "swiglu".
+    norm: "layernorm" or "rmsnorm".
+    rotary: RoPE in the attention.
+    remat: recompute each block's activations in the backward pass.
+    dtype: compute dtype (None: from the inputs and params).
+    param_dtype: parameter dtype.
+    rngs: the parameters' (and dropout's) random streams.
+    **block_kwargs: more :class:`TransformerBlock` arguments (``num_kv_heads``, ``mixer``,
+      ``ffn``, ...; see :class:`Transformer` for per-layer lists).
 
   >>> import jax.numpy as jnp
   >>> from flax import nnx
@@ -308,9 +552,14 @@ class TransformerLM(nnx.Module):
   >>> cache = lm.init_cache(2, 16)        # see decoding.generate for prefill + decode_step
   >>> len(cache.k), cache.k[0].shape      # per layer: [batch, max_len, kv_heads, head_dim]
   (2, (2, 16, 1, 8))
+  >>> moe_lm = TransformerLM(vocab_size=11, features=16, num_layers=2, num_heads=2, ffn=["mlp", "moe"],
+  ...                        ffn_kwargs={"moe": {"num_experts": 4, "top_k": 2}}, rngs=nnx.Rngs(0))
+  >>> logits, aux = moe_lm(jnp.zeros((2, 7), jnp.int32), return_aux=True)
+  >>> aux[0] is None, int(aux[1].expert_counts.sum())   # per layer: the MLP's none, the MoE's RouterAux
+  (True, 28)
   """
 
-  def __init__(self, *, vocab_size: int, features: int, num_layers: int, num_heads: int,
+  def __init__(self, *, vocab_size: int, features: int, num_layers: int, num_heads: int | None = None,
                tie_embeddings: bool = True, mlp: str = "swiglu", norm: str = "rmsnorm",
                rotary: bool = True, remat: bool = False, dtype=None, param_dtype=jnp.float32,
                rngs: nnx.Rngs, **block_kwargs):
@@ -333,13 +582,19 @@ class TransformerLM(nnx.Module):
     out = self.embed.attend(h) if self.head is None else self.head(h)
     return out.astype(jnp.promote_types(out.dtype, jnp.float32))  # float32 (float64 stays)
 
-  def __call__(self, tokens, *, positions=None, mask=None, deterministic: bool | None = None):
+  def __call__(self, tokens, *, positions=None, mask=None, deterministic: bool | None = None,
+               return_aux: bool = False):
     """``tokens [batch, seq]`` ints -> logits ``[batch, seq, vocab]``; causal, combined with
     ``mask`` (e.g. ``SegmentMask(doc_ids)`` with per-document ``positions``). Float tokens
-    raise TypeError, other shapes ValueError, naming ``tokens``."""
+    raise TypeError, other shapes ValueError, naming ``tokens``. ``return_aux``: ``(logits,
+    aux)`` with the feed-forwards' auxiliary outputs (see :meth:`Transformer.__call__`; the
+    MoE layers' load-balancing and z losses)."""
     check_array("tokens", tokens, ("batch", "seq"), dtype="int")
     h = self.transformer(self.embed(tokens), positions=positions, mask=mask,
-                         deterministic=deterministic)
+                         deterministic=deterministic, return_aux=return_aux)
+    if return_aux:
+      h, aux = h
+      return self._logits(h), aux
     return self._logits(h)
 
   def init_cache(self, batch: int, max_len: int, dtype=None, *, layout: str = "per_layer") -> kvc.KVCache:
