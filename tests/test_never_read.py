@@ -1,7 +1,9 @@
 """What no op may read, and indices out of range, for every op that takes indices.
 
 * attention: rows with no valid key under a mask that is a constant of the jitted program
-  (XLA:CPU folded it and miscomputed the empty tile's dq); segment ids of any value;
+  (XLA:CPU folded it and miscomputed the empty tile's dq). NaN past the lengths, segment ids
+  of any value and bad arguments are cases of the attention conformance suite
+  (tests/ops/attention/conformance.py), run for every backend;
 * mla: ``page_table`` entries outside the pool (concrete: ValueError; traced: clamped, never
   read outside the pool, on the XLA path and the decode kernel alike); NaN past the lengths;
 * grouped matmul: inf/NaN weights of a group that gets no rows, NaN rows past the groups,
@@ -46,18 +48,6 @@ def test_attention_empty_rows_with_a_constant_mask_have_zero_finite_gradients():
     grads = jax.jit(lambda q, k, v, do: jax.vjp(attn, q, k, v)[1](do))(q, k, v, do)
     for name, g in zip(("dq", "dk", "dv"), grads):
       assert np.all(np.asarray(g) == 0), f"{name}: max |.| {np.nanmax(np.abs(np.asarray(g)))}"
-
-
-def test_attention_segment_ids_of_any_value():
-  """Segment ids are compared, never used as indices: negative and huge ids give the call with
-  the ids relabelled 0..n-1."""
-  from probjax.nn.layers.attention import dot_product_attention
-  rng = np.random.default_rng(2)
-  q, k, v = (_normal(rng, 2, 37, 2, 16) for _ in range(3))
-  raw = jnp.asarray([[-7] * 10 + [2**30] * 27, [5] * 20 + [-1] * 17], jnp.int32)
-  relabelled = jnp.asarray([[0] * 10 + [1] * 27, [0] * 20 + [1] * 17], jnp.int32)
-  f = lambda ids: dot_product_attention(q, k, v, mask=M.SegmentMask(ids), implementation="xla")
-  np.testing.assert_array_equal(jax.jit(f)(raw), jax.jit(f)(relabelled))
 
 
 # -- mla ------------------------------------------------------------------------------------
@@ -181,13 +171,3 @@ def test_grouped_matmul_concrete_group_sizes_out_of_range_are_refused():
   for sizes, msg in (([-1, 3], "non-negative"), ([4, 3], "sum to 7")):
     with pytest.raises(ValueError, match=msg):
       grouped_matmul(jnp.ones((6, 3)), jnp.ones((2, 3, 2)), jnp.asarray(sizes, jnp.int32))
-
-
-# -- bad attention inputs -------------------------------------------------------------------
-@pytest.mark.parametrize("which", ["query", "key", "value"])
-def test_attention_integer_inputs_are_refused(which):
-  from probjax.ops.attention import dot_product_attention
-  qkv = {n: jnp.ones((1, 4, 2, 8)) for n in ("query", "key", "value")}
-  qkv[which] = jnp.ones((1, 4, 2, 8), jnp.int32)
-  with pytest.raises(TypeError, match=f"{which} must be a floating array"):
-    dot_product_attention(qkv["query"], qkv["key"], qkv["value"])

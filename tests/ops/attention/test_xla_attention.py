@@ -1,4 +1,6 @@
-"""The exact XLA path against the float64 reference: every mask, regime, GQA, AD mode."""
+"""The exact XLA path against the float64 reference: the conformance suite
+(tests/ops/attention/conformance.py) on its dense and flash formulations, and what only it
+takes: bias, dropout, closed-over score_mod arrays, traced segment ids, value head_dim."""
 
 import functools
 
@@ -12,7 +14,8 @@ from probjax.ops.attention import masks as M
 from probjax.ops.attention.backends import xla
 from probjax.ops.attention.reference import reference_attention, _attention64
 from probjax.ops.attention.tolerances import max_error, scaled_tolerance, tolerance
-from probjax.testing import MASK_NAMES, check_against_reference, make_inputs, make_mask
+from probjax.testing import check_against_reference, make_inputs, make_mask
+from tests.ops.attention.conformance import AttentionConformance
 
 # Each case compiles its own forward, backward and float64 reference: 1-13 s of CPU a case on a
 # 2-core machine, nearly all of it XLA compiling (the shapes run in milliseconds). make test
@@ -33,24 +36,56 @@ def _xla(formulation, mask=None, score_mod=None, **kw):
   return attn
 
 
-@pytest.mark.parametrize("formulation,tq,tk,mask_name", _slow_except(
-    [(f, tq, tk, m) for f, tq, tk in [("dense", 37, 53), ("flash", 300, 211), ("flash", 600, 600)] for m in MASK_NAMES],
-    *[(f, tq, tk, m) for f, tq, tk in [("dense", 37, 53), ("flash", 300, 211)] for m in MASK_NAMES],
-    ("flash", 600, 600, "lengths"), ("flash", 600, 600, "causal&kv_len"), ("flash", 600, 600, "window&segments")))
-def test_masks_values_and_grads(mask_name, formulation, tq, tk):
-  x = make_inputs(hash((mask_name, tq)) % 1000, 2, tq, tk, 4, 2, 32)
-  mask = make_mask(mask_name, 2, tq, tk, seed=tq)
-  check_against_reference(_xla(formulation, mask), x, mask=mask)
+class TestXlaConformance(AttentionConformance):
+  """The conformance suite on the dense and the flash formulation (forced), each at the lengths
+  where "auto" picks it: dense at 37 x 53, one flash tile at 300 x 211, 256-tiles at 600 x 600."""
+
+  implementation = "xla"
+  takes_bias = True
+  variants = {"dense": dict(formulation="dense"), "flash": dict(formulation="flash")}
+  forward_variants = ("dense", "flash")
+  mask_shapes = ((37, 53), (300, 211), (600, 600))
+  # make test keeps the mask grid of the dense and the one-tile flash formulations and one or two
+  # cases of each other test (the grid's masks are GQA 2:1 already); the rest is slow.
+  odd_lengths = ((1, 1), (7, 7), (7, 63), (63, 7), (200, 7), (257, 513), (1500, 1500), (3000, 5))
+  shape = (300, 300)
+  low_precision = (jnp.float16, jnp.bfloat16)
+  precision_shape = (100, 100)
+  slow_cases = frozenset({
+      "test_values_and_grads[flash-*-600x600]", "test_values_and_grads[flash-causal_neg-*]",
+      "test_values_and_grads[flash-segments&causal-*]", "test_odd_lengths[*]", "test_gqa[*]",
+      "test_jvp[dense]", "test_never_read[*]", "test_segment_ids_of_any_value[flash]", "test_score_mod[*]",
+      "test_same_precision[*]"})
+  fast_cases = frozenset({
+      "test_values_and_grads[flash-lengths-600x600]", "test_values_and_grads[flash-causal&kv_len-600x600]",
+      "test_values_and_grads[flash-window&segments-600x600]", "test_odd_lengths[dense-7x63]",
+      "test_odd_lengths[flash-257x513]", "test_never_read[flash-lengths]", "test_same_precision[dense-float16]"})
+
+  def run(self, q, k, v, mask=None, scale=None, **kw):
+    return xla.attention(q, k, v, mask=mask, scale=q.shape[-1] ** -0.5 if scale is None else scale, **kw)
+
+  def run_jvp(self, q, k, v, mask=None, **kw):
+    return self.run(q, k, v, mask=mask, **kw)
+
+  def takes(self, test, variant, tq, tk):
+    # The grids of lengths: each formulation where "auto" picks it.
+    if test in ("test_values_and_grads", "test_odd_lengths", "test_gqa"):
+      return variant == ("dense" if max(tq, tk) <= xla.DENSE_MAX_LEN else "flash")
+    return True
+
+  def same_precision(self, mask):
+    # jax.nn's XLA attention on the same low-precision inputs, the mask as a dense array.
+    def f(q, k, v):
+      return jax.nn.dot_product_attention(q, k, v, mask=mask.dense(q.shape[0], q.shape[1], k.shape[1]),
+                                          implementation="xla")
+    return f
 
 
-@pytest.mark.parametrize("tq,tk,blocks", _slow_except([(1, 1, None), (7, 63, None), (63, 7, None), (257, 513, None),
-                                                       (1500, 1500, None), (600, 1500, 128), (3000, 5, None)],
-                                                      (7, 63, None), (257, 513, None)))
-def test_odd_lengths_gqa(tq, tk, blocks):
-  x = make_inputs(tq * 7 + tk, 1, tq, tk, 6, 2, 16)
-  mask = M.CausalMask(offset=tk - tq) if tk >= tq else None
-  attn = _xla("auto", mask, block_q=blocks, block_k=blocks)
-  check_against_reference(attn, x, mask=mask)
+@SLOW  # 600 x 1500 in 128-tiles
+def test_odd_lengths_in_small_tiles():
+  x = make_inputs(5, 1, 600, 1500, 6, 2, 16)
+  mask = M.CausalMask(offset=900)
+  check_against_reference(_xla("flash", mask, block_q=128, block_k=128), x, mask=mask)
 
 
 @SLOW  # three formulations at 700 x 700
@@ -105,23 +140,6 @@ def test_score_mod_with_captured_array_gradient():
   check_against_reference(_xla("flash", M.CausalMask(), mod), x, mask=M.CausalMask(), score_mod=mod, scale=None)
 
 
-@pytest.mark.parametrize("formulation,t", _slow_except([("dense", 40), ("flash", 300)], ("flash", 300)))
-def test_jvp_matches_reference(formulation, t):
-  x = make_inputs(8, 2, t, t, 4, 2, 16)
-  mask = M.CausalMask() & M.KVLenMask(jnp.array([t, 0]))
-  bias = jax.random.normal(jax.random.key(2), (1, 4, t, t))
-  tans = [jax.random.normal(jax.random.key(10 + i), a.shape) for i, a in enumerate((x.q, x.k, x.v, bias))]
-  f = _xla(formulation, mask)
-  _, got = jax.jvp(f, (x.q, x.k, x.v, bias), tuple(tans))
-  with jax.enable_x64(True):
-    up = lambda a: jnp.asarray(np.asarray(a, np.float64))
-    g = lambda q, k, v, b: _attention64(q, k, v, b, mask, None, None, 16 ** -0.5)
-    _, want = jax.jvp(g, tuple(map(up, (x.q, x.k, x.v, bias))), tuple(map(up, tans)))
-    want = np.asarray(want)
-  assert np.all(np.isfinite(np.asarray(got)))
-  assert max_error(got, want) <= tolerance(jnp.float32, grad=True)
-
-
 @SLOW  # vmap of grad, three grads and a vmap of jvp
 def test_vmap_of_grad_and_jvp():
   x = make_inputs(9, 3, 300, 300, 2, 1, 16)
@@ -131,36 +149,6 @@ def test_vmap_of_grad_and_jvp():
   np.testing.assert_allclose(g, g_loop, rtol=1e-5, atol=1e-5)
   t = jax.vmap(lambda q: jax.jvp(lambda q: f(q, x.k[0], x.v[0]), (q,), (jnp.ones_like(q),))[1])(x.q)
   assert t.shape == x.q.shape and np.all(np.isfinite(np.asarray(t)))
-
-
-@pytest.mark.parametrize("t,dtype", _slow_except([(t, d) for t in (100, 600) for d in (jnp.bfloat16, jnp.float16)],
-                                                  (100, jnp.float16)))
-def test_low_precision_inputs(dtype, t):
-  x = make_inputs(4, 2, t, t, 4, 2, 64, dtype)
-  mask = make_mask("segments", 2, t, t)
-  check_against_reference(_xla("auto", mask), x, mask=mask)
-  # FlashAttention-style bound: within 2x the error of a same-precision dense reference
-  # (jax.nn's XLA attention on the same low-precision inputs).
-  seg = mask.q_segment_ids
-  dense = (seg[:, :, None] == seg[:, None, :])[:, None]
-  same_precision = jax.nn.dot_product_attention(x.q, x.k, x.v, mask=dense, implementation="xla")
-  ref = reference_attention(x.q, x.k, x.v, mask=mask)
-  ours = xla.attention(x.q, x.k, x.v, mask=mask, scale=64 ** -0.5)
-  assert max_error(ours, ref) <= scaled_tolerance(max_error(same_precision, ref), dtype)
-
-
-def test_fully_masked_rows_are_zero_with_zero_gradients():
-  x = make_inputs(1, 2, 300, 300, 2, 2, 16)
-  mask = M.LengthMask(jnp.array([100, 300]), jnp.array([0, 50]))
-  for f in ("dense", "flash"):
-    attn = lambda q, k, v: xla.attention(q, k, v, formulation=f, mask=mask, scale=0.25)
-    out, vjp = jax.vjp(attn, x.q, x.k, x.v)
-    dq, dk, dv = vjp(x.do)
-    for a in (out, dq, dk, dv):
-      assert np.all(np.isfinite(np.asarray(a)))
-    assert np.all(np.asarray(out[0]) == 0) and np.all(np.any(np.asarray(out[1]) != 0, axis=-1))
-    assert np.all(np.asarray(dq[0]) == 0) and np.all(np.asarray(dk[0]) == 0) and np.all(np.asarray(dv[0]) == 0)
-    assert np.all(np.asarray(dk[1, 50:]) == 0)
 
 
 @pytest.mark.parametrize("broadcast,formulation,t", _slow_except(
