@@ -1,6 +1,8 @@
 """Triton-Pallas attention kernels against the float64 reference.
 
-CPU: Pallas interpret mode at small, odd shapes with 16/32 tiles. GPU (``--gpu``):
+CPU: Pallas interpret mode at small, odd shapes with 16/32 tiles: the conformance suite
+(tests/ops/attention/conformance.py) on each backward pass, and the kernel's own features
+(group splits, head groups, split-KV decoding, configs and shared-memory models). GPU (``--gpu``):
 the same checks at full size with the default (tuned, smem-fitted) tiles.
 """
 
@@ -21,6 +23,7 @@ from probjax.ops.attention.reference import reference_attention, reference_vjp
 from probjax.ops.attention.tolerances import max_error, tolerance
 from probjax.ops.attention.backends.triton import config as cfg
 from probjax.testing import float32_is_tf32
+from tests.ops.attention.conformance import AttentionConformance
 
 TF32 = float32_is_tf32()  # on a GPU, float32 matmuls run as TF32 (tolerances bound that)
 
@@ -90,50 +93,31 @@ def _check(q, k, v, do, *, mask=None, score_mod=None, impl="triton_split", fc=FC
 
 
 # -- interpret mode (CPU) ---------------------------------------------------------
-MASKS = ("none", "causal", "causal_offset", "causal_neg", "window", "window_causal", "kv_lengths",
-         "lengths", "segments", "segments_causal", "window_kvlen")
+class TestTritonConformance(AttentionConformance):
+  """The conformance suite in interpret mode at 16/32 tiles, on each backward pass."""
 
+  implementation = "triton"
+  tf32 = TF32
+  variants = {"split": dict(backward_pass_impl="triton_split"), "fused": dict(backward_pass_impl="triton_fused"),
+              "onepass": dict(backward_pass_impl="triton_onepass")}
+  mask_shapes = ((63, 100), (100, 63))
+  odd_lengths = ((1, 1, 32), (1, 200, 64), (7, 7, 32), (200, 7, 32), (63, 63, 64), (200, 200, 32), (7, 100, 96))
+  left_out = frozenset({"test_values_and_grads[fused-*-100x63]", "test_values_and_grads[onepass-*-100x63]"})
+  # make test keeps one or two cases of each kernel feature and backward pass; the rest is slow.
+  slow_cases = frozenset({"*"})
+  fast_cases = frozenset({
+      "test_values_and_grads[split-causal_offset-100x63]", "test_values_and_grads[split-lengths-63x100]",
+      "test_values_and_grads[split-segments&causal-63x100]", "test_values_and_grads[fused-causal_offset-63x100]",
+      "test_values_and_grads[onepass-causal_offset-63x100]", "test_odd_lengths[split-7x100-d96]",
+      "test_gqa[onepass-4x1]", "test_rows_without_keys[onepass]", "test_never_read[onepass-lengths]",
+      "test_score_mod[onepass]", "test_same_precision[onepass-bfloat16]", "test_bad_inputs[*]"})
 
-@pytest.mark.parametrize("mask_name", _slow_except(MASKS, "causal_offset", "lengths", "segments_causal"))
-def test_masks(mask_name):
-  tq, tk = (63, 100) if MASKS.index(mask_name) % 2 else (100, 63)
-  q, k, v, do = _inputs(MASKS.index(mask_name) * 7 + tq, 2, tq, tk, 4, 2, 32, jnp.float32)
-  _check(q, k, v, do, mask=_mask(mask_name, 2, tq, tk))
-
-
-@pytest.mark.parametrize("tq,tk,d", _slow_except([(1, 1, 32), (1, 200, 64), (7, 7, 32), (200, 7, 32), (63, 63, 64),
-                                                  (200, 200, 32), (7, 100, 96)], (7, 100, 96)))
-def test_lengths_and_head_dims(tq, tk, d):
-  q, k, v, do = _inputs(tq * 1000 + tk + d, 2, tq, tk, 4, 2, d, jnp.float32)
-  _check(q, k, v, do, mask=CausalMask(tk - tq), bc=BC_MIXED)
-
-
-@pytest.mark.parametrize("mask_name,impl", _slow_except(  # test_masks runs triton_split
-    [(m, i) for m in ("causal_offset", "segments_causal") for i in IMPLS],
-    ("causal_offset", "triton_fused"), ("causal_offset", "triton_onepass")))
-def test_backward_variants(impl, mask_name):
-  q, k, v, do = _inputs(11, 2, 63, 100, 4, 2, 32, jnp.float32)
-  _check(q, k, v, do, mask=_mask(mask_name, 2, 63, 100), impl=impl, bc=BC_MIXED)
-
-
-@pytest.mark.parametrize("impl,h,hkv", _slow_except([("triton_split", 4, 1), ("triton_fused", 4, 1), ("triton_onepass", 4, 1),
-                                                     ("triton_split", 4, 4), ("triton_fused", 6, 2)],
-                                                    ("triton_onepass", 4, 1)))
-def test_gqa_mqa(impl, h, hkv):
-  q, k, v, do = _inputs(12 + h + hkv, 2, 50, 70, h, hkv, 32, jnp.float32)
-  _check(q, k, v, do, mask=CausalMask(20), impl=impl)
+  def run(self, q, k, v, mask=None, **kw):
+    return pt.attention(q, k, v, mask=mask, forward_config=FC16, backward_config=BC_MIXED, interpret=True, **kw)
 
 
 def _alibi_softcap(s, b, h, q_idx, kv_idx):
   return 20.0 * jnp.tanh((s - 0.25 * (h + 1) * jnp.abs(q_idx - kv_idx).astype(jnp.float32) / 8) / 20.0)
-
-
-@pytest.mark.parametrize("impl,mask_name", _slow_except([("triton_split", "none"), ("triton_split", "segments"),
-                                                       ("triton_fused", "window_causal"), ("triton_onepass", "window_causal")],
-                                                      ("triton_onepass", "window_causal")))
-def test_score_mod(impl, mask_name):
-  q, k, v, do = _inputs(13, 2, 63, 100, 4, 2, 32, jnp.float32)
-  _check(q, k, v, do, mask=_mask(mask_name, 2, 63, 100), score_mod=_alibi_softcap, impl=impl, scale=0.3)
 
 
 @pytest.mark.parametrize("impl,dtype", _slow_except([(i, jnp.bfloat16) for i in IMPLS] + [("triton_split", jnp.float16)],
@@ -200,27 +184,14 @@ def test_group_splits_choice():
 
 
 @pytest.mark.parametrize("impl", _slow_except(IMPLS, "triton_onepass"))
-def test_fully_masked_rows_are_zero(impl):
-  q, k, v, do = _inputs(15, 2, 40, 40, 4, 2, 32, jnp.float32)
-  # batch 0 has no keys at all; rows 0..2 of every batch have none under causal(-3).
-  mask = LengthMask(jnp.array([40, 30]), jnp.array([0, 40])) & CausalMask(-3)
-  out, (dq, dk, dv) = _check(q, k, v, do, mask=mask, impl=impl)
-  for x in (out, dq, dk, dv):
-    assert np.all(np.isfinite(np.asarray(x)))
-  assert not np.any(np.asarray(out[0])) and not np.any(np.asarray(out[1, :3]))
-  assert not np.any(np.asarray(out[1, 30:]))  # queries past q_lengths
-  assert not np.any(np.asarray(dq[0])) and not np.any(np.asarray(dk[0])) and not np.any(np.asarray(dv[0]))
-
-
-@pytest.mark.parametrize("impl", _slow_except(IMPLS, "triton_onepass"))
 def test_skipped_tiles_are_not_loaded(impl):
-  """Keys in tiles that the mask empties hold NaN: skipped tiles never touch them."""
+  """Keys in tiles that the segment ids empty hold NaN: skipped tiles never touch them (NaN past
+  key lengths: the conformance suite's test_never_read)."""
   q, k, v, do = _inputs(16, 2, 48, 64, 4, 2, 32, jnp.float32)
   bad = jnp.arange(64)[None, :, None, None] >= 32
   k, v = jnp.where(bad, jnp.nan, k), jnp.where(bad, jnp.nan, v)
   kv_seg = jnp.broadcast_to(jnp.where(jnp.arange(64) < 32, jnp.arange(64) // 16, 9), (2, 64))
-  masks = [KVLenMask(jnp.array([32, 16])),
-           SegmentMask(jnp.broadcast_to(jnp.arange(48) // 16, (2, 48)).astype(jnp.int32), kv_seg)]
+  masks = [SegmentMask(jnp.broadcast_to(jnp.arange(48) // 16, (2, 48)).astype(jnp.int32), kv_seg)]
   for mask in masks:
     f = lambda q, k, v: pt.attention(q, k, v, mask=mask, backward_pass_impl=impl, forward_config=FC16,
                                      backward_config=BC16, interpret=True)
@@ -434,18 +405,6 @@ def test_gpu_fast_exp2(mask_name):
 def test_any_scale(scale):
   q, k, v, do = _inputs(11, 2, 40, 70, 2, 1, 32, jnp.float32)
   _check(q, k, v, do, mask=CausalMask(30), scale=scale)
-
-
-@pytest.mark.parametrize("impl", _slow_except(IMPLS, "triton_onepass"))
-def test_gradients_within_twice_a_same_precision_reference(impl):
-  from probjax.nn.layers.attention import dot_product_attention
-  from probjax.testing import check_against_same_precision, make_inputs
-  x = make_inputs(13, 2, 150, 200, 4, 2, 32, jnp.bfloat16)
-  mask = CausalMask(50)
-  check_against_same_precision(
-      lambda q, k, v: pt.attention(q, k, v, mask=mask, backward_pass_impl=impl, forward_config=FC16,
-                                   backward_config=BC16, interpret=True),
-      lambda q, k, v: dot_product_attention(q, k, v, mask=mask, implementation="xla"), x, mask=mask)
 
 
 @pytest.mark.parametrize("impl", _slow_except(IMPLS, "triton_onepass"))
