@@ -47,21 +47,27 @@ def _through_face(dst: tuple[str, ...]) -> bool:
   return not rest or rest[0] == "api" or (len(rest) == 1 and not _is_module(dst))
 
 
+def _names(node: ast.AST, pkg: tuple[str, ...]):
+  """The absolute ``probjax.*`` names an import statement imports (``module`` or
+  ``module.name``; relative imports resolved against the package ``pkg``)."""
+  if isinstance(node, ast.Import):
+    yield from (a.name for a in node.names if a.name.split(".")[0] == "probjax")
+  elif isinstance(node, ast.ImportFrom):
+    base = node.module or ""
+    if node.level:
+      base = ".".join(pkg[:len(pkg) - node.level + 1] + ((base,) if base else ()))
+    if base.split(".")[0] == "probjax":
+      yield from (f"{base}.{a.name}" for a in node.names)
+
+
 def _imports(path: pathlib.Path):
   """Absolute ``probjax.*`` modules (or ``module.name``) that ``path`` imports, anywhere in it
   (function bodies included; relative imports resolved; ``importlib.import_module("...")``
   with a literal name counted too)."""
   pkg = path.relative_to(ROOT.parent).with_suffix("").parts[:-1] if path.is_relative_to(ROOT) else ()
   for node in ast.walk(ast.parse(path.read_text())):
-    if isinstance(node, ast.Import):
-      yield from (a.name for a in node.names if a.name.split(".")[0] == "probjax")
-    elif isinstance(node, ast.ImportFrom):
-      base = node.module or ""
-      if node.level:
-        base = ".".join(pkg[:len(pkg) - node.level + 1] + ((base,) if base else ()))
-      if base.split(".")[0] == "probjax":
-        yield from (f"{base}.{a.name}" for a in node.names)
-    elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+    yield from _names(node, pkg)
+    if (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
           and isinstance(node.args[0].value, str) and node.args[0].value.split(".")[0] == "probjax"
           and getattr(node.func, "attr", getattr(node.func, "id", None)) in ("import_module", "__import__")):
       yield node.args[0].value
@@ -111,14 +117,8 @@ def _load_time_imports(parts: tuple[str, ...]):
                         + [n for h in getattr(node, "handlers", []) for n in h.body])
       elif isinstance(node, ast.ClassDef):
         yield from walk(node.body)
-      elif isinstance(node, ast.Import):
-        yield from (a.name for a in node.names if a.name.split(".")[0] == "probjax")
-      elif isinstance(node, ast.ImportFrom):
-        base = node.module or ""
-        if node.level:
-          base = ".".join(pkg[:len(pkg) - node.level + 1] + ((base,) if base else ()))
-        if base.split(".")[0] == "probjax":
-          yield from (f"{base}.{a.name}" for a in node.names)
+      else:
+        yield from _names(node, pkg)
 
   for name in walk(ast.parse(path.read_text()).body):
     module = _module_of(name)

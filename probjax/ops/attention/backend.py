@@ -29,6 +29,14 @@ class AttentionBackend(Backend[AttentionCall]):
   # The backward variants it offers to other backends' forwards (:meth:`backward_kernel`).
   backward_variants: ClassVar[tuple[str, ...]] = ()
 
+  def forward_kernel(self, q, k, v, mask, *, scale: float, score_mod: Callable | None, config,
+                     interpret: bool):
+    """The :class:`probjax.ops.attention.vjp.Kernel` of the backend's forward with its residuals,
+    ``(out, lse [batch, heads, q_len])``, ``lse`` the natural log-sum-exp (``+inf`` for rows
+    without a valid key), for these operands; backends without one raise NotImplementedError
+    (context parallelism then cannot run its blocks on them)."""
+    raise NotImplementedError(f"{self.name} has no forward pass with its log-sum-exp")
+
   def backward_kernel(self, q, k, v, *, variant: str, scale: float, score_mod: Callable | None,
                       config, interpret: bool):
     """The :class:`probjax.ops.attention.vjp.Kernel` of the backward ``variant`` (one of

@@ -33,7 +33,11 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from probjax.core.device import Device
+from probjax.ops.attention import registry, vjp
+from probjax.ops.attention.backend import AttentionBackend
 from probjax.ops.attention.backends import xla as xla_backend
+from probjax.ops.attention.call import AttentionCall
 from probjax.ops.attention.masks import CausalMask, Mask
 from probjax.ops.attention.padding import zero_padding
 
@@ -79,6 +83,26 @@ def from_zigzag(x, num_devices: int, *, axis: int = 1):
 
 # -- static plan ----------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
+class _Kernels:
+  """The attention backend whose kernels run the blocks (a registry name), the backward variant
+  they pair with (found by name: :func:`probjax.ops.attention.registry.backward_kernel`), and
+  interpret mode."""
+
+  implementation: str
+  backward_variant: str = "auto"
+  interpret: bool = False
+
+  def forward(self, q, k, v, mask, scale: float) -> vjp.Kernel:
+    f = registry.REGISTRY.get(self.implementation).forward_kernel(
+        q, k, v, mask, scale=scale, score_mod=None, config=None, interpret=self.interpret)
+    return dataclasses.replace(f, partitioned=False)  # inside shard_map: each device its block
+
+  def backward(self, q, k, v, scale: float) -> vjp.Kernel:
+    b = registry.backward_kernel(self.backward_variant, q, k, v, scale=scale, interpret=self.interpret)
+    return dataclasses.replace(b, partitioned=False)
+
+
+@dataclasses.dataclass(frozen=True)
 class _Plan:
   """What the shard_map body needs to know at trace time."""
 
@@ -89,6 +113,7 @@ class _Plan:
   lower: int | None  # the global band
   upper: int | None
   scale: float
+  kernels: _Kernels | None = None  # None: the blocks run the XLA path
 
   def chunk_ids(self, device):
     """Natural (global) chunk ids of ``device``'s chunks, in its shard's order."""
@@ -209,6 +234,32 @@ def _block_forward(band, q, k, v, a: _Arrays, *, scale):
   return _attend(q, k, v, mask, scale).astype(jnp.float32), _lse(q, k, mask, scale)
 
 
+def _kernel_block_forward(kernels: _Kernels, band, q, k, v, a: _Arrays, *, scale):
+  """:func:`_block_forward` by the backend's forward kernel (its lse's ``+inf`` for a row
+  without a valid key is this module's ``-inf``)."""
+  if band == _EMPTY:
+    return _no_rows(q, v)
+  mask = _block_mask(band, a)
+  f = kernels.forward(q, k, v, mask, scale)
+  out, lse = f.fn(f.static, q, k, v, mask)
+  lse = jnp.swapaxes(lse, 1, 2)
+  return out.astype(jnp.float32), jnp.where(lse == jnp.inf, -jnp.inf, lse)
+
+
+def _kernel_block_backward(kernels: _Kernels, band, q, k, v, a: _Arrays, do, out, lse, *, scale):
+  """:func:`_block_backward` by the backend's backward kernel: given the combined output and
+  its log-sum-exp, a flash backward over one block computes exactly that block's share of dQ,
+  dK and dV (its probabilities are ``exp(s - lse)`` with the combined ``lse``, and ``delta`` is
+  the combined output's)."""
+  if band == _EMPTY:
+    return tuple(jnp.zeros_like(x, jnp.float32) for x in (q, k, v))
+  mask = _block_mask(band, a)
+  b = kernels.backward(q, k, v, scale)
+  lse = jnp.swapaxes(jnp.where(lse == -jnp.inf, jnp.inf, lse), 1, 2)
+  grads = b.fn(b.static, q, k, v, out.astype(q.dtype), lse, do.astype(q.dtype), mask)
+  return tuple(g.astype(jnp.float32) for g in grads)
+
+
 def _block_backward(band, q, k, v, a: _Arrays, do, delta, lse, lse_block, *, scale):
   """``(dq, dk, dv)`` float32 of one block's share of the gradient, given the combined output's
   ``lse`` and ``delta = rowsum(dO * O)`` (``[b, tq, h]``) and the block's own ``lse_block``.
@@ -283,13 +334,20 @@ def _ring_forward(plan: _Plan, q, k, v, arr: _Arrays):
     blocks = _ring_blocks(plan, device, s, arr, qseg, kseg)
     out, lse, lses = list(out), list(lse), []
     for (t, u), (qi, ki, a) in blocks.items():
-      o_b, l_b = _switch(plan, qi, ki, a, functools.partial(_block_forward, scale=plan.scale), qc[t], kc[u], vc[u], a)
+      o_b, l_b = _switch(plan, qi, ki, a, _forward_block(plan), qc[t], kc[u], vc[u], a)
       out[t], lse[t] = _combine(out[t], lse[t], o_b, l_b)
       lses.append(l_b)
     return (nxt, out, lse), jnp.stack(lses).reshape((nc, nc) + lses[0].shape)
 
   (_, out, lse), lses = lax.scan(step, ((k, v, arr.kv_segment_ids), out0, lse0), jnp.arange(plan.n))
   return jnp.concatenate(out, 1), jnp.concatenate(lse, 1), lses
+
+
+def _forward_block(plan: _Plan):
+  """``fn(band, q, k, v, arrays) -> (out, lse)`` of one block, by the plan's kernels or XLA."""
+  if plan.kernels is None:
+    return functools.partial(_block_forward, scale=plan.scale)
+  return functools.partial(_kernel_block_forward, plan.kernels, scale=plan.scale)
 
 
 def _combine(out, lse, o_b, l_b):
@@ -306,7 +364,7 @@ def _ring_backward(plan: _Plan, q, k, v, arr: _Arrays, out, lse, lses, do):
   nc = plan.per_device
   do = do.astype(jnp.float32)
   delta = jnp.sum(do * out, -1)
-  qc, doc, dc, lc = (_chunks(x, nc) for x in (q, do, delta, lse))
+  qc, doc, dc, lc, oc = (_chunks(x, nc) for x in (q, do, delta, lse, out))
   qseg = None if arr.q_segment_ids is None else _chunks(arr.q_segment_ids, nc)
 
   def step(carry, xs):
@@ -315,8 +373,12 @@ def _ring_backward(plan: _Plan, q, k, v, arr: _Arrays, out, lse, lses, do):
     kc, vc = _chunks(k_, nc), _chunks(v_, nc)
     dkc, dvc, dq = _chunks(dk, nc), _chunks(dv, nc), list(dq)
     for (t, u), (qi, ki, a) in _ring_blocks(plan, device, s, arr, qseg, kseg).items():
-      bwd = functools.partial(_block_backward, scale=plan.scale)
-      gq, gk, gv = _switch(plan, qi, ki, a, bwd, qc[t], kc[u], vc[u], a, doc[t], dc[t], lc[t], lse_s[t, u])
+      if plan.kernels is None:
+        gq, gk, gv = _switch(plan, qi, ki, a, functools.partial(_block_backward, scale=plan.scale),
+                             qc[t], kc[u], vc[u], a, doc[t], dc[t], lc[t], lse_s[t, u])
+      else:
+        gq, gk, gv = _switch(plan, qi, ki, a, functools.partial(_kernel_block_backward, plan.kernels, scale=plan.scale),
+                             qc[t], kc[u], vc[u], a, doc[t], oc[t], lc[t])
       dq[t], dkc[u], dvc[u] = dq[t] + gq, dkc[u] + gk, dvc[u] + gv
     dk, dv = jnp.concatenate(dkc, 1), jnp.concatenate(dvc, 1)
     # The partials travel with their block: after n steps every block is back with its owner.
@@ -369,7 +431,11 @@ def _allgather(plan: _Plan, q, k, v, arr: _Arrays):
     def block(band, q_, k_, v_, a_):
       if band == _EMPTY:
         return _no_rows(q_, v_)[0].astype(q_.dtype)
-      return _attend(q_, k_, v_, _block_mask(band, a_), plan.scale)
+      mask = _block_mask(band, a_)
+      if plan.kernels is None:
+        return _attend(q_, k_, v_, mask, plan.scale)
+      return vjp.attention(plan.kernels.forward(q_, k_, v_, mask, plan.scale),
+                           plan.kernels.backward(q_, k_, v_, plan.scale), q_, k_, v_, mask)
     out.append(lax.switch(table[qi], [functools.partial(block, b) for b in bands], qc[t], k, v, a))
   return jnp.concatenate(out, 1)
 
@@ -378,7 +444,8 @@ def _allgather(plan: _Plan, q, k, v, arr: _Arrays):
 def context_parallel_attention(query, key, value, mask=None, *, mesh, axis_name, schedule: str = "auto",
                                scale=None, implementation=None, load_balance=None, is_causal: bool = False,
                                dropout_rate: float = 0.0, deterministic: bool = True, dropout_rng=None,
-                               broadcast_dropout: bool = True):
+                               broadcast_dropout: bool = True, backward_pass_impl: str = "auto",
+                               interpret: bool = False):
   """Exact attention with the sequence axis sharded over the mesh axis ``axis_name``.
 
   Args:
@@ -394,7 +461,17 @@ def context_parallel_attention(query, key, value, mask=None, *, mesh, axis_name,
     schedule: ``"allgather"``, ``"ring"`` or ``"auto"`` (all-gather unless one device's gathered
       K and V would pass ``AUTO_ALLGATHER_MAX_BYTES``).
     scale: softmax scale (a Python float), default ``head_dim ** -0.5``.
-    implementation: None or ``"xla"``: the blocks run probjax's exact XLA path.
+    implementation: what runs the blocks: None or ``"xla"``, probjax's exact XLA path; or an
+      attention backend with a forward kernel that returns its log-sum-exp (``"triton"``,
+      ``"mosaic"``): each block runs that forward, and the ring's backward a flash backward per
+      block on the combined output and log-sum-exp (``backward_pass_impl``: the backward
+      variant, found by name; ``"auto"`` the Triton one). A backend that cannot compute a
+      block (its ``supports``) raises ValueError with the reason. The default stays XLA until
+      the kernels' blocks are measured on GPUs.
+    backward_pass_impl: the kernels' backward variant (``"auto"`` or a ``"triton_*"`` name).
+    interpret: run the kernels in Pallas interpret mode (CPU tests).
+  Inside a ``shard_map`` of your own, kernel blocks need it built with ``check_vma=False`` (Pallas
+  kernels do not type their outputs' varying axes).
     load_balance: None (device ``i`` holds the ``i``-th contiguous shard) or ``"zigzag"``
       (inputs, segment ids and output in :func:`to_zigzag` layout).
     is_causal, dropout_rate, deterministic, dropout_rng, broadcast_dropout: what
@@ -410,9 +487,6 @@ def context_parallel_attention(query, key, value, mask=None, *, mesh, axis_name,
     raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
   if load_balance not in LOAD_BALANCES:
     raise ValueError(f"load_balance must be one of {LOAD_BALANCES}, got {load_balance!r}")
-  if implementation not in (None, "xla"):
-    raise ValueError(f"implementation={implementation!r}: context_parallel_attention runs the XLA path "
-                     "only (None or 'xla')")
   if not hasattr(mesh, "axis_names") or not hasattr(mesh, "shape"):
     raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
   if axis_name not in mesh.axis_names:
@@ -451,14 +525,53 @@ def context_parallel_attention(query, key, value, mask=None, *, mesh, axis_name,
   if schedule == "auto":
     gathered = key.shape[0] * seq * key.shape[2] * (key.shape[3] + value.shape[3]) * key.dtype.itemsize
     schedule = "allgather" if gathered <= AUTO_ALLGATHER_MAX_BYTES else "ring"
-  plan = _Plan(axis_name, n, per_device, seq // (n * per_device), mask.lower, mask.upper, scale)
+  chunk = seq // (n * per_device)
+  kernels = _block_kernels(implementation, backward_pass_impl, interpret, query, key, value, chunk, mask, arr, scale,
+                           seq if schedule == "allgather" else chunk)
+  plan = _Plan(axis_name, n, per_device, chunk, mask.lower, mask.upper, scale, kernels)
   body = functools.partial(_ring if schedule == "ring" else _allgather, plan)
   if inside:
     return body(query, key, value, arr)
   seq_spec, rep = P(None, axis_name), P()
   arr_specs = _Arrays(rep, rep, seq_spec, seq_spec)
+  # Pallas kernels declare their outputs without shard_map's varying-axes types: their blocks
+  # run with that check off (the XLA blocks keep it).
   return jax.shard_map(body, mesh=mesh, in_specs=(seq_spec, seq_spec, seq_spec, arr_specs),
-                       out_specs=seq_spec, axis_names=frozenset({axis_name}))(query, key, value, arr)
+                       out_specs=seq_spec, axis_names=frozenset({axis_name}),
+                       check_vma=kernels is None)(query, key, value, arr)
+
+
+def _block_kernels(implementation, backward_pass_impl: str, interpret: bool, query, key, value, chunk: int,
+                   mask: Mask, arr: _Arrays, scale: float, kv_len: int) -> _Kernels | None:
+  """The kernels that run the blocks (None: XLA), checked: the backend must run on this device,
+  compute a block (``chunk`` queries against ``kv_len`` keys under the mask's kinds) and have a
+  forward kernel with its log-sum-exp."""
+  name = registry.REGISTRY.canonical(implementation)
+  if name in (None, "xla"):
+    if backward_pass_impl != "auto":
+      raise ValueError(f"backward_pass_impl={backward_pass_impl!r} configures the kernels' backward; the XLA "
+                       "blocks take 'auto' (pass implementation='triton' or 'mosaic')")
+    return None
+  backend = registry.REGISTRY.get(name)
+  b, _, h, d = query.shape
+  block_mask = Mask(lower=mask.lower, upper=mask.upper,
+                    q_lengths=arr.q_lengths if arr.q_lengths is None else jnp.zeros((b,), jnp.int32),
+                    kv_lengths=arr.kv_lengths if arr.kv_lengths is None else jnp.zeros((b,), jnp.int32),
+                    q_segment_ids=None if arr.q_segment_ids is None else jnp.zeros((b, chunk), jnp.int32),
+                    kv_segment_ids=None if arr.kv_segment_ids is None else jnp.zeros((b, kv_len), jnp.int32))
+  call = AttentionCall((b, chunk, h, d), (b, kv_len, key.shape[2], d), query.dtype, scale=scale,
+                       mask=block_mask if (block_mask.has_band or block_mask.has_arrays) else None,
+                       v_head_dim=value.shape[3], interpret=interpret)
+  why = backend.supports(call, Device.interpreter() if interpret else Device.current())
+  if why is None and type(backend).forward_kernel is AttentionBackend.forward_kernel:
+    why = "it has no forward kernel that returns its log-sum-exp"
+  if why is None and backward_pass_impl not in backend.backward_pass_impls:
+    why = f"backward_pass_impl={backward_pass_impl!r} is not one of its {backend.backward_pass_impls}"
+  if why is None and backward_pass_impl == "mosaic":
+    why = "the Mosaic backward is not offered to blocks combined by their log-sum-exp (pass 'auto' or 'triton_*')"
+  if why:
+    raise ValueError(f"implementation={implementation!r} cannot run context-parallel blocks: {why}")
+  return _Kernels(name, backward_pass_impl, bool(interpret))
 
 
 def _split(mask, batch: int, seq: int, local: int):

@@ -30,7 +30,8 @@ class Kernel:
     fn: a forward ``fn(static, q, k, v, mask) -> (out, lse)``, a backward
       ``fn(static, q, k, v, out, lse, do, mask) -> (dq, dk, dv)`` or a primal-only forward
       ``fn(static, q, k, v, mask) -> (out,)``, on ``[batch, len, heads, head_dim]`` operands and
-      ``[batch, heads, q_len]`` float32 log-sum-exp; a module-level function (it is hashed).
+      ``[batch, heads, q_len]`` float32 natural log-sum-exp (``+inf`` for rows without a valid
+      key); a module-level function (it is hashed).
     static: the pass's frozen, hashable arguments (scale, fitted tiles, ``score_mod``, ...).
     partitioned: whether the pass runs per shard of batch and heads under a mesh (not where it
       sees global batch or head indices, e.g. a ``score_mod``).

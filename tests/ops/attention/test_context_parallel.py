@@ -1,6 +1,7 @@
 """Context-parallel attention (``probjax.ops.attention.context_parallel``) on 2, 4 and 8 CPU
 devices: every schedule and layout equals single-device ``dot_product_attention(implementation=
-"xla")`` in values and gradients. The multi-device cases run in one subprocess with
+"xla")`` in values and gradients, with the blocks on XLA or on the Triton kernels (interpret
+mode, through the attention registry). The multi-device cases run in one subprocess with
 ``--xla_force_host_platform_device_count=8`` that prints one result row per case."""
 
 import textwrap
@@ -61,9 +62,14 @@ _SCRIPT = textwrap.dedent("""
       (4, "ring", None, "none", 20, 4, 1),
       (2, "allgather", None, "none", 14, 4, 4),
       (8, "auto", None, "lengths", 40, 2, 2),
+      # the blocks on the Triton kernels (interpret mode): forward with its lse, backward by name
+      (4, "ring", "zigzag", "causal", 24, 4, 2, "triton"),
+      (2, "allgather", None, "kv_lengths", 14, 2, 1, "triton"),
+      (4, "ring", None, "segments", 24, 2, 2, "triton"),
     ]
     rows = []
-    for i, (n, schedule, lb, mname, t, h, hkv) in enumerate(CASES):
+    for i, (n, schedule, lb, mname, t, h, hkv, *impl) in enumerate(CASES):
+      kw = dict(implementation=impl[0], interpret=True) if impl else {}
       mesh = Mesh(np.array(jax.devices()[:n]), ("seq",))
       x = make_inputs(100 + i, 2, t, t, h, hkv, 8)
       m = mask_of(mname, 2, t, i)
@@ -71,12 +77,14 @@ _SCRIPT = textwrap.dedent("""
       want = (ref_f(x.q, x.k, x.v),) + jax.vjp(ref_f, x.q, x.k, x.v)[1](x.do)
       if lb == "zigzag":
         zm, z, uz = zigzag_mask(m, n), functools.partial(to_zigzag, num_devices=n), functools.partial(from_zigzag, num_devices=n)
-        f = lambda q, k, v: uz(cpa(z(q), z(k), z(v), zm, mesh=mesh, axis_name="seq", schedule=schedule, load_balance=lb))
+        f = lambda q, k, v: uz(cpa(z(q), z(k), z(v), zm, mesh=mesh, axis_name="seq", schedule=schedule, load_balance=lb,
+                                   **kw))
       else:
-        f = lambda q, k, v: cpa(q, k, v, m, mesh=mesh, axis_name="seq", schedule=schedule)
+        f = lambda q, k, v: cpa(q, k, v, m, mesh=mesh, axis_name="seq", schedule=schedule, **kw)
       got = jax.jit(lambda q, k, v, do: (f(q, k, v),) + jax.vjp(f, q, k, v)[1](do))(x.q, x.k, x.v, x.do)
       errs, ok = compare(got, want)
-      rows.append(dict(case=f"{n}/{schedule}/{lb}/{mname}/T{t}/H{h}/{hkv}", errors=errs, ok=ok))
+      rows.append(dict(case=f"{n}/{schedule}/{lb}/{mname}/T{t}/H{h}/{hkv}{'/' + impl[0] if impl else ''}", errors=errs,
+                       ok=ok))
 
     # A 2-D mesh: the batch sharded over "data" stays with XLA, the sequence over "seq".
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "seq"))
@@ -137,6 +145,8 @@ _SCRIPT = textwrap.dedent("""
     error("key_len", lambda: cpa(x.q, x.k[:, :16], x.v[:, :16], mesh=mesh, axis_name="seq"))
     error("dense_mask", lambda: cpa(x.q, x.k, x.v, jnp.ones((2, 1, 20, 20), bool), mesh=mesh, axis_name="seq"))
     error("implementation", lambda: cpa(x.q, x.k, x.v, mesh=mesh, axis_name="seq", implementation="triton"))
+    error("no_kernel", lambda: cpa(x.q, x.k, x.v, mesh=mesh, axis_name="seq", implementation="cudnn"))
+    error("backward_xla", lambda: cpa(x.q, x.k, x.v, mesh=mesh, axis_name="seq", backward_pass_impl="triton_fused"))
     heads = jax.device_put(x.q, NamedSharding(Mesh(np.array(jax.devices()[:2]), ("seq",)), P(None, None, "seq")))
     error("sharding", lambda: cpa(heads, x.k, x.v, mesh=Mesh(np.array(jax.devices()[:2]), ("seq",)), axis_name="seq"))
     rows.append(dict(case="errors", errors=errors))
@@ -145,7 +155,7 @@ _SCRIPT = textwrap.dedent("""
 
 
 @pytest.fixture(scope="module")
-def results():  # about a minute of CPU: the tests that use it are slow
+def results():  # a minute or two of CPU: the tests that use it are slow
   return {r["case"]: r for r in run_on_fake_devices(_SCRIPT, 8)}
 
 
@@ -154,7 +164,7 @@ def results():  # about a minute of CPU: the tests that use it are slow
 @pytest.mark.slow
 def test_every_schedule_matches_one_device_values_and_gradients(results):
   cases = [r for r in results.values() if r["case"] != "errors"]
-  assert len(cases) == 16, sorted(results)
+  assert len(cases) == 19, sorted(results)
   bad = [(r["case"], r.get("errors")) for r in cases if not r["ok"]]
   assert not bad, bad
   assert results["2d_mesh"]["spec"] == "P('data', 'seq')", results["2d_mesh"]
@@ -170,7 +180,10 @@ def test_errors_name_the_argument(results):
   assert e["load_balance"].startswith("ValueError: load_balance"), e
   assert "key's [batch, seq]" in e["key_len"], e
   assert e["dense_mask"].startswith("ValueError: mask must be a probjax Mask"), e
-  assert e["implementation"].startswith("ValueError: implementation='triton'"), e
+  assert e["implementation"].startswith("ValueError: implementation='triton' cannot run context-parallel blocks: "
+                                        "the Triton kernel needs an NVIDIA GPU"), e
+  assert e["no_kernel"].startswith("ValueError: implementation='cudnn' cannot run context-parallel blocks"), e
+  assert e["backward_xla"].startswith("ValueError: backward_pass_impl='triton_fused'"), e
   assert e["sharding"].startswith("ValueError: query is sharded over 'seq' on axis 2"), e
 
 
@@ -190,3 +203,21 @@ def test_exported_from_the_public_attention_module():
   from probjax.ops.attention import context_parallel
   assert attention.context_parallel_attention is context_parallel.context_parallel_attention
   assert "context_parallel_attention" in attention.__all__
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_blocks_on_a_one_device_mesh():
+  # The Triton and Mosaic kernels inside the shard_map body, on one GPU: values and gradients
+  # against the float64 reference.
+  import jax
+  from jax.sharding import Mesh
+  from probjax.ops.attention import CausalMask, KVLenMask, context_parallel_attention as cpa
+  from probjax.testing import check_against_reference, make_inputs
+  mesh = Mesh(np.array(jax.devices()[:1]), ("seq",))
+  x = make_inputs(0, 2, 1024, 1024, 8, 2, 128, dtype=jnp.bfloat16)
+  for impl in ("triton", "mosaic"):
+    for schedule in ("ring", "allgather"):
+      for mask in (CausalMask(), CausalMask() & KVLenMask(jnp.asarray([1000, 300], jnp.int32))):
+        f = lambda q, k, v, _: cpa(q, k, v, mask, mesh=mesh, axis_name="seq", schedule=schedule,
+                                   implementation=impl)
+        check_against_reference(f, x, mask=mask)

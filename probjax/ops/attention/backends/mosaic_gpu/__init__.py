@@ -30,7 +30,7 @@ from probjax.ops.attention.backends.mosaic_gpu import forward as forward_lib
 from probjax.ops.attention.backends.mosaic_gpu.backward import MosaicBackwardConfig
 from probjax.ops.attention.backends.mosaic_gpu.config import MosaicForwardConfig
 
-__all__ = ["attention", "supports", "MosaicForwardConfig", "MosaicBackwardConfig"]
+__all__ = ["attention", "supports", "forward_kernel", "MosaicForwardConfig", "MosaicBackwardConfig"]
 
 _HEAD_DIMS = (64, 128, 192, 256)  # multiples of 64: whole wgmma K tiles of the (8, 64) smem tiling
 
@@ -127,13 +127,14 @@ def attention(q, k, v, *, mask: Mask | None = None, score_mod: Callable | None =
   scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
   device = gpu.kernel_device(interpret)
   itemsize, d, dv = jnp.dtype(q.dtype).itemsize, q.shape[-1], v.shape[-1]
-  cfg = config_lib.fit(forward_config, itemsize, d, device, mask=mask, q_len=q.shape[1], kv_len=k.shape[1],
-                       score_mod=score_mod is not None, v_head_dim=dv)
+  forward = forward_kernel(q, k, v, mask, scale=scale, score_mod=score_mod, config=forward_config,
+                           interpret=interpret)
+  st = forward.static
+  cfg = st.fcfg
   mosaic_bwd = backward_pass_impl == "mosaic"
   if backward_config is not None and isinstance(backward_config, MosaicBackwardConfig) != mosaic_bwd:
     raise TypeError(f"backward_config {type(backward_config).__name__} does not match "
                     f"backward_pass_impl={backward_pass_impl!r} (MosaicBackwardConfig goes with 'mosaic')")
-  st = _Static(scale, cfg, None, bool(interpret), score_mod)
   if mosaic_bwd:
     why = _lowerable(score_mod, mosaic_grad=True) or (
         None if dv == d else f"the Mosaic backward takes values of the queries' head_dim {d}, not {dv}")
@@ -148,7 +149,19 @@ def attention(q, k, v, *, mask: Mask | None = None, score_mod: Callable | None =
       config_lib.warn_if_interpret_may_hang(cfg.cluster * (cfg.compute_wgs + 1))
     backward = registry.backward_kernel(backward_pass_impl, q, k, v, scale=scale, score_mod=score_mod,
                                         config=backward_config, interpret=interpret)
-  return vjp.attention(vjp.Kernel(_forward_shard, st, gpu.mosaic_partitioned(st)), backward, q, k, v, mask)
+  return vjp.attention(forward, backward, q, k, v, mask)
+
+
+def forward_kernel(q, k, v, mask: Mask | None, *, scale: float, score_mod: Callable | None = None,
+                   config: MosaicForwardConfig | None = None, interpret: bool = False) -> vjp.Kernel:
+  """The Mosaic GPU forward as a pass with its residuals, ``(out, lse [batch, heads, q_len])``,
+  for a caller that pairs it with a backward or combines blocks by their log-sum-exp (context
+  parallelism); ``config``: its tiles (None: fitted to the device, the mask and the lengths).
+  Inputs validated by the caller (:func:`supports`)."""
+  cfg = config_lib.fit(config, jnp.dtype(q.dtype).itemsize, q.shape[-1], gpu.kernel_device(interpret), mask=mask,
+                       q_len=q.shape[1], kv_len=k.shape[1], score_mod=score_mod is not None, v_head_dim=v.shape[-1])
+  st = _Static(float(scale), cfg, None, bool(interpret), score_mod)
+  return vjp.Kernel(_forward_shard, st, gpu.mosaic_partitioned(st))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,3 +34,8 @@ class Mosaic(AttentionBackend):
                                 backward_pass_impl=backward_pass_impl or call.backward_pass_impl,
                                 forward_config=call.forward_config, backward_config=call.backward_config,
                                 interpret=call.interpret)
+
+  def forward_kernel(self, q, k, v, mask, *, scale, score_mod, config, interpret):
+    from probjax.ops.attention.backends import mosaic_gpu
+    return mosaic_gpu.forward_kernel(q, k, v, mask, scale=scale, score_mod=score_mod, config=config,
+                                     interpret=interpret)

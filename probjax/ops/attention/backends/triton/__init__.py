@@ -29,7 +29,7 @@ from probjax.ops.attention.backends.triton import decode as decode_lib
 from probjax.ops.attention.backends.triton import forward as forward_lib
 from probjax.ops.attention.backends.triton.tiles import padded_head_dim
 
-__all__ = ["attention", "supports", "backward_kernel", "ForwardConfig", "BackwardConfig", "SplitKVConfig"]
+__all__ = ["attention", "supports", "forward_kernel", "backward_kernel", "ForwardConfig", "BackwardConfig", "SplitKVConfig"]
 
 _HEAD_DIMS_MAX = 256
 _DTYPES = ("bfloat16", "float16", "float32")
@@ -125,6 +125,17 @@ def attention(q, k, v, *, mask: Mask | None = None, score_mod: Callable | None =
                        primal=None if split is None else kernel(_decode_shard))
 
 
+def forward_kernel(q, k, v, *, scale: float, score_mod: Callable | None = None,
+                   config: ForwardConfig | None = None, interpret: bool = False) -> vjp.Kernel:
+  """The Triton forward as a pass with its residuals, ``(out, lse [batch, heads, q_len])``, for a
+  caller that combines blocks by their log-sum-exp (context parallelism) or pairs it with
+  another backward. ``config``: its tiles (None: fitted to the device). Inputs validated by the
+  caller (:func:`supports`)."""
+  fcfg = _forward_config(q, k, v, config, config_lib.kernel_device(interpret))
+  st = _Static(score_mod, float(scale), fcfg, None, "", None, bool(interpret))
+  return vjp.Kernel(_forward_shard, st, _partitioned(score_mod))
+
+
 def backward_kernel(q, k, v, *, scale: float, score_mod: Callable | None = None, variant: str = "auto",
                     config: BackwardConfig | None = None, interpret: bool = False) -> vjp.Kernel:
   """The Triton backward as a pass that another backend's forward pairs with
@@ -140,9 +151,14 @@ def _configs(q, k, v, forward_config, backward_config, backward_pass_impl: str, 
   """``(device, forward config, backward variant, backward config)`` of a call, fitted to the
   device (``"interpret"`` in interpret mode)."""
   device = config_lib.kernel_device(interpret)
-  fcfg = config_lib.fit_forward_config(forward_config, q.dtype, padded_head_dim(q.shape[-1]), q.shape[1],
-                                       k.shape[1], device, padded_head_dim(v.shape[-1]))
-  return (device, fcfg, *_backward_config(q, k, v, backward_config, backward_pass_impl, device))
+  return (device, _forward_config(q, k, v, forward_config, device),
+          *_backward_config(q, k, v, backward_config, backward_pass_impl, device))
+
+
+def _forward_config(q, k, v, config, device: str) -> ForwardConfig:
+  """The forward's tiles fitted to the device (both head widths padded as the kernel loads them)."""
+  return config_lib.fit_forward_config(config, q.dtype, padded_head_dim(q.shape[-1]), q.shape[1], k.shape[1],
+                                       device, padded_head_dim(v.shape[-1]))
 
 
 def _backward_config(q, k, v, config, variant: str, device: str):
@@ -163,7 +179,7 @@ class _Static:
   score_mod: Callable | None
   scale: float
   fcfg: ForwardConfig | None
-  bcfg: BackwardConfig
+  bcfg: BackwardConfig | None
   impl: str
   split: SplitKVConfig | None
   interpret: bool

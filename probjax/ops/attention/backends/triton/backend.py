@@ -30,6 +30,10 @@ class Triton(AttentionBackend):
                             forward_config=call.forward_config, backward_config=call.backward_config,
                             split_kv=call.split_kv, interpret=call.interpret)
 
+  def forward_kernel(self, q, k, v, mask, *, scale, score_mod, config, interpret):
+    from probjax.ops.attention.backends import triton
+    return triton.forward_kernel(q, k, v, scale=scale, score_mod=score_mod, config=config, interpret=interpret)
+
   def backward_kernel(self, q, k, v, *, variant, scale, score_mod, config, interpret):
     from probjax.ops.attention.backends import triton
     return triton.backward_kernel(q, k, v, scale=scale, score_mod=score_mod, variant=variant, config=config,
