@@ -51,7 +51,7 @@ def test_a_field_read_is_seen(tmp_path):
 
 
 def test_registry_and_compatibility_view():
-  assert list(M.PREDICATES) == ["band", "q_lengths", "kv_lengths", "segments", "prefix_lm"]
+  assert list(M.PREDICATES) == ["band", "q_lengths", "kv_lengths", "segments", "prefix_lm", "mask_mod"]
   m = M.PrefixLMMask(jnp.array([3, 0])) & M.KVLenMask(jnp.array([5, 4])) & M.CausalMask(2)
   assert m.components == ("causal", "kv_lengths", "prefix_lm") and m.name == "causal&kv_lengths&prefix_lm"
   assert m.upper == 2 and m.lower is None and m.q_lengths is None

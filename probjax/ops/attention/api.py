@@ -42,8 +42,9 @@ from probjax.ops.attention.context_parallel import context_parallel_attention
 from probjax.ops.attention.backends.cudnn.config import CudnnConfig
 from probjax.core.dispatch import Decision
 from probjax.ops.attention.dispatch import Device
-from probjax.ops.attention.masks import (CausalMask, KVLenMask, LengthMask, LocalWindowMask, Mask,
+from probjax.ops.attention.masks import (CausalMask, KVLenMask, LengthMask, LocalWindowMask, Mask, MaskMod,
                                          MaskWithDense, PrefixLMMask, SegmentMask, structured_equivalent)
+from probjax.ops.attention.masks.mask_mod import reads as _mask_mod_reads
 
 __all__ = [
     "dot_product_attention", "flex_attention", "mha", "explain_dispatch", "available_implementations",
@@ -116,7 +117,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
       1/0 masks too), or both (``CausalMask() & array``, which runs the XLA path). An array
       (mask or bias) with fewer axes than that whose axes before ``[q_len, kv_len]`` are not
       all 1 is refused as ambiguous (numpy broadcasting, as jax.nn and Flax do it, would read
-      ``[batch, q_len, kv_len]`` as ``[heads, q_len, kv_len]``): pass all axes.
+      ``[batch, q_len, kv_len]`` as ``[heads, q_len, kv_len]``): pass all axes. Or a function
+      ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (see :func:`flex_attention`; ``b`` indexes the
+      flattened batch axes).
     broadcast_dropout, dropout_rng, dropout_rate, deterministic: dropout on the
       attention weights, as in ``flax.nnx.dot_product_attention``.
     dtype: computation dtype (inputs are cast to it); precision: matmul precision.
@@ -164,7 +167,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
   else:
     query, key, value = _promote((query, key, value), dtype)
   query, key, value, batch_dims = _flatten_batch(query, key, value)
-  pos_mask, dense = _split_mask(mask)
+  pos_mask, dense = _split_mask(_mask_mod(mask, query.shape[0], query.shape[2]))
   pos_mask = _jaxnn_mask(pos_mask, is_causal, query_seq_lengths, key_value_seq_lengths, local_window_size)
   q_len, heads, kv_len = query.shape[1], query.shape[2], key.shape[1]
   if pos_mask is not None:
@@ -173,6 +176,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
   bias = _flatten_dense("bias", bias, batch_dims, heads, q_len, kv_len)
   shape = base.check_qkv(query, key, value)
   pos_mask, _ = base.check_mask(pos_mask, shape)
+  _check_heads(pos_mask, shape.q_heads)
   _, dense_mask = base.check_mask(dense, shape)
   if pos_mask is not None:
     pos_mask = pos_mask.clamped(shape.q_len, shape.kv_len)
@@ -244,6 +248,23 @@ def _split_mask(mask):
   if isinstance(mask, MaskWithDense):
     return mask.mask, mask.dense
   return None, mask
+
+
+def _mask_mod(mask, batch: int, heads: int):
+  """A ``mask_mod(b, h, q_idx, kv_idx) -> bool`` function passed as ``mask`` as a
+  :func:`MaskMod` for this call's (flattened) batch and query heads, where it reads ``b`` /
+  ``h``; any other ``mask`` as it is."""
+  if mask is None or isinstance(mask, (Mask, MaskWithDense)) or not callable(mask):
+    return mask
+  seen = _mask_mod_reads(mask)
+  reads_b, reads_h = (True, True) if seen is None else seen
+  return MaskMod(mask, batch=batch if reads_b else None, heads=heads if reads_h else None)
+
+
+def _check_heads(mask: Mask | None, heads: int) -> None:
+  if mask is not None and mask.heads not in (None, heads):
+    raise ValueError(f"the mask was built for {mask.heads} query heads (MaskMod(..., heads={mask.heads})), "
+                     f"but the call has {heads}")
 
 
 def _and(a, b):
@@ -374,8 +395,9 @@ def _lse(query, key, shape: base.AttentionShape, *, bias, mask, dense_mask, scor
   if score_mod is not None:
     s = score_mod(s, bi, hi, qi, ki).astype(acc)
   ok = jnp.ones(s.shape, bool)
-  if mask is not None:  # element() gives [batch, q, k] for per-batch arrays, else [q, k]
-    ok = ok & mask.element(jnp.arange(tq)[:, None], jnp.arange(shape.kv_len)[None, :])[..., None, :, :]
+  if mask is not None:  # element() gives [batch, q, k] for per-batch arrays, else [q, k]; per head [b|1, h, q, k]
+    e = mask.element(jnp.arange(tq)[:, None], jnp.arange(shape.kv_len)[None, :])
+    ok = ok & (e if e.ndim == 4 else e[..., None, :, :])
   if dense_mask is not None:
     ok = ok & dense_mask
   s = jnp.where(ok, s, -jnp.inf)
@@ -394,7 +416,10 @@ def flex_attention(query, key, value, *, mask: Mask | None = None, score_mod: Ca
 
   Args:
     query: ``[batch, q_len, heads, head_dim]``; key, value ``[batch, kv_len, kv_heads, head_dim]``.
-    mask: a :class:`Mask` (combine with ``&``); tiles it empties are skipped.
+    mask: a :class:`Mask` (combine with ``&``); tiles it empties are skipped. Or a function
+      ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (PyTorch flex's mask_mod): ``MaskMod(mask_mod)``
+      for this call's batch and heads (:mod:`probjax.ops.attention.masks.mask_mod`; the XLA
+      path computes it, skipping the tiles it empties, found at trace time).
     score_mod: ``f(score, b, h, q_idx, kv_idx) -> score``, elementwise on float32
       scores after scaling, before masking; index arguments broadcast against
       the score. Differentiable, including through arrays it closes over
@@ -414,11 +439,13 @@ def flex_attention(query, key, value, *, mask: Mask | None = None, score_mod: Ca
   (1, 300, 2, 16)
   """
   shape = base.check_qkv(query, key, value)
+  mask = _mask_mod(mask, shape.batch, shape.q_heads)
   if mask is not None and not isinstance(mask, Mask):
-    raise TypeError(f"flex_attention's mask must be a probjax Mask (e.g. CausalMask()), got {type(mask).__name__}; "
-                    "use dot_product_attention for dense boolean masks")
+    raise TypeError(f"flex_attention's mask must be a probjax Mask (e.g. CausalMask()) or a mask_mod function, "
+                    f"got {type(mask).__name__}; use dot_product_attention for dense boolean masks")
   if mask is not None:
     mask.validate(shape.batch, shape.q_len, shape.kv_len)
+    _check_heads(mask, shape.q_heads)
     mask = mask.clamped(shape.q_len, shape.kv_len)
   return _attention(query, key, value, shape, mask=mask, score_mod=score_mod, scale=scale,
                     implementation=implementation, backward_pass_impl=backward_pass_impl,

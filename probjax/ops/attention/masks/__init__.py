@@ -7,7 +7,9 @@ index ``k`` of batch element ``b``:
 * per-batch query lengths ``q < q_lengths[b]`` and key lengths ``k < kv_lengths[b]``
   (``lengths.py``),
 * packed documents ``q_segment_ids[b, q] == kv_segment_ids[b, k]`` (``segments.py``),
-* prefix-LM ``k <= q or k < prefix_lengths[b]`` (``prefix_lm.py``).
+* prefix-LM ``k <= q or k < prefix_lengths[b]`` (``prefix_lm.py``),
+* a function ``mask_mod(b, h, q_idx, kv_idx) -> bool``, as PyTorch flex_attention's, whose tile
+  classes are the function evaluated on the grid at trace time (``mask_mod.py``; XLA path only).
 
 Each kind is a :class:`~probjax.ops.attention.masks.base.Predicate` (``base.py``): its element
 function, tile classification, static key/query ranges, validation, clamping, padding and
@@ -47,15 +49,17 @@ from probjax.ops.attention.masks.dense import structured_equivalent
 from probjax.ops.attention.masks.lengths import KVLengths, KVLenMask, LengthMask, QLengths
 from probjax.ops.attention.masks.prefix_lm import PrefixLM, PrefixLMMask
 from probjax.ops.attention.masks.segments import SegmentMask, Segments
+from probjax.ops.attention.masks.mask_mod import MaskMod, MaskModPredicate
 from probjax.ops.attention.masks.tiles import (heavy_first_order, heavy_first_program, num_tiles, pad_axis,
                                                ranges_from_classes, round_up)
 
 # The registry: every predicate kind, in the order a mask names its components.
-register(Band, QLengths, KVLengths, Segments, PrefixLM)
+register(Band, QLengths, KVLengths, Segments, PrefixLM, MaskModPredicate)
 
 __all__ = [
     "Mask", "MaskWithDense", "Predicate", "TileGrid", "PREDICATES", "register", "EMPTY", "PARTIAL", "FULL",
     "DENSE_ONLY_MESSAGE", "Band", "QLengths", "KVLengths", "Segments", "PrefixLM", "band", "CausalMask",
-    "LocalWindowMask", "KVLenMask", "LengthMask", "SegmentMask", "PrefixLMMask", "structured_equivalent",
+    "LocalWindowMask", "KVLenMask", "LengthMask", "SegmentMask", "PrefixLMMask", "MaskMod", "MaskModPredicate",
+    "structured_equivalent",
     "ranges_from_classes", "num_tiles", "round_up", "pad_axis", "heavy_first_program", "heavy_first_order",
 ]

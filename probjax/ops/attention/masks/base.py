@@ -90,6 +90,10 @@ class Predicate:
   kind: ClassVar[str]
   fields: ClassVar[tuple[str, ...]]
   roles: ClassVar[dict[str, str]] = {}
+  # The query heads of a predicate that differs per head (None: the same for every head). Such
+  # a predicate's element has a head axis before the position axes: ``[heads, ...]`` for a
+  # scalar ``b``, ``[batch|1, heads, ...]`` for ``b=None``.
+  heads: ClassVar[int | None] = None
 
   @classmethod
   def from_fields(cls, **values) -> Predicate | None:
@@ -220,6 +224,12 @@ class Mask:
     return "band" in self.kinds
 
   @property
+  def heads(self) -> int | None:
+    """The query heads the mask is defined for, where it differs per head (a
+    :func:`~probjax.ops.attention.masks.MaskMod` reading ``h``); None: the same for all."""
+    return next((p.heads for p in self.predicates if p.heads is not None), None)
+
+  @property
   def has_arrays(self) -> bool:
     """Whether any predicate depends on per-batch arrays."""
     return any(p.roles for p in self.predicates)
@@ -311,17 +321,29 @@ class Mask:
         against ``[tq, tk]`` indices.
     Returns:
       bool array of the broadcast shape (``[batch, tq, tk]`` when b is None and
-      the mask has per-batch arrays).
+      the mask has per-batch arrays). A mask that differs per query head (:attr:`heads`; then
+      ``q_idx``/``k_idx`` are 2-D) has a head axis: ``[heads, tq, tk]`` for a scalar ``b``,
+      ``[batch|1, heads, tq, tk]`` for ``b=None``.
     """
-    ok = jnp.ones(jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(k_idx)), bool)
+    shape = jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(k_idx))
+    ok = jnp.ones(shape, bool)
+    per_head = self.heads is not None
     for p in self.predicates:
-      ok = ok & p.element(q_idx, k_idx, b)
+      e = p.element(q_idx, k_idx, b)
+      if per_head and p.heads is None and b is None and jnp.ndim(e) == len(shape) + 1:
+        e = e[:, None]  # [batch, tq, tk] against [batch|1, heads, tq, tk]
+      ok = ok & e
+    if per_head and b is None:
+      ok = ok.reshape((1,) * (len(shape) + 2 - ok.ndim) + ok.shape)
     return ok
 
   def dense(self, batch: int, q_len: int, kv_len: int):
-    """The mask as a ``[batch, 1, q_len, kv_len]`` boolean array (for references)."""
+    """The mask as a ``[batch, 1, q_len, kv_len]`` boolean array (for references);
+    ``[batch, heads, q_len, kv_len]`` for a mask that differs per query head (:attr:`heads`)."""
     q = jnp.arange(q_len)[:, None]
     k = jnp.arange(kv_len)[None, :]
+    if self.heads is not None:
+      return jnp.broadcast_to(self.element(q, k), (batch, self.heads, q_len, kv_len))
     return jnp.broadcast_to(self.element(q, k), (batch, q_len, kv_len))[:, None]
 
   # -- tiles -------------------------------------------------------------------

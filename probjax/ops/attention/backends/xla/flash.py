@@ -28,7 +28,7 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero, linear_call
 
 from probjax.core import jax_patches
-from probjax.ops.attention.masks import EMPTY, Mask, pad_axis, round_up
+from probjax.ops.attention.masks import EMPTY, FULL, PARTIAL, Mask, pad_axis, round_up
 from probjax.ops.attention.padding import zero_padding, zero_rows
 from probjax.ops.attention.backends.xla.common import compute_dtype
 
@@ -95,14 +95,23 @@ def _scores(st: _Static, iq, ik, qb, kb, bias_t, consts):
   return s
 
 
-def _valid(st: _Static, iq, ik, mask: Mask | None, dense_t):
-  """Boolean ``[b|1, 1, 1, bq, bk]`` of allowed (query, key) pairs in the tile."""
+def _valid(st: _Static, iq, ik, mask: Mask | None, dense_t, masked: bool = True):
+  """Boolean ``[b|1, hkv|1, g|1, bq, bk]`` of allowed (query, key) pairs in the tile.
+
+  ``masked=False``: a tile the mask's classes prove FULL, where only the keys past ``kv_len``
+  (the padded last tile) and ``dense_t`` are tested, not the mask's element predicate."""
   qi = (iq * st.block_q + jnp.arange(st.block_q))[:, None]
   ki = (ik * st.block_k + jnp.arange(st.block_k))[None, :]
   ok = ki < st.kv_len
-  m = st.band if mask is None else mask
-  ok = ok & m.element(qi, ki)
-  ok = ok.reshape((-1, 1, 1, st.block_q, st.block_k)) if ok.ndim == 3 else ok[None, None, None]
+  if masked:
+    m = st.band if mask is None else mask
+    ok = ok & m.element(qi, ki)
+  elif st.kv_len % st.block_k == 0:
+    ok = jnp.ones_like(ok)
+  if ok.ndim == 4:  # a mask that differs per query head: [b|1, heads, bq, bk], head = hkv * g + g_i
+    ok = ok.reshape((ok.shape[0], ok.shape[1] // st.groups, st.groups, st.block_q, st.block_k))
+  else:
+    ok = ok.reshape((-1, 1, 1, st.block_q, st.block_k)) if ok.ndim == 3 else ok[None, None, None]
   if dense_t is not None:
     ok = ok & dense_t
   return ok
@@ -162,25 +171,32 @@ def _band_loop(st: _Static, bounds, n_outer: int, i, body, init):
                        init)
 
 
-def _maybe_skip(tile_any, iq, ik, compute, carry):
-  """Runs ``compute(carry)`` unless the tile is EMPTY for every batch element."""
-  if tile_any is None:
-    return compute(carry)
-  return lax.cond(tile_any[iq, ik], compute, lambda c: c, carry)
+def _maybe_skip(tile_cls, iq, ik, compute, carry):
+  """``compute(carry, masked)`` by the class of tile (iq, ik): skipped where EMPTY (for every
+  batch element), ``masked=False`` (no element predicate) where FULL for every batch element
+  and head, else ``masked=True``; ``tile_cls`` None: ``compute(carry, True)``."""
+  if tile_cls is None:
+    return compute(carry, True)
+  branches = [None] * 3
+  branches[EMPTY], branches[PARTIAL], branches[FULL] = (lambda c: c, lambda c: compute(c, True),
+                                                        lambda c: compute(c, False))
+  return lax.switch(tile_cls[iq, ik], branches, carry)
 
 
-def _tile_any(st: _Static, mask: Mask | None, batch: int):
-  """``[nq, nk]`` bool, whether tile (iq, ik) allows some element for some batch element
-  (from the mask's arrays at run time), or None where no tile is skipped."""
+def _tile_classes(st: _Static, mask: Mask | None, batch: int):
+  """``[nq, nk]`` int32 classes of the tiles over the batch (EMPTY: for every batch element,
+  FULL: for every batch element; from the mask's arrays at run time, or from its function at
+  trace time), or None where no tile is skipped."""
   if mask is None:
-    return None  # no mask arrays (flash_attention drops band-only masks): loop bounds suffice
+    return None  # a band alone (flash_attention drops band-only masks): loop bounds suffice
   if st.nq == 1 and st.nk == 1:
     # An empty single tile computes zero rows anyway. A cond on its class folds away only for
     # constant mask arrays; for traced ones (ids passed to jit) it stays, and on XLA:CPU it
     # costs more than the tile.
     return None
   cls = mask.classify_tiles(batch, st.nq * st.block_q, st.nk * st.block_k, st.block_q, st.block_k)
-  return jnp.any(cls != EMPTY, axis=0)
+  any_, full = jnp.any(cls != EMPTY, axis=0), jnp.all(cls == FULL, axis=0)
+  return jnp.where(any_, jnp.where(full, FULL, PARTIAL), EMPTY).astype(jnp.int32)
 
 
 # -- forward -------------------------------------------------------------------------
@@ -189,18 +205,18 @@ def _forward(st: _Static, q, k, v, bias, consts, mask, dense, rng):
   b, hkv, g = q.shape[:3]
   d = v.shape[-1]  # the output's width is the values' (it may differ from q/k's)
   cdt = st.dtype
-  tile_any = _tile_any(st, mask, b)
+  tile_cls = _tile_classes(st, mask, b)
 
   def q_block(iq):
     qb = lax.dynamic_slice_in_dim(q, iq * st.block_q, st.block_q, 3)
 
     def body(ik, carry):
-      def compute(carry):
+      def compute(carry, masked):
         m, l, acc = carry
         kb = lax.dynamic_slice_in_dim(k, ik * st.block_k, st.block_k, 2)
         vb = lax.dynamic_slice_in_dim(v, ik * st.block_k, st.block_k, 2)
         s = _scores(st, iq, ik, qb, kb, _tile(bias, iq, ik, st), consts)
-        ok = _valid(st, iq, ik, mask, _tile(dense, iq, ik, st))
+        ok = _valid(st, iq, ik, mask, _tile(dense, iq, ik, st), masked)
         s = jnp.where(ok, s, -jnp.inf)
         # The running maximum only stabilises the exponentials (out and lse do not depend
         # on it), so differentiating this pass (second order) need not go through the max.
@@ -214,7 +230,7 @@ def _forward(st: _Static, q, k, v, bias, consts, mask, dense, rng):
         acc = alpha[..., None] * acc + jnp.einsum("bhgqk,bhkd->bhgqd", pz, vb.astype(cdt),
                                                   precision=st.precision)
         return m_new, l, acc
-      return _maybe_skip(tile_any, iq, ik, compute, carry)
+      return _maybe_skip(tile_cls, iq, ik, compute, carry)
 
     init = (jnp.full((b, hkv, g, st.block_q), -jnp.inf, cdt), jnp.zeros((b, hkv, g, st.block_q), cdt),
             jnp.zeros((b, hkv, g, st.block_q, d), cdt))
@@ -254,19 +270,19 @@ def _tangent(st: _Static, res, tangents):
   cdt = st.dtype
   b, hkv, g = q.shape[:3]
   d = v.shape[-1]
-  tile_any = _tile_any(st, mask, b)
+  tile_cls = _tile_classes(st, mask, b)
 
   def q_block(iq):
     sl = lambda x: None if x is None else lax.dynamic_slice_in_dim(x, iq * st.block_q, st.block_q, 3)
     qb, qdb, ob, lse_b = sl(q), sl(qd), sl(out).astype(cdt), sl(lse)
 
     def body(ik, carry):
-      def compute(carry):
+      def compute(carry, masked):
         acc, c = carry
         ksl = lambda x: None if x is None else lax.dynamic_slice_in_dim(x, ik * st.block_k, st.block_k, 2)
         fn = lambda qb, kb, bias_t, *consts: _scores(st, iq, ik, qb, kb, bias_t, consts)
         args = (qb, ksl(k), _tile(bias, iq, ik, st), *consts)
-        ok = _valid(st, iq, ik, mask, _tile(dense, iq, ik, st))
+        ok = _valid(st, iq, ik, mask, _tile(dense, iq, ik, st), masked)
         if any(keep):  # the scores' tangent: the terms through q, k, bias and score_mod's arrays
           sub, primals = _restrict(fn, args, keep)
           dots = tuple(t for t in (qdb, ksl(kd), _tile(bd, iq, ik, st), *cd) if t is not None)
@@ -283,7 +299,7 @@ def _tangent(st: _Static, res, tangents):
         if vd is not None:
           acc = acc + jnp.einsum("bhgqk,bhkd->bhgqd", dz(p), ksl(vd).astype(cdt), precision=st.precision)
         return acc, c
-      return _maybe_skip(tile_any, iq, ik, compute, carry)
+      return _maybe_skip(tile_cls, iq, ik, compute, carry)
 
     c0 = jnp.zeros((b, hkv, g, st.block_q), cdt) if any(keep) else None
     acc, c = _band_loop(st, _k_bounds, st.nq, iq, body, (jnp.zeros((b, hkv, g, st.block_q, d), cdt), c0))
@@ -302,7 +318,7 @@ def _transpose(st: _Static, present, res, do):
   keep = (pq, pk, pb, *pc)
   cdt = st.dtype
   b, hkv, g, tq, d = q.shape
-  tile_any = _tile_any(st, mask, b)
+  tile_cls = _tile_classes(st, mask, b)
   do = do.astype(cdt)
   delta = jnp.sum(do * out.astype(cdt), -1)
   zeros = lambda x, want: jnp.zeros(x.shape, cdt) if want else None
@@ -312,7 +328,7 @@ def _transpose(st: _Static, present, res, do):
     kb, vb = ksl(k), ksl(v).astype(cdt)
 
     def body(iq, inner):
-      def compute(inner):
+      def compute(inner, masked):
         dk, dv, dq, dbias, dconsts = inner
         qsl = lambda x, ax=3: lax.dynamic_slice_in_dim(x, iq * st.block_q, st.block_q, ax)
         qb, dob, lse_b, delta_b = qsl(q), qsl(do), qsl(lse), qsl(delta)
@@ -323,7 +339,7 @@ def _transpose(st: _Static, present, res, do):
           s, vjp = jax.vjp(sub, *primals)
         else:
           s = fn(*args)
-        ok = _valid(st, iq, ik, mask, _tile(dense, iq, ik, st))
+        ok = _valid(st, iq, ik, mask, _tile(dense, iq, ik, st), masked)
         p = jnp.where(ok, jnp.exp(jnp.where(ok, s, 0.0) - lse_b[..., None]), 0.0)
         z = _keep(st, rng, iq, ik, p.shape)
         if pv:
@@ -343,7 +359,7 @@ def _transpose(st: _Static, present, res, do):
           dbias = _tile_add(dbias, dbt, iq, ik, st)
         dconsts = tuple(a if t is None else a + t for a, t in zip(dconsts, dct))
         return dk, dv, dq, dbias, dconsts
-      return _maybe_skip(tile_any, iq, ik, compute, inner)
+      return _maybe_skip(tile_cls, iq, ik, compute, inner)
 
     dq, dbias, dconsts = carry
     init = (zeros(kb, pk), zeros(vb, pv), dq, dbias, dconsts)
@@ -427,7 +443,7 @@ def flash_attention(q, k, v, *, bias=None, mask: Mask | None = None, dense_mask=
   band = Mask() if mask is None else mask.band
   if mask is not None:
     # Band only: handled by loop bounds and the static band; else every predicate, on the padded tiles.
-    mask = mask.padded(bsz, tq_p, tk_p) if mask.has_arrays else None
+    mask = mask.padded(bsz, tq_p, tk_p) if mask.kinds != band.kinds else None
   if jax.default_backend() == "cpu":
     # Mask arrays, dense masks and biases that are constants of the program (closed over by
     # jit) stay opaque to XLA:CPU: folded, a fully masked tile's probabilities become a
