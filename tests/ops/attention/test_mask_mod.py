@@ -128,6 +128,10 @@ def test_composes_with_other_masks_and_itself():
     check_against_reference(f, x, mask=m, scale=0.3)
   with pytest.raises(ValueError, match="heads=4 and heads=2"):
     MaskMod(per_head, heads=H) & MaskMod(per_head, heads=2)
+  # A function on either side of & is MaskMod(fn) (the same for every b and h).
+  assert CausalMask() & sliding == sliding & CausalMask() == CausalMask() & MaskMod(sliding)
+  with pytest.raises(ValueError, match="reads its h argument"):
+    CausalMask() & per_head
 
 
 def test_flash_skips_empty_tiles_and_full_tiles_skip_the_predicate():
@@ -204,3 +208,18 @@ def test_kernels_refuse_and_the_default_runs_xla():
       dot_product_attention(x.q, x.k, x.v, mask=m, implementation=impl, interpret=True)
   with pytest.raises(ValueError, match="mask_mod"):
     triton.attention(x.q, x.k, x.v, mask=m, interpret=True)
+
+
+def test_repeated_eager_calls_compile_once():
+  """The function is part of the mask's static description: the same function (and equal
+  conjunctions of it) share one compiled computation across eager calls."""
+  from probjax.ops.attention import api
+  x = make_inputs(16, B, 300, 300, 2, 2, 16)  # the flash formulation
+  calls = lambda: (dot_product_attention(x.q, x.k, x.v, mask=sliding),
+                   flex_attention(x.q, x.k, x.v, mask=MaskMod(per_head, heads=2) & MaskMod(sliding)))
+  jax.block_until_ready(calls())
+  before = api._compute_once.cache_info()
+  for _ in range(3):
+    jax.block_until_ready(calls())
+  after = api._compute_once.cache_info()
+  assert after.misses == before.misses and after.hits == before.hits + 6

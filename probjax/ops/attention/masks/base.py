@@ -203,6 +203,9 @@ class Mask:
       return other & self
     if _is_dense(other):
       return MaskWithDense(self, other)
+    if not isinstance(other, Mask) and callable(other):
+      from probjax.ops.attention.masks.mask_mod import MaskMod  # noqa: PLC0415 (it imports this module)
+      other = MaskMod(other)  # a mask_mod(b, h, q_idx, kv_idx) function the same for every b and h
     if not isinstance(other, Mask):
       return NotImplemented
     return Mask(*self.predicates, *other.predicates)
