@@ -65,11 +65,15 @@ def test_element_dense_and_reads():
     MaskMod(3)
 
 
+@pytest.mark.parametrize("chunk", [None, 1])  # 1: one query tile per evaluation step
 @pytest.mark.parametrize("name", list(MASKS))
 @pytest.mark.parametrize("tq, tk, bq, bk", [(TQ, TK, 8, 16), (9, 9, 4, 4), (5, 11, 3, 2)])
-def test_tile_classes_are_exact(name, tq, tk, bq, bk):
+def test_tile_classes_are_exact(name, tq, tk, bq, bk, chunk, monkeypatch):
   """EMPTY and FULL exactly where the grid says so (over the heads: EMPTY for every head,
   FULL for every head), from one evaluation at trace time (concrete under jit)."""
+  if chunk is not None:
+    monkeypatch.setattr(M.mask_mod, "_CHUNK", chunk)
+    M.mask_mod._tile_classes.cache_clear()
   fn, kw = MASKS[name]
   m = MaskMod(fn, **kw) & KVLenMask(jnp.array([tk, tk - 2]))
   cls = np.asarray(m.classify_tiles(B, tq, tk, bq, bk))

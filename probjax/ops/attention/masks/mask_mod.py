@@ -164,25 +164,26 @@ def MaskMod(mask_mod: Callable, batch: int | None = None, heads: int | None = No
 def _tile_classes(p: MaskModPredicate, batch: int, q_len: int, kv_len: int, block_q: int, block_k: int):
   """``(any, full)`` numpy bool ``[batch, nq, nk]``: whether some / every position of each tile
   inside ``[q_len, kv_len]`` is allowed, for some / every head; None where ``mask_mod`` depends
-  on traced values."""
+  on traced values. Evaluated per batch element and block of query tiles (at most about
+  ``_CHUNK`` grid elements at a time)."""
   nq, nk = -(-q_len // block_q), -(-kv_len // block_k)
   heads = 1 if p.heads is None else p.heads
   kv_pad = nk * block_k
   k = np.arange(kv_pad)[None, :]
-  bb = np.arange(batch)[:, None, None, None] if p.batch is not None else 0
-  hh = np.arange(heads)[None, :, None, None] if p.heads is not None else 0
-  per = max(1, _CHUNK // (batch * heads * block_q * kv_pad))  # query tiles per step
-  any_, full = [], []
+  hh = np.arange(heads)[:, None, None] if p.heads is not None else 0
+  per = max(1, _CHUNK // (heads * block_q * kv_pad))  # query tiles per step
+  any_, full = np.zeros((batch, nq, nk), bool), np.zeros((batch, nq, nk), bool)
   with jax.ensure_compile_time_eval():
-    for t0 in range(0, nq, per):
-      t1 = min(nq, t0 + per)
-      q = np.arange(t0 * block_q, t1 * block_q)[:, None]
-      e = p._call(bb, hh, q, k)
-      if isinstance(e, jax.core.Tracer):
-        return None
-      e = np.broadcast_to(np.asarray(e).reshape((1,) * (4 - e.ndim) + e.shape), (batch, heads) + q.shape[:1] + (kv_pad,))
-      inside = (q < q_len) & (k < kv_len)
-      tiles = lambda x: x.reshape(batch, heads, t1 - t0, block_q, nk, block_k)
-      any_.append(tiles(e & inside).any(axis=(1, 3, 5)))
-      full.append(tiles(e | ~inside).all(axis=(1, 3, 5)))
-  return np.concatenate(any_, axis=1), np.concatenate(full, axis=1)
+    for b in range(batch):
+      for t0 in range(0, nq, per):
+        t1 = min(nq, t0 + per)
+        q = np.arange(t0 * block_q, t1 * block_q)[:, None]
+        e = p._call(b if p.batch is not None else 0, hh, q, k)
+        if isinstance(e, jax.core.Tracer):
+          return None
+        e = np.broadcast_to(np.asarray(e).reshape((1,) * (3 - e.ndim) + e.shape), (heads, q.shape[0], kv_pad))
+        inside = (q < q_len) & (k < kv_len)
+        tiles = lambda x: x.reshape(heads, t1 - t0, block_q, nk, block_k)
+        any_[b, t0:t1] = tiles(e & inside).any(axis=(0, 2, 4))
+        full[b, t0:t1] = tiles(e | ~inside).all(axis=(0, 2, 4))
+  return any_, full
