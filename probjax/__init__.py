@@ -25,6 +25,7 @@ if TYPE_CHECKING:
   # that this list and _EXPORTS name the same things.
   from probjax import masks as masks
   from probjax import nn as nn
+  from probjax.core.autotune import autotune as autotune
   from probjax.masks import CausalMask as CausalMask
   from probjax.masks import KVLenMask as KVLenMask
   from probjax.masks import LengthMask as LengthMask
@@ -45,6 +46,7 @@ _EXPORTS = {
     "mha": _ATTENTION,
     "explain_dispatch": _ATTENTION,
     "available_implementations": _ATTENTION,
+    "autotune": "probjax.core.autotune",
     "Mask": "probjax.masks",
     "CausalMask": "probjax.masks",
     "LocalWindowMask": "probjax.masks",

@@ -75,10 +75,19 @@ COMMIT = Setting(
 REPORT_TRACEBACK = Setting(
     "PROBJAX_REPORT_TRACEBACK", "value", "unset", "probjax.attention_report",
     "set (non-empty): the attention report prints the traceback of each failing case")
+AUTOTUNE = Setting(
+    "PROBJAX_AUTOTUNE", "value", "unset: off", "probjax.core.autotune",
+    "set to anything but `0`/`false`/`off`/`no`: autotuning on (opt-in): the first call of each "
+    "key times the exact candidates on the device and caches the fastest (`probjax.autotune()` "
+    "overrides it inside its block)")
+AUTOTUNE_CACHE = Setting(
+    "PROBJAX_AUTOTUNE_CACHE", "value", "`$XDG_CACHE_HOME/probjax/autotune.json`, else "
+    "`~/.cache/probjax/autotune.json`", "probjax.core.autotune",
+    "the autotuning cache (JSON) to read and extend; `probjax.autotune(cache_path=...)` overrides it")
 
 SETTINGS: tuple[Setting, ...] = (ATTENTION_DEVICE_DEFAULTS, ATTENTION_CUDNN, ATTENTION_MOSAIC,
                                  ATTENTION_CUDNN_FFI, CUDNN_FFI_LIBRARY, CACHE_DIR, COMMIT,
-                                 REPORT_TRACEBACK)
+                                 REPORT_TRACEBACK, AUTOTUNE, AUTOTUNE_CACHE)
 
 
 def names() -> list[str]:

@@ -37,6 +37,7 @@ import os
 
 import jax.numpy as jnp
 
+from probjax.core import autotune as core_autotune
 from probjax.core import config
 from probjax.core.device import Device
 from probjax.core.dispatch import REQUESTED, Decision
@@ -100,7 +101,13 @@ def explain_dispatch(q_shape, kv_shape, dtype, *, mask: Mask | None = None, bias
     raise ValueError("backward_pass_impl='mosaic' is the Mosaic GPU kernel's backward: it needs "
                      f"implementation='mosaic', got {implementation!r}")
   if impl is None:
-    decision = decide(call, device, defaults_in_effect(device, env) if kernel_args_default else None)
+    decision = None
+    if kernel_args_default and split_kv is None and core_autotune.active(env):
+      # Opt-in autotuning (probjax.autotune): a measured (or cached) choice, else the rules.
+      from probjax.ops.attention import autotune  # local: it imports this module
+      decision = autotune.decide(call, device, env)
+    if decision is None:
+      decision = decide(call, device, defaults_in_effect(device, env) if kernel_args_default else None)
   else:
     decision = _requested(impl, call, device)
   if decision.implementation == "cudnn":
