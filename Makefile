@@ -1,7 +1,7 @@
 # probjax: two user commands, each self-contained on a fresh machine.
 #
-#   make run    the attention report for this machine (python -m bench.report: probjax.attention_report
-#               with a progress bar and a figure, reports/attention_report.{json,png})
+#   make run    the attention report for this machine (python -m probjax.attention_report: a progress
+#               bar, one table per case, reports/attention_report.{json,png})
 #   make test   the test suite without the slow cases (pytest -q -n 2 -m "not slow")
 #   make test-slow  the slow cases (pytest -q -n 2 -m slow): marked where each test is defined,
 #               with the reason; CI runs both, this one with -k "not thorough" (the cases
@@ -38,10 +38,10 @@ help:
 	@echo "make docs-site - the documentation site into site/ (mkdocs build --strict; the docs extra)"
 	@echo "make venv   - only create/refresh $(VENV)"
 
-# bench/report.py: probjax.attention_report's cases, tables and JSON, with a progress bar (case and
-# implementation), the default compared with the other implementations only, and a PNG beside the JSON.
+# probjax/attention_report.py: a progress bar naming the case and the implementation, a table per
+# case (the default flagged only against the other implementations), the JSON and a PNG beside it.
 run: venv
-	$(PY) -m bench.report $(ARGS)
+	$(PY) -m probjax.attention_report $(ARGS)
 
 # pytest's exit code 5 (no tests collected) is a failure here, as every other non-zero code.
 test: venv

@@ -12,8 +12,21 @@ the forward+backward (:func:`probjax.core.timing.time_fn`: the compiling call, t
 single synchronised calls: median and p10/p90); prints one table per case with each
 time's ratio to jax.nn and to the fastest implementation, the errors against their
 tolerance, the implementation the default picks and the rule that picked it, and a flag
-where the default is not the fastest; and writes the rows to JSON (``--output``, by
-default ``reports/attention_report.json``).
+where another implementation is faster than the default; writes the rows to JSON
+(``--output``, by default ``reports/attention_report.json``) and a figure beside it
+(``reports/attention_report.png``; ``--no-figure``: none): per mode, each case's median time
+of every implementation, the default's bar outlined.
+
+While it runs, a progress bar on stderr names the case and the implementation being measured
+(``--quiet``: none). The bar and the figure need tqdm and matplotlib (the ``bench`` extra,
+``pip install -e '.[bench]'``); without them the report runs the same, with plain progress
+lines and no figure, and says so in one line.
+
+The flag never compares the default with itself: the default's row and the row of the
+implementation it runs (``probjax_<implementation>``, and under grad on Triton the backward
+variant's) are the same kernel, their difference the measurement's noise
+(:func:`same_impl_labels`); the default is compared with the other implementations only
+(:func:`annotate_default`).
 
 Row fields: the benchmark row's ``suite="report"``, ``impl``, ``dtype``, ``batch``,
 ``q_heads``, ``kv_heads``, ``q_len``, ``kv_len``, ``head_dim``, ``causal``, ``mask``,
@@ -23,8 +36,12 @@ Row fields: the benchmark row's ``suite="report"``, ``impl``, ``dtype``, ``batch
 ``vs_jaxnn`` (``ms`` over the fastest jax.nn row's), ``vs_fastest`` (over the fastest
 row's that passed its check), ``fastest`` (that row's impl), ``check`` ("pass"/"fail"
 against the dtype's tolerance), ``tolerance``, ``error`` (message), ``commit``; the
-default's rows add ``default_impl``, ``default_rule``, ``default_is_fastest`` and
-``default_slower`` (its p10 above the fastest's p90: slower beyond the spread).
+default's rows add ``default_impl``, ``default_rule``, ``default_same_impl`` (the labels of
+the rows that run the default's implementation), ``default_best`` (the fastest of those),
+``fastest_other`` (the fastest other implementation that passed its check),
+``default_vs_other`` (the first's time over the second's), ``default_is_fastest`` (no other
+implementation is faster) and ``default_slower`` (not the fastest and ``default_best``'s p10
+above ``fastest_other``'s p90: slower beyond the spread; None with too few repeats).
 
 A failure of one implementation is recorded in its row; the report goes on.
 """
@@ -34,6 +51,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import importlib
 import json
 import math
 import os
@@ -52,6 +70,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_OUTPUT = os.path.join("reports", "attention_report.json")
 # Fewer repeats give no spread to tell a slower default from noise (default_slower: None).
 MIN_SPREAD_REPEATS = 5
+# The timed modes and their names in the tables and the figure.
+_MODES = (("fwd", "fwd"), ("fwd_bwd", "fwd+bwd"))
 
 
 # -----------------------------------------------------------------------------
@@ -324,7 +344,10 @@ def device_info() -> tuple[str, str]:
 
 
 def run_case(case: Case, impls, repeats: int, device: str, platform_kind: str,
-             log: Callable[[str], None] = lambda s: None) -> list[dict]:
+             log: Callable[[str], None] = lambda s: None, bar=None) -> list[dict]:
+  """One case's rows: every implementation of ``impls``, forward and forward+backward,
+  checked and timed (:func:`annotate`). ``bar``: a tqdm bar named after the case and the
+  implementation being measured, ticked once per implementation (None: none)."""
   import jax
   from probjax.ops.attention.tolerances import max_error, tolerance
 
@@ -342,6 +365,8 @@ def run_case(case: Case, impls, repeats: int, device: str, platform_kind: str,
       for mode in ("fwd", "fwd_bwd"):
         rows.append(dict(base, impl=label, mode=mode, ms=None, status="error", max_error=None,
                          check=None, tolerance=None, error=f"mask: {type(e).__name__}: {_first_line(e)}"))
+    if bar is not None:
+      bar.update(len(impls))
     annotate(rows)
     return rows
   dispatch_info = explain(case, mask)
@@ -355,6 +380,8 @@ def run_case(case: Case, impls, repeats: int, device: str, platform_kind: str,
     log("  " + ref_error)
 
   for label, kind, arg in impls:
+    if bar is not None:
+      bar.set_description(f"{case.name}: {label}")
     extra = dict(dispatch_info) if label == "probjax_default" else {}
     try:
       f = _probjax_fn(arg, mask, platform_kind) if kind == "probjax" else _jaxnn_fn(arg, case, case.mask, mask)
@@ -397,6 +424,8 @@ def run_case(case: Case, impls, repeats: int, device: str, platform_kind: str,
         if config.REPORT_TRACEBACK.value():
           traceback.print_exc()
       rows.append(row)
+    if bar is not None:
+      bar.update(1)
   annotate(rows)
   return rows
 
@@ -407,9 +436,9 @@ def _counts(r: dict) -> bool:
 
 
 def annotate(rows: list[dict]) -> None:
-  """Adds ``vs_jaxnn``, ``vs_fastest`` and ``fastest`` to one case's rows, and to the
-  default's rows ``default_is_fastest`` and ``default_slower``."""
-  for mode in ("fwd", "fwd_bwd"):
+  """Adds ``vs_jaxnn``, ``vs_fastest`` and ``fastest`` (over every row that counts) to one
+  case's rows, and the default's flag to its rows (:func:`annotate_default`)."""
+  for mode, _ in _MODES:
     mrows = [r for r in rows if r["mode"] == mode]
     ok = [r for r in mrows if _counts(r)]
     peers = [r for r in ok if r["impl"].startswith("jaxnn_")]
@@ -420,10 +449,55 @@ def annotate(rows: list[dict]) -> None:
       r["fastest"] = fastest and fastest["impl"]
       r["vs_fastest"] = round(r["ms"] / fastest["ms"], 4) if ran and fastest else None
       r["vs_jaxnn"] = round(r["ms"] / peer["ms"], 4) if ran and peer else None
-      if r["impl"] == "probjax_default":
-        r["default_is_fastest"] = bool(fastest is r) if ran else None
-        spread = ran and fastest and min(r["n_repeats"], fastest["n_repeats"]) >= MIN_SPREAD_REPEATS
-        r["default_slower"] = bool(fastest is not r and r["p10_ms"] > fastest["p90_ms"]) if spread else None
+  annotate_default(rows)
+
+
+def same_impl_labels(default_row: dict) -> set[str]:
+  """The rows' labels that run what the default runs in ``default_row``'s mode: the default's
+  own and ``probjax_<implementation>``, and in ``fwd_bwd`` on Triton the backward variant's."""
+  labels = {"probjax_default"}
+  impl = default_row.get("default_impl")
+  if impl and impl != "?":
+    labels.add(f"probjax_{impl}")
+  bwd = default_row.get("default_backward_pass_impl")
+  if default_row.get("mode") == "fwd_bwd" and impl == "triton" and bwd:
+    labels.add(f"probjax_{bwd}")
+  return labels
+
+
+def annotate_default(rows: list[dict]) -> None:
+  """Sets the default's ``default_is_fastest`` and ``default_slower`` in one case's rows
+  against the other implementations only (not the rows of :func:`same_impl_labels`).
+
+  ``default_is_fastest``: no other implementation's row that counts (ran, passed its check)
+  is faster than the default's own best (the fastest of its row and its implementation's,
+  ``default_best``); ``default_slower``: not the fastest and ``default_best``'s p10 above that
+  faster implementation's p90 (None with too few repeats for a spread)."""
+  for mode, _ in _MODES:
+    mrows = [r for r in rows if r["mode"] == mode]
+    d = next((r for r in mrows if r["impl"] == "probjax_default"), None)
+    if d is None:
+      continue
+    same = same_impl_labels(d)
+    d["default_same_impl"] = sorted(same)
+    if not (d["status"] == "ok" and d["ms"] is not None):
+      d["default_is_fastest"] = d["default_slower"] = None
+      continue
+    counts = [r for r in mrows if _counts(r)]
+    own = [r for r in counts if r["impl"] in same] or [d]
+    others = [r for r in counts if r["impl"] not in same]
+    best_own = min(own, key=lambda r: r["ms"])
+    rival = min(others, key=lambda r: r["ms"], default=None)
+    d["default_is_fastest"] = rival is None or best_own["ms"] <= rival["ms"]
+    d["fastest_other"] = None if rival is None else rival["impl"]
+    d["default_best"] = best_own["impl"]
+    d["default_vs_other"] = None if rival is None else round(best_own["ms"] / rival["ms"], 4)
+    if d["default_is_fastest"]:
+      d["default_slower"] = False
+    elif min(best_own.get("n_repeats") or 0, rival.get("n_repeats") or 0) >= MIN_SPREAD_REPEATS:
+      d["default_slower"] = bool(best_own["p10_ms"] > rival["p90_ms"])
+    else:
+      d["default_slower"] = None
 
 
 # -----------------------------------------------------------------------------
@@ -457,24 +531,24 @@ def _fmt_err(r):
   return s + ("" if r["check"] == "pass" else " FAIL")
 
 
-_MODES = (("fwd", "fwd"), ("fwd_bwd", "fwd+bwd"))
 _LEGEND = ("ms: median; p10-p90: the spread over the repeats; x jax.nn, x best: time over the fastest\n"
            "jax.nn backend's and over the fastest implementation's that passed its check (below 1: faster);\n"
            "err: max error/tolerance against the float64 reference.")
 
 
-def _default_flags(crow: list[dict]) -> list[str]:
-  """One line per mode where the default is not the fastest."""
+def default_flags(crow: list[dict]) -> list[str]:
+  """One line per mode where another implementation is faster than the default's own
+  (:func:`annotate_default`): which, by how much, and whether beyond the spread."""
   out = []
   for mode, name in _MODES:
     d = next((r for r in crow if r["impl"] == "probjax_default" and r["mode"] == mode), None)
-    if d is None or not d.get("fastest") or d.get("default_is_fastest") is not False:
+    if d is None or d.get("default_is_fastest") is not False:
       continue
     why = {True: "beyond the p10-p90 spread", False: "within the p10-p90 spread",
            None: "too few repeats to tell from noise"}[d.get("default_slower")]
-    same = f"probjax_{d.get('default_impl')}" == d["fastest"]
-    out.append(f"  ! {name}: the default is not the fastest: {d['fastest']} ({d['vs_fastest']:.2f}x "
-               f"faster, {why}{'; the implementation the default runs' if same else ''})")
+    out.append(f"  ! {name}: the default is not the fastest: {d['fastest_other']} is "
+               f"{d['default_vs_other']:.2f}x faster than the default's {d.get('default_impl') or '?'} "
+               f"({d['default_best']}; {why})")
   return out
 
 
@@ -512,7 +586,7 @@ def format_case(case: Case, crow: list[dict]) -> str:
     lines.append("  " + "  ".join(cells) + ("  " + t[-1] if t[-1] else ""))
     if i == 0:
       lines.append("  " + "  ".join("-" * w for w in widths))
-  lines += _default_flags(crow)
+  lines += default_flags(crow)
   return "\n".join(lines)
 
 
@@ -522,12 +596,105 @@ def format_table(cases: list[Case], rows: list[dict]) -> str:
                    if any(r["case"] == c.name for r in rows))
 
 
+# -----------------------------------------------------------------------------
+# progress bar and figure (the bench extra: tqdm, matplotlib)
+# -----------------------------------------------------------------------------
+BENCH_EXTRA = "pip install -e '.[bench]'"
+
+
+def _optional(name: str):
+  """The module ``name``, or None where it is not installed."""
+  try:
+    return importlib.import_module(name)
+  except ImportError:
+    return None
+
+
+def progress_bar(total: int):
+  """A tqdm bar on stderr over ``total`` implementations (None without tqdm)."""
+  tqdm = _optional("tqdm")
+  if tqdm is None:
+    return None
+  return tqdm.tqdm(total=total, file=sys.stderr, dynamic_ncols=True, unit="impl", leave=False)
+
+
+def figure_path(output: str) -> str:
+  """The PNG beside the JSON: ``reports/attention_report.json`` -> ``reports/attention_report.png``."""
+  return os.path.splitext(output)[0] + ".png"
+
+
+def write_figure(rows: list[dict], path: str, title: str = "") -> str | None:
+  """Per mode, a bar per (case, implementation) of the median ms (log scale; rows that did
+  not run left out, a failed check's bar hatched), the default's bar outlined. Returns
+  ``path``, or None where there is nothing to draw or no matplotlib."""
+  if _optional("matplotlib") is None:
+    return None
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  ran = [r for r in rows if r.get("status") == "ok" and r.get("ms")]
+  if not ran:
+    return None
+  cases = list(dict.fromkeys(r["case"] for r in rows))
+  impls = list(dict.fromkeys(r["impl"] for r in rows))
+  colors = plt.get_cmap("tab10")
+  width = 0.8 / max(len(impls), 1)
+  fig, axes = plt.subplots(1, len(_MODES), figsize=(max(6.0, 1.6 * len(cases)) * len(_MODES) / 1.5, 4.2),
+                           squeeze=False)
+  for ax, (mode, name) in zip(axes[0], _MODES):
+    for j, impl in enumerate(impls):
+      xs, ys, hatches = [], [], []
+      for i, case in enumerate(cases):
+        r = next((r for r in ran if r["case"] == case and r["impl"] == impl and r["mode"] == mode), None)
+        if r is not None:
+          xs.append(i - 0.4 + width * (j + 0.5))
+          ys.append(r["ms"])
+          hatches.append("//" if r.get("check") == "fail" else "")
+      if not xs:
+        continue
+      default = impl == "probjax_default"
+      bars = ax.bar(xs, ys, width, label=impl, color=colors(j % 10), edgecolor="black" if default else "none",
+                    linewidth=1.2 if default else 0)
+      for b, h in zip(bars, hatches):
+        b.set_hatch(h)
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(cases)))
+    ax.set_xticklabels(cases, rotation=20)
+    ax.set_ylabel("median ms (log)")
+    ax.set_title(name)
+    ax.grid(axis="y", alpha=0.3, which="both")
+  axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+  if title:
+    fig.suptitle(title, fontsize=10)
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
+
+
+def missing_extras_line(bar: bool, figure: bool) -> str | None:
+  """The one line naming what the bench extra would add and is missing here (None: nothing):
+  the progress bar (tqdm) where ``bar`` is wanted, the figure (matplotlib) where ``figure``."""
+  missing = [(pkg, what) for want, pkg, what in ((bar, "tqdm", "no progress bar"),
+                                                 (figure, "matplotlib", "no figure"))
+             if want and _optional(pkg) is None]
+  if not missing:
+    return None
+  return (f"{' and '.join(pkg for pkg, _ in missing)} not installed: {', '.join(w for _, w in missing)} "
+          f"(the bench extra: {BENCH_EXTRA})")
+
+
+# -----------------------------------------------------------------------------
+# command line
+# -----------------------------------------------------------------------------
 def parse_args(argv=None):
   p = argparse.ArgumentParser(
       prog="python -m probjax.attention_report",
       description="Attention report for this machine: every available implementation against the "
                   "float64 reference (max error of output and gradients), forward and forward+backward "
-                  "times, and which implementation the default picks and why. Writes JSON rows.")
+                  "times, and which implementation the default picks and why. Writes JSON rows and a "
+                  "PNG figure beside them.")
   p.add_argument("--batch", type=int, help="batch size (default: per device)")
   p.add_argument("--heads", type=int, help="query heads (giving it, --kv-heads, --seq or --mask replaces the default shape set)")
   p.add_argument("--kv-heads", type=int, help="key/value heads (GQA when fewer than --heads; default: --heads)")
@@ -542,38 +709,53 @@ def parse_args(argv=None):
                       "a probjax implementation not available here (e.g. triton in interpret mode on CPU) is tried")
   p.add_argument("--repeats", type=int, help="timed repeats after one warm-up; the median is reported")
   p.add_argument("--output", default=DEFAULT_OUTPUT,
-                 help="JSON output path (default: %(default)s, relative to the working directory)")
+                 help="JSON output path (default: %(default)s, relative to the working directory); "
+                      "the figure is written beside it with the suffix .png")
+  p.add_argument("--no-figure", action="store_true", help="no PNG figure beside the JSON")
   p.add_argument("--quick", action="store_true", help="tiny shapes and 5 repeats (smoke test)")
-  p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+  p.add_argument("--quiet", action="store_true", help="no progress bar or progress lines on stderr")
   return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
+  argv = list(sys.argv[1:] if argv is None else argv)
   args = parse_args(argv)
   t_start = time.perf_counter()
   import jax
   platform_kind, device = device_info()
   cases, repeats = build_cases(args, platform_kind)
   impls = implementations(platform_kind, cases[0].dtype if cases else "float32", args.impl)
-  log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
   print(f"probjax attention report  device: {device}  jax {jax.__version__}  repeats: {repeats} (median, p10-p90)",
         flush=True)
   print("implementations: " + ", ".join(lab for lab, _, _ in impls), flush=True)
   print(_LEGEND, flush=True)
+  missing = missing_extras_line(bar=not args.quiet, figure=not args.no_figure)
+  if missing:
+    print(missing, flush=True)
+  bar = None if args.quiet else progress_bar(len(cases) * len(impls))
+  if bar is None:
+    say = lambda s: print(s, flush=True)  # noqa: E731
+    log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
+  else:  # lines above the bar
+    say = lambda s: bar.write(s, file=sys.stdout)  # noqa: E731
+    log = lambda s: bar.write(s, file=sys.stderr)  # noqa: E731
   rows: list[dict] = []
   for case in cases:
-    log(f"running {case.name} ...")
-    crow = run_case(case, impls, repeats, device, platform_kind, log=log)
-    print(format_case(case, crow), flush=True)
+    if bar is None:
+      log(f"running {case.name} ...")
+    crow = run_case(case, impls, repeats, device, platform_kind, log=log, bar=bar)
+    say(format_case(case, crow))
     rows += crow
+  if bar is not None:
+    bar.close()
   elapsed = time.perf_counter() - t_start
   n_bad = sum(r["status"] != "ok" for r in rows)
   n_fail = sum(r["check"] == "fail" for r in rows)
   slower = sorted({f"{r['case']} {r['mode']}" for r in rows if r.get("default_slower")})
-  print(f"\n{len(rows)} rows, {n_bad} did not run, {n_fail} outside tolerance; "
-        f"default slower than the fastest beyond the spread: {', '.join(slower) or 'none'}; {elapsed:.1f} s")
+  print(f"\n{len(rows)} rows, {n_bad} did not run, {n_fail} outside tolerance; default slower than "
+        f"the fastest other implementation beyond the spread: {', '.join(slower) or 'none'}; {elapsed:.1f} s")
   info = timing.device_info()
-  command = " ".join(["python -m probjax.attention_report"] + list(argv if argv is not None else sys.argv[1:]))
+  command = " ".join(["python -m probjax.attention_report"] + argv)
   date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
   for r in rows:
     r.setdefault("jax", jax.__version__)
@@ -587,6 +769,12 @@ def main(argv=None) -> int:
     json.dump(rows, fh, indent=1, default=_json_default)
     fh.write("\n")
   print(f"wrote {args.output}")
+  if not args.no_figure:
+    png = write_figure(rows, figure_path(args.output), title=f"{device}, jax {jax.__version__}")
+    if png:
+      print(f"wrote {png}")
+    elif _optional("matplotlib") is not None:  # (without it, the line above said so)
+      print("no figure: no implementation ran")
   return 0
 
 

@@ -1,4 +1,4 @@
-"""bench/'s structure and the runner's pieces that `make run` shows (CPU, fast)."""
+"""bench/'s structure, the device wrapper and the suites as data (CPU, fast)."""
 
 from __future__ import annotations
 
@@ -43,92 +43,6 @@ def test_shared_pieces_live_in_one_module():
     assert getattr(harness, name) is getattr(peers, name)
   for name in ("free_memory", "probjax_api", "torch_mod", "tokamax_mod", "Unsupported"):
     assert getattr(impls, name) is getattr(peers, name)
-
-
-# -----------------------------------------------------------------------------
-# make run (bench/report.py)
-# -----------------------------------------------------------------------------
-def _row(impl, mode, ms, p10=None, p90=None, n=5, **kw):
-  r = dict(case="c", impl=impl, mode=mode, ms=ms, status="ok", check="pass", n_repeats=n,
-           p10_ms=ms * 0.95 if p10 is None else p10, p90_ms=ms * 1.05 if p90 is None else p90)
-  r.update(kw)
-  return r
-
-
-def test_the_default_is_never_flagged_against_its_own_implementation():
-  from bench import report
-  rows = [_row("probjax_default", "fwd", 2.0, default_impl="xla"), _row("probjax_xla", "fwd", 1.0),
-          _row("jaxnn_xla", "fwd", 1.5)]
-  report.report.annotate(rows)
-  assert rows[0]["fastest"] == "probjax_xla" and rows[0]["default_is_fastest"] is False  # the report's
-  report.annotate_default(rows)
-  d = rows[0]
-  assert d["default_is_fastest"] is True and d["default_slower"] is False
-  assert d["fastest_other"] == "jaxnn_xla" and d["default_best"] == "probjax_xla"
-  assert d["default_same_impl"] == ["probjax_default", "probjax_xla"]
-  assert report.default_flags(rows) == []
-
-
-def test_the_default_is_flagged_against_another_implementation():
-  from bench import report
-  rows = [_row("probjax_default", "fwd_bwd", 2.0, default_impl="xla"), _row("probjax_xla", "fwd_bwd", 1.8),
-          _row("jaxnn_xla", "fwd_bwd", 1.0), _row("probjax_pallas", "fwd_bwd", 0.5, check="fail")]
-  report.report.annotate(rows)
-  report.annotate_default(rows)
-  d = rows[0]
-  assert d["default_is_fastest"] is False and d["default_slower"] is True   # 1.8*0.95 > 1.0*1.05
-  assert d["fastest_other"] == "jaxnn_xla" and d["default_vs_other"] == 1.8  # a failed check never counts
-  (line,) = report.default_flags(rows)
-  assert "fwd+bwd" in line and "jaxnn_xla" in line and "than probjax_xla" in line and "beyond" in line
-  # within the spread, and too few repeats to tell
-  rows[1].update(p10_ms=0.9)
-  report.annotate_default(rows)
-  assert rows[0]["default_slower"] is False and "within" in report.default_flags(rows)[0]
-  rows[2]["n_repeats"] = 1
-  report.annotate_default(rows)
-  assert rows[0]["default_slower"] is None
-
-
-def test_the_triton_default_owns_its_backward_variant_under_grad():
-  from bench import report
-  d = dict(impl="probjax_default", mode="fwd_bwd", default_impl="triton",
-           default_backward_pass_impl="triton_onepass")
-  assert report.same_impl_labels(d) == {"probjax_default", "probjax_triton", "probjax_triton_onepass"}
-  assert report.same_impl_labels(dict(d, mode="fwd")) == {"probjax_default", "probjax_triton"}
-  assert report.same_impl_labels(dict(d, default_impl="?")) == {"probjax_default"}
-
-
-def test_the_figure_is_a_png_beside_the_json(tmp_path):
-  from bench import report
-  assert report.figure_path("reports/attention_report.json") == "reports/attention_report.png"
-  rows = [dict(_row(i, m, ms), case=c) for c in ("a", "b") for m in ("fwd", "fwd_bwd")
-          for i, ms in (("probjax_default", 1.0), ("jaxnn_xla", 2.0))]
-  rows.append(dict(rows[0], impl="probjax_triton", status="unsupported", ms=None))
-  out = report.write_figure(rows, str(tmp_path / "f.png"), title="t")
-  assert out and (tmp_path / "f.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-  assert report.write_figure([dict(rows[-1])], str(tmp_path / "none.png")) is None
-
-
-def test_make_run_shows_case_and_implementation_and_writes_the_figure(tmp_path, capsys):
-  """One tiny case and one implementation in process (a few seconds: two compilations)."""
-  import json
-  from bench import report
-  out = tmp_path / "r" / "report.json"
-  assert report.main(["--seq", "16", "--heads", "2", "--head-dim", "8", "--impl", "xla", "--repeats", "2",
-                      "--output", str(out)]) == 0
-  captured = capsys.readouterr()
-  assert "T16-none: probjax_xla" in captured.err          # the bar names case and implementation
-  assert "T16-none: B=1 H=2 T=16 D=8" in captured.out      # the report's table
-  rows = json.loads(out.read_text())
-  assert {(r["impl"], r["mode"]) for r in rows} == {("probjax_xla", "fwd"), ("probjax_xla", "fwd_bwd")}
-  assert rows[0]["command"].startswith("python -m bench.report")
-  assert (tmp_path / "r" / "report.png").read_bytes()[:4] == b"\x89PNG"
-
-
-def test_make_run_runs_the_report_with_progress_and_figure():
-  text = (ROOT / "Makefile").read_text()
-  body = text.split("\nrun: venv\n", 1)[1].split("\n\n", 1)[0]
-  assert body.strip() == "$(PY) -m bench.report $(ARGS)"
 
 
 # -----------------------------------------------------------------------------
