@@ -45,6 +45,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from probjax.nn.layers._checks import check_array, check_instance
+from probjax.nn.layers import _sharding as shd
 from probjax.ops.scan import mamba_scan, ssd_scan
 
 __all__ = ["Mamba", "Mamba2", "MambaState"]
@@ -113,8 +114,9 @@ class _Conv(nnx.Module):
 
   def __init__(self, channels, d_conv, use_bias, param_dtype, rngs):
     bound = 1.0 / math.sqrt(d_conv)
-    self.weight = nnx.Param(jax.random.uniform(rngs.params(), (d_conv, channels), param_dtype, -bound, bound))
-    self.bias = nnx.Param(jnp.zeros((channels,), param_dtype)) if use_bias else None
+    self.weight = nnx.Param(jax.random.uniform(rngs.params(), (d_conv, channels), param_dtype, -bound, bound),
+                            **shd.names(None, "inner"))
+    self.bias = nnx.Param(jnp.zeros((channels,), param_dtype), **shd.names("inner")) if use_bias else None
     self.d_conv = d_conv
 
   def __call__(self, x, history):
@@ -133,16 +135,17 @@ class _Block(nnx.Module):
   """What the two blocks share: projections, convolution, dt/A/D parameters, decoding state."""
 
   def _setup(self, *, d_model, d_inner, conv_channels, in_features, d_conv, use_bias, conv_bias,
-             dt_shape, dt_min, dt_max, dt_init_floor, dtype, param_dtype, rngs):
+             dt_shape, per_axis, dt_min, dt_max, dt_init_floor, dtype, param_dtype, rngs):
     _positive(d_model=d_model, d_conv=d_conv)
     self.d_model, self.d_inner, self.d_conv = d_model, d_inner, d_conv
     self.dtype, self.param_dtype = dtype, param_dtype
     kw = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    self.in_proj = nnx.Linear(d_model, in_features, **kw)
+    self.in_proj = nnx.Linear(d_model, in_features, **kw, **shd.linear("embed", "inner"))
     self.conv = _Conv(conv_channels, d_conv, conv_bias, param_dtype, rngs)
-    self.out_proj = nnx.Linear(d_inner, d_model, **kw)
-    self.dt_bias = nnx.Param(_dt_bias(rngs, dt_shape, dt_min, dt_max, dt_init_floor).astype(param_dtype))
-    self.D = nnx.Param(jnp.ones((dt_shape,), param_dtype))
+    self.out_proj = nnx.Linear(d_inner, d_model, **kw, **shd.linear("inner", "embed"))
+    per = shd.names(per_axis)
+    self.dt_bias = nnx.Param(_dt_bias(rngs, dt_shape, dt_min, dt_max, dt_init_floor).astype(param_dtype), **per)
+    self.D = nnx.Param(jnp.ones((dt_shape,), param_dtype), **per)
 
   def _history(self, x, state):
     if state is None:
@@ -229,14 +232,15 @@ class Mamba(_Block):
     _positive(dt_rank=self.dt_rank)
     self.d_state, self.implementation, self.chunk_size = d_state, implementation, chunk_size
     self._setup(d_model=d_model, d_inner=d_inner, conv_channels=d_inner, in_features=2 * d_inner,
-                d_conv=d_conv, use_bias=use_bias, conv_bias=conv_bias, dt_shape=d_inner,
+                d_conv=d_conv, use_bias=use_bias, conv_bias=conv_bias, dt_shape=d_inner, per_axis="inner",
                 dt_min=dt_min, dt_max=dt_max, dt_init_floor=dt_init_floor, dtype=dtype,
                 param_dtype=param_dtype, rngs=rngs)
     kw = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    self.x_proj = nnx.Linear(d_inner, self.dt_rank + 2 * d_state, **kw)
-    self.dt_proj = nnx.Linear(self.dt_rank, d_inner, **kw)  # its bias is dt_bias, added by the scan
+    self.x_proj = nnx.Linear(d_inner, self.dt_rank + 2 * d_state, **kw, **shd.linear("inner", None))
+    # its bias is dt_bias, added by the scan
+    self.dt_proj = nnx.Linear(self.dt_rank, d_inner, **kw, **shd.linear(None, "inner"))
     a = jnp.broadcast_to(jnp.arange(1, d_state + 1, dtype=jnp.float32), (d_inner, d_state))
-    self.A_log = nnx.Param(jnp.log(a).astype(param_dtype))
+    self.A_log = nnx.Param(jnp.log(a).astype(param_dtype), **shd.names("inner", None))
 
   def init_state(self, batch: int, dtype=None) -> MambaState:
     """The state before the first token: zeros."""
@@ -329,11 +333,11 @@ class Mamba2(_Block):
     conv_channels = d_inner + 2 * n_groups * d_state
     self._setup(d_model=d_model, d_inner=d_inner, conv_channels=conv_channels,
                 in_features=d_inner + conv_channels + heads, d_conv=d_conv, use_bias=use_bias,
-                conv_bias=conv_bias, dt_shape=heads, dt_min=dt_min, dt_max=dt_max,
+                conv_bias=conv_bias, dt_shape=heads, per_axis="heads", dt_min=dt_min, dt_max=dt_max,
                 dt_init_floor=dt_init_floor, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     a = jax.random.uniform(rngs.params(), (heads,), jnp.float32, lo, hi)
-    self.A_log = nnx.Param(jnp.log(a).astype(param_dtype))
-    self.norm = nnx.RMSNorm(d_inner, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.A_log = nnx.Param(jnp.log(a).astype(param_dtype), **shd.names("heads"))
+    self.norm = nnx.RMSNorm(d_inner, dtype=dtype, param_dtype=param_dtype, rngs=rngs, **shd.norm("inner"))
 
   def init_state(self, batch: int, dtype=None) -> MambaState:
     """The state before the first token: zeros."""

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from probjax.nn.layers._checks import check_array
+from probjax.nn.layers import _sharding as shd
 
 __all__ = ["MLP", "FiLM", "default_hidden_features"]
 
@@ -49,8 +50,8 @@ naming ``x``, an integer one TypeError).
     self.features, self.activation, self.hidden_features = features, activation, hidden_features
     kw = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     width = hidden_features * (2 if activation == "swiglu" else 1)
-    self.up = nnx.Linear(features, width, **kw)
-    self.down = nnx.Linear(hidden_features, features, **kw)
+    self.up = nnx.Linear(features, width, **kw, **shd.linear("embed", "mlp"))
+    self.down = nnx.Linear(hidden_features, features, **kw, **shd.linear("mlp", "embed"))
 
   def __call__(self, x):
     check_array("x", x, (..., ("features", self.features)))

@@ -20,6 +20,7 @@ from flax import nnx
 from probjax.core.device import Device
 from probjax.core.dispatch import Decision
 from probjax.nn.layers._checks import check_array
+from probjax.nn.layers import _sharding as shd
 from probjax.nn.layers.mlp import MLP
 from probjax.ops.grouped_matmul import ACTIVATIONS, DISPATCHES, MoECall, explain_moe_dispatch, moe_experts
 from probjax.ops.grouped_matmul.permute import sort_assignments
@@ -175,9 +176,12 @@ class MoELayer(nnx.Module):
     self.activation, self.router_kind, self.renormalize = activation, router, renormalize
     self.capacity_factor, self.dispatch, self.interpret, self.dtype = capacity_factor, dispatch, interpret, dtype
     width = 2 * d_hidden if activation == "swiglu" else d_hidden
-    self.router = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (d_model, num_experts), param_dtype))
-    self.w_in = nnx.Param(_expert_init(-2)(rngs.params(), (num_experts, d_model, width), param_dtype))
-    self.w_out = nnx.Param(_expert_init(-2)(rngs.params(), (num_experts, d_hidden, d_model), param_dtype))
+    self.router = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (d_model, num_experts), param_dtype),
+                            **shd.names("embed", None))
+    self.w_in = nnx.Param(_expert_init(-2)(rngs.params(), (num_experts, d_model, width), param_dtype),
+                          **shd.names("experts", "embed", "mlp"))
+    self.w_out = nnx.Param(_expert_init(-2)(rngs.params(), (num_experts, d_hidden, d_model), param_dtype),
+                           **shd.names("experts", "mlp", "embed"))
     self.shared = (MLP(features=d_model, hidden_features=shared_hidden, activation=activation, dtype=dtype,
                        param_dtype=param_dtype, rngs=rngs) if shared_hidden else None)
 

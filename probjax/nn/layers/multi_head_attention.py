@@ -25,6 +25,7 @@ from flax import nnx
 
 from probjax.nn.layers.attention import dot_product_attention
 from probjax.nn.layers import kv_cache as kvc
+from probjax.nn.layers import _sharding as shd
 from probjax.nn.layers._checks import check_array, check_mask
 from probjax.nn.layers.rotary import apply_rotary, default_positions
 from probjax.ops.attention.masks import KVLenMask
@@ -101,14 +102,14 @@ class MultiHeadAttention(nnx.Module):
     if kernel_init is not None:
       kw["kernel_init"] = kernel_init
     if context_features is None:
-      self.qkv = nnx.Linear(in_features, (h + 2 * hk) * d, **kw)
+      self.qkv = nnx.Linear(in_features, (h + 2 * hk) * d, **kw, **shd.linear("embed", "heads"))
       self.q = self.kv = None
     else:
       self.qkv = None
-      self.q = nnx.Linear(in_features, h * d, **kw)
-      self.kv = nnx.Linear(context_features, 2 * hk * d, **kw)
-    self.out = nnx.Linear(h * d, self.out_features, **kw)
-    norm = lambda: nnx.RMSNorm(d, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+      self.q = nnx.Linear(in_features, h * d, **kw, **shd.linear("embed", "heads"))
+      self.kv = nnx.Linear(context_features, 2 * hk * d, **kw, **shd.linear(None, "heads"))
+    self.out = nnx.Linear(h * d, self.out_features, **kw, **shd.linear("heads", "embed"))
+    norm = lambda: nnx.RMSNorm(d, dtype=dtype, param_dtype=param_dtype, rngs=rngs, **shd.norm("kv"))
     self.q_norm = norm() if qk_norm else None
     self.k_norm = norm() if qk_norm else None
     self.rngs = rngs.dropout.fork() if dropout_rate > 0 else None

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from probjax.nn.layers._checks import check_array, check_instance
+from probjax.nn.layers import _sharding as shd
 from probjax.nn.layers.attention import KVLenMask, LocalWindowMask, dot_product_attention
 from probjax.nn.layers.multi_head_attention import check_heads
 from probjax.ops.scan import feature_map as rla_features
@@ -89,9 +90,10 @@ class RAttention(nnx.Module):
     self.dtype, self.param_dtype = dtype, param_dtype
     h, hk, d = num_heads, num_kv_heads, head_dim
     kw = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    self.qkv = nnx.Linear(in_features, (h + 2 * hk) * d, **kw)
-    self.out = nnx.Linear(h * d, in_features if out_features is None else out_features, **kw)
-    norm = lambda: nnx.RMSNorm(d, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.qkv = nnx.Linear(in_features, (h + 2 * hk) * d, **kw, **shd.linear("embed", "heads"))
+    self.out = nnx.Linear(h * d, in_features if out_features is None else out_features, **kw,
+                          **shd.linear("heads", "embed"))
+    norm = lambda: nnx.RMSNorm(d, dtype=dtype, param_dtype=param_dtype, rngs=rngs, **shd.norm("kv"))
     self.window_norm, self.linear_norm = norm(), norm()
 
   @property

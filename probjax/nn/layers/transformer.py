@@ -28,6 +28,7 @@ from flax import nnx
 
 from probjax.nn.layers.attention import dot_product_attention
 from probjax.nn.layers import kv_cache as kvc
+from probjax.nn.layers import _sharding as shd
 from probjax.nn.layers._checks import check_array, check_mask
 from probjax.nn.layers.mlp import ACTIVATIONS as MLP_KINDS, FiLM, MLP, default_hidden_features
 from probjax.nn.layers.multi_head_attention import MultiHeadAttention, check_heads
@@ -39,8 +40,9 @@ NORMS = ("layernorm", "rmsnorm")
 
 def _norm(kind, features, dtype, param_dtype, rngs):
   if kind == "layernorm":
-    return nnx.LayerNorm(features, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-  return nnx.RMSNorm(features, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    return nnx.LayerNorm(features, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                         **shd.norm("embed", bias=True))
+  return nnx.RMSNorm(features, dtype=dtype, param_dtype=param_dtype, rngs=rngs, **shd.norm("embed"))
 
 
 MIXERS = ("attention", "mamba", "mamba2", "rla")
@@ -385,7 +387,7 @@ class Transformer(nnx.Module):
     self.stacked = not lists
     if self.stacked:
       @nnx.split_rngs(splits=num_layers)
-      @nnx.vmap(in_axes=(0,), out_axes=0)
+      @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: shd.LAYERS})
       def make(rngs):
         return TransformerBlock(rngs=rngs, **block_kwargs)
 
@@ -408,7 +410,8 @@ class Transformer(nnx.Module):
     if self.remat:
       body = nnx.remat(body)
     out_axes = (nnx.Carry, 0) if aux else nnx.Carry
-    return nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=out_axes)(carry, self.blocks)
+    return nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=out_axes,
+                    transform_metadata={nnx.PARTITION_NAME: shd.LAYERS})(carry, self.blocks)
 
   def __call__(self, x, *, context=None, context_mask=None, film=None, positions=None, mask=None,
                deterministic: bool | None = None, return_aux: bool = False):
@@ -460,7 +463,9 @@ class Transformer(nnx.Module):
     if not self.stacked:
       return list(self.blocks)
     graphdef, state = nnx.split(self.blocks)
-    return [nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state)) for i in range(self.num_layers)]
+    is_var = lambda v: isinstance(v, nnx.Variable)
+    return [nnx.merge(graphdef, jax.tree.map(lambda v, i=i: _layer_slice(v, i), state, is_leaf=is_var))
+            for i in range(self.num_layers)]
 
   def _check_cache(self, cache, sizes):
     kvc.check_cache(cache, sizes, (("num_kv_heads", self.num_kv_heads), ("head_dim", self.head_dim)),
@@ -488,7 +493,8 @@ class Transformer(nnx.Module):
     if layers is not None:
       raise ValueError("layers= is for the per-layer cache layout")
     self._check_decodable("stacked")
-    x, k, v, _ = nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(
+    x, k, v, _ = nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry,
+                          transform_metadata={nnx.PARTITION_NAME: shd.LAYERS})(
         (x, cache.k, cache.v, jnp.zeros((), jnp.int32)), self.blocks)
     return x, k, v
 
@@ -515,6 +521,17 @@ class Transformer(nnx.Module):
     x, k, v = self._cached("decode_step", x, cache, layers=layers, positions=positions,
                            context=context, context_mask=context_mask, film=film)
     return x, kvc.KVCache(k, v, cache.lengths + n)
+
+
+def _layer_slice(v, i):
+  """Layer ``i`` of a stacked variable (or array), its logical names without the layer axis."""
+  if not isinstance(v, nnx.Variable):
+    return v[i]
+  names = v.get_metadata().get("out_sharding")
+  v = v.replace(v.get_value()[i])
+  if names and names[0] == shd.LAYERS:
+    v.set_metadata(out_sharding=tuple(names[1:]))
+  return v
 
 
 class TransformerLM(nnx.Module):
@@ -567,7 +584,8 @@ class TransformerLM(nnx.Module):
       raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
     self.vocab_size, self.tie_embeddings = vocab_size, tie_embeddings
     self.embed = nnx.Embed(vocab_size, features, dtype=dtype, param_dtype=param_dtype,
-                           embedding_init=nnx.initializers.normal(features ** -0.5), rngs=rngs)
+                           embedding_init=nnx.initializers.normal(features ** -0.5), rngs=rngs,
+                           embedding_metadata=shd.names("vocab", "embed"))
     self.transformer = Transformer(num_layers=num_layers, remat=remat, features=features,
                                    num_heads=num_heads, mlp=mlp, norm=norm, rotary=rotary,
                                    is_causal=True, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
@@ -575,7 +593,7 @@ class TransformerLM(nnx.Module):
     self.final_norm = _norm(norm, features, dtype, param_dtype, rngs)
     self.head = (None if tie_embeddings else
                  nnx.Linear(features, vocab_size, use_bias=False, dtype=dtype,
-                            param_dtype=param_dtype, rngs=rngs))
+                            param_dtype=param_dtype, rngs=rngs, **shd.linear("embed", "vocab")))
 
   def _logits(self, h):
     h = self.final_norm(h)
