@@ -1,7 +1,7 @@
 """TransformerBlock's pluggable sequence mixer (attention / Mamba / Mamba-2 / RLA / a factory) and
 feed-forward (MLP / MoE / a factory): a block equals its layers run by hand with the same
 parameters; per-layer lists (hybrid and MoE stacks) equal their blocks in sequence; decoding of
-an attention-mixer MoE LM (stacked and per-layer lists) equals the full pass; wrong
+an attention-mixer MoE LM (stacked and per-layer lists; generate too) equals the full pass; wrong
 configurations raise errors naming the argument."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 
 from probjax.nn.layers.attention import dot_product_attention
+from probjax.nn.layers.decoding import generate
 from probjax.nn.layers.mamba import Mamba, Mamba2
 from probjax.nn.layers.mlp import MLP
 from probjax.nn.layers.moe import MoELayer
@@ -192,6 +193,10 @@ def test_moe_lm_decoding_equals_the_full_pass(ffn):
   if not isinstance(ffn, str):
     with pytest.raises(ValueError, match="layout='stacked'"):
       lm.init_cache(2, 8, layout="stacked")
+    # generate (decode_loop over the list's blocks): greedy tokens are the full pass's argmax.
+    toks, _ = generate(lm, jnp.asarray(seq[:, :4]), max_new_tokens=3)
+    logits = nnx.jit(lambda m, t: m(t))(lm, jnp.concatenate([jnp.asarray(seq[:, :4]), toks], 1))
+    np.testing.assert_array_equal(toks, np.argmax(np.asarray(logits[:, 3:6]), -1))
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
