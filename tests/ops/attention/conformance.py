@@ -162,11 +162,11 @@ class AttentionConformance:
     if test == "test_gqa":
       return [(f"{v}-{h}x{hkv}", (v, h, hkv)) for v in variants for h, hkv in self.gqa
               if self.takes(test, v, *self.gqa_shape)]
-    if test in ("test_rows_without_keys", "test_score_mod", "test_segment_ids_of_any_value"):
+    if test in ("test_rows_without_keys", "test_score_mod"):
       if test == "test_score_mod" and not self.takes_score_mod:
         return []
       return [(v, v) for v in variants if self.takes(test, v, *self.shape)]
-    if test == "test_jvp":
+    if test in ("test_jvp", "test_segment_ids_of_any_value"):
       return [(v, v) for v in fwd if self.takes(test, v, *self.shape)]
     if test == "test_never_read":
       return [(f"{v}-{m}", (v, m)) for v in variants for m in ("kv_len", "lengths") if self.takes(test, v, *self.shape)]
@@ -264,12 +264,13 @@ class AttentionConformance:
     with the ids relabelled 0..n-1."""
     tq, tk = self.shape
     x = self.inputs(2, tq, tk)
-    cut = lambda n, at: jnp.asarray(np.arange(n) >= at, jnp.int32)
-    raw = jnp.stack([jnp.where(cut(tq, 10) > 0, 2**30, -7), jnp.where(cut(tq, tq // 2) > 0, -1, 5)]).astype(jnp.int32)
-    relabelled = jnp.stack([cut(tq, 10), cut(tq, tq // 2)])
+    # Two documents per element: ids 0 and 1 (relabelled), -7 and 2**30, 5 and -1 (raw).
+    ids = lambda n, at, a, b: jnp.where(jnp.arange(n) >= at, b, a).astype(jnp.int32)
+    relabelled = [jnp.stack([ids(n, 10, 0, 1), ids(n, n // 2, 0, 1)]) for n in (tq, tk)]
+    raw = [jnp.stack([ids(n, 10, -7, 2**30), ids(n, n // 2, 5, -1)]) for n in (tq, tk)]
     kw = self.variants[case]
-    f = jax.jit(lambda ids: self.run(x.q, x.k, x.v, mask=M.SegmentMask(ids), **kw))
-    np.testing.assert_array_equal(np.asarray(f(raw), np.float32), np.asarray(f(relabelled), np.float32))
+    f = jax.jit(lambda q_ids, kv_ids: self.run(x.q, x.k, x.v, mask=M.SegmentMask(q_ids, kv_ids), **kw))
+    np.testing.assert_array_equal(np.asarray(f(*raw), np.float32), np.asarray(f(*relabelled), np.float32))
 
   def test_score_mod(self, case):
     tq, tk = self.shape

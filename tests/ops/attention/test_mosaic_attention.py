@@ -1,4 +1,6 @@
-"""The Mosaic GPU forward (with the Triton backward) against the float64 reference.
+"""The Mosaic GPU forward (with the Triton backward) against the float64 reference: the
+conformance suite (tests/ops/attention/conformance.py) with either backward, and the kernels'
+own paths (persistent, overlapped and clustered forwards, the Mosaic backward's fused dQ).
 
 Interpret mode (``plgpu.InterpretGPUParams``: simulated warpgroups, TMA and barriers on
 CPU) at small shapes in CI; the full-size cases are marked ``gpu``.
@@ -23,7 +25,8 @@ from probjax.ops.attention import masks as M  # noqa: E402
 from probjax.ops.attention.backends import mosaic_gpu as pm  # noqa: E402
 from probjax.ops.attention.backends.mosaic_gpu import config as mcfg  # noqa: E402
 from probjax.ops.attention.backends.mosaic_gpu.common import kv_tiles, q_tiles  # noqa: E402
-from probjax.testing import check_against_reference, check_against_same_precision, make_inputs, make_mask  # noqa: E402
+from probjax.testing import check_against_reference, make_inputs, make_mask  # noqa: E402
+from tests.ops.attention.conformance import AttentionConformance  # noqa: E402
 
 # A stalled interpret run fails loudly ("thread": it sits in XLA, where no signal reaches Python).
 pytestmark = pytest.mark.timeout(300, method="thread")
@@ -58,13 +61,28 @@ def _slow_except(values, *fast):
   return [v if v in fast else pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=SLOW) for v in values]
 
 
-@pytest.mark.parametrize("mask_name", _slow_except(("none", "causal", "causal_offset", "window", "window_right",
-                                                    "kv_len", "kv_len_zero", "lengths", "causal&kv_len", "segments",
-                                                    "window&segments"), "causal_offset"))
-def test_masks_values_and_grads(mask_name):
-  x = make_inputs(1, 2, 150, 200, 2, 1, 64, jnp.bfloat16)  # odd lengths, GQA 2:1
-  mask = make_mask(mask_name, 2, 150, 200)
-  check_against_reference(_attn(mask), x, mask=mask)
+class TestMosaicConformance(AttentionConformance):
+  """The conformance suite in interpret mode at the SMALL forward config (one compute
+  warpgroup), with the Triton backward ("auto") and the Mosaic backward at BSMALL."""
+
+  implementation = "mosaic"
+  dtype = jnp.bfloat16  # the kernel takes bfloat16 and float16
+  head_dim = 64
+  heads = (2, 1)
+  variants = {"auto": {}, "mosaic": dict(backward_pass_impl="mosaic", backward_config=BSMALL)}
+  mask_shapes = ((150, 200),)  # odd lengths: partial last tiles on both axes
+  odd_lengths = ((1, 1), (7, 7), (64, 64), (130, 65), (200, 7))
+  gqa = ((2, 2), (4, 1), (4, 2))
+  shape = (150, 200)
+  left_out = frozenset({"test_odd_lengths[mosaic-*]"})
+  # make test keeps one mask for each backward (the Mosaic backward's: a batch element with no
+  # key tile) and the argument checks; every other case is slow (see above).
+  slow_cases = frozenset({"*"})
+  fast_cases = frozenset({"test_values_and_grads[auto-causal_offset-150x200]",
+                          "test_values_and_grads[mosaic-kv_len_zero-150x200]", "test_bad_inputs[*]"})
+
+  def run(self, q, k, v, mask=None, **kw):
+    return pm.attention(q, k, v, mask=mask, forward_config=SMALL, interpret=True, **kw)
 
 
 @pytest.mark.parametrize("mask_name", _slow_except(("none", "causal", "kv_len_zero", "window&segments"),
@@ -129,14 +147,6 @@ def test_one_cta_per_tile_in_groups_of_heads(monkeypatch):
     check_against_reference(_attn(M.CausalMask(50)), x, mask=M.CausalMask(50), grads=False)
 
 
-@pytest.mark.parametrize("mask_name", _slow_except(("none", "causal_offset", "window_right", "lengths", "kv_len_zero",
-                                                    "segments", "window&segments"), "kv_len_zero"))
-def test_mosaic_backward(mask_name):
-  x = make_inputs(5, 2, 150, 200, 4, 2, 64, jnp.bfloat16)  # odd lengths, GQA 2:1 (dK/dV summed over the group)
-  mask = make_mask(mask_name, 2, 150, 200)
-  check_against_reference(_mosaic_bwd(mask), x, mask=mask)
-
-
 @pytest.mark.parametrize("mask_name,shared", _slow_except(
     [(m, s) for m in ("none", "causal_offset", "window&segments", "kv_len_zero") for s in (False, True)],
     ("window&segments", True)))
@@ -181,18 +191,6 @@ def test_shared_dq_config_is_validated():
 
 
 @SLOW
-@pytest.mark.parametrize("backward", ["mosaic", "auto"])
-def test_gradients_within_twice_a_same_precision_reference(backward):
-  from probjax.nn.layers.attention import dot_product_attention
-  x = make_inputs(7, 2, 150, 200, 4, 2, 64, jnp.bfloat16)
-  mask = M.CausalMask(50)
-  bcfg = BSMALL if backward == "mosaic" else None
-  check_against_same_precision(
-      lambda q, k, v: _attn(mask, backward_pass_impl=backward, backward_config=bcfg)(q, k, v, None),
-      lambda q, k, v: dot_product_attention(q, k, v, mask=mask, implementation="xla"), x, mask=mask)
-
-
-@SLOW
 @pytest.mark.parametrize("tq,tk,d,dtype,bcfg", [
     (70, 130, 128, jnp.float16, pm.MosaicBackwardConfig(128, 64, 3, 1)),
     (200, 64, 64, jnp.bfloat16, pm.MosaicBackwardConfig(64, 128, 2, 1)),
@@ -218,7 +216,7 @@ def _alibi_softcap(s, b, h, q_idx, kv_idx):
 
 
 @SLOW
-@pytest.mark.parametrize("mask_name,scale", [("none", 0.3), ("causal", -0.3), ("window&segments", None)])
+@pytest.mark.parametrize("mask_name,scale", [("none", 0.3), ("causal", -0.3)])  # and TestMosaicConformance's
 def test_score_mod(mask_name, scale):
   # The score modifier in the Mosaic forward (before the mask; a negative scale is fine with
   # one), its gradient from the Triton backward.
@@ -266,16 +264,6 @@ def test_gpu_score_mod(mask_name, d, backward):
   mask = make_mask(mask_name, 2, 2048, 2048)
   f = lambda q, k, v, _: pm.attention(q, k, v, mask=mask, score_mod=_alibi_softcap, backward_pass_impl=backward)
   check_against_reference(f, x, mask=mask, score_mod=_alibi_softcap)
-
-
-@SLOW  # two interpret-mode forwards and the backward
-def test_rows_without_keys_are_zero():
-  # CausalMask(-40): the first 40 queries see no key.
-  x = make_inputs(3, 1, 100, 100, 1, 1, 64, jnp.bfloat16)
-  mask = M.CausalMask(-40)
-  out = pm.attention(x.q, x.k, x.v, mask=mask, forward_config=SMALL, interpret=True)
-  assert bool(jnp.all(out[:, :40] == 0)) and bool(jnp.isfinite(out).all())
-  check_against_reference(_attn(mask), x, mask=mask)
 
 
 def test_band_tiles_match_classification():
@@ -458,21 +446,10 @@ def test_gpu_overlap(mask_name, d, persistent, cluster, t):
                           grads=False)
 
 
-@SLOW
-def test_through_dot_product_attention_with_jvp():
-  from probjax.nn.layers.attention import available_implementations, dot_product_attention
+def test_available_on_sm90_only():
+  # Through dot_product_attention (and its jvp): TestMosaicConformance's test_jvp and test_bad_inputs.
+  from probjax.nn.layers.attention import available_implementations
   from probjax.ops.attention.dispatch import Device
-  x = make_inputs(4, 1, 96, 96, 2, 2, 64, jnp.bfloat16)
-  mask = M.CausalMask()
-  f = lambda q, k, v, _: dot_product_attention(q, k, v, mask=mask, implementation="mosaic", interpret=True)
-  check_against_reference(f, x, mask=mask)
-  # jax.jvp: the tangent of the exact XLA formulation (the kernels define only a vjp),
-  # against jax.nn's in float32.
-  _, t = jax.jvp(lambda q: f(q, x.k, x.v, None), (x.q,), (x.do,))
-  up = lambda a: a.astype(jnp.float32)
-  _, t_ref = jax.jvp(lambda q: jax.nn.dot_product_attention(q, up(x.k), up(x.v), is_causal=True),
-                     (up(x.q),), (up(x.do),))
-  assert float(jnp.max(jnp.abs(t.astype(jnp.float32) - t_ref.astype(jnp.float32)))) < 0.05
   assert "mosaic" in available_implementations(Device("gpu", (9, 0), 1 << 30))
   assert "mosaic" not in available_implementations(Device("gpu", (8, 0), 1 << 30))
 

@@ -624,7 +624,7 @@ def test_value_head_dim_group_splits(d, dv):
 def test_value_head_dim_fully_masked_rows_are_zero(impl):
   from probjax.testing import check_against_reference, make_inputs
   x = make_inputs(16, 2, 20, 20, 2, 1, 48, v_head_dim=32)
-  # As test_fully_masked_rows_are_zero: batch 0 has no keys, rows 0..2 none under causal(-3).
+  # As the conformance suite's test_rows_without_keys: batch 0 has no keys, rows 0..2 none under causal(-3).
   mask = LengthMask(jnp.array([20, 15]), jnp.array([0, 20])) & CausalMask(-3)
   check_against_reference(_attention_v(mask, impl, interpret=True), x, mask=mask, tf32=TF32)
   out, vjp = jax.vjp(lambda q, k, v: _attention_v(mask, impl, interpret=True)(q, k, v, None), x.q, x.k, x.v)
