@@ -20,6 +20,7 @@ Its KV cache is one :class:`~probjax.nn.layers.kv_cache.KVCache` with one ``leng
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Callable, Mapping
 
 import jax
@@ -161,7 +162,7 @@ class TransformerBlock(nnx.Module):
     _check_choice("ffn", ffn, FFNS)
     mixer_kwargs = _kwargs("mixer_kwargs", mixer_kwargs, mixer, MIXERS)
     ffn_kwargs = _kwargs("ffn_kwargs", ffn_kwargs, ffn, FFNS)
-    if isinstance(features, bool) or not isinstance(features, int) or features < 1:
+    if isinstance(features, bool) or not isinstance(features, numbers.Integral) or features < 1:
       raise ValueError(f"features must be an int >= 1, got {features!r}")
     needs_heads = mixer in ("attention", "rla") or context_features is not None
     if num_heads is None and needs_heads:
@@ -376,7 +377,7 @@ class Transformer(nnx.Module):
   """
 
   def __init__(self, *, num_layers: int, remat: bool = False, rngs: nnx.Rngs, **block_kwargs):
-    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+    if isinstance(num_layers, bool) or not isinstance(num_layers, numbers.Integral) or num_layers < 1:
       raise ValueError(f"num_layers must be an int >= 1, got {num_layers!r}")
     self.num_layers, self.remat = num_layers, remat
     lists = [k for k in PER_LAYER_KEYS if isinstance(block_kwargs.get(k), (list, tuple))]
