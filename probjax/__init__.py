@@ -31,6 +31,7 @@ if TYPE_CHECKING:
   from probjax.masks import LengthMask as LengthMask
   from probjax.masks import LocalWindowMask as LocalWindowMask
   from probjax.masks import Mask as Mask
+  from probjax.masks import MaskMod as MaskMod
   from probjax.masks import PrefixLMMask as PrefixLMMask
   from probjax.masks import SegmentMask as SegmentMask
   from probjax.nn.layers.attention import available_implementations as available_implementations
@@ -54,6 +55,7 @@ _EXPORTS = {
     "LengthMask": "probjax.masks",
     "SegmentMask": "probjax.masks",
     "PrefixLMMask": "probjax.masks",
+    "MaskMod": "probjax.masks",
 }
 _SUBMODULES = ("masks", "nn")
 

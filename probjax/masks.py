@@ -12,7 +12,7 @@ not re-exported.
 """
 
 from probjax.ops.attention.masks import (EMPTY, FULL, PARTIAL, CausalMask, KVLenMask, LengthMask,
-                                         LocalWindowMask, Mask, PrefixLMMask, SegmentMask)
+                                         LocalWindowMask, Mask, MaskMod, PrefixLMMask, SegmentMask)
 
 __all__ = ["Mask", "CausalMask", "LocalWindowMask", "KVLenMask", "LengthMask", "SegmentMask",
-           "PrefixLMMask", "EMPTY", "PARTIAL", "FULL"]
+           "PrefixLMMask", "MaskMod", "EMPTY", "PARTIAL", "FULL"]

@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # what type checkers see: the same names, imported (at runtim
   from probjax.ops.attention.api import LengthMask as LengthMask
   from probjax.ops.attention.api import LocalWindowMask as LocalWindowMask
   from probjax.ops.attention.api import Mask as Mask
+  from probjax.ops.attention.api import MaskMod as MaskMod
   from probjax.ops.attention.api import MaskWithDense as MaskWithDense
   from probjax.ops.attention.api import PrefixLMMask as PrefixLMMask
   from probjax.ops.attention.api import SegmentMask as SegmentMask
@@ -37,6 +38,7 @@ if TYPE_CHECKING:  # what type checkers see: the same names, imported (at runtim
 __all__ = [
     "dot_product_attention", "flex_attention", "mha", "explain_dispatch", "available_implementations",
     "Mask", "MaskWithDense", "CausalMask", "KVLenMask", "LengthMask", "LocalWindowMask", "SegmentMask", "PrefixLMMask",
+    "MaskMod",
     "Decision",
     "CudnnConfig",
     "context_parallel_attention",

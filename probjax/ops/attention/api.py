@@ -49,6 +49,7 @@ from probjax.ops.attention.masks.mask_mod import reads as _mask_mod_reads
 __all__ = [
     "dot_product_attention", "flex_attention", "mha", "explain_dispatch", "available_implementations",
     "Mask", "MaskWithDense", "CausalMask", "KVLenMask", "LengthMask", "LocalWindowMask", "SegmentMask", "PrefixLMMask",
+    "MaskMod",
     "Decision",
     "CudnnConfig",
     "context_parallel_attention",
