@@ -51,9 +51,10 @@ _STATE: contextvars.ContextVar[_State | None] = contextvars.ContextVar("probjax_
 def autotune(enabled: bool = True, cache_path: str | os.PathLike | None = None) -> Iterator[None]:
   """Autotuning on (or, ``enabled=False``, off) for the calls traced inside the block.
 
-  >>> import probjax
-  >>> with probjax.autotune():                        # doctest: +SKIP
-  ...   step = jax.jit(train_step).lower(state, batch)  # each attention call measured once
+  ::
+
+    with probjax.autotune():
+      jax.jit(train_step).lower(state, batch)  # each new attention call measured once
 
   Args:
     enabled: on or off inside the block, whatever ``PROBJAX_AUTOTUNE`` says; blocks nest.

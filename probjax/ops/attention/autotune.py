@@ -286,9 +286,13 @@ def recording() -> Iterator[list[dict]]:
   traced by ``jax.jit(step).lower(...)``) as the pre-tune command's shape entries, each once
   (:func:`probjax.core.autotune.recording`).
 
-  >>> with recording() as shapes:                                   # doctest: +SKIP
-  ...   jax.jit(train_step).lower(state, batch)
-  >>> json.dump(shapes, open("shapes.json", "w"))
+  >>> import probjax
+  >>> q = jnp.zeros((1, 48, 2, 8), jnp.bfloat16)
+  >>> step = jax.jit(lambda q: probjax.dot_product_attention(q, q, q, mask=probjax.CausalMask()))
+  >>> with recording() as shapes:
+  ...   _ = step.lower(q)
+  >>> shapes[0]["q_shape"], shapes[0]["dtype"], shapes[0]["mask"]
+  ([1, 48, 2, 8], 'bfloat16', 'causal')
   """
   with core.recording() as shapes:
     yield shapes
