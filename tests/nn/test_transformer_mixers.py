@@ -19,6 +19,7 @@ from probjax.nn.layers.decoding import generate
 from probjax.nn.layers.mamba import Mamba, Mamba2
 from probjax.nn.layers.mlp import MLP
 from probjax.nn.layers.moe import MoELayer
+from probjax.nn.layers.multi_head_attention import MultiHeadAttention
 from probjax.nn.layers.rattention import RAttention
 from probjax.nn.layers.transformer import Transformer, TransformerBlock, TransformerLM
 from probjax.ops.attention.masks import SegmentMask
@@ -44,6 +45,7 @@ def _copy(dst, src):
 
 # (mixer, mixer_kwargs, the standalone mixer) and (ffn, ffn_kwargs, the standalone feed-forward)
 MIXER_CASES = {
+    "attention": (None, lambda: MultiHeadAttention(num_heads=2, num_kv_heads=1, in_features=F, rngs=nnx.Rngs(9))),
     "mamba": (dict(d_state=4), lambda: Mamba(d_model=F, d_state=4, rngs=nnx.Rngs(9))),
     "mamba2": (dict(d_state=4, head_dim=8), lambda: Mamba2(d_model=F, d_state=4, head_dim=8, rngs=nnx.Rngs(9))),
     "rla": (dict(window_size=2, attention_implementation="xla"),
@@ -56,7 +58,7 @@ FFN_CASES = {
 }
 
 
-@pytest.mark.parametrize("mixer, ffn", [("mamba", "moe"), ("mamba2", "mlp"), ("rla", "moe")])
+@pytest.mark.parametrize("mixer, ffn", [("mamba", "moe"), ("mamba2", "mlp"), ("rla", "moe"), ("attention", "moe")])
 def test_block_equals_its_layers_by_hand(mixer, ffn):
   """``x + mixer(norm(x))``, then ``+ ffn(norm(.))``, with the standalone layers given the
   block's parameters; the MoE's RouterAux is returned as the block's aux."""
@@ -65,10 +67,11 @@ def test_block_equals_its_layers_by_hand(mixer, ffn):
   block = numpy_init(lambda: TransformerBlock(
       features=F, num_heads=2, num_kv_heads=1, mlp="swiglu", mlp_features=32, norm="rmsnorm",
       mixer=mixer, mixer_kwargs=mixer_kwargs, ffn=ffn, ffn_kwargs=ffn_kwargs, rngs=nnx.Rngs(0)))
-  assert block.attn is None and block.mixer_kind == mixer and block.ffn_kind == ffn
+  assert block.mixer_kind == mixer and block.ffn_kind == ffn
+  assert (block.attn is None) == (mixer != "attention") and (block.mixer is None) == (mixer == "attention")
   norm1 = _copy(nnx.RMSNorm(F, rngs=nnx.Rngs(9)), block.attn_norm)
   norm2 = _copy(nnx.RMSNorm(F, rngs=nnx.Rngs(9)), block.mlp_norm)
-  mix = _copy(make_mixer(), block.mixer)
+  mix = _copy(make_mixer(), block.mixer if block.attn is None else block.attn)
   ff = _copy(make_ffn(), block.mlp)
   x = _x()
   h = x + mix(norm1(x))
