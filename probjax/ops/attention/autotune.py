@@ -331,6 +331,7 @@ def pretune(shapes: list[Mapping[str, Any]], out: str, *, device: Device | None 
       names = candidates(call, device, differentiated)
       k = key(call, device, differentiated)
       entry, source = core.lookup_or_measure(k, lambda: measure(call, names, differentiated), cache=cache)
+      assert entry is not None  # a miss is measured
       done[k] = entry
       log(f"{k}: {entry['choice']} ({source}; " + ", ".join(
           f"{n} {'failed' if t is None else f'{t:.4g} ms'}" for n, t in entry["ms"].items()) + ")")
