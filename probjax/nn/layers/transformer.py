@@ -372,8 +372,8 @@ class Transformer(nnx.Module):
   >>> hybrid = Transformer(num_layers=3, features=16, num_heads=2, mixer=["rla", "attention", "rla"],
   ...                      mixer_kwargs={"rla": {"window_size": 2}}, ffn=["mlp", "moe", "moe"],
   ...                      ffn_kwargs={"moe": {"num_experts": 4, "top_k": 1}}, rngs=nnx.Rngs(0))
-  >>> [(b.mixer_kind, b.ffn_kind) for b in hybrid.blocks]
-  [('rla', 'mlp'), ('attention', 'moe'), ('rla', 'moe')]
+  >>> " ".join(f"{b.mixer_kind}+{b.ffn_kind}" for b in hybrid.blocks)
+  'rla+mlp attention+moe rla+moe'
   """
 
   def __init__(self, *, num_layers: int, remat: bool = False, rngs: nnx.Rngs, **block_kwargs):
