@@ -128,8 +128,9 @@ class AttentionConformance:
     return dot_product_attention(q, k, v, implementation=self.implementation, interpret=True, **kw)
 
   def run_jvp(self, q, k, v, mask=None, **kw):
-    """What jax.jvp is taken of: the public API (a kernel defines only a vjp)."""
-    return self.public(q, k, v, mask=mask)
+    """What jax.jvp is taken of (``kw``: a forward variant's arguments, ``bias``): the public
+    API, whose forward mode is the XLA formulation's (a kernel defines only a vjp)."""
+    return self.public(q, k, v, mask=mask, **kw)
 
   def takes(self, test: str, variant: str, tq: int, tk: int) -> bool:
     """Whether ``variant`` runs at these lengths (e.g. XLA's dense formulation: short ones)."""
@@ -216,8 +217,7 @@ class AttentionConformance:
     primals = {"q": x.q, "k": x.k, "v": x.v}
     if self.takes_bias:
       primals["bias"] = jax.random.normal(jax.random.key(2), (1, self.heads[0], tq, tk), self.dtype)
-    tangents = {n: jax.random.normal(jax.random.key(10 + i), a.shape, a.dtype) for i, a in enumerate(primals.values())
-                for n in [list(primals)[i]]}
+    tangents = {n: jax.random.normal(jax.random.key(10 + i), a.shape, a.dtype) for i, (n, a) in enumerate(primals.items())}
     kw = dict(self.variants[case])
     f = lambda *a: self.run_jvp(*a[:3], mask=mask, **({"bias": a[3]} if len(a) > 3 else {}), **kw)
     _, got = jax.jvp(f, tuple(primals.values()), tuple(tangents.values()))
