@@ -47,7 +47,6 @@ import jax.numpy as jnp
 from probjax.core import autotune as core
 from probjax.core.device import Device
 from probjax.core.dispatch import Decision
-from probjax.ops.attention import dispatch
 from probjax.ops.attention.call import AttentionCall
 from probjax.ops.attention.masks import Mask
 from probjax.ops.attention.registry import REGISTRY
@@ -240,19 +239,21 @@ def _rule(order: list[str], entry: dict, source: str) -> str:
   return f"measured: {best} fastest of {len(order)} candidates ({versus})"
 
 
-def _decision(name: str, rule: str, call: AttentionCall) -> Decision:
+def _decision(name: str, rule: str, call: AttentionCall, resolve_backward: Callable) -> Decision:
   impl, _, variant = name.partition(":")
   if impl == "xla":
     return Decision("xla", rule, config=(("formulation", variant), ("autotuned", True)))
   takes_variants = bool(REGISTRY.get(impl).backward_pass_impls)
-  backward = (variant or dispatch._resolve_backward(call)) if takes_variants else None
+  backward = (variant or resolve_backward(call)) if takes_variants else None
   return Decision(impl, rule, config=(("autotuned", True),), backward=backward)
 
 
-def decide(call: AttentionCall, device: Device, env: Mapping[str, str] | None = None) -> Decision | None:
+def decide(call: AttentionCall, device: Device, env: Mapping[str, str] | None = None, *,
+           resolve_backward: Callable[[AttentionCall], str] = lambda call: call.backward_pass_impl) -> Decision | None:
   """The measured Decision of ``call`` on ``device`` (cached, or measured now on the device JAX
   runs on), or None: the rules decide (autotuning off, a call it leaves to them, a miss it
-  cannot measure here). Records the call where :func:`recording` is on."""
+  cannot measure here). Records the call where :func:`recording` is on. ``resolve_backward``:
+  the backward variant a kernel that won without naming one runs (dispatch passes its rule)."""
   if measurable(call, device) is not None:
     return None
   _record(call)
@@ -264,14 +265,14 @@ def decide(call: AttentionCall, device: Device, env: Mapping[str, str] | None = 
   if primal is None:
     return None
   order, entry, source = primal
-  decision = _decision(order[0], _rule(order, entry, source), call)
+  decision = _decision(order[0], _rule(order, entry, source), call, resolve_backward)
   if decision.implementation == "xla":
     return decision  # XLA's forward runs under grad too (a kernel's backward needs its forward's residuals)
   is_kernel = lambda n: not n.startswith("xla")
   grad = _chosen(call, device, True, cache, can_measure, allowed=is_kernel)
   if grad is None:
     return decision
-  g = _decision(grad[0][0], _rule(*grad), call)
+  g = _decision(grad[0][0], _rule(*grad), call, resolve_backward)
   if g.implementation == decision.implementation:
     return decision.replace(rule=f"{decision.rule}; under grad {g.rule}", backward=g.backward)
   return decision.replace(grad=g)

@@ -104,8 +104,8 @@ def explain_dispatch(q_shape, kv_shape, dtype, *, mask: Mask | None = None, bias
     decision = None
     if kernel_args_default and split_kv is None and core_autotune.active(env):
       # Opt-in autotuning (probjax.autotune): a measured (or cached) choice, else the rules.
-      from probjax.ops.attention import autotune  # local: it imports this module
-      decision = autotune.decide(call, device, env)
+      from probjax.ops.attention import autotune  # local: it measures (and loads backends) when on
+      decision = autotune.decide(call, device, env, resolve_backward=_resolve_backward)
     if decision is None:
       decision = decide(call, device, defaults_in_effect(device, env) if kernel_args_default else None)
   else:

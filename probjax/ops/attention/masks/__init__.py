@@ -43,7 +43,8 @@ which only ``dot_product_attention`` (on its XLA path) takes:
 """
 
 from probjax.ops.attention.masks.base import (DENSE_ONLY_MESSAGE, EMPTY, FULL, PARTIAL, PREDICATES, Mask,
-                                              MaskWithDense, Predicate, TileGrid, register)
+                                              MaskWithDense, Predicate, TileGrid, register,
+                                              register_callable)
 from probjax.ops.attention.masks.band import Band, CausalMask, LocalWindowMask, band
 from probjax.ops.attention.masks.dense import structured_equivalent
 from probjax.ops.attention.masks.lengths import KVLengths, KVLenMask, LengthMask, QLengths
@@ -55,6 +56,7 @@ from probjax.ops.attention.masks.tiles import (heavy_first_order, heavy_first_pr
 
 # The registry: every predicate kind, in the order a mask names its components.
 register(Band, QLengths, KVLengths, Segments, PrefixLM, MaskModPredicate)
+register_callable(MaskMod)
 
 __all__ = [
     "Mask", "MaskWithDense", "Predicate", "TileGrid", "PREDICATES", "register", "EMPTY", "PARTIAL", "FULL",

@@ -11,7 +11,7 @@ backends never read a predicate's fields.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Iterable
+from typing import Any, Callable, ClassVar, Iterable
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +20,14 @@ import numpy as np
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
 PREDICATES: dict[str, type[Predicate]] = {}
+# What a bare function becomes in ``mask & fn`` (masks/__init__.py registers MaskMod: a
+# ``mask_mod(b, h, q_idx, kv_idx)`` function), so that this module imports no predicate.
+_FROM_CALLABLE: list[Callable] = []
+
+
+def register_callable(factory: Callable) -> None:
+  """Sets what ``mask & fn`` makes of a function ``fn`` (``factory(fn)``: a Mask)."""
+  _FROM_CALLABLE[:] = [factory]
 
 
 def register(*classes: type[Predicate]) -> None:
@@ -203,9 +211,8 @@ class Mask:
       return other & self
     if _is_dense(other):
       return MaskWithDense(self, other)
-    if not isinstance(other, Mask) and callable(other):
-      from probjax.ops.attention.masks.mask_mod import MaskMod  # noqa: PLC0415 (it imports this module)
-      other = MaskMod(other)  # a mask_mod(b, h, q_idx, kv_idx) function the same for every b and h
+    if not isinstance(other, Mask) and callable(other) and _FROM_CALLABLE:
+      other = _FROM_CALLABLE[0](other)  # a mask_mod(b, h, q_idx, kv_idx), the same for every b and h
     if not isinstance(other, Mask):
       return NotImplemented
     return Mask(*self.predicates, *other.predicates)
