@@ -4,7 +4,8 @@ built on another (mla on attention) imports only that op's face (``probjax.ops.<
 names its ``api`` module defines), never its internals. Within an op, no module of a backend
 (``ops/<op>/backends/<name>/...``) imports another backend's: a forward of one pairs with the
 backward of another by name, through the op's registry (``ops/attention/registry.py``, which
-may import both). JAX internals (``jax._src``) are imported by one module only."""
+may import both). No two modules import each other, even inside functions. JAX internals
+(``jax._src``) are imported by one module only."""
 
 import ast
 import importlib
@@ -281,3 +282,58 @@ def test_importing_an_op_module_does_not_load_the_face():
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
   assert out.returncode == 0, out.stderr
   assert out.stdout.split() == ["False", "False"]
+
+
+def _import_graph() -> dict[tuple[str, ...], set[tuple[str, ...]]]:
+  """Module -> the probjax modules it imports anywhere (function bodies included)."""
+  graph = {}
+  for path in ROOT.rglob("*.py"):
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    parts = parts[:-1] if parts[-1] == "__init__" else parts
+    graph[parts] = {m for m in map(_module_of, _imports(path)) if m and m != parts}
+  return graph
+
+
+def _circles(graph) -> list[list[tuple[str, ...]]]:
+  """The strongly connected sets of more than one module (Tarjan, iteratively)."""
+  index, low, on, stack, found, counter = {}, {}, set(), [], [], [0]
+  for root in graph:
+    if root in index:
+      continue
+    work = [(root, iter(sorted(graph.get(root, ()))))]
+    index[root] = low[root] = counter[0]; counter[0] += 1; stack.append(root); on.add(root)
+    while work:
+      v, it = work[-1]
+      w = next(it, None)
+      if w is not None:
+        if w not in index:
+          index[w] = low[w] = counter[0]; counter[0] += 1; stack.append(w); on.add(w)
+          work.append((w, iter(sorted(graph.get(w, ())))))
+        elif w in on:
+          low[v] = min(low[v], index[w])
+        continue
+      work.pop()
+      if work:
+        low[work[-1][0]] = min(low[work[-1][0]], low[v])
+      if low[v] == index[v]:
+        comp = []
+        while True:
+          w = stack.pop(); on.discard(w); comp.append(w)
+          if w == v:
+            break
+        if len(comp) > 1:
+          found.append(sorted(comp))
+  return found
+
+
+def test_no_import_circles():
+  # Not even through imports inside functions: a circle there is two modules that cannot be
+  # understood (or moved) one without the other. Lazy loading goes through names (the
+  # registry's "module:Class", a face's __getattr__), not through a module importing back.
+  circles = _circles(_import_graph())
+  assert not circles, "\n".join(" <-> ".join("/".join(m) for m in c) for c in circles)
+
+
+def test_a_circle_is_seen():
+  assert _circles({("a",): {("b",)}, ("b",): {("c",)}, ("c",): {("a",)}, ("d",): {("a",)}}) == [
+      [("a",), ("b",), ("c",)]]
