@@ -283,7 +283,8 @@ OWN_SCHEMA_KEYS = {"lm_step": ("section", "case", "impl"),
                    "segment_traced": ("case", "impl"),
                    "quickstart": ("suite",),
                    "mla_decode_xla_check": ("suite", "case", "impl", "mode"),
-                   "gpu_suite": ("selection",)}
+                   "gpu_suite": ("selection",),
+                   "ci_times": ("step",)}
 
 
 def key_function(path: str):
