@@ -60,10 +60,12 @@ bench-cpu: venv
 	fi
 	JAX_PLATFORMS=cpu $(PY) -m bench.benchmark_kernel_attn_cpu --device cpu
 
-# Figures and pages (docs/dev/attention-performance.md, docs/dev/h200.md, docs/dev/figures/) and README's
-# performance section, all from the JSON in bench/results/.
+# Figures and pages (docs/dev/attention-performance.md, docs/dev/h200.md, docs/dev/figures/; the other
+# ops' and layers' pages, docs/dev/*-performance.md) and README's performance section, all from the
+# JSON in bench/results/.
 docs: venv
 	$(PY) -m bench.benchmark_figures
+	$(PY) -m bench.ops_pages
 	$(PY) -m bench.cpu_readme_numbers
 
 # The documentation site (mkdocs.yml: the user guide in docs/, the API reference from the

@@ -1,0 +1,197 @@
+"""The performance pages of the ops and layers other than attention, from their results only.
+
+  python -m bench.ops_pages        # bench/results/<device>/{moe,scan,mla,isab,lm_step,dit_step}.json
+                                   #   -> docs/dev/<page>.md (one page per suite)
+
+``python -m bench.benchmark_figures`` (``make docs``) calls :func:`build` too. Each page is one
+table per (device, group of rows): a row per measured case, a column per implementation
+(median ms; ``OOM``, ``unsup.``, ``error`` where the row failed, ``—`` where it was not
+measured), then the default's time over the fastest other implementation's where the suite has
+a default, and the suite's own rate (TFLOP/s, TB/s or MFU, with its convention). Below each
+table: the commands and commits the rows came from, so every number can be measured again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import glob
+import json
+import os
+import sys
+
+from bench.benchmark_figures import DOCS_DIR, DTYPE_SHORT, STATUS_CELL, fmt_ms, md_table
+from bench.harness import RESULTS_DIR, load_rows
+
+
+@dataclasses.dataclass(frozen=True)
+class Page:
+  """One suite's page.
+
+  Attributes:
+    suite: the results file's name (``bench/results/<device>/<suite>.json``).
+    title: the page's heading.
+    page: the generated file's name under docs/dev/.
+    group: the row fields that make one table (e.g. the MoE suite and mode).
+    case: the row fields that make one table row (e.g. the token count and routing).
+    default: the implementation names of the default's rows; in each table the first present is
+      the default (none present: no default column).
+    rate: (row field, column label, format) of the rate shown for the default (or the first
+      implementation), or None.
+    intro: what the suite measures and its rate's convention.
+  """
+  suite: str
+  title: str
+  page: str
+  group: tuple[str, ...]
+  case: tuple[str, ...]
+  default: tuple[str, ...]
+  rate: tuple[str, str, str] | None
+  intro: str
+
+
+PAGES = (
+    Page("moe", "Mixture of experts and grouped matmul", "moe-performance.md",
+         group=("suite", "mode", "dtype"), case=("size", "dist", "shape"), default=("auto",),
+         rate=("tflops", "TFLOP/s", "{:.3g}"),
+         intro=("`python -m bench.moe`: the grouped matmul (`gmm`: forward, `d_lhs`, `d_rhs`) over "
+                "uniform and Zipf group sizes, and the MoE layer (`moe_fwd`, `moe_train`: a training "
+                "step) for every dispatch (`auto` is the default). TFLOP/s count 2·m·k·n per "
+                "grouped matmul over the rows routed.")),
+    Page("scan", "Scans: Mamba-1, SSD and RLA", "scan-performance.md",
+         group=("case", "mode", "dtype"), case=("shape",), default=("default",), rate=None,
+         intro=("`python -m bench.scan`: every backend of `mamba_scan` (`mamba1`), `ssd_scan` "
+                "(`mamba2`) and `residual_linear_attention` (`rla`) in one process, rotating "
+                "rounds; `default` is `implementation=None`. Shapes: Mamba-1 [B, L, D, N]; SSD "
+                "[B, L, H, P, G, N]; RLA [B, T, H, Hkv, D, window].")),
+    Page("mla", "Multi-head latent attention", "mla-performance.md",
+         group=("suite", "mode", "dtype"), case=("case",), default=("mla_absorbed", "mla_expanded"),
+         rate=("tflops", "TFLOP/s", "{:.3g}"),
+         intro=("`python -m bench.mla`: the expanded form (training and prefill; q/k head_dim 192, "
+                "v 128) against attention's backends and peers with V padded, and the absorbed "
+                "decode (latent 512 + rope 64, 128 heads) against XLA forms. `mla_expanded` and "
+                "`mla_absorbed` are `probjax.ops.mla.mla` with `implementation=None` (their rows "
+                "record the decision). TFLOP/s: 4·B·H·Tq·Tk·d of the form computed (causal "
+                "halved).")),
+    Page("isab", "Set attention (ISAB)", "isab-performance.md",
+         group=("mode", "dtype"), case=("case",), default=("probjax_default",),
+         rate=("tflops", "TFLOP/s", "{:.3g}"),
+         intro=("`python -m bench.isab`: the induced set attention block on padded sets, every "
+                "attention implementation and peers. TFLOP/s: the attention matmuls only, padded "
+                "sizes (each row's `flop_convention`).")),
+    Page("lm_step", "Language model steps", "lm-performance.md",
+         group=("section",), case=("case",), default=("probjax",), rate=("mfu", "MFU", "{:.1%}"),
+         intro=("`python bench/lm_step.py`: a decoder-only transformer's training step (plain and "
+                "packed documents) and decoding, probjax against the same model on jax.nn's "
+                "attention and flax's; `matmul` is the device's measured bf16 matmul rate. MFU: "
+                "model FLOPs per step (6·params·tokens plus attention) over the bf16 dense peak.")),
+    Page("dit_step", "Diffusion transformer steps", "dit-performance.md",
+         group=("section",), case=("case",), default=("probjax",), rate=("mfu", "MFU", "{:.1%}"),
+         intro=("`python bench/dit_step.py`: DiT training steps (S/2 and B/2 at 256 tokens), "
+                "probjax (also with the layers scanned) against the same model on jax.nn's "
+                "attention and flax's. MFU as on the language-model page.")),
+)
+
+
+def _device_slug(path: str) -> str:
+  return os.path.basename(os.path.dirname(path))
+
+
+def _value(row: dict, field: str):
+  v = row.get(field)
+  if field == "dtype" and v is not None:
+    return DTYPE_SHORT.get(v, v)
+  return "—" if v is None else v
+
+
+def _ms_cell(row: dict | None) -> str:
+  if row is None:
+    return "—"
+  if row.get("status") != "ok" or row.get("ms") is None:
+    return STATUS_CELL.get(row.get("status"), str(row.get("status", "?")))
+  return fmt_ms(row["ms"])
+
+
+def _impl_order(impls, default):
+  """The default first, then probjax's own implementations, then peers, each alphabetical."""
+  def key(i):
+    peer = i.startswith(("jaxnn", "torch", "tokamax", "flax", "jax_", "jnp"))
+    return (i != default, peer, i)
+  return sorted(impls, key=key)
+
+
+def table(page: Page, rows: list[dict]) -> str:
+  """The markdown table of one group's rows: a row per case, a column per implementation, then
+  the default over the fastest other implementation and the rate."""
+  present = {r["impl"] for r in rows}
+  default = next((d for d in page.default if d in present), None)
+  impls = _impl_order(present, default)
+  by_case = collections.OrderedDict()
+  for r in rows:
+    by_case.setdefault(tuple(str(_value(r, f)) for f in page.case), {})[r["impl"]] = r
+  header = list(page.case) + [f"{i} ms" for i in impls]
+  if default:
+    header.append("default / fastest other")
+  if page.rate:
+    header.append(f"{page.rate[1]} ({default or impls[0]})")
+  body = []
+  for case, got in by_case.items():
+    line = list(case) + [_ms_cell(got.get(i)) for i in impls]
+    ok = {i: r["ms"] for i, r in got.items() if r.get("status") == "ok" and r.get("ms")}
+    if default:
+      others = [v for i, v in ok.items() if i != default]
+      line.append(f"{ok[default] / min(others):.2f}" if default in ok and others else "—")
+    if page.rate:
+      field, _, fmt = page.rate
+      first = got.get(default or impls[0]) or next(iter(got.values()))
+      v = first.get(field) if first.get("status") == "ok" else None
+      line.append(fmt.format(v) if isinstance(v, (int, float)) else "—")
+    body.append(line)
+  return md_table(header, body)
+
+
+def page_text(page: Page, results_dir: str) -> str:
+  """The whole page of ``page``'s suite from every device's results file."""
+  parts = [f"# {page.title}", "",
+           f"<!-- generated by `python -m bench.ops_pages` from bench/results/<device>/{page.suite}.json; "
+           "do not edit -->", "", page.intro, ""]
+  paths = sorted(glob.glob(os.path.join(results_dir, "*", f"{page.suite}.json")))
+  if not paths:
+    return "\n".join(parts + ["_Not measured yet._"]) + "\n"
+  for path in paths:
+    rows = [r for r in load_rows(path) if isinstance(r, dict) and r.get("impl")]
+    devices = sorted({r.get("device", "?") for r in rows})
+    parts += [f"## {', '.join(devices)}", ""]
+    groups = collections.OrderedDict()
+    for r in rows:
+      groups.setdefault(tuple(str(_value(r, f)) for f in page.group), []).append(r)
+    for g, rr in groups.items():
+      parts += [f"### {' · '.join(g)}", "", table(page, rr), ""]
+    sources = sorted({(r.get("command", "?"), str(r.get("commit", "?"))) for r in rows})
+    parts += ["Measured with:", ""] + [f"- `{c}` at {k}" for c, k in sources] + [""]
+  return "\n".join(parts).rstrip() + "\n"
+
+
+def build(results_dir: str = RESULTS_DIR, docs_dir: str = DOCS_DIR) -> list[str]:
+  """Writes every page of :data:`PAGES` into ``docs_dir``; returns their paths."""
+  out = []
+  for page in PAGES:
+    path = os.path.join(docs_dir, page.page)
+    with open(path, "w") as f:
+      f.write(page_text(page, results_dir))
+    out.append(path)
+  return out
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--results-dir", default=RESULTS_DIR)
+  p.add_argument("--docs-dir", default=DOCS_DIR)
+  args = p.parse_args(argv)
+  print(json.dumps(build(args.results_dir, args.docs_dir), indent=1))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

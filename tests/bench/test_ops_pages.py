@@ -1,0 +1,44 @@
+"""bench/ops_pages.py: the other ops' and layers' performance pages come from their results only,
+and the committed pages are what the committed results generate."""
+
+import json
+import os
+
+from bench import ops_pages
+from bench.harness import RESULTS_DIR
+
+
+def _write(path, rows):
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def test_page_from_synthetic_rows(tmp_path):
+  base = dict(case="mamba1", shape="[1, 8, 2, 4]", mode="fwd", dtype="float32", device="Some GPU",
+              command="python -m bench.scan", commit="abc1234")
+  _write(str(tmp_path / "results" / "some_gpu" / "scan.json"), [
+      dict(base, impl="default", status="ok", ms=2.0),
+      dict(base, impl="triton", status="ok", ms=1.0),
+      dict(base, impl="scan", status="oom"),
+  ])
+  page = next(p for p in ops_pages.PAGES if p.suite == "scan")
+  text = ops_pages.page_text(page, str(tmp_path / "results"))
+  assert "## Some GPU" in text and "### mamba1 · fwd · fp32" in text
+  line = next(l for l in text.splitlines() if l.startswith("| [1, 8, 2, 4]"))
+  # the default first, the failed row's status, and the default over the fastest other (2.0 / 1.0)
+  assert line == "| [1, 8, 2, 4] | 2.00 | OOM | 1.00 | 2.00 |", line
+  assert "`python -m bench.scan` at abc1234" in text
+
+
+def test_a_suite_with_no_results_says_so(tmp_path):
+  page = ops_pages.PAGES[0]
+  assert "_Not measured yet._" in ops_pages.page_text(page, str(tmp_path))
+
+
+def test_committed_pages_are_generated_from_the_committed_results():
+  for page in ops_pages.PAGES:
+    path = os.path.join(ops_pages.DOCS_DIR, page.page)
+    with open(path) as f:
+      assert f.read() == ops_pages.page_text(page, RESULTS_DIR), (
+          f"{path} is stale: python -m bench.ops_pages")
