@@ -284,7 +284,10 @@ OWN_SCHEMA_KEYS = {"lm_step": ("section", "case", "impl"),
                    "quickstart": ("suite",),
                    "mla_decode_xla_check": ("suite", "case", "impl", "mode"),
                    "gpu_suite": ("selection",),
-                   "ci_times": ("step",)}
+                   "ci_times": ("step",),
+                   "cpu_formulations_fit": ("call_id", "impl"),
+                   "cpu_formulations_validate1": ("call_id", "impl"),
+                   "cpu_formulations_validate2": ("call_id", "impl")}
 
 
 def key_function(path: str):

@@ -451,7 +451,7 @@ def _dense_fits(q_shape, kv_shape, device: Device) -> bool:
 
 def xla_formulation(q_shape, kv_shape, device: Device) -> str:
   """On GPUs XLA's dense formulation is far faster than the tiled loop (whose tiles run one
-  after another) while it fits; elsewhere the length decides (dense up to 256, then tiles)."""
+  after another) while it fits; elsewhere the call's scores decide (``choose_formulation``)."""
   if device.platform == "gpu" and _dense_fits(q_shape, kv_shape, device):
     return "dense"
   return "auto"

@@ -51,7 +51,7 @@ from probjax.ops.attention import masks as M
 from probjax.ops.attention.masks import round_up
 from probjax.testing import (HEADS, KERNEL_SCORE_MODS, LENGTHS, REGIMES, AttnCase, MaskSpec, assert_matches,
                              attention_cases, lengths_pairs, poison, reference_apply, reference_grads,
-                             reference_jvp, reference_valid, regime)
+                             reference_jvp, reference_valid, regime, length_formulations)
 
 # Every drawn example compiles its own calls (2-10 s of CPU a property, whatever the sizes): the
 # properties run in the slow step (make test-slow), the thorough ones by hand (marked thorough:
@@ -108,6 +108,13 @@ LENGTH_MASKS = ("kv_lengths", "lengths")
 cases = attention_cases(dtypes=DTYPES, max_work=WORK)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _formulations_by_length():
+  # The measured rule runs every test-sized call dense; the properties reach the flash tiles too.
+  with length_formulations():
+    yield
+
+
 def api_for(case: AttnCase, api: str) -> str:
   """flex_attention where the call fits it (no bias, dense mask or is_causal)."""
   flex_ok = case.bias is None and case.mask.dense is None and not case.is_causal
@@ -142,8 +149,9 @@ EMPTY_KV_FLASH = AttnCase(1, 300, 0, 2, 1, 16, seed=6)
 
 # -- properties ------------------------------------------------------------------------------
 def test_drawn_lengths_reach_every_formulation():
-  """The strategies' regimes are the formulations the XLA path picks (if its thresholds move,
-  the drawn lengths must move with them)."""
+  """The strategies' regimes are the formulations the XLA path runs under the test rule
+  (:func:`probjax.testing.length_formulations`), and reach each one: dense, decoding, flash's
+  single tile and its 256-tiles."""
   from probjax.ops.attention.backends import xla
   pairs = lengths_pairs()
   for tq, tk in pairs:

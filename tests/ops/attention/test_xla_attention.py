@@ -68,9 +68,10 @@ class TestXlaConformance(AttentionConformance):
     return self.run(q, k, v, mask=mask, **kw)
 
   def takes(self, test, variant, tq, tk):
-    # The grids of lengths: each formulation where "auto" picks it.
+    # The grids of lengths: each formulation at the lengths of its own regimes (dense to 256,
+    # flash's single tile to 512 and its 256-tiles beyond), whatever "auto" picks there.
     if test in ("test_values_and_grads", "test_odd_lengths", "test_gqa"):
-      return variant == ("dense" if max(tq, tk) <= xla.DENSE_MAX_LEN else "flash")
+      return variant == ("dense" if max(tq, tk) <= 256 else "flash")
     return True
 
   def same_precision(self, mask):
@@ -189,12 +190,14 @@ def test_dropout_flash_matches_dense_expectation():
 
 
 def test_auto_formulation():
-  """Dense for short sequences and for decoding (few queries, scores linear in the keys)."""
-  choose = lambda tq, tk, b=1, h=32: xla.choose_formulation((b, tq, h, 64), (b, tk, 8, 64))
-  assert choose(256, 256) == "dense" and choose(257, 257) == "flash"
-  assert choose(1, 16384) == "dense" and choose(xla.DENSE_MAX_QUERIES, 16384) == "dense"
-  assert choose(xla.DENSE_MAX_QUERIES + 1, 16384) == "flash"
-  assert choose(1, 1 << 20, b=128) == "flash"  # 4 G scores: over DENSE_MAX_SCORES
+  """Dense while the scores are few (decoding included), flash past DENSE_MAX_SCORES, and with
+  a band mask past BAND_DENSE_MAX_SCORES (bench/cpu_formulations.py fitted both)."""
+  choose = lambda tq, tk, b=1, h=8, band=False: xla.choose_formulation((b, tq, h, 64), (b, tk, 2, 64), band=band)
+  assert choose(1000, 1000) == "dense" and choose(16, 16384) == "dense"
+  assert choose(1024, 1024) == "dense" and choose(1024, 1025) == "flash"  # 8 * 1024 * 1024 = 2^23
+  assert choose(512, 512, band=True) == "dense" and choose(512, 513, band=True) == "flash"  # 2^21
+  assert choose(512, 513) == "dense"
+  assert choose(1, 1 << 20, b=128) == "flash"
   assert xla.choose_formulation((1, 4096, 8, 64), (1, 4096, 8, 64), module=True) == "dense"
 
 

@@ -1,46 +1,53 @@
 """The exact XLA formulation (every platform, every mask, bias and dropout).
 
-Dense for sequences of at most 256 (``DENSE_MAX_LEN``) and for decoding (at most
-``DENSE_MAX_QUERIES`` queries, whose scores grow only linearly with the keys, while they
-stay under ``DENSE_MAX_SCORES``); otherwise a single-tile flash ``custom_jvp`` up to 512
-and 256 x 256 tiles with block-mask tile skipping above. The flash backward recomputes
-from the log-sum-exp, so memory is linear in the sequence length. Both compute in float32
-(float64 for float64 inputs), take derivatives of any order, give zeros (and zero
+Two formulations compute every call: ``dense`` (one array of scores per call) and ``flash``
+(256 x 256 tiles with block-mask tile skipping; a single tile up to 512). The flash backward
+recomputes from the log-sum-exp, so its memory is linear in the sequence length. Both compute
+in float32 (float64 for float64 inputs), take derivatives of any order, give zeros (and zero
 gradients) for rows with no valid key, and ignore whatever lies past the mask's lengths.
+``formulation="auto"`` picks by :func:`choose_formulation`.
 """
 
 from probjax.ops.attention.backends.xla.dense import dense_attention
 from probjax.ops.attention.backends.xla.flash import choose_blocks, flash_attention
 
-DENSE_MAX_LEN = 256
-# Decoding: with this rule the CPU default matches jax.nn XLA's dense product
-# (kernel_attn_ext_cpu.json, B1 H32, fp32, 1 and 16 queries); the flash loop over key tiles
-# it replaces was slower there (a run before the change, not committed) and, in an ad hoc
-# fwd+bwd check, was faster from 64 queries on.
-DENSE_MAX_QUERIES = 16
-DENSE_MAX_SCORES = 1 << 26  # batch * heads * q_len * kv_len (256 MB of float32 scores)
+# Fitted on CPU over calls drawn at random, validated on a sample drawn after the fit
+# (bench/cpu_formulations.py; the record: bench/tuning/cpu_formulations/).
+DENSE_MAX_SCORES = 1 << 23       # batch * heads * q_len * kv_len
+BAND_DENSE_MAX_SCORES = 1 << 21  # the same, under a band (causal or window) mask
 
 
-def choose_formulation(q_shape, kv_shape, *, module: bool = False) -> str:
-  """``"dense"`` or ``"flash"`` for ``formulation="auto"``."""
+def choose_formulation(q_shape, kv_shape, *, module: bool = False, band: bool = False) -> str:
+  """``"dense"`` or ``"flash"`` for ``formulation="auto"``: dense while the call's scores
+  (``B·H·Tq·Tkv``) are at most ``DENSE_MAX_SCORES``, or ``BAND_DENSE_MAX_SCORES`` with a band
+  mask (``band``: causal or a window); dense always for ``module`` (the weights are sown).
+
+  Dense does one matmul pair over the whole score array, flash a loop of tiles: while the
+  scores are few the loop's per-tile cost dominates, so B5 H1 T1603/23 D128 (184k scores) runs
+  dense about twice as fast on CPU. Past a few million scores the arrays leave the caches and
+  flash wins (B3 H8 T747 with key lengths, 13M scores: flash 1.5x). A band lets flash skip the
+  tiles past the diagonal, so it wins earlier there: B1 H4 T1996 causal (16M scores) runs flash
+  4x faster, B4 H2 T1672/189 causal (2.5M) 2.3x, while B1 H1 T519 causal (269k) still runs
+  dense 3x faster."""
   b, tq, h, _ = q_shape
   tk = kv_shape[1]
-  if module or max(tq, tk) <= DENSE_MAX_LEN:
+  if module:
     return "dense"
-  if tq <= DENSE_MAX_QUERIES and b * h * tq * tk <= DENSE_MAX_SCORES:
-    return "dense"
-  return "flash"
+  scores = b * h * tq * tk
+  return "flash" if scores > (BAND_DENSE_MAX_SCORES if band else DENSE_MAX_SCORES) else "dense"
 
 
 def attention(q, k, v, *, formulation: str = "auto", module=None, **kw):
   """Dispatches within the XLA path; see :func:`flash_attention` for the arguments.
 
-  ``formulation``: ``"auto"`` (by length), ``"dense"`` or ``"flash"``.
+  ``formulation``: ``"auto"`` (:func:`choose_formulation`), ``"dense"`` or ``"flash"``.
   """
   if formulation not in ("auto", "dense", "flash"):
     raise ValueError(f"formulation must be 'auto', 'dense' or 'flash', got {formulation!r}")
   if formulation == "auto":
-    formulation = choose_formulation(q.shape, k.shape, module=module is not None)
+    mask = kw.get("mask")
+    formulation = choose_formulation(q.shape, k.shape, module=module is not None,
+                                     band=mask is not None and mask.has_band)
   if formulation == "dense":
     kw.pop("block_q", None), kw.pop("block_k", None)  # one tile: block sizes do not apply
     return dense_attention(q, k, v, module=module, **kw)
@@ -48,4 +55,4 @@ def attention(q, k, v, *, formulation: str = "auto", module=None, **kw):
 
 
 __all__ = ["attention", "dense_attention", "flash_attention", "choose_blocks", "choose_formulation",
-           "DENSE_MAX_LEN", "DENSE_MAX_QUERIES", "DENSE_MAX_SCORES"]
+           "DENSE_MAX_SCORES", "BAND_DENSE_MAX_SCORES"]
