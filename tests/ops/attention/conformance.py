@@ -25,15 +25,12 @@ test_same_precision            low precision within 2x the error of a same-preci
 test_bad_inputs                refused with ValueError/TypeError naming the argument (public API)
 =============================  ==================================================================
 
-Case selection (each a set of ``fnmatch`` patterns on ``"test_<name>[<id>]"``):
-``slow_cases`` are marked slow unless they also match ``fast_cases``; ``left_out`` cases are
-not generated at all. Kernel backends in interpret mode compile every case anew (seconds of
-CPU each): their subclasses keep one or two cases of each code path fast.
+Case selection (``slow_cases``, ``fast_cases``, ``left_out``: ``fnmatch`` patterns on
+``"test_<name>[<id>]"``) is :class:`tests.ops.conformance.Conformance`'s, as for every op's suite.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import zlib
 
 import jax
@@ -46,8 +43,7 @@ from probjax.ops.attention import masks as M
 from probjax.ops.attention.tolerances import max_error, tolerance
 from probjax.testing import (MASK_NAMES, check_against_reference, check_against_same_precision, make_inputs,
                              make_mask, poison, reference_jvp)
-
-SLOW = pytest.mark.slow
+from tests.ops.conformance import Conformance
 
 # probjax.testing's named masks and two more that the kernel files used: a causal band whose
 # first rows see no key, and packed documents under a bottom-right causal band.
@@ -94,7 +90,7 @@ BAD_INPUTS = [
 ]
 
 
-class AttentionConformance:
+class AttentionConformance(Conformance):
   """The shared cases; subclass per backend, implement :meth:`run`, set the attributes."""
 
   implementation: str = ""        # the public API's name of the backend (bad inputs, jvp)
@@ -113,9 +109,6 @@ class AttentionConformance:
   shape = (40, 40)                # (q_len, kv_len) of the single-shape cases
   low_precision = (jnp.bfloat16,)  # dtypes of test_same_precision
   precision_shape = (150, 200)
-  slow_cases: frozenset = frozenset()
-  fast_cases: frozenset = frozenset()
-  left_out: frozenset = frozenset()
   tf32 = False                    # float32 matmuls run as TF32 (the tolerance bounds that)
 
   # -- the backend --------------------------------------------------------------------------
@@ -177,18 +170,6 @@ class AttentionConformance:
     if test == "test_bad_inputs":
       return [(c[0], c) for c in BAD_INPUTS]
     return None
-
-  def pytest_generate_tests(self, metafunc):
-    test = metafunc.function.__name__
-    grid = self._grid(test)
-    if grid is None:
-      return
-    # Brackets in a pattern are literal (the id's), "*" and "?" wildcards.
-    literal = lambda p: p.replace("[", "\0").replace("]", "[]]").replace("\0", "[[]")
-    match = lambda pats, cid: any(fnmatch.fnmatchcase(f"{test}[{cid}]", literal(p)) for p in pats)
-    params = [pytest.param(case, id=cid, marks=SLOW if match(self.slow_cases, cid) and not match(self.fast_cases, cid) else ())
-              for cid, case in grid if not match(self.left_out, cid)]
-    metafunc.parametrize("case", params)
 
   # -- the cases ----------------------------------------------------------------------------
   def test_values_and_grads(self, case):
