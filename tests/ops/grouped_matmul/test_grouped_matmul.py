@@ -1,8 +1,9 @@
-"""The grouped matmul against the float64 reference: every backend, values and both gradients.
+"""The grouped matmul: the conformance suite (tests/ops/grouped_matmul/conformance.py) on every
+backend of the registry, and what is not a backend's case: float64 on XLA, dtype promotion, the
+row-tile table, the registry and the dispatch rules (on fake devices).
 
 XLA runs natively on CPU; the Triton and Mosaic GPU kernels run in Pallas interpret mode at
-small shapes (the Mosaic cases beyond one per product are marked slow). Dispatch rules are
-checked on fake devices.
+small shapes (the smallest case of each code path in make test, the rest slow).
 """
 
 import os
@@ -19,12 +20,10 @@ import pytest
 
 from probjax.core.device import Device
 from probjax.core.dispatch import Decision
-from probjax.core.tolerances import max_error, tolerance
 from probjax.ops.grouped_matmul import REGISTRY, explain_dispatch, grouped_matmul
-from probjax.ops.grouped_matmul.call import clamp_group_sizes
-from probjax.ops.grouped_matmul.reference import reference, reference_vjp
 from probjax.ops.grouped_matmul.tiles import num_row_tiles, tile_table
 from probjax.testing import float32_is_tf32, interpret_kernels
+from tests.ops.grouped_matmul.conformance import GroupedMatmulConformance, inputs
 
 TF32 = float32_is_tf32()  # on a GPU, float32 matmuls run as TF32 (tolerances bound that)
 
@@ -33,179 +32,53 @@ RTX3090 = Device("gpu", (8, 6), 24 << 30)
 CPU = Device("cpu")
 S = jax.ShapeDtypeStruct
 
-# (M, K, N, group sizes): empty groups, rows past the groups, M/K/N off every tile, one group
-# holding every row, a contraction shorter than a tile.
-CASES = {
-    "ragged": (150, 70, 40, [37, 0, 64, 30]),
-    "one_group": (96, 48, 24, [0, 96, 0]),
-    "tail_rows": (77, 20, 33, [10, 0, 0, 50]),
-    "short_k": (40, 3, 17, [12, 28]),
-}
+
+class TestXlaConformance(GroupedMatmulConformance):
+  """The conformance suite on the XLA backend (natively on CPU), and float64 operands."""
+
+  implementation = "xla"
+  tf32 = TF32
+  # make test: one shape per rhs layout beside the cheap cases; vmap also runs in test_moe.
+  slow_cases = frozenset({"test_values_and_grads[*]", "test_vmap[*]"})
+  fast_cases = frozenset({"test_values_and_grads[ragged-T]", "test_values_and_grads[short_k-N]"})
+
+  def test_float64(self):
+    with jax.enable_x64(True):
+      self.check(*self.shapes["ragged"], dtype=jnp.float64)
 
 
-def _inputs(m, k, n, sizes, dtype, transpose_rhs=False, seed=0):
-  ks = jax.random.split(jax.random.key(seed), 3)
-  g = len(sizes)
-  lhs = jax.random.normal(ks[0], (m, k), jnp.float32)
-  rhs = jax.random.normal(ks[1], (g, n, k) if transpose_rhs else (g, k, n), jnp.float32)
-  d_out = jax.random.normal(ks[2], (m, n), jnp.float32)
-  return lhs.astype(dtype), rhs.astype(dtype), jnp.asarray(sizes, jnp.int32), d_out.astype(dtype)
+# Interpret mode: each new shape compiles the forward and both backward kernels (seconds of CPU
+# a case); make test keeps the smallest case of each code path.
+class TestTritonConformance(GroupedMatmulConformance):
+  """The conformance suite on the Triton kernels (interpret mode off the GPU)."""
+
+  implementation = "triton"
+  tf32 = TF32
+  refusals = (("not_interpreted", dict(interpret=False), (64, 16, 16), jnp.float32, "interpret mode"),) * interpret_kernels()
+  slow_cases = frozenset({"test_values_and_grads[*]", "test_low_precision[*-f32out]"})
+  fast_cases = frozenset({"test_values_and_grads[ragged-T]", "test_values_and_grads[short_k-N]"})
 
 
-def _run(impl, lhs, rhs, sizes, d_out, *, transpose_rhs=False, jit=True, **kw):
-  interpret = impl in ("triton", "mosaic") and interpret_kernels()
+class TestMosaicConformance(GroupedMatmulConformance):
+  """The conformance suite on the Mosaic GPU kernels (interpret mode off the GPU): 16-bit
+  operands, K and N multiples of 64; M off the 8-row TMA tiling is padded."""
 
-  def f(lhs, rhs, sizes, d_out):
-    g = lambda a, b: grouped_matmul(a, b, sizes, implementation=impl, transpose_rhs=transpose_rhs,
-                                    interpret=interpret, **kw)
-    out, vjp = jax.vjp(g, lhs, rhs)
-    return (out, *vjp(d_out))
-
-  return (jax.jit(f) if jit else f)(lhs, rhs, sizes, d_out)
-
-
-def _check(impl, m, k, n, sizes, dtype=jnp.float32, transpose_rhs=False, **kw):
-  lhs, rhs, gs, d_out = _inputs(m, k, n, sizes, dtype, transpose_rhs)
-  d_out = d_out.astype(kw.get("preferred_element_type") or dtype)
-  out, d_lhs, d_rhs = _run(impl, lhs, rhs, gs, d_out, transpose_rhs=transpose_rhs, **kw)
-  ref = reference(lhs, rhs, sizes, transpose_rhs=transpose_rhs)
-  r_lhs, r_rhs = reference_vjp(lhs, rhs, sizes, d_out, transpose_rhs=transpose_rhs)
-  assert out.dtype == (kw.get("preferred_element_type") or dtype)
-  assert d_lhs.dtype == dtype and d_rhs.dtype == dtype
-  assert max_error(out, ref) <= tolerance(dtype, tf32=TF32), max_error(out, ref)
-  assert max_error(d_lhs, r_lhs) <= tolerance(dtype, grad=True, tf32=TF32)
-  assert max_error(d_rhs, r_rhs) <= tolerance(dtype, grad=True, tf32=TF32)
-  ends = np.cumsum(sizes)
-  # Exact zeros: rows past the groups (output and d_lhs) and the weights of empty groups.
-  assert not np.asarray(out[ends[-1]:]).any() and not np.asarray(d_lhs[ends[-1]:]).any()
-  for g, s in enumerate(sizes):
-    if s == 0:
-      assert not np.asarray(d_rhs[g]).any()
-
-
-@pytest.mark.parametrize("case, transpose_rhs", [
-    ("ragged", True), pytest.param("short_k", False, marks=pytest.mark.slow),
-    pytest.param("one_group", False, marks=pytest.mark.slow), pytest.param("tail_rows", True, marks=pytest.mark.slow)])
-def test_xla_float32(case, transpose_rhs):
-  _check("xla", *CASES[case], transpose_rhs=transpose_rhs)
-
-
-def test_xla_float64():
-  with jax.enable_x64(True):
-    _check("xla", *CASES["ragged"], dtype=jnp.float64)
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("impl", ["xla", "triton"])
-def test_bfloat16(impl):
-  _check(impl, *CASES["ragged"], dtype=jnp.bfloat16)
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("impl", ["xla", pytest.param("triton", marks=pytest.mark.slow)])
-def test_float32_output_of_bfloat16(impl):
-  _check(impl, *CASES["tail_rows"], dtype=jnp.bfloat16, preferred_element_type=jnp.float32)
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("case", ["ragged", "short_k"])
-def test_triton_float32(case):
-  _check("triton", *CASES[case], transpose_rhs=case == "ragged")
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("case", ["one_group", "tail_rows"])
-@pytest.mark.parametrize("transpose_rhs", [False, True])
-def test_triton_float32_more(case, transpose_rhs):
-  _check("triton", *CASES[case], transpose_rhs=transpose_rhs)
-
-
-# Mosaic: 16-bit operands, K and N multiples of 64; M off the 8-row TMA tiling is padded.
-MOSAIC_CASES = {"ragged": (150, 128, 64, [37, 0, 64, 30]), "one_group": (64, 64, 128, [0, 64]),
-                "tail_rows": (200, 64, 192, [10, 0, 120])}
-
-
-@pytest.mark.timeout(300)
-def test_mosaic_bfloat16():
-  _check("mosaic", *MOSAIC_CASES["ragged"], dtype=jnp.bfloat16)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("case, transpose_rhs, out", [("ragged", True, None), ("one_group", False, jnp.float32),
-                                                      ("tail_rows", True, None)])
-def test_mosaic_more(case, transpose_rhs, out):
-  _check("mosaic", *MOSAIC_CASES[case], dtype=jnp.float16 if out is None else jnp.bfloat16,
-         transpose_rhs=transpose_rhs, preferred_element_type=out)
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("impl", ["xla", "triton", "mosaic"])
-@pytest.mark.parametrize("shape", [(10, 0, 64, [4, 6]), (0, 64, 64, [0, 0]), (10, 64, 0, [4, 6]),
-                                   (10, 64, 64, [])])
-def test_zero_sizes(impl, shape):
-  """K = 0 (and any other zero dimension): zeros and zero gradients, no kernel to hang."""
-  m, k, n, sizes = shape
-  lhs, rhs, gs, d_out = _inputs(m, k, n, sizes, jnp.bfloat16)
-  out, d_lhs, d_rhs = _run(impl, lhs, rhs, gs, d_out)
-  assert out.shape == (m, n) and d_lhs.shape == lhs.shape and d_rhs.shape == rhs.shape
-  assert not any(np.asarray(x, np.float32).any() for x in (out, d_lhs, d_rhs))
-
-
-@pytest.mark.parametrize("impl", ["xla", "triton"])
-def test_traced_group_sizes_are_clamped(impl):
-  """Under jit negative sizes count as zero and the groups are cut at row M."""
-  m, k, n = 20, 8, 16
-  lhs, rhs, _, d_out = _inputs(m, k, n, [0, 0, 0], jnp.float32)
-  bad = jnp.array([8, -5, 30], jnp.int32)
-  clamped = [8, 0, 12]
-  np.testing.assert_array_equal(clamp_group_sizes(bad, m), clamped)
-  out, d_lhs, d_rhs = _run(impl, lhs, rhs, bad, d_out)
-  assert max_error(out, reference(lhs, rhs, clamped)) <= tolerance(jnp.float32, tf32=TF32)
-  r_lhs, r_rhs = reference_vjp(lhs, rhs, clamped, d_out)
-  assert max_error(d_rhs, r_rhs) <= tolerance(jnp.float32, grad=True, tf32=TF32)
-
-
-@pytest.mark.parametrize("impl", [pytest.param("xla", marks=pytest.mark.slow), "triton"])  # xla: test_moe too
-def test_vmap(impl):
-  lhs, rhs, _, _ = _inputs(30, 16, 8, [0, 0], jnp.float32)
-  sizes = jnp.array([[10, 20], [30, 0], [0, 5]], jnp.int32)
-  f = jax.vmap(lambda gs: grouped_matmul(lhs, rhs, gs, implementation=impl, interpret=impl == "triton"))
-  out = jax.jit(f)(sizes)
-  for b in range(3):
-    assert max_error(out[b], reference(lhs, rhs, sizes[b])) <= tolerance(jnp.float32, tf32=TF32)
-
-
-def test_bad_arguments():
-  lhs, rhs, gs, _ = _inputs(10, 4, 6, [3, 7], jnp.float32)
-  with pytest.raises(ValueError, match="group_sizes must have shape"):
-    grouped_matmul(lhs, rhs, jnp.array([3, 3, 4], jnp.int32))
-  with pytest.raises(ValueError, match="group_sizes must have rank 1"):
-    grouped_matmul(lhs, rhs, jnp.array([[3, 7]], jnp.int32))
-  with pytest.raises(TypeError, match="group_sizes must be an integer"):
-    grouped_matmul(lhs, rhs, jnp.array([3.0, 7.0]))
-  with pytest.raises(ValueError, match="group_sizes must be non-negative"):
-    grouped_matmul(lhs, rhs, jnp.array([-1, 7], jnp.int32))
-  with pytest.raises(ValueError, match="group_sizes sum to 11"):
-    grouped_matmul(lhs, rhs, jnp.array([4, 7], jnp.int32))
-  with pytest.raises(TypeError, match="lhs must be a floating"):
-    grouped_matmul(jnp.ones((10, 4), jnp.int32), rhs, gs)
-  with pytest.raises(ValueError, match="rhs must have rank 3"):
-    grouped_matmul(lhs, rhs[0], gs)
-  with pytest.raises(ValueError, match="does not contract"):
-    grouped_matmul(lhs, rhs, gs, transpose_rhs=True)
-  with pytest.raises(ValueError, match="unknown .*cuda"):
-    grouped_matmul(lhs, rhs, gs, implementation="cuda")
-  with pytest.raises(ValueError, match="wgmma kernels take bfloat16"):
-    grouped_matmul(lhs, rhs, gs, implementation="mosaic", interpret=True)
-  if interpret_kernels():  # a kernel without a GPU and not interpreted
-    with pytest.raises(ValueError, match="interpret mode"):
-      grouped_matmul(lhs, rhs, gs, implementation="triton")
+  implementation = "mosaic"
+  dtype = jnp.bfloat16
+  shapes = {"ragged": (150, 128, 64, [37, 0, 64, 30]), "one_group": (64, 64, 128, [0, 64]),
+            "tail_rows": (200, 64, 192, [10, 0, 120])}
+  low_precision = (jnp.float16,)
+  small = (30, 64, 64)
+  refusals = (("float32", {}, (64, 64, 64), jnp.float32, "wgmma kernels take bfloat16"),
+              ("k_off_64", {}, (64, 100, 64), jnp.bfloat16, "multiples of 64"))
+  # Mosaic interpret mode runs a CTA's warpgroups as threads: the slowest of the three.
+  slow_cases = frozenset({"test_values_and_grads[*]", "test_low_precision[*]", "test_traced_group_sizes[*]",
+                          "test_vmap[*]"})
+  fast_cases = frozenset({"test_values_and_grads[ragged-N]"})
 
 
 def test_mixed_dtypes_promote():
-  lhs, rhs, gs, _ = _inputs(10, 4, 6, [3, 7], jnp.float32)
+  lhs, rhs, gs, _ = inputs(10, 4, 6, [3, 7], jnp.float32)
   out = grouped_matmul(lhs.astype(jnp.bfloat16), rhs, gs)
   assert out.dtype == jnp.float32
 
