@@ -1,6 +1,7 @@
-"""Multi-head latent attention: both forms against the float64 reference that materialises K
-and V; the form rule and the attention implementation it asks for on fake devices; which of
-attention's kernels take a value head_dim other than the query/key head_dim."""
+"""Multi-head latent attention: the conformance suite (tests/ops/mla/conformance.py) on the
+``xla`` backend's two forms, and what is not a backend's case: the scale, the log-sum-exp; the
+form rule and the attention implementation it asks for on fake devices; which of attention's
+kernels take a value head_dim other than the query/key head_dim."""
 
 import jax
 import jax.numpy as jnp
@@ -10,109 +11,49 @@ import pytest
 from probjax.core.device import Device
 from probjax.core.dispatch import Decision
 from probjax.core.tolerances import max_error, tolerance
-from probjax.nn.layers.attention import CausalMask, KVLenMask, LengthMask
+from probjax.nn.layers.attention import CausalMask, KVLenMask
 from probjax.ops.attention import dispatch as attention_dispatch
 from probjax.ops.attention.call import AttentionCall
 from probjax.ops.attention.registry import REGISTRY
 from probjax.ops.mla import REGISTRY as MLA_REGISTRY, explain, explain_dispatch, mla
 from probjax.ops.attention.reference import reference_attention
 from probjax.ops.mla.call import make_call
-from probjax.ops.mla.reference import NAMES, reference_mla, reference_mla_vjp
+from probjax.ops.mla.reference import reference_mla
 from probjax.testing import float32_is_tf32
+from tests.ops.mla.conformance import MLAConformance
 
 TF32 = float32_is_tf32()  # on a GPU, float32 matmuls run as TF32 (tolerances bound that)
 
 H200 = Device("gpu", (9, 0), 140 << 30)
 CPU = Device("cpu")
-DIMS = dict(heads=4, d_nope=8, d_rope=4, d_c=12, d_v=6)
 
 
-def inputs(seed, batch, tq, s, *, heads=4, d_nope=8, d_rope=4, d_c=12, d_v=6, dtype=jnp.float32):
-  ks = jax.random.split(jax.random.key(seed), 7)
-  shapes = [(batch, tq, heads, d_nope), (batch, tq, heads, d_rope), (batch, s, d_c), (batch, s, d_rope),
-            (d_c, heads, d_nope), (d_c, heads, d_v)]
-  args = [jax.random.normal(k, sh, jnp.float32).astype(dtype) for k, sh in zip(ks, shapes)]
-  args[4] = args[4] * d_c ** -0.5   # projection weights at the usual init scale
-  args[5] = args[5] * d_c ** -0.5
-  do = jax.random.normal(ks[6], (batch, tq, heads, d_v), jnp.float32).astype(dtype)
-  return args, do
+class TestXlaConformance(MLAConformance):
+  """The conformance suite on both forms of the ``xla`` backend (attention's XLA path)."""
+
+  implementation = "xla"
+  tf32 = TF32
+  # Each case runs one form eagerly (values and gradients) and the float64 reference: 1-5 s of
+  # CPU a new shape, most of it compiling. make test keeps every mask at 7 queries over 48 keys
+  # and the one-query decode under causal; the other shapes are slow.
+  slow_cases = frozenset({"test_values_and_grads[*]", "test_jvp[*]", "test_low_precision[*]", "test_paged[expanded]"})
+  fast_cases = frozenset({"test_values_and_grads[*-7x48]", "test_values_and_grads[*-causal-1x48]"})
 
 
-def masks(name, batch, tq, s):
-  if name == "none":
-    return None
-  if name == "causal":
-    return CausalMask(offset=s - tq)   # the last tq positions of s, as a decode or prefill step
-  if name == "kv_len_zero":
-    return KVLenMask(jnp.array([0, s][:batch]))
-  if name == "causal&kv_len":
-    return CausalMask(offset=s - tq) & KVLenMask(jnp.array([max(1, s // 2), s][:batch]))
-  raise ValueError(name)
-
-
-def check(args, do, mask, form, dtype=jnp.float32, **kw):
-  f = lambda *a: mla(*a, mask=mask, form=form, **kw)
-  out, pull = jax.vjp(f, *args)
-  grads = pull(do)
-  ref_out, ref_grads = reference_mla_vjp(*args, do, mask=mask, scale=kw.get("scale"))
-  errs = {"out": max_error(out, ref_out)}
-  errs |= {n: max_error(g, ref_grads[n]) for n, g in zip(NAMES, grads)}
-  for name, err in errs.items():
-    tol = tolerance(dtype, grad=name != "out", tf32=TF32)
-    assert err <= tol, f"{form} {name}: {err:.3g} > {tol:.3g}; all {errs}"
-  return out, grads
-
-
-# Each case runs both forms eagerly (values and gradients) and the float64 reference: 3-10 s of
-# CPU a new shape, most of it compiling. make test keeps every mask at 7 queries over 48 keys
-# and the one-query decode under causal; the other shapes are slow.
-SLOW = pytest.mark.slow
-
-
-@pytest.mark.parametrize("tq,s,mask_name", [
-    (tq, s, m) if (tq, s) == (7, 48) or (tq, s, m) == (1, 48, "causal") else pytest.param(tq, s, m, marks=SLOW)
-    for tq, s in [(1, 1), (1, 48), (7, 48), (48, 48)] for m in ("none", "causal", "kv_len_zero", "causal&kv_len")])
-def test_forms_match_reference_values_and_grads(tq, s, mask_name):
-  args, do = inputs(tq * 100 + s, 2, tq, s)
-  mask = masks(mask_name, 2, tq, s)
-  e_out, e_grads = check(args, do, mask, "expanded")
-  a_out, a_grads = check(args, do, mask, "absorbed")
-  assert max_error(e_out, a_out) <= tolerance(jnp.float32, tf32=TF32)
-  if mask_name == "kv_len_zero":   # element 0 has no key: zero output and zero gradients
-    assert np.all(np.asarray(e_out[0]) == 0) and np.all(np.asarray(a_out[0]) == 0)
-    for g in (*e_grads, *a_grads):
-      assert np.all(np.isfinite(np.asarray(g)))
-    for g in (e_grads[0], e_grads[1], e_grads[2], e_grads[3], a_grads[0], a_grads[2]):
-      assert np.all(np.asarray(g[0]) == 0)
-
-
-@SLOW  # four eager forms and two references at a shape of its own
+@pytest.mark.slow  # four eager forms and two references at a shape of its own
 def test_scale_is_the_model_key_width_in_both_forms():
-  args, do = inputs(1, 1, 5, 9)
+  suite = TestXlaConformance()
+  args, do = suite.inputs(1, 1, 5, 9)
   ref = reference_mla(*args, scale=(8 + 4) ** -0.5)
   for form in ("expanded", "absorbed"):
     assert max_error(mla(*args, form=form), ref) <= tolerance(jnp.float32, tf32=TF32)
-  check(args, do, CausalMask(offset=4), "absorbed", scale=0.3)
-  check(args, do, CausalMask(offset=4), "expanded", scale=0.3)
+    suite.check(args, do, CausalMask(offset=4), form, scale=0.3)
 
 
-def test_cache_tail_may_hold_nan_and_padded_queries_are_zero():
-  args, do = inputs(2, 2, 7, 16)
-  lens = jnp.array([5, 16])
-  poison = lambda x: x.at[0, 5:].set(jnp.nan)
-  args[2], args[3] = poison(args[2]), poison(args[3])
-  mask = LengthMask(jnp.array([3, 7]), lens)
-  do = do.at[0, 3:].set(jnp.nan)   # a cotangent on padded query rows reaches nothing
-  for form in ("expanded", "absorbed"):
-    out, grads = check(args, do, mask, form)
-    assert np.all(np.asarray(out[0, 3:]) == 0)
-    assert all(np.all(np.isfinite(np.asarray(g))) for g in grads)
-
-
-@pytest.mark.parametrize("mask_name", [pytest.param("causal", marks=SLOW), "kv_len_zero"])
-def test_return_lse(mask_name):
-  args, do = inputs(3, 2, 7, 48)
-  mask = masks(mask_name, 2, 7, 48)
+@pytest.mark.parametrize("mask", [pytest.param(CausalMask(offset=41), marks=pytest.mark.slow, id="causal"),
+                                  pytest.param(KVLenMask(jnp.array([0, 48])), id="kv_len_zero")])
+def test_return_lse(mask):
+  args, _ = TestXlaConformance().inputs(3, 2, 7, 48)
   _, ref_lse = reference_mla(*args, mask=mask, return_lse=True)
   for form in ("expanded", "absorbed"):
     out, lse = mla(*args, mask=mask, form=form, return_lse=True)
@@ -128,32 +69,10 @@ def test_return_lse(mask_name):
 
 def test_lse_over_several_key_blocks():
   from probjax.ops.mla import forms
-  args, _ = inputs(4, 1, 3, 41)
+  args, _ = TestXlaConformance().inputs(4, 1, 3, 41)
   _, ref_lse = reference_mla(*args, mask=CausalMask(offset=38), return_lse=True)
   lse = forms.log_sum_exp(*args[:5], mask=CausalMask(offset=38), scale=12 ** -0.5, block=8)
   assert max_error(lse, ref_lse) <= tolerance(jnp.float32, tf32=TF32)
-
-
-@SLOW  # jvp of both forms and of the float64 reference
-def test_jvp_matches_reference():
-  args, _ = inputs(5, 2, 7, 20)
-  mask = CausalMask(offset=13) & KVLenMask(jnp.array([9, 20]))
-  tans = [jax.random.normal(jax.random.key(50 + i), a.shape) for i, a in enumerate(args)]
-  from probjax.ops.mla.reference import _mla64
-  with jax.enable_x64(True):
-    up = lambda a: jnp.asarray(np.asarray(a, np.float64))
-    _, want = jax.jvp(lambda *a: _mla64(*a, mask, 12 ** -0.5)[0], tuple(map(up, args)), tuple(map(up, tans)))
-    want = np.asarray(want)
-  for form in ("expanded", "absorbed"):
-    _, got = jax.jvp(lambda *a: mla(*a, mask=mask, form=form), tuple(args), tuple(tans))
-    assert max_error(got, want) <= tolerance(jnp.float32, grad=True, tf32=TF32)
-
-
-@SLOW  # both forms again in bfloat16
-def test_bfloat16_forms_agree_with_reference():
-  args, do = inputs(6, 2, 7, 48, dtype=jnp.bfloat16)
-  for form in ("expanded", "absorbed"):
-    check(args, do, CausalMask(offset=41), form, dtype=jnp.bfloat16)
 
 
 # -- the form rule and the attention implementation ----------------------------------------
@@ -407,25 +326,3 @@ def test_default_dispatch_of_value_head_dim(monkeypatch):
   d = attention_dispatch.explain_dispatch((64, 1, 128, 576), (64, 4096, 1, 576), jnp.bfloat16,
                                           device=H200, env={}, v_head_dim=512)
   assert d.implementation == "xla", d
-
-
-# -- validation -------------------------------------------------------------------------------
-@pytest.mark.parametrize("index,shape,name", [
-    (0, (2, 5, 4), "q_nope"), (1, (2, 5, 3, 4), "q_rope"), (2, (3, 9, 12), "kv_latent"),
-    (3, (2, 8, 4), "k_rope"), (3, (2, 9, 5), "k_rope"), (4, (12, 4, 7), "w_uk"), (4, (11, 4, 8), "w_uk"),
-    (5, (12, 3, 6), "w_uv"), (2, (2, 9), "kv_latent")])
-def test_bad_shapes_name_the_argument(index, shape, name):
-  args, _ = inputs(0, 2, 5, 9)
-  args[index] = jnp.ones(shape)
-  with pytest.raises(ValueError, match=name):
-    mla(*args)
-
-
-def test_bad_form_and_mask():
-  args, _ = inputs(0, 1, 3, 4)
-  with pytest.raises(ValueError, match="form"):
-    mla(*args, form="fast")
-  with pytest.raises(TypeError, match="mask"):
-    mla(*args, mask=jnp.ones((1, 1, 3, 4), bool))
-  with pytest.raises(ValueError):
-    mla(*args, mask=KVLenMask(jnp.array([9])))
