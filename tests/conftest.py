@@ -94,6 +94,12 @@ MARKERS = (
 # Doctests (by module path, relative to the repository root) that run in the slow step: see above.
 SLOW_DOCTESTS = ("probjax/nn/layers/", "probjax/ops/mla/")
 
+# The conformance suites (tests/ops/conformance.py and one tests/ops/<op>/conformance.py per op)
+# hold no test or doctest of their own: the test files that subclass them import them.
+# --doctest-modules would import each as the one top-level module "conformance" and fail on the
+# second.
+collect_ignore_glob = ["ops/conformance.py", "ops/*/conformance.py"]
+
 
 def pytest_addoption(parser):
   parser.addoption("--gpu", action="store_true", default=False,
