@@ -80,7 +80,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.flatten_util import ravel_pytree  # noqa: E402
 
-from bench.harness import kernel_intervals, load_rows  # noqa: E402
+from bench.harness import kernel_intervals, kernel_summary, load_rows  # noqa: E402
 from bench.lm_step import (Rows, _describe, _Progress, adamw, apply_updates, attention_fns,  # noqa: E402
                            optax, peak_flops, run_matmul, step_times, tree_copy, with_attention)
 from probjax.core.timing import Unsupported, classify_error, device_info, summarize  # noqa: E402
@@ -191,38 +191,6 @@ def variant_options(name: str) -> dict:
 
 def impl_name(variant: str) -> str:
   return "probjax" if variant == "baseline" else f"probjax_{variant}"
-
-
-# -- the kernel profile -------------------------------------------------------------
-KERNEL_KINDS = (("attention", ("attention", "attn", "flash", "fmha", "sdpa", "cudnn")),
-                ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "matmul")))
-
-
-def kernel_kind(name: str) -> str:
-  """"attention", "matmul" or "other" (elementwise, norms, reductions, the optimizer), by the
-  kernel's name."""
-  low = name.lower()
-  return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
-
-
-def kernel_summary(intervals, steps: int, top: int = 8) -> dict:
-  """Per step, from ``(start_us, duration_us, name)`` kernel intervals of ``steps`` steps:
-  ``device_ms`` (the kernels' summed duration, bench.harness.kernel_ms's convention),
-  ``kernels_per_step``, ``kernel_ms_by_kind`` (:func:`kernel_kind`) and ``top_kernels``: the
-  ``top`` names by total time, each with ``ms_per_step`` and ``count_per_step``."""
-  by_name, by_kind = {}, {}
-  for _, dur, name in intervals:
-    tot = by_name.setdefault(name, [0.0, 0])
-    tot[0] += dur
-    tot[1] += 1
-    kind = kernel_kind(name)
-    by_kind[kind] = by_kind.get(kind, 0.0) + dur
-  ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
-  return dict(device_ms=sum(d for _, d, _ in intervals) / steps / 1e3,
-              kernels_per_step=len(intervals) / steps,
-              kernel_ms_by_kind={k: v / steps / 1e3 for k, v in sorted(by_kind.items())},
-              top_kernels=[dict(name=n[:160], ms_per_step=t / steps / 1e3, count_per_step=k / steps)
-                           for n, (t, k) in ranked])
 
 
 # -- the step ------------------------------------------------------------------------

@@ -197,6 +197,39 @@ def gpu_stream_intervals(events: list[dict]) -> list[tuple[float, float, str]]:
 _PEERS: dict = {}  # which peer libraries import, once per process (setup_environment)
 
 
+# Kernels by kind, from their names (cuDNN's and the Pallas attention kernels name attention;
+# cuBLAS/cuBLASLt/CUTLASS gemms name matmuls).
+KERNEL_KINDS = (("attention", ("attention", "attn", "flash", "fmha", "sdpa", "cudnn")),
+                ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "matmul")))
+
+
+def kernel_kind(name: str) -> str:
+  """"attention", "matmul" or "other" (elementwise, norms, reductions, the optimizer), by the
+  kernel's name."""
+  low = name.lower()
+  return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
+
+
+def kernel_summary(intervals, steps: int, top: int = 8) -> dict:
+  """Per step, from ``(start_us, duration_us, name)`` kernel intervals of ``steps`` steps:
+  ``device_ms`` (the kernels' summed duration, bench.harness.kernel_ms's convention),
+  ``kernels_per_step``, ``kernel_ms_by_kind`` (:func:`kernel_kind`) and ``top_kernels``: the
+  ``top`` names by total time, each with ``ms_per_step`` and ``count_per_step``."""
+  by_name, by_kind = {}, {}
+  for _, dur, name in intervals:
+    tot = by_name.setdefault(name, [0.0, 0])
+    tot[0] += dur
+    tot[1] += 1
+    kind = kernel_kind(name)
+    by_kind[kind] = by_kind.get(kind, 0.0) + dur
+  ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+  return dict(device_ms=sum(d for _, d, _ in intervals) / steps / 1e3,
+              kernels_per_step=len(intervals) / steps,
+              kernel_ms_by_kind={k: v / steps / 1e3 for k, v in sorted(by_kind.items())},
+              top_kernels=[dict(name=n[:160], ms_per_step=t / steps / 1e3, count_per_step=k / steps)
+                           for n, (t, k) in ranked])
+
+
 def command_line() -> str:
   return " ".join(["python"] + ([f"-m {sys.modules['__main__'].__spec__.name}"]
                                 if getattr(sys.modules.get("__main__"), "__spec__", None)

@@ -26,6 +26,11 @@ halves it: ``12 * layers * B * T^2 * d / 2``. Packed rows of ``n`` documents of 
 tokens: ``12 * layers * B * T^2 * d / (2 n)``. MFU = FLOPs / time / peak (989.4e12 bf16 dense
 for H100/H200 SXM; None on other devices, where ``frac_of_matmul`` still says how close).
 
+Training rows on a GPU also carry the kernel breakdown of ``--iters`` more steps from a
+``jax.profiler`` trace (``bench.harness.kernel_summary``): ``device_ms``, ``kernel_ms_by_kind``
+(attention / matmul / other, by kernel name), ``top_kernels`` and ``wall_over_device``;
+elsewhere ``device_ms_error`` says why there is none.
+
 Timing: compile + warm-up, then ``--repeats`` rounds; each round times every peer once (a
 block of ``--iters`` steps, or one decode loop), in an order that rotates by one each round;
 peers run in the same process on the same inputs. Medians are reported. Every peer is first
@@ -62,6 +67,7 @@ try:
 except ImportError:  # a device image without optax: the same AdamW written out below
   optax = None
 
+from bench.harness import kernel_intervals, kernel_summary  # noqa: E402
 from probjax.core.timing import classify_error, device_info, summarize  # noqa: E402
 from probjax.nn.layers.attention import dot_product_attention  # noqa: E402
 from probjax.nn.layers.decoding import decode_loop  # noqa: E402
@@ -312,7 +318,26 @@ def time_steps(make_step, impls, params, tx, batch, args, bar):
     except Exception as e:  # noqa: BLE001 (a failing peer is a row, not the end of the run)
       status, msg = classify_error(e)
       info[name] = dict(status=status, error=msg)
-  return info, step_times(state, batch, args.repeats, args.iters, bar)
+  times = step_times(state, batch, args.repeats, args.iters, bar)
+  for name, st in state.items():
+    info[name].update(kernel_profile(st, batch, args.iters))
+  return info, times
+
+
+def kernel_profile(st: list, batch, iters: int) -> dict:
+  """The kernel breakdown of ``iters`` more steps of ``st = [step, params, opt_state]``
+  (``bench.harness.kernel_summary``: ``device_ms``, ``kernel_ms_by_kind`` attention / matmul /
+  other, ``top_kernels``), or ``device_ms_error`` saying why there is none (GPU only)."""
+  if jax.devices()[0].platform != "gpu":
+    return dict(device_ms_error=f"no kernel profile on platform {jax.devices()[0].platform}: GPU only")
+
+  def one():
+    st[1], st[2], loss = st[0](st[1], st[2], batch)
+    return loss
+  try:
+    return kernel_summary(kernel_intervals(one, jax.block_until_ready, iters, "jax"), iters)
+  except Exception as e:  # noqa: BLE001 (the wall-clock row stands without it)
+    return dict(device_ms_error=f"{type(e).__name__}: {e}"[:300])
 
 
 def step_times(state: dict, batch, repeats: int, iters: int, bar) -> dict:
@@ -382,6 +407,8 @@ def run_train(c, args, bar, impls, fns, docs):
                params=int(sum(x.size for x in jax.tree.leaves(params))))
     if name in times:
       s = summarize(times[name])
+      if row.get("device_ms"):
+        row["wall_over_device"] = s["ms"] / row["device_ms"]
       row.update(s, ms_all=times[name], tokens_per_s=c.batch * c.seq / (s["ms"] * 1e-3),
                  tflops=flops["flops"] / (s["ms"] * 1e-3) / 1e12,
                  mfu=None if peak is None else flops["flops"] / (s["ms"] * 1e-3) / peak)

@@ -7,7 +7,8 @@
 table per (device, group of rows): a row per measured case, a column per implementation
 (median ms; ``OOM``, ``unsup.``, ``error`` where the row failed, ``—`` where it was not
 measured), then the default's time over the fastest other implementation's where the suite has
-a default, and the suite's own rate (TFLOP/s, TB/s or MFU, with its convention). Below each
+a default, the suite's own rate (TFLOP/s, TB/s or MFU, with its convention) and, where the rows
+carry a kernel profile, the default's kernel time per step by kind (attention / matmul / other). Below each
 table: the commands and commits the rows came from, so every number can be measured again.
 """
 
@@ -135,6 +136,9 @@ def table(page: Page, rows: list[dict]) -> str:
     header.append("default / fastest other")
   if page.rate:
     header.append(f"{page.rate[1]} ({default or impls[0]})")
+  kinds = any(r.get("kernel_ms_by_kind") for r in rows)
+  if kinds:
+    header.append(f"kernel ms attention / matmul / other ({default or impls[0]})")
   body = []
   for case, got in by_case.items():
     line = list(case) + [_ms_cell(got.get(i)) for i in impls]
@@ -147,6 +151,9 @@ def table(page: Page, rows: list[dict]) -> str:
       first = got.get(default or impls[0]) or next(iter(got.values()))
       v = first.get(field) if first.get("status") == "ok" else None
       line.append(fmt.format(v) if isinstance(v, (int, float)) else "—")
+    if kinds:
+      k = (got.get(default or impls[0]) or {}).get("kernel_ms_by_kind") or {}
+      line.append(" / ".join(fmt_ms(k.get(kind)) for kind in ("attention", "matmul", "other")) if k else "—")
     body.append(line)
   return md_table(header, body)
 

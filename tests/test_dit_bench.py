@@ -3,7 +3,7 @@ variants, kernel summary and row fields."""
 
 import pytest
 
-from bench import dit_step
+from bench import dit_step, harness
 from bench.harness import load_rows
 
 
@@ -33,7 +33,7 @@ def test_kernel_summary():
   k = [(0, 300, "sm90_xmma_gemm_bf16"), (1, 100, "probjax_attention_fwd"), (2, 10, "loop_add_fusion"),
        (3, 300, "sm90_xmma_gemm_bf16"), (4, 100, "probjax_attention_fwd"), (5, 30, "loop_add_fusion"),
        (6, 60, "input_reduce_fusion")]
-  s = dit_step.kernel_summary(k, steps=2, top=2)
+  s = harness.kernel_summary(k, steps=2, top=2)
   assert s["device_ms"] == pytest.approx(0.45) and s["kernels_per_step"] == 3.5
   assert s["kernel_ms_by_kind"] == pytest.approx({"attention": 0.1, "matmul": 0.3, "other": 0.05})
   assert s["top_kernels"] == [dict(name="sm90_xmma_gemm_bf16", ms_per_step=pytest.approx(0.3), count_per_step=1.0),
