@@ -38,9 +38,9 @@ class TestXlaConformance(GroupedMatmulConformance):
 
   implementation = "xla"
   tf32 = TF32
-  # make test: one shape per rhs layout beside the cheap cases; vmap also runs in test_moe.
+  # make test: one shape beside the cheap cases; vmap also runs in test_moe.
   slow_cases = frozenset({"test_values_and_grads[*]", "test_vmap[*]"})
-  fast_cases = frozenset({"test_values_and_grads[ragged-T]", "test_values_and_grads[short_k-N]"})
+  fast_cases = frozenset({"test_values_and_grads[ragged-T]"})
 
   def test_float64(self):
     with jax.enable_x64(True):
@@ -55,7 +55,10 @@ class TestTritonConformance(GroupedMatmulConformance):
   implementation = "triton"
   tf32 = TF32
   refusals = (("not_interpreted", dict(interpret=False), (64, 16, 16), jnp.float32, "interpret mode"),) * interpret_kernels()
-  slow_cases = frozenset({"test_values_and_grads[*]", "test_low_precision[*-f32out]"})
+  # jvp and bad inputs: the custom_vjp and the validation are XLA's (TestXlaConformance's cases
+  # run in make test).
+  slow_cases = frozenset({"test_values_and_grads[*]", "test_low_precision[*-f32out]", "test_jvp[*]",
+                          "test_bad_inputs[*]"})
   fast_cases = frozenset({"test_values_and_grads[ragged-T]", "test_values_and_grads[short_k-N]"})
 
 
@@ -73,7 +76,7 @@ class TestMosaicConformance(GroupedMatmulConformance):
               ("k_off_64", {}, (64, 100, 64), jnp.bfloat16, "multiples of 64"))
   # Mosaic interpret mode runs a CTA's warpgroups as threads: the slowest of the three.
   slow_cases = frozenset({"test_values_and_grads[*]", "test_low_precision[*]", "test_traced_group_sizes[*]",
-                          "test_vmap[*]"})
+                          "test_vmap[*]", "test_jvp[*]", "test_bad_inputs[*]"})
   fast_cases = frozenset({"test_values_and_grads[ragged-N]"})
 
 
