@@ -42,7 +42,7 @@
 #   mkdir -p /tmp/r && tar xzf FILES_AT/results.tar.gz -C /tmp/r && python -m bench.merge_rows bench/results /tmp/r
 # and the same command again continues. Output: a short log per step, $OUT/batch.log.
 # DRY_RUN=1: print each step's command ("[dry] ..."), run and copy nothing, no peers installed
-# (tests/test_bench_runner.py checks that every step names a suite and options it has).
+# (tests/bench/test_bench_runner.py checks that every step names a suite and options it has).
 set -u
 PLAN="${1:-all}"
 MINUTES="${2:-8.5}"
@@ -140,7 +140,7 @@ for s in "${steps[@]}"; do
     tests|tests:*) sel="${s#tests}"; sel="${sel#:}"
                tests_step gpu_tests.log tests -m gpu -n "${TEST_WORKERS:-2}" --durations=8 ${sel:+-k "$sel"} ;;
     newops_tests) tests_step newops_tests.log -n 6 -m "not slow" \
-                 tests/ops/grouped_matmul/test_grouped_matmul.py tests/ops/scan/test_scan.py tests/test_moe.py ;;
+                 tests/ops/grouped_matmul/test_grouped_matmul.py tests/ops/scan/test_scan.py tests/nn/test_moe.py ;;
     moe|moe:*) suites="${s#moe}"; suites="${suites#:}"   # moe[:SUITES+...[:TOKENS+...]]
                IFS=':' read -r suites tokens <<< "${suites:-moe_train+moe_fwd+gmm}"
                own_step 5 -m bench.moe --suite "$(commas "$suites")" ${tokens:+--tokens "$(commas "$tokens")"} \

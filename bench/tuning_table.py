@@ -12,7 +12,7 @@ the wheel carries and :mod:`probjax.ops.attention.tuning` loads, is the values o
     python -m bench.tuning_table --write   # write the shipped tables
 
 To change a value: edit its ``value`` and ``evidence`` in ``bench/tuning/``, run ``--write``, and
-say why in ``docs/dev/decisions.md``. ``tests/test_benchmarks.py`` checks each triple is a row of that
+say why in ``docs/dev/decisions.md``. ``tests/bench/test_benchmarks.py`` checks each triple is a row of that
 results file at that commit; ``tests/ops/attention/test_dispatch.py`` that the shipped table is this script's.
 """
 

@@ -8,7 +8,7 @@
 #
 # Workers compile kernels in parallel (the suite is mostly compilation) and allocate GPU memory
 # as they need it and free it after (XLA's platform allocator: no preallocated pools that
-# grow per worker until the GPU runs out). The benchmark tests (tests/test_*bench*.py) time
+# grow per worker until the GPU runs out). The benchmark tests (tests/bench/) time
 # the GPU and need it alone: they run after, in one process. Without pytest-xdist (or with
 # WORKERS=1) everything runs in one process. Wheels in .gpu_wheels/ (pytest, pytest-xdist,
 # pytest-timeout and their pure-Python dependencies, e.g. `pip download --no-deps -d
@@ -31,6 +31,6 @@ if [ "$workers" -gt 1 ] && python -c "import xdist" 2>/dev/null; then xdist=(-n 
 junit() { if [ -n "${OUT:-}" ]; then echo "--junitxml=$OUT/gpu_junit_$1.xml"; fi; }
 common=(--gpu -m "${MARK:-gpu}" -q -rfE --durations=15)
 rc=0
-python -m pytest "${common[@]}" "${xdist[@]}" --ignore-glob='tests/test_*bench*' $(junit kernels) "$@" || rc=$?
-python -m pytest "${common[@]}" $(junit bench) tests/test_*bench*.py "$@" || { r=$?; [ $r -eq 5 ] || rc=$r; }
+python -m pytest "${common[@]}" "${xdist[@]}" --ignore=tests/bench $(junit kernels) "$@" || rc=$?
+python -m pytest "${common[@]}" $(junit bench) tests/bench "$@" || { r=$?; [ $r -eq 5 ] || rc=$r; }
 exit $rc

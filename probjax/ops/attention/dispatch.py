@@ -158,7 +158,7 @@ def decide(call: AttentionCall, device: Device, defaults: DeviceDefaults | None)
 
 
 # The rules, numbered as in docs/dev/decisions.md and the README. The reasons they give are the
-# ``Decision.rule`` strings explain_dispatch reports (tests/data/dispatch_grid.json records them).
+# ``Decision.rule`` strings explain_dispatch reports (tests/ops/attention/data/dispatch_grid.json records them).
 
 
 def off_gpu(call: AttentionCall, device: Device, defaults) -> Decision | None:

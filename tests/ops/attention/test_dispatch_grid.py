@@ -2,7 +2,7 @@
 
 import json
 
-from tests import dispatch_grid
+from tests.ops.attention import dispatch_grid
 
 
 def test_dispatch_decisions_on_the_grid_are_unchanged():

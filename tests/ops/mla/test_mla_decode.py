@@ -47,7 +47,7 @@ class TestTritonConformance(MLAConformance):
   refusals = (("causal", "absorbed", lambda args: dict(mask=CausalMask()), "KVLenMask only"),
               ("page_size_8", "absorbed", _paged_by_8, "page_size 8"))
   # Interpret mode: every call of a new shape compiles the kernel anew (about a second of CPU):
-  # make test runs it in tests/test_never_read.py (a paged decode step under jit), its gradient
+  # make test runs it in tests/ops/test_never_read.py (a paged decode step under jit), its gradient
   # is the XLA absorbed form's (TestXlaConformance), and here the refusals and the concrete page
   # tables; the bad inputs are refused by mla's validation before any backend (test_mla.py).
   slow_cases = frozenset({"test_values_and_grads[*]", "test_paged[*]", "test_low_precision[*]", "test_jvp[*]",

@@ -17,7 +17,7 @@ from bench import benchmark_figures as bf
 from bench import cpu_readme_numbers as crn
 from bench import harness
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # ---------------------------------------------------------------------------
@@ -759,6 +759,6 @@ def test_probjax_and_docs_import_nothing_from_bench():
 
 def test_quickstart_times_the_readme_quick_start_as_written():
   from bench import quickstart
-  code = quickstart.quick_start_code((pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text())
+  code = quickstart.quick_start_code((pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text())
   compile(code, "quick_start.py", "exec")
   assert "dot_product_attention(q, k, v" in code and "```" not in code

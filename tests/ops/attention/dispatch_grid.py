@@ -1,5 +1,5 @@
 """The benchmark grid's calls as dispatch sees them, and the default's decision for each:
-``python -m tests.dispatch_grid`` rewrites ``tests/data/dispatch_grid.json``, which
+``python -m tests.ops.attention.dispatch_grid`` rewrites ``tests/ops/attention/data/dispatch_grid.json``, which
 ``test_dispatch_grid.py`` compares against, so a restructure cannot move a decision silently."""
 
 from __future__ import annotations

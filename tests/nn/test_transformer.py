@@ -21,7 +21,7 @@ from probjax.testing import numpy_init
 
 XLA = functools.partial(dot_product_attention, implementation="xla")
 REMAT = True  # (a module constant for quick experiments)
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 

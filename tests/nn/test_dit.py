@@ -19,7 +19,7 @@ from probjax.nn.layers.dit import DiffusionTransformer, DiTBlock
 from probjax.ops.attention.masks import KVLenMask
 from probjax.testing import numpy_init
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOL = tolerance(jnp.float32)
 SIZES = np.array([6, 3])   # real tokens per set, padded to N
 N = 6
@@ -99,7 +99,7 @@ def test_image_patches_round_trip_and_bfloat16():
 
 @pytest.mark.slow  # gradients of the model under three attention functions, eagerly
 def test_gradients_match_across_attention_functions():
-  # The default against plain attention (test_layers_conditioners also forces "xla").
+  # The default against plain attention (tests/nn/test_conditioners.py also forces "xla").
   a = _inputs()
   mask, cmask = KVLenMask(jnp.asarray(SIZES)), KVLenMask(jnp.array([5, 2]))
 

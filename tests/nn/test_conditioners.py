@@ -20,7 +20,7 @@ from probjax.nn.layers.conditioners import ISAB, MAB, PMA, SAB, CrossAttentionCo
 from probjax.ops.attention.masks import CausalMask, KVLenMask
 from probjax.testing import numpy_init
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 F, HEADS = 8, 2
 SIZES = np.array([5, 3])    # real elements per set; padded to N
 N = 7
