@@ -58,12 +58,30 @@ __all__ = [
 BACKWARD_PASS_IMPLS = ("auto", "triton_onepass", "triton_fused", "triton_split", "mosaic")
 
 
+def _explain_call(call: AttentionCall, kv_shape, dtype, kw) -> Decision:
+  """:func:`explain_dispatch` of a call object: its fields as the shape-based spelling's flags."""
+  if kv_shape is not None or dtype is not None:
+    raise TypeError("explain_dispatch(call): the call carries the shapes and dtype; pass no "
+                    f"kv_shape or dtype, got kv_shape={kv_shape!r}, dtype={dtype!r}")
+  unknown = set(kw) - {"implementation", "device", "env"}
+  if unknown:
+    raise TypeError(f"explain_dispatch(call) takes implementation=, device= and env= only (the call "
+                    f"carries the rest), got {sorted(unknown)}")
+  return dispatch.explain_dispatch(
+      call.q_shape, call.kv_shape, call.dtype, mask=call.mask, bias=call.bias, dense_mask=call.dense_mask,
+      dropout=call.dropout, score_mod=call.score_mod, scale=call.scale, precision=call.precision,
+      module=call.module, backward_pass_impl=call.backward_pass_impl, split_kv=call.split_kv,
+      kernel_args_default=(call.forward_config is None and call.backward_config is None
+                           and call.backward_pass_impl == "auto"),
+      v_head_dim=call.v_head_dim, **kw)
+
+
 def available_implementations(device: Device | None = None) -> list[str]:
   """Implementation names that can run on ``device`` (default: the current one)."""
   return registry.available(device or Device.current())
 
 
-def explain_dispatch(q_shape, kv_shape, dtype, *, dense_mask=False, mask: Mask | None = None,
+def explain_dispatch(q_shape, kv_shape=None, dtype=None, *, dense_mask=False, mask: Mask | None = None,
                      is_causal: bool = False, query_seq_lengths=None, key_value_seq_lengths=None,
                      local_window_size=None, **kw) -> Decision:
   """The implementation ``implementation=None`` picks for a call, and the rule; see
@@ -76,7 +94,28 @@ def explain_dispatch(q_shape, kv_shape, dtype, *, dense_mask=False, mask: Mask |
   ``is_causal``, ``query_seq_lengths``, ``key_value_seq_lengths`` and ``local_window_size`` are
   ``jax.nn.dot_product_attention``'s flags, read as :func:`dot_product_attention` reads them (one
   mapping, :func:`_jaxnn_mask`) and combined with ``mask``: ``explain_dispatch(..., is_causal=True)``
-  is ``explain_dispatch(..., mask=CausalMask())``."""
+  is ``explain_dispatch(..., mask=CausalMask())``.
+
+  ``q_shape`` may instead be the call's description, an :class:`AttentionCall` (then
+  ``kv_shape`` and ``dtype`` are omitted and the flags come from it; ``kw`` takes
+  ``implementation``, ``device`` and ``env``): every op's ``explain_dispatch`` takes its call
+  object. The two spellings give the same decision:
+
+  >>> from probjax.core.device import Device
+  >>> gpu = Device("gpu", compute_capability=(9, 0))
+  >>> call = AttentionCall((2, 4096, 8, 128), (2, 4096, 8, 128), "bfloat16", mask=CausalMask())
+  >>> explain_dispatch(call, device=gpu) == explain_dispatch(
+  ...     (2, 4096, 8, 128), (2, 4096, 8, 128), "bfloat16", is_causal=True, device=gpu)
+  True"""
+  if isinstance(q_shape, AttentionCall):
+    flags = {"dense_mask": dense_mask is not False, "mask": mask is not None, "is_causal": is_causal,
+             "query_seq_lengths": query_seq_lengths is not None,
+             "key_value_seq_lengths": key_value_seq_lengths is not None,
+             "local_window_size": local_window_size is not None}
+    if any(flags.values()):
+      raise TypeError(f"explain_dispatch(call): the call carries its mask and flags; drop "
+                      f"{sorted(k for k, v in flags.items() if v)}")
+    return _explain_call(q_shape, kv_shape, dtype, kw)
   mask = _jaxnn_mask(mask, is_causal, query_seq_lengths, key_value_seq_lengths, local_window_size)
   if mask is not None:
     kw["mask"] = mask

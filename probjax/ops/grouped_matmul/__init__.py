@@ -20,8 +20,8 @@ from __future__ import annotations
 from probjax.ops.grouped_matmul.api import (ACTIVATIONS, DISPATCHES, REGISTRY, STRATEGIES, Decision,
                                             GroupedMatmulCall, MoECall, available_implementations,
                                             explain_dispatch, explain_moe_dispatch, grouped_matmul,
-                                            moe_experts)
+                                            make_call, moe_experts)
 
 __all__ = ["grouped_matmul", "explain_dispatch", "available_implementations", "Decision",
-           "GroupedMatmulCall", "REGISTRY",
+           "GroupedMatmulCall", "make_call", "REGISTRY",
            "moe_experts", "explain_moe_dispatch", "MoECall", "STRATEGIES", "DISPATCHES", "ACTIVATIONS"]

@@ -30,16 +30,33 @@ from probjax.ops.grouped_matmul.registry import REGISTRY
 from probjax.ops.grouped_matmul.strategies import STRATEGIES
 
 __all__ = ["grouped_matmul", "explain_dispatch", "available_implementations", "Decision",
-           "GroupedMatmulCall", "REGISTRY",
+           "GroupedMatmulCall", "make_call", "REGISTRY",
            "moe_experts", "explain_moe_dispatch", "MoECall", "STRATEGIES", "DISPATCHES", "ACTIVATIONS"]
 
 
-def explain_dispatch(lhs, rhs, group_sizes=None, *, implementation: str | None = None,
+def explain_dispatch(lhs, rhs=None, group_sizes=None, *, implementation: str | None = None,
                      preferred_element_type=None, transpose_rhs: bool = False, interpret: bool = False,
                      device: Device | None = None) -> Decision:
   """The backend :func:`grouped_matmul` runs for these arguments (arrays or
   ``jax.ShapeDtypeStruct``; ``group_sizes`` defaults to int32 ``[G]``) on ``device``
-  (default: the current one), and the rule."""
+  (default: the current one), and the rule.
+
+  ``lhs`` may instead be the call's description, a :class:`GroupedMatmulCall` (``make_call``
+  builds one from the arrays; then no ``rhs``, ``group_sizes`` or flags, which it carries):
+
+  >>> lhs = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16)
+  >>> rhs = jax.ShapeDtypeStruct((8, 256, 128), jnp.bfloat16)
+  >>> sizes = jax.ShapeDtypeStruct((8,), jnp.int32)
+  >>> gpu = Device("gpu", compute_capability=(9, 0))
+  >>> explain_dispatch(make_call(lhs, rhs, sizes), device=gpu) == explain_dispatch(lhs, rhs, device=gpu)
+  True"""
+  if isinstance(lhs, GroupedMatmulCall):
+    if any(v not in (None, False) for v in (rhs, group_sizes, preferred_element_type, transpose_rhs, interpret)):
+      raise TypeError("explain_dispatch(call): the call carries rhs, group_sizes and the flags; pass only "
+                      "implementation= and device=")
+    return decide(lhs, op_device(device, lhs.interpret), implementation)
+  if rhs is None:
+    raise TypeError("explain_dispatch takes a GroupedMatmulCall or the arrays lhs and rhs")
   if group_sizes is None:
     group_sizes = jax.ShapeDtypeStruct((rhs.shape[0],), jnp.int32)
   call = make_call(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type,

@@ -24,6 +24,6 @@ and values ``latent @ w_uv_h``; the output is ``[B, Tq, H, d_v]``. The softmax s
 ((1, 5, 2, 8), True)
 """
 
-from probjax.ops.mla.api import FORMS, REGISTRY, Decision, MLACall, explain, explain_dispatch, mla
+from probjax.ops.mla.api import FORMS, REGISTRY, Decision, MLACall, explain, explain_dispatch, make_call, mla
 
-__all__ = ["mla", "explain_dispatch", "explain", "Decision", "MLACall", "FORMS", "REGISTRY"]
+__all__ = ["mla", "explain_dispatch", "explain", "Decision", "MLACall", "make_call", "FORMS", "REGISTRY"]

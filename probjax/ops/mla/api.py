@@ -33,18 +33,39 @@ from probjax.ops.mla.call import FORMS, MLACall, make_call
 from probjax.ops.mla.dispatch import decide
 from probjax.ops.mla.registry import REGISTRY
 
-__all__ = ["mla", "explain_dispatch", "explain", "Decision", "MLACall", "FORMS", "REGISTRY"]
+__all__ = ["mla", "explain_dispatch", "explain", "Decision", "MLACall", "make_call", "FORMS", "REGISTRY"]
 
 
-def explain_dispatch(q_nope, q_rope, kv_latent, k_rope, w_uk, w_uv, *, form: str = "auto", scale=None,
-                     implementation: str | None = None, device: Device | None = None, mask: Mask | None = None,
-                     page_table=None) -> Decision:
+def explain_dispatch(q_nope, q_rope=None, kv_latent=None, k_rope=None, w_uk=None, w_uv=None, *, form: str = "auto",
+                     scale=None, implementation: str | None = None, device: Device | None = None,
+                     mask: Mask | None = None, page_table=None) -> Decision:
   """What :func:`mla` runs for these arguments (arrays or ``jax.ShapeDtypeStruct``) on
   ``device`` (default: the current one), and why: the backend (``implementation``: ``"xla"``,
   the form through attention, or ``"triton"``, MLA's absorbed decode kernel) and its reason
   (``rule``), the form (``get("form")``, why: ``get("form_rule")``) and, on ``xla``, what the
   form asks attention for (``get("attention")``, a Decision: ``"default"`` or the requested name,
-  and why)."""
+  and why).
+
+  ``q_nope`` may instead be the call's description, an :class:`MLACall` (``make_call`` builds
+  one from the arrays' shapes; then no other array, ``scale``, ``mask`` or ``page_table``):
+
+  >>> import jax, jax.numpy as jnp
+  >>> s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+  >>> arrays = (s(4, 1, 16, 128), s(4, 1, 16, 64), s(4, 2048, 512), s(4, 2048, 64), s(512, 16, 128),
+  ...           s(512, 16, 128))
+  >>> cpu = Device("cpu")
+  >>> explain_dispatch(make_call(*arrays), device=cpu) == explain_dispatch(*arrays, device=cpu)
+  True"""
+  if isinstance(q_nope, MLACall):
+    given = [n for n, v in (("q_rope", q_rope), ("kv_latent", kv_latent), ("k_rope", k_rope), ("w_uk", w_uk),
+                            ("w_uv", w_uv), ("scale", scale), ("mask", mask), ("page_table", page_table))
+             if v is not None]
+    if given:
+      raise TypeError(f"explain_dispatch(call): the call describes the arrays; pass none of {given}")
+    return decide(q_nope, device or Device.current(), form, implementation)
+  if any(a is None for a in (q_rope, kv_latent, k_rope, w_uk, w_uv)):
+    raise TypeError("explain_dispatch takes an MLACall or the six arrays (q_nope, q_rope, kv_latent, "
+                    "k_rope, w_uk, w_uv)")
   call = _describe(q_nope, q_rope, kv_latent, k_rope, w_uk, w_uv, scale=scale, mask=mask, page_table=page_table)
   return decide(call, device or Device.current(), form, implementation)
 
