@@ -223,3 +223,14 @@ def test_sdist_carries_the_tests_inputs():
     assert d in manifest, d
   for f in ("LICENSE", "CHANGELOG.md", "Makefile"):
     assert f in manifest, f
+
+
+def test_every_ops_tuning_folder_ships_with_the_package():
+  """Each op's tuning/*.json is package data (pyproject.toml), so an installed wheel decides as a
+  checkout does."""
+  import tomllib
+  data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+  for folder in sorted((ROOT / "probjax" / "ops").glob("*/tuning")):
+    if list(folder.glob("*.json")):
+      package = "probjax.ops." + folder.parent.name
+      assert "tuning/*.json" in data.get(package, []), f"{package}: tuning/*.json not in package-data"

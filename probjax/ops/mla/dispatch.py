@@ -21,6 +21,9 @@ or that one with the expanded form, is passed to attention, which refuses what i
 
 from __future__ import annotations
 
+import os
+
+from probjax.core import tuning
 from probjax.core.device import Device
 from probjax.core.dispatch import Decision
 from probjax.ops.mla.backends.xla import ATTENTION_DEFAULT
@@ -86,11 +89,12 @@ def attention_implementation(call: MLACall, form: str, device: Device,
 # The backend that runs a form through attention's face; every other backend is MLA's own kernel
 # of the absorbed form.
 ATTENTION_ROUTE = "xla"
-# auto: the decode kernel for at most this many queries per step. Its row tiles hold heads x
+# Tuned values (``tuning/gpu.json``, values only; :mod:`probjax.core.tuning`). "decode_max_queries":
+# auto runs the decode kernel for at most this many queries per step. Its row tiles hold heads x
 # queries and each reads the step's latent, so its time grows with the queries: at 128 heads it
 # is ahead of attention's XLA path with one query and behind it with two (docs/dev/decisions.md,
 # "MLA: values of their own width and decoding").
-DECODE_MAX_QUERIES = 1
+TUNING = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuning")
 
 
 def requested_kernel(implementation) -> str | None:
@@ -108,7 +112,7 @@ def decode_kernel(call: MLACall, form: str, device: Device, implementation: str 
   it), and why. ``implementation="triton"`` with the absorbed form asks for it: ValueError naming
   the argument if it cannot compute the call (with the absorbed form not chosen, the name is
   attention's). By default it runs on an NVIDIA GPU for absorbed calls of at most
-  ``DECODE_MAX_QUERIES`` queries it supports (forward only: its gradient is the XLA form's). A
+  ``tuning/gpu.json``'s ``decode_max_queries`` queries it supports (forward only: its gradient is the XLA form's). A
   paged cache that the kernel does not take runs gathered on XLA."""
   kernel = requested_kernel(implementation)
   if kernel is not None and form == "absorbed":
@@ -120,8 +124,9 @@ def decode_kernel(call: MLACall, form: str, device: Device, implementation: str 
     return None, "an attention implementation was requested"
   if form != "absorbed" or device.platform != "gpu" or device.compute_capability is None:
     return None, "not an absorbed call on an NVIDIA GPU"
-  if call.q_len > DECODE_MAX_QUERIES:
-    return None, (f"{call.q_len} queries > {DECODE_MAX_QUERIES}: the kernel is slower than attention's "
+  max_queries = tuning.values(TUNING, device).get("decode_max_queries", 0)
+  if call.q_len > max_queries:
+    return None, (f"{call.q_len} queries > {max_queries}: the kernel is slower than attention's "
                   "XLA path here")
   why = REGISTRY.get("triton").supports(call, device)
   if why:

@@ -5,8 +5,8 @@ with fake devices.
 Rules for ``implementation=None``:
   1. A GPU (or Pallas interpret mode): ``"triton"`` where its kernels compute the call
      exactly, else ``"chunked"`` (the reason says why the kernels cannot). A differentiated
-     call runs :data:`GPU_GRAD_DEFAULT`'s form instead, forward and backward.
-  2. Elsewhere the fastest exact XLA form measured on CPU (:data:`CPU_DEFAULT`).
+     call runs ``tuning/gpu.json`` "grad"'s form instead, forward and backward.
+  2. Elsewhere the fastest exact XLA form measured on CPU (``tuning/cpu.json`` "default").
 An explicit ``implementation`` is checked, never replaced: where it cannot run on the device or
 compute the call exactly, ValueError says why.
 
@@ -18,37 +18,47 @@ residuals, then backward), where that is another implementation.
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 
 from probjax.core.backend import Registry
+from probjax.core import tuning
 from probjax.core.device import Device
 from probjax.core.dispatch import REQUESTED, Decision
 from probjax.ops.scan import registry
 from probjax.ops.scan.calls import SSDCall
 
-# Measured on a two-core CPU (float32, lengths 256 and 2048), forward and forward+backward:
-# Mamba-1's sequential scan is the fastest in both (its chunked form does the elementwise
-# state work about twice, which a CPU does not hide; the associative form log(L) times). For
-# SSD and RLA the chunked form (matmuls inside a chunk) is the fastest differentiated, by
-# far, and near the sequential scan's forward.
-CPU_DEFAULT = {"mamba_scan": "scan", "ssd_scan": "chunked", "residual_linear_attention": "chunked"}
+# The default backend per op, read from ``tuning/`` (values only; :mod:`probjax.core.tuning`):
+#
+# ``cpu.json`` "default": measured on a two-core CPU (float32, lengths 256 and 2048), forward and
+# forward+backward. Mamba-1's sequential scan is the fastest in both (its chunked form does the
+# elementwise state work about twice, which a CPU does not hide; the associative form log(L)
+# times). For SSD and RLA the chunked form (matmuls inside a chunk) is the fastest
+# differentiated, by far, and near the sequential scan's forward.
+#
+# ``gpu.json`` "forward": what an undifferentiated call runs on a GPU, the fastest exact forward
+# measured on the H200 (docs/dev/decisions.md, "Forward GPU calls"). Mamba-1's per-(channel,
+# state) decay has no matmul form, so the sequential Triton kernel, reading each input once,
+# wins; SSD's and RLA's chunked XLA forms run their intra-chunk work as large tensor-core
+# matmuls, which the Triton kernels' smaller tiles do not match.
+#
+# ``gpu.json`` "grad": what a differentiated call runs on a GPU (forward with residuals and
+# backward), the fastest exact forward+backward measured on the H200 (docs/dev/decisions.md,
+# "Differentiated GPU calls"). Mamba-1's Triton kernels read each input once per pass and keep
+# only chunk-boundary states, where the associative form materialises every position's state;
+# calls those kernels cannot take run the associative form (memory permitting). RLA's chunked
+# XLA form keeps its state updates on tensor cores, which the Triton backward kernels do not;
+# SSD's chunked form at chunk 64 beats the kernels' chunk of 32.
+TUNING = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuning")
 
-# What an undifferentiated call runs on a GPU: the fastest exact forward measured on the H200
-# (docs/dev/decisions.md, "Forward GPU calls"). Mamba-1's per-(channel, state) decay has no matmul
-# form, so the sequential Triton kernel, reading each input once, wins; SSD's and RLA's chunked
-# XLA forms run their intra-chunk work as large tensor-core matmuls, which the Triton kernels'
-# smaller tiles do not match.
-GPU_FORWARD_DEFAULT = {"mamba_scan": "triton", "ssd_scan": "chunked", "residual_linear_attention": "chunked"}
 
-# What a differentiated call runs on a GPU (forward with residuals and backward): the fastest
-# exact form of forward+backward measured on the H200 (docs/dev/decisions.md, "Differentiated GPU
-# calls"). Mamba-1's Triton kernels read each input once per pass and keep only chunk-boundary
-# states, where the associative form materialises every position's state; calls those kernels
-# cannot take run the associative form (memory permitting). RLA's chunked XLA form keeps its
-# state updates on tensor cores, which the Triton backward kernels do not; SSD's chunked form
-# at chunk 64 beats the kernels' chunk of 32.
-GPU_GRAD_DEFAULT = {"mamba_scan": "triton", "ssd_scan": "chunked", "residual_linear_attention": "chunked"}
+def tuned(device: Device) -> dict:
+  """The scan room's tuned values for ``device`` (``"default"`` off the GPU; ``"forward"`` and
+  ``"grad"`` on one), each ``{op: backend}``."""
+  return tuning.values(TUNING, device)
+
+
 # The associative form keeps the state at every position for its backward, with the scan's
 # temporaries about three float32 copies of ``[batch, length, channels, state]``; past this
 # share of the device's memory the chunked form (inputs and chunk-boundary states only) runs.
@@ -74,9 +84,9 @@ def device_of(call) -> Device:
 
 
 def _gpu_grad(call, device: Device, kernel_ok: bool) -> str:
-  """What a differentiated call runs on a GPU (:data:`GPU_GRAD_DEFAULT`; the associative form
+  """What a differentiated call runs on a GPU (``tuning/gpu.json`` "grad"; the associative form
   where the kernels cannot take it, memory permitting)."""
-  grad = GPU_GRAD_DEFAULT[registry_of(call).op]
+  grad = tuned(device)["grad"][registry_of(call).op]
   if grad == "triton" and not kernel_ok:
     grad = "associative"
   if grad == "associative" and device.memory_bytes:
@@ -117,14 +127,14 @@ def decide(call, implementation: str | None, device: Device) -> Decision:
   if device.platform == "gpu":
     why = registry.refusal(reg, "triton", call, device)
     grad = _gpu_grad(call, device, why is None)
-    if GPU_FORWARD_DEFAULT[reg.op] == "chunked":
+    if tuned(device)["forward"][reg.op] == "chunked":
       return _decision(call, "chunked", "GPU: the chunked XLA form, the fastest forward measured; "
                        "differentiated, the fastest forward+backward measured", grad)
     if why is None:
       return _decision(call, "triton", "GPU: the Triton kernels compute the call exactly; differentiated, "
                        "the fastest forward+backward measured", grad)
     return _decision(call, "chunked", f"GPU: the Triton kernels cannot take it ({why})", grad)
-  return _decision(call, CPU_DEFAULT[reg.op], f"platform {device.platform}: the fastest exact XLA form measured on CPU")
+  return _decision(call, tuned(device)["default"][reg.op], f"platform {device.platform}: the fastest exact XLA form measured on CPU")
 
 
 def with_grad_of(primal, grad):

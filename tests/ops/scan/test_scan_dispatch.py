@@ -33,7 +33,7 @@ def _grad(decision):
 @pytest.mark.parametrize("op, expect", [("mamba", "scan"), ("ssd", "chunked"), ("rla", "chunked")])
 def test_cpu_default_is_the_fastest_exact_xla_form(op, expect):
   d = scan.explain_dispatch(CALLS[op], device=CPU)
-  assert d.implementation == expect == dispatch.CPU_DEFAULT[dispatch.registry_of(CALLS[op]).op]
+  assert d.implementation == expect == dispatch.tuned(Device("cpu"))["default"][dispatch.registry_of(CALLS[op]).op]
   assert "cpu" in d.rule
 
 
