@@ -616,6 +616,49 @@ class TransformerLM(nnx.Module):
       return self._logits(h), aux
     return self._logits(h)
 
+  def loss(self, tokens, labels=None, *, positions=None, mask=None, deterministic: bool | None = None,
+           ignore_index: int | None = -100, z_loss: float = 0.0, label_smoothing: float = 0.0,
+           reduction: str = "mean", return_aux: bool = False):
+    """The cross-entropy of the model's logits against ``labels`` without forming the logits:
+    the output head runs inside :func:`probjax.ops.linear_cross_entropy.linear_cross_entropy`,
+    in tiles of tokens x vocabulary, forward and backward (the ``[batch, seq, vocab]`` float32
+    logits of :meth:`__call__` are 2 GB at batch 8, seq 2048, vocab 32768).
+
+    Args:
+      tokens: ``[batch, seq]`` ints, as :meth:`__call__`.
+      labels: ``[batch, seq]`` ints, the target at each position, ``ignore_index`` where none
+        counts; None: next-token prediction (``tokens`` shifted left, the last position
+        ignored).
+      positions, mask, deterministic: as :meth:`__call__`.
+      ignore_index, z_loss, label_smoothing, reduction: as ``linear_cross_entropy``.
+      return_aux: also return the feed-forwards' auxiliary outputs (:meth:`__call__`).
+
+    Returns:
+      The loss (a float32 scalar, or ``[batch, seq]`` for ``reduction="none"``), and the
+      auxiliary outputs with ``return_aux``.
+    """
+    from probjax.ops.linear_cross_entropy import linear_cross_entropy
+    sizes = check_array("tokens", tokens, ("batch", "seq"), dtype="int")
+    if labels is None:
+      if ignore_index is None:
+        raise ValueError("loss(tokens) without labels marks the last position with ignore_index; pass an int")
+      labels = jnp.concatenate([tokens[:, 1:], jnp.full_like(tokens[:, :1], ignore_index)], axis=1)
+    check_array("labels", labels, ("batch", "seq"), dtype="int", sizes=sizes)
+    h = self.transformer(self.embed(tokens), positions=positions, mask=mask, deterministic=deterministic,
+                         return_aux=return_aux)
+    if return_aux:
+      h, aux = h
+    h = self.final_norm(h)
+    if self.head is None:
+      w, layout, dtype = self.embed.embedding[...], "vocab_d", self.embed.dtype
+    else:
+      w, layout, dtype = self.head.kernel[...], "d_vocab", self.head.dtype
+    dtype = dtype or jnp.promote_types(h.dtype, w.dtype)
+    out = linear_cross_entropy(h.astype(dtype), w.astype(dtype), labels, w_layout=layout,
+                               ignore_index=ignore_index, z_loss=z_loss, label_smoothing=label_smoothing,
+                               reduction=reduction)
+    return (out, aux) if return_aux else out
+
   def init_cache(self, batch: int, max_len: int, dtype=None, *, layout: str = "per_layer") -> kvc.KVCache:
     """See :meth:`Transformer.init_cache`."""
     return self.transformer.init_cache(batch, max_len, dtype, layout=layout)

@@ -1,0 +1,114 @@
+"""The face of ``linear_cross_entropy``: the cross-entropy of a linear head's logits, computed
+without the ``[tokens, vocab]`` logits, and its ``explain_dispatch``.
+
+>>> import jax, jax.numpy as jnp
+>>> k = jax.random.split(jax.random.key(0), 3)
+>>> x = jax.random.normal(k[0], (2, 5, 8))            # [batch, seq, d]
+>>> w = jax.random.normal(k[1], (8, 300)) * 0.1       # [d, vocab]
+>>> labels = jax.random.randint(k[2], (2, 5), 0, 300)
+>>> loss = linear_cross_entropy(x, w, labels)
+>>> logits = x @ w
+>>> want = jnp.mean(jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, labels[..., None], -1)[..., 0])
+>>> bool(jnp.allclose(loss, want, rtol=1e-5))
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from probjax.core.device import Device
+from probjax.core.dispatch import Decision
+from probjax.core.eager import compile_once
+from probjax.core.values import concrete_values
+from probjax.ops.linear_cross_entropy.call import LinearCrossEntropyCall
+from probjax.ops.linear_cross_entropy.dispatch import decide
+from probjax.ops.linear_cross_entropy.registry import REGISTRY
+
+__all__ = ["linear_cross_entropy", "explain_dispatch", "available_implementations", "LinearCrossEntropyCall",
+           "Decision", "REGISTRY"]
+
+
+def linear_cross_entropy(x, w, labels, *, bias=None, w_layout: str = "d_vocab", ignore_index: int | None = -100,
+                         z_loss: float = 0.0, label_smoothing: float = 0.0, reduction: str = "mean",
+                         chunk_tokens: int | None = None, chunk_vocab: int | None = None,
+                         implementation: str | None = None):
+  """Cross-entropy of ``logits = x @ w (+ bias)`` against ``labels``, exact in value and
+  gradients, computed in tiles so that the ``[tokens, vocab]`` logits never exist (forward or
+  backward): memory ``O(chunk_tokens * chunk_vocab)`` beyond the inputs and their gradients.
+
+  Per counted token, ``lse - (1 - eps) * logit[label] - eps * mean(logits) + z_loss * lse**2``
+  (``lse = logsumexp(logits)``, ``eps = label_smoothing``): the softmax cross-entropy, with
+  label smoothing's uniform target share and PaLM's z-loss when asked.
+
+  Args:
+    x: hidden states ``[..., d]``, floating point.
+    w: the head, ``[d, vocab]`` (``w_layout="d_vocab"``, a Linear's kernel) or ``[vocab, d]``
+      (``"vocab_d"``, a tied embedding table, as ``nnx.Embed.attend`` reads it).
+    labels: ``[...]`` integers (x's leading shape). A label equal to ``ignore_index`` counts for
+      nothing (zero loss, zero gradient, not in the mean's count). A concrete label outside
+      ``[0, vocab)`` (other than ``ignore_index``) raises ValueError; a traced one counts as
+      ignored, never read out of the head.
+    bias: optional ``[vocab]`` added to the logits.
+    w_layout: see ``w``.
+    ignore_index: the label to skip (None: none).
+    z_loss: weight of ``lse ** 2`` per token (0: off).
+    label_smoothing: ``eps`` in ``[0, 1]``.
+    reduction: ``"mean"`` over counted tokens (0 when none counts, never NaN), ``"sum"``, or
+      ``"none"``: the per-token losses, ``labels``' shape.
+    chunk_tokens, chunk_vocab: the tile (None: the backend's, 1024 x 4096 for XLA).
+    implementation: None (the default, :func:`explain_dispatch` says which) or a backend name
+      (:func:`available_implementations`); one that cannot compute the call raises ValueError.
+
+  Returns:
+    The loss: a float32 scalar (float64 for float64 inputs), or per token for ``"none"``.
+  """
+  call = LinearCrossEntropyCall.of(x, w, labels, bias=bias, w_layout=w_layout, ignore_index=ignore_index,
+                                   z_loss=z_loss, label_smoothing=label_smoothing, reduction=reduction,
+                                   chunk_tokens=chunk_tokens, chunk_vocab=chunk_vocab)
+  values = concrete_values(labels)
+  if values is not None:
+    bad = (values < 0) | (values >= call.vocab)
+    if call.ignore_index is not None:
+      bad &= values != call.ignore_index
+    if bad.any():
+      raise ValueError(f"labels must lie in [0, {call.vocab}) or equal ignore_index={call.ignore_index}; "
+                       f"found {values[bad].flat[0]}")
+  decision = decide(call, Device.current(), implementation)
+  call = dataclasses.replace(call, chunk_tokens=decision.get("chunk_tokens"), chunk_vocab=decision.get("chunk_vocab"))
+  return _compute(decision.implementation, call, x, w, bias, labels)
+
+
+@compile_once
+def _compute(name: str, call: LinearCrossEntropyCall, x, w, bias, labels):
+  per = REGISTRY.get(name)(x.reshape(call.tokens, call.d), w, bias, labels.reshape(call.tokens), call=call)
+  if call.reduction == "none":
+    return per.reshape(labels.shape)
+  if call.reduction == "sum":
+    return jnp.sum(per)
+  valid = (labels >= 0) & (labels < call.vocab)
+  if call.ignore_index is not None:
+    valid &= labels != call.ignore_index
+  return jnp.sum(per) / jnp.maximum(jnp.sum(valid), 1).astype(per.dtype)
+
+
+def explain_dispatch(call: LinearCrossEntropyCall, *, implementation: str | None = None,
+                     device: Device | None = None) -> Decision:
+  """The backend :func:`linear_cross_entropy` runs ``call`` on (``LinearCrossEntropyCall.of``
+  builds one from arrays or ``jax.ShapeDtypeStruct``), with its tile, and why.
+
+  >>> import jax, jax.numpy as jnp
+  >>> s = jax.ShapeDtypeStruct
+  >>> call = LinearCrossEntropyCall.of(s((8, 2048, 768), jnp.bfloat16), s((768, 32768), jnp.bfloat16),
+  ...                                  s((8, 2048), jnp.int32))
+  >>> explain_dispatch(call, device=Device("cpu")).summary()
+  'xla, chunk_tokens=1024, chunk_vocab=4096'
+  """
+  return decide(call, device or Device.current(), implementation)
+
+
+def available_implementations(device: Device | None = None) -> list[str]:
+  """Backend names that can run on ``device`` (default: the current one)."""
+  return REGISTRY.available(device or Device.current())

@@ -1,0 +1,125 @@
+"""linear_cross_entropy against its float64 reference: values and every gradient for each
+option, at odd sizes that reach the moved-back last tile of both axes, bf16, ignored and
+out-of-range labels, bad inputs, and the memory promise (no [tokens, vocab] array)."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from probjax.core.device import Device
+from probjax.core.tolerances import tolerance
+from probjax.ops.linear_cross_entropy import (LinearCrossEntropyCall, available_implementations, explain_dispatch,
+                                              linear_cross_entropy)
+from probjax.ops.linear_cross_entropy.reference import linear_cross_entropy64, linear_cross_entropy_grads64
+
+
+def _inputs(seed, lead, d, vocab, dtype=jnp.float32, layout="d_vocab", bias=False, ignore_share=0.2):
+  r = np.random.default_rng(seed)
+  x = jnp.asarray(r.standard_normal((*lead, d)), dtype)
+  w = r.standard_normal((d, vocab) if layout == "d_vocab" else (vocab, d)) / np.sqrt(d)
+  labels = r.integers(0, vocab, lead)
+  labels = np.where(r.random(lead) < ignore_share, -100, labels)
+  b = jnp.asarray(r.standard_normal(vocab) * 0.5, dtype) if bias else None
+  return x, jnp.asarray(w, dtype), jnp.asarray(labels, jnp.int32), b
+
+
+def _close(got, want, dtype, what):
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  scale = max(1.0, float(np.max(np.abs(want))))
+  err = float(np.max(np.abs(got - want))) / scale
+  assert err <= tolerance(dtype, grad=True), f"{what}: {err}"
+
+
+OPTIONS = [dict(), dict(z_loss=1e-3), dict(label_smoothing=0.1), dict(reduction="sum"), dict(reduction="none"),
+           dict(ignore_index=None), dict(z_loss=2e-4, label_smoothing=0.05, reduction="sum")]
+
+
+@pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()) or "plain")
+@pytest.mark.parametrize("layout,bias", [("d_vocab", False), ("vocab_d", True)])
+def test_values_and_gradients(opts, layout, bias):
+  # 2 x 11 tokens in tiles of 8, vocab 37 in tiles of 16: both axes' last tiles move back.
+  share = 0.0 if "ignore_index" in opts else 0.2  # ignore_index=None: every label counts
+  x, w, labels, b = _inputs(0, (2, 11), 12, 37, layout=layout, bias=bias, ignore_share=share)
+  kw = dict(bias=b, w_layout=layout, **opts)
+  ref_kw = dict(kw)
+  f = lambda x, w, b: linear_cross_entropy(x, w, labels, **{**kw, "bias": b}, chunk_tokens=8, chunk_vocab=16)
+  out, pull = jax.vjp(f, x, w, b)
+  ct = np.random.default_rng(1).standard_normal(np.shape(out)) if opts.get("reduction") == "none" else 1.0
+  _close(out, linear_cross_entropy64(x, w, labels, **ref_kw), jnp.float32, "loss")
+  got = pull(jnp.asarray(ct, out.dtype))
+  want = linear_cross_entropy_grads64(x, w, labels, **ref_kw, cotangent=ct)
+  for name, g, r in zip(("dx", "dw", "dbias"), got, want):
+    if r is not None:
+      _close(g, r, jnp.float32, name)
+
+
+def test_default_tiles_jit_and_bfloat16():
+  x, w, labels, _ = _inputs(2, (3, 50), 16, 70, dtype=jnp.bfloat16)
+  got = jax.jit(jax.value_and_grad(lambda x, w: linear_cross_entropy(x, w, labels), argnums=(0, 1)))(x, w)
+  (loss, (dx, dw)) = got
+  assert loss.dtype == jnp.float32 and dx.dtype == jnp.bfloat16 and dw.dtype == jnp.bfloat16
+  _close(loss, linear_cross_entropy64(x, w, labels), jnp.bfloat16, "loss")
+  for g, r, n in zip((dx, dw), linear_cross_entropy_grads64(x, w, labels), ("dx", "dw")):
+    _close(g, r, jnp.bfloat16, n)
+
+
+def test_every_label_ignored_is_zero_never_nan():
+  x, w, _, _ = _inputs(3, (4,), 8, 20)
+  labels = jnp.full((4,), -100, jnp.int32)
+  loss, (dx, dw) = jax.value_and_grad(lambda x, w: linear_cross_entropy(x, w, labels), argnums=(0, 1))(x, w)
+  assert float(loss) == 0.0 and not np.any(dx) and not np.any(dw)
+
+
+def test_out_of_range_labels():
+  x, w, labels, _ = _inputs(4, (6,), 8, 20, ignore_share=0.0)
+  with pytest.raises(ValueError, match="labels must lie in"):
+    linear_cross_entropy(x, w, labels.at[2].set(20))
+  # Traced: counted as ignored (no read outside the head), the same as ignore_index there.
+  bad = labels.at[2].set(99)
+  got = jax.jit(lambda l: linear_cross_entropy(x, w, l, reduction="none"))(bad)
+  want = linear_cross_entropy(x, w, labels.at[2].set(-100), reduction="none")
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  assert float(got[2]) == 0.0
+
+
+def test_never_holds_the_logits():
+  # tokens x vocab = 96 x 200: no array of the jitted gradient's program has that many entries.
+  x, w, labels, _ = _inputs(5, (96,), 8, 200)
+  f = jax.grad(lambda x, w: linear_cross_entropy(x, w, labels, chunk_tokens=32, chunk_vocab=64), argnums=(0, 1))
+  text = jax.jit(f).lower(x, w).as_text()
+  assert "96x200" not in text and "200x96" not in text
+  assert "32x64" in text  # the tile is what it computes in
+
+
+@pytest.mark.parametrize("kwargs,err,match", [
+    (dict(x=np.ones((3,), np.float32)), ValueError, "w .* does not match"),
+    (dict(x=np.ones((3, 8), np.int32)), TypeError, "x must be floating"),
+    (dict(w=np.ones((8,), np.float32)), ValueError, "w must be a 2-D head"),
+    (dict(labels=np.zeros((4,), np.int32)), ValueError, "labels must have x's leading shape"),
+    (dict(labels=np.zeros((3,), np.float32)), TypeError, "labels must be integers"),
+    (dict(bias=np.zeros((5,), np.float32)), ValueError, "bias must be"),
+    (dict(reduction="avg"), ValueError, "reduction must be"),
+    (dict(label_smoothing=1.5), ValueError, "label_smoothing must lie"),
+    (dict(z_loss=-1.0), ValueError, "z_loss must be"),
+    (dict(w_layout="dv"), ValueError, "w_layout must be"),
+    (dict(chunk_vocab=0), ValueError, "chunk_vocab must be"),
+    (dict(implementation="triton"), ValueError, "implementation"),
+])
+def test_bad_inputs(kwargs, err, match):
+  args = dict(x=np.ones((3, 8), np.float32), w=np.ones((8, 20), np.float32), labels=np.zeros((3,), np.int32))
+  args.update(kwargs)
+  x, w, labels = args.pop("x"), args.pop("w"), args.pop("labels")
+  with pytest.raises(err, match=match):
+    linear_cross_entropy(jnp.asarray(x), jnp.asarray(w), jnp.asarray(labels), **args)
+
+
+def test_explain_and_implementations():
+  s = jax.ShapeDtypeStruct
+  call = LinearCrossEntropyCall.of(s((4, 100, 16), jnp.float32), s((50, 16), jnp.float32), s((4, 100), jnp.int32),
+                                   w_layout="vocab_d", chunk_tokens=64)
+  d = explain_dispatch(call, device=Device("cpu"))
+  assert d.implementation == "xla" and d.get("chunk_tokens") == 64 and d.get("chunk_vocab") == 50
+  assert available_implementations(Device("cpu")) == ["xla"]
