@@ -30,6 +30,8 @@
 #   dit's VARIANTS default bench/dit_step.py's, e.g. dit:S+B:baseline+scanned+xla_cmdbuf_off, dit::scanned.flat_adamw):
 #   bench/moe.py, bench/scan.py, bench/lm_step.py, bench/dit_step.py, bench/mla.py into
 #   $RES/<device>/{moe,scan,lm_step,dit_step,mla}.json, resumed.
+# lce: bench/linear_cross_entropy.py (the fused loss against the unfused head: memory and ms) into
+#   $RES/<device>/lce.json.
 # isab[:SIZES] ('+'-joined set sizes): bench/isab.py (the ISAB block, head_dim 32, against jax.nn
 #   and torch flex_attention; about 4 minutes on an H200) into $RES/<device>/isab.json, resumed.
 # (tests: pytest --gpu on the gpu-marked tests (tests:EXPR: only those matching -k EXPR), failures
@@ -159,6 +161,7 @@ for s in "${steps[@]}"; do
     isab|isab:*) sizes="${s#isab}"; sizes="${sizes#:}"   # isab[:SIZES+...]: bench/isab.py
                own_step 12 -m bench.isab ${sizes:+--sizes "$(commas "$sizes")"} \
                  --output "$RES/$DEV/isab.json" --append --no-progress --max-minutes "$(left_min)" ;;
+    lce)       own_step 8 -m bench.linear_cross_entropy --output "$RES/$DEV/lce.json" ;;  # the fused loss vs the unfused head
     dispatch)  run_step bench.benchmark_kernel_attn_gpu --device gpu --suite dispatch ;;
     grid_core) split bench.benchmark_gpu_attention --suite grid --dtypes bf16 --lengths 1024,4096,16384 ;;
     peak)      run_step bench.benchmark_kernel_attn_gpu --device gpu --suite peak --child-timeout 100 ;;

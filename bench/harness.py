@@ -320,7 +320,9 @@ OWN_SCHEMA_KEYS = {"lm_step": ("section", "case", "impl"),
                    "ci_times": ("step",),
                    "cpu_formulations_fit": ("call_id", "impl"),
                    "cpu_formulations_validate1": ("call_id", "impl"),
-                   "cpu_formulations_validate2": ("call_id", "impl")}
+                   "cpu_formulations_validate2": ("call_id", "impl"),
+                   "lce_memory": ("case", "impl"),
+                   "lce": ("case", "impl")}
 
 
 def key_function(path: str):

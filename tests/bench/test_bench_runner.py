@@ -49,7 +49,7 @@ def test_shared_pieces_live_in_one_module():
 # the device wrapper (bench/gpu_batch.sh) without a GPU: DRY_RUN=1 prints each step's command
 # -----------------------------------------------------------------------------
 EVERY_STEP = ("tests,tests:mosaic,newops_tests,moe,moe:gmm:1024+2048,scan:fwd,lm:train,dit:S+B:baseline,"
-              "mla:decode,isab:64+128,interleaved:4096:64+128:both:fwd+fwd_bwd:probjax_default+jaxnn_cudnn,"
+              "mla:decode,isab:64+128,lce,interleaved:4096:64+128:both:fwd+fwd_bwd:probjax_default+jaxnn_cudnn,"
               "dispatch,grid_core,peak,residuals,ext,masked,tiles,tiles_1024,tiles:1024:bf16,tiles_mbwd:4096,"
               "tiles_fp32,tiles_mosaic,tiles_mosaic_1024,grid_bf16,grid_fp32,gridr:4096+16384:bf16,gqar,"
               "grid:4096:bf16,gridall:1024:fp32")

@@ -1,0 +1,93 @@
+"""linear_cross_entropy against the unfused head (logits, then the softmax cross-entropy):
+compiled memory of the loss's gradient, and time, in one process.
+
+  python -m bench.linear_cross_entropy --memory-only --output bench/results/cpu/lce_memory.json
+  python -m bench.linear_cross_entropy --output bench/results/h200/lce.json      # a GPU: times too
+
+Cases (tokens x d x vocab, bf16 inputs): the LM step's head (16384 x 768 x 32768, batch 8 x
+2048 tokens) and a larger vocabulary (8192 x 1024 x 131072). Per case and implementation (``fused``:
+``linear_cross_entropy``, default tiles; ``unfused``: ``x @ w`` in float32, logsumexp, the
+label's logit), one row: ``temp_bytes`` (XLA's compiled temporary memory of the value-and-grad
+program, ``compiled.memory_analysis()``: what the loss needs beyond its inputs and outputs,
+the same convention on every device) and, without ``--memory-only``, ``ms`` (median of
+``--repeats`` rotating rounds). Rows are JSON lines keyed by (case, impl) with the device,
+versions, commit and command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+from bench.harness import command_line
+from probjax.core.timing import device_info
+from probjax.ops.linear_cross_entropy import linear_cross_entropy
+
+CASES = {"lm_head": (16384, 768, 32768), "big_vocab": (8192, 1024, 131072)}
+SMOKE = {"smoke": (256, 32, 1000)}
+
+
+def unfused(x, w, labels):
+  logits = jnp.dot(x, w, preferred_element_type=jnp.float32)
+  lse = jax.nn.logsumexp(logits, -1)
+  return jnp.mean(lse - jnp.take_along_axis(logits, labels[:, None], -1)[:, 0])
+
+
+IMPLS = {"fused": lambda x, w, labels: linear_cross_entropy(x, w, labels), "unfused": unfused}
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--output", required=True)
+  p.add_argument("--memory-only", action="store_true", help="compile and read memory; time nothing")
+  p.add_argument("--smoke", action="store_true", help="a tiny case (CPU, seconds)")
+  p.add_argument("--repeats", type=int, default=7)
+  args = p.parse_args(argv)
+  info = device_info()
+  cases = SMOKE if args.smoke else CASES
+  rows = []
+  for case, (n, d, v) in cases.items():
+    shapes = (jax.ShapeDtypeStruct((n, d), jnp.bfloat16), jax.ShapeDtypeStruct((d, v), jnp.bfloat16),
+              jax.ShapeDtypeStruct((n,), jnp.int32))
+    fns = {}
+    for impl, f in IMPLS.items():
+      fn = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))
+      compiled = fn.lower(*shapes).compile()
+      mem = compiled.memory_analysis()
+      row = dict(suite="lce", case=case, impl=impl, tokens=n, d=d, vocab=v, dtype="bfloat16",
+                 temp_bytes=getattr(mem, "temp_size_in_bytes", None), logits_bytes=4 * n * v,
+                 device=info["device"], platform=info["platform"], versions=info["versions"],
+                 commit=info["commit"], command=command_line(), status="ok")
+      rows.append(row)
+      fns[impl] = (compiled, row)
+      print(f"{case} {impl}: temp {row['temp_bytes'] / 2**20:,.1f} MiB", flush=True)
+    if not args.memory_only:
+      k = jax.random.split(jax.random.key(0), 3)
+      x = jax.random.normal(k[0], (n, d), jnp.bfloat16)
+      w = (jax.random.normal(k[1], (d, v), jnp.float32) * d ** -0.5).astype(jnp.bfloat16)
+      labels = jax.random.randint(k[2], (n,), 0, v)
+      times = {impl: [] for impl in fns}
+      for compiled, _ in fns.values():
+        jax.block_until_ready(compiled(x, w, labels))
+      order = list(fns)
+      for r in range(args.repeats):
+        for impl in order[r % len(order):] + order[:r % len(order)]:
+          t0 = time.perf_counter()
+          jax.block_until_ready(fns[impl][0](x, w, labels))
+          times[impl].append((time.perf_counter() - t0) * 1e3)
+      for impl, (_, row) in fns.items():
+        row.update(ms=statistics.median(times[impl]), round_ms=times[impl])
+  with open(args.output, "w") as f:
+    for r in rows:
+      f.write(json.dumps(r) + "\n")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
