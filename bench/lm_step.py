@@ -8,7 +8,8 @@ Sections (``--sections``, default all, in this order):
 * ``train``: 12 layers, d_model 768, 12 heads (head_dim 64), SwiGLU, RMSNorm, RoPE, vocab
   32768, T=2048, batch 8, bf16 compute with fp32 parameters, causal; one optax AdamW step,
   jitted with the parameters and optimizer state donated. Peers (``attention_fn``):
-  ``probjax`` (``dot_product_attention``), ``flax`` (``flax.nnx.dot_product_attention``) and
+  ``probjax`` (``dot_product_attention``), ``probjax_lce`` (the same, its loss through
+  ``TransformerLM.loss``: the head inside ``linear_cross_entropy``, no logits), ``flax`` (``flax.nnx.dot_product_attention``) and
   ``jaxnn_cudnn`` (``jax.nn.dot_product_attention(implementation="cudnn")``).
 * ``train_packed``: the same with 8 documents per row: probjax gets ``SegmentMask`` (and
   per-document positions), the peers the equivalent dense ``[batch, 1, T, T]`` document mask.
@@ -177,7 +178,7 @@ def jaxnn_attention(implementation):
 
 
 def attention_fns(platform):
-  fns = {"probjax": dot_product_attention, "flax": flax_attention,
+  fns = {"probjax": dot_product_attention, "probjax_lce": dot_product_attention, "flax": flax_attention,
          "jaxnn_cudnn": jaxnn_attention("cudnn"), "jaxnn_xla": jaxnn_attention("xla")}
   return fns
 
@@ -371,10 +372,15 @@ def run_train(c, args, bar, impls, fns, docs):
   else:
     batch["valid"] = jnp.ones((c.batch, c.seq - 1), jnp.float32)
 
-  def make_step(gd, use_segment_mask):
+  def make_step(gd, use_segment_mask, fused_loss=False):
     def loss_fn(p, batch):
       m = nnx.merge(gd, p)
       tokens = batch["tokens"]
+      if fused_loss:  # the head inside linear_cross_entropy: no [B, T, vocab] logits
+        labels = jnp.where(batch["valid"] > 0, tokens[:, 1:], -100)
+        labels = jnp.concatenate([labels, jnp.full_like(tokens[:, :1], -100)], axis=1)
+        kw = {} if docs == 1 else dict(positions=batch["pos"], mask=SegmentMask(batch["seg"]))
+        return m.loss(tokens, labels, **kw)
       if docs == 1:
         logits = m(tokens)
       else:
@@ -394,7 +400,8 @@ def run_train(c, args, bar, impls, fns, docs):
     return step
 
   info, times = time_steps(
-      lambda name: make_step(with_attention(graphdef, params, fns[name]), use_segment_mask=(name == "probjax")),
+      lambda name: make_step(with_attention(graphdef, params, fns[name]), use_segment_mask=name.startswith("probjax"),
+                             fused_loss=(name == "probjax_lce")),
       impls, params, tx, batch, args, bar)
   flops = train_flops(c, docs)
   peak = peak_flops(device_info()["device"])
@@ -523,7 +530,7 @@ def main(argv=None):
       raise SystemExit(f"unknown section {s!r}; choose from {SECTIONS}")
   fns = attention_fns(platform)
   gpu = platform == "gpu"
-  default = {"train": ["probjax", "flax", "jaxnn_cudnn"] if gpu else ["probjax", "flax"],
+  default = {"train": ["probjax", "probjax_lce", "flax", "jaxnn_cudnn"] if gpu else ["probjax", "probjax_lce", "flax"],
              "decode": ["probjax", "jaxnn_cudnn", "jaxnn_xla"] if gpu else ["probjax", "jaxnn_xla"]}
   default["train_packed"] = default["train"]
   if args.impls:
