@@ -580,8 +580,9 @@ def _compute(run: _Run, query, key, value, mask, bias, dense_mask, dropout_rng, 
     call = dataclasses.replace(run.call, mask=mask)
     runner = lambda d: None if d is None else functools.partial(
         registry.REGISTRY.get(d.implementation), call=call, backward_pass_impl=d.backward)
-    return with_forward_mode(runner(decision), _exact(query, key, run.device, run.score_mod, run.scale),
-                             runner(decision.grad))(query, key, value, mask)
+    exact = _exact(query, key, run.device, run.score_mod, run.scale)
+    tangent = registry.REGISTRY.get(decision.implementation).tangent_kernel(call, exact)
+    return with_forward_mode(runner(decision), exact, runner(decision.grad), tangent)(query, key, value, mask)
   return xla_backend.attention(query, key, value, formulation=decision.get("formulation", "auto"), module=module,
                                bias=bias, mask=mask, dense_mask=dense_mask, score_mod=run.score_mod,
                                scale=run.scale, dropout_rate=run.dropout_rate, dropout_rng=dropout_rng,

@@ -24,7 +24,8 @@ from probjax.core import jax_patches
 jax_patches.apply()  # linear_call: the callee's ordered effects under jit, vmap, jvp in residuals
 
 
-def with_forward_mode(fast: Callable, exact: Callable, grad: Callable | None = None) -> Callable:
+def with_forward_mode(fast: Callable, exact: Callable, grad: Callable | None = None,
+                      fused_tangent: Callable | None = None) -> Callable:
   """``f(q, k, v, aux)`` computed by ``fast``, differentiable in both modes.
 
   Args:
@@ -35,6 +36,9 @@ def with_forward_mode(fast: Callable, exact: Callable, grad: Callable | None = N
     grad: another exact implementation of the same function that differentiated calls
       run instead of ``fast`` (forward with residuals and its vjp), where its
       forward + backward is faster than ``fast``'s; None: ``fast``.
+    fused_tangent: ``fused_tangent(q, k, v, aux, q_dot, k_dot, v_dot) -> out_dot``, a fused kernel for the
+      jvp of ``exact`` (reverse-differentiable in all six arrays, for reverse over forward);
+      None: ``exact``'s jvp.
   ``aux`` is a pytree of non-differentiable arrays (e.g. a :class:`Mask`).
   """
   differentiated = fast if grad is None else grad
@@ -45,7 +49,12 @@ def with_forward_mode(fast: Callable, exact: Callable, grad: Callable | None = N
 
   def f_jvp(primals, tangents):
     q, k, v, aux = primals
-    out, vjp_fn = jax.vjp(lambda q, k, v: differentiated(q, k, v, aux), q, k, v)
+    # Under an outer jax.grad (reverse over forward) the kernel's forward must not be
+    # differentiated (it has no jvp): its residuals come from stopped inputs, and the output's
+    # outer gradient is the kernel's own vjp (_tie).
+    stopped = tuple(map(jax.lax.stop_gradient, (q, k, v)))
+    out, vjp_fn = jax.vjp(lambda q, k, v: differentiated(q, k, v, aux), *stopped)
+    out = _tie(out, vjp_fn, q, k, v)
     # Only non-zero tangents are linear inputs (linear_call's transpose takes no constants).
     lin = tuple(None if isinstance(t, SymbolicZero) else t for t in tangents[:3])
     present = tuple(t is not None for t in lin)
@@ -53,6 +62,8 @@ def with_forward_mode(fast: Callable, exact: Callable, grad: Callable | None = N
     def tangent(res, lin):
       (q, k, v, aux), _ = res
       lin = tuple(jnp.zeros(x.shape, x.dtype) if t is None else t for t, x in zip(lin, (q, k, v)))
+      if fused_tangent is not None:
+        return fused_tangent(q, k, v, aux, *lin)
       return jax.jvp(lambda q, k, v: exact(q, k, v, aux), (q, k, v), lin)[1]
 
     def transpose(res, ct):
@@ -63,3 +74,21 @@ def with_forward_mode(fast: Callable, exact: Callable, grad: Callable | None = N
 
   f.defjvp(f_jvp, symbolic_zeros=True)
   return f
+
+
+@jax.custom_vjp
+def _tie(out, vjp_fn, q, k, v):
+  """``out`` (computed from stopped ``q, k, v``) with the gradient ``vjp_fn`` gives it in them."""
+  return out
+
+
+def _tie_fwd(out, vjp_fn, q, k, v):
+  return out, vjp_fn
+
+
+def _tie_bwd(vjp_fn, ct):
+  none = lambda tree: jax.tree.map(lambda _: None, tree)
+  return (None, none(vjp_fn), *vjp_fn(ct))
+
+
+_tie.defvjp(_tie_fwd, _tie_bwd)

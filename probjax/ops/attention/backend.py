@@ -37,6 +37,13 @@ class AttentionBackend(Backend[AttentionCall]):
     (context parallelism then cannot run its blocks on them)."""
     raise NotImplementedError(f"{self.name} has no forward pass with its log-sum-exp")
 
+  def tangent_kernel(self, call: AttentionCall, exact: Callable):
+    """A fused ``f(q, k, v, mask, q_dot, k_dot, v_dot) -> out_dot`` for ``call``'s tangent
+    (:func:`probjax.ops.attention.autodiff.with_forward_mode`), ``exact(q, k, v, mask)`` being
+    the exact XLA formulation; None where the backend has none for the call (the tangent is then
+    ``exact``'s jvp)."""
+    return None
+
   def backward_kernel(self, q, k, v, *, variant: str, scale: float, score_mod: Callable | None,
                       config, interpret: bool):
     """The :class:`probjax.ops.attention.vjp.Kernel` of the backward ``variant`` (one of

@@ -27,6 +27,7 @@ from probjax.ops.attention.backends.triton import backward as backward_lib
 from probjax.ops.attention.backends.triton.config import BackwardConfig, ForwardConfig, SplitKVConfig
 from probjax.ops.attention.backends.triton import decode as decode_lib
 from probjax.ops.attention.backends.triton import forward as forward_lib
+from probjax.ops.attention.backends.triton import jvp as jvp_lib
 from probjax.ops.attention.backends.triton.tiles import padded_head_dim
 
 __all__ = ["attention", "supports", "forward_kernel", "backward_kernel", "ForwardConfig", "BackwardConfig", "SplitKVConfig"]
@@ -134,6 +135,20 @@ def forward_kernel(q, k, v, *, scale: float, score_mod: Callable | None = None,
   fcfg = _forward_config(q, k, v, config, config_lib.kernel_device(interpret))
   st = _Static(score_mod, float(scale), fcfg, None, "", None, bool(interpret))
   return vjp.Kernel(_forward_shard, st, _partitioned(score_mod))
+
+
+def tangent_kernel(call, exact: Callable) -> Callable | None:
+  """The fused forward + jvp kernel (:mod:`.jvp`) as ``f(q, k, v, mask, q_dot, k_dot, v_dot) ->
+  out_dot`` for an :class:`~probjax.ops.attention.call.AttentionCall` this backend computes, or
+  None where it cannot take the call (a ``score_mod``: the tangent is then ``exact``'s jvp)."""
+  if jvp_lib.supports(call.score_mod) is not None:
+    return None
+  q = jax.ShapeDtypeStruct(call.q_shape, call.dtype)
+  k = jax.ShapeDtypeStruct(call.kv_shape, call.dtype)
+  v = jax.ShapeDtypeStruct(call.kv_shape[:-1] + (call.v_head_dim or call.kv_shape[-1],), call.dtype)
+  scale = 1.0 / math.sqrt(call.q_shape[-1]) if call.scale is None else call.scale
+  config = _forward_config(q, k, v, call.forward_config, config_lib.kernel_device(call.interpret))
+  return jvp_lib.tangent(exact, scale=scale, config=config, interpret=call.interpret)
 
 
 def backward_kernel(q, k, v, *, scale: float, score_mod: Callable | None = None, variant: str = "auto",

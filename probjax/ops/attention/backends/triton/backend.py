@@ -34,6 +34,10 @@ class Triton(AttentionBackend):
     from probjax.ops.attention.backends import triton
     return triton.forward_kernel(q, k, v, scale=scale, score_mod=score_mod, config=config, interpret=interpret)
 
+  def tangent_kernel(self, call, exact):
+    from probjax.ops.attention.backends import triton
+    return triton.tangent_kernel(call, exact)
+
   def backward_kernel(self, q, k, v, *, variant, scale, score_mod, config, interpret):
     from probjax.ops.attention.backends import triton
     return triton.backward_kernel(q, k, v, scale=scale, score_mod=score_mod, variant=variant, config=config,

@@ -1,0 +1,105 @@
+"""The fused forward + JVP Triton kernel (backends/triton/jvp.py) in interpret mode: primal and
+tangent against the float64 reference, jvp against the XLA path, reverse over forward."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from probjax.ops.attention import flex_attention
+from probjax.ops.attention import masks as M
+from probjax.ops.attention.reference import _attention64
+from probjax.ops.attention.tolerances import max_error, tolerance
+from probjax.ops.attention.backends.triton import jvp as jvp_lib
+from probjax.ops.attention.backends.triton.config import BackwardConfig, ForwardConfig
+from probjax.testing import make_inputs
+
+CFG = dict(forward_config=ForwardConfig(16, 16, 4, 1), backward_config=BackwardConfig(16, 16, 16, 16, 4, 1))
+pytestmark = pytest.mark.timeout(300, method="thread")
+
+
+def _inputs(t, s, h, hkv, d=16):
+  x = make_inputs(0, 2, t, s, h, hkv, d)
+  tans = tuple(jax.random.normal(jax.random.key(i + 7), a.shape) for i, a in enumerate((x.q, x.k, x.v)))
+  return (x.q, x.k, x.v), tans
+
+
+def _reference(mask, prim, tans, d=16):
+  with jax.enable_x64(True):
+    up = lambda a: jnp.asarray(np.asarray(a, np.float64))
+    ref = lambda q, k, v: _attention64(q, k, v, None, mask, None, None, d ** -0.5)
+    out, dot = jax.jvp(ref, tuple(map(up, prim)), tuple(map(up, tans)))
+  return np.asarray(out), np.asarray(dot)
+
+
+MASKS = {
+    "none_odd": (None, 19, 23, 4, 2),
+    "causal_gqa": (M.CausalMask(), 33, 33, 4, 1),
+    "window": (M.LocalWindowMask(8, 0), 33, 33, 2, 2),
+    "kv_lengths_empty_row": (M.CausalMask() & M.KVLenMask(jnp.array([20, 0])), 33, 33, 2, 1),
+    "q_lengths": (M.LengthMask(jnp.array([17, 30]), jnp.array([25, 33])), 33, 33, 2, 2),
+}
+
+
+@pytest.mark.parametrize("name", list(MASKS))
+def test_kernel_matches_reference(name):
+  mask, t, s, h, hkv = MASKS[name]
+  prim, tans = _inputs(t, s, h, hkv)
+  out, dot, lse, lse_dot = jvp_lib.forward_jvp(*prim, *tans, mask, scale=16 ** -0.5,
+                                               config=ForwardConfig(16, 16, 4, 1), interpret=True)
+  want_out, want_dot = _reference(mask, prim, tans)
+  assert max_error(out, want_out) <= tolerance(jnp.float32)
+  assert max_error(dot, want_dot) <= tolerance(jnp.float32, grad=True)
+  assert np.all(np.isfinite(np.asarray(dot))) and np.all(np.isfinite(np.asarray(lse_dot)))
+  if name == "kv_lengths_empty_row":  # batch element 1 has no valid key: zero output and tangent
+    assert not np.any(np.asarray(out[1])) and not np.any(np.asarray(dot[1]))
+    assert np.all(np.asarray(lse[1]) == np.inf) and not np.any(np.asarray(lse_dot[1]))
+
+
+def _triton(mask):
+  return lambda q, k, v: flex_attention(q, k, v, mask=mask, implementation="triton", interpret=True,
+                                        backward_pass_impl="triton_split", **CFG)
+
+
+def _xla(mask):
+  return lambda q, k, v: flex_attention(q, k, v, mask=mask, implementation="xla")
+
+
+def test_jvp_uses_fused_kernel_and_matches_xla():
+  mask = M.CausalMask() & M.KVLenMask(jnp.array([20, 33]))
+  prim, tans = _inputs(21, 33, 4, 2)
+  jaxpr = str(jax.make_jaxpr(lambda p, t: jax.jvp(_triton(mask), p, t))(prim, tans))
+  assert "probjax_attention_fwd_jvp" in jaxpr
+  out, dot = jax.jvp(_triton(mask), prim, tans)
+  want_out, want_dot = jax.jvp(_xla(mask), prim, tans)
+  assert max_error(out, want_out) <= tolerance(jnp.float32)
+  assert max_error(dot, want_dot) <= tolerance(jnp.float32, grad=True)
+
+
+def test_grad_alone_keeps_kernel_backward():
+  prim, _ = _inputs(17, 17, 2, 2)
+  loss = lambda q, k, v: jnp.sum(_triton(M.CausalMask())(q, k, v) ** 2)
+  jaxpr = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(*prim))
+  assert "probjax_attention_fwd_jvp" not in jaxpr
+
+
+@pytest.mark.slow  # interpret-mode kernel forward, fused jvp and the XLA vjp of the jvp (about 10 s of CPU)
+def test_meanflow_loss_grad_matches_xla():
+  mask = M.CausalMask()
+  prim, tans = _inputs(17, 17, 2, 1)
+
+  def loss(attn):
+    def f(q, k, v):
+      out, dot = jax.jvp(attn(mask), (q, k, v), tans)
+      return jnp.sum(jnp.tanh(out) * jax.lax.stop_gradient(dot)) + jnp.sum(dot ** 2)
+    return f
+
+  got = jax.grad(loss(_triton), argnums=(0, 1, 2))(*prim)
+  want = jax.grad(loss(_xla), argnums=(0, 1, 2))(*prim)
+  for g, w in zip(got, want):
+    assert max_error(g, w) <= tolerance(jnp.float32, grad=True)
+
+
+def test_score_mod_refused_by_jvp_kernel():
+  assert "score_mod" in jvp_lib.supports(lambda s, b, h, i, j: s)
+  assert jvp_lib.supports(None) is None
