@@ -34,7 +34,7 @@ __all__ = ["linear_cross_entropy", "explain_dispatch", "available_implementation
 def linear_cross_entropy(x, w, labels, *, bias=None, w_layout: str = "d_vocab", ignore_index: int | None = -100,
                          z_loss: float = 0.0, label_smoothing: float = 0.0, reduction: str = "mean",
                          chunk_tokens: int | None = None, chunk_vocab: int | None = None,
-                         implementation: str | None = None):
+                         implementation: str | None = None, interpret: bool = False):
   """Cross-entropy of ``logits = x @ w (+ bias)`` against ``labels``, exact in value and
   gradients, computed in tiles so that the ``[tokens, vocab]`` logits never exist (forward or
   backward): memory ``O(chunk_tokens * chunk_vocab)`` beyond the inputs and their gradients.
@@ -58,16 +58,18 @@ def linear_cross_entropy(x, w, labels, *, bias=None, w_layout: str = "d_vocab", 
     label_smoothing: ``eps`` in ``[0, 1]``.
     reduction: ``"mean"`` over counted tokens (0 when none counts, never NaN), ``"sum"``, or
       ``"none"``: the per-token losses, ``labels``' shape.
-    chunk_tokens, chunk_vocab: the tile (None: the backend's, 1024 x 4096 for XLA).
+    chunk_tokens, chunk_vocab: the tile (None: the backend's, 1024 x 4096 for XLA, 64 x 128 for
+      Triton, whose tiles are these rounded up to powers of two).
     implementation: None (the default, :func:`explain_dispatch` says which) or a backend name
       (:func:`available_implementations`); one that cannot compute the call raises ValueError.
+    interpret: run the Triton kernels in Pallas interpret mode (any platform, for tests).
 
   Returns:
     The loss: a float32 scalar (float64 for float64 inputs), or per token for ``"none"``.
   """
   call = LinearCrossEntropyCall.of(x, w, labels, bias=bias, w_layout=w_layout, ignore_index=ignore_index,
                                    z_loss=z_loss, label_smoothing=label_smoothing, reduction=reduction,
-                                   chunk_tokens=chunk_tokens, chunk_vocab=chunk_vocab)
+                                   chunk_tokens=chunk_tokens, chunk_vocab=chunk_vocab, interpret=interpret)
   values = concrete_values(labels)
   if values is not None:
     bad = (values < 0) | (values >= call.vocab)
@@ -76,7 +78,7 @@ def linear_cross_entropy(x, w, labels, *, bias=None, w_layout: str = "d_vocab", 
     if bad.any():
       raise ValueError(f"labels must lie in [0, {call.vocab}) or equal ignore_index={call.ignore_index}; "
                        f"found {values[bad].flat[0]}")
-  decision = decide(call, Device.current(), implementation)
+  decision = decide(call, _device(call, None), implementation)
   call = dataclasses.replace(call, chunk_tokens=decision.get("chunk_tokens"), chunk_vocab=decision.get("chunk_vocab"))
   return _compute(decision.implementation, call, x, w, bias, labels)
 
@@ -106,7 +108,13 @@ def explain_dispatch(call: LinearCrossEntropyCall, *, implementation: str | None
   >>> explain_dispatch(call, device=Device("cpu")).summary()
   'xla, chunk_tokens=1024, chunk_vocab=4096'
   """
-  return decide(call, device or Device.current(), implementation)
+  return decide(call, _device(call, device), implementation)
+
+
+def _device(call: LinearCrossEntropyCall, device: Device | None) -> Device:
+  """The device a call is decided for: ``device``, else the interpreter for an ``interpret``
+  call, else the current one."""
+  return device or (Device.interpreter() if call.interpret else Device.current())
 
 
 def available_implementations(device: Device | None = None) -> list[str]:

@@ -29,6 +29,7 @@ class LinearCrossEntropyCall:
     label_smoothing: ``eps`` of ``(1 - eps) * nll + eps * mean_j(-log p_j)``.
     reduction: ``"mean"`` (over counted tokens), ``"sum"`` or ``"none"`` (per token).
     chunk_tokens, chunk_vocab: the tiles the logits are computed in (None: the backend's).
+    interpret: run Pallas kernels in interpret mode (any platform; the kernels' CPU tests).
   """
 
   tokens: int
@@ -43,11 +44,13 @@ class LinearCrossEntropyCall:
   reduction: str = "mean"
   chunk_tokens: int | None = None
   chunk_vocab: int | None = None
+  interpret: bool = False
 
   @classmethod
   def of(cls, x, w, labels, *, bias=None, w_layout: str = "d_vocab", ignore_index: int | None = -100,
          z_loss: float = 0.0, label_smoothing: float = 0.0, reduction: str = "mean",
-         chunk_tokens: int | None = None, chunk_vocab: int | None = None) -> "LinearCrossEntropyCall":
+         chunk_tokens: int | None = None, chunk_vocab: int | None = None,
+         interpret: bool = False) -> "LinearCrossEntropyCall":
     """The call of these arrays (or ``jax.ShapeDtypeStruct``), after checking them: ValueError
     or TypeError naming the argument and the expected form."""
     if not hasattr(x, "shape") or len(x.shape) < 1:
@@ -86,5 +89,7 @@ class LinearCrossEntropyCall:
         raise ValueError(f"{name} must be a positive int or None, got {v!r}")
     if ignore_index is not None and (not isinstance(ignore_index, int) or isinstance(ignore_index, bool)):
       raise TypeError(f"ignore_index must be an int or None, got {type(ignore_index).__name__}")
+    if not isinstance(interpret, bool):
+      raise TypeError(f"interpret must be a bool, got {type(interpret).__name__}")
     return cls(math.prod(x.shape[:-1]), int(d), int(vocab), jnp.dtype(x.dtype), w_layout, bias is not None,
-               ignore_index, float(z_loss), float(label_smoothing), reduction, chunk_tokens, chunk_vocab)
+               ignore_index, float(z_loss), float(label_smoothing), reduction, chunk_tokens, chunk_vocab, interpret)

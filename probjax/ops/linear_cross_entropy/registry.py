@@ -8,3 +8,4 @@ from probjax.ops.linear_cross_entropy.call import LinearCrossEntropyCall
 
 REGISTRY: Registry[LinearCrossEntropyCall] = Registry("linear_cross_entropy")
 REGISTRY.register(Xla())
+REGISTRY.add("triton", "probjax.ops.linear_cross_entropy.backends.triton:Triton", aliases=("pallas_triton",))

@@ -170,5 +170,9 @@ class Xla(Backend[LinearCrossEntropyCall]):
   def supports(self, call, device):
     return None
 
+  def tile(self, call: LinearCrossEntropyCall) -> tuple[int, int]:
+    """The tile ``(chunk_tokens, chunk_vocab)``: :func:`chunks`."""
+    return chunks(call)
+
   def __call__(self, x, w, b, labels, *, call: LinearCrossEntropyCall):
     return per_token_loss(x, w, b, labels, call)
