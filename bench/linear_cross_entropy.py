@@ -6,12 +6,16 @@ compiled memory of the loss's gradient, and time, in one process.
 
 Cases (tokens x d x vocab, bf16 inputs): the LM step's head (16384 x 768 x 32768, batch 8 x
 2048 tokens) and a larger vocabulary (8192 x 1024 x 131072). Per case and implementation (``fused``:
-``linear_cross_entropy``, default tiles; ``unfused``: ``x @ w`` in float32, logsumexp, the
+``linear_cross_entropy``'s XLA backend, default tiles; ``triton``: its Pallas-Triton kernels, on a
+GPU, or in interpret mode with ``--smoke``; ``unfused``: ``x @ w`` in float32, logsumexp, the
 label's logit), one row: ``temp_bytes`` (XLA's compiled temporary memory of the value-and-grad
 program, ``compiled.memory_analysis()``: what the loss needs beyond its inputs and outputs,
 the same convention on every device) and, without ``--memory-only``, ``ms`` (median of
-``--repeats`` rotating rounds). Rows are JSON lines keyed by (case, impl) with the device,
-versions, commit and command.
+``--repeats`` rotating rounds) and ``peak_bytes`` (``device.memory_stats()``'s peak after the
+implementation's first run, where the device reports one; the implementations run first in the
+order fused, triton, unfused, so the unfused head's larger peak comes last and does not mask the
+others'). Rows are JSON lines keyed by (case, impl) with the device, versions, commit and
+command.
 """
 
 from __future__ import annotations
@@ -39,7 +43,14 @@ def unfused(x, w, labels):
   return jnp.mean(lse - jnp.take_along_axis(logits, labels[:, None], -1)[:, 0])
 
 
-IMPLS = {"fused": lambda x, w, labels: linear_cross_entropy(x, w, labels), "unfused": unfused}
+def impls(interpret: bool) -> dict:
+  """The implementations compared, in the order of their first runs (see the module doc)."""
+  out = {"fused": lambda x, w, labels: linear_cross_entropy(x, w, labels, implementation="xla")}
+  if interpret or jax.default_backend() == "gpu":
+    out["triton"] = lambda x, w, labels: linear_cross_entropy(x, w, labels, implementation="triton",
+                                                              interpret=interpret)
+  out["unfused"] = unfused
+  return out
 
 
 def main(argv=None) -> int:
@@ -51,12 +62,13 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   info = device_info()
   cases = SMOKE if args.smoke else CASES
+  interpret = args.smoke and jax.default_backend() != "gpu"
   rows = []
   for case, (n, d, v) in cases.items():
     shapes = (jax.ShapeDtypeStruct((n, d), jnp.bfloat16), jax.ShapeDtypeStruct((d, v), jnp.bfloat16),
               jax.ShapeDtypeStruct((n,), jnp.int32))
     fns = {}
-    for impl, f in IMPLS.items():
+    for impl, f in impls(interpret).items():
       fn = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))
       compiled = fn.lower(*shapes).compile()
       mem = compiled.memory_analysis()
@@ -73,8 +85,10 @@ def main(argv=None) -> int:
       w = (jax.random.normal(k[1], (d, v), jnp.float32) * d ** -0.5).astype(jnp.bfloat16)
       labels = jax.random.randint(k[2], (n,), 0, v)
       times = {impl: [] for impl in fns}
-      for compiled, _ in fns.values():
+      stats = getattr(jax.devices()[0], "memory_stats", lambda: None)
+      for compiled, row in fns.values():
         jax.block_until_ready(compiled(x, w, labels))
+        row.update(peak_bytes=(stats() or {}).get("peak_bytes_in_use"))
       order = list(fns)
       for r in range(args.repeats):
         for impl in order[r % len(order):] + order[:r % len(order)]:
