@@ -103,3 +103,15 @@ def test_meanflow_loss_grad_matches_xla():
 def test_score_mod_refused_by_jvp_kernel():
   assert "score_mod" in jvp_lib.supports(lambda s, b, h, i, j: s)
   assert jvp_lib.supports(None) is None
+
+
+def test_linearize_and_jacfwd_use_fused_kernel():
+  mask = M.CausalMask()
+  prim, tans = _inputs(9, 9, 2, 1)
+  f = lambda q: _triton(mask)(q, *prim[1:])
+  g = lambda q: _xla(mask)(q, *prim[1:])
+  _, lin = jax.linearize(f, prim[0])
+  assert max_error(lin(tans[0]), jax.jvp(g, (prim[0],), (tans[0],))[1]) <= tolerance(jnp.float32, grad=True)
+  col = lambda fn: jax.jacfwd(lambda x: fn(prim[0].at[0, 0, 0, :2].set(x)))(prim[0][0, 0, 0, :2])
+  assert "probjax_attention_fwd_jvp" in str(jax.make_jaxpr(lambda: col(f))())
+  assert max_error(col(f), col(g)) <= tolerance(jnp.float32, grad=True)
