@@ -15,6 +15,11 @@ padding is).
   in order, adding ``x_tile^T @ dz``: each output element is written by one program, no atomics.
 
 Logits and sums are float32 (float64 for float64 inputs, interpret mode only).
+
+Each program holds full-width tiles (``x [block_t, d]``, ``w [d, block_v]``, and the ``dx`` /
+``dw`` accumulators): there is no loop over the width, so at widths in the hundreds these tiles
+exceed what a GPU program keeps on chip; a loop over the width (and tiles chosen per device) is
+what the GPU measurement has to settle. Interpret mode checks the arithmetic only.
 """
 
 from __future__ import annotations
