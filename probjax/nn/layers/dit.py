@@ -44,8 +44,9 @@ from flax import nnx
 
 from probjax.nn.layers.attention import dot_product_attention
 from probjax.nn.layers._checks import check_array, check_mask
-from probjax.nn.layers.mlp import ACTIVATIONS as MLP_KINDS, FiLM, MLP
+from probjax.nn.layers.mlp import ACTIVATIONS as MLP_KINDS, MLP
 from probjax.nn.layers.multi_head_attention import MultiHeadAttention, check_heads
+from probjax.ops.norm import adaln_modulate
 
 __all__ = ["DiTBlock", "DiffusionTransformer", "timestep_embedding", "sincos_2d"]
 
@@ -72,6 +73,13 @@ def _plain_norm(features, dtype, param_dtype, rngs):
   # No affine parameters: adaLN's scale and shift take their place.
   return nnx.LayerNorm(features, epsilon=1e-6, use_scale=False, use_bias=False, dtype=dtype,
                        param_dtype=param_dtype, rngs=rngs)
+
+
+def _modulate(norm, x, shift, scale):
+  """``norm(x) * (1 + scale) + shift`` as one fused op (``probjax.ops.norm``); ``norm``, the
+  parameterless LayerNorm, gives its epsilon and output dtype."""
+  y = adaln_modulate(x, shift, scale, norm="layer", eps=norm.epsilon)
+  return y if norm.dtype is None else y.astype(norm.dtype)
 
 
 class DiTBlock(nnx.Module):
@@ -131,7 +139,7 @@ class DiTBlock(nnx.Module):
     sublayers.append(self.mlp)
     for i, (f, norm) in enumerate(zip(sublayers, self.norms)):
       shift, scale, gate = mods[3 * i:3 * i + 3]
-      y = f(FiLM.apply(norm(x), (scale, shift)))
+      y = f(_modulate(norm, x, shift, scale))
       x = x + (gate.astype(y.dtype) * y).astype(x.dtype)
     return x
 
@@ -362,5 +370,5 @@ class DiffusionTransformer(nnx.Module):
     c = self.conditioning(t, labels=labels, cond=cond, deterministic=deterministic, rngs=rngs)
     h, final = self.hidden(x, c, context=context, context_mask=context_mask, mask=mask)
     shift, scale = jnp.split(final, 2, axis=-1)
-    y = self.final(FiLM.apply(self.final_norm(h), (scale, shift)))
+    y = self.final(_modulate(self.final_norm, h, shift, scale))
     return self._untokens(y, x.shape)
