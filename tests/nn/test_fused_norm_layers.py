@@ -60,3 +60,32 @@ def test_dit_block_keeps_its_norm_modules_and_output_dtype(dtype):
   want = _unfused(blk.norms[0], x, shift, scale)
   assert got.dtype == want.dtype
   assert max_error(got, want) <= tolerance(want.dtype)
+
+
+def _unfused_add_norm(norm, x, y):
+  h = x + y
+  return h, norm(h)
+
+
+@pytest.mark.parametrize("norm, dtype", [("rmsnorm", None), ("layernorm", None), ("rmsnorm", jnp.bfloat16)])
+def test_transformer_block_add_norm_equals_the_unfused_formula(monkeypatch, norm, dtype):
+  from probjax.nn.layers import transformer
+  blk = numpy_init(lambda: transformer.TransformerBlock(features=20, num_heads=2, norm=norm, context_features=6,
+                                                        dtype=dtype, rngs=nnx.Rngs(0)))
+  r = np.random.default_rng(3)
+  x = jnp.asarray(r.standard_normal((2, 5, 20)), jnp.float32)
+  ctx = jnp.asarray(r.standard_normal((2, 3, 6)), jnp.float32)
+  graphdef, params = nnx.split(blk, nnx.Param)
+
+  def loss(p, x):
+    return jnp.sum(jnp.sin(nnx.merge(graphdef, p)(x, context=ctx).astype(jnp.float32)))
+
+  fused = jax.value_and_grad(loss, argnums=(0, 1))(params, x)
+  monkeypatch.setattr(transformer, "add_norm", _unfused_add_norm)
+  plain = jax.value_and_grad(loss, argnums=(0, 1))(params, x)
+  assert jax.tree.structure(fused[1]) == jax.tree.structure(plain[1])
+  # A bfloat16 block rounds its norms' outputs (from the op's float32 or flax's): bfloat16's bound.
+  tol = jnp.float32 if dtype is None else dtype
+  assert max_error(fused[0], plain[0]) <= tolerance(tol)
+  for g, w in zip(jax.tree.leaves(fused[1]), jax.tree.leaves(plain[1])):
+    assert max_error(g, w) <= tolerance(tol, grad=True)

@@ -33,10 +33,28 @@ from probjax.nn.layers import _sharding as shd
 from probjax.nn.layers._checks import check_array, check_mask
 from probjax.nn.layers.mlp import ACTIVATIONS as MLP_KINDS, FiLM, MLP, default_hidden_features
 from probjax.nn.layers.multi_head_attention import MultiHeadAttention, check_heads
+from probjax.ops.norm import layer_norm, rms_norm
 
 __all__ = ["TransformerBlock", "Transformer", "TransformerLM", "MIXERS", "FFNS"]
 
 NORMS = ("layernorm", "rmsnorm")
+
+
+def add_norm(norm, x, y):
+  """``(h, norm(h))`` with ``h = x + y`` (x's dtype) for a block's ``nnx.LayerNorm`` or
+  ``nnx.RMSNorm``, as one fused op (``probjax.ops.norm``) where the norm's output dtype is no
+  wider than x's (the op's output dtype); else the add, then the module."""
+  scale = norm.scale[...]
+  bias = norm.bias[...] if isinstance(norm, nnx.LayerNorm) else None
+  out = norm.dtype or jnp.result_type(x, *(p for p in (scale, bias) if p is not None))
+  if jnp.result_type(x.dtype, out) != x.dtype:
+    h = x + y
+    return h, norm(h)
+  if bias is None:
+    normed, h = rms_norm(y, scale, residual=x, eps=norm.epsilon)
+  else:
+    normed, h = layer_norm(y, scale, bias, residual=x, eps=norm.epsilon)
+  return h, normed.astype(out)
 
 
 def _norm(kind, features, dtype, param_dtype, rngs):
@@ -229,12 +247,19 @@ class TransformerBlock(nnx.Module):
       check_array("film", film, ("batch", ("film_features", self.film_features)), sizes=s)
     return s
 
-  def _residual(self, x, y, deterministic):
+  def _dropped(self, y, deterministic):
     if self.dropout is not None:
       if deterministic is None:
         raise ValueError("deterministic must be given (True or False) when dropout_rate > 0")
       y = self.dropout(y, deterministic=deterministic)
-    return x + y.astype(x.dtype)
+    return y
+
+  def _residual(self, x, y, deterministic):
+    return x + self._dropped(y, deterministic).astype(x.dtype)
+
+  def _residual_norm(self, x, y, norm, deterministic):
+    """``(x + y, norm(x + y))``, the add and the norm fused (:func:`add_norm`)."""
+    return add_norm(norm, x, self._dropped(y, deterministic).astype(x.dtype))
 
   def _apply(self, x, self_attn, *, context, context_mask, film, deterministic):
     """The block with ``self_attn(h) -> (y, aux)`` as its sequence mixer; returns ``(x, aux,
@@ -248,12 +273,11 @@ class TransformerBlock(nnx.Module):
                        if self.cross is not None else "context given to a block without context_features")
     mods = self.film(film) if self.film is not None else [None] * 3
     y, aux = self_attn(FiLM.apply(self.attn_norm(x), mods[0]))
-    x = self._residual(x, y, deterministic)
     if self.cross is not None:
-      h = FiLM.apply(self.cross_norm(x), mods[1])
-      x = self._residual(x, self.cross(h, context, mask=context_mask, deterministic=deterministic),
-                         deterministic)
-    out = self.mlp(FiLM.apply(self.mlp_norm(x), mods[-1]))
+      x, h = self._residual_norm(x, y, self.cross_norm, deterministic)
+      y = self.cross(FiLM.apply(h, mods[1]), context, mask=context_mask, deterministic=deterministic)
+    x, h = self._residual_norm(x, y, self.mlp_norm, deterministic)
+    out = self.mlp(FiLM.apply(h, mods[-1]))
     y, ffn_aux = out if isinstance(out, tuple) else (out, None)
     x = self._residual(x, y, deterministic)
     return x, aux, ffn_aux
