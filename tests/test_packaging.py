@@ -225,6 +225,7 @@ def test_sdist_carries_the_tests_inputs():
     assert f in manifest, f
 
 
+@source_tree
 def test_every_ops_tuning_folder_ships_with_the_package():
   """Each op's tuning/*.json is package data (pyproject.toml), so an installed wheel decides as a
   checkout does."""
