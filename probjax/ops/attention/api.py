@@ -18,6 +18,17 @@ is a function of the arrays and the static call description. Called eagerly (out
 >>> q = k = v = jax.random.normal(jax.random.key(0), (2, 100, 4, 32))
 >>> dot_product_attention(q, k, v, mask=CausalMask()).shape
 (2, 100, 4, 32)
+
+Decoding over a paged KV cache: ``key``/``value`` are page pools ``[num_pages, page_size,
+kv_heads, head_dim]``, ``page_table [batch, pages_per_seq]`` names each sequence's pages, and
+``KVLenMask`` gives the lengths (:mod:`probjax.ops.attention.paged`):
+
+>>> from probjax.ops.attention import KVLenMask
+>>> pool = jax.random.normal(jax.random.key(1), (6, 16, 2, 32))        # 6 pages of 16 positions
+>>> table = jnp.array([[4, 1, 0], [2, 5, 3]], jnp.int32)              # 48 positions per sequence
+>>> q1 = jax.random.normal(jax.random.key(2), (2, 1, 4, 32))
+>>> dot_product_attention(q1, pool, pool, mask=KVLenMask(jnp.array([40, 7])), page_table=table).shape
+(2, 1, 4, 32)
 """
 
 from __future__ import annotations
@@ -34,7 +45,7 @@ import numpy as np
 from probjax.core.eager import compile_once
 from probjax.core.values import check_scale, is_traced
 from probjax.ops.attention import base
-from probjax.ops.attention import dispatch, registry
+from probjax.ops.attention import dispatch, paged, registry
 from probjax.ops.attention.backends import xla as xla_backend
 from probjax.ops.attention.autodiff import with_forward_mode
 from probjax.ops.attention.call import AttentionCall
@@ -73,7 +84,7 @@ def _explain_call(call: AttentionCall, kv_shape, dtype, kw) -> Decision:
       module=call.module, backward_pass_impl=call.backward_pass_impl, split_kv=call.split_kv,
       kernel_args_default=(call.forward_config is None and call.backward_config is None
                            and call.backward_pass_impl == "auto"),
-      v_head_dim=call.v_head_dim, **kw)
+      v_head_dim=call.v_head_dim, page_size=call.page_size, **kw)
 
 
 def available_implementations(device: Device | None = None) -> list[str]:
@@ -138,7 +149,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
                           score_mod: Callable | None = None, query_seq_lengths=None,
                           key_value_seq_lengths=None, local_window_size=None, logits_soft_cap=None,
                           return_lse: bool = False, backward_pass_impl: str = "auto", split_kv=None,
-                          interpret: bool = False, return_residual: bool = False):
+                          interpret: bool = False, return_residual: bool = False, page_table=None):
   """Exact scaled dot-product attention; a drop-in ``attention_fn`` for Flax NNX (see docs/flax.md).
 
   The positional arguments and ``is_causal``/``input_positions`` are those that
@@ -148,7 +159,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
   Args:
     query: ``[batch..., q_len, heads, head_dim]`` (any number of batch axes, including none).
     key, value: ``[batch..., kv_len, kv_heads, head_dim]`` with query's batch axes;
-      ``heads % kv_heads == 0``.
+      ``heads % kv_heads == 0``. With ``page_table``: page pools ``[num_pages, page_size,
+      kv_heads, head_dim]``.
     bias: additive float bias broadcastable to ``[batch..., heads, q_len, kv_len]``
       (differentiable).
     mask: a position :class:`Mask` (e.g. ``CausalMask() & KVLenMask(lengths)``; with several
@@ -196,6 +208,20 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
       ``SplitKVConfig`` (whenever the call allows; ValueError otherwise). Under
       ``jax.grad`` the regular kernel runs.
     interpret: run the Triton or Mosaic kernels in Pallas interpret mode (CPU testing).
+    page_table: ``[batch, pages_per_seq]`` int32: attention over a paged KV cache (one batch
+      axis). ``key`` / ``value`` are then page pools ``[num_pages, page_size, kv_heads, head_dim]``
+      and position ``p`` of element ``b`` is ``pool[page_table[b, p // page_size], p %
+      page_size]``: the call stands for K/V of ``pages_per_seq * page_size`` positions, and the
+      mask must give the key lengths (``KVLenMask(lengths)`` or ``key_value_seq_lengths``);
+      positions past them are never read into the result (they may hold NaN). Entries must be
+      in ``[0, num_pages)``: a concrete table is checked (ValueError); in a traced one an entry
+      outside the pool reads page 0 and its positions get zero weight, so no path reads
+      outside the pool. ``implementation=None`` runs the Triton split-KV decode kernel, which
+      reads the pages in place, on an NVIDIA GPU where it computes the call (at most 64
+      queries, ``page_size`` a multiple of 16, no ``score_mod``; ``explain_dispatch(...,
+      page_size=)`` says); otherwise the pages are gathered to contiguous K/V, exactly, and
+      the call runs as one without pages (``"xla"`` requests that). The gradient, of the
+      queries and the pools, is the gather path's.
   Returns:
     ``[batch..., q_len, heads, head_dim]`` in the (promoted) input dtype; with ``return_lse``,
     ``(out, lse)``. Rows with no valid key are zero.
@@ -206,6 +232,19 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
     query, key, value = promote_dtype((query, key, value), dtype=dtype)
   else:
     query, key, value = _promote((query, key, value), dtype)
+  if page_table is not None:
+    run = _paged(query, key, value, page_table, mask=mask, is_causal=is_causal,
+                 query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+                 local_window_size=local_window_size, bias=bias, dropout=base.check_dropout(
+                     dropout_rate, dropout_rng, deterministic)[0] > 0, score_mod=score_mod,
+                 logits_soft_cap=logits_soft_cap, scale=scale, precision=precision, module=module,
+                 implementation=implementation, backward_pass_impl=backward_pass_impl, split_kv=split_kv,
+                 interpret=interpret, return_lse=return_lse or return_residual)
+    if not isinstance(run, _Gathered):
+      return run
+    # The gather path: the call as one without pages, its mask flags folded into ``mask``.
+    key, value, mask = run.key, run.value, run.mask
+    is_causal, query_seq_lengths, key_value_seq_lengths, local_window_size = False, None, None, None
   query, key, value, batch_dims = _flatten_batch(query, key, value)
   pos_mask, dense = _split_mask(_mask_mod(mask, query.shape[0], query.shape[2]))
   pos_mask = _jaxnn_mask(pos_mask, is_causal, query_seq_lengths, key_value_seq_lengths, local_window_size)
@@ -246,6 +285,92 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
                   scale=scale, precision=precision)
   lse = lse.reshape(batch_dims + lse.shape[1:])
   return out, lse if residual_dtype is None else lse.astype(residual_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Gathered:
+  """A paged call's K/V gathered to contiguous arrays, with the mask (flags folded in) over them."""
+
+  key: object
+  value: object
+  mask: object
+
+
+def _paged(query, key, value, page_table, *, mask, is_causal, query_seq_lengths, key_value_seq_lengths,
+           local_window_size, bias, dropout, score_mod, logits_soft_cap, scale, precision, module,
+           implementation, backward_pass_impl, split_kv, interpret, return_lse):
+  """A paged call (see ``page_table`` in :func:`dot_product_attention`): its output where a
+  backend reads the pages in place, else a :class:`_Gathered` for the contiguous path."""
+  page_size, kv_len = paged.check(query, key, value, page_table)
+  b, tq, h, d = query.shape
+  pos_mask, dense = _split_mask(_mask_mod(mask, b, h))
+  pos_mask = _jaxnn_mask(pos_mask, is_causal, query_seq_lengths, key_value_seq_lengths, local_window_size)
+  if pos_mask is not None and not isinstance(pos_mask, Mask):
+    raise TypeError(f"mask must be a probjax Mask, a boolean array or both, got {type(pos_mask).__name__}")
+  if pos_mask is not None:
+    pos_mask.validate(b, tq, kv_len)
+  lengths = None if pos_mask is None else pos_mask.lengths(b)[1]
+  if lengths is None:
+    raise ValueError("page_table needs the key lengths: pass mask=KVLenMask(lengths) (or "
+                     "key_value_seq_lengths=), the number of valid positions of each sequence")
+  _check_heads(pos_mask, h)
+  pos_mask = pos_mask.clamped(tq, kv_len)
+  kv_shape = (b, kv_len) + tuple(key.shape[2:])
+  scale = check_scale(scale, d)
+  if not return_lse and not is_traced(scale):  # the kernels take neither
+    device = Device.interpreter() if interpret else Device.current()
+    decision = dispatch.explain_dispatch(
+        query.shape, kv_shape, query.dtype, mask=pos_mask, bias=bias is not None, dense_mask=dense is not None,
+        dropout=dropout, score_mod=_soft_capped(score_mod, logits_soft_cap), scale=scale, precision=precision,
+        module=module is not None, implementation=implementation, backward_pass_impl=backward_pass_impl,
+        split_kv=split_kv, kernel_args_default=backward_pass_impl == "auto" and split_kv is None,
+        v_head_dim=value.shape[-1], page_size=page_size, device=device)
+    if decision.implementation != "xla":
+      call = AttentionCall(query.shape, kv_shape, query.dtype, scale=scale, v_head_dim=value.shape[-1],
+                           split_kv=split_kv, interpret=interpret, page_size=page_size)
+      return _paged_kernel_once(_PagedRun(decision.implementation, call), query, key, value, page_table, pos_mask)
+  k, v, ok = paged.gathered(key, value, page_table, lengths)
+  mask = pos_mask if dense is None else MaskWithDense(pos_mask, dense)
+  if is_traced(page_table):  # entries outside the pool read page 0: their positions get zero weight
+    mask = mask & ok[:, None, None, :]
+  return _Gathered(k, v, mask)
+
+
+@dataclasses.dataclass(frozen=True)
+class _PagedRun:
+  """A paged call a backend reads in place: the backend's name and the call's description."""
+
+  implementation: str
+  call: AttentionCall
+
+
+def _gathered_xla(query, key, value, page_table, mask, scale):
+  """The paged call on the XLA path (gathered pages): the kernels' exact formulation, whose
+  derivatives are theirs."""
+  k, v, ok = paged.gathered(key, value, page_table, mask.lengths(query.shape[0])[1])
+  return xla_backend.attention(query, k, v, formulation="auto", mask=mask, dense_mask=ok[:, None, None, :],
+                               scale=scale)
+
+
+def _paged_kernel(run: _PagedRun, query, key, value, page_table, mask):
+  """The backend's paged kernel for the output; derivatives of any order and mode from the
+  gather path (a custom_jvp: its tangent rule is the XLA formulation's, which reverse mode
+  transposes)."""
+  backend = registry.REGISTRY.get(run.implementation)
+  exact = lambda q, k, v: _gathered_xla(q, k, v, page_table, mask, run.call.scale)
+
+  @jax.custom_jvp
+  def attend(q, k, v):
+    return backend.paged_kernel(q, k, v, page_table, mask, call=run.call)
+
+  @attend.defjvp
+  def _(primals, tangents):
+    return attend(*primals), jax.jvp(exact, primals, tangents)[1]
+
+  return attend(query, key, value)
+
+
+_paged_kernel_once = compile_once(_paged_kernel)  # eager calls: compiled once per call description
 
 
 def _check_floating(arrays, dtype):

@@ -44,6 +44,16 @@ class AttentionBackend(Backend[AttentionCall]):
     ``exact``'s jvp)."""
     return None
 
+  def paged_kernel(self, q, k_pages, v_pages, page_table, mask, *, call: AttentionCall):
+    """The forward of a paged ``call`` (``call.page_size`` set) reading ``k_pages`` / ``v_pages``
+    ``[num_pages, page_size, kv_heads, d]`` in place through ``page_table [batch, pages_per_seq]``
+    (integers; ``mask`` holds the key lengths), into ``[batch, q_len, heads, d_v]``. It must read
+    an entry outside the pool as :data:`probjax.ops.attention.paged.CLAMP_PAGE` and give its
+    positions zero weight, as the XLA path does (:mod:`probjax.ops.attention.paged`). Forward
+    only: the face differentiates the XLA gather path. Backends whose ``supports`` refuses paged
+    calls never get here."""
+    raise NotImplementedError(f"{self.name} reads no paged KV cache")
+
   def backward_kernel(self, q, k, v, *, variant: str, scale: float, score_mod: Callable | None,
                       config, interpret: bool):
     """The :class:`probjax.ops.attention.vjp.Kernel` of the backward ``variant`` (one of

@@ -34,6 +34,9 @@ class AttentionCall:
     split_kv: the Triton split-KV forward request (None: automatic).
     forward_config, backward_config: explicit kernel configs.
     interpret: Pallas interpret mode.
+    page_size: the page length of a paged KV cache (None: contiguous K/V). ``kv_shape`` is then
+      the contiguous shape the pages stand for, ``(batch, pages_per_seq * page_size, kv_heads,
+      head_dim)`` (:mod:`probjax.ops.attention.paged`); a backend that cannot read pages refuses.
   """
 
   q_shape: tuple[int, ...]
@@ -53,6 +56,7 @@ class AttentionCall:
   backward_config: Any = None
   interpret: bool = False
   v_head_dim: int | None = None
+  page_size: int | None = None
 
   def __post_init__(self):
     object.__setattr__(self, "q_shape", tuple(self.q_shape))
@@ -99,6 +103,13 @@ class AttentionCall:
     """Whether every kernel argument is at its default (then the device table applies)."""
     return (self.backward_pass_impl == "auto" and self.forward_config is None
             and self.backward_config is None and self.split_kv is None)
+
+  def not_paged(self, backend: str) -> str | None:
+    """The reason a backend that reads contiguous K/V only gives for a paged call, or None."""
+    if self.page_size is None:
+      return None
+    return (f"a paged KV cache (page_table): {backend} reads contiguous K/V; the Triton split-KV decode "
+            "kernel reads pages, and implementation='xla' gathers them")
 
   def not_for_kernels(self) -> str | None:
     """The first argument no fused kernel takes, or None."""

@@ -71,7 +71,8 @@ def explain_dispatch(q_shape, kv_shape, dtype, *, mask: Mask | None = None, bias
                      dense_mask: bool = False, dropout: bool = False, score_mod=None, scale=None,
                      precision=None, module: bool = False, implementation: str | None = None,
                      backward_pass_impl: str = "auto", split_kv=None, kernel_args_default: bool = True,
-                     v_head_dim: int | None = None, device: Device | None = None, env=None) -> Decision:
+                     v_head_dim: int | None = None, page_size: int | None = None, device: Device | None = None,
+                     env=None) -> Decision:
   """Returns the :class:`Decision` for a call described by shapes and flags.
 
   Args:
@@ -89,20 +90,23 @@ def explain_dispatch(q_shape, kv_shape, dtype, *, mask: Mask | None = None, bias
     kernel_args_default: False when the caller set kernel arguments
       (tile configs, a non-auto backward), which disables the device table.
     v_head_dim: the values' head_dim where it differs from the keys' (None: the same).
+    page_size: a paged KV cache's page length (``kv_shape`` the contiguous shape its pages stand
+      for; :mod:`probjax.ops.attention.paged`): only backends that read pages take it (the
+      Triton split-KV decode kernel); the rules give the others' calls to XLA, which gathers.
     device: defaults to :meth:`Device.current`; env defaults to ``os.environ``.
   """
   device = device or Device.current()
   env = os.environ if env is None else env
   call = AttentionCall(q_shape, kv_shape, dtype, mask=mask, score_mod=score_mod, scale=scale, bias=bias,
                        dense_mask=dense_mask, dropout=dropout, module=module, precision=precision,
-                       backward_pass_impl=backward_pass_impl, v_head_dim=v_head_dim)
+                       backward_pass_impl=backward_pass_impl, v_head_dim=v_head_dim, page_size=page_size)
   impl = canonical(implementation)
   if backward_pass_impl == "mosaic" and impl != "mosaic":
     raise ValueError("backward_pass_impl='mosaic' is the Mosaic GPU kernel's backward: it needs "
                      f"implementation='mosaic', got {implementation!r}")
   if impl is None:
     decision = None
-    if kernel_args_default and split_kv is None and core_autotune.active(env):
+    if kernel_args_default and split_kv is None and page_size is None and core_autotune.active(env):
       # Opt-in autotuning (probjax.autotune): a measured (or cached) choice, else the rules.
       from probjax.ops.attention import autotune  # local: it measures (and loads backends) when on
       decision = autotune.decide(call, device, env, resolve_backward=_resolve_backward)
@@ -120,7 +124,7 @@ def explain_dispatch(q_shape, kv_shape, dtype, *, mask: Mask | None = None, bias
   from probjax.ops.attention.backends.triton import decode  # local: the kernels import Pallas
   kind = "sm_%d%d" % device.compute_capability if device.compute_capability else "interpret"
   cfg = decode.plan(q_shape, kv_shape, dtype, mask=mask, score_mod=score_mod, split_kv=split_kv,
-                    device=kind, v_head_dim=call.v_head_dim)
+                    device=kind, v_head_dim=call.v_head_dim, page_size=page_size)
   return decision if cfg is None else decision.replace(config={"split_kv": cfg.num_splits})
 
 

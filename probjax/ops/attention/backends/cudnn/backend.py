@@ -20,7 +20,7 @@ class Cudnn(AttentionBackend):
 
   def supports(self, call, device):
     from probjax.ops.attention.backends import cudnn
-    return (self.available(device) or call.not_for_kernels()
+    return (self.available(device) or call.not_paged("cuDNN") or call.not_for_kernels()
             or cudnn.supports(call.q_shape, call.kv_shape, call.dtype, platform="gpu",
                               compute_capability=device.compute_capability, **call_flags(call)))
 

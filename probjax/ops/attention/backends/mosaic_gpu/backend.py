@@ -20,7 +20,7 @@ class Mosaic(AttentionBackend):
     return None
 
   def supports(self, call, device):
-    why = self.available(device) or call.not_for_kernels()
+    why = self.available(device) or call.not_paged("the Mosaic GPU kernel") or call.not_for_kernels()
     if why:
       return why
     from probjax.ops.attention.backends import mosaic_gpu

@@ -30,7 +30,7 @@ from probjax.ops.attention.backends.triton import forward as forward_lib
 from probjax.ops.attention.backends.triton import jvp as jvp_lib
 from probjax.ops.attention.backends.triton.tiles import padded_head_dim
 
-__all__ = ["attention", "supports", "forward_kernel", "backward_kernel", "ForwardConfig", "BackwardConfig", "SplitKVConfig"]
+__all__ = ["attention", "supports", "paged_attention", "paged_supports", "forward_kernel", "backward_kernel", "ForwardConfig", "BackwardConfig", "SplitKVConfig"]
 
 _HEAD_DIMS_MAX = 256
 _DTYPES = ("bfloat16", "float16", "float32")
@@ -80,6 +80,58 @@ def supports(q_shape, kv_shape, dtype, *, mask: Mask | None = None,
 
 def _dtype_name(dtype) -> str:
   return jnp.dtype(dtype).name
+
+
+def paged_supports(q_shape, kv_shape, dtype, *, page_size: int, mask: Mask | None = None,
+                   score_mod: Callable | None = None, bias: bool = False, dense_mask: bool = False,
+                   dropout: bool = False, v_head_dim: int | None = None, device=None) -> str | None:
+  """None if :func:`paged_attention` computes a paged call exactly, else a short reason.
+  ``kv_shape``: the contiguous shape the pages stand for; ``device``: a
+  :class:`~probjax.core.device.Device` (None: interpret mode), whose shared memory the tiles
+  must fit. Besides :func:`supports`' conditions: the key lengths in the mask, and a call the
+  split-KV decode kernel takes (at most 64 queries, no ``score_mod``, pages of a multiple of 16)."""
+  why = supports(q_shape, kv_shape, dtype, mask=mask, score_mod=score_mod, bias=bias, dense_mask=dense_mask,
+                 dropout=dropout, interpret=True, v_head_dim=v_head_dim)
+  if why:
+    return why
+  if mask is None or "kv_lengths" not in mask.kinds:
+    return "a paged KV cache needs the key lengths (KVLenMask)"
+  cc = None if device is None else device.compute_capability
+  try:
+    decode_lib.plan(q_shape, kv_shape, dtype, mask=mask, score_mod=score_mod, split_kv=None,
+                    device="sm_%d%d" % cc if cc else "interpret", v_head_dim=v_head_dim, page_size=page_size)
+  except ValueError as e:
+    return str(e)
+  return None
+
+
+def paged_attention(q, k_pages, v_pages, page_table, *, mask: Mask, scale: float | None = None,
+                    split_kv: bool | SplitKVConfig | None = None, interpret: bool = False):
+  """Decoding attention over a paged KV cache by the split-KV kernel (:mod:`.decode`), reading
+  the pages in place; forward only.
+
+  Args:
+    q: ``[batch, q_len, heads, head_dim]`` (at most 64 queries).
+    k_pages, v_pages: page pools ``[num_pages, page_size, kv_heads, head_dim]`` (``v_pages``'
+      head_dim may differ); ``page_size`` a multiple of 16 (the key block divides the page).
+    page_table: ``[batch, pages_per_seq]`` integers; an entry outside ``[0, num_pages)`` reads
+      page 0 and its positions get zero weight.
+    mask: holds the key lengths (``KVLenMask``; a band, query lengths or segments too).
+    split_kv: None or True (the splits fitted to the device) or a :class:`SplitKVConfig`.
+  Returns:
+    ``[batch, q_len, heads, v_head_dim]`` in q's dtype.
+  """
+  page_size = k_pages.shape[1]
+  kv_shape = (q.shape[0], page_table.shape[1] * page_size) + tuple(k_pages.shape[2:])
+  why = paged_supports(q.shape, kv_shape, q.dtype, page_size=page_size, mask=mask, v_head_dim=v_pages.shape[-1])
+  if why:
+    raise ValueError(f"triton attention cannot compute this paged call: {why}")
+  mask.validate(q.shape[0], q.shape[1], kv_shape[1])
+  scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+  cfg = decode_lib.plan(q.shape, kv_shape, q.dtype, mask=mask, score_mod=None, split_kv=split_kv,
+                        device=config_lib.kernel_device(interpret), v_head_dim=v_pages.shape[-1], page_size=page_size)
+  return decode_lib.forward(q, k_pages, v_pages, mask, scale=float(scale), config=cfg, interpret=interpret,
+                            page_table=page_table)
 
 
 def attention(q, k, v, *, mask: Mask | None = None, score_mod: Callable | None = None,

@@ -20,6 +20,10 @@ class Triton(AttentionBackend):
 
   def supports(self, call, device):
     from probjax.ops.attention.backends import triton
+    if call.page_size is not None:  # a paged KV cache: the split-KV decode kernel reads its pages
+      return (self.available(device) or call.not_for_kernels()
+              or triton.paged_supports(call.q_shape, call.kv_shape, call.dtype, page_size=call.page_size,
+                                       device=device, **call_flags(call)))
     return (self.available(device) or call.not_for_kernels()
             or triton.supports(call.q_shape, call.kv_shape, call.dtype, interpret=True, **call_flags(call)))
 
@@ -29,6 +33,11 @@ class Triton(AttentionBackend):
                             backward_pass_impl=backward_pass_impl or call.backward_pass_impl,
                             forward_config=call.forward_config, backward_config=call.backward_config,
                             split_kv=call.split_kv, interpret=call.interpret)
+
+  def paged_kernel(self, q, k_pages, v_pages, page_table, mask, *, call):
+    from probjax.ops.attention.backends import triton
+    return triton.paged_attention(q, k_pages, v_pages, page_table, mask=mask, scale=call.scale,
+                                  split_kv=call.split_kv, interpret=call.interpret)
 
   def forward_kernel(self, q, k, v, mask, *, scale, score_mod, config, interpret):
     from probjax.ops.attention.backends import triton

@@ -8,6 +8,12 @@ queries of all ``G`` heads of a GQA group are packed into the rows of one tile
 loaded once per group. Each program writes its normalised partial output and
 base-2 log-sum-exp; :func:`combine` merges the splits in XLA.
 
+K/V are contiguous ``[batch, kv_len, kv_heads, d]`` or page pools ``[num_pages, page_size,
+kv_heads, d]`` read in place through a page table (:mod:`probjax.ops.attention.paged`): a key
+block lies inside one page (the block divides the page), so one table entry per block gives its
+address. Positions are logical either way, so the masks, the lengths and the splits are the
+same; an entry outside the pool reads page 0 and its positions get zero weight.
+
 Forward only: under ``jax.grad`` the regular kernel runs (it saves the residuals
 the backward needs), see :func:`probjax.ops.attention.backends.triton.attention`.
 """
@@ -44,8 +50,23 @@ def why_not(q_shape, kv_shape, *, score_mod) -> str | None:
   return None
 
 
+def page_why_not(page_size: int) -> str | None:
+  """Why the kernel cannot read pages of ``page_size`` positions (None if it can): a key block,
+  at least ``MIN_BLOCK`` positions, must lie inside one page."""
+  if page_size % config_lib.MIN_BLOCK:
+    return (f"page_size {page_size} is not a multiple of {config_lib.MIN_BLOCK} (a key block, at least "
+            f"{config_lib.MIN_BLOCK} positions, must lie inside one page)")
+  return None
+
+
+def page_block(block_k: int, page_size: int) -> int:
+  """The largest key block at most ``block_k`` (a power of two) that divides ``page_size``:
+  ``block_k`` itself for a power-of-two page at least that long."""
+  return min(block_k, page_size & -page_size)  # the largest power of two dividing page_size
+
+
 def plan(q_shape, kv_shape, dtype, *, mask: Mask | None, score_mod, split_kv,
-         device: str, v_head_dim: int | None = None) -> SplitKVConfig | None:
+         device: str, v_head_dim: int | None = None, page_size: int | None = None) -> SplitKVConfig | None:
   """The split-KV launch for a forward call, or None for the regular kernel.
 
   ``split_kv``: None (automatic: at most ``MAX_QUERIES`` queries, at least
@@ -53,8 +74,17 @@ def plan(q_shape, kv_shape, dtype, *, mask: Mask | None, score_mod, split_kv,
   kernel can take the call; ValueError otherwise) or a :class:`SplitKVConfig`
   (likewise, with its tiles, which must fit the device's shared memory). Default
   tiles are shrunk -- stages, then keys, then rows -- until they fit. ``v_head_dim``: the
-  values' head_dim (None: the keys').
+  values' head_dim (None: the keys'). ``page_size``: a paged call (``kv_shape`` the contiguous
+  shape it stands for), which only this kernel reads: it always gets a launch (one split where
+  the keys are few), a key block dividing the page (:func:`page_block`); ValueError for
+  ``split_kv=False`` or a call the kernel cannot take.
   """
+  if page_size is not None:
+    why = page_why_not(page_size)
+    if split_kv is False or why:
+      raise ValueError(f"a paged KV cache (page_table) is read only by the split-KV decode kernel: "
+                       f"{why or 'split_kv=False'}; pass implementation='xla' to gather the pages")
+    split_kv = True if split_kv is None else split_kv
   if split_kv is False:
     return None
   explicit = isinstance(split_kv, SplitKVConfig)
@@ -68,6 +98,8 @@ def plan(q_shape, kv_shape, dtype, *, mask: Mask | None, score_mod, split_kv,
   group_rows = q_shape[1] * (q_shape[2] // kv_shape[2])
   cfg = split_kv if explicit else SplitKVConfig()
   cfg = dataclasses.replace(cfg, block_rows=_block_rows(cfg, group_rows))
+  if page_size is not None:
+    cfg = dataclasses.replace(cfg, block_k=page_block(cfg.block_k, page_size))
   itemsize, d = np.dtype(dtype).itemsize, tiles.padded_head_dim(q_shape[-1])
   dv = tiles.padded_head_dim(q_shape[-1] if v_head_dim is None else v_head_dim)
   limit = config_lib.smem_limit(device)
@@ -113,8 +145,11 @@ def _band_keys(mask: Mask | None, q_len: int, kv_len: int) -> tuple[int, int]:
 
 def _kernel(q_ref, k_ref, v_ref, *refs, tm: tiles.TileMask, scale: float, groups: int,
             block_rows: int, block_k: int, tile_lo: int, tiles_per_split: int, num_splits: int, tile_hi: int,
-            n_row_tiles: int, masked: bool, fast_exp2: bool):
-  mr = tiles.MaskRefs.unpack(tm, refs[:-2])
+            n_row_tiles: int, masked: bool, fast_exp2: bool, page_size: int | None = None):
+  # refs: the mask's, then with pages the table and its validity ([batch, pages] int32), then the outputs.
+  n_page_refs = 0 if page_size is None else 2
+  mr = tiles.MaskRefs.unpack(tm, refs[:len(refs) - 2 - n_page_refs])
+  pages_ref, page_ok_ref = refs[-4:-2] if page_size is not None else (None, None)
   o_ref, lse_ref = refs[-2:]
   split, b, p = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   hkv, rt = p // n_row_tiles, p % n_row_tiles
@@ -140,14 +175,25 @@ def _kernel(q_ref, k_ref, v_ref, *refs, tm: tiles.TileMask, scale: float, groups
 
   def body(j, carry):
     k_start = j * block_k
-    k = tiles.load_rows(k_ref.at[b, pl.ds(k_start, block_k), hkv, :], k_start, tm.kv_len, valid=kv_valid)
-    v = tiles.load_rows(v_ref.at[b, pl.ds(k_start, block_k), hkv, :], k_start, tm.kv_len, valid=kv_valid)
+    if page_size is None:
+      at = lambda ref: ref.at[b, pl.ds(k_start, block_k), hkv, :]
+      limit = kv_valid
+    else:  # the block lies inside page k_start // page_size (the block divides the page)
+      page_idx = k_start // page_size
+      page, off = pages_ref[b, page_idx], k_start % page_size
+      at = lambda ref: ref.at[page, pl.ds(off, block_k), hkv, :]
+      # An entry outside the pool (read as page 0) gets zero weight: its length limit is 0.
+      limit = kv_valid * page_ok_ref[b, page_idx]
+    k = tiles.load_rows(at(k_ref), k_start, tm.kv_len, valid=limit)
+    v = tiles.load_rows(at(v_ref), k_start, tm.kv_len, valid=limit)
     t, c, _ = tiles.scores(q, k, scale=scale, score_mod=None, b=b, h=None, q_start=None,
                            k_start=k_start)
     if masked:
       ki = k_start + jax.lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
       ks = mr.kv_seg.at[b, pl.ds(k_start, block_k)][...][None, :] if qs is not None else None
       t = jnp.where(tiles.valid(tm, mr, b, qi, ki, qs, ks), t, -jnp.inf)
+      if page_size is not None:
+        t = jnp.where(ki < limit, t, -jnp.inf)
     return tiles.online_softmax_step(carry, t, c, v, fast_exp2)
 
   carry = jax.lax.fori_loop(start, jnp.maximum(start, end), body,
@@ -157,16 +203,29 @@ def _kernel(q_ref, k_ref, v_ref, *refs, tm: tiles.TileMask, scale: float, groups
   lse_ref.at[b, hkv, split, pl.ds(row0, block_rows)][...] = jnp.where(empty, -jnp.inf, lse2)
 
 
-def forward(q, k, v, mask: Mask | None, *, scale: float, config: SplitKVConfig, interpret: bool):
+def forward(q, k, v, mask: Mask | None, *, scale: float, config: SplitKVConfig, interpret: bool,
+            page_table=None):
   """Attention output ``[batch, q_len, heads, v_head_dim]`` by split-KV (no residuals).
 
   Args:
     q: ``[batch, q_len, heads, head_dim]``; k: ``[batch, kv_len, kv_heads, head_dim]``;
     v: ``[batch, kv_len, kv_heads, v_head_dim]``.
     config: from :func:`plan` (fitted to the device; ``num_splits`` and ``block_rows`` set).
+    page_table: ``[batch, pages_per_seq]`` integers: k and v are then page pools ``[num_pages,
+      page_size, kv_heads, d]`` (``kv_len`` is ``pages_per_seq * page_size``; ``config.block_k``
+      divides ``page_size``) and ``mask`` must hold the key lengths. An entry outside the pool
+      reads page 0 and its positions get zero weight.
   """
   batch, q_len, heads, d = q.shape
   kv_len, kv_heads = k.shape[1], k.shape[2]
+  page_size, page_ops = None, []
+  if page_table is not None:
+    page_size, kv_len = k.shape[1], page_table.shape[1] * k.shape[1]
+    if page_size % config.block_k or mask is None or "kv_lengths" not in mask.kinds:
+      raise ValueError(f"a paged call needs key blocks ({config.block_k}) dividing page_size {page_size} and "
+                       "a mask with the key lengths (KVLenMask)")
+    from probjax.ops.attention import paged  # the entries' clamp and validity, shared with the XLA path
+    page_ops = [paged.clamped(page_table, k.shape[0]), paged.page_ok(page_table, k.shape[0]).astype(jnp.int32)]
   groups = heads // kv_heads
   c = config
   dv = v.shape[-1]
@@ -203,7 +262,7 @@ def forward(q, k, v, mask: Mask | None, *, scale: float, config: SplitKVConfig, 
   kernel = functools.partial(
       _kernel, tm=tm, scale=scale, groups=groups, block_rows=br, block_k=bk, tile_lo=tile_lo,
       tiles_per_split=tiles_per_split, num_splits=splits, tile_hi=tile_hi, n_row_tiles=n_row_tiles, masked=masked,
-      fast_exp2=c.fast_exp2 and not interpret)
+      fast_exp2=c.fast_exp2 and not interpret, page_size=page_size)
   o, lse2 = pl.pallas_call(
       kernel,
       grid=(splits, batch, kv_heads * n_row_tiles),
@@ -212,7 +271,7 @@ def forward(q, k, v, mask: Mask | None, *, scale: float, config: SplitKVConfig, 
       compiler_params=plgpu.CompilerParams(num_warps=c.num_warps, num_stages=c.num_stages),
       interpret=interpret,
       name="probjax_attention_fwd_split_kv",
-  )(qp, kp, vp, *mask_ops)
+  )(qp, kp, vp, *mask_ops, *page_ops)
   out = combine(o, lse2)[:, :, :n_rows, :dv]
   out = out.reshape(batch, kv_heads, q_len, groups, dv).transpose(0, 2, 1, 3, 4)
   return out.reshape(batch, q_len, heads, dv).astype(q.dtype)
