@@ -12,7 +12,10 @@ Decoding uses the functional :class:`~probjax.nn.layers.kv_cache.KVCache`:
 per-element lengths; :meth:`MultiHeadAttention.decode_step` writes ``n`` new tokens of element
 ``b`` at ``lengths[b] + arange(n)`` and attends over the cache: with ``KVLenMask(lengths + 1)``
 for one token, and for ``n > 1`` with the dense boolean mask ``k <= lengths[b] + i`` (no
-structured probjax mask has a per-batch causal offset).
+structured probjax mask has a per-batch causal offset). A
+:class:`~probjax.nn.layers.kv_cache.PagedKVCache` (:meth:`MultiHeadAttention.init_paged_cache`)
+stands in for it: the tokens are written through its page table and ``attention_fn`` is called
+with the page pools as k and v and ``page_table=`` (probjax's ``dot_product_attention`` takes it).
 """
 
 from __future__ import annotations
@@ -149,10 +152,10 @@ class MultiHeadAttention(nnx.Module):
     stream = rngs.dropout if isinstance(rngs, nnx.Rngs) else (rngs or self.rngs)
     return dict(dropout_rng=stream(), dropout_rate=self.dropout_rate, deterministic=False)
 
-  def _attend(self, q, k, v, *, mask, is_causal, deterministic=True, rngs=None):
+  def _attend(self, q, k, v, *, mask, is_causal, deterministic=True, rngs=None, **kw):
     out = self.attention_fn(q, k, v, mask=mask, is_causal=is_causal,
                             broadcast_dropout=self.broadcast_dropout,
-                            **self._dropout(deterministic, rngs))
+                            **self._dropout(deterministic, rngs), **kw)
     b, t = out.shape[:2]
     return self.out(out.reshape(b, t, self.num_heads * self.head_dim))
 
@@ -210,6 +213,16 @@ class MultiHeadAttention(nnx.Module):
     return kvc.KVCache.init(batch, max_len, kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                             dtype=dtype)
 
+  def init_paged_cache(self, batch: int, *, page_size: int, pages_per_seq: int | None = None,
+                       num_pages: int | None = None, page_table=None, dtype=None) -> kvc.PagedKVCache:
+    """An empty paged cache: pools ``[num_pages, page_size, num_kv_heads, head_dim]``, the page
+    table ``[batch, pages_per_seq]`` (given, or the contiguous assignment) and lengths; see
+    :meth:`PagedKVCache.init <probjax.nn.layers.kv_cache.PagedKVCache.init>`."""
+    dtype = dtype or self.dtype or self.param_dtype
+    return kvc.PagedKVCache.init(batch, page_size=page_size, pages_per_seq=pages_per_seq, num_pages=num_pages,
+                                 page_table=page_table, kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                                 dtype=dtype)
+
   def _check_decoding(self):
     if self.qkv is None:
       raise ValueError("KV-cache decoding is for self-attention layers (this one has context_features)")
@@ -244,10 +257,16 @@ class MultiHeadAttention(nnx.Module):
       positions = default_positions(b, n, cache.lengths)
     q, k_new, v_new = self._project(x, None, positions)
     cache = kvc.write(cache, k_new, v_new, layer=layer)
-    k, v = kvc.read(cache, layer=layer)
+    paged = isinstance(cache, kvc.PagedKVCache)
     if n == 1:
       mask = KVLenMask(cache.lengths)
     else:  # causal within the new tokens, per-element offset: k <= lengths_before[b] + i
       limit = (cache.lengths - n)[:, None] + jnp.arange(n)                 # [b, n]
       mask = (jnp.arange(cache.max_len)[None, None, :] <= limit[:, :, None])[:, None]
+      if paged:  # attention over pages reads the lengths from the mask
+        mask = KVLenMask(cache.lengths) & mask
+    if paged:
+      return self._attend(q, cache.k_pages, cache.v_pages, mask=mask, is_causal=False,
+                          page_table=cache.page_table), cache
+    k, v = kvc.read(cache, layer=layer)
     return self._attend(q, k, v, mask=mask, is_causal=False), cache

@@ -469,6 +469,19 @@ class Transformer(nnx.Module):
     return kvc.KVCache.init(batch, max_len, kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                             dtype=dtype, num_layers=self.num_layers, layout=layout)
 
+  def init_paged_cache(self, batch: int, *, page_size: int, pages_per_seq: int | None = None,
+                       num_pages: int | None = None, page_table=None, dtype=None) -> kvc.PagedKVCache:
+    """An empty paged cache (:class:`~probjax.nn.layers.kv_cache.PagedKVCache`): one pool pair
+    ``[num_pages, page_size, num_kv_heads, head_dim]`` per layer, one page table ``[batch,
+    pages_per_seq]`` (given, or the contiguous assignment) and one ``lengths`` for all layers.
+    It stands in for :meth:`init_cache`'s in :meth:`prefill` / :meth:`decode_step` (the
+    per-layer layout)."""
+    self._check_decodable("per_layer")
+    dtype = dtype or self.dtype or self.param_dtype
+    return kvc.PagedKVCache.init(batch, page_size=page_size, pages_per_seq=pages_per_seq, num_pages=num_pages,
+                                 page_table=page_table, kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                                 dtype=dtype, num_layers=self.num_layers)
+
   def _check_decodable(self, layout):
     kinds = [self._first.mixer_kind] if self.stacked else [b.mixer_kind for b in self.blocks]
     bad = [(i, k) for i, k in enumerate(kinds) if k != "attention"]
@@ -499,16 +512,18 @@ class Transformer(nnx.Module):
   def _cached(self, method, x, cache, layers=None, **kw):
     if cache.per_layer:
       self._check_decodable("per_layer")
-      if len(cache.k) != self.num_layers:
-        raise ValueError(f"the cache has {len(cache.k)} layers, the model {self.num_layers}")
+      n_cached = len(kvc.layer_arrays(cache)[0])
+      if n_cached != self.num_layers:
+        raise ValueError(f"the cache has {n_cached} layers, the model {self.num_layers}")
       layers = self.unstacked() if layers is None else layers
       if len(layers) != self.num_layers:
         raise ValueError(f"layers: {len(layers)} blocks given, the model has {self.num_layers}")
       ks, vs = [], []
       for i, block in enumerate(layers):
-        x, c = getattr(block, method)(x, kvc.KVCache(cache.k[i], cache.v[i], cache.lengths), **kw)
-        ks.append(c.k)
-        vs.append(c.v)
+        x, c = getattr(block, method)(x, kvc.layer_cache(cache, i), **kw)
+        k, v = kvc.layer_arrays(c)
+        ks.append(k)
+        vs.append(v)
       return x, tuple(ks), tuple(vs)
     def body(carry, block):
       x, k, v, i = carry
@@ -517,6 +532,9 @@ class Transformer(nnx.Module):
 
     if layers is not None:
       raise ValueError("layers= is for the per-layer cache layout")
+    if isinstance(cache, kvc.PagedKVCache):
+      raise ValueError("a PagedKVCache for a layer stack holds one pool per layer (tuples): "
+                       "init_paged_cache / PagedKVCache.init(..., num_layers=)")
     self._check_decodable("stacked")
     x, k, v, _ = nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry,
                           transform_metadata={nnx.PARTITION_NAME: shd.LAYERS})(
@@ -532,7 +550,7 @@ class Transformer(nnx.Module):
     kvc.check_prefix(cache, x.shape[1], lengths)
     x, k, v = self._cached("prefill", x, cache, lengths=lengths, positions=positions,
                            context=context, context_mask=context_mask, film=film)
-    return x, kvc.KVCache(k, v, jnp.asarray(lengths, jnp.int32))
+    return x, kvc.with_layers(cache, k, v, lengths)
 
   def decode_step(self, x, cache: kvc.KVCache, *, positions=None, context=None, context_mask=None,
                   film=None, layers=None):
@@ -545,7 +563,7 @@ class Transformer(nnx.Module):
     kvc.check_room(cache, n)
     x, k, v = self._cached("decode_step", x, cache, layers=layers, positions=positions,
                            context=context, context_mask=context_mask, film=film)
-    return x, kvc.KVCache(k, v, cache.lengths + n)
+    return x, kvc.with_layers(cache, k, v, cache.lengths + n)
 
 
 def _layer_slice(v, i):
@@ -686,6 +704,22 @@ class TransformerLM(nnx.Module):
   def init_cache(self, batch: int, max_len: int, dtype=None, *, layout: str = "per_layer") -> kvc.KVCache:
     """See :meth:`Transformer.init_cache`."""
     return self.transformer.init_cache(batch, max_len, dtype, layout=layout)
+
+  def init_paged_cache(self, batch: int, *, page_size: int, pages_per_seq: int | None = None,
+                       num_pages: int | None = None, page_table=None, dtype=None) -> kvc.PagedKVCache:
+    """See :meth:`Transformer.init_paged_cache`: a paged cache that :meth:`prefill`,
+    :meth:`decode_step` and :func:`~probjax.nn.layers.decoding.decode_loop` take in place of
+    :meth:`init_cache`'s.
+
+    >>> from flax import nnx
+    >>> lm = TransformerLM(vocab_size=11, features=16, num_layers=2, num_heads=2, head_dim=8,
+    ...                    rngs=nnx.Rngs(0))
+    >>> cache = lm.init_paged_cache(2, page_size=16, pages_per_seq=2)
+    >>> len(cache.k_pages), cache.k_pages[0].shape, cache.max_len   # per layer: the pool
+    (2, (4, 16, 2, 8), 32)
+    """
+    return self.transformer.init_paged_cache(batch, page_size=page_size, pages_per_seq=pages_per_seq,
+                                             num_pages=num_pages, page_table=page_table, dtype=dtype)
 
   def prefill(self, tokens, lengths, cache: kvc.KVCache, *, positions=None):
     """Right-padded prompts ``tokens [batch, P]`` with ``lengths [batch]``; returns
