@@ -22,6 +22,7 @@ if TYPE_CHECKING:
   from probjax.nn.layers import MoELayer as MoELayer
   from probjax.nn.layers import MultiHeadAttention as MultiHeadAttention
   from probjax.nn.layers import MultiHeadLatentAttention as MultiHeadLatentAttention
+  from probjax.nn.layers import PagedKVCache as PagedKVCache
   from probjax.nn.layers import RAttention as RAttention
   from probjax.nn.layers import Transformer as Transformer
   from probjax.nn.layers import TransformerBlock as TransformerBlock

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
   from probjax.nn.layers.dit import DiffusionTransformer as DiffusionTransformer
   from probjax.nn.layers.dit import DiTBlock as DiTBlock
   from probjax.nn.layers.kv_cache import KVCache as KVCache
+  from probjax.nn.layers.kv_cache import PagedKVCache as PagedKVCache
   from probjax.nn.layers.mamba import Mamba as Mamba
   from probjax.nn.layers.mamba import Mamba2 as Mamba2
   from probjax.nn.layers.mla import MultiHeadLatentAttention as MultiHeadLatentAttention
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
 _EXPORTS = {
     "MultiHeadAttention": "multi_head_attention",
     "KVCache": "kv_cache",
+    "PagedKVCache": "kv_cache",
     "apply_rotary": "rotary",
     "MLP": "mlp",
     "FiLM": "mlp",

@@ -177,3 +177,25 @@ def test_triton_refuses_what_its_kernel_cannot_read():
   # The gather path computes what the kernel does not: a soft cap, exactly.
   out = dot_product_attention(q, kp, vp, mask=KVLenMask(lengths), page_table=table, logits_soft_cap=30.0)
   assert np.all(np.isfinite(np.asarray(out)))
+
+
+@pytest.mark.parametrize("page_size", [16, 48, 128])
+def test_paged_decode_kernel_lowers_for_sm90(monkeypatch, page_size):
+  """The page reads (a scalar load of the table per key block, a traced page as the pool's
+  leading index) lower for sm_90 and pass MLIR's verifier, at bfloat16 decoding shapes."""
+  from jax._src.pallas.triton import gpu_info
+  import probjax.ops.attention.backends.triton as pt
+  from probjax.ops.attention import gpu
+  from probjax.testing import verify_triton_lowering
+  monkeypatch.setattr(gpu_info, "get_gpu_info",
+                      lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+  monkeypatch.setattr(pt, "supports", lambda *a, **kw: None)
+  monkeypatch.setattr(gpu, "device_kind", lambda device=None: "sm_90")
+  verify_triton_lowering(monkeypatch)
+  q = jax.ShapeDtypeStruct((2, 1, 32, 128), jnp.bfloat16)
+  pool = jax.ShapeDtypeStruct((64, page_size, 8, 128), jnp.bfloat16)
+  table = jax.ShapeDtypeStruct((2, 4096 // page_size // 2), jnp.int32)
+  lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
+  f = lambda q, k, v, t, n: pt.paged_attention(q, k, v, t, mask=KVLenMask(n))
+  text = jax.jit(f).trace(q, pool, pool, table, lengths).lower(lowering_platforms=("cuda",)).as_text()
+  assert "probjax_attention_fwd_split_kv" in text
