@@ -199,3 +199,23 @@ def test_paged_decode_kernel_lowers_for_sm90(monkeypatch, page_size):
   f = lambda q, k, v, t, n: pt.paged_attention(q, k, v, t, mask=KVLenMask(n))
   text = jax.jit(f).trace(q, pool, pool, table, lengths).lower(lowering_platforms=("cuda",)).as_text()
   assert "probjax_attention_fwd_split_kv" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [16, 64, 256])
+def test_gpu_paged_decode_at_full_size(page_size):
+  """bfloat16 decoding at a serving shape (B8, H32/8, D128, 4096 positions per sequence in
+  shuffled pages, ragged lengths, NaN past them): the default picks the decode kernel and
+  matches the float64 reference on the contiguous cache."""
+  pages_per_seq = 4096 // page_size
+  q, kp, vp, table, lengths, k, v = _case(7, batch=8, heads=32, kv_heads=8, d=128, page_size=page_size,
+                                          pages_per_seq=pages_per_seq, spare=pages_per_seq,
+                                          lengths=(4096, 1, 1000, 4095, 17, 2048, 3333, 64))
+  q, kp, vp = (x.astype(jnp.bfloat16) for x in (q, kp, vp))
+  mask = KVLenMask(lengths)
+  assert explain_dispatch(q.shape, (8, 4096, 8, 128), jnp.bfloat16, mask=mask,
+                          page_size=page_size).implementation == "triton"
+  out = jax.jit(lambda q, kp, vp, t: dot_product_attention(q, kp, vp, mask=mask, page_table=t))(q, kp, vp, table)
+  rounded = lambda x: np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32)   # the kernel's inputs
+  ref = reference_attention(q.astype(jnp.float32), rounded(k), rounded(v), mask=mask)
+  assert max_error(out, ref) <= tolerance(jnp.bfloat16)
