@@ -173,18 +173,27 @@ def score_mod_unlowerable(score_mod, rules, backend: str, index_shapes, *, grad:
 
 
 def _first_unlowerable(score_mod, rules, backend: str, index_shapes, grad: bool) -> str | None:
-  from jax.extend import core as jex_core
   tile = jax.ShapeDtypeStruct((64, 128), jnp.float32)
   scalar = jax.ShapeDtypeStruct((), jnp.int32)
   idx = [jax.ShapeDtypeStruct(shape, jnp.int32) for shape in index_shapes]
   fn = score_mod
   if grad:
     fn = lambda s, b, h, qi, ki: score_mod_pullback(score_mod, s, s, b, h, qi, ki)
-  jaxprs = [jax.make_jaxpr(fn)(tile, scalar, scalar, *idx).jaxpr]
+  name = first_unlowerable(jax.make_jaxpr(fn)(tile, scalar, scalar, *idx).jaxpr, rules)
+  if name is not None:
+    return f"score_mod{' (its gradient)' if grad else ''} uses {name}, which {backend} cannot lower"
+  return None
+
+
+def first_unlowerable(jaxpr, rules) -> str | None:
+  """The name of the first primitive of ``jaxpr`` (or of a jaxpr nested in its equations) that
+  has no entry in a Pallas backend's lowering ``rules``, or None."""
+  from jax.extend import core as jex_core
+  jaxprs = [jaxpr]
   while jaxprs:
     for eqn in jaxprs.pop().eqns:
       if eqn.primitive not in rules:
-        return f"score_mod{' (its gradient)' if grad else ''} uses {eqn.primitive.name}, which {backend} cannot lower"
+        return eqn.primitive.name
       for p in eqn.params.values():
         jaxprs += [j.jaxpr if isinstance(j, jex_core.ClosedJaxpr) else j
                    for j in (p if isinstance(p, (tuple, list)) else (p,))

@@ -12,6 +12,9 @@ from probjax.ops.attention.masks import Mask
 # The mask predicate kinds the fused kernels (Triton, Mosaic GPU) compute; a call with another
 # predicate (PrefixLMMask) is theirs to refuse and runs on the XLA path.
 KERNEL_MASK_KINDS = ("band", "q_lengths", "kv_lengths", "segments")
+# The Triton kernel also evaluates a mask_mod in its body (:meth:`Mask.tile_function`), where
+# Pallas Triton lowers the function (``backends/triton``'s ``supports`` checks it).
+TRITON_MASK_KINDS = KERNEL_MASK_KINDS + ("mask_mod",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,11 +114,12 @@ class AttentionCall:
     return (f"a paged KV cache (page_table): {backend} reads contiguous K/V; the Triton split-KV decode "
             "kernel reads pages, and implementation='xla' gathers them")
 
-  def not_for_kernels(self) -> str | None:
-    """The first argument no fused kernel takes, or None."""
+  def not_for_kernels(self, mask_kinds: tuple[str, ...] = KERNEL_MASK_KINDS) -> str | None:
+    """The first argument no fused kernel takes, or None; ``mask_kinds``: the mask predicate
+    kinds the asking kernel computes (default: those every fused kernel does)."""
     for present, what in ((self.bias, "additive bias"), (self.dense_mask, "dense boolean mask"),
                           (self.dropout, "dropout"), (self.precision is not None, "non-default precision"),
                           (self.module, "attention weights requested (module)")):
       if present:
         return what
-    return None if self.mask is None else self.mask.refusal(KERNEL_MASK_KINDS, "the fused kernels")
+    return None if self.mask is None else self.mask.refusal(mask_kinds, "the fused kernels")

@@ -43,7 +43,7 @@ which only ``dot_product_attention`` (on its XLA path) takes:
 """
 
 from probjax.ops.attention.masks.base import (DENSE_ONLY_MESSAGE, EMPTY, FULL, PARTIAL, PREDICATES, Mask,
-                                              MaskWithDense, Predicate, TileGrid, register,
+                                              MaskWithDense, Predicate, TileFunction, TileGrid, register,
                                               register_callable)
 from probjax.ops.attention.masks.band import Band, CausalMask, LocalWindowMask, band
 from probjax.ops.attention.masks.dense import structured_equivalent
@@ -59,7 +59,7 @@ register(Band, QLengths, KVLengths, Segments, PrefixLM, MaskModPredicate)
 register_callable(MaskMod)
 
 __all__ = [
-    "Mask", "MaskWithDense", "Predicate", "TileGrid", "PREDICATES", "register", "EMPTY", "PARTIAL", "FULL",
+    "Mask", "MaskWithDense", "Predicate", "TileFunction", "TileGrid", "PREDICATES", "register", "EMPTY", "PARTIAL", "FULL",
     "DENSE_ONLY_MESSAGE", "Band", "QLengths", "KVLengths", "Segments", "PrefixLM", "band", "CausalMask",
     "LocalWindowMask", "KVLenMask", "LengthMask", "SegmentMask", "PrefixLMMask", "MaskMod", "MaskModPredicate",
     "structured_equivalent",

@@ -155,6 +155,27 @@ class Predicate:
     ``q_pad``/``kv_pad`` (None: unpadded)."""
     return ()
 
+  def tile_function(self, q_shape: tuple, k_shape: tuple) -> TileFunction | None:
+    """The predicate as a kernel traces it in its body, on index arrays of ``q_shape`` /
+    ``k_shape`` with scalar batch and query-head indices (:class:`TileFunction`); None where
+    kernels compute it from :meth:`operands` (every kind but a mask_mod)."""
+    return None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TileFunction:
+  """A predicate traced once on one tile's index shapes, for a kernel to evaluate in its body:
+  ``jaxpr`` maps ``(b, h, q_idx, k_idx)`` (int32: scalar batch element and query head, index
+  arrays of the traced shapes) to a bool tile. ``consts`` are the arrays the function closes
+  over (concrete or traced); a kernel cannot capture arrays, so it takes them as operands and
+  passes them back, read inside the kernel, to :meth:`__call__`."""
+
+  jaxpr: Any
+  consts: tuple
+
+  def __call__(self, consts, b, h, q_idx, k_idx):
+    return jax.core.eval_jaxpr(self.jaxpr, list(consts), b, h, q_idx, k_idx)[0]
+
 
 @dataclasses.dataclass(frozen=True, init=False)
 class Mask:
@@ -284,6 +305,12 @@ class Mask:
   def operands(self, batch: int, q_pad: int | None = None, kv_pad: int | None = None) -> dict[str, tuple]:
     """Per predicate kind with arrays, the int32 arrays a kernel reads (:meth:`Predicate.operands`)."""
     return {p.kind: ops for p in self.predicates if (ops := p.operands(batch, q_pad, kv_pad))}
+
+  def tile_function(self, q_shape: tuple, k_shape: tuple) -> TileFunction | None:
+    """The predicate a kernel traces in its body (:meth:`Predicate.tile_function`: a mask_mod),
+    or None; at most one kind has one."""
+    fns = [f for p in self.predicates if (f := p.tile_function(q_shape, k_shape)) is not None]
+    return fns[0] if fns else None
 
   def lengths(self, batch: int):
     """``(q_lengths, kv_lengths)``: ``[batch]`` int32 each, or None where the mask has none."""

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from probjax.ops.attention.masks.base import Mask, Predicate, TileGrid
+from probjax.ops.attention.masks.base import Mask, Predicate, TileFunction, TileGrid
 
 # Grid elements evaluated per step of the tile classification (its memory, not its result).
 _CHUNK = 1 << 24
@@ -83,6 +83,20 @@ class MaskModPredicate(Predicate):
     if classes is None:  # the function depends on traced values: every tile PARTIAL
       return True, False
     return jnp.asarray(classes[0]), jnp.asarray(classes[1])
+
+  def tile_function(self, q_shape, k_shape):
+    # Traced here, outside the kernel: a kernel cannot capture the arrays the function closes
+    # over, so they become its operands (TileFunction.consts).
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    shape = jnp.broadcast_shapes(tuple(q_shape), tuple(k_shape))
+
+    def on_tile(b, h, q_idx, k_idx):  # b / h as element() passes them: 0 where not defined per b / h
+      b = b if self.batch is not None else 0
+      h = h if self.heads is not None else 0
+      return jnp.broadcast_to(self._call(b, h, q_idx, k_idx), shape)
+
+    closed = jax.make_jaxpr(on_tile)(i32(), i32(), i32(*q_shape), i32(*k_shape))
+    return TileFunction(closed.jaxpr, tuple(closed.consts))
 
   def validate(self, batch, q_len, kv_len):
     if self.batch is not None and self.batch != batch:

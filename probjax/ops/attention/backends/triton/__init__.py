@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from probjax.ops.attention import vjp
 from probjax.ops.attention.base import check_kernel_call, score_mod_reason
-from probjax.ops.attention.call import KERNEL_MASK_KINDS
+from probjax.ops.attention.call import TRITON_MASK_KINDS
 from probjax.ops.attention.gpu import triton_lowerable  # (re-exported)
 from probjax.ops.attention.masks import Mask
 from probjax.ops.attention.backends.triton import config as config_lib
@@ -28,6 +28,7 @@ from probjax.ops.attention.backends.triton.config import BackwardConfig, Forward
 from probjax.ops.attention.backends.triton import decode as decode_lib
 from probjax.ops.attention.backends.triton import forward as forward_lib
 from probjax.ops.attention.backends.triton import jvp as jvp_lib
+from probjax.ops.attention.backends.triton import tiles as tiles_lib
 from probjax.ops.attention.backends.triton.tiles import padded_head_dim
 
 __all__ = ["attention", "supports", "paged_attention", "paged_supports", "forward_kernel", "backward_kernel", "ForwardConfig", "BackwardConfig", "SplitKVConfig"]
@@ -73,7 +74,8 @@ def supports(q_shape, kv_shape, dtype, *, mask: Mask | None = None,
     return "empty sequence"
   if mask is not None and not isinstance(mask, Mask):
     return f"mask of type {type(mask).__name__}"
-  if mask is not None and (why := mask.refusal(KERNEL_MASK_KINDS, "the Triton kernel")):
+  if mask is not None and (why := mask.refusal(TRITON_MASK_KINDS, "the Triton kernel")
+                           or tiles_lib.mask_function_reason(mask)):
     return why
   return score_mod_reason(score_mod) or triton_lowerable(score_mod, grad=True)
 
@@ -173,7 +175,7 @@ def attention(q, k, v, *, mask: Mask | None = None, score_mod: Callable | None =
   split = decode_lib.plan(q.shape, k.shape, q.dtype, mask=mask, score_mod=score_mod,
                           split_kv=split_kv, device=device, v_head_dim=v.shape[-1])
   st = _Static(score_mod, float(scale), fcfg, bcfg, impl, split, bool(interpret))
-  kernel = lambda fn: vjp.Kernel(fn, st, _partitioned(score_mod))
+  kernel = lambda fn: vjp.Kernel(fn, st, _partitioned(score_mod, mask))
   return vjp.attention(kernel(_forward_shard), kernel(_backward_shard), q, k, v, mask,
                        primal=None if split is None else kernel(_decode_shard))
 
@@ -252,10 +254,10 @@ class _Static:
   interpret: bool
 
 
-def _partitioned(score_mod: Callable | None) -> bool:
+def _partitioned(score_mod: Callable | None, mask: Mask | None = None) -> bool:
   """Whether the kernels run per shard of batch and heads (:func:`sharding.masked_call`): not
-  with a ``score_mod`` (it sees global batch and head indices)."""
-  return score_mod is None
+  with a ``score_mod`` or a mask_mod (they see global batch and head indices)."""
+  return score_mod is None and (mask is None or "mask_mod" not in mask.kinds)
 
 
 def _decode_shard(st: _Static, q, k, v, mask):

@@ -24,7 +24,8 @@ class Triton(AttentionBackend):
       return (self.available(device) or call.not_for_kernels()
               or triton.paged_supports(call.q_shape, call.kv_shape, call.dtype, page_size=call.page_size,
                                        device=device, **call_flags(call)))
-    return (self.available(device) or call.not_for_kernels()
+    from probjax.ops.attention.call import TRITON_MASK_KINDS
+    return (self.available(device) or call.not_for_kernels(TRITON_MASK_KINDS)
             or triton.supports(call.q_shape, call.kv_shape, call.dtype, interpret=True, **call_flags(call)))
 
   def __call__(self, q, k, v, mask, *, call, backward_pass_impl=None):

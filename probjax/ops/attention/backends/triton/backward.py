@@ -39,10 +39,14 @@ def _dot(a, b, dims=(((1,), (0,)), ((), ()))):
 
 def _probs_and_ds(q, k, v, do, lse2, delta, *, tm, mr, b, h, q_start, k_start, masked,
                   scale, score_mod, fast_exp2, transposed=False):
-  """``p`` and ``dS`` (w.r.t. the scaled, pre-``score_mod`` score) of one tile,
-  ``[block_q, block_k]`` or, ``transposed``, ``[block_k, block_q]``."""
+  """``(p, dS, k)``: ``p`` and ``dS`` (w.r.t. the scaled, pre-``score_mod`` score) of one tile,
+  ``[block_q, block_k]`` or, ``transposed``, ``[block_k, block_q]``, and the key rows the
+  products with ``dS`` read (:func:`tiles.unseen_keys_zeroed`)."""
   bq, bk = q.shape[0], k.shape[0]
   pos = dict(b=b, h=h, q_start=q_start, k_start=k_start, transposed=transposed)
+  valid = tiles.tile_valid(tm, mr, b, q_start, k_start, bq, bk, transposed=transposed, h=h) if masked else None
+  if masked:
+    k, v = tiles.unseen_keys_zeroed(tm, valid, k, v, transposed=transposed)
   t, c, s_nat = tiles.scores(q, k, scale=scale, score_mod=score_mod, **pos)
   if transposed:
     p = tiles.exp2_affine(t, c, lse2[None, :], fast_exp2)
@@ -50,7 +54,6 @@ def _probs_and_ds(q, k, v, do, lse2, delta, *, tm, mr, b, h, q_start, k_start, m
   else:
     p = tiles.exp2_affine(t, c, lse2[:, None], fast_exp2)
     dp = _dot(do, v, _NT) - delta[:, None]
-  valid = tiles.tile_valid(tm, mr, b, q_start, k_start, bq, bk, transposed=transposed) if masked else None
   if masked:  # after the exponent, so that the scale folds into its fused multiply-add
     p = jnp.where(valid, p, 0.0)
   ds = p * dp
@@ -58,7 +61,7 @@ def _probs_and_ds(q, k, v, do, lse2, delta, *, tm, mr, b, h, q_start, k_start, m
     ds = tiles.score_mod_grad(score_mod, s_nat, ds, **pos)
     if masked:  # score_mod's derivative may be non-finite where the mask hides its value
       ds = jnp.where(valid, ds, 0.0)
-  return p, ds
+  return p, ds, k
 
 
 def _dkv_program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mr, dk_ref, dv_ref, dq_acc_ref,
@@ -88,7 +91,7 @@ def _dkv_program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mr, dk_ref, dv
       # Only masked tiles can hold the partial last tile of the queries, or this batch element's.
       q = tiles.load_rows(q_ref.at[b, rows, h, :], q_start, tm.q_len, masked, q_valid)
       do = tiles.load_rows(do_ref.at[b, rows, h, :], q_start, tm.q_len, masked, q_valid)
-      pt, dst = _probs_and_ds(q, k, v, do, lse_ref.at[b, h, rows][...],
+      pt, dst, kt = _probs_and_ds(q, k, v, do, lse_ref.at[b, h, rows][...],
                               delta_ref.at[b, h, rows][...], tm=tm, mr=mr, b=b, h=h,
                               q_start=q_start, k_start=k_start, masked=masked, scale=scale,
                               score_mod=score_mod, fast_exp2=fast_exp2, transposed=True)
@@ -96,7 +99,7 @@ def _dkv_program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mr, dk_ref, dv
       dst = dst.astype(q.dtype)
       dk = dk + _dot(dst, q)
       if dq_acc_ref is not None:
-        plgpu.atomic_add(dq_acc_ref, (b, rows, h, slice(None)), _dot(dst, k, _T) * scale)
+        plgpu.atomic_add(dq_acc_ref, (b, rows, h, slice(None)), _dot(dst, kt, _T) * scale)
       return dk, dv
 
     return tiles.tile_loop(tm, mr, b, j, num_q_tiles, body, carry, by_q=False,
@@ -128,7 +131,7 @@ def _dq_program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mr, dq_ref, *, 
     k_start = j * block_k
     k = tiles.load_rows(k_ref.at[b, pl.ds(k_start, block_k), hkv, :], k_start, tm.kv_len, masked, kv_valid)
     v = tiles.load_rows(v_ref.at[b, pl.ds(k_start, block_k), hkv, :], k_start, tm.kv_len, masked, kv_valid)
-    _, ds = _probs_and_ds(q, k, v, do, lse2, delta, tm=tm, mr=mr, b=b, h=h, q_start=q_start,
+    _, ds, k = _probs_and_ds(q, k, v, do, lse2, delta, tm=tm, mr=mr, b=b, h=h, q_start=q_start,
                           k_start=k_start, masked=masked, scale=scale, score_mod=score_mod,
                           fast_exp2=fast_exp2)
     return dq + _dot(ds.astype(k.dtype), k)

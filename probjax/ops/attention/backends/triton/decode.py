@@ -41,10 +41,12 @@ MIN_KEYS = 1024         # auto: at least this many keys
 MIN_SPLIT_KEYS = 256    # no split gets fewer keys (each program's loop amortises its setup)
 
 
-def why_not(q_shape, kv_shape, *, score_mod) -> str | None:
+def why_not(q_shape, kv_shape, *, score_mod, mask: Mask | None = None) -> str | None:
   """Why the split-KV kernel cannot compute a call (None if it can)."""
   if score_mod is not None:
     return "score_mod (the packed rows mix heads)"
+  if mask is not None and "mask_mod" in mask.kinds:
+    return "mask_mod (the packed rows mix heads; the regular forward computes it)"
   if q_shape[1] > MAX_QUERIES:
     return f"{q_shape[1]} queries > {MAX_QUERIES}"
   return None
@@ -90,7 +92,7 @@ def plan(q_shape, kv_shape, dtype, *, mask: Mask | None, score_mod, split_kv,
   explicit = isinstance(split_kv, SplitKVConfig)
   if split_kv is not None and split_kv is not True and not explicit:
     raise TypeError(f"split_kv must be None, a bool or a SplitKVConfig, got {type(split_kv).__name__}")
-  reason = why_not(q_shape, kv_shape, score_mod=score_mod)
+  reason = why_not(q_shape, kv_shape, score_mod=score_mod, mask=mask)
   if split_kv is None and (reason is not None or kv_shape[1] < MIN_KEYS):
     return None
   if reason is not None:

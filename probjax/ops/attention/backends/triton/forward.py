@@ -38,10 +38,13 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, tm: tiles.TileMask, scale: float
     k_start = j * block_k
     k = tiles.load_rows(k_ref.at[b, pl.ds(k_start, block_k), hkv, :], k_start, tm.kv_len, masked, kv_valid)
     v = tiles.load_rows(v_ref.at[b, pl.ds(k_start, block_k), hkv, :], k_start, tm.kv_len, masked, kv_valid)
+    if masked:
+      ok = tiles.tile_valid(tm, mr, b, q_start, k_start, block_q, block_k, h=h)
+      k, v = tiles.unseen_keys_zeroed(tm, ok, k, v)
     t, c, _ = tiles.scores(q, k, scale=scale, score_mod=score_mod, b=b, h=h,
                            q_start=q_start, k_start=k_start)
     if masked:
-      t = jnp.where(tiles.tile_valid(tm, mr, b, q_start, k_start, block_q, block_k), t, -jnp.inf)
+      t = jnp.where(ok, t, -jnp.inf)
     return tiles.online_softmax_step(carry, t, c, v, fast_exp2)
 
   carry = tiles.tile_loop(tm, mr, b, i, num_kv_tiles, body, tiles.online_softmax_init(block_q, v_ref.shape[-1]),

@@ -59,10 +59,12 @@ def _jvp_kernel(q_ref, k_ref, v_ref, qd_ref, kd_ref, vd_ref, *refs, tm: tiles.Ti
     load = lambda ref: tiles.load_rows(ref.at[b, pl.ds(k_start, block_k), hkv, :], k_start, tm.kv_len,
                                        masked, kv_valid)
     k, v, kd, vd = load(k_ref), load(v_ref), load(kd_ref), load(vd_ref)
+    if masked:
+      ok = tiles.tile_valid(tm, mr, b, q_start, k_start, block_q, block_k, h=h)
+      k, v, kd, vd = tiles.unseen_keys_zeroed(tm, ok, k, v, kd, vd)
     t, c, _ = tiles.scores(q, k, scale=scale, score_mod=None, b=b, h=h, q_start=q_start, k_start=k_start)
     sd = (dot(qd, k, ((1,), (1,))) + dot(q, kd, ((1,), (1,)))) * scale
     if masked:
-      ok = tiles.tile_valid(tm, mr, b, q_start, k_start, block_q, block_k)
       t = jnp.where(ok, t, -jnp.inf)
       sd = jnp.where(ok, sd, 0.0)
     m_new = jnp.maximum(m, jnp.max(t, axis=1) * c)
@@ -155,7 +157,10 @@ def tangent(exact: Callable, *, scale: float, config: ForwardConfig, interpret: 
   st = _Static(float(scale), config, bool(interpret))
 
   def fused(q, k, v, mask, qd, kd, vd):
-    return masked_call(_shard, st, (q, k, v, qd, kd, vd), (Q, KV, KV, Q, KV, KV), mask, (Q, Q, STATS, STATS))[1]
+    # A mask_mod sees global batch and head indices, which a shard does not have.
+    partition = mask is None or "mask_mod" not in mask.kinds
+    return masked_call(_shard, st, (q, k, v, qd, kd, vd), (Q, KV, KV, Q, KV, KV), mask, (Q, Q, STATS, STATS),
+                       partition=partition)[1]
 
   def xla(q, k, v, mask, qd, kd, vd):
     return jax.jvp(lambda q, k, v: exact(q, k, v, mask), (q, k, v), (qd, kd, vd))[1]

@@ -21,9 +21,10 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from probjax.ops.attention.call import KERNEL_MASK_KINDS
-from probjax.ops.attention.masks import (EMPTY, FULL, Mask, heavy_first_program, num_tiles,  # noqa: F401
-                                        pad_axis, ranges_from_classes, round_up)  # (re-exported)
+from probjax.ops.attention.base import first_unlowerable
+from probjax.ops.attention.call import TRITON_MASK_KINDS
+from probjax.ops.attention.masks import (EMPTY, FULL, Mask, TileFunction, heavy_first_program,  # noqa: F401
+                                        num_tiles, pad_axis, ranges_from_classes, round_up)  # (re-exported)
 
 LOG2E = math.log2(math.e)
 
@@ -34,7 +35,10 @@ class TileMask:
 
   ``band``: the mask's static band (:attr:`Mask.band`). ``q_len``/``kv_len`` are the true
   lengths (arrays are padded beyond them). The optional refs follow the main operands in the
-  order ``tile_range, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids``.
+  order ``tile_range, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids`` and then the
+  arrays ``fn`` closes over (``fn.consts``, each as one element).
+  ``fn``: a mask_mod traced on this kernel's tile index shapes (:meth:`Mask.tile_function`),
+  evaluated on PARTIAL tiles; None without one.
   """
   band: Mask
   q_len: int
@@ -43,6 +47,12 @@ class TileMask:
   has_q_lengths: bool
   has_kv_lengths: bool
   has_segments: bool    # segment ids: per-batch tile ranges from the tile classes
+  fn: TileFunction | None = None  # a mask_mod: per-batch tile ranges from the tile classes too
+
+  @property
+  def per_batch_range(self) -> bool:
+    """Whether the tile ranges come per batch element from the whole mask's tile classes."""
+    return self.has_segments or self.fn is not None
 
 
 @dataclasses.dataclass
@@ -53,10 +63,12 @@ class MaskRefs:
   kv_lens: Any = None      # [batch] int32
   q_seg: Any = None        # [batch, q_pad] int32
   kv_seg: Any = None       # [batch, kv_pad] int32
+  fn_consts: tuple = ()    # [1] each: the scalars tm.fn closes over
 
   @staticmethod
   def count(tm: TileMask) -> int:
-    return tm.has_range + tm.has_q_lengths + tm.has_kv_lengths + 2 * tm.has_segments
+    n_fn = 0 if tm.fn is None else len(tm.fn.consts)
+    return tm.has_range + tm.has_q_lengths + tm.has_kv_lengths + 2 * tm.has_segments + n_fn
 
   def valid(self, b, *, keys: bool):
     """Batch element ``b``'s key (``keys``) or query length, or None without one."""
@@ -70,6 +82,17 @@ class MaskRefs:
     out = cls(pop(tm.has_range))
     out.q_lens, out.kv_lens = pop(tm.has_q_lengths), pop(tm.has_kv_lengths)
     out.q_seg, out.kv_seg = pop(tm.has_segments), pop(tm.has_segments)
+    out.fn_consts = tuple(refs[:0 if tm.fn is None else len(tm.fn.consts)])
+    return out
+
+  def fn_args(self, tm: TileMask) -> list:
+    """The arrays ``tm.fn`` closes over, read from their refs (one element each: a value of any
+    shape, broadcast back to it)."""
+    out = []
+    for ref, c in zip(self.fn_consts, tm.fn.consts):
+      x = ref[0]
+      x = x != 0 if c.dtype == jnp.bool_ else x.astype(c.dtype)
+      out.append(jnp.broadcast_to(x, c.shape) if c.shape else x)
     return out
 
 
@@ -123,7 +146,7 @@ def mask_operands(mask: Mask | None, batch: int, q_len: int, kv_len: int, q_pad:
   keep Triton from pipelining it.
   """
   m = mask if mask is not None else Mask()
-  why = m.refusal(KERNEL_MASK_KINDS, "the Triton kernel")
+  why = m.refusal(TRITON_MASK_KINDS, "the Triton kernel") or mask_function_reason(m)
   if why:
     raise ValueError(why)
   arrays = m.operands(batch, q_pad, kv_pad)
@@ -131,7 +154,8 @@ def mask_operands(mask: Mask | None, batch: int, q_len: int, kv_len: int, q_pad:
                 has_range=mask is not None,
                 has_q_lengths="q_lengths" in arrays,
                 has_kv_lengths="kv_lengths" in arrays,
-                has_segments="segments" in arrays)
+                has_segments="segments" in arrays,
+                fn=m.tile_function(*fn_index_shapes(block_q, block_k, by_q=by_q)))
   ops = []
   if tm.has_range:
     band = m.band
@@ -155,14 +179,48 @@ def mask_operands(mask: Mask | None, batch: int, q_len: int, kv_len: int, q_pad:
       flo, fhi = (int(idx[0]), int(idx[-1]) + 1) if idx.size else (hi, hi)
       rows.append((lo, hi, flo, fhi))
     band_range = np.array(rows, np.int32).T
-    if tm.has_segments:
+    if tm.per_batch_range:
       classes = m.classify_tiles(batch, q_len, kv_len, block_q, block_k)
       ops.append(ranges_from_classes(classes if by_q else jnp.swapaxes(classes, 1, 2)))
     else:
       ops.append(jnp.asarray(band_range))
   for kind in ("q_lengths", "kv_lengths", "segments"):
     ops.extend(arrays.get(kind, ()))
+  if tm.fn is not None:
+    ops.extend(jnp.reshape(jnp.asarray(c, jnp.int32 if c.dtype == jnp.bool_ else c.dtype), (1,))
+               for c in tm.fn.consts)
   return tm, ops
+
+
+def fn_index_shapes(block_q: int, block_k: int, *, by_q: bool) -> tuple[tuple, tuple]:
+  """The query and key index shapes of a kernel's tiles (:func:`tile_indices`): ``[block_q, 1]``
+  and ``[1, block_k]`` for a loop over key tiles (``by_q``), transposed for the dK/dV kernels."""
+  return ((block_q, 1), (1, block_k)) if by_q else ((1, block_q), (block_k, 1))
+
+
+def mask_function_reason(mask: Mask | None) -> str | None:
+  """Why the kernels cannot evaluate the mask's mask_mod (:meth:`Mask.tile_function`) in their
+  body, or None (also without one): it does not trace on a tile, it closes over an array of more
+  than one element (reading it per position is a gather), or it uses an operation Pallas Triton
+  cannot lower. Checked before any kernel is traced, so the call is refused rather than failing
+  to compile, or running a different computation."""
+  if mask is None or "mask_mod" not in mask.kinds:
+    return None
+  try:
+    fn = mask.tile_function(*fn_index_shapes(64, 128, by_q=True))
+  except Exception as e:  # noqa: BLE001 -- any tracing failure means "not this kernel"
+    return f"mask_mod not traceable on a tile of indices ({type(e).__name__}: {e})"
+  for c in fn.consts:
+    if math.prod(jnp.shape(c)) != 1:
+      return (f"mask_mod closes over an array of shape {tuple(jnp.shape(c))}: the Triton kernel reads "
+              "scalars from a mask_mod's closure, not arrays (indexing one per position is a gather, "
+              "which Pallas Triton cannot lower); SegmentMask computes document ids in the kernel, or "
+              "use implementation='xla'")
+  from probjax.core import compat
+  name = first_unlowerable(fn.jaxpr, compat.triton_lowering_rules())
+  if name is not None:
+    return f"mask_mod uses {name}, which Pallas Triton cannot lower (use implementation='xla')"
+  return None
 
 
 # -- in-kernel helpers ----------------------------------------------------------
@@ -197,7 +255,7 @@ def tile_loop(tm: TileMask, mr: MaskRefs, b, tile, n_static: int, body, carry, *
   if mr.tile_range is None:
     return _unmasked_loop(tm, tile, n_static, body, carry, by_q=by_q, block_outer=block_outer,
                           block_inner=block_inner)
-  if tm.has_segments:
+  if tm.per_batch_range:
     lo, hi, flo, fhi = (mr.tile_range[b, r, tile] for r in range(4))
   else:
     lo, hi, flo, fhi = (mr.tile_range[r, tile] for r in range(4))
@@ -270,21 +328,34 @@ def tile_indices(q_start, k_start, block_q: int, block_k: int, *, transposed: bo
 
 
 def tile_valid(tm: TileMask, mr: MaskRefs, b, q_start, k_start, block_q: int, block_k: int, *,
-               transposed: bool = False):
+               transposed: bool = False, h=None):
   """Boolean element predicate of one PARTIAL tile: ``[block_q, block_k]``, or
-  ``[block_k, block_q]`` when ``transposed``."""
+  ``[block_k, block_q]`` when ``transposed`` (``h``: the query head, which a mask_mod reads)."""
   qi, ki = tile_indices(q_start, k_start, block_q, block_k, transposed=transposed)
   qs = ks = None
   if mr.q_seg is not None:
     qs = mr.q_seg.at[b, pl.ds(q_start, block_q)][...]
     ks = mr.kv_seg.at[b, pl.ds(k_start, block_k)][...]
     qs, ks = (qs[None, :], ks[:, None]) if transposed else (qs[:, None], ks[None, :])
-  return valid(tm, mr, b, qi, ki, qs, ks)
+  return valid(tm, mr, b, qi, ki, qs, ks, h=h)
 
 
-def valid(tm: TileMask, mr: MaskRefs, b, qi, ki, qs=None, ks=None):
+def unseen_keys_zeroed(tm: TileMask, ok, *xs, transposed: bool = False):
+  """``xs`` (key-row tiles ``[block_k, ...]``) with the rows that no query of the tile may see
+  (``ok``: :func:`tile_valid`) zeroed, under a mask_mod: they may hold anything (NaN, inf), and
+  a probability of zero does not cancel them in a product (``0 * nan`` is NaN). The other
+  predicates exclude such rows before they are loaded (:func:`load_rows`); a mask_mod's are
+  known only from its values on the tile."""
+  if tm.fn is None:
+    return xs
+  seen = jnp.max(ok.astype(jnp.int32), axis=1 if transposed else 0) > 0  # [block_k]
+  return tuple(jnp.where(seen[:, None], x, jnp.zeros_like(x)) for x in xs)
+
+
+def valid(tm: TileMask, mr: MaskRefs, b, qi, ki, qs=None, ks=None, *, h=None):
   """The mask predicate on broadcastable query/key positions ``qi``/``ki`` of batch
-  element ``b`` (``qs``/``ks``: their segment ids, when the mask has them)."""
+  element ``b`` (``qs``/``ks``: their segment ids, when the mask has them; ``h``: the query
+  head, for a mask_mod, traced on exactly these index shapes)."""
   ok = tm.band.element(qi, ki) & (qi < tm.q_len) & (ki < tm.kv_len)
   if mr.q_lens is not None:
     ok &= qi < mr.q_lens[b]
@@ -292,6 +363,8 @@ def valid(tm: TileMask, mr: MaskRefs, b, qi, ki, qs=None, ks=None):
     ok &= ki < mr.kv_lens[b]
   if qs is not None:
     ok &= qs == ks
+  if tm.fn is not None:
+    ok &= tm.fn(mr.fn_args(tm), b, h, qi, ki)
   return ok
 
 

@@ -1,0 +1,211 @@
+"""The Triton kernel computes ``mask_mod(b, h, q_idx, kv_idx) -> bool`` masks: values and every
+gradient against the float64 reference (interpret mode, 16-row tiles at odd lengths), tile
+skipping from the mask's tile classes, functions of the batch element and the query head under
+GQA, a function closing over traced values (every tile PARTIAL), NaN in keys and values the
+mask excludes, and the refusals (functions the kernel cannot lower, the split-KV forward).
+
+Interpret mode compiles each call's kernels anew (a few seconds of CPU a case): the default run
+keeps one case per backward pass and per kind of function; the combinations are slow.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from probjax.ops.attention import dot_product_attention, explain_dispatch
+from probjax.ops.attention import masks as M
+from probjax.ops.attention.backends import triton as pt
+from probjax.ops.attention.backends.triton import tiles
+from probjax.ops.attention.call import AttentionCall
+from probjax.ops.attention.dispatch import Device
+from probjax.ops.attention.masks import CausalMask, KVLenMask, MaskMod
+from probjax.ops.attention.reference import reference_vjp
+from probjax.ops.attention.tolerances import max_error, tolerance
+from probjax.testing import make_inputs
+
+pytestmark = pytest.mark.timeout(300, method="thread")
+SLOW = pytest.mark.slow
+
+B, TQ, TK, H, HKV, D = 2, 37, 45, 4, 2, 16  # odd lengths (partial last tiles), GQA: 2 query heads a KV head
+FC16 = pt.ForwardConfig(16, 16, 4, 1)
+BC16 = pt.BackwardConfig(16, 16, 16, 16, 4, 1)
+
+
+def sliding(b, h, q, k):  # causal window of 20 keys: EMPTY, FULL and PARTIAL 16 x 16 tiles
+  return (k <= q) & (q - k < 20)
+
+
+def per_head(b, h, q, k):  # a window growing with the query head; head 1 sees no key at all
+  return (k <= q + 2) & (q - k < 6 + 4 * h) & (h != 1)
+
+
+def per_batch(b, h, q, k):  # batch element 1 sees a wider window, and never key 3
+  return (k <= q) & (q - k < 8 + 16 * b) & ((b == 0) | (k != 3))
+
+
+MASKS = {"sliding": lambda: MaskMod(sliding), "per_head": lambda: MaskMod(per_head, heads=H),
+         "per_batch": lambda: MaskMod(per_batch, batch=B),
+         "per_head_causal_kvlen": lambda: MaskMod(per_head, heads=H) & CausalMask(4) & KVLenMask(jnp.array([TK, 30])),
+         "sliding_and_per_batch": lambda: MaskMod(sliding) & MaskMod(per_batch, batch=B)}
+
+
+def _check(mask, x, *, impl="triton_split", scale=0.3, k=None, v=None):
+  """Triton's output and gradients on ``x`` (keys/values ``k``/``v`` where given) against the
+  float64 reference on ``x``; every result finite."""
+  f = lambda q, k, v: pt.attention(q, k, v, mask=mask, scale=scale, backward_pass_impl=impl, forward_config=FC16,
+                                   backward_config=BC16, interpret=True)
+  out, vjp = jax.vjp(f, x.q, x.k if k is None else k, x.v if v is None else v)
+  got = (out,) + vjp(x.do)
+  ref = reference_vjp(x.q, x.k, x.v, x.do, mask=mask, scale=scale)
+  for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref):
+    assert np.all(np.isfinite(np.asarray(g))), f"{name} has NaN/inf"
+    err, tol = max_error(g, r), tolerance(x.q.dtype, grad=name != "out")
+    assert err <= tol, f"{name}: max error {err:.3g} > {tol:.3g} ({impl})"
+  return got
+
+
+@pytest.mark.parametrize("name,impl", [
+    ("sliding", "triton_split"), ("per_head", "triton_fused"), ("per_batch", "triton_onepass"),
+    pytest.param("per_head_causal_kvlen", "triton_split", marks=SLOW),
+    pytest.param("sliding_and_per_batch", "triton_fused", marks=SLOW),
+    pytest.param("per_head", "triton_onepass", marks=SLOW),
+])
+def test_values_and_gradients(name, impl):
+  _check(MASKS[name](), make_inputs(1, B, TQ, TK, H, HKV, D), impl=impl)
+
+
+def test_bfloat16():
+  _check(MASKS["per_head"](), make_inputs(2, B, TQ, TK, H, HKV, D, dtype=jnp.bfloat16))
+
+
+def test_tile_ranges_skip_empty_tiles_and_full_tiles_skip_the_function():
+  """The kernels loop over the non-EMPTY tiles of the mask's classes (per batch element) and
+  evaluate the function on PARTIAL tiles only: EMPTY tiles are never loaded, FULL ones (a
+  contiguous run) run without the predicate."""
+  m = MaskMod(lambda b, h, q, k: (k <= q) & (q - k < 32))
+  cls = np.asarray(m.classify_tiles(1, 64, 64, 16, 16))[0]
+  assert cls.tolist() == [[1, 0, 0, 0], [2, 1, 0, 0], [1, 2, 1, 0], [0, 1, 2, 1]]  # EMPTY 0, PARTIAL 1, FULL 2
+  tm, ops = tiles.mask_operands(m, 1, 64, 64, 64, 64, 16, 16, by_q=True)
+  assert tm.fn is not None and tm.per_batch_range and len(ops) == 1  # the tile ranges; no closure
+  lo, hi, flo, fhi = np.asarray(ops[0])[0]
+  for i, row in enumerate(cls):
+    live, full = np.flatnonzero(row != 0), np.flatnonzero(row == 2)
+    assert (lo[i], hi[i]) == (live[0], live[-1] + 1)
+    assert (flo[i], fhi[i]) == ((full[0], full[-1] + 1) if full.size else (lo[i], lo[i]))
+  # The traced function is the mask's element function on the kernel's tile index shapes.
+  q, k = jnp.arange(16, 32)[:, None], jnp.arange(0, 16)[None, :]
+  got = tm.fn([], jnp.int32(0), jnp.int32(0), q, k)
+  assert np.array_equal(np.asarray(got), np.asarray(m.element(q, k, 0)))
+  tm_t, _ = tiles.mask_operands(m, 1, 64, 64, 64, 64, 16, 32, by_q=False)  # the dK/dV kernels' transposed tiles
+  assert tm_t.fn.jaxpr.invars[2].aval.shape == (1, 16) and tm_t.fn.jaxpr.invars[3].aval.shape == (32, 1)
+
+
+def test_traced_closure_every_tile_partial():
+  """A function closing over values passed to jax.jit (a window, a flag, a one-element array):
+  classified as every tile PARTIAL, read by the kernel as operands, exact."""
+  x = make_inputs(3, B, TQ, TK, H, HKV, D)
+  window, flag, shift = jnp.int32(11), jnp.array(True), jnp.array([[2]], jnp.int32)
+
+  def mask(window, flag, shift):
+    return MaskMod(lambda b, h, q, k: (k <= q + shift) & (q - k < window) & (flag | (k > 0)))
+
+  seen = {}
+
+  def run(q, k, v, window, flag, shift):
+    m = mask(window, flag, shift)
+    seen["classes"] = m.get("mask_mod").classify(M.TileGrid(B, TQ, TK, 16, 16))
+    seen["consts"] = len(m.tile_function((16, 1), (1, 16)).consts)
+    return pt.attention(q, k, v, mask=m, scale=0.3, forward_config=FC16, backward_config=BC16, interpret=True)
+
+  # The vjp inside the jit: the function's closure holds that trace's values (as on the XLA path).
+  @jax.jit
+  def out_and_grads(q, k, v, do, window, flag, shift):
+    out, vjp = jax.vjp(lambda q, k, v: run(q, k, v, window, flag, shift), q, k, v)
+    return (out,) + vjp(do)
+
+  got = out_and_grads(x.q, x.k, x.v, x.do, window, flag, shift)
+  assert seen["classes"] == (True, False) and seen["consts"] == 3  # every tile PARTIAL; three operands
+  ref = reference_vjp(x.q, x.k, x.v, x.do, mask=mask(window, flag, shift), scale=0.3)
+  for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref):
+    assert max_error(g, r) <= tolerance(jnp.float32, grad=name != "out"), name
+
+
+@pytest.mark.parametrize("impl", ["triton_split", pytest.param("triton_onepass", marks=SLOW)])
+def test_nan_in_excluded_keys_never_reaches_results(impl):
+  """Keys and values the mask excludes for every query (key 5; keys 40 and after) may hold NaN:
+  the output and every gradient are those of the clean inputs, and the excluded keys' dK, dV
+  are zero."""
+  x = make_inputs(4, B, TQ, TK, H, HKV, D)
+  m = MaskMod(lambda b, h, q, k: (k <= q + 8) & (k != 5) & (k < 40)) & MaskMod(per_head, heads=H)
+  bad = jnp.zeros(TK, bool).at[5].set(True).at[40:].set(True)[None, :, None, None]
+  k, v = jnp.where(bad, jnp.nan, x.k), jnp.where(bad, jnp.nan, x.v)
+  _, _, dk, dv = _check(m, x, impl=impl, k=k, v=v)
+  assert not np.any(np.asarray(dk)[:, np.asarray(bad[0, :, 0, 0])])
+  assert not np.any(np.asarray(dv)[:, np.asarray(bad[0, :, 0, 0])])
+
+
+def test_forward_mode():
+  """jax.jvp through the kernel (its fused forward + tangent kernel) against the XLA path's."""
+  x = make_inputs(5, B, TQ, TK, H, HKV, D)
+  m = MaskMod(per_head, heads=H)
+  t = make_inputs(6, B, TQ, TK, H, HKV, D)
+  f = lambda impl: lambda q, k, v: dot_product_attention(q, k, v, mask=m, scale=0.3, implementation=impl,
+                                                         interpret=True)
+  got = jax.jvp(f("triton"), (x.q, x.k, x.v), (t.q, t.k, t.v))
+  want = jax.jvp(f("xla"), (x.q, x.k, x.v), (t.q, t.k, t.v))
+  for g, w in zip(got, want):
+    assert max_error(g, w) <= tolerance(jnp.float32, grad=True)
+
+
+def test_refusals_name_the_reason():
+  """A function the kernel cannot compute is refused by supports with the reason, and an
+  explicit request raises it: one indexing an array per position (a gather), one using an
+  operation Pallas Triton has no lowering for. The split-KV forward refuses every mask_mod."""
+  doc = jnp.array([[0] * 20 + [1] * 25] * B, jnp.int32)
+  shape, kv = (B, TQ, H, D), (B, TK, HKV, D)
+  docs = MaskMod(lambda b, h, q, k: doc[b, q] == doc[b, k], batch=B)
+  why = pt.supports(shape, kv, jnp.float32, mask=docs, interpret=True)
+  assert why and "closes over an array of shape (2, 45)" in why and "SegmentMask" in why
+  rounded = MaskMod(lambda b, h, q, k: jnp.round(q * 0.5) >= k * 0.5)
+  why = pt.supports(shape, kv, jnp.float32, mask=rounded, interpret=True)
+  assert why and "round" in why and "cannot lower" in why
+  assert pt.supports(shape, kv, jnp.float32, mask=MaskMod(sliding) & CausalMask(), interpret=True) is None
+  x = make_inputs(7, B, TQ, TK, H, HKV, D)
+  for m, match in ((docs, "closes over an array"), (rounded, "round")):
+    with pytest.raises(ValueError, match=match):
+      dot_product_attention(x.q, x.k, x.v, mask=m, implementation="triton", interpret=True)
+    with pytest.raises(ValueError, match=match):
+      pt.attention(x.q, x.k, x.v, mask=m, interpret=True)
+  with pytest.raises(ValueError, match="split_kv=True cannot compute this call: mask_mod"):
+    pt.attention(x.q, x.k, x.v, mask=MaskMod(sliding), split_kv=True, interpret=True)
+
+
+def test_dispatch_takes_triton_only_when_asked():
+  """The Triton backend takes a mask_mod (the registry's supports); the other kernels refuse it
+  by name, and the default keeps it on the XLA path on every device."""
+  from probjax.ops.attention.registry import REGISTRY
+  m = MaskMod(per_head, heads=8) & CausalMask()
+  call = AttentionCall((2, 256, 8, 64), (2, 256, 4, 64), jnp.bfloat16, mask=m, interpret=True)
+  assert REGISTRY.get("triton").supports(call, Device("gpu", (9, 0), 140 << 30)) is None
+  assert "'mask_mod'" in REGISTRY.get("mosaic").supports(call, Device("gpu", (9, 0), 140 << 30))
+  for device in (Device("gpu", (9, 0), 140 << 30), Device.interpreter()):
+    assert explain_dispatch((2, 256, 8, 64), (2, 256, 4, 64), jnp.bfloat16, mask=m,
+                            device=device).implementation == "xla"
+
+
+# -- GPU (--gpu): full size, default tiles ------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["triton_split", "triton_fused", "triton_onepass"])
+def test_gpu_full_size(impl):
+  b, tq, tk, h, hkv, d = 2, 1000, 1500, 8, 2, 128
+  x = make_inputs(8, b, tq, tk, h, hkv, d, dtype=jnp.bfloat16)
+  m = MaskMod(lambda b_, h_, q, k: (k <= q + 500) & (q + 500 - k < 256 + 64 * h_), heads=h) & KVLenMask(
+      jnp.array([tk, 1200]))
+  f = lambda q, k, v: pt.attention(q, k, v, mask=m, backward_pass_impl=impl)
+  out, vjp = jax.vjp(f, x.q, x.k, x.v)
+  ref = reference_vjp(x.q, x.k, x.v, x.do, mask=m)
+  for name, g, r in zip(("out", "dq", "dk", "dv"), (out,) + vjp(x.do), ref):
+    assert max_error(g, r) <= tolerance(jnp.bfloat16, grad=name != "out"), name
