@@ -67,6 +67,11 @@ def _check(mask, x, *, impl="triton_split", scale=0.3, k=None, v=None):
   return got
 
 
+def test_empty_tiles_between_live_ones():
+  """EMPTY tiles between a global key tile and a window (skipped), at odd lengths, GQA."""
+  _check(MaskMod(_global_and_window) & KVLenMask(jnp.array([TK, 33])), make_inputs(9, B, TQ + 30, TK + 30, H, HKV, D))
+
+
 @pytest.mark.parametrize("name,impl", [
     ("sliding", "triton_split"), ("per_head", "triton_fused"), ("per_batch", "triton_onepass"),
     pytest.param("per_head_causal_kvlen", "triton_split", marks=SLOW),
@@ -81,20 +86,25 @@ def test_bfloat16():
   _check(MASKS["per_head"](), make_inputs(2, B, TQ, TK, H, HKV, D, dtype=jnp.bfloat16))
 
 
-def test_tile_ranges_skip_empty_tiles_and_full_tiles_skip_the_function():
-  """The kernels loop over the non-EMPTY tiles of the mask's classes (per batch element) and
-  evaluate the function on PARTIAL tiles only: EMPTY tiles are never loaded, FULL ones (a
-  contiguous run) run without the predicate."""
-  m = MaskMod(lambda b, h, q, k: (k <= q) & (q - k < 32))
-  cls = np.asarray(m.classify_tiles(1, 64, 64, 16, 16))[0]
-  assert cls.tolist() == [[1, 0, 0, 0], [2, 1, 0, 0], [1, 2, 1, 0], [0, 1, 2, 1]]  # EMPTY 0, PARTIAL 1, FULL 2
-  tm, ops = tiles.mask_operands(m, 1, 64, 64, 64, 64, 16, 16, by_q=True)
-  assert tm.fn is not None and tm.per_batch_range and len(ops) == 1  # the tile ranges; no closure
-  lo, hi, flo, fhi = np.asarray(ops[0])[0]
-  for i, row in enumerate(cls):
-    live, full = np.flatnonzero(row != 0), np.flatnonzero(row == 2)
-    assert (lo[i], hi[i]) == (live[0], live[-1] + 1)
-    assert (flo[i], fhi[i]) == ((full[0], full[-1] + 1) if full.size else (lo[i], lo[i]))
+def _global_and_window(b, h, q, k):  # key tile 0 global; a causal window of 32: EMPTY tiles between
+  return (k < 16) | ((k <= q) & (q - k < 32))
+
+
+def test_tile_lists_skip_empty_tiles_and_full_tiles_skip_the_function():
+  """The kernels loop over lists of the mask's tile classes (per batch element, per outer tile
+  of each kernel's orientation): EMPTY tiles are never loaded, wherever they lie, FULL ones run
+  without the predicate, PARTIAL ones evaluate it."""
+  m = MaskMod(_global_and_window)
+  cls = np.asarray(m.classify_tiles(1, 80, 80, 16, 16))[0]  # EMPTY 0, PARTIAL 1, FULL 2
+  assert cls.tolist() == [[2, 0, 0, 0, 0], [2, 1, 0, 0, 0], [2, 2, 1, 0, 0], [2, 1, 2, 1, 0], [2, 0, 1, 2, 1]]
+  for by_q, want in ((True, cls), (False, cls.T)):
+    tm, ops = tiles.mask_operands(m, 1, 80, 80, 80, 80, 16, 16, by_q=by_q)
+    assert tm.fn is not None and len(ops) == 1  # the tile lists; nothing closed over
+    lists = np.asarray(ops[0])[0]  # [n_outer, 2, 1 + n_inner]
+    for i, row in enumerate(want):
+      for r, c in ((0, 1), (1, 2)):
+        n = lists[i, r, 0]
+        assert lists[i, r, 1:1 + n].tolist() == np.flatnonzero(row == c).tolist(), (by_q, i, c)
   # The traced function is the mask's element function on the kernel's tile index shapes.
   q, k = jnp.arange(16, 32)[:, None], jnp.arange(0, 16)[None, :]
   got = tm.fn([], jnp.int32(0), jnp.int32(0), q, k)
@@ -209,3 +219,29 @@ def test_gpu_full_size(impl):
   ref = reference_vjp(x.q, x.k, x.v, x.do, mask=m)
   for name, g, r in zip(("out", "dq", "dk", "dv"), (out,) + vjp(x.do), ref):
     assert max_error(g, r) <= tolerance(jnp.bfloat16, grad=name != "out"), name
+
+
+# -- lowering for sm_90 on CPU (no GPU): interpret mode checks the arithmetic, this that Pallas
+# lowers the traced function, its scalar operands and the tile-list loops for a Hopper GPU.
+@pytest.mark.parametrize("impl", ["triton_split", "triton_fused", "triton_onepass"])
+def test_lowers_for_sm90(monkeypatch, impl):
+  from jax._src.pallas.triton import gpu_info
+  from probjax.testing import verify_triton_lowering
+  monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+  monkeypatch.setattr(pt, "supports", lambda *a, **kw: None)
+  verify_triton_lowering(monkeypatch)
+  q = jax.ShapeDtypeStruct((2, 300, 8, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, 300, 2, 128), jnp.bfloat16)
+
+  def loss(q, k, v, window, flag):
+    m = MaskMod(lambda b, h, i, j: _global_and_window(b, h, i, j) & ((i - j < window + 8 * h) | flag), heads=8)
+    out = pt.attention(q, k, v, mask=m & KVLenMask(jnp.array([300, 170])), backward_pass_impl=impl,
+                       forward_config=pt.ForwardConfig(128, 64, 8, 3),
+                       backward_config=pt.BackwardConfig(64, 128, 128, 64, 8, 2))
+    return jnp.sum(out.astype(jnp.float32))
+
+  s = lambda dtype: jax.ShapeDtypeStruct((), dtype)
+  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv, s(jnp.int32), s(jnp.bool_)).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "probjax_attention_fwd" in text and "probjax_attention_bwd" in text
+  assert text.count("custom_call @__gpu$xla.gpu.triton") >= 2

@@ -51,8 +51,8 @@ from probjax.ops.attention.masks.lengths import KVLengths, KVLenMask, LengthMask
 from probjax.ops.attention.masks.prefix_lm import PrefixLM, PrefixLMMask
 from probjax.ops.attention.masks.segments import SegmentMask, Segments
 from probjax.ops.attention.masks.mask_mod import MaskMod, MaskModPredicate
-from probjax.ops.attention.masks.tiles import (heavy_first_order, heavy_first_program, num_tiles, pad_axis,
-                                               ranges_from_classes, round_up)
+from probjax.ops.attention.masks.tiles import (heavy_first_order, heavy_first_program, lists_from_classes,
+                                               num_tiles, pad_axis, ranges_from_classes, round_up)
 
 # The registry: every predicate kind, in the order a mask names its components.
 register(Band, QLengths, KVLengths, Segments, PrefixLM, MaskModPredicate)
@@ -63,5 +63,5 @@ __all__ = [
     "DENSE_ONLY_MESSAGE", "Band", "QLengths", "KVLengths", "Segments", "PrefixLM", "band", "CausalMask",
     "LocalWindowMask", "KVLenMask", "LengthMask", "SegmentMask", "PrefixLMMask", "MaskMod", "MaskModPredicate",
     "structured_equivalent",
-    "ranges_from_classes", "num_tiles", "round_up", "pad_axis", "heavy_first_program", "heavy_first_order",
+    "ranges_from_classes", "lists_from_classes", "num_tiles", "round_up", "pad_axis", "heavy_first_program", "heavy_first_order",
 ]

@@ -8,7 +8,7 @@ import math
 
 import jax.numpy as jnp
 
-from probjax.ops.attention.masks.base import EMPTY, FULL
+from probjax.ops.attention.masks.base import EMPTY, FULL, PARTIAL
 
 
 def ranges_from_classes(classes):
@@ -29,6 +29,20 @@ def ranges_from_classes(classes):
   contiguous = full.sum(-1) == fhi - flo
   flo, fhi = jnp.where(contiguous, flo, lo), jnp.where(contiguous, fhi, lo)
   return jnp.stack([lo, hi, flo, fhi], axis=1).astype(jnp.int32)
+
+
+def lists_from_classes(classes):
+  """Per-batch inner tile lists ``[batch, n_outer, 2, 1 + n_inner]`` int32 from tile classes
+  ``[batch, n_outer, n_inner]``: row 0 lists the PARTIAL tiles, row 1 the FULL ones, each as
+  its count followed by the tiles' indices in increasing order (the rest padding). A loop over
+  them skips every EMPTY tile and runs every FULL one without the element predicate, wherever
+  they lie (flex_attention's block mask), with no per-tile branch."""
+  rows = []
+  for cls in (PARTIAL, FULL):
+    sel = classes == cls
+    order = jnp.argsort(~sel, axis=-1, stable=True)  # the selected tiles first, in order
+    rows.append(jnp.concatenate([sel.sum(-1, keepdims=True), order], axis=-1))
+  return jnp.stack(rows, axis=-2).astype(jnp.int32)
 
 
 def num_tiles(n: int, block: int) -> int:

@@ -24,7 +24,8 @@ from jax.experimental.pallas import triton as plgpu
 from probjax.ops.attention.base import first_unlowerable
 from probjax.ops.attention.call import TRITON_MASK_KINDS
 from probjax.ops.attention.masks import (EMPTY, FULL, Mask, TileFunction, heavy_first_program,  # noqa: F401
-                                        num_tiles, pad_axis, ranges_from_classes, round_up)  # (re-exported)
+                                        lists_from_classes, num_tiles, pad_axis, ranges_from_classes,
+                                        round_up)  # (re-exported)
 
 LOG2E = math.log2(math.e)
 
@@ -38,7 +39,8 @@ class TileMask:
   order ``tile_range, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids`` and then the
   arrays ``fn`` closes over (``fn.consts``, each as one element).
   ``fn``: a mask_mod traced on this kernel's tile index shapes (:meth:`Mask.tile_function`),
-  evaluated on PARTIAL tiles; None without one.
+  evaluated on PARTIAL tiles; None without one. With one, ``tile_range`` holds tile lists
+  (:func:`~probjax.ops.attention.masks.lists_from_classes`) instead of ranges.
   """
   band: Mask
   q_len: int
@@ -47,18 +49,14 @@ class TileMask:
   has_q_lengths: bool
   has_kv_lengths: bool
   has_segments: bool    # segment ids: per-batch tile ranges from the tile classes
-  fn: TileFunction | None = None  # a mask_mod: per-batch tile ranges from the tile classes too
-
-  @property
-  def per_batch_range(self) -> bool:
-    """Whether the tile ranges come per batch element from the whole mask's tile classes."""
-    return self.has_segments or self.fn is not None
+  fn: TileFunction | None = None  # a mask_mod: per-batch tile lists from the tile classes
 
 
 @dataclasses.dataclass
 class MaskRefs:
   """The mask refs of one kernel, unpacked from its positional refs."""
-  tile_range: Any = None   # [4, n] (or [batch, 4, n] with segments) int32: lo, hi, full_lo, full_hi
+  tile_range: Any = None   # [4, n] (or [batch, 4, n] with segments) int32: lo, hi, full_lo, full_hi;
+                           # with a mask_mod, [batch, n, 2, 1 + n_inner]: lists_from_classes
   q_lens: Any = None       # [batch] int32
   kv_lens: Any = None      # [batch] int32
   q_seg: Any = None        # [batch, q_pad] int32
@@ -157,7 +155,12 @@ def mask_operands(mask: Mask | None, batch: int, q_len: int, kv_len: int, q_pad:
                 has_segments="segments" in arrays,
                 fn=m.tile_function(*fn_index_shapes(block_q, block_k, by_q=by_q)))
   ops = []
-  if tm.has_range:
+  if tm.fn is not None:
+    # The tiles a mask_mod leaves EMPTY or FULL can lie anywhere (a global column and a
+    # window): lists skip each EMPTY tile and run each FULL one without the function.
+    classes = m.classify_tiles(batch, q_len, kv_len, block_q, block_k)
+    ops.append(lists_from_classes(classes if by_q else jnp.swapaxes(classes, 1, 2)))
+  elif tm.has_range:
     band = m.band
     # Query rows past q_len are zeros whose results are never stored: the last query tile
     # may count as FULL (classified at the whole tile). Not so for key rows past kv_len,
@@ -179,7 +182,7 @@ def mask_operands(mask: Mask | None, batch: int, q_len: int, kv_len: int, q_pad:
       flo, fhi = (int(idx[0]), int(idx[-1]) + 1) if idx.size else (hi, hi)
       rows.append((lo, hi, flo, fhi))
     band_range = np.array(rows, np.int32).T
-    if tm.per_batch_range:
+    if tm.has_segments:
       classes = m.classify_tiles(batch, q_len, kv_len, block_q, block_k)
       ops.append(ranges_from_classes(classes if by_q else jnp.swapaxes(classes, 1, 2)))
     else:
@@ -251,11 +254,20 @@ def tile_loop(tm: TileMask, mr: MaskRefs, b, tile, n_static: int, body, carry, *
   predicate), masked tiles above it. Tiles outside ``[lo, hi)`` -- out of the
   band, past this batch element's lengths, or (with segment ids) before the
   first and after the last non-EMPTY tile -- are never loaded.
+
+  With a mask_mod, two loops over this batch element's tile lists (the classes of the whole
+  mask, lengths included): the PARTIAL tiles with the element predicate, the FULL ones without.
   """
   if mr.tile_range is None:
     return _unmasked_loop(tm, tile, n_static, body, carry, by_q=by_q, block_outer=block_outer,
                           block_inner=block_inner)
-  if tm.per_batch_range:
+  if tm.fn is not None:
+    lists = mr.tile_range
+    for r, masked in ((0, True), (1, False)):
+      step = lambda n, c, r=r, masked=masked: body(lists[b, tile, r, 1 + n], c, masked)
+      carry = jax.lax.fori_loop(0, lists[b, tile, r, 0], step, carry)
+    return carry
+  if tm.has_segments:
     lo, hi, flo, fhi = (mr.tile_range[b, r, tile] for r in range(4))
   else:
     lo, hi, flo, fhi = (mr.tile_range[r, tile] for r in range(4))
