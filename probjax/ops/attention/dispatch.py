@@ -43,7 +43,7 @@ from probjax.core.device import Device
 from probjax.core.dispatch import REQUESTED, Decision
 from probjax.ops.attention import tuning
 from probjax.ops.attention.backends import cudnn as cudnn_backend
-from probjax.ops.attention.call import AttentionCall
+from probjax.ops.attention.call import TRITON_MASK_KINDS, AttentionCall
 from probjax.ops.attention.registry import REGISTRY
 from probjax.ops.attention.masks import Mask
 from probjax.ops.attention.tuning import DeviceDefaults
@@ -181,12 +181,23 @@ def kernel_arguments(call: AttentionCall, device: Device, defaults) -> Decision 
   non-default precision, the attention weights of a ``module``): XLA.
 
   A correctness rule: a causal call passed as a dense [T, T] boolean mask cannot run a kernel,
-  which reads structured masks only; the reason names the structured mask to pass instead."""
+  which reads structured masks only; the reason names the structured mask to pass instead. So
+  is a mask predicate the kernels do not compute (PrefixLMMask). A ``mask_mod``, which the
+  Triton kernel computes exactly when asked (``implementation="triton"``), stays on XLA too:
+  the device tables hold no measurement of the kernel with one, and the later rules choose
+  kernels by measurements."""
   what = call.not_for_kernels()
   if what:
-    return _xla(f"{what}: the kernels cannot take it{_DENSE_MASK_HINT if call.dense_mask else ''}",
-                xla_formulation(call.q_shape, call.kv_shape, device))
+    why = (_MASK_MOD_RULE if _mask_mod_only(call)
+           else f"{what}: the kernels cannot take it{_DENSE_MASK_HINT if call.dense_mask else ''}")
+    return _xla(why, xla_formulation(call.q_shape, call.kv_shape, device))
   return None
+
+
+def _mask_mod_only(call: AttentionCall) -> bool:
+  """Whether the default's kernel rules refuse the call for its mask_mod alone, which the Triton
+  kernel computes when asked (:data:`~probjax.ops.attention.call.TRITON_MASK_KINDS`)."""
+  return call.mask is not None and "mask_mod" in call.mask.kinds and call.not_for_kernels(TRITON_MASK_KINDS) is None
 
 
 def mosaic_primal(call: AttentionCall, device: Device, defaults: DeviceDefaults | None) -> Decision | None:
@@ -442,6 +453,10 @@ def _ragged(call: AttentionCall) -> bool:
 
 
 # The structured masks the kernels take in place of a dense one.
+# The default keeps a mask_mod on the XLA path: the device tables hold no measurement of the
+# Triton kernel with one, and its rules choose kernels by measurements.
+_MASK_MOD_RULE = ("mask predicate 'mask_mod': the default keeps it on the XLA path (implementation='triton' "
+                  "computes it in the fused kernel)")
 _DENSE_MASK_HINT = ("; a structured mask does not force the XLA path: CausalMask or LocalWindowMask for a "
                     "diagonal band, KVLenMask or LengthMask for padding, SegmentMask for packed documents")
 

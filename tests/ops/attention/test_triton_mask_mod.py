@@ -204,6 +204,9 @@ def test_dispatch_takes_triton_only_when_asked():
   for device in (Device("gpu", (9, 0), 140 << 30), Device.interpreter()):
     assert explain_dispatch((2, 256, 8, 64), (2, 256, 4, 64), jnp.bfloat16, mask=m,
                             device=device).implementation == "xla"
+  rule = explain_dispatch((2, 256, 8, 64), (2, 256, 4, 64), jnp.bfloat16, mask=m,
+                          device=Device("gpu", (9, 0), 140 << 30)).rule
+  assert "mask_mod" in rule and "implementation='triton'" in rule
 
 
 # -- GPU (--gpu): full size, default tiles ------------------------------------------------
