@@ -584,7 +584,8 @@ def flex_attention(query, key, value, *, mask: Mask | None = None, score_mod: Ca
     mask: a :class:`Mask` (combine with ``&``); tiles it empties are skipped. Or a function
       ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (PyTorch flex's mask_mod): ``MaskMod(mask_mod)``
       for this call's batch and heads (:mod:`probjax.ops.attention.masks.mask_mod`; the XLA
-      path computes it, skipping the tiles it empties, found at trace time).
+      path computes it, skipping the tiles it empties, found at trace time, and so does the
+      Triton kernel with ``implementation="triton"``).
     score_mod: ``f(score, b, h, q_idx, kv_idx) -> score``, elementwise on float32
       scores after scaling, before masking; index arguments broadcast against
       the score. Differentiable, including through arrays it closes over

@@ -9,7 +9,8 @@ index ``k`` of batch element ``b``:
 * packed documents ``q_segment_ids[b, q] == kv_segment_ids[b, k]`` (``segments.py``),
 * prefix-LM ``k <= q or k < prefix_lengths[b]`` (``prefix_lm.py``),
 * a function ``mask_mod(b, h, q_idx, kv_idx) -> bool``, as PyTorch flex_attention's, whose tile
-  classes are the function evaluated on the grid at trace time (``mask_mod.py``; XLA path only).
+  classes are the function evaluated on the grid at trace time (``mask_mod.py``; the XLA path
+  and the Triton kernel compute it).
 
 Each kind is a :class:`~probjax.ops.attention.masks.base.Predicate` (``base.py``): its element
 function, tile classification, static key/query ranges, validation, clamping, padding and

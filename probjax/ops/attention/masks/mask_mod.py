@@ -16,9 +16,26 @@ seen to read ``b`` (``h``) without them raises ValueError. Where it depends on t
 the mask has a head axis (:attr:`Mask.heads`). Under grouped-query attention ``h`` is the
 query head; its key/value head is ``h // (heads // kv_heads)``.
 
-Only the XLA path computes it (the fused kernels refuse the predicate by name). Define the
-function once, not per call: it is part of the mask's static description, compared by
-identity, so a new function is a new compilation.
+Which paths compute it:
+
+* the XLA path (dense and flash formulations), always: the flash loop skips EMPTY tiles and
+  computes FULL ones without the function;
+* the Pallas-Triton kernel (``implementation="triton"``; forward, every backward pass and the
+  fused jvp): the function is traced once per kernel on its tile's index arrays
+  (:meth:`MaskModPredicate.tile_function`) and evaluated in the kernel body on PARTIAL tiles;
+  the kernel loops over per-batch lists of the tile classes, so EMPTY tiles are never loaded and
+  FULL ones run without it. Scalars the function closes over (a traced window, a flag) become
+  kernel operands. Its ``supports`` refuses, with the reason, a function that closes over an
+  array of more than one element (reading it per position is a gather: ``SegmentMask`` is the
+  kernel's document mask) or uses an operation Pallas Triton cannot lower. Its split-KV decoding
+  forward does not compute it (the regular forward does);
+* not the Mosaic GPU kernel nor cuDNN: they refuse the predicate by name.
+
+The default dispatch keeps a mask_mod on the XLA path (``explain_dispatch`` says so); ask for
+the Triton kernel with ``implementation="triton"``.
+
+Define the function once, not per call: it is part of the mask's static description, compared
+by identity, so a new function is a new compilation.
 """
 
 from __future__ import annotations
