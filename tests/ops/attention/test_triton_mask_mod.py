@@ -248,3 +248,19 @@ def test_lowers_for_sm90(monkeypatch, impl):
       lowering_platforms=("cuda",)).as_text()
   assert "probjax_attention_fwd" in text and "probjax_attention_bwd" in text
   assert text.count("custom_call @__gpu$xla.gpu.triton") >= 2
+
+
+def test_public_api():
+  """``mask=fn`` through flex_attention / dot_product_attention (batch axes flattened) with
+  ``implementation="triton"``, equal to the XLA path's; under jit with a traced window, grads too."""
+  from probjax.ops.attention import flex_attention
+  x = make_inputs(10, B, TQ, TK, H, HKV, D)
+  fn = lambda b, h, q, k: (k <= q + 2) & (q - k < 6 + 4 * h) & (b >= 0)
+  run = lambda f, impl, *a, **kw: f(*a, mask=fn, implementation=impl, interpret=True, **kw)
+  assert max_error(run(flex_attention, "triton", x.q, x.k, x.v), run(flex_attention, "xla", x.q, x.k, x.v)) <= tolerance(jnp.float32)
+  q4, k4, v4 = x.q[:, None], x.k[:, None], x.v[:, None]
+  assert max_error(run(dot_product_attention, "triton", q4, k4, v4),
+                   run(dot_product_attention, "xla", q4, k4, v4)) <= tolerance(jnp.float32)
+  grad = lambda impl: jax.jit(lambda q, w: jax.grad(lambda q: jnp.sum(flex_attention(
+      q, x.k, x.v, mask=lambda b, h, i, j: (j <= i) & (i - j < w), implementation=impl, interpret=True) * x.do))(q))
+  assert max_error(grad("triton")(x.q, jnp.int32(7)), grad("xla")(x.q, jnp.int32(7))) <= tolerance(jnp.float32, grad=True)
