@@ -60,9 +60,11 @@ register(Band, QLengths, KVLengths, Segments, PrefixLM, MaskModPredicate)
 register_callable(MaskMod)
 
 __all__ = [
-    "Mask", "MaskWithDense", "Predicate", "TileFunction", "TileGrid", "PREDICATES", "register", "EMPTY", "PARTIAL", "FULL",
+    "Mask", "MaskWithDense", "Predicate", "TileFunction", "TileGrid", "PREDICATES", "register", "EMPTY", "PARTIAL",
+    "FULL",
     "DENSE_ONLY_MESSAGE", "Band", "QLengths", "KVLengths", "Segments", "PrefixLM", "band", "CausalMask",
     "LocalWindowMask", "KVLenMask", "LengthMask", "SegmentMask", "PrefixLMMask", "MaskMod", "MaskModPredicate",
     "structured_equivalent",
-    "ranges_from_classes", "lists_from_classes", "num_tiles", "round_up", "pad_axis", "heavy_first_program", "heavy_first_order",
+    "ranges_from_classes", "lists_from_classes", "num_tiles", "round_up", "pad_axis", "heavy_first_program",
+    "heavy_first_order",
 ]

@@ -158,8 +158,9 @@ def mask_operands(mask: Mask | None, batch: int, q_len: int, kv_len: int, q_pad:
   if tm.fn is not None:
     # The tiles a mask_mod leaves EMPTY or FULL can lie anywhere (a global column and a
     # window): lists skip each EMPTY tile and run each FULL one without the function.
-    classes = m.classify_tiles(batch, q_len, kv_len, block_q, block_k)
-    ops.append(lists_from_classes(classes if by_q else jnp.swapaxes(classes, 1, 2)))
+    with jax.ensure_compile_time_eval():  # constants of the program where the classes are
+      classes = m.classify_tiles(batch, q_len, kv_len, block_q, block_k)
+      ops.append(lists_from_classes(classes if by_q else jnp.swapaxes(classes, 1, 2)))
   elif tm.has_range:
     band = m.band
     # Query rows past q_len are zeros whose results are never stored: the last query tile
