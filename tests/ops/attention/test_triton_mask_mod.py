@@ -51,14 +51,14 @@ MASKS = {"sliding": lambda: MaskMod(sliding), "per_head": lambda: MaskMod(per_he
          "sliding_and_per_batch": lambda: MaskMod(sliding) & MaskMod(per_batch, batch=B)}
 
 
-def _check(mask, x, *, impl="triton_split", scale=0.3, k=None, v=None):
+def _check(mask, x, *, impl="triton_split", scale=0.3, k=None, v=None, score_mod=None):
   """Triton's output and gradients on ``x`` (keys/values ``k``/``v`` where given) against the
   float64 reference on ``x``; every result finite."""
-  f = lambda q, k, v: pt.attention(q, k, v, mask=mask, scale=scale, backward_pass_impl=impl, forward_config=FC16,
-                                   backward_config=BC16, interpret=True)
+  f = lambda q, k, v: pt.attention(q, k, v, mask=mask, scale=scale, score_mod=score_mod, backward_pass_impl=impl,
+                                   forward_config=FC16, backward_config=BC16, interpret=True)
   out, vjp = jax.vjp(f, x.q, x.k if k is None else k, x.v if v is None else v)
   got = (out,) + vjp(x.do)
-  ref = reference_vjp(x.q, x.k, x.v, x.do, mask=mask, scale=scale)
+  ref = reference_vjp(x.q, x.k, x.v, x.do, mask=mask, scale=scale, score_mod=score_mod)
   for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref):
     assert np.all(np.isfinite(np.asarray(g))), f"{name} has NaN/inf"
     err, tol = max_error(g, r), tolerance(x.q.dtype, grad=name != "out")
@@ -78,6 +78,12 @@ def test_empty_tiles_between_live_ones():
 ])
 def test_values_and_gradients(name, impl):
   _check(MASKS[name](), make_inputs(1, B, TQ, TK, H, HKV, D), impl=impl)
+
+
+def test_with_score_mod():
+  """A mask_mod and a score_mod of the same indices in one call."""
+  distance = lambda s, b, h, q, k: s - 0.1 * (h + 1) * jnp.abs(q - k).astype(jnp.float32)
+  _check(MASKS["per_head"](), make_inputs(11, B, TQ, TK, H, HKV, D), score_mod=distance)
 
 
 def test_bfloat16():
