@@ -6,6 +6,9 @@ cannot differentiate. :func:`with_forward_mode` wraps such a kernel in a
 the jvp of an exact reference formulation (the XLA path), and its transpose is
 the kernel's own vjp. So ``jax.grad`` still runs the kernel's backward (same
 residuals, same cost) and ``jax.jvp`` becomes exact instead of an error.
+Second derivatives (``jax.jvp`` of ``jax.grad``, ``jax.grad`` of ``jax.grad`` or of ``jax.jvp``)
+are exact too: the kernel's output and vjp, computed at stopped inputs, get their derivatives
+in the inputs from the tangent and from the exact formulation.
 
 ``linear_call`` needs rules JAX 0.11.2 lacks (its callee's ordered effects under ``jax.jit``,
 batching, JVP in its residuals): :mod:`probjax.core.jax_patches`, applied on import here.
@@ -26,13 +29,14 @@ jax_patches.apply()  # linear_call: the callee's ordered effects under jit, vmap
 
 def with_forward_mode(fast: Callable, exact: Callable, grad: Callable | None = None,
                       fused_tangent: Callable | None = None) -> Callable:
-  """``f(q, k, v, aux)`` computed by ``fast``, differentiable in both modes.
+  """``f(q, k, v, aux)`` computed by ``fast``, differentiable in both modes and to second order.
 
   Args:
     fast: ``fast(q, k, v, aux) -> out``, differentiable in reverse mode (its vjp is
       used for ``jax.grad``).
     exact: ``exact(q, k, v, aux) -> out``, the same function, differentiable in
-      forward mode (its jvp gives the tangent).
+      forward and reverse mode to any order (its jvp gives the tangent, and its derivatives
+      those of the kernels' vjp in their inputs).
     grad: another exact implementation of the same function that differentiated calls
       run instead of ``fast`` (forward with residuals and its vjp), where its
       forward + backward is faster than ``fast``'s; None: ``fast``.
@@ -43,52 +47,86 @@ def with_forward_mode(fast: Callable, exact: Callable, grad: Callable | None = N
   """
   differentiated = fast if grad is None else grad
 
+  def jvp_(q, k, v, aux, dots):
+    """``J(q, k, v) dots`` (a None dot: zero)."""
+    dots = tuple(jnp.zeros(x.shape, x.dtype) if d is None else d for d, x in zip(dots, (q, k, v)))
+    if fused_tangent is not None:
+      return fused_tangent(q, k, v, aux, *dots)
+    return jax.jvp(lambda q, k, v: exact(q, k, v, aux), (q, k, v), dots)[1]
+
+  def linearized(q, k, v, aux, vjp_fn, dots):
+    """``J(q, k, v) dots`` as a ``linear_call``: computed by ``jvp_``, transposed by the kernel's
+    vjp (:func:`pullback`). Only non-zero tangents are linear inputs (``linear_call``'s transpose
+    takes no constants)."""
+    lin = tuple(None if _zero(d) else d for d in dots)
+    present = tuple(d is not None for d in lin)
+
+    def tangent(res, lin):
+      (q, k, v, aux), _ = res
+      return jvp_(q, k, v, aux, lin)
+
+    def transpose(res, ct):
+      (q, k, v, aux), vjp_fn = res
+      return tuple(g if keep else None for g, keep in zip(pullback(vjp_fn, q, k, v, aux, ct), present))
+
+    return linear_call(tangent, transpose, ((q, k, v, aux), vjp_fn), lin)
+
+  # The kernel's output and vjp are computed from stopped inputs (the kernel's forward and backward
+  # have no jvp); these two custom_jvps give them their derivatives in the real inputs: the output's
+  # is the linear_call above (a jvp, transposed by the kernel's vjp), the vjp's is the exact
+  # formulation's in (q, k, v) and the kernel's vjp (transposed by the jvp) in the cotangent. So
+  # jvp of grad, grad of jvp and grad of grad are exact, and each first derivative keeps its kernel.
+  @jax.custom_jvp
+  def tie(out, vjp_fn, q, k, v, aux):
+    """``out``, computed from stopped ``q, k, v``, differentiable in them."""
+    return out
+
+  def tie_jvp(primals, tangents):
+    out, vjp_fn, q, k, v, aux = primals
+    return out, linearized(q, k, v, aux, vjp_fn, tangents[2:5])
+
+  @jax.custom_jvp
+  def pullback(vjp_fn, q, k, v, aux, ct):
+    """``vjp_fn(ct)``, the kernel's vjp at stopped ``q, k, v``, differentiable in them and ``ct``."""
+    return vjp_fn(ct)
+
+  def pullback_jvp(primals, tangents):
+    vjp_fn, q, k, v, aux, ct = primals
+    dots, ct_dot = tangents[1:4], tangents[5]
+    grads = vjp_fn(ct)
+    terms = []
+    if not _zero(ct_dot):
+      # Linear in the cotangent: the kernel's vjp again, whose transpose is the jvp.
+      terms.append(linear_call(lambda res, c: res[1](c), lambda res, g: jvp_(*res[0], g),
+                               ((q, k, v, aux), vjp_fn), ct_dot))
+    some = tuple(not _zero(d) for d in dots)
+    if any(some):
+      def exact_vjp(*xs):
+        it = iter(xs)
+        full = tuple(next(it) if s else x for x, s in zip((q, k, v), some))
+        return jax.vjp(lambda q, k, v: exact(q, k, v, aux), *full)[1](ct)
+      pick = lambda xs: tuple(x for x, s in zip(xs, some) if s)
+      terms.append(jax.jvp(exact_vjp, pick((q, k, v)), pick(dots))[1])
+    if not terms:
+      return grads, tuple(jnp.zeros(g.shape, g.dtype) for g in grads)
+    return grads, tuple(sum(ts[1:], ts[0]) for ts in zip(*terms))
+
+  tie.defjvp(tie_jvp, symbolic_zeros=True)
+  pullback.defjvp(pullback_jvp, symbolic_zeros=True)
+
   @jax.custom_jvp
   def f(q, k, v, aux):
     return fast(q, k, v, aux)
 
   def f_jvp(primals, tangents):
     q, k, v, aux = primals
-    # Under an outer jax.grad (reverse over forward) the kernel's forward must not be
-    # differentiated (it has no jvp): its residuals come from stopped inputs, and the output's
-    # outer gradient is the kernel's own vjp (_tie).
     stopped = tuple(map(jax.lax.stop_gradient, (q, k, v)))
     out, vjp_fn = jax.vjp(lambda q, k, v: differentiated(q, k, v, aux), *stopped)
-    out = _tie(out, vjp_fn, q, k, v)
-    # Only non-zero tangents are linear inputs (linear_call's transpose takes no constants).
-    lin = tuple(None if isinstance(t, SymbolicZero) else t for t in tangents[:3])
-    present = tuple(t is not None for t in lin)
-
-    def tangent(res, lin):
-      (q, k, v, aux), _ = res
-      lin = tuple(jnp.zeros(x.shape, x.dtype) if t is None else t for t, x in zip(lin, (q, k, v)))
-      if fused_tangent is not None:
-        return fused_tangent(q, k, v, aux, *lin)
-      return jax.jvp(lambda q, k, v: exact(q, k, v, aux), (q, k, v), lin)[1]
-
-    def transpose(res, ct):
-      _, vjp_fn = res
-      return tuple(g if keep else None for g, keep in zip(vjp_fn(ct), present))
-
-    return out, linear_call(tangent, transpose, ((q, k, v, aux), vjp_fn), lin)
+    return tie(out, vjp_fn, q, k, v, aux), linearized(q, k, v, aux, vjp_fn, tangents[:3])
 
   f.defjvp(f_jvp, symbolic_zeros=True)
   return f
 
 
-@jax.custom_vjp
-def _tie(out, vjp_fn, q, k, v):
-  """``out`` (computed from stopped ``q, k, v``) with the gradient ``vjp_fn`` gives it in them."""
-  return out
-
-
-def _tie_fwd(out, vjp_fn, q, k, v):
-  return out, vjp_fn
-
-
-def _tie_bwd(vjp_fn, ct):
-  none = lambda tree: jax.tree.map(lambda _: None, tree)
-  return (None, none(vjp_fn), *vjp_fn(ct))
-
-
-_tie.defvjp(_tie_fwd, _tie_bwd)
+def _zero(t) -> bool:
+  return t is None or isinstance(t, SymbolicZero)

@@ -114,3 +114,34 @@ def test_linearize_and_jacfwd_use_fused_kernel():
   col = lambda fn: jax.jacfwd(lambda x: fn(prim[0].at[0, 0, 0, :2].set(x)))(prim[0][0, 0, 0, :2])
   assert "probjax_attention_fwd_jvp" in str(jax.make_jaxpr(lambda: col(f))())
   assert max_error(col(f), col(g)) <= tolerance(jnp.float32, grad=True)
+
+
+def _second_order(attn, prim, tans, w):
+  """jvp of grad (a Hessian-vector product in q), grad of grad (in q of |dL/dk|^2) and grad of jvp
+  (in q of a loss of the tangent for q and k) of ``L = sum(sin(attn(q, k, v)) * w)``."""
+  (q, k, v), (tq, tk, _) = prim, tans
+  loss = lambda q, k: jnp.sum(jnp.sin(attn(q, k, v)) * w)
+  hvp = jax.jvp(jax.grad(lambda q: loss(q, k)), (q,), (tq,))[1]
+  gg = jax.grad(lambda q: jnp.sum(jax.grad(loss, argnums=1)(q, k) ** 2))(q)
+  gj = jax.grad(lambda q: jnp.sum(jnp.sin(jax.jvp(lambda q, k: attn(q, k, v), (q, k), (tq, tk))[1]) * w))(q)
+  return hvp, gg, gj
+
+
+@pytest.mark.parametrize("mask,t,h,hkv", [(M.CausalMask(), 17, 2, 1),
+                                          (M.CausalMask() & M.KVLenMask(jnp.array([11, 17])), 17, 2, 2)])
+def test_second_derivatives_match_reference(mask, t, h, hkv):
+  """Through with_forward_mode on the kernels: jvp of grad (which raised TypeError), grad of grad
+  and grad of jvp against the float64 reference; the Hessian-vector product's tangent of the
+  attention output is the fused kernel's."""
+  prim, tans = _inputs(t, t, h, hkv)
+  w = jax.random.normal(jax.random.key(3), prim[0].shape[:3] + prim[2].shape[3:])
+  hvp = lambda q: jax.jvp(jax.grad(lambda q: jnp.sum(jnp.sin(_triton(mask)(q, *prim[1:])) * w)), (q,), (tans[0],))
+  assert "probjax_attention_fwd_jvp" in str(jax.make_jaxpr(hvp)(prim[0]))
+  got = _second_order(_triton(mask), prim, tans, w)
+  with jax.enable_x64(True):
+    up = lambda a: jnp.asarray(np.asarray(a, np.float64))
+    ref = lambda q, k, v: _attention64(q, k, v, None, mask, None, None, 16 ** -0.5)
+    want = _second_order(ref, *jax.tree.map(up, (prim, tans, w)))
+  for name, g, r in zip(("jvp of grad", "grad of grad", "grad of jvp"), got, want):
+    assert np.all(np.isfinite(np.asarray(g))), name
+    assert max_error(g, np.asarray(r)) <= tolerance(jnp.float32, grad=True), name

@@ -303,24 +303,34 @@ def test_hessian_in_score_mod_array():
   _assert_close(got, want, what="hessian")
 
 
+def _grad_of_jvp(f, x, t, tk):
+  """Gradient in q of a loss of the output tangent for tangents in q and k (reverse over forward)."""
+  dot = lambda q: jax.jvp(lambda q, k: f(q, k, x.v), (q, x.k), (t, tk))[1]
+  return jax.grad(lambda q: jnp.sum(jnp.sin(dot(q)) * x.do))(x.q)
+
+
 @SLOW
-@pytest.mark.xfail(strict=True, raises=TypeError, reason=(
-    "forward over reverse (jax.jvp of jax.grad, a Hessian-vector product) through with_forward_mode "
-    "meets the custom_vjp that ties a kernel's output to its vjp for reverse over forward "
-    "(autodiff._tie), which JAX cannot jvp; the kernels' Hessian-vector products are open"))
 def test_second_derivatives_through_with_forward_mode():
   """with_forward_mode's linear_call (a kernel's vjp as the transpose, an exact jvp as the
-  tangent): its second derivatives too, with the XLA flash path in both roles."""
+  tangent), with the XLA flash path in both roles: jvp of grad raised TypeError (the output was
+  tied to its gradient by a custom_vjp, which JAX cannot jvp), and grad of grad was wrong (the
+  kernel's vjp, computed at stopped inputs, had no derivative in them). Each second derivative
+  against the float64 reference."""
   x = make_inputs(4, 1, 300, 300, 2, 1, 8)
   flash = lambda q, k, v, mask: xla.attention(q, k, v, formulation="flash", mask=mask, scale=8 ** -0.5)
   f = with_forward_mode(flash, flash)
-  tng = _normal(1, x.q.shape)
-  hvp, gg = _second_order(lambda q, k, v: f(q, k, v, M.CausalMask()), x, tng)
+  g = lambda q, k, v: f(q, k, v, M.CausalMask())
+  tng, tk = _normal(1, x.q.shape), _normal(2, x.k.shape)
+  hvp, gg = _second_order(g, x, tng)
+  gj = _grad_of_jvp(g, x, tng, tk)
   with jax.enable_x64(True):
     x64 = type(x)(*_up((x.q, x.k, x.v, x.do)))
-    want = _second_order(_ref(M.CausalMask(), scale=8 ** -0.5), x64, _up(tng))
+    ref = _ref(M.CausalMask(), scale=8 ** -0.5)
+    want = _second_order(ref, x64, _up(tng))
+    want_gj = _grad_of_jvp(ref, x64, *_up((tng, tk)))
   _assert_close(hvp, want[0], what="hvp")
   _assert_close(gg, want[1], what="grad of grad")
+  _assert_close(gj, want_gj, what="grad of jvp")
 
 
 def test_jvp_of_jvp_in_one_of_its_tangents():
