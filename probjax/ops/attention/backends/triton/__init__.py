@@ -17,6 +17,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from probjax.core import pallas_triton
+from probjax.core.device import Device
 from probjax.ops.attention import vjp
 from probjax.ops.attention.base import check_kernel_call, score_mod_reason
 from probjax.ops.attention.call import TRITON_MASK_KINDS
@@ -53,8 +55,9 @@ def supports(q_shape, kv_shape, dtype, *, mask: Mask | None = None,
     return "dense boolean mask"
   if dropout:
     return "dropout"
-  if not interpret and jax.devices()[0].platform != "gpu":
-    return f"platform {jax.devices()[0].platform} without interpret"
+  if (why := pallas_triton.unavailable(Device(jax.devices()[0].platform, interpret=interpret),
+                                       "platform {platform} without interpret")):
+    return why
   if _dtype_name(dtype) not in _DTYPES:
     return f"dtype {_dtype_name(dtype)}"
   if len(q_shape) != 4 or len(kv_shape) != 4:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from probjax.core import pallas_triton
 from probjax.ops.attention.backend import AttentionBackend, call_flags
 
 
@@ -14,9 +15,8 @@ class Triton(AttentionBackend):
   backward_variants = backward_pass_impls
 
   def available(self, device):
-    if device.platform != "gpu":
-      return f"the Triton kernel needs an NVIDIA GPU (platform is {device.platform}); use interpret=True to run it on CPU"
-    return None
+    return pallas_triton.unavailable(
+        device, "the Triton kernel needs an NVIDIA GPU (platform is {platform}); use interpret=True to run it on CPU")
 
   def supports(self, call, device):
     from probjax.ops.attention.backends import triton

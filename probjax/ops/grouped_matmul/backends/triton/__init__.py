@@ -3,8 +3,7 @@ dtype (float64 in interpret mode only), any shape."""
 
 from __future__ import annotations
 
-import numpy as np
-
+from probjax.core import pallas_triton
 from probjax.core.device import Device
 from probjax.ops.grouped_matmul.backends.triton import config, kernels
 from probjax.ops.grouped_matmul.base import GroupedMatmulBackend
@@ -23,16 +22,10 @@ class TritonBackend(GroupedMatmulBackend):
   aliases = ("pallas_triton",)
 
   def available(self, device: Device) -> str | None:
-    if device.interpret or device.platform == "gpu":
-      return None
-    return f"Pallas Triton needs an NVIDIA GPU or interpret mode, not {device.platform}"
+    return pallas_triton.unavailable(device)
 
   def supports(self, call: GroupedMatmulCall, device: Device) -> str | None:
-    if (why := self.available(device)) is not None:
-      return why
-    if np.dtype(call.dtype) == np.float64 and not device.interpret:
-      return "float64 operands: the Triton kernels' dots run in float64 only in interpret mode"
-    return None
+    return self.available(device) or pallas_triton.float64_refusal(call.dtype, device, "operands")
 
   def gmm(self, lhs, rhs, group_sizes, *, call: GroupedMatmulCall):
     cfg = config.choose(call.m, call.k, call.n, call.dtype, kernel_device(call.interpret))

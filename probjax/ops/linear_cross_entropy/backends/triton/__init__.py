@@ -5,8 +5,7 @@ looping over the other axis in order, so the sums are deterministic)."""
 
 from __future__ import annotations
 
-import numpy as np
-
+from probjax.core import pallas_triton
 from probjax.core.backend import Backend
 from probjax.core.device import Device
 from probjax.ops.linear_cross_entropy.backends.triton import kernels
@@ -20,16 +19,10 @@ class Triton(Backend[LinearCrossEntropyCall]):
   aliases = ("pallas_triton",)
 
   def available(self, device: Device) -> str | None:
-    if device.interpret or device.platform == "gpu":
-      return None
-    return f"Pallas Triton needs an NVIDIA GPU or interpret mode, not {device.platform}"
+    return pallas_triton.unavailable(device)
 
   def supports(self, call: LinearCrossEntropyCall, device: Device) -> str | None:
-    if (why := self.available(device)) is not None:
-      return why
-    if np.dtype(call.dtype) == np.float64 and not device.interpret:
-      return "float64 inputs: the Triton kernels' dots run in float64 only in interpret mode"
-    return None
+    return self.available(device) or pallas_triton.float64_refusal(call.dtype, device, "inputs")
 
   def tile(self, call: LinearCrossEntropyCall) -> tuple[int, int]:
     """The kernels' ``(block_t, block_v)``."""

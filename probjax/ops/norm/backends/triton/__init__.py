@@ -10,6 +10,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from probjax.core import pallas_triton
 from probjax.core.backend import Backend
 from probjax.core.device import Device
 from probjax.ops.norm.backends.triton import kernels
@@ -25,10 +26,7 @@ class Triton(Backend[NormCall]):
   aliases = ("pallas",)
 
   def available(self, device: Device) -> str | None:
-    if device.platform != "gpu":
-      return (f"the Triton kernels need an NVIDIA GPU (platform is {device.platform}); "
-              "interpret=True emulates them on any platform")
-    return None
+    return pallas_triton.unavailable(device, pallas_triton.EMULATED_ANYWHERE)
 
   def supports(self, call: NormCall, device: Device) -> str | None:
     if call.dtype.name not in DTYPES:

@@ -18,6 +18,7 @@ import functools
 
 import jax
 
+from probjax.core import pallas_triton
 from probjax.core.backend import Backend
 from probjax.core.device import Device
 from probjax.ops.scan.backends.triton import common
@@ -41,10 +42,7 @@ class _Triton:
   aliases = ("pallas",)
 
   def available(self, device: Device) -> str | None:
-    if device.platform != "gpu":
-      return (f"the Triton kernels need an NVIDIA GPU (platform is {device.platform}); "
-              "interpret=True emulates them on any platform")
-    return None
+    return pallas_triton.unavailable(device, pallas_triton.EMULATED_ANYWHERE)
 
   def _refusal(self, call, device: Device, widths) -> str | None:
     why = self.available(device)
