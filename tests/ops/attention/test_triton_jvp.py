@@ -1,5 +1,6 @@
 """The fused forward + JVP Triton kernel (backends/triton/jvp.py) in interpret mode: primal and
-tangent against the float64 reference, jvp against the XLA path, reverse over forward."""
+tangent against the float64 reference, jvp against the XLA path, reverse over forward, second
+derivatives through with_forward_mode."""
 
 import jax
 import jax.numpy as jnp
