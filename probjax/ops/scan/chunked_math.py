@@ -6,20 +6,21 @@ Every function takes the core operands the op's wrapper prepares (dt after bias 
 an initial state, float32 or wider) and returns ``(y, final_state)`` in the compute dtype
 (float32 for 16-bit inputs). The sequence is cut into chunks of ``chunk`` steps (the last one
 padded with inert steps); the work inside a chunk runs for every chunk at once, the state
-crosses chunk boundaries by a scan (or a cumulative sum) over chunks. The per-chunk functions
-are ``jax.checkpoint``-ed, so the backward recomputes inside a chunk: a differentiated call
-saves its inputs, their cumulative decays and the chunk-boundary states, never a state per
-position.
+crosses chunk boundaries by a scan (or a cumulative sum) over chunks. Mamba-1's and SSD's
+per-chunk functions are ``jax.checkpoint``-ed, so the backward recomputes inside a chunk; RLA's
+form has its own vjp (:func:`linear_attention_chunked`). A differentiated call saves its
+inputs, their cumulative decays and the chunk-boundary states, never a state per position.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
-from probjax.ops.scan.calls import MambaCall
+from probjax.ops.scan.calls import MambaCall, RLACall
 
 
 def compute_dtype(dtype):
@@ -161,46 +162,136 @@ def ssd_chunked(x, dt, A, B, C, h0, *, chunk: int):
   return unchunked(y.reshape(b, -1, chunk, heads, p), length), final
 
 
-def linear_attention_chunked(fq, fk, v, s0, *, chunk: int):
+def _rla_operands(fq, fk, v, chunk, dtype):
+  """fq ``[b, nc, C, hk, r, f]``, fk ``[b, nc, C, hk, f]``, v ``[b, nc, C, hk, dv]`` in the
+  matmuls' ``dtype``; the chunk axis ``C`` zero-padded at the end (inert: a zero key adds
+  nothing to the state, a zero query reads nothing)."""
+  b, _, h, f = fq.shape
+  hk = v.shape[2]
+  q = chunked(fq.astype(dtype), chunk).reshape(b, -1, chunk, hk, h // hk, f)
+  return q, chunked(fk.astype(dtype), chunk), chunked(v.astype(dtype), chunk)
+
+
+def _dot(spec, a, b):
+  """``einsum(spec, a, b)`` reading the operands in their own (matmul) dtype, accumulating and
+  returning float32 or wider. XLA's CPU has no 16-bit x 16-bit -> float32 dot: there the
+  operands are widened first, which gives the same products (a product of two 16-bit floats
+  is exact in float32)."""
+  cd = compute_dtype(a.dtype)
+  narrow = lambda a, b: jnp.einsum(spec, a, b, preferred_element_type=cd)
+  if a.dtype == cd:
+    return narrow(a, b)
+  wide = lambda a, b: jnp.einsum(spec, a.astype(cd), b.astype(cd))
+  return jax.lax.platform_dependent(a, b, cpu=wide, default=narrow)
+
+
+def _causal(chunk):
+  """``[chunk, chunk]``: query ``t`` reads key ``s <= t`` of its own chunk."""
+  return jnp.arange(chunk)[:, None] >= jnp.arange(chunk)[None, :]
+
+
+def _rla_forward(fq, fk, v, s0, chunk, dtype):
+  """The chunked forward: ``(o [b, L, h, dv], final [b, hk, f, dv])`` in the compute dtype and
+  the backward's residuals (the operands in ``dtype``, a dtype's name, and the states entering
+  the chunks, rounded to ``dtype`` as the output's matmul reads them)."""
+  length = fq.shape[1]
+  cd = compute_dtype(dtype)
+  q, k, vc = _rla_operands(fq, fk, v, chunk, dtype)
+  kv = _dot("bcskf,bcskd->bckfd", k, vc)                          # each chunk's k^T v
+  through = jnp.cumsum(kv, axis=1)                                # s0 aside, through chunk c
+  s_in = (s0.astype(cd)[:, None] + (through - kv)).astype(dtype)  # entering chunk c
+  scores = jnp.where(_causal(chunk), _dot("bctkrf,bcskf->bckrts", q, k), 0).astype(dtype)
+  o = _dot("bckrts,bcskd->bctkrd", scores, vc) + _dot("bctkrf,bckfd->bctkrd", q, s_in)
+  o = unchunked(o.reshape(*o.shape[:3], -1, o.shape[-1]), length)
+  return (o, s0.astype(cd) + through[:, -1]), (q, k, vc, s_in)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _rla(fq, fk, v, s0, chunk, dtype, dtypes):
+  del dtypes
+  return _rla_forward(fq, fk, v, s0, chunk, dtype)[0]
+
+
+def _rla_fwd(fq, fk, v, s0, chunk, dtype, dtypes):
+  del dtypes
+  return _rla_forward(fq, fk, v, s0, chunk, dtype)
+
+
+def _rla_bwd(chunk, dtype, dtypes, saved, ct):
+  """The exact gradients, every matmul again on ``dtype`` operands: with ``R_c = dS_final +
+  Σ_{c' > c} q_{c'}ᵀ do_{c'}`` (the gradient of each state added after chunk ``c``) and the
+  masked ``A = q kᵀ``, ``dA = do vᵀ`` of a chunk, ``dq = do S_inᵀ + dA k``, ``dk = v Rᵀ +
+  dAᵀ q``, ``dv = k R + Aᵀ do`` (a key/value head's summed over its query heads) and ``ds0 =
+  R_{-1}``. The scores are recomputed (one matmul) rather than saved; ``dtypes`` are the
+  inputs' (the gradients')."""
+  q, k, vc, s_in = saved
+  do, ds = ct
+  b, nc, c, hk, r, f = q.shape
+  length, dv = do.shape[1], do.shape[-1]
+  cd = compute_dtype(dtype)
+  do = chunked(do.astype(dtype), chunk).reshape(b, nc, c, hk, r, dv)
+  qdo = _dot("bctkrf,bctkrd->bckfd", q, do)                       # what chunk c adds to dS_in
+  later = jax.lax.cumsum(qdo, axis=1, reverse=True)               # chunks c and after
+  ds = ds.astype(cd)
+  rev = (ds[:, None] + (later - qdo)).astype(dtype)                # R_c
+  causal = _causal(chunk)
+  scores = jnp.where(causal, _dot("bctkrf,bcskf->bckrts", q, k), 0).astype(dtype)
+  dscores = jnp.where(causal, _dot("bctkrd,bcskd->bckrts", do, vc), 0).astype(dtype)
+  dq = _dot("bckrts,bcskf->bctkrf", dscores, k) + _dot("bctkrd,bckfd->bctkrf", do, s_in)
+  dk = _dot("bckrts,bctkrf->bcskf", dscores, q) + _dot("bcskd,bckfd->bcskf", vc, rev)
+  dvv = _dot("bckrts,bctkrd->bcskd", scores, do) + _dot("bcskf,bckfd->bcskd", k, rev)
+  dq = unchunked(dq.reshape(b, nc, c, hk * r, f), length)
+  grads = (dq, unchunked(dk, length), unchunked(dvv, length), ds + later[:, 0])
+  return tuple(g.astype(t) for g, t in zip(grads, dtypes))
+
+
+_rla.defvjp(_rla_fwd, _rla_bwd)
+
+
+def linear_attention_chunked(fq, fk, v, s0, *, chunk: int, dtype=None):
   """Causal linear attention on features: ``o_t = fq_t · (s0 + Σ_{s <= t} fk_s v_sᵀ)``.
 
   fq ``[b, L, h, f]``; fk ``[b, L, hk, f]``; v ``[b, L, hk, dv]``; s0 ``[b, hk, f, dv]``;
-  query head ``i`` reads key/value head ``i // (h // hk)``. Inside a chunk the masked
-  ``fq fkᵀ`` times v; the states entering the chunks are a cumulative sum of the chunks'
-  ``fkᵀ v`` (no decay, so no scan is needed).
+  query head ``i`` reads key/value head ``i // (h // hk)``. Returns ``(o [b, L, h, dv],
+  S_final [b, hk, f, dv])`` in the compute dtype.
+
+  Every matmul reads its operands in ``dtype`` (default v's: bfloat16 inputs give bfloat16
+  tensor-core matmuls) and accumulates in float32 or wider. Inside a chunk the masked
+  ``fq fkᵀ`` times v and ``fq S_in``; the states entering the chunks are a cumulative sum of
+  the chunks' ``fkᵀ v`` (no decay, so no scan). A custom vjp (:func:`_rla_bwd`) keeps the
+  backward's matmuls in ``dtype`` too (JAX's own transposes would read the float32
+  cotangents, a float32 matmul) and saves only the operands and the chunk-entering states.
   """
-  length, h, f = fq.shape[1:]
-  hk, dv = v.shape[2:]
-  r = h // hk
-  cd = compute_dtype(v.dtype)
-  fq = chunked(fq.astype(cd), chunk).reshape(fq.shape[0], -1, chunk, hk, r, f)
-  fk, v = (chunked(t.astype(cd), chunk) for t in (fk, v))
-  causal = jnp.arange(chunk)[:, None] >= jnp.arange(chunk)[None, :]
+  return _rla(fq, fk, v, s0, chunk, jnp.dtype(v.dtype if dtype is None else dtype).name,
+              tuple(t.dtype.name for t in (fq, fk, v, s0)))
 
-  @jax.checkpoint
-  def local(fq, fk, v):
-    scores = jnp.where(causal, jnp.einsum("bctkrf,bcskf->bckrts", fq, fk), 0.0)
-    return jnp.einsum("bckrts,bcskd->bctkrd", scores, v), jnp.einsum("bcskf,bcskd->bckfd", fk, v)
 
-  @jax.checkpoint
-  def from_entering(fq, s_in):
-    return jnp.einsum("bctkrf,bckfd->bctkrd", fq, s_in)
-
-  o, kv = local(fq, fk, v)
-  s0 = s0.astype(cd)
-  before = jnp.pad(kv[:, :-1], [(0, 0), (1, 0), (0, 0), (0, 0), (0, 0)])
-  s_in = s0[:, None] + jnp.cumsum(before, axis=1)                # the chunks before chunk c
-  o = o + from_entering(fq, s_in)
-  return unchunked(o.reshape(*o.shape[:3], h, dv), length), s0 + jnp.sum(kv, axis=1)
+def rla_chunk(call) -> int:
+  """The chunk of RLA's chunked XLA form. Its memory traffic (what bounds it: the matmuls are
+  small) has two parts that move in opposite directions with the chunk C: each query head's
+  ``[C, C]`` score tiles (written by one matmul, masked, read by the next), about C entries a
+  position; and each key/value head's ``[features, v_head_dim]`` float32 states, one a chunk
+  (summed over chunks, rounded, read), about twice a score entry's bytes apiece, so
+  ``2 F Dv hk / (C h)`` a query position. Their sum is least at ``C² = 2 F Dv hk / h``: the
+  smallest power of two whose square reaches it, between 16 and 256, and no longer than the
+  power of two covering the sequence. E.g. softmax features of head_dim 64 (F = 128), Dv 64,
+  no GQA: ``C² = 16384``, C = 128; with four query heads a key/value head, 64."""
+  if call.chunk_size is not None:
+    return call.chunk_size
+  target = 2 * call.features * call.v_head_dim * call.kv_heads // call.heads
+  chunk = min(256, max(16, 1 << ((target - 1).bit_length() + 1) // 2))
+  return min(chunk, 1 << (call.length - 1).bit_length())
 
 
 def default_chunk(call) -> int:
   """The chunk the XLA formulations use when the call asks for none. Mamba-1 runs ``chunk +
   L / chunk`` sequential steps, fewest at ``chunk ≈ sqrt(L)`` (the power of two nearest it);
-  SSD and RLA do matmul work ``∝ chunk`` per position and ``L / chunk`` state steps: 64, or the
-  power of two covering a shorter sequence."""
+  SSD does matmul work ``∝ chunk`` per position and ``L / chunk`` state steps: 64, or the
+  power of two covering a shorter sequence; RLA: :func:`rla_chunk`."""
   if call.chunk_size is not None:
     return call.chunk_size
+  if isinstance(call, RLACall):
+    return rla_chunk(call)
   length = call.length
   if isinstance(call, MambaCall):
     return 1 << round(math.log2(math.sqrt(length)))

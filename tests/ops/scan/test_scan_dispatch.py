@@ -1,6 +1,7 @@
 """The scan room's dispatch on fake devices (pure rules, no arrays), its registry, and that the
 Triton kernels lower for an H200 (sm_90) on CPU."""
 
+import dataclasses
 import re
 
 import jax
@@ -106,9 +107,12 @@ def test_chunk_sizes():
   assert chunked(MAMBA) == 64 and chunked(MambaCall(1, 1, 1, 1, "float32")) == 1
   assert chunked(SSD) == 64 and chunked(SSDCall(1, 20, 2, 4, 1, 4, "float32")) == 32
   assert chunked(RLACall(1, 20, 2, 2, 4, 4, 0, "relu", "float32", chunk_size=5)) == 5
-  short = RLACall(1, 20, 2, 2, 4, 4, 0, "relu", "float32")
-  assert scan.explain_dispatch(short, device=H200).get("chunk_size") == 32
-  assert scan.explain_dispatch(RLACall(1, 9, 2, 2, 4, 4, 0, "relu", "float32"), device=H200).get("chunk_size") == 16
+  # RLA's: the smallest power of two whose square reaches 2 F Dv hk / h (at least 16, at most
+  # 256), no longer than the power of two covering the sequence.
+  assert chunked(RLA) == 128 and chunked(dataclasses.replace(RLA, kv_heads=2)) == 64
+  assert chunked(dataclasses.replace(RLA, length=100)) == 128 and chunked(dataclasses.replace(RLA, length=9)) == 16
+  assert chunked(RLACall(1, 20, 2, 2, 4, 4, 0, "relu", "float32")) == 16
+  assert chunked(RLACall(1, 4096, 2, 2, 256, 256, 0, "softmax", "float32")) == 256
   # Forms without a chunk set none.
   assert scan.explain_dispatch(MAMBA, device=CPU).config == ()
 
@@ -137,6 +141,8 @@ def test_interpret_call_dispatches_as_on_a_gpu():
 # For each call and device: the outcome of implementation=None, then of each registered name in
 # the registry's order, as "implementation[/chunk_size][ grad implementation[/chunk_size]] #rule"
 # (rule: an index into _RULES) or "ValueError #message". Recorded from the code at 51f288f.
+# RLA's chunked form took its own chunk rule since (chunked_math.rla_chunk): 128 for the wide
+# features and values below.
 
 _DEVICES = {"cpu": CPU, "h200": H200, "rtx3090": RTX3090, "interpret": INTERPRET}
 
@@ -285,14 +291,14 @@ _RECORDED = {
     ('ssd state 512', 'h200'): ['chunked/64 #5', 'scan #1', 'associative #1', 'chunked/64 #1', 'ValueError #14'],
     ('ssd state 512', 'rtx3090'): ['chunked/64 #5', 'scan #1', 'associative #1', 'chunked/64 #1', 'ValueError #14'],
     ('ssd state 512', 'interpret'): ['chunked/64 #5', 'scan #1', 'associative #1', 'chunked/64 #1', 'ValueError #14'],
-    ('rla features 512', 'cpu'): ['chunked/64 #0', 'scan #1', 'chunked/64 #1', 'ValueError #6'],
-    ('rla features 512', 'h200'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'ValueError #15'],
-    ('rla features 512', 'rtx3090'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'ValueError #15'],
-    ('rla features 512', 'interpret'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'ValueError #15'],
-    ('rla v_head_dim 512', 'cpu'): ['chunked/64 #0', 'scan #1', 'chunked/64 #1', 'ValueError #6'],
-    ('rla v_head_dim 512', 'h200'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'ValueError #16'],
-    ('rla v_head_dim 512', 'rtx3090'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'ValueError #16'],
-    ('rla v_head_dim 512', 'interpret'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'ValueError #16'],
+    ('rla features 512', 'cpu'): ['chunked/128 #0', 'scan #1', 'chunked/128 #1', 'ValueError #6'],
+    ('rla features 512', 'h200'): ['chunked/128 #5', 'scan #1', 'chunked/128 #1', 'ValueError #15'],
+    ('rla features 512', 'rtx3090'): ['chunked/128 #5', 'scan #1', 'chunked/128 #1', 'ValueError #15'],
+    ('rla features 512', 'interpret'): ['chunked/128 #5', 'scan #1', 'chunked/128 #1', 'ValueError #15'],
+    ('rla v_head_dim 512', 'cpu'): ['chunked/128 #0', 'scan #1', 'chunked/128 #1', 'ValueError #6'],
+    ('rla v_head_dim 512', 'h200'): ['chunked/128 #5', 'scan #1', 'chunked/128 #1', 'ValueError #16'],
+    ('rla v_head_dim 512', 'rtx3090'): ['chunked/128 #5', 'scan #1', 'chunked/128 #1', 'ValueError #16'],
+    ('rla v_head_dim 512', 'interpret'): ['chunked/128 #5', 'scan #1', 'chunked/128 #1', 'ValueError #16'],
     ('rla chunk 5', 'cpu'): ['chunked/5 #0', 'scan #1', 'chunked/5 #1', 'ValueError #6'],
     ('rla chunk 5', 'h200'): ['chunked/5 #5', 'scan #1', 'chunked/5 #1', 'ValueError #17'],
     ('rla chunk 5', 'rtx3090'): ['chunked/5 #5', 'scan #1', 'chunked/5 #1', 'ValueError #17'],

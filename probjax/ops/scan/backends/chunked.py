@@ -4,6 +4,8 @@ recomputing inside each chunk). Exact for every call on every device."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from probjax.core.backend import Backend
 from probjax.ops.scan import chunked_math
 from probjax.ops.scan.calls import MambaCall, RLACall, SSDCall
@@ -31,4 +33,6 @@ class SSDChunked(_Chunked, Backend[SSDCall]):
 
 class RLAChunked(_Chunked, Backend[RLACall]):
   def __call__(self, fq, fk, v, s0, *, call: RLACall):
-    return chunked_math.linear_attention_chunked(fq, fk, v, s0, chunk=self.chunk_size(call))
+    # The matmuls read q's and v's dtype (the features arrive in the compute dtype).
+    return chunked_math.linear_attention_chunked(fq, fk, v, s0, chunk=self.chunk_size(call),
+                                                 dtype=jnp.promote_types(call.dtype, v.dtype))
