@@ -11,3 +11,4 @@ from probjax.ops.mla.call import MLACall
 REGISTRY: Registry[MLACall] = Registry("mla")
 REGISTRY.register(XlaBackend())
 REGISTRY.register(TritonBackend())
+REGISTRY.add("mosaic", "probjax.ops.mla.backends.mosaic_gpu.backend:MosaicBackend", aliases=("mosaic_gpu",))

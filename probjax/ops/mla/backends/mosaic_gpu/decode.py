@@ -1,0 +1,386 @@
+"""Split-KV decode of the absorbed form in Pallas Mosaic GPU (Hopper: TMA loads, wgmma).
+
+Multi-query attention of all ``H`` heads of a sequence over its one shared latent: rows
+``r = t * H + h`` of ``q_lat [B, Tq * H, d_c]`` / ``q_rope [B, Tq * H, d_rope]`` attend over keys
+``[latent, k_rope]`` with values the latent itself. The rows are the wgmma's M side, in tiles of
+64 (one warpgroup's M): 128 heads of one query are two row tiles, so one latent tile read from
+HBM serves 64 heads in each of two CTAs (the second read comes from L2).
+
+One CTA per (row tile, key split, batch element) with ``value_wgs + 1`` warpgroups:
+
+* the last warpgroup only issues TMA copies: the row tile's queries once, then the split's key
+  tiles of ``BLOCK_K`` positions (latent and rope, from a contiguous cache or a page of a pool
+  through ``page_table``) into a ring of ``num_stages`` shared-memory slots, each with "ready"
+  barriers (completed by the copies) and a "free" barrier (one arrival per compute warpgroup);
+* each compute warpgroup ``w`` computes the whole score tile ``Q [latent, rope]^T`` (64 x
+  BLOCK_K), the online softmax in base 2, and ``P @ latent[:, w-th part]`` into its float32
+  accumulator of ``d_c / value_wgs`` columns: a 64 x 512 float32 accumulator is 256 registers
+  a thread, more than a warpgroup has, so two warpgroups share the value width (each repeats the
+  score tile's product, which the tensor cores absorb beside the latent's HBM reads).
+
+Each CTA writes its normalised float32 partial output and natural-log LSE per row; :func:`combine`
+merges the splits in XLA. Positions at or past a sequence's length are never used: their tiles
+are not loaded, and inside the last tile their scores are masked and their latent rows zeroed
+before ``P @ latent`` (a probability of zero does not cancel a NaN there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from probjax.core.device import SMEM_PER_BLOCK
+
+LOG2E = math.log2(math.e)
+ROWS = 64          # rows of one wgmma (M) per warpgroup: the row tile
+BLOCK_K = 64       # positions per key tile: wgmma's N of the scores, a whole (8, 64) smem tile
+PART = 64          # the (8, 64) smem tiling: query, latent and rope widths are multiples of it
+MAX_PART = 256     # wgmma's largest N: the value columns one warpgroup accumulates
+MAX_VALUE_WGS = 2  # beside the producer, two compute warpgroups get 232 registers a thread
+TMA_ROWS = 8       # TMA copies need the copied array's second-minor axis in multiples of 8
+SMEM_ALIGN, SMEM_RESERVED = 1024, 2048
+SMEM_SM90 = SMEM_PER_BLOCK["sm_90"]
+REGISTERS_PER_SM = 65536
+PRODUCER_REGISTERS = 40
+MASK_KINDS = ("band", "kv_lengths")
+MAX_QUERIES = 4
+DTYPES = ("bfloat16", "float16")
+TILED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+TILED_F32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+
+
+def _round_up(n: int, m: int) -> int:
+  return -(-n // m) * m
+
+
+def value_wgs(d_c: int) -> int:
+  """Compute warpgroups of a CTA: each accumulates ``d_c / value_wgs`` value columns, at most
+  :data:`MAX_PART` (wgmma's N, and 128 float32 registers a thread for 64 rows)."""
+  return max(1, -(-d_c // MAX_PART))
+
+
+def smem_bytes(d_c: int, d_rope: int, itemsize: int, num_stages: int, wgs: int) -> int:
+  """Shared memory of the kernel on the GPU (each buffer rounded up to 1 KiB, 8 bytes per
+  barrier and the 2 KiB Mosaic GPU reserves): the query tile, the ring (whose memory the float32
+  output tiles reuse after the last key tile) and the lse row."""
+  width = d_c + d_rope
+  ring = num_stages * BLOCK_K * width * itemsize
+  out = ROWS * d_c * 4
+  buffers = [ROWS * d_c * itemsize, ROWS * d_rope * itemsize, max(ring, out), ROWS * 4]
+  barriers = (wgs + 1) + (wgs + 1) * num_stages + num_stages + 1
+  return sum(_round_up(b, SMEM_ALIGN) for b in buffers) + 8 * barriers + SMEM_RESERVED
+
+
+def fit_stages(d_c: int, d_rope: int, itemsize: int, wgs: int, limit: int = SMEM_SM90, max_stages: int = 4) -> int:
+  """The deepest ring (2 to ``max_stages`` slots) that fits ``limit`` bytes; 0 if two do not."""
+  fits = [s for s in range(2, max_stages + 1) if smem_bytes(d_c, d_rope, itemsize, s, wgs) <= limit]
+  return max(fits, default=0)
+
+
+def why_not(*, q_len: int, d_c: int, d_rope: int, dtype, mask_kinds: tuple[str, ...],
+            page_size: int | None = None) -> str | None:
+  """Why the kernel cannot compute a call (None if it can); the device is the caller's check."""
+  name = jnp.dtype(dtype).name
+  if name not in DTYPES:
+    return f"dtype {name}: the Mosaic GPU decode kernel takes bfloat16 and float16"
+  other = [k for k in mask_kinds if k not in MASK_KINDS]
+  if other:
+    return (f"mask predicate {other[0]!r}: the Mosaic GPU decode kernel takes KVLenMask and a causal band "
+            "(CausalMask, LocalWindowMask)")
+  if not 1 <= q_len <= MAX_QUERIES:
+    return f"{q_len} queries per sequence: the Mosaic GPU decode kernel takes 1 to {MAX_QUERIES}"
+  wgs = value_wgs(d_c)
+  if wgs > MAX_VALUE_WGS or d_c % (PART * wgs):
+    return (f"d_c {d_c}: the Mosaic GPU decode kernel takes a multiple of {PART} up to {MAX_PART}, or of "
+            f"{PART * MAX_VALUE_WGS} up to {MAX_PART * MAX_VALUE_WGS}")
+  if d_rope % PART or d_rope > MAX_PART:
+    return f"d_rope {d_rope}: the Mosaic GPU decode kernel takes a multiple of {PART} up to {MAX_PART}"
+  if page_size is not None and (page_size < BLOCK_K or page_size & (page_size - 1)):
+    return f"page_size {page_size}: the Mosaic GPU decode kernel takes a power of two >= {BLOCK_K}"
+  if not fit_stages(d_c, d_rope, jnp.dtype(dtype).itemsize, wgs):
+    need = smem_bytes(d_c, d_rope, jnp.dtype(dtype).itemsize, 2, wgs)
+    return f"d_c {d_c} + d_rope {d_rope}: two key tiles and the queries need {need} bytes of shared memory"
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  heads: int
+  q_len: int
+  scale: float
+  band: tuple[int | None, int | None]
+  page_size: int | None
+  num_splits: int
+  num_stages: int
+  wgs: int
+  dtype: jnp.dtype
+
+
+def _key_blocks(st: _Static, row0, length):
+  """``(first, end)``: the key tiles that rows ``[row0, row0 + ROWS)`` may see, bounded by this
+  element's ``length`` and the band (row ``r`` is query ``r // heads``)."""
+  lower, upper = st.band
+  t_first = jnp.minimum(row0 // st.heads, st.q_len - 1)
+  t_last = jnp.minimum((row0 + ROWS - 1) // st.heads, st.q_len - 1)
+  hi = length if upper is None else jnp.clip(t_last + upper + 1, 0, length)
+  lo = jnp.int32(0) if lower is None else jnp.clip(t_first + lower, 0, hi)
+  return lo // BLOCK_K, (hi + BLOCK_K - 1) // BLOCK_K
+
+
+def _mma_sum(pairs, shape):
+  """``sum(a @ b for a, b in pairs)`` (float32 ``shape``) of shared-memory refs, one accumulator."""
+  def run(acc_ref):
+    for a, b in pairs:
+      plgpu.wgmma(acc_ref, a, b)
+    return acc_ref[...]
+  return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+
+def _mma_acc(acc, a, b, staging):
+  """``acc + a @ b`` with ``a`` in registers (16-bit, wgmma layout) and ``b`` a shared-memory
+  ref, accumulated in place; ``staging`` (interpret mode, whose wgmma reads shared memory only
+  and cannot accumulate in place): a shared-memory buffer for ``a``, the product then added."""
+  if staging is None:
+    return pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, a, b))(plgpu.ACC.init(acc))
+  staging[...] = a
+  plgpu.commit_smem()
+  return acc + _mma_sum(((staging, b),), acc.shape)
+
+
+def _zero_rows_past(tile, start, valid):
+  """Zeroes the rows of a ``[BLOCK_K, cols]`` shared-memory tile holding positions ``start..``
+  at or past ``valid`` (a traced int32), where the tile reaches past it. Rows before ``valid``
+  are rewritten with their own value, so a warpgroup reading the tile meanwhile (the other
+  one's score product) reads what was there or, past the length, zeros."""
+  @pl.when(valid - start < BLOCK_K)
+  def _():
+    row = plgpu.broadcasted_iota(jnp.int32, (BLOCK_K,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
+    keep = lax.broadcast_in_dim(start + row < valid, tile.shape, [0])
+    tile[...] = jnp.where(keep, tile[...], jnp.zeros((), tile.dtype))
+    plgpu.commit_smem()  # the generic-proxy writes before the wgmma that reads the tile
+
+
+def _kernel(lens_ref, table_ref, ql_ref, qr_ref, lat_ref, rope_ref, o_ref, lse_ref,
+            ql_smem, qr_smem, union, lse_smem, q_bar, lat_ready, rope_ready, free, done, *staging,
+            st: _Static):
+  wgs, stages = st.wgs, st.num_stages
+  part = ql_smem.shape[-1]
+  wg = lax.axis_index("wg")
+  rt, split, b = lax.axis_index("rows"), lax.axis_index("splits"), lax.axis_index("batch")
+  (lat_smem, rope_smem), (o_smem,) = union
+  row0 = rt * ROWS
+  length = lens_ref[b]
+  first, end = _key_blocks(st, row0, length)
+  # The splits share this element's visited tiles, not the cache's (lengths differ per element).
+  per_split = (end - first + st.num_splits - 1) // st.num_splits
+  lo = first + split * per_split
+  hi = jnp.maximum(lo, jnp.minimum(lo + per_split, end))
+  slot_of = lambda j: lax.rem(j - lo, jnp.int32(stages))
+
+  @pl.when(wg < wgs)
+  def _compute():
+    # The producer needs few registers; the compute warpgroups share the rest (multiples of 8).
+    compute = (REGISTERS_PER_SM // 128 - PRODUCER_REGISTERS) // wgs // 8 * 8
+    plgpu.set_max_registers(min(compute, 232), action="increase")
+    c = st.scale * LOG2E  # base-2 exponents: the scale folded into one multiply
+    lower, upper = st.band
+    for i in range(wgs + 1):
+      plgpu.barrier_wait(q_bar.at[i])
+
+    def step(j, carry):
+      acc, m, l = carry
+      slot = slot_of(j)
+      for p in range(wgs):
+        plgpu.barrier_wait(lat_ready.at[p * stages + slot])
+      plgpu.barrier_wait(rope_ready.at[slot])
+      pairs = [(ql_smem.at[p], lat_smem.at[slot, p].T) for p in range(wgs)] + [(qr_smem, rope_smem.at[slot].T)]
+      s = _mma_sum(pairs, (ROWS, BLOCK_K))
+      it = lambda dim: plgpu.broadcasted_iota(jnp.int32, (ROWS, BLOCK_K), dim, layout=plgpu.Layout.WGMMA)
+      ki = j * BLOCK_K + it(1)
+      ok = ki < length
+      if upper is not None or lower is not None:
+        d = ki - (row0 + it(0)) // st.heads  # key position minus query index
+        if upper is not None:
+          ok &= d <= upper
+        if lower is not None:
+          ok &= d >= lower
+      s = jnp.where(ok, s, -jnp.inf)
+      m_new = jnp.maximum(m, s.max(axis=1) * c)
+      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows that have seen no valid key
+      alpha = jnp.exp2(m - m_safe)
+      p = jnp.exp2(s * c - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+      l = l * alpha + p.sum(axis=1)
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      _zero_rows_past(lat_smem.at[slot, wg], j * BLOCK_K, length)
+      acc = _mma_acc(acc, p.astype(st.dtype), lat_smem.at[slot, wg], staging[0].at[wg] if staging else None)
+      plgpu.barrier_arrive(free.at[slot])
+      return acc, m_new, l
+
+    carry = (plgpu.layout_cast(jnp.zeros((ROWS, part), jnp.float32), plgpu.Layout.WGMMA),
+             plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+             plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
+    acc, m, l = lax.fori_loop(lo, hi, step, carry)
+    if wgs > 1:  # the output tiles reuse the ring's memory: every warpgroup is done reading it
+      plgpu.barrier_arrive(done)
+      plgpu.barrier_wait(done)
+    empty = l == 0.0
+    l = jnp.where(empty, 1.0, l)
+    o_smem.at[wg][...] = acc / lax.broadcast_in_dim(l, acc.shape, [0])
+
+    @pl.when(wg == 0)
+    def _():
+      lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l)) * (1.0 / LOG2E))
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[b, split, pl.ds(row0, ROWS), pl.ds(wg * part, part)])
+
+    @pl.when(wg == 0)
+    def _():
+      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, split, pl.ds(row0, ROWS)])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == wgs)
+  def _produce():
+    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+    rows = pl.ds(row0, ROWS)
+    for p in range(wgs):
+      plgpu.copy_gmem_to_smem(ql_ref.at[b, rows, pl.ds(p * part, part)], ql_smem.at[p], q_bar.at[p])
+    plgpu.copy_gmem_to_smem(qr_ref.at[b, rows], qr_smem, q_bar.at[wgs])
+
+    @pl.loop(lo, hi)
+    def _issue(j):
+      slot = slot_of(j)
+
+      @pl.when(j - lo >= stages)
+      def _():
+        plgpu.barrier_wait(free.at[slot])
+      pos = j * BLOCK_K
+      if st.page_size is None:
+        at = lambda ref, cols: ref.at[b, pl.ds(pos, BLOCK_K), cols]
+      else:
+        page = table_ref[b, pos // st.page_size]
+        at = lambda ref, cols: ref.at[page, pl.ds(pos % st.page_size, BLOCK_K), cols]
+      for p in range(wgs):
+        plgpu.copy_gmem_to_smem(at(lat_ref, pl.ds(p * part, part)), lat_smem.at[slot, p], lat_ready.at[p * stages + slot])
+      plgpu.copy_gmem_to_smem(at(rope_ref, slice(None)), rope_smem.at[slot], rope_ready.at[slot])
+
+    # Every release is observed before the CTA ends (the last ``stages`` were not awaited above).
+    @pl.loop(jnp.maximum(hi - stages, lo), hi)
+    def _drain(j):
+      plgpu.barrier_wait(free.at[slot_of(j)])
+
+
+def combine(o, lse):
+  """Merges split partials ``o [B, splits, rows, d]`` (each normalised) by their natural-log
+  ``lse [B, splits, rows]`` (-inf where a split saw no valid key): ``([B, rows, d], [B, rows])``;
+  rows no split saw give zeros and ``-inf``."""
+  m = jnp.max(lse, axis=1, keepdims=True)
+  w = jnp.exp(lse - jnp.where(jnp.isfinite(m), m, 0.0))
+  total = jnp.sum(w, axis=1)
+  out = jnp.sum((w / jnp.where(total == 0.0, 1.0, total)[:, None])[..., None] * o, axis=1)
+  m = jnp.where(jnp.isfinite(m[:, 0]), m[:, 0], 0.0)
+  return out, jnp.where(total > 0, m + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+
+
+def default_splits(batch: int, row_tiles: int, key_tiles: int, sm_count: int) -> int:
+  """Key splits per (row tile, element): enough CTAs for one per SM where the batch alone has
+  fewer, at most one per key tile."""
+  return max(1, min(key_tiles, sm_count // (batch * row_tiles)))
+
+
+def decode(q_lat, q_rope, kv_latent, k_rope, lengths, *, scale: float, band=(None, None), page_table=None,
+           num_splits: int | None = None, num_stages: int | None = None, wgs: int | None = None,
+           sm_count: int = 132, interpret: bool = False):
+  """Absorbed-form attention over a latent cache: ``(out [B, Tq, H, d_c], lse [B, Tq, H])``.
+
+  Args:
+    q_lat: ``[B, Tq, H, d_c]`` (q_nope absorbed through w_uk); q_rope: ``[B, Tq, H, d_rope]``;
+      bfloat16 or float16.
+    kv_latent, k_rope: ``[B, S, d_c]`` / ``[B, S, d_rope]``, or with ``page_table``
+      (``[B, pages_per_seq]`` int32, entries clamped into the pool) the page pools
+      ``[num_pages, page_size, d]``, ``page_size`` a power of two >= 64.
+    lengths: ``[B]`` int32 valid positions per element (clamped to the cache); positions at or
+      past it are never used. Rows without a valid key give zeros and lse ``-inf``.
+    scale: the softmax scale; band: ``(lower, upper)``, static: query ``t`` sees position ``k``
+      iff ``t + lower <= k <= t + upper`` (None: unbounded), as ``Mask.band_bounds``.
+    num_splits, num_stages, wgs: key splits (None: :func:`default_splits`), ring slots (None: the
+      most that fit) and compute warpgroups (None: :func:`value_wgs`; ``d_c / wgs`` a multiple of 64).
+    interpret: Pallas Mosaic GPU interpret mode (CPU).
+  Returns:
+    The output in q_lat's dtype, the natural-log lse float32.
+  """
+  batch, tq, heads, d_c = q_lat.shape
+  d_rope = q_rope.shape[-1]
+  paged = page_table is not None
+  page_size = kv_latent.shape[1] if paged else None
+  kv_len = page_table.shape[1] * page_size if paged else kv_latent.shape[1]
+  why = why_not(q_len=tq, d_c=d_c, d_rope=d_rope, dtype=q_lat.dtype, mask_kinds=(), page_size=page_size)
+  if why:
+    raise ValueError(why)
+  wgs = wgs or value_wgs(d_c)
+  if d_c % (PART * wgs) or d_c // wgs > MAX_PART:
+    raise ValueError(f"wgs {wgs}: d_c {d_c} must split into parts of a multiple of {PART} up to {MAX_PART}")
+  itemsize = jnp.dtype(q_lat.dtype).itemsize
+  stages = num_stages or fit_stages(d_c, d_rope, itemsize, wgs)
+  if not interpret and smem_bytes(d_c, d_rope, itemsize, stages, wgs) > SMEM_SM90:
+    raise ValueError(f"num_stages {stages} needs {smem_bytes(d_c, d_rope, itemsize, stages, wgs)} bytes of "
+                     f"shared memory; sm_90 has {SMEM_SM90}")
+  rows = tq * heads
+  row_tiles = -(-rows // ROWS)
+  key_tiles = max(1, -(-kv_len // BLOCK_K))
+  num_splits = num_splits or default_splits(batch, row_tiles, key_tiles, sm_count)
+  lengths = jnp.clip(jnp.asarray(lengths, jnp.int32), 0, kv_len)
+  if paged:
+    table = jnp.clip(page_table.astype(jnp.int32), 0, kv_latent.shape[0] - 1)
+  else:
+    table = jnp.zeros((1, 1), jnp.int32)
+    # A TMA window cannot exceed its array: a short or odd cache is padded (the one copy); the
+    # last key tile otherwise overhangs the cache and reads zeros there.
+    s_pad = max(_round_up(kv_len, TMA_ROWS), BLOCK_K)
+    if s_pad != kv_len:
+      kv_latent, k_rope = (jnp.pad(x, ((0, 0), (0, s_pad - kv_len), (0, 0))) for x in (kv_latent, k_rope))
+  rows_pad = row_tiles * ROWS
+  pad_rows = lambda x: jnp.pad(x.reshape(batch, rows, -1), ((0, 0), (0, rows_pad - rows), (0, 0)))
+  part = d_c // wgs
+  dt = q_lat.dtype
+  st = _Static(heads, tq, float(scale), tuple(band), page_size, num_splits, stages, wgs, jnp.dtype(dt))
+  ring = (plgpu.SMEM((stages, wgs, BLOCK_K, part), dt, transforms=TILED),
+          plgpu.SMEM((stages, BLOCK_K, d_rope), dt, transforms=TILED))
+  scratch = [
+      plgpu.SMEM((wgs, ROWS, part), dt, transforms=TILED),
+      plgpu.SMEM((ROWS, d_rope), dt, transforms=TILED),
+      plgpu.RefUnion(ring, (plgpu.SMEM((wgs, ROWS, part), jnp.float32, transforms=TILED_F32),)),
+      plgpu.SMEM((ROWS,), jnp.float32),
+      plgpu.Barrier(num_barriers=wgs + 1),             # the query copies
+      plgpu.Barrier(num_barriers=wgs * stages),        # a latent part ready, per part and slot
+      plgpu.Barrier(num_barriers=stages),              # a rope tile ready
+      plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),  # a slot released by every compute warpgroup
+      plgpu.Barrier(num_arrivals=wgs),                 # every compute warpgroup done with the ring
+  ]
+  if interpret:  # P's staging buffers (see _mma_acc)
+    scratch.append(plgpu.SMEM((wgs, ROWS, BLOCK_K), dt, transforms=TILED))
+  o, lse = plgpu.kernel(
+      functools.partial(_kernel, st=st),
+      out_type=(jax.ShapeDtypeStruct((batch, num_splits, rows_pad, d_c), jnp.float32),
+                jax.ShapeDtypeStruct((batch, num_splits, rows_pad), jnp.float32)),
+      scratch_types=scratch,
+      grid=(row_tiles, num_splits, batch),
+      grid_names=("rows", "splits", "batch"),
+      num_threads=wgs + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=plgpu.InterpretGPUParams() if interpret else False,
+      kernel_name="probjax_mla_decode_mosaic",
+  )(lengths, table, pad_rows(q_lat), pad_rows(q_rope), kv_latent, k_rope)
+  if num_splits == 1:
+    out, lse = o[:, 0], lse[:, 0]
+  else:
+    out, lse = combine(o, lse)
+  out = out[:, :rows].reshape(batch, tq, heads, d_c).astype(dt)
+  return out, lse[:, :rows].reshape(batch, tq, heads)
