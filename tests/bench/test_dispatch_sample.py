@@ -1,11 +1,15 @@
 """bench/dispatch_sample.py (issue 41, measured dispatch) on CPU: the sampler's determinism and
-bounds, the runner with a fake timing (rows, resume, budget) on a faked H200's dispatch, and the
-report's arithmetic on synthetic rows. The repository root is on sys.path (``python -m pytest``)."""
+bounds, the runner with a fake measurer (rows, resume, budget, the batches' parallel compile) on
+a faked H200's dispatch, the real JAX measurer on tiny CPU calls, and the report's arithmetic on
+synthetic rows. The repository root is on sys.path (``python -m pytest``)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import random
+import threading
+import time
 
 import pytest
 
@@ -90,19 +94,38 @@ def test_visible_keys_and_estimate():
 FAKE_MS = {None: 1.1, "xla": 3.0, "triton": 1.0, "cudnn": 0.5, "mosaic": 0.8}
 
 
-class FakeTiming:
-  """``build`` for run_sample: no JAX; each timed round advances a fake clock by one second."""
-  needs_arrays = False
+class FakeMeasure:
+  """``measure`` for run_sample: no JAX; each timed round advances a fake clock by one second.
+  ``fail``: {(call id, impl): exception} raised by that case's compile; ``jitter``: each compile
+  sleeps up to this many seconds (at random), so that the compiles of a batch end in any order."""
 
-  def __init__(self):
+  def __init__(self, fail=None, jitter=0.0, seed=0):
     self.now = 0.0
     self.built = []
+    self.compiled = []
+    self.fail = fail or {}
+    self.jitter = jitter
+    self.rng = random.Random(seed)
+    self.lock = threading.Lock()
 
   def clock(self):
     return self.now
 
-  def __call__(self, c, impl, mask, arrays):
-    self.built.append((c.call_id, impl))
+  def compile(self, spec, c, impl):
+    with self.lock:
+      self.compiled.append((c.call_id, impl))
+      pause = self.rng.uniform(0, self.jitter)
+    time.sleep(pause)
+    if (c.call_id, impl) in self.fail:
+      raise self.fail[(c.call_id, impl)]
+    return (c.call_id, impl), 0.0
+
+  def inputs(self, spec, c):
+    return None
+
+  def prepare(self, compiled, arrays):
+    (call_id, impl), _ = compiled
+    self.built.append((call_id, impl))
 
     def timer():
       self.now += 1.0
@@ -118,8 +141,8 @@ def calls():
 def test_runner_writes_rows_and_resumes(tmp_path, calls):
   from bench import harness
   out = str(tmp_path / "rows.json")
-  fake = FakeTiming()
-  st = ds.run_sample(calls, out, build=fake, device=h200(), rounds=2, clock=fake.clock, log=lambda s: None)
+  fake = FakeMeasure()
+  st = ds.run_sample(calls, out, measure=fake, device=h200(), rounds=2, clock=fake.clock, log=lambda s: None)
   rows = ds.load_rows(out)
   assert st["calls_done"] == 4 and not st["stopped"] and st["rows_written"] == len(rows) == 4 * 5
   assert {r["call_id"] for r in rows} == {c.call_id for c in calls}
@@ -139,30 +162,30 @@ def test_runner_writes_rows_and_resumes(tmp_path, calls):
   assert {(c.call_id, None) for c in calls} | {(c.call_id, "xla") for c in calls} <= set(fake.built)
 
   # resume: nothing again
-  again = FakeTiming()
-  st = ds.run_sample(calls, out, build=again, device=h200(), rounds=2, clock=again.clock, log=lambda s: None)
+  again = FakeMeasure()
+  st = ds.run_sample(calls, out, measure=again, device=h200(), rounds=2, clock=again.clock, log=lambda s: None)
   assert again.built == [] and st["calls_skipped"] == 4 and st["rows_written"] == 0
   # resume after losing rows (and a line cut by a killed run): only those are measured
   keep = [r for r in rows if not (r["call_id"] == calls[1].call_id and r["impl"] == "probjax_xla")]
   with open(out, "w") as f:
     f.writelines(json.dumps(r) + "\n" for r in keep)
     f.write('{"suite": "dispatch_sa')
-  third = FakeTiming()
-  st = ds.run_sample(calls, out, build=third, device=h200(), rounds=2, clock=third.clock, log=lambda s: None)
+  third = FakeMeasure()
+  st = ds.run_sample(calls, out, measure=third, device=h200(), rounds=2, clock=third.clock, log=lambda s: None)
   assert third.built == [(calls[1].call_id, "xla")] and st["rows_written"] == 1
   assert len(ds.load_rows(out)) == 20
 
   # a stored row whose shape the sampler no longer draws is refused
   with pytest.raises(SystemExit, match="sampler changed"):
-    ds.run_sample([dataclasses.replace(calls[0], batch=calls[0].batch + 1)], out, build=FakeTiming(),
+    ds.run_sample([dataclasses.replace(calls[0], batch=calls[0].batch + 1)], out, measure=FakeMeasure(),
                   device=h200(), log=lambda s: None)
 
 
 def test_runner_honours_the_budget(tmp_path, calls):
   out = str(tmp_path / "rows.json")
-  fake = FakeTiming()
+  fake = FakeMeasure()
   budget = 45.0
-  st = ds.run_sample(calls, out, build=fake, device=h200(), rounds=3, budget_s=budget, clock=fake.clock,
+  st = ds.run_sample(calls, out, measure=fake, device=h200(), rounds=3, budget_s=budget, clock=fake.clock,
                      log=lambda s: None)
   assert st["stopped"] and 0 < st["calls_done"] < len(calls)
   assert fake.now <= budget
@@ -171,38 +194,112 @@ def test_runner_honours_the_budget(tmp_path, calls):
   for r in rows:
     by_call.setdefault(r["call_id"], []).append(r)
   assert len(by_call) == st["calls_done"] and all(len(v) == 5 for v in by_call.values())  # whole calls only
-  rest = FakeTiming()
-  st = ds.run_sample(calls, out, build=rest, device=h200(), rounds=3, clock=rest.clock, log=lambda s: None)
+  rest = FakeMeasure()
+  st = ds.run_sample(calls, out, measure=rest, device=h200(), rounds=3, clock=rest.clock, log=lambda s: None)
   assert st["calls_skipped"] == len(by_call) and not st["stopped"]
   assert not {cid for cid, _ in rest.built} & set(by_call)
   assert len(ds.load_rows(out)) == 5 * len(calls)
 
 
+VOLATILE = ("time", "loadavg_1m", "command")
+
+
+def _stable(rows):
+  return [{k: v for k, v in r.items() if k not in VOLATILE} for r in rows]
+
+
+def test_parallel_compile_gives_the_serial_rows_in_order(tmp_path):
+  """The rows of a run whose compiles end in random order on 4 threads are the rows (fields,
+  values, order) of one compiling serially."""
+  calls = ds.sample(7, 6)
+  outs = {}
+  for workers, batch, seed in ((1, 1, 0), (4, 3, 1), (4, 6, 2)):
+    out = str(tmp_path / f"rows{workers}_{batch}.json")
+    fake = FakeMeasure(jitter=0.02, seed=seed)
+    st = ds.run_sample(calls, out, measure=fake, device=h200(), rounds=2, clock=fake.clock, log=lambda s: None,
+                       workers=workers, batch_calls=batch)
+    assert st["calls_done"] == 6 and st["batches"] == -(-6 // batch)
+    assert sorted(fake.compiled, key=str) == sorted(fake.built, key=str)  # each case compiled once, then timed
+    outs[(workers, batch)] = _stable(ds.load_rows(out))
+  serial = outs.pop((1, 1))
+  assert [r["call_id"] for r in serial] == [c.call_id for c in calls for _ in range(5)]
+  for rows in outs.values():
+    assert rows == serial
+
+
+def test_a_failed_compile_is_its_case_status(tmp_path):
+  calls = ds.sample(5, 3)
+  fail = {(calls[0].call_id, "xla"): RuntimeError("lowering crashed"),
+          (calls[1].call_id, None): ValueError("cannot lower this")}
+  fake = FakeMeasure(fail=fail)
+  out = str(tmp_path / "rows.json")
+  st = ds.run_sample(calls, out, measure=fake, device=h200(), rounds=2, clock=fake.clock, log=lambda s: None,
+                     workers=2, batch_calls=3)
+  assert st["calls_done"] == 3 and st["batches"] == 1
+  rows = {(r["call_id"], r["impl"]): r for r in ds.load_rows(out)}
+  bad = rows[(calls[0].call_id, "probjax_xla")]
+  assert bad["status"] == "error" and "lowering crashed" in bad["error"] and bad["ms"] is None
+  assert rows[(calls[1].call_id, ds.DEFAULT)]["status"] == "unsupported"
+  ok = [r for k, r in rows.items() if k not in {(calls[0].call_id, "probjax_xla"), (calls[1].call_id, ds.DEFAULT)}
+        and r["status"] != "unsupported"]
+  assert ok and all(r["status"] == "ok" and r["ms"] == FAKE_MS[None if r["impl"] == ds.DEFAULT else r["impl"][8:]]
+                    for r in ok)
+  assert set(fake.built) == {(cid, impl) for cid, impl in fake.compiled} - set(fail)
+  # a resumed run keeps the failed rows (a case's status is its result)
+  again = FakeMeasure()
+  assert ds.run_sample(calls, out, measure=again, device=h200(), log=lambda s: None)["calls_skipped"] == 3
+  assert again.compiled == []
+
+
+def test_the_budget_stops_between_batches(tmp_path):
+  calls = ds.sample(5, 8)
+  fake = FakeMeasure()
+  out = str(tmp_path / "rows.json")
+  # batch 1: calls 0 and 1, expected at the prior (1.5 x 5 s per fwd case: 30 s each), fit in 60 s; they
+  # take 24 s (one second a round); batch 2 takes call 2 (expected at the measured 3 s a case) but not
+  # call 3 (fwd_bwd, at the prior of 10 s a case): the run stops after batch 2
+  st = ds.run_sample(calls, out, measure=fake, device=h200(), rounds=3, budget_s=60.0, clock=fake.clock,
+                     log=lambda s: None, workers=2, batch_calls=2)
+  assert st["stopped"] and st["batches"] == 2 and st["calls_done"] == 3 and fake.now <= 60.0
+  done = {r["call_id"] for r in ds.load_rows(out)}
+  assert len(done) == st["calls_done"]
+  assert {cid for cid, _ in fake.compiled} == done  # nothing compiled for a batch not started
+  assert done == {c.call_id for c in calls[:len(done)]}  # the first calls of the sample
+  # the first call that does not fit closes the run: no later (cheaper) call is taken
+  rest = FakeMeasure()
+  st2 = ds.run_sample(calls, out, measure=rest, device=h200(), rounds=3, clock=rest.clock, log=lambda s: None,
+                      workers=2, batch_calls=2)
+  assert st2["calls_skipped"] == len(done) and st2["calls_done"] == len(calls) - len(done)
+
+
 def test_runner_times_the_real_calls_on_cpu(tmp_path):
-  """The JAX builder end to end on a tiny call: on CPU the default and XLA run, the kernels are
-  refused."""
+  """The JAX measurer end to end on two tiny calls compiled on two threads (one differentiated):
+  on CPU the default and XLA run, the kernels are refused."""
   c = ds.SampledCall(9, 0, "self", 1, 2, 1, 40, 40, 32, "causal&kv_lengths", "bfloat16", "fwd",
                      kv_lengths=(40,))
+  g = ds.SampledCall(9, 1, "cross", 2, 2, 2, 24, 56, 16, "window", "float16", "fwd_bwd", window=8)
   out = str(tmp_path / "rows.json")
-  st = ds.run_sample([c], out, rounds=2, log=lambda s: None,
+  st = ds.run_sample([c, g], out, rounds=2, log=lambda s: None, workers=2,
                      timing_kw=dict(warmup=0, repeats=1, min_repeat_s=0.0, max_calls=1))
-  rows = {r["impl"]: r for r in ds.load_rows(out)}
-  assert st["rows_written"] == 5 and set(rows) == {ds.ROW_IMPL[i] for i in (None, *ds.EXACT_IMPLS)}
-  for name in (ds.DEFAULT, "probjax_xla"):
-    r = rows[name]
-    assert r["status"] == "ok" and r["ms"] > 0 and len(r["round_ms"]) == 2 and r["compile_s"] >= 0
-    assert r["probe_ms"] > 0
-  assert rows[ds.DEFAULT]["default_impl"] == "xla" and rows["probjax_xla"]["decision"].startswith("xla")
-  assert {rows[n]["status"] for n in ("probjax_triton", "probjax_cudnn", "probjax_mosaic")} == {"unsupported"}
+  assert st["rows_written"] == 10 and st["batches"] == 1 and st["compile_sum_s"] > 0
+  for call in (c, g):
+    rows = {r["impl"]: r for r in ds.load_rows(out) if r["call_id"] == call.call_id}
+    assert set(rows) == {ds.ROW_IMPL[i] for i in (None, *ds.EXACT_IMPLS)}
+    for name in (ds.DEFAULT, "probjax_xla"):
+      r = rows[name]
+      assert r["status"] == "ok" and r["ms"] > 0 and len(r["round_ms"]) == 2 and r["compile_s"] > 0
+      assert r["probe_ms"] > 0 and r["mode"] == call.mode
+    assert rows[ds.DEFAULT]["default_impl"] == "xla" and rows["probjax_xla"]["decision"].startswith("xla")
+    assert {rows[n]["status"] for n in ("probjax_triton", "probjax_cudnn", "probjax_mosaic")} == {"unsupported"}
 
 
 def test_command_line_run_report_and_seed(tmp_path, capsys):
   out, prefix = str(tmp_path / "fit.json"), str(tmp_path / "rep")
-  fake = FakeTiming()
+  fake = FakeMeasure()
   assert ds.main(["sample", "--seed", "5", "--n", "3"]) == 0
   lines = capsys.readouterr().out.strip().splitlines()
   assert [json.loads(x)["call_id"] for x in lines] == ["s5#0", "s5#1", "s5#2"]
-  assert ds.main(["run", "--seed", "5", "--n", "3", "--out", out, "--rounds", "1"], build=fake,
+  assert ds.main(["run", "--seed", "5", "--n", "3", "--out", out, "--rounds", "1"], measure=fake,
                  clock=fake.clock, device=h200()) == 0
   assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["calls_done"] == 3
   seed_file = str(tmp_path / "seed.json")
@@ -210,8 +307,8 @@ def test_command_line_run_report_and_seed(tmp_path, capsys):
   rec = json.load(open(seed_file))
   assert rec["seed"] != ds.FIT_SEED and rec["after"][0]["rows"] == 15 and len(rec["after"][0]["sha256"]) == 64
   val = str(tmp_path / "val.json")
-  fake2 = FakeTiming()
-  assert ds.main(["run", "--seed-file", seed_file, "--n", "2", "--out", val, "--rounds", "1"], build=fake2,
+  fake2 = FakeMeasure()
+  assert ds.main(["run", "--seed-file", seed_file, "--n", "2", "--out", val, "--rounds", "1"], measure=fake2,
                  clock=fake2.clock, device=h200()) == 0
   assert {r["seed"] for r in ds.load_rows(val)} == {rec["seed"]}
   capsys.readouterr()
