@@ -376,6 +376,28 @@ def test_mosaic_fused_dq_backward_lowers_for_sm90(monkeypatch, d, shared):
   assert kernels == {"probjax_attention_fwd_mosaic", "probjax_attention_bwd_dkv_mosaic"}, kernels
 
 
+@pytest.mark.parametrize("d,dv,mask_name,bwd", [(192, 128, "causal", None), (192, 128, "none", None),
+                                                (128, 64, "causal", None), (128, 64, "window&kv_len", None),
+                                                (128, 64, "causal", dict(fused_dq=True, shared_dq=True))])
+def test_mosaic_backward_value_head_dim_lowers_for_sm90(monkeypatch, d, dv, mask_name, bwd):
+  """Values of their own width (MLA's 192/128, and 128/64) at full size, B2 H16 T4096: the
+  Mosaic forward and both backward kernels at the default configs (192/128: 64-row key tiles
+  in three slots, :func:`~probjax.ops.attention.backends.mosaic_gpu.backward.default_config`),
+  dV and the V/dO tiles at the values' width; or the fused and shared dQ."""
+  from probjax.ops.attention.backends import mosaic_gpu as pm
+  _fake_triton_sm90(monkeypatch, device_kind=True)
+  mask = MASKS[mask_name]
+  q = jax.ShapeDtypeStruct((2, 4096, 16, d), jnp.bfloat16)
+  v = jax.ShapeDtypeStruct((2, 4096, 16, dv), jnp.bfloat16)
+  kw = {} if bwd is None else dict(backward_config=dataclasses.replace(pm.backward.DEFAULTS[d], **bwd))
+  loss = lambda q, k, v: jnp.sum(pm.attention(q, k, v, mask=mask, backward_pass_impl="mosaic", **kw).astype(jnp.float32))
+  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, q, v).lower(lowering_platforms=("cuda",)).as_text()
+  assert set(re.findall(r"custom_call @([\w$.]+)", text)) == {"mosaic_gpu_v2"}
+  kernels = set(re.findall(r"probjax_attention_\w+_mosaic\b", text))
+  assert kernels == {"probjax_attention_fwd_mosaic", "probjax_attention_bwd_dkv_mosaic",
+                     *(() if bwd else ("probjax_attention_bwd_dq_mosaic",))}, kernels
+
+
 @pytest.mark.parametrize("mask_name,backward", [("none", "auto"), ("causal", "auto"), ("segments", "mosaic"),
                                                ("causal", "mosaic")])
 def test_mosaic_forward_with_score_mod_lowers_for_sm90(monkeypatch, mask_name, backward):

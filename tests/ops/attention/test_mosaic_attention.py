@@ -324,7 +324,7 @@ def test_config_validation_and_fit():
     assert mb.fit(None, 2, d, "sm_90").smem_bytes(2, d) <= 232448
   with pytest.raises(ValueError, match="shared memory"):
     mb.fit(pm.MosaicBackwardConfig(256, 256, 4, 2), 2, 128, "sm_90")
-  with pytest.raises(ValueError, match="head_dim up to 128"):
+  with pytest.raises(ValueError, match="widths summing to at most 320, got head_dim 256 and value head_dim 256"):
     mb.fit(None, 2, 256, "sm_90")
   x = make_inputs(0, 1, 64, 64, 1, 1, 64, jnp.bfloat16)
   with pytest.raises(TypeError, match="MosaicBackwardConfig goes with 'mosaic'"):
@@ -544,8 +544,9 @@ def test_value_head_dim_supports_and_fit():
   assert s(192, 128) is None and s(128, 64) is None and s(192, 192) is None and s(64, 256) is None
   assert "value head_dim 96" in s(128, 96)
   assert "head_dim 96" in s(96, 64)
-  x = make_inputs(0, 1, 64, 64, 1, 1, 128, jnp.bfloat16, v_head_dim=64)
-  with pytest.raises(ValueError, match="the Mosaic backward takes values of the queries' head_dim 128, not 64"):
+  x = make_inputs(0, 1, 64, 64, 1, 1, 192, jnp.bfloat16, v_head_dim=192)
+  with pytest.raises(ValueError, match="cannot compute this call: the Mosaic backward takes widths summing to at most "
+                                       "320, got head_dim 192 and value head_dim 192"):
     pm.attention(x.q, x.k, x.v, backward_pass_impl="mosaic", interpret=True)
   widths = (64, 128, 192, 256)
   for d, dv in ((d, dv) for d in widths for dv in widths):  # every pair supports takes has a default
@@ -584,3 +585,83 @@ def test_value_head_dim_of_its_own_lowers_for_sm90(monkeypatch, d, dv, mask, cfg
   text = jax.jit(lambda q, k, v: pm.attention(q, k, v, mask=mask, forward_config=cfg)).trace(q, q, v).lower(
       lowering_platforms=("cuda",)).as_text()
   assert set(re.findall(r"custom_call @([\w$.]+)", text)) == {"mosaic_gpu_v2"}
+
+
+# The Mosaic backward at values of their own width: dV and the V / dO tiles at the values'
+# width, dK, dQ and the Q / K tiles at the queries'; widths summing to at most 320.
+@pytest.mark.parametrize("d,dv,mask_name,heads,tq,tk", _slow_except(
+    [(192, 128, "causal", (2, 1), 100, 130), (192, 128, "none", (4, 2), 150, 200), (128, 64, "causal_offset", (2, 2), 7, 200),
+     (64, 128, "lengths", (4, 1), 130, 65), (192, 128, "window&segments", (2, 1), 150, 200)],
+    (192, 128, "causal", (2, 1), 100, 130)))
+def test_mosaic_backward_value_head_dim_of_its_own(d, dv, mask_name, heads, tq, tk):
+  x = make_inputs(d + dv + tq, 1, tq, tk, *heads, d, jnp.bfloat16, v_head_dim=dv)  # odd lengths, GQA
+  mask = make_mask(mask_name, 1, tq, tk)
+  check_against_reference(_mosaic_bwd(mask), x, mask=mask)
+
+
+@SLOW
+def test_mosaic_backward_value_head_dim_is_deterministic():
+  # No atomics: two runs' gradients are bitwise equal (interpret mode runs one CTA at a time;
+  # test_gpu_mosaic_backward_value_head_dim runs them at once).
+  x = make_inputs(3, 1, 100, 130, 2, 1, 192, jnp.bfloat16, v_head_dim=128)
+  f = _mosaic_bwd(M.CausalMask(30))
+  grads = lambda: jax.vjp(lambda q, k, v: f(q, k, v, None), x.q, x.k, x.v)[1](x.do)
+  for a, b in zip(grads(), grads()):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_mosaic_backward_value_head_dim_supports_and_fit():
+  from probjax.ops.attention.backends.mosaic_gpu import backward as mb
+  s = lambda d, dv, **kw: pm.supports((1, 128, 4, d), (1, 128, 2, d), jnp.bfloat16, interpret=True,
+                                      v_head_dim=dv, backward_pass_impl="mosaic", **kw)
+  widths = (64, 128, 192, 256)
+  for d, dv in ((d, dv) for d in widths for dv in widths):
+    if d + dv > 384 and d != dv:  # the forward refuses these
+      continue
+    why = s(d, dv)
+    if d + dv > 320:  # dK/dV accumulators over the registers
+      assert "backward_pass_impl='mosaic' cannot compute this call: the Mosaic backward takes widths summing to at " \
+             f"most 320, got head_dim {d} and value head_dim {dv}" in why, (d, dv, why)
+      with pytest.raises(ValueError, match="widths summing to at most 320"):
+        mb.fit(None, 2, d, "sm_90", v_head_dim=dv)
+      continue
+    assert why is None, (d, dv, why)
+    assert mb.fit(None, 2, d, "sm_90", v_head_dim=dv).smem_bytes(2, d, dv) <= 232448, (d, dv)
+    assert mb.fit(None, 2, d, "interpret", v_head_dim=dv).compute_wgs == 1
+  assert pm.supports((1, 128, 4, 192), (1, 128, 2, 192), jnp.bfloat16, interpret=True, v_head_dim=192) is None
+  # default_config's example: 192/128 drops to 64-row key tiles in three slots; 128/64 keeps head_dim 128's.
+  assert mb.fit(None, 2, 192, "sm_90", v_head_dim=128) == pm.MosaicBackwardConfig(64, 64, 3, 2)
+  assert pm.MosaicBackwardConfig(64, 128, 2, 2).smem_bytes(2, 192, 128) == 251008
+  assert pm.MosaicBackwardConfig(64, 64, 3, 2).smem_bytes(2, 192, 128) == 211112
+  assert pm.MosaicBackwardConfig(64, 64, 4, 2).smem_bytes(2, 192, 128) > 232448
+  assert mb.fit(None, 2, 128, "sm_90", v_head_dim=64) == mb.DEFAULTS[128]
+  assert pm.MosaicBackwardConfig(64, 128, 2, 2).smem_bytes(2, 128, 64) == 152704
+  # The V and dO tiles at the values' width: equal widths count as before.
+  cfg = pm.MosaicBackwardConfig(64, 128, 2, 2)
+  assert cfg.smem_bytes(2, 128, 128) == cfg.smem_bytes(2, 128)
+  with pytest.raises(ValueError, match="needs 251008 bytes of shared memory at head_dim 192, value head_dim 128"):
+    mb.fit(cfg, 2, 192, "sm_90", v_head_dim=128)
+  # Through the registry: an explicit request is refused with the reason, the one it takes is reported.
+  from probjax.ops.attention.dispatch import Device, explain_dispatch
+  h200 = Device("gpu", (9, 0), 140 << 30)
+  kw = dict(implementation="mosaic", backward_pass_impl="mosaic", device=h200)
+  d = explain_dispatch((2, 4096, 16, 192), (2, 4096, 16, 192), jnp.bfloat16, mask=M.CausalMask(), v_head_dim=128, **kw)
+  assert (d.implementation, d.backward) == ("mosaic", "mosaic")
+  with pytest.raises(ValueError, match="widths summing to at most 320, got head_dim 192 and value head_dim 192"):
+    explain_dispatch((2, 4096, 16, 192), (2, 4096, 16, 192), jnp.bfloat16, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask_name,tq,tk,d,dv", [("causal", 4096, 4096, 192, 128), ("causal&kv_len", 2048, 3000, 128, 64),
+                                                  ("none", 3000, 3000, 192, 128)])
+def test_gpu_mosaic_backward_value_head_dim(mask_name, tq, tk, d, dv):
+  # MLA's widths (and 128/64) at the default configs: values and every gradient against the
+  # reference, and bitwise-equal gradients across runs (no atomics).
+  x = make_inputs(tq + d + dv, 2, tq, tk, 8, 2, d, jnp.bfloat16, v_head_dim=dv)
+  mask = make_mask(mask_name, 2, tq, tk)
+  f = lambda q, k, v, _: pm.attention(q, k, v, mask=mask, backward_pass_impl="mosaic")
+  check_against_reference(f, x, mask=mask)
+  grads = lambda: jax.grad(lambda q, k, v: jnp.sum(f(q, k, v, None).astype(jnp.float32) * x.do),
+                           argnums=(0, 1, 2))(x.q, x.k, x.v)
+  for a, b in zip(grads(), grads()):
+    assert bool(jnp.all(a == b))

@@ -5,7 +5,8 @@ Built so far (16-bit, head_dim 64/128/192/256, values of their own width among t
 192/128), every position mask -- causal/window band,
 per-batch query/key lengths, segment ids -- with tile skipping, GQA, any length): the
 forward (:mod:`.forward`) and a deterministic two-kernel backward (:mod:`.backward`,
-``backward_pass_impl="mosaic"``, head_dim up to 128); other ``backward_pass_impl`` values run
+``backward_pass_impl="mosaic"``, query/key and value widths summing to at most 320: 64/64,
+128/128, 192/128, 128/64, ...); other ``backward_pass_impl`` values run
 the Triton kernels' backward on the same residuals, paired by name through
 :func:`probjax.ops.attention.registry.backward_kernel` (this package never imports another
 backend). ``score_mod`` runs in the forward and in both backwards (its gradient per tile by
@@ -38,13 +39,14 @@ _HEAD_DIMS = (64, 128, 192, 256)  # multiples of 64: whole wgmma K tiles of the 
 def supports(q_shape, kv_shape, dtype, *, mask: Mask | None = None, score_mod: Callable | None = None,
              bias: bool = False, dense_mask: bool = False, dropout: bool = False,
              scale: float | None = None, interpret: bool = False, device_kind: str | None = None,
-             v_head_dim: int | None = None) -> str | None:
+             v_head_dim: int | None = None, backward_pass_impl: str = "auto") -> str | None:
   """None if :func:`attention` computes the call exactly, else a short reason.
 
   Args:
     q_shape: ``(batch, q_len, heads, head_dim)``; kv_shape: ``(batch, kv_len, kv_heads, head_dim)``.
-    v_head_dim: the values' head_dim (None: ``head_dim``), any of the head_dims taken; the
-      Mosaic backward (``backward_pass_impl="mosaic"``) refuses one of its own in :func:`attention`.
+    v_head_dim: the values' head_dim (None: ``head_dim``), any of the head_dims taken.
+    backward_pass_impl: ``"mosaic"`` also asks whether this package's backward computes the
+      call's gradient (:func:`backward_refusal`); the Triton backwards answer for themselves.
     device_kind: ``"sm_90"`` etc. (default: the current device's).
   """
   for present, what in ((bias, "additive bias"), (dense_mask, "dense boolean mask"), (dropout, "dropout")):
@@ -77,7 +79,18 @@ def supports(q_shape, kv_shape, dtype, *, mask: Mask | None = None, score_mod: C
       return f"mask of type {type(mask).__name__}"
   if scale is not None and not scale > 0 and score_mod is None:
     return f"scale {scale} (without score_mod the Mosaic kernel takes a positive scale)"
-  return score_mod_reason(score_mod) or _lowerable(score_mod)
+  why = score_mod_reason(score_mod) or _lowerable(score_mod)
+  if why or backward_pass_impl != "mosaic":
+    return why
+  why = backward_refusal(q_shape[-1], v_head_dim, score_mod)
+  return None if why is None else f"backward_pass_impl='mosaic' cannot compute this call: {why}"
+
+
+def backward_refusal(head_dim: int, v_head_dim: int | None, score_mod: Callable | None) -> str | None:
+  """Why the Mosaic backward (``backward_pass_impl="mosaic"``) cannot compute the gradient of a
+  call the forward takes, or None: widths whose dK/dV accumulators do not fit the registers
+  (:func:`.backward.width_refusal`), a ``score_mod`` whose vjp Pallas Mosaic GPU cannot lower."""
+  return backward_lib.width_refusal(head_dim, v_head_dim) or _lowerable(score_mod, mosaic_grad=True)
 
 
 def _lowerable(score_mod: Callable | None, *, mosaic_grad: bool = False) -> str | None:
@@ -107,9 +120,9 @@ def attention(q, k, v, *, mask: Mask | None = None, score_mod: Callable | None =
     score_mod: ``f(score, b, h, q_idx, kv_idx) -> score`` on float32 scores after scaling,
       before the mask (``q_idx``/``kv_idx`` full int32 tiles of the score's shape); it must
       not close over arrays. Both backwards differentiate it.
-    backward_pass_impl: ``"mosaic"`` (this package's backward, :mod:`.backward`), or the
-      Triton backward's variant (``"auto"``, ``"triton_*"``, see :mod:`probjax.ops.attention.backends.triton`;
-      "mosaic" needs ``v_head_dim == head_dim``):
+    backward_pass_impl: ``"mosaic"`` (this package's backward, :mod:`.backward`, widths
+      :func:`backward_refusal` takes), or the Triton backward's variant (``"auto"``,
+      ``"triton_*"``, see :mod:`probjax.ops.attention.backends.triton`):
       "auto" is the Triton backward, faster at head_dim 64 (the device table gives head_dim 128
       calls from 2^29 work the Mosaic backward; evidence in docs/dev/decisions.md).
     forward_config: explicit tiles, checked against the device's shared memory.
@@ -136,11 +149,10 @@ def attention(q, k, v, *, mask: Mask | None = None, score_mod: Callable | None =
     raise TypeError(f"backward_config {type(backward_config).__name__} does not match "
                     f"backward_pass_impl={backward_pass_impl!r} (MosaicBackwardConfig goes with 'mosaic')")
   if mosaic_bwd:
-    why = _lowerable(score_mod, mosaic_grad=True) or (
-        None if dv == d else f"the Mosaic backward takes values of the queries' head_dim {d}, not {dv}")
+    why = backward_refusal(d, dv, score_mod)
     if why:
       raise ValueError(f"backward_pass_impl='mosaic' cannot compute this call: {why}")
-    bcfg = backward_lib.fit(backward_config, itemsize, d, device)
+    bcfg = backward_lib.fit(backward_config, itemsize, d, device, v_head_dim=dv)
     if interpret:
       config_lib.warn_if_interpret_may_hang(max(cfg.cluster * (cfg.compute_wgs + 1), bcfg.compute_wgs + 1))
     backward = vjp.Kernel(_backward_shard, dataclasses.replace(st, bcfg=bcfg), gpu.mosaic_partitioned(st))

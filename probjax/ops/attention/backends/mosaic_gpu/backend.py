@@ -26,7 +26,7 @@ class Mosaic(AttentionBackend):
     from probjax.ops.attention.backends import mosaic_gpu
     # The only backend whose answer depends on the scale (a non-positive one without score_mod).
     return mosaic_gpu.supports(call.q_shape, call.kv_shape, call.dtype, scale=call.scale, interpret=True,
-                               **call_flags(call))
+                               backward_pass_impl=call.backward_pass_impl, **call_flags(call))
 
   def __call__(self, q, k, v, mask, *, call, backward_pass_impl=None):
     from probjax.ops.attention.backends import mosaic_gpu

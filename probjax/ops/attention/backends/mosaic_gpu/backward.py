@@ -5,11 +5,12 @@ Both follow the forward's structure (:mod:`.forward`): compute warpgroups of 64 
 producer warpgroup that streams tiles by TMA into a ring of shared-memory slots.
 
 * dK/dV: one CTA per (key tile of ``64 * compute_wgs`` rows, batch, KV head). Its K and V
-  rows stay in shared memory; the producer streams, for each query head of the group and
+  rows stay in shared memory (``head_dim`` and ``v_head_dim`` wide); the producer streams, for each query head of the group and
   each query tile the mask allows, the Q and dO tiles and their (lse, delta) rows. On
   transposed tiles ``S^T = K Q^T`` (``[64, block_q]``): ``P^T``, ``dV += P^T dO``,
   ``dP^T = V dO^T``, ``dS^T = P^T (dP^T - delta)``, ``dK += dS^T Q``; dK/dV are summed over
-  the group in registers (no atomics).
+  the group in registers (no atomics): ``[64, head_dim]`` and ``[64, v_head_dim]`` float32
+  per warpgroup (:func:`width_refusal`).
 * dQ: one CTA per (query tile, batch, query head), streaming K and V tiles:
   ``S = Q K^T``, ``P``, ``dP = dO V^T``, ``dS = P (dP - delta)``, ``dQ += dS K``.
 
@@ -65,23 +66,25 @@ class MosaicBackwardConfig:
     if self.shared_dq and not self.fused_dq:
       raise ValueError("shared_dq=True needs fused_dq=True (it shapes the fused dQ's partials)")
 
-  def smem_bytes(self, itemsize: int, head_dim: int) -> int:
+  def smem_bytes(self, itemsize: int, head_dim: int, v_head_dim: int | None = None) -> int:
     """The larger of the two kernels' shared memory (:func:`.config.smem_total` of the
     scratch in :func:`backward`): resident 64-row tiles of two operands per compute
-    warpgroup (K, V or Q, dO), ``num_stages`` slots of two streamed tiles, their float32
-    statistics and segment ids."""
+    warpgroup (K and V, or Q and dO), ``num_stages`` slots of two streamed tiles (Q and dO,
+    or K and V), their float32 statistics and segment ids. Q, K and dQ are ``head_dim`` wide,
+    V and dO ``v_head_dim`` wide (None: ``head_dim``)."""
     wgs, st, d, s = self.compute_wgs, self.num_stages, head_dim, itemsize
-    resident = wgs * R * d * s
-    streamed_q, streamed_k = st * self.block_q * d * s, st * self.block_k * d * s
+    dv = v_head_dim or head_dim
+    rows = lambda n, width: n * width * s
     fused = []  # dS^T (two buffers when shared), dQ
     if self.fused_dq:
       fused = [(1 + self.shared_dq) * wgs * R * self.block_q * s, wgs * self.block_q * d * 4 // (1 + self.shared_dq)]
-    dkv = smem_total([resident, resident, streamed_q, streamed_q, st * 2 * self.block_q * 4, wgs * R * 4,
-                      st * self.block_q * 4, *fused], 3 * wgs + 5 * st + 3 * self.shared_dq)
+    dkv = smem_total([rows(wgs * R, d), rows(wgs * R, dv), rows(st * self.block_q, d), rows(st * self.block_q, dv),
+                      st * 2 * self.block_q * 4, wgs * R * 4, st * self.block_q * 4, *fused],
+                     3 * wgs + 5 * st + 3 * self.shared_dq)
     if self.fused_dq:
       return dkv
-    dq = smem_total([resident, resident, wgs * 2 * R * 4, wgs * R * 4, streamed_k, streamed_k,
-                     st * self.block_k * 4], 4 * wgs + 4 * st)
+    dq = smem_total([rows(wgs * R, d), rows(wgs * R, dv), wgs * 2 * R * 4, wgs * R * 4, rows(st * self.block_k, d),
+                     rows(st * self.block_k, dv), st * self.block_k * 4], 4 * wgs + 4 * st)
     return max(dkv, dq)
 
 
@@ -90,27 +93,68 @@ class MosaicBackwardConfig:
 # is faster). The tiles are the H200 sweep's best two-kernel configs. Measurements:
 # docs/dev/decisions.md ("Settled by probes", mosaic_long.backward_min_work) and bench/results/h200/tiles.json.
 DEFAULTS = {64: MosaicBackwardConfig(128, 128, 2, 2), 128: MosaicBackwardConfig(64, 128, 2, 2)}
-# dK and dV of 64 rows stay in registers as float32: at head_dim 256 they alone would take
-# 256 registers per thread, over the 232 a compute warpgroup gets.
-MAX_HEAD_DIM = 128
+# dK [64, head_dim] and dV [64, v_head_dim] stay in registers as float32 through the dK/dV
+# kernel's loop: (head_dim + v_head_dim) / 2 registers per thread of a warpgroup (64 rows over
+# 128 threads), beside the float32 S^T and dP^T tiles of a step, 32 registers each at the
+# smallest query tile (64 x 64). A compute warpgroup has 232 (common.registers): widths
+# summing to 320 (192/128, 256/64) take 160 + 64 = 224 of them; wider pairs (192/192 at
+# 256, or head_dim 256 alone, whose dK/dV take 256) leave no room and are refused.
+MAX_WIDTHS = 320
 
 
-def fit(config: MosaicBackwardConfig | None, itemsize: int, head_dim: int, device: str) -> MosaicBackwardConfig:
-  """As :func:`probjax.ops.attention.backends.mosaic_gpu.config.fit`, for the backward (head_dim up to
-  :data:`MAX_HEAD_DIM`)."""
-  if head_dim > MAX_HEAD_DIM:
-    raise ValueError(f"backward_pass_impl='mosaic' takes head_dim up to {MAX_HEAD_DIM}, got {head_dim} "
-                     "(its dK/dV accumulators would not fit the registers); use the Triton backward")
+def width_refusal(head_dim: int, v_head_dim: int | None = None) -> str | None:
+  """Why the backward cannot take these widths (queries/keys ``head_dim``, values
+  ``v_head_dim``, None: ``head_dim``), or None: their dK/dV accumulators must fit the
+  registers (:data:`MAX_WIDTHS`)."""
+  dv = v_head_dim or head_dim
+  if head_dim + dv > MAX_WIDTHS:
+    widths = f"head_dim {head_dim} and value head_dim {dv}"
+    return (f"the Mosaic backward takes widths summing to at most {MAX_WIDTHS}, got {widths} (its dK/dV "
+            "accumulators would not fit the registers); use the Triton backward")
+  return None
+
+
+def default_config(head_dim: int, v_head_dim: int, itemsize: int, limit: int | None) -> MosaicBackwardConfig:
+  """The backward's tiles for these widths where none is given (unmeasured for values of their
+  own width): the measured :data:`DEFAULTS` where values are as wide as keys, else head_dim
+  128's, the widest measured; where that does not fit ``limit`` bytes of shared memory (None:
+  unbounded), key tiles of 64 rows in three ring slots, or two. Query tiles stay at 64 rows:
+  every 64 more add 64 float32 registers of S^T and dP^T beside the dK/dV accumulators.
+
+  Example, 192/128 in bf16 (an H200 has 232,448 bytes): in (64, 128, 2, 2) the dQ kernel
+  holds 64 Q and dO rows per warpgroup (2 x 64 x (192 + 128) x 2 bytes: 80 KiB) and two ring
+  slots of 128 K and V rows (2 x 128 x 320 x 2: 160 KiB), 251,008 bytes in all: over. Slots of
+  64 rows take 40 KiB each: (64, 64, 3, 2) needs 211,112 bytes (either kernel), a fourth slot
+  would not fit. At 128/64, (64, 128, 2, 2) fits as it is (152,704 bytes)."""
+  if head_dim == v_head_dim and head_dim in DEFAULTS:
+    return DEFAULTS[head_dim]
+  cfg = DEFAULTS[128]
+  fits = lambda c: limit is None or c.smem_bytes(itemsize, head_dim, v_head_dim) <= limit
+  if fits(cfg):
+    return cfg
+  small = dataclasses.replace(cfg, block_k=64, num_stages=3)
+  return small if fits(small) else dataclasses.replace(small, num_stages=2)
+
+
+def fit(config: MosaicBackwardConfig | None, itemsize: int, head_dim: int, device: str,
+        v_head_dim: int | None = None) -> MosaicBackwardConfig:
+  """As :func:`probjax.ops.attention.backends.mosaic_gpu.config.fit`, for the backward: widths
+  that :func:`width_refusal` takes (``v_head_dim`` None: ``head_dim``), ``config`` (None:
+  :func:`default_config`) checked against ``device``'s shared memory."""
+  dv = v_head_dim or head_dim
+  why = width_refusal(head_dim, dv)
+  if why:
+    raise ValueError(f"backward_pass_impl='mosaic': {why}")
   limit = smem_limit(device)
-  cfg = config if config is not None else DEFAULTS[head_dim]
+  cfg = config if config is not None else default_config(head_dim, dv, itemsize, limit)
   if device == "interpret" and config is None:  # see config.INTERPRET_WGS
     cfg = dataclasses.replace(cfg, compute_wgs=INTERPRET_WGS)
   if cfg.shared_dq and head_dim % (R * cfg.compute_wgs):
     raise ValueError(f"shared_dq=True splits head_dim into {cfg.compute_wgs} slices of whole 64-column "
                      f"tiles; head_dim {head_dim} is not a multiple of {R * cfg.compute_wgs}")
-  if limit is not None and cfg.smem_bytes(itemsize, head_dim) > limit:
-    raise ValueError(f"{cfg} needs {cfg.smem_bytes(itemsize, head_dim)} bytes of shared memory at "
-                     f"head_dim {head_dim}; {device} has {limit}")
+  if limit is not None and (need := cfg.smem_bytes(itemsize, head_dim, dv)) > limit:
+    widths = "" if dv == head_dim else f", value head_dim {dv}"
+    raise ValueError(f"{cfg} needs {need} bytes of shared memory at head_dim {head_dim}{widths}; {device} has {limit}")
   return cfg
 
 
@@ -150,7 +194,7 @@ def _dkv_kernel(*refs, band, lengths, segments, scale, score_mod, groups, cfg, q
       plgpu.copy_gmem_to_smem(kid_ref.at[b, rows], kid_smem.at[wg], kv_bar.at[2 * wgs + wg])
       plgpu.barrier_wait(kv_bar.at[2 * wgs + wg])
     d = k_smem.shape[-1]
-    zeros = plgpu.layout_cast(jnp.zeros((R, d), jnp.float32), plgpu.Layout.WGMMA)
+    zeros = lambda width: plgpu.layout_cast(jnp.zeros((R, width), jnp.float32), plgpu.Layout.WGMMA)
     stage = None if staging is None else staging.at[wg]
     col = lambda x: lax.broadcast_in_dim(x, (R, bq), [1])
 
@@ -212,7 +256,7 @@ def _dkv_kernel(*refs, band, lengths, segments, scale, score_mod, groups, cfg, q
       carry = lax.fori_loop(flo, fhi, functools.partial(step, g=g, masked=False), carry)
       return lax.fori_loop(fhi, hi, functools.partial(step, g=g, masked=True), carry)
 
-    dk, dv = lax.fori_loop(0, groups, head, (zeros, zeros))
+    dk, dv = lax.fori_loop(0, groups, head, (zeros(d), zeros(v_smem.shape[-1])))
     if cfg.shared_dq:  # the other warpgroups' last dQ products read this warpgroup's K rows
       plgpu.barrier_arrive(done_bar)
       plgpu.barrier_wait(done_bar)
@@ -344,10 +388,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, st_ref, len_ref, rng_ref, qid_ref, k
 
 def backward(q, k, v, out, lse, do, mask: Mask | None, *, scale: float, config: MosaicBackwardConfig,
              interpret: bool, score_mod=None):
-  """Gradients of attention (shapes as in :func:`probjax.ops.attention.backends.mosaic_gpu.forward.forward`;
-  ``lse`` the natural log-sum-exp ``[batch, heads, q_len]``; ``score_mod`` that of the forward,
-  differentiated per tile with ``jax.vjp``). Returns ``(dq, dk, dv)``."""
+  """Gradients of attention (shapes as in :func:`probjax.ops.attention.backends.mosaic_gpu.forward.forward`:
+  q ``[batch, q_len, heads, head_dim]``, k ``[batch, kv_len, kv_heads, head_dim]``, v
+  ``[batch, kv_len, kv_heads, v_head_dim]``, out and do ``[batch, q_len, heads, v_head_dim]``,
+  widths that :func:`width_refusal` takes; ``lse`` the natural log-sum-exp ``[batch, heads,
+  q_len]``; ``score_mod`` that of the forward, differentiated per tile with ``jax.vjp``).
+  Returns ``(dq, dk, dv)`` shaped as ``(q, k, v)``."""
   batch, q_len, heads, d = q.shape
+  d_v = v.shape[-1]
   kv_len, kv_heads = k.shape[1], k.shape[2]
   cfg = config
   wgs, stages = cfg.compute_wgs, cfg.num_stages
@@ -371,7 +419,7 @@ def backward(q, k, v, out, lse, do, mask: Mask | None, *, scale: float, config: 
                 interpret=plgpu.InterpretGPUParams() if interpret else False)
 
   ids = lambda *shape: plgpu.SMEM(shape, jnp.int32)  # segment ids
-  dkv_scratch = [smem(wgs, R, d), smem(wgs, R, d), smem(stages, cfg.block_q, d), smem(stages, cfg.block_q, d),
+  dkv_scratch = [smem(wgs, R, d), smem(wgs, R, d_v), smem(stages, cfg.block_q, d), smem(stages, cfg.block_q, d_v),
                  plgpu.SMEM((stages, 2, cfg.block_q), jnp.float32), ids(wgs, R), ids(stages, cfg.block_q),
                  barriers(3 * wgs), barriers(stages), barriers(stages), barriers(stages), barriers(stages),
                  barriers(stages, wgs)]
@@ -388,7 +436,8 @@ def backward(q, k, v, out, lse, do, mask: Mask | None, *, scale: float, config: 
     dkv_scratch.append(smem(wgs, R, cfg.block_q))
   dk, dv = plgpu.kernel(
       functools.partial(_dkv_kernel, **static, interpret=bool(interpret)),
-      out_type=(jax.ShapeDtypeStruct((batch, kv_rows, kv_heads, d), k.dtype),) * 2,
+      out_type=(jax.ShapeDtypeStruct((batch, kv_rows, kv_heads, d), k.dtype),
+                jax.ShapeDtypeStruct((batch, kv_rows, kv_heads, d_v), v.dtype)),
       scratch_types=dkv_scratch, grid=(num_tiles(kv_pad, wgs * R), batch, kv_heads),
       grid_names=("kv_tiles", "batch", "kv_heads"), kernel_name="probjax_attention_bwd_dkv_mosaic",
       **common)(qp, kp, vp, dop, stats, lens, *seg(cfg.block_q, wgs * R, by_q=False), *dq_acc)
@@ -399,8 +448,8 @@ def backward(q, k, v, out, lse, do, mask: Mask | None, *, scale: float, config: 
     dq = (dq[:, :q_len] * scale).astype(q.dtype)
     return dq, C.first_rows(dk, kv_len), C.first_rows(dv, kv_len)
 
-  dq_scratch = [smem(wgs, R, d), smem(wgs, R, d), plgpu.SMEM((wgs, 2, R), jnp.float32), ids(wgs, R),
-                smem(stages, cfg.block_k, d), smem(stages, cfg.block_k, d), ids(stages, cfg.block_k),
+  dq_scratch = [smem(wgs, R, d), smem(wgs, R, d_v), plgpu.SMEM((wgs, 2, R), jnp.float32), ids(wgs, R),
+                smem(stages, cfg.block_k, d), smem(stages, cfg.block_k, d_v), ids(stages, cfg.block_k),
                 barriers(4 * wgs), barriers(stages), barriers(stages), barriers(stages), barriers(stages, wgs)]
   if interpret:
     dq_scratch.append(smem(wgs, R, cfg.block_k))
