@@ -99,6 +99,30 @@ def test_rla_window_covers_everything():
   np.testing.assert_array_equal(s, a["initial_state"])
 
 
+def _rla_inputs(b, length, h, hk, d, dv, dtype, seed=0):
+  rng = np.random.default_rng(seed)
+  f = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)
+  return dict(q=f(b, length, h, d), k=f(b, length, hk, d), v=f(b, length, hk, dv),
+              initial_state=f(b, hk, 2 * d, dv).astype(jnp.float32))
+
+
+@pytest.mark.parametrize("impl", ["triton", "chunked"])
+def test_rla_state_blocks_and_groups(impl):
+  """RLA with features 80 and v_head_dim 72 (the kernels' state passes in 2 x 2 blocks of 64),
+  two query heads on one key/value head (the gradient kernels sum the group's), three chunks
+  of 16 with a partial last one; bfloat16 (the matmuls read bfloat16)."""
+  check("rla", impl, _rla_inputs(1, 37, 2, 1, 40, 72, jnp.bfloat16), dtype=jnp.bfloat16, chunk_size=16)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("impl", ["chunked", "triton"])
+def test_rla_full_size_bfloat16(impl):
+  """The benchmark's RLA call, B4 H8 T4096 D64 bfloat16, window 512, at each form's default
+  chunk: values and every gradient against the float64 reference."""
+  check("rla", impl, _rla_inputs(4, 4096, 8, 8, 64, 64, jnp.bfloat16), dtype=jnp.bfloat16, window_size=512)
+
+
 @pytest.mark.timeout(300)
 def test_saved_for_the_backward():
   """A differentiated chunked or Triton Mamba-1 call saves no state per position: the

@@ -141,8 +141,8 @@ def test_interpret_call_dispatches_as_on_a_gpu():
 # For each call and device: the outcome of implementation=None, then of each registered name in
 # the registry's order, as "implementation[/chunk_size][ grad implementation[/chunk_size]] #rule"
 # (rule: an index into _RULES) or "ValueError #message". Recorded from the code at 51f288f.
-# RLA's chunked form took its own chunk rule since (chunked_math.rla_chunk): 128 for the wide
-# features and values below.
+# RLA's chunk rules changed since: the chunked form's (chunked_math.rla_chunk) is 128 for the
+# wide features and values below, the kernels' (backends/triton/rla.default_chunk) 64.
 
 _DEVICES = {"cpu": CPU, "h200": H200, "rtx3090": RTX3090, "interpret": INTERPRET}
 
@@ -200,9 +200,9 @@ _RECORDED = {
     ('ssd L300 float32', 'rtx3090'): ['chunked/64 #5', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
     ('ssd L300 float32', 'interpret'): ['chunked/64 #5', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
     ('rla L300 float32', 'cpu'): ['chunked/64 #0', 'scan #1', 'chunked/64 #1', 'ValueError #6'],
-    ('rla L300 float32', 'h200'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'triton/32 #1'],
-    ('rla L300 float32', 'rtx3090'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'triton/32 #1'],
-    ('rla L300 float32', 'interpret'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'triton/32 #1'],
+    ('rla L300 float32', 'h200'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
+    ('rla L300 float32', 'rtx3090'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
+    ('rla L300 float32', 'interpret'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
     ('mamba L2048 float32', 'cpu'): ['scan #0', 'scan #1', 'associative #1', 'chunked/64 #1', 'ValueError #2'],
     ('mamba L2048 float32', 'h200'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 #1'],
     ('mamba L2048 float32', 'rtx3090'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 #1'],
@@ -212,9 +212,9 @@ _RECORDED = {
     ('ssd L2048 float32', 'rtx3090'): ['chunked/64 #5', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
     ('ssd L2048 float32', 'interpret'): ['chunked/64 #5', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
     ('rla L2048 float32', 'cpu'): ['chunked/64 #0', 'scan #1', 'chunked/64 #1', 'ValueError #6'],
-    ('rla L2048 float32', 'h200'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'triton/32 #1'],
-    ('rla L2048 float32', 'rtx3090'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'triton/32 #1'],
-    ('rla L2048 float32', 'interpret'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'triton/32 #1'],
+    ('rla L2048 float32', 'h200'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
+    ('rla L2048 float32', 'rtx3090'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
+    ('rla L2048 float32', 'interpret'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
     ('mamba L9 bfloat16', 'cpu'): ['scan #0', 'scan #1', 'associative #1', 'chunked/4 #1', 'ValueError #2'],
     ('mamba L9 bfloat16', 'h200'): ['triton/16 #3', 'scan #1', 'associative #1', 'chunked/4 #1', 'triton/16 #1'],
     ('mamba L9 bfloat16', 'rtx3090'): ['triton/16 #3', 'scan #1', 'associative #1', 'chunked/4 #1', 'triton/16 #1'],
@@ -248,9 +248,9 @@ _RECORDED = {
     ('ssd L300 bfloat16', 'rtx3090'): ['chunked/64 #5', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
     ('ssd L300 bfloat16', 'interpret'): ['chunked/64 #5', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
     ('rla L300 bfloat16', 'cpu'): ['chunked/64 #0', 'scan #1', 'chunked/64 #1', 'ValueError #6'],
-    ('rla L300 bfloat16', 'h200'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'triton/32 #1'],
-    ('rla L300 bfloat16', 'rtx3090'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'triton/32 #1'],
-    ('rla L300 bfloat16', 'interpret'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'triton/32 #1'],
+    ('rla L300 bfloat16', 'h200'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
+    ('rla L300 bfloat16', 'rtx3090'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
+    ('rla L300 bfloat16', 'interpret'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
     ('mamba L2048 bfloat16', 'cpu'): ['scan #0', 'scan #1', 'associative #1', 'chunked/64 #1', 'ValueError #2'],
     ('mamba L2048 bfloat16', 'h200'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 #1'],
     ('mamba L2048 bfloat16', 'rtx3090'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 #1'],
@@ -260,9 +260,9 @@ _RECORDED = {
     ('ssd L2048 bfloat16', 'rtx3090'): ['chunked/64 #5', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
     ('ssd L2048 bfloat16', 'interpret'): ['chunked/64 #5', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
     ('rla L2048 bfloat16', 'cpu'): ['chunked/64 #0', 'scan #1', 'chunked/64 #1', 'ValueError #6'],
-    ('rla L2048 bfloat16', 'h200'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'triton/32 #1'],
-    ('rla L2048 bfloat16', 'rtx3090'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'triton/32 #1'],
-    ('rla L2048 bfloat16', 'interpret'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'triton/32 #1'],
+    ('rla L2048 bfloat16', 'h200'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
+    ('rla L2048 bfloat16', 'rtx3090'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
+    ('rla L2048 bfloat16', 'interpret'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
     ('mamba big state', 'cpu'): ['scan #0', 'scan #1', 'associative #1', 'chunked/32 #1', 'ValueError #2'],
     ('mamba big state', 'h200'): ['chunked/32 grad associative #7', 'scan #1', 'associative #1', 'chunked/32 #1', 'ValueError #8'],
     ('mamba big state', 'rtx3090'): ['chunked/32 #7', 'scan #1', 'associative #1', 'chunked/32 #1', 'ValueError #8'],
@@ -429,4 +429,9 @@ def test_rla_kernels_lower_for_sm90(fake_h200):
   # asked for, the kernels run forward and backward.
   assert _kernels(fn, q, k) == [] and _kernels(grad(fn), q, k) == []
   asked = lambda q, k: scan.residual_linear_attention(q, k, k, window_size=64, implementation="triton")
-  assert _kernels(grad(asked), q, k) == ["probjax_rla_bwd_dkv", "probjax_rla_bwd_dq", "probjax_rla_fwd"]
+  assert _kernels(asked, q, k) == ["probjax_rla_fwd", "probjax_rla_fwd_states"]
+  assert _kernels(grad(asked), q, k) == ["probjax_rla_bwd", "probjax_rla_bwd_states", "probjax_rla_fwd",
+                                         "probjax_rla_fwd_states"]
+  # Rows wider than 128 (features 256 here) and GQA 8:1, float32 (TF32 dots).
+  q32, k32 = S((1, 100, 8, 128), jnp.float32), S((1, 100, 1, 128), jnp.float32)
+  assert len(_kernels(grad(asked), q32, k32)) == 4

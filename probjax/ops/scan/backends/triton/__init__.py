@@ -7,7 +7,8 @@
   when the kernels are requested), and the op composes the two
   (:func:`probjax.ops.scan.dispatch.with_grad_of`). That backward needs its own forward's
   residuals, which the kernel does not save.
-* RLA: forward and backward kernels (:mod:`.rla`), exact.
+* RLA: flash-linear-attention-style chunk kernels (:mod:`.rla`), forward and backward, exact;
+  their matmuls read the inputs' dtype.
 
 The kernels' dots run at Triton's default precision (TF32 for float32 operands on the GPU).
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from probjax.core import pallas_triton
 from probjax.core.backend import Backend
@@ -114,31 +116,47 @@ class SSDTriton(_Triton, Backend[SSDCall]):
     return ssd_kernel.forward(x, dt, A, B, C, h0, chunk=kernel_chunk(call), interpret=call.interpret)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _rla(call, fq, fk, v, s0):
-  return rla_kernel.forward(fq, fk, v, s0, chunk=kernel_chunk(call), interpret=call.interpret)
+def _rla_operands(call, fq, fk, v):
+  """The kernels' operands: the features (float32 from the feature map) and the values in the
+  matmuls' dtype, q's and v's (bfloat16 inputs give bfloat16 tensor-core matmuls)."""
+  dtype = jnp.promote_types(call.dtype, v.dtype)
+  return fq.astype(dtype), fk.astype(dtype), v.astype(dtype)
 
 
-def _rla_fwd(call, fq, fk, v, s0):
-  return _rla(call, fq, fk, v, s0), (fq, fk, v, s0)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _rla(call, dtypes, fq, fk, v, s0):
+  del dtypes
+  o, final, _ = rla_kernel.forward(*_rla_operands(call, fq, fk, v), s0, chunk=rla_kernel.default_chunk(call),
+                                   out_dtype=call.dtype, interpret=call.interpret)
+  return o, final
 
 
-def _rla_bwd(call, res, ct):
-  fq, fk, v, s0 = res
-  dq, dk, dv, ds0 = rla_kernel.backward(fq, fk, v, s0, *ct, chunk=kernel_chunk(call),
-                                        interpret=call.interpret)
-  return dq.astype(fq.dtype), dk.astype(fk.dtype), dv.astype(v.dtype), ds0.astype(s0.dtype)
+def _rla_fwd(call, dtypes, fq, fk, v, s0):
+  del dtypes
+  q, k, v = _rla_operands(call, fq, fk, v)
+  o, final, h = rla_kernel.forward(q, k, v, s0, chunk=rla_kernel.default_chunk(call),
+                                   out_dtype=call.dtype, interpret=call.interpret)
+  return (o, final), (q, k, v, h)
+
+
+def _rla_bwd(call, dtypes, res, ct):
+  grads = rla_kernel.backward(*res, *ct, chunk=rla_kernel.default_chunk(call), interpret=call.interpret)
+  return tuple(g.astype(t) for g, t in zip(grads, dtypes))
 
 
 _rla.defvjp(_rla_fwd, _rla_bwd)
 
 
 class RLATriton(_Triton, Backend[RLACall]):
-  """Chunked forward and backward kernels."""
+  """Chunk kernels, forward and backward (:mod:`.rla`); chunk :func:`.rla.default_chunk`."""
 
   def supports(self, call: RLACall, device: Device) -> str | None:
     return (self._refusal(call, device, [("features", call.features), ("v_head_dim", call.v_head_dim)])
             or self._chunk_refusal(call))
 
+  def chunk_size(self, call) -> int:
+    return rla_kernel.default_chunk(call)
+
   def __call__(self, fq, fk, v, s0, *, call: RLACall):
-    return _rla(call, fq, fk, v, s0)
+    # The output in q's dtype (the op's), the gradients in each input's.
+    return _rla(call, tuple(t.dtype.name for t in (fq, fk, v, s0)), fq, fk, v, s0)

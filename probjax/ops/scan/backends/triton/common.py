@@ -43,10 +43,11 @@ def _window(ref, index):
   return ref.at[tuple(runtime(i, d) for i, d in zip(index, ref.shape))]
 
 
-def load(ref, index, start, shape, bounds):
-  """``ref[index]`` as a float32 ``shape`` block: ``index`` holds scalars for the leading axes
-  and ``pl.ds`` windows (at ``start``, within ``bounds``) for the block's axes."""
-  return plgpu.load(_window(ref, index), mask=_valid(start, shape, bounds), other=0).astype(jnp.float32)
+def load(ref, index, start, shape, bounds, dtype=jnp.float32):
+  """``ref[index]`` as a ``shape`` block of ``dtype`` (default float32): ``index`` holds
+  scalars for the leading axes and ``pl.ds`` windows (at ``start``, within ``bounds``) for the
+  block's axes."""
+  return plgpu.load(_window(ref, index), mask=_valid(start, shape, bounds), other=0).astype(dtype)
 
 
 def store(ref, index, start, value, bounds):

@@ -1,11 +1,24 @@
-"""Causal linear attention kernels on features (the RLA branch after its shift): one program
-per (batch, query head) carries its key/value head's ``[features, v_head_dim]`` state in
-registers from chunk to chunk; inside a chunk the masked ``q kᵀ`` times v are matmuls.
+"""Causal linear attention kernels on features (the RLA branch after its shift), split into
+chunks as flash-linear-attention's chunk kernels split the work: a sequential pass carries the
+state from chunk to chunk and writes the state entering each chunk; every chunk's outputs are
+then independent, one program each, their matmuls on tensor cores.
 
-Forward: ``o = q S_in + tril(q kᵀ) v``, then ``S += kᵀ v``. Backward, exact: dq
-runs forward like the forward (``dq = do S_inᵀ + tril(do vᵀ) k``); dk and dv run backward
-with the reverse state ``R = dS_final + Σ_{later} qᵀ do`` (``dv = k R + triu(k qᵀ) do``,
-``dk = v Rᵀ + triu(v doᵀ) q``), per query head; XLA adds a group's partials in a fixed order.
+Per (batch, query head), with chunks of C rows, ``S_c`` the state entering chunk ``c`` (the
+initial state plus ``kᵀ v`` of the earlier chunks) and ``A = tril(q kᵀ)`` inside a chunk:
+
+* forward: ``_states_kernel`` (one program per block of the ``[features, v_head_dim]`` state
+  and (batch, key/value head), sequential over chunks) writes every ``S_c`` and the final
+  state; ``_output_kernel`` (one program per (chunk, batch, query head)) writes ``o = q S_c +
+  A v``.
+* backward, exact: ``_reverse_states_kernel`` runs the chunks backwards and writes ``R_c =
+  dS_final + Σ_{c' > c} qᵀ do`` (summed over the group's query heads: the gradient of every
+  state the chunk's ``kᵀ v`` enters) and ``dS_0``; ``_grads_kernel`` (one program per
+  (chunk, batch, key/value head)) writes ``dq = do S_cᵀ + dA k`` per query head, with ``dA =
+  tril(do vᵀ)``, and ``dk = v Rᵀ + Σ dAᵀ q``, ``dv = k R + Σ Aᵀ do`` over the group's heads.
+
+The matmuls read their operands in the inputs' dtype (the states ``S_c`` and ``R_c`` rounded to
+it, as the output's matmul reads them) and accumulate in float32; the carried states stay
+float32. The forward saves the operands and the ``S_c`` for the backward.
 """
 
 from __future__ import annotations
@@ -18,140 +31,159 @@ from jax.experimental import pallas as pl
 
 from probjax.ops.scan.backends.triton import common
 
+# Rows per chunk, as flash-linear-attention's chunk kernels: the gradient kernel holds [C,
+# features] and [C, v_head_dim] float32 accumulators and two [C, C] score tiles, 112 KB at C
+# 64, features 128 and v_head_dim 64 (the RLA softmax map of head_dim 64) over 8 warps; wider
+# rows halve the chunk.
+CHUNK = 64
+# The state kernels' block of a state's rows and columns: a [64, 64] float32 block a program
+# keeps, and more programs (blocks x batch x key/value heads) to fill the device.
+STATE_BLOCK = 64
 
-def num_warps(f: int, dv: int) -> int:
-  """Enough warps that the ``[features, v_head_dim]`` state fits their registers."""
-  return 8 if common.block(f) * common.block(dv) > 4096 else 4
+
+def default_chunk(call) -> int:
+  """The kernels' chunk: the call's, else ``CHUNK`` (half where features or v_head_dim is above
+  128), or the power of two (at least 16) covering a shorter call."""
+  if call.chunk_size is not None:
+    return call.chunk_size
+  wide = max(call.features, call.v_head_dim) > 128
+  return min(CHUNK // 2 if wide else CHUNK, common.block(call.length, 16))
 
 
-class _Blocks:
-  """Block views of one (batch, head) program: sequence chunks of ``chunk`` rows."""
+class _Sizes:
+  """The static sizes of one call and its blocks: ``bf``/``bv`` cover a row of features/values,
+  ``sf``/``sv`` are the state kernels' blocks (``nf`` x ``nv`` of them)."""
 
-  def __init__(self, chunk, block_f, block_v, length, f, dv):
-    self.chunk, self.bf, self.bv, self.length, self.f, self.dv = chunk, block_f, block_v, length, f, dv
+  def __init__(self, q, v, chunk):
+    self.batch, self.length, self.heads, self.f = q.shape
+    self.kv_heads, self.dv = v.shape[2:]
+    self.groups = self.heads // self.kv_heads
+    self.chunk, self.chunks = chunk, pl.cdiv(self.length, chunk)
+    self.bf, self.bv = common.block(self.f, 16), common.block(self.dv, 16)
+    self.sf, self.sv = min(STATE_BLOCK, self.bf), min(STATE_BLOCK, self.bv)
+    self.nf, self.nv = pl.cdiv(self.f, self.sf), pl.cdiv(self.dv, self.sv)
 
-  def feat(self, ref, bi, head, t0):
-    return common.load(ref, (bi, pl.ds(t0, self.chunk), head, pl.ds(0, self.bf)), (t0, None),
-                       (self.chunk, self.bf), (self.length, self.f))
+  def rows(self, ref, bi, t0, head, c0, cols):
+    """``ref[bi, t0:t0 + chunk, head, c0:c0 + cols]`` (a ``[batch, length, heads, width]``
+    array), in its own dtype; rows past the length and columns past the width read 0."""
+    return common.load(ref, (bi, pl.ds(t0, self.chunk), head, pl.ds(c0, cols)), (t0, c0),
+                       (self.chunk, cols), (self.length, ref.shape[3]), dtype=ref.dtype)
 
-  def val(self, ref, bi, head, t0):
-    return common.load(ref, (bi, pl.ds(t0, self.chunk), head, pl.ds(0, self.bv)), (t0, None),
-                       (self.chunk, self.bv), (self.length, self.dv))
+  def put_rows(self, ref, bi, t0, head, value):
+    common.store(ref, (bi, pl.ds(t0, self.chunk), head, pl.ds(0, value.shape[1])), (t0, None), value,
+                 (self.length, ref.shape[3]))
 
-  def put_feat(self, ref, bi, head, t0, value):
-    common.store(ref, (bi, pl.ds(t0, self.chunk), head, pl.ds(0, self.bf)), (t0, None), value,
-                 (self.length, self.f))
+  def state(self, ref, index, f0, v0, shape, dtype):
+    """The ``shape`` block at ``(f0, v0)`` of the state ``ref[index]`` (``[..., f, dv]``)."""
+    return common.load(ref, (*index, pl.ds(f0, shape[0]), pl.ds(v0, shape[1])), (f0, v0), shape,
+                       (self.f, self.dv), dtype=dtype)
 
-  def put_val(self, ref, bi, head, t0, value):
-    common.store(ref, (bi, pl.ds(t0, self.chunk), head, pl.ds(0, self.bv)), (t0, None), value,
-                 (self.length, self.dv))
-
-  def state(self, ref, bi, head):
-    return common.load(ref, (bi, head, pl.ds(0, self.bf), pl.ds(0, self.bv)), (None, None),
-                       (self.bf, self.bv), (self.f, self.dv))
-
-  def put_state(self, ref, bi, head, value):
-    common.store(ref, (bi, head, pl.ds(0, self.bf), pl.ds(0, self.bv)), (None, None), value,
+  def put_state(self, ref, index, f0, v0, value):
+    common.store(ref, (*index, pl.ds(f0, value.shape[0]), pl.ds(v0, value.shape[1])), (f0, v0), value,
                  (self.f, self.dv))
 
+  def state_block(self):
+    """This state-kernel program's ``(f0, v0)``, from grid axis 0."""
+    i = pl.program_id(0)
+    return (i // self.nv) * self.sf, (i % self.nv) * self.sv
 
-def _over_chunks(k_ref, v_ref, s0_ref, bi, hk, blocks: _Blocks, emit):
-  """Walks the chunks in order, calling ``emit(t0, k, v, s)`` with the chunk's keys and values
-  and ``s``, the state before it (the initial state plus ``k^T v`` of the earlier chunks);
-  returns the final state."""
+  def params(self, num_warps, grid):
+    return dict(grid=grid, compiler_params=common.params(num_warps))
+
+
+def _states_kernel(k_ref, v_ref, s0_ref, h_ref, final_ref, *, n: _Sizes):
+  (f0, v0), bi, hk = n.state_block(), pl.program_id(1), pl.program_id(2)
+
   def body(c, s):
-    t0 = c * blocks.chunk
-    k, v = blocks.feat(k_ref, bi, hk, t0), blocks.val(v_ref, bi, hk, t0)
-    emit(t0, k, v, s)
+    t0 = c * n.chunk
+    n.put_state(h_ref, (bi, c, hk), f0, v0, s)
+    k, v = n.rows(k_ref, bi, t0, hk, f0, n.sf), n.rows(v_ref, bi, t0, hk, v0, n.sv)
     return s + common.dot_tn(k, v)
 
-  return jax.lax.fori_loop(0, pl.cdiv(blocks.length, blocks.chunk), body, blocks.state(s0_ref, bi, hk))
+  s = n.state(s0_ref, (bi, hk), f0, v0, (n.sf, n.sv), jnp.float32)
+  n.put_state(final_ref, (bi, hk), f0, v0, jax.lax.fori_loop(0, n.chunks, body, s))
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, s0_ref, o_ref, s_ref, *, blocks: _Blocks, groups):
-  bi, hi = pl.program_id(0), pl.program_id(1)
-  causal = common.tril(blocks.chunk)
-
-  def emit(t0, k, v, s):
-    q = blocks.feat(q_ref, bi, hi, t0)
-    scores = jnp.where(causal, common.dot_nt(q, k), 0.0)
-    blocks.put_val(o_ref, bi, hi, t0, common.dot(scores, v) + common.dot(q, s))
-
-  blocks.put_state(s_ref, bi, hi, _over_chunks(k_ref, v_ref, s0_ref, bi, hi // groups, blocks, emit))
+def _output_kernel(q_ref, k_ref, v_ref, h_ref, o_ref, *, n: _Sizes):
+  c, bi, hi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  hk, t0 = hi // n.groups, c * n.chunk
+  q, k = n.rows(q_ref, bi, t0, hi, 0, n.bf), n.rows(k_ref, bi, t0, hk, 0, n.bf)
+  v, s = n.rows(v_ref, bi, t0, hk, 0, n.bv), n.state(h_ref, (bi, c, hk), 0, 0, (n.bf, n.bv), h_ref.dtype)
+  scores = jnp.where(common.tril(n.chunk), common.dot_nt(q, k), 0.0).astype(v.dtype)
+  n.put_rows(o_ref, bi, t0, hi, common.dot(q, s) + common.dot(scores, v))
 
 
-def _dq_kernel(k_ref, v_ref, s0_ref, do_ref, dq_ref, *, blocks: _Blocks, groups):
-  bi, hi = pl.program_id(0), pl.program_id(1)
-  causal = common.tril(blocks.chunk)
-
-  def emit(t0, k, v, s):
-    do = blocks.val(do_ref, bi, hi, t0)
-    dov = jnp.where(causal, common.dot_nt(do, v), 0.0)
-    blocks.put_feat(dq_ref, bi, hi, t0, common.dot_nt(do, s) + common.dot(dov, k))
-
-  _over_chunks(k_ref, v_ref, s0_ref, bi, hi // groups, blocks, emit)
-
-
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, ds_ref, dk_ref, dv_ref, r_ref, *, blocks: _Blocks,
-                groups):
-  bi, hi = pl.program_id(0), pl.program_id(1)
-  hk = hi // groups
-  later = common.tril(blocks.chunk, transposed=True)  # [key s, query t]: t >= s
-  num_chunks = pl.cdiv(blocks.length, blocks.chunk)
+def _reverse_states_kernel(q_ref, do_ref, ds_ref, dh_ref, ds0_ref, *, n: _Sizes):
+  (f0, v0), bi, hk = n.state_block(), pl.program_id(1), pl.program_id(2)
 
   def body(i, r):
-    t0 = (num_chunks - 1 - i) * blocks.chunk
-    q, k = blocks.feat(q_ref, bi, hi, t0), blocks.feat(k_ref, bi, hk, t0)
-    v, do = blocks.val(v_ref, bi, hk, t0), blocks.val(do_ref, bi, hi, t0)
-    kq = jnp.where(later, common.dot_nt(k, q), 0.0)
-    vdo = jnp.where(later, common.dot_nt(v, do), 0.0)
-    blocks.put_val(dv_ref, bi, hi, t0, common.dot(k, r) + common.dot(kq, do))
-    blocks.put_feat(dk_ref, bi, hi, t0, common.dot_nt(v, r) + common.dot(vdo, q))
-    return r + common.dot_tn(q, do)
+    c = n.chunks - 1 - i
+    t0 = c * n.chunk
+    n.put_state(dh_ref, (bi, c, hk), f0, v0, r)
 
-  # The final state's cotangent enters once per group: through its first query head.
-  r = jnp.where(hi % groups == 0, blocks.state(ds_ref, bi, hk), 0.0)
-  blocks.put_state(r_ref, bi, hi, jax.lax.fori_loop(0, num_chunks, body, r))
+    def head(j, r):
+      hi = hk * n.groups + j
+      return r + common.dot_tn(n.rows(q_ref, bi, t0, hi, f0, n.sf), n.rows(do_ref, bi, t0, hi, v0, n.sv))
+    return jax.lax.fori_loop(0, n.groups, head, r)
 
-
-def _setup(fq, v, chunk):
-  b, length, h, f = fq.shape
-  hk, dv = v.shape[2:]
-  blocks = _Blocks(chunk, common.block(f, 16), common.block(dv, 16), length, f, dv)
-  cfg = dict(grid=(b, h), compiler_params=common.params(num_warps(f, dv)))
-  return blocks, h // hk, cfg
+  r = n.state(ds_ref, (bi, hk), f0, v0, (n.sf, n.sv), jnp.float32)
+  n.put_state(ds0_ref, (bi, hk), f0, v0, jax.lax.fori_loop(0, n.chunks, body, r))
 
 
-def forward(fq, fk, v, s0, *, chunk: int, interpret: bool):
-  """``(o [b, L, h, dv], S_final [b, hk, f, dv])`` in float32; arguments as
-  :func:`probjax.ops.scan.chunked_math.linear_attention_chunked`'s."""
-  b, length, h, f = fq.shape
-  dv = v.shape[3]
-  blocks, groups, cfg = _setup(fq, v, chunk)
-  o, s = pl.pallas_call(
-      functools.partial(_forward_kernel, blocks=blocks, groups=groups), **cfg,
-      out_shape=(jax.ShapeDtypeStruct((b, length, h, dv), jnp.float32),
-                 jax.ShapeDtypeStruct((b, h, f, dv), jnp.float32)),
-      interpret=interpret, name="probjax_rla_fwd")(fq, fk, v, s0)
-  return o, s[:, ::groups]
+def _grads_kernel(q_ref, k_ref, v_ref, do_ref, h_ref, dh_ref, dq_ref, dk_ref, dv_ref, *, n: _Sizes):
+  c, bi, hk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  t0 = c * n.chunk
+  causal = common.tril(n.chunk)
+  k, v = n.rows(k_ref, bi, t0, hk, 0, n.bf), n.rows(v_ref, bi, t0, hk, 0, n.bv)
+  s = n.state(h_ref, (bi, c, hk), 0, 0, (n.bf, n.bv), h_ref.dtype)
+  r = n.state(dh_ref, (bi, c, hk), 0, 0, (n.bf, n.bv), dh_ref.dtype)
+
+  def head(j, acc):
+    dk, dv = acc
+    hi = hk * n.groups + j
+    q, do = n.rows(q_ref, bi, t0, hi, 0, n.bf), n.rows(do_ref, bi, t0, hi, 0, n.bv)
+    a = jnp.where(causal, common.dot_nt(q, k), 0.0).astype(k.dtype)     # [query t, key s]
+    da = jnp.where(causal, common.dot_nt(do, v), 0.0).astype(k.dtype)
+    n.put_rows(dq_ref, bi, t0, hi, common.dot(da, k) + common.dot_nt(do, s))
+    return dk + common.dot_tn(da, q), dv + common.dot_tn(a, do)
+
+  dk, dv = jax.lax.fori_loop(0, n.groups, head, (common.dot_nt(v, r), common.dot(k, r)))
+  n.put_rows(dk_ref, bi, t0, hk, dk)
+  n.put_rows(dv_ref, bi, t0, hk, dv)
 
 
-def backward(fq, fk, v, s0, do, ds, *, chunk: int, interpret: bool):
-  """``(dfq, dfk, dv, ds0)`` for the cotangents ``do [b, L, h, dv]`` and ``ds [b, hk, f, dv]``
-  of :func:`forward`."""
-  b, length, h, f = fq.shape
-  hk, dv = v.shape[2:]
-  blocks, groups, cfg = _setup(fq, v, chunk)
-  do, ds = do.astype(jnp.float32), ds.astype(jnp.float32)
-  dq = pl.pallas_call(
-      functools.partial(_dq_kernel, blocks=blocks, groups=groups), **cfg,
-      out_shape=jax.ShapeDtypeStruct((b, length, h, f), jnp.float32),
-      interpret=interpret, name="probjax_rla_bwd_dq")(fk, v, s0, do)
-  dk, dvv, r = pl.pallas_call(
-      functools.partial(_dkv_kernel, blocks=blocks, groups=groups), **cfg,
-      out_shape=(jax.ShapeDtypeStruct((b, length, h, f), jnp.float32),
-                 jax.ShapeDtypeStruct((b, length, h, dv), jnp.float32),
-                 jax.ShapeDtypeStruct((b, h, f, dv), jnp.float32)),
-      interpret=interpret, name="probjax_rla_bwd_dkv")(fq, fk, v, do, ds)
-  by_group = lambda t: t.reshape(*t.shape[:2], hk, groups, t.shape[-1]).sum(3)
-  return dq, by_group(dk), by_group(dvv), r.reshape(b, hk, groups, f, dv).sum(2)
+def forward(q, k, v, s0, *, chunk: int, out_dtype, interpret: bool):
+  """``(o [b, L, h, dv] in out_dtype, S_final [b, hk, f, dv] float32, S_c [b, nc, hk, f, dv])``,
+  the states entering the chunks in the operands' dtype (the backward's residual).
+
+  q ``[b, L, h, f]``, k ``[b, L, hk, f]``, v ``[b, L, hk, dv]``: the features and values in
+  the matmuls' dtype; s0 ``[b, hk, f, dv]`` float32."""
+  n = _Sizes(q, v, chunk)
+  h, final = pl.pallas_call(
+      functools.partial(_states_kernel, n=n), **n.params(4, (n.nf * n.nv, n.batch, n.kv_heads)),
+      out_shape=(jax.ShapeDtypeStruct((n.batch, n.chunks, n.kv_heads, n.f, n.dv), q.dtype),
+                 jax.ShapeDtypeStruct(s0.shape, jnp.float32)),
+      interpret=interpret, name="probjax_rla_fwd_states")(k, v, s0)
+  o = pl.pallas_call(
+      functools.partial(_output_kernel, n=n), **n.params(4, (n.chunks, n.batch, n.heads)),
+      out_shape=jax.ShapeDtypeStruct((n.batch, n.length, n.heads, n.dv), out_dtype),
+      interpret=interpret, name="probjax_rla_fwd")(q, k, v, h)
+  return o, final, h
+
+
+def backward(q, k, v, h, do, ds, *, chunk: int, interpret: bool):
+  """``(dq [b, L, h, f], dk [b, L, hk, f], dv [b, L, hk, dv], ds0 [b, hk, f, dv])``, float32,
+  for the cotangents ``do [b, L, h, dv]`` and ``ds [b, hk, f, dv]`` of :func:`forward` (its
+  operands and its states ``h``)."""
+  n = _Sizes(q, v, chunk)
+  do, ds = do.astype(q.dtype), ds.astype(jnp.float32)
+  dh, ds0 = pl.pallas_call(
+      functools.partial(_reverse_states_kernel, n=n), **n.params(4, (n.nf * n.nv, n.batch, n.kv_heads)),
+      out_shape=(jax.ShapeDtypeStruct(h.shape, q.dtype), jax.ShapeDtypeStruct(ds.shape, jnp.float32)),
+      interpret=interpret, name="probjax_rla_bwd_states")(q, do, ds)
+  dq, dk, dv = pl.pallas_call(
+      functools.partial(_grads_kernel, n=n), **n.params(8, (n.chunks, n.batch, n.kv_heads)),
+      out_shape=(jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(k.shape, jnp.float32),
+                 jax.ShapeDtypeStruct(v.shape, jnp.float32)),
+      interpret=interpret, name="probjax_rla_bwd")(q, k, v, do, h, dh)
+  return dq, dk, dv, ds0
