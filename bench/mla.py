@@ -12,8 +12,12 @@ Suites (``--suite``, default both):
 * ``decode``: the absorbed form decoding 1 and 2 queries per step with 128 query heads over
   B64 x 4096 and B8 x 32768 cached latent rows 576 wide (512 + 64), bf16, ``KVLenMask`` at full
   length. Impls: ``mla_absorbed`` (the default), ``mla_triton`` (the Triton decode kernel),
-  ``triton_paged`` (the same over 64-row pages), ``attention_mqa_xla`` (the MQA call alone as XLA
-  einsums, d_qk 576 / d_v 512) and, at B64 x 4096 with one query, ``mla_expanded``. Rows carry the
+  ``triton_paged`` (the same over 64-row pages), ``mla_mosaic`` / ``mosaic_paged`` (the Mosaic GPU
+  decode kernel, sm_90, contiguous and over 64-row pages), ``mla_absorbed_xla`` (the op with
+  attention's XLA path), ``triton_kernel`` / ``mosaic_kernel`` (each decode kernel alone on the
+  absorbed queries, split-KV combine included, no projections), ``attention_mqa_xla`` (the MQA call
+  alone as XLA einsums, d_qk 576 / d_v 512) and, at B64 x 4096 with one query, ``mla_expanded``.
+  ``--mosaic-splits 1,4,8`` adds ``mosaic_kernel_s<n>`` rows at fixed key splits. Rows carry the
   latent read floor ``bytes / 4.0e12 B/s`` and ``tb_per_s``, the bytes of latent and rope read once
   over the time.
 
@@ -48,6 +52,8 @@ from probjax.core.timing import classify_error, device_info, time_fn  # noqa: E4
 from probjax.nn.layers.attention import CausalMask, KVLenMask, dot_product_attention  # noqa: E402
 from probjax.ops.attention.backends.xla import attention as xla_attention  # noqa: E402
 from probjax.ops.mla import explain, mla  # noqa: E402
+from probjax.ops.mla.backends.mosaic_gpu import decode as mosaic_decode  # noqa: E402
+from probjax.ops.mla.backends.triton import decode as triton_decode  # noqa: E402
 
 HBM_BYTES_PER_S = 4.0e12
 SUITES = ("expanded", "decode")
@@ -132,8 +138,9 @@ def expanded_cases(z: Sizes, dtype):
                      flops=flops), fn, xs
 
 
-def decode_cases(z: Sizes, dtype):
+def decode_cases(z: Sizes, dtype, mosaic_splits=()):
   h, width = z.dec_heads, z.d_c + z.d_rope
+  scale = (z.d_nope + z.d_rope) ** -0.5
   for b, s in z.decode_shapes:
     for tq in z.decode_queries:
       args = mla_inputs(1, b, tq, s, h, z, dtype)
@@ -144,6 +151,8 @@ def decode_cases(z: Sizes, dtype):
       page = 64 if s % 64 == 0 else s
       pool = lambda x: x.reshape(b * (s // page), page, x.shape[-1])
       table = jnp.arange(b * (s // page), dtype=jnp.int32).reshape(b, s // page)
+      lengths = jnp.full((b,), s, jnp.int32)
+      kernel_args = (q[..., :z.d_c], q[..., z.d_c:], args[2], args[3], lengths)
       impls = {
           "mla_absorbed": (lambda *a, mask=mask: mla(*a, mask=mask, form="absorbed"), args),
           "mla_triton": (lambda *a, mask=mask: mla(*a, mask=mask, form="absorbed", implementation="triton"), args),
@@ -152,6 +161,13 @@ def decode_cases(z: Sizes, dtype):
           "triton_paged": (lambda *a, mask=mask, table=table: mla(*a, mask=mask, form="absorbed", implementation="triton",
                                                                   page_table=table),
                            (*args[:2], pool(args[2]), pool(args[3]), *args[4:])),
+          "mla_mosaic": (lambda *a, mask=mask: mla(*a, mask=mask, form="absorbed", implementation="mosaic"), args),
+          "mosaic_paged": (lambda *a, mask=mask, table=table: mla(*a, mask=mask, form="absorbed", implementation="mosaic",
+                                                                  page_table=table),
+                           (*args[:2], pool(args[2]), pool(args[3]), *args[4:])),
+          # each decode kernel alone on the absorbed queries (its split-KV combine included)
+          "triton_kernel": (lambda *a: triton_decode(*a, scale=scale)[0], kernel_args),
+          "mosaic_kernel": (lambda *a: mosaic_decode(*a, scale=scale)[0], kernel_args),
           # the MQA call alone as XLA einsums (d_qk 576, d_v 512): the plain-matmul peer
           "attention_mqa_xla": (lambda q, k, v, mask=mask: dot_product_attention(q, k, v, mask=mask, implementation="xla"),
                                 (q, k, v)),
@@ -160,6 +176,8 @@ def decode_cases(z: Sizes, dtype):
       impls["attention_mqa_dense"] = (lambda q, k, v, mask=mask: xla_attention(q, k, v, formulation="dense", mask=mask,
                                                                                 scale=(z.d_nope + z.d_rope) ** -0.5),
                                       (q, k, v))
+      for n in mosaic_splits:
+        impls[f"mosaic_kernel_s{n}"] = (lambda *a, n=n: mosaic_decode(*a, scale=scale, num_splits=n)[0], kernel_args)
       if s <= 4096 and tq == 1:   # forming K and V of the whole cache every step: once, for scale
         impls["mla_expanded"] = (lambda *a, mask=mask: mla(*a, mask=mask, form="expanded"), args)
       read_bytes = b * s * width * jnp.dtype(dtype).itemsize   # latent + rope, read once
@@ -227,6 +245,7 @@ def main(argv=None):
   p.add_argument("--decode-shapes", default="", help="decode suite's BxS cases, e.g. 128x8192,4x16384 "
                  "(default: 64x4096,8x32768)")
   p.add_argument("--decode-queries", default="", help="decode suite's queries per step, e.g. 1,2,4")
+  p.add_argument("--mosaic-splits", default="", help="decode suite: also the Mosaic kernel at these key splits, e.g. 1,4,8")
   args = p.parse_args(argv)
   z = SMOKE if args.cpu_smoke else Sizes()
   if args.decode_shapes:
@@ -244,7 +263,8 @@ def main(argv=None):
   done = {key_of(r) for r in rows}
   suites = [s for s in args.suite.split(",") if s]
   impls = {s for s in args.impl.split(",") if s}
-  builders = dict(expanded=expanded_cases, decode=decode_cases)
+  splits = tuple(int(n) for n in args.mosaic_splits.split(",") if n)
+  builders = dict(expanded=expanded_cases, decode=lambda z, dtype: decode_cases(z, dtype, splits))
   for suite in suites:
     if suite not in builders:
       raise SystemExit(f"--suite: unknown suite {suite!r}; known: {SUITES}")
@@ -260,7 +280,7 @@ def main(argv=None):
         status, msg = classify_error(e)
         row = dict(meta, status=status, error=msg)
       rows = [r for r in rows if key_of(r) != key_of(row)] + [row]
-      print(json.dumps({k: row.get(k) for k in ("suite", "case", "mode", "impl", "status", "ms", "tflops")}),
+      print(json.dumps({k: row.get(k) for k in ("suite", "case", "mode", "impl", "status", "ms", "tflops", "tb_per_s")}),
             flush=True)
       if args.output:
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)

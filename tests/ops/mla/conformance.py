@@ -21,7 +21,7 @@ test_paged                       a paged cache (shuffled pages; NaN past the len
                                  included
 test_page_table_out_of_range     a concrete table with an entry outside the pool: ValueError
 test_jvp                         jax.jvp against the reference's
-test_low_precision               bfloat16 inputs within the bfloat16 bounds
+test_low_precision               ``low_precision`` inputs (bfloat16) within their bounds
 test_bad_inputs                  refused with ValueError/TypeError naming the argument
 test_refusals                    a call the backend cannot compute, requested: ValueError with why
 ===============================  ================================================================
@@ -89,16 +89,19 @@ class MLAConformance(Conformance):
   page = (48, 16)                                 # (kv_len, page_size) of test_paged: 3 pages
   refusals: tuple = ()   # (id, form, edit(args) -> keyword arguments of mla (may change args), message pattern)
   tf32 = False
+  dtype = jnp.float32     # the inputs of every case but test_low_precision
+  low_precision = (jnp.bfloat16, 7, 48)   # test_low_precision's (dtype, q_len, kv_len)
 
   # -- the backend --------------------------------------------------------------------------
   def run(self, *args, form, **kw):
     return mla(*args, form=form, implementation=self.implementation, **kw)
 
-  def inputs(self, seed, batch, tq, s, dtype=jnp.float32):
-    return inputs(seed, batch, tq, s, dtype=dtype, **self.dims)
+  def inputs(self, seed, batch, tq, s, dtype=None):
+    return inputs(seed, batch, tq, s, dtype=dtype or self.dtype, **self.dims)
 
-  def check(self, args, do, mask, form, *, dtype=jnp.float32, names=NAMES, **kw):
+  def check(self, args, do, mask, form, *, dtype=None, names=NAMES, **kw):
     """Values and the gradients of ``names`` against the reference; returns them."""
+    dtype = dtype or self.dtype
     idx = [NAMES.index(n) for n in names]
 
     def f(*diff):
@@ -176,9 +179,9 @@ class MLAConformance(Conformance):
       out, pull = jax.vjp(f, qn, qr, wuk, wuv)
       return out, pull(do)
     out, grads = values_and_grads(*args[:2], *args[4:], jnp.asarray(table, jnp.int32))
-    assert max_error(out, want) <= tolerance(jnp.float32, tf32=self.tf32)
+    assert max_error(out, want) <= tolerance(self.dtype, tf32=self.tf32)
     for n, g in zip(("q_nope", "q_rope", "w_uk", "w_uv"), grads):
-      assert max_error(g, want_grads[n]) <= tolerance(jnp.float32, grad=True, tf32=self.tf32), n
+      assert max_error(g, want_grads[n]) <= tolerance(self.dtype, grad=True, tf32=self.tf32), n
 
   def test_page_table_out_of_range(self, case):
     form, entry = case
@@ -198,12 +201,13 @@ class MLAConformance(Conformance):
       _, want = jax.jvp(lambda *a: _mla64(*a, mask, scale)[0], tuple(map(up, args)), tuple(map(up, tans)))
       want = np.asarray(want)
     _, got = jax.jvp(lambda *a: self.run(*a, mask=mask, form=case), tuple(args), tuple(tans))
-    assert max_error(got, want) <= tolerance(jnp.float32, grad=True, tf32=self.tf32)
+    assert max_error(got, want) <= tolerance(self.dtype, grad=True, tf32=self.tf32)
 
   def test_low_precision(self, case):
-    args, do = self.inputs(6, 2, 7, 48, dtype=jnp.bfloat16)
-    mask = M.KVLenMask(jnp.array([30, 48], jnp.int32))
-    self.check(args, do, mask, case, dtype=jnp.bfloat16)
+    dtype, tq, s = self.low_precision
+    args, do = self.inputs(6, 2, tq, s, dtype=dtype)
+    mask = M.KVLenMask(jnp.array([s * 5 // 8, s], jnp.int32))
+    self.check(args, do, mask, case, dtype=dtype)
 
   def test_bad_inputs(self, case):
     _, which, bad, exc, pattern = case

@@ -249,9 +249,10 @@ def test_every_decision_is_the_previous_dispatch_s():
 
 
 def test_the_registry_names_and_requests():
-  """Two backends; an explicit "triton" with the absorbed form is MLA's kernel (a ValueError with
-  the kernel's reason where it cannot compute the call), any other name goes to attention."""
-  assert MLA_REGISTRY.names() == ("xla", "triton") and explain is explain_dispatch
+  """Three backends; an explicit "triton" (or "mosaic") with the absorbed form is MLA's kernel (a
+  ValueError with the kernel's reason where it cannot compute the call), any other name goes to
+  attention."""
+  assert MLA_REGISTRY.names() == ("xla", "triton", "mosaic") and explain is explain_dispatch
   call = shapes(4, 1, 4096)
   triton = MLA_REGISTRY.get("triton")
   assert triton.supports(make_call(*call), H200) is None
