@@ -600,6 +600,17 @@ def test_mosaic_backward_value_head_dim_of_its_own(d, dv, mask_name, heads, tq, 
 
 
 @SLOW
+def test_mosaic_backward_value_head_dim_through_the_api():
+  # dot_product_attention(implementation="mosaic", backward_pass_impl="mosaic") at the default
+  # tiles (backward.default_config's 64-row key tiles in three slots, one compute warpgroup here).
+  from probjax import dot_product_attention
+  x = make_inputs(4, 1, 100, 130, 2, 1, 192, jnp.bfloat16, v_head_dim=128)
+  f = lambda q, k, v, _: dot_product_attention(q, k, v, mask=M.CausalMask(30), implementation="mosaic",
+                                               backward_pass_impl="mosaic", interpret=True)
+  check_against_reference(f, x, mask=M.CausalMask(30))
+
+
+@SLOW
 def test_mosaic_backward_value_head_dim_is_deterministic():
   # No atomics: two runs' gradients are bitwise equal (interpret mode runs one CTA at a time;
   # test_gpu_mosaic_backward_value_head_dim runs them at once).
