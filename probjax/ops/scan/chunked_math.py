@@ -190,20 +190,29 @@ def _causal(chunk):
   return jnp.arange(chunk)[:, None] >= jnp.arange(chunk)[None, :]
 
 
+def _prefix(first, chunks, reverse=False):
+  """``[first, first + x_0, first + x_0 + x_1, ...]`` over axis 1 of ``chunks`` (its last
+  element left out; from the end with ``reverse``): one cumulative sum, no second pass to
+  remove each chunk's own term."""
+  parts = (chunks[:, 1:], first[:, None]) if reverse else (first[:, None], chunks[:, :-1])
+  return jax.lax.cumsum(jnp.concatenate(parts, axis=1), axis=1, reverse=reverse)
+
+
 def _rla_forward(fq, fk, v, s0, chunk, dtype):
   """The chunked forward: ``(o [b, L, h, dv], final [b, hk, f, dv])`` in the compute dtype and
-  the backward's residuals (the operands in ``dtype``, a dtype's name, and the states entering
-  the chunks, rounded to ``dtype`` as the output's matmul reads them)."""
+  the backward's residuals: the operands in ``dtype`` (a dtype's name), the states entering
+  the chunks and the masked scores, as the output's matmuls read them (rounded to ``dtype``;
+  both are materialised for those matmuls anyway, so saving them costs no pass)."""
   length = fq.shape[1]
-  cd = compute_dtype(dtype)
   q, k, vc = _rla_operands(fq, fk, v, chunk, dtype)
   kv = _dot("bcskf,bcskd->bckfd", k, vc)                          # each chunk's k^T v
-  through = jnp.cumsum(kv, axis=1)                                # s0 aside, through chunk c
-  s_in = (s0.astype(cd)[:, None] + (through - kv)).astype(dtype)  # entering chunk c
+  s_in = _prefix(s0.astype(kv.dtype), kv)                         # the state entering chunk c
+  final = s_in[:, -1] + kv[:, -1]
+  s_in = s_in.astype(dtype)
   scores = jnp.where(_causal(chunk), _dot("bctkrf,bcskf->bckrts", q, k), 0).astype(dtype)
   o = _dot("bckrts,bcskd->bctkrd", scores, vc) + _dot("bctkrf,bckfd->bctkrd", q, s_in)
   o = unchunked(o.reshape(*o.shape[:3], -1, o.shape[-1]), length)
-  return (o, s0.astype(cd) + through[:, -1]), (q, k, vc, s_in)
+  return (o, final), (q, k, vc, s_in, scores)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
@@ -222,26 +231,22 @@ def _rla_bwd(chunk, dtype, dtypes, saved, ct):
   Σ_{c' > c} q_{c'}ᵀ do_{c'}`` (the gradient of each state added after chunk ``c``) and the
   masked ``A = q kᵀ``, ``dA = do vᵀ`` of a chunk, ``dq = do S_inᵀ + dA k``, ``dk = v Rᵀ +
   dAᵀ q``, ``dv = k R + Aᵀ do`` (a key/value head's summed over its query heads) and ``ds0 =
-  R_{-1}``. The scores are recomputed (one matmul) rather than saved; ``dtypes`` are the
-  inputs' (the gradients')."""
-  q, k, vc, s_in = saved
+  R_0 + q_0ᵀ do_0``; ``dtypes`` are the inputs' (the gradients')."""
+  q, k, vc, s_in, scores = saved
   do, ds = ct
   b, nc, c, hk, r, f = q.shape
   length, dv = do.shape[1], do.shape[-1]
-  cd = compute_dtype(dtype)
   do = chunked(do.astype(dtype), chunk).reshape(b, nc, c, hk, r, dv)
   qdo = _dot("bctkrf,bctkrd->bckfd", q, do)                       # what chunk c adds to dS_in
-  later = jax.lax.cumsum(qdo, axis=1, reverse=True)               # chunks c and after
-  ds = ds.astype(cd)
-  rev = (ds[:, None] + (later - qdo)).astype(dtype)                # R_c
-  causal = _causal(chunk)
-  scores = jnp.where(causal, _dot("bctkrf,bcskf->bckrts", q, k), 0).astype(dtype)
-  dscores = jnp.where(causal, _dot("bctkrd,bcskd->bckrts", do, vc), 0).astype(dtype)
+  rev = _prefix(ds.astype(qdo.dtype), qdo, reverse=True)           # R_c
+  ds0 = rev[:, 0] + qdo[:, 0]
+  rev = rev.astype(dtype)
+  dscores = jnp.where(_causal(chunk), _dot("bctkrd,bcskd->bckrts", do, vc), 0).astype(dtype)
   dq = _dot("bckrts,bcskf->bctkrf", dscores, k) + _dot("bctkrd,bckfd->bctkrf", do, s_in)
   dk = _dot("bckrts,bctkrf->bcskf", dscores, q) + _dot("bcskd,bckfd->bcskf", vc, rev)
   dvv = _dot("bckrts,bctkrd->bcskd", scores, do) + _dot("bcskf,bckfd->bcskd", k, rev)
   dq = unchunked(dq.reshape(b, nc, c, hk * r, f), length)
-  grads = (dq, unchunked(dk, length), unchunked(dvv, length), ds + later[:, 0])
+  grads = (dq, unchunked(dk, length), unchunked(dvv, length), ds0)
   return tuple(g.astype(t) for g, t in zip(grads, dtypes))
 
 
@@ -260,7 +265,8 @@ def linear_attention_chunked(fq, fk, v, s0, *, chunk: int, dtype=None):
   ``fq fkᵀ`` times v and ``fq S_in``; the states entering the chunks are a cumulative sum of
   the chunks' ``fkᵀ v`` (no decay, so no scan). A custom vjp (:func:`_rla_bwd`) keeps the
   backward's matmuls in ``dtype`` too (JAX's own transposes would read the float32
-  cotangents, a float32 matmul) and saves only the operands and the chunk-entering states.
+  cotangents, a float32 matmul) and saves the operands, the chunk-entering states and the
+  masked scores in ``dtype``, never a state per position.
   """
   return _rla(fq, fk, v, s0, chunk, jnp.dtype(v.dtype if dtype is None else dtype).name,
               tuple(t.dtype.name for t in (fq, fk, v, s0)))

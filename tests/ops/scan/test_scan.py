@@ -108,7 +108,7 @@ def _rla_inputs(b, length, h, hk, d, dv, dtype, seed=0):
 
 @pytest.mark.parametrize("impl", ["triton", "chunked"])
 def test_rla_state_blocks_and_groups(impl):
-  """RLA with features 80 and v_head_dim 72 (the kernels' state passes in 2 x 2 blocks of 64),
+  """RLA with features 80 and v_head_dim 72 (the kernels' state passes in 3 x 3 blocks of 32),
   two query heads on one key/value head (the gradient kernels sum the group's), three chunks
   of 16 with a partial last one; bfloat16 (the matmuls read bfloat16)."""
   check("rla", impl, _rla_inputs(1, 37, 2, 1, 40, 72, jnp.bfloat16), dtype=jnp.bfloat16, chunk_size=16)
