@@ -156,14 +156,17 @@ def _mma_acc(acc, a, b, staging):
 
 def _zero_rows_past(tile, start, valid):
   """Zeroes the rows of a ``[BLOCK_K, cols]`` shared-memory tile holding positions ``start..``
-  at or past ``valid`` (a traced int32), where the tile reaches past it. Rows before ``valid``
-  are rewritten with their own value, so a warpgroup reading the tile meanwhile (the other
-  one's score product) reads what was there or, past the length, zeros."""
+  at or past ``valid`` (a traced int32), where the tile reaches past it, 64 columns at a time
+  (few registers beside the accumulator). Rows before ``valid`` are rewritten with their own
+  value, so a warpgroup reading the tile meanwhile (the other one's score product) reads what
+  was there or, past the length, zeros."""
   @pl.when(valid - start < BLOCK_K)
   def _():
     row = plgpu.broadcasted_iota(jnp.int32, (BLOCK_K,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
-    keep = lax.broadcast_in_dim(start + row < valid, tile.shape, [0])
-    tile[...] = jnp.where(keep, tile[...], jnp.zeros((), tile.dtype))
+    keep = lax.broadcast_in_dim(start + row < valid, (BLOCK_K, PART), [0])
+    for c in range(0, tile.shape[1], PART):
+      chunk = tile.at[:, pl.ds(c, PART)]
+      chunk[...] = jnp.where(keep, chunk[...], jnp.zeros((), tile.dtype))
     plgpu.commit_smem()  # the generic-proxy writes before the wgmma that reads the tile
 
 
