@@ -5,12 +5,12 @@ Both follow the forward's structure (:mod:`.forward`): compute warpgroups of 64 
 producer warpgroup that streams tiles by TMA into a ring of shared-memory slots.
 
 * dK/dV: one CTA per (key tile of ``64 * compute_wgs`` rows, batch, KV head). Its K and V
-  rows stay in shared memory (``head_dim`` and ``v_head_dim`` wide); the producer streams, for each query head of the group and
-  each query tile the mask allows, the Q and dO tiles and their (lse, delta) rows. On
-  transposed tiles ``S^T = K Q^T`` (``[64, block_q]``): ``P^T``, ``dV += P^T dO``,
-  ``dP^T = V dO^T``, ``dS^T = P^T (dP^T - delta)``, ``dK += dS^T Q``; dK/dV are summed over
-  the group in registers (no atomics): ``[64, head_dim]`` and ``[64, v_head_dim]`` float32
-  per warpgroup (:func:`width_refusal`).
+  rows (``head_dim`` and ``v_head_dim`` wide) stay in shared memory; the producer streams,
+  for each query head of the group and each query tile the mask allows, the Q and dO tiles
+  and their (lse, delta) rows. On transposed tiles ``S^T = K Q^T`` (``[64, block_q]``):
+  ``P^T``, ``dV += P^T dO``, ``dP^T = V dO^T``, ``dS^T = P^T (dP^T - delta)``, ``dK += dS^T Q``;
+  dK/dV are summed over the group in registers (no atomics): ``[64, head_dim]`` and
+  ``[64, v_head_dim]`` float32 per warpgroup (:func:`width_refusal`).
 * dQ: one CTA per (query tile, batch, query head), streaming K and V tiles:
   ``S = Q K^T``, ``P``, ``dP = dO V^T``, ``dS = P (dP - delta)``, ``dQ += dS K``.
 
