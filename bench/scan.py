@@ -2,11 +2,15 @@
 
 Cases (``--cases``, default all):
   mamba1   Mamba-1 selective scan, B8 L2048 and L8192, D1536 N16 (with z, D and dt_bias)
-  rla      RLA linear branch, B4 H8 T4096 and T8192, D64, window 512
+  rla      RLA linear branch, B4 H8 T2048 to T16384, D64, window 512 (bfloat16: ``--dtypes
+           bfloat16``)
   mamba2   Mamba-2 SSD, B8 L2048 and L8192, 24 heads, head_dim 64, state 128, one group
 each forward (``fwd``) and forward+backward (``fwd_bwd``: the gradient of every floating
 input), float32 by default (``--dtypes``). Implementations: every registered one that can run
-on the device, and ``default`` (``implementation=None``; its row records the decision).
+on the device, and ``default`` (``implementation=None``; its row records the decision); for RLA
+also ``peer``, a plain chunked XLA form written here (:func:`rla_peer`), the form the op's
+backends must beat. ``--chunks 64,128`` adds rows ``chunked/64``, ``triton/64``, ... at those
+chunk sizes (where the implementation takes them).
 
 Timing: per (case, mode, dtype), every implementation is compiled and warmed up, then
 ``--rounds`` rounds run each implementation in turn, starting one later each round (rotating
@@ -58,12 +62,12 @@ class Case:
 
 CASES = {
     "mamba1": [Case("mamba1", "mamba", (8, length, 1536, 16)) for length in (2048, 8192)],
-    "rla": [Case("rla", "rla", (4, length, 8, 8, 64, 512)) for length in (4096, 8192)],
+    "rla": [Case("rla", "rla", (4, length, 8, 8, 64, 512)) for length in (2048, 4096, 8192, 16384)],
     "mamba2": [Case("mamba2", "ssd", (8, length, 24, 64, 1, 128)) for length in (2048, 8192)],
 }
 SMOKE = {
     "mamba1": [Case("mamba1", "mamba", (2, 100, 16, 4))],
-    "rla": [Case("rla", "rla", (2, 100, 4, 2, 8, 16))],
+    "rla": [Case("rla", "rla", (2, 128, 4, 2, 8, 16))],
     "mamba2": [Case("mamba2", "ssd", (2, 100, 4, 8, 1, 8))],
 }
 
@@ -87,12 +91,45 @@ def make_inputs(case: Case, dtype):
   return dict(q=act(b, t, h, d), k=act(b, t, hk, d), v=act(b, t, hk, d))
 
 
+def rla_peer(q, k, v, *, window_size: int, chunk: int = 64):
+  """RLA's linear branch as a plain chunked XLA form, the peer the op's backends are timed
+  against: features in the input dtype, keys and values shifted past the window, inside each
+  chunk the masked ``q kᵀ`` times v plus ``q`` times the state entering the chunk (a cumulative
+  sum of the chunks' ``kᵀ v``), matmuls accumulating in float32; JAX differentiates it.
+  ``[b, t, h, d]`` inputs with ``t`` a multiple of ``chunk``; key/value heads may divide the
+  heads (GQA)."""
+  b, t, h, _ = q.shape
+  hk, n = k.shape[2], t // chunk
+  phi = lambda x: jnp.concatenate([jax.nn.softmax(x, -1), jax.nn.softmax(-x, -1)], -1).astype(x.dtype)
+  shift = lambda x: jnp.pad(x, ((0, 0), (window_size + 1, 0), (0, 0), (0, 0)))[:, :t]
+  fq = phi(q).reshape(b, n, chunk, hk, h // hk, -1)
+  fk, vs = shift(phi(k)).reshape(b, n, chunk, hk, -1), shift(v).reshape(b, n, chunk, hk, -1)
+  mm = lambda spec, x, y: jnp.einsum(spec, x, y, preferred_element_type=jnp.float32)
+  kv = mm("bnskf,bnskd->bnkfd", fk, vs)
+  state = (jnp.cumsum(kv, axis=1) - kv).astype(q.dtype)
+  causal = jnp.arange(chunk)[:, None] >= jnp.arange(chunk)[None, :]
+  scores = jnp.where(causal, mm("bntkrf,bnskf->bnkrts", fq, fk), 0).astype(q.dtype)
+  o = mm("bnkrts,bnskd->bntkrd", scores, vs) + mm("bntkrf,bnkfd->bntkrd", fq, state)
+  return o.reshape(b, t, h, -1).astype(q.dtype)
+
+
 def op_fn(case: Case):
   if case.op == "mamba":
     return scan.mamba_scan
   if case.op == "ssd":
     return scan.ssd_scan
   return lambda **a: scan.residual_linear_attention(**a, window_size=case.shape[-1])
+
+
+def impl_fn(case: Case, impl: str | None, interpret: bool):
+  """``f(**inputs)`` computing ``case`` as ``impl`` names it: a registered implementation (None:
+  the default), ``name/chunk`` (at that chunk size) or, for RLA, ``peer``."""
+  if impl == "peer":
+    return lambda **a: rla_peer(**a, window_size=case.shape[-1])
+  fn = op_fn(case)
+  name, _, chunk = (impl or "").partition("/")
+  kw = dict(implementation=name or None, interpret=interpret, **({"chunk_size": int(chunk)} if chunk else {}))
+  return lambda **a: fn(**a, **kw)
 
 
 def call_of(case: Case, inputs, interpret: bool):
@@ -105,8 +142,8 @@ def call_of(case: Case, inputs, interpret: bool):
 
 def build(case: Case, impl: str | None, mode: str, inputs, interpret: bool):
   """A jitted function of the inputs: the op's output, or the gradients of every input."""
-  fn = op_fn(case)
-  run = lambda a: fn(**a, implementation=impl, interpret=interpret)
+  fn = impl_fn(case, impl, interpret)
+  run = lambda a: fn(**a)
   if mode == "fwd":
     return jax.jit(run)
   return jax.jit(jax.grad(lambda a: jnp.sum(run(a).astype(jnp.float32))))
@@ -183,6 +220,7 @@ def main(argv=None):
   p.add_argument("--modes", default="fwd,fwd_bwd")
   p.add_argument("--dtypes", default="float32")
   p.add_argument("--impls", default=None, help="comma-separated (default: every available one and default)")
+  p.add_argument("--chunks", default="", help="comma-separated chunk sizes: also rows chunked/N and triton/N")
   p.add_argument("--output", default=None)
   p.add_argument("--append", action="store_true", help="keep the output's rows and skip their keys")
   p.add_argument("--max-minutes", type=float, default=9.0, help="no job starts that would end past it")
@@ -216,8 +254,11 @@ def main(argv=None):
   on = Device.interpreter() if interpret else Device.current()
   todo = []
   for case, mode, dt in jobs:
-    impls = [i for i in REGISTRIES[case.op].available(on) + ["default"]
-             if (args.impls is None or i in args.impls.split(","))
+    names = REGISTRIES[case.op].available(on)
+    names += ["default"] + (["peer"] if case.op == "rla" else [])
+    names += [f"{n}/{c}" for c in filter(None, args.chunks.split(",")) for n in ("chunked", "triton") if n in names]
+    impls = [i for i in names
+             if (args.impls is None or i in args.impls.split(",") or i.partition("/")[0] in args.impls.split(","))
              and key_of(dict(case=case.name, impl=i, mode=mode, dtype=jnp.dtype(dt).name,
                              shape=list(case.shape))) not in done]
     if impls:

@@ -21,3 +21,16 @@ def test_cpu_smoke_writes_rows_and_resumes(tmp_path):
   assert rows[1]["decision"].startswith("chunked") and "GPU" in rows[1]["decision"]
   bench_scan.main(argv + ["--append"])
   assert len(out.read_text().splitlines()) == 2
+
+
+def test_rla_peer_is_the_op():
+  """The benchmark's plain chunked XLA peer computes RLA's linear branch (float32, GQA, a
+  window past the first chunk)."""
+  import jax.numpy as jnp
+  import numpy as np
+  from probjax.ops.scan import residual_linear_attention
+  case = bench_scan.Case("rla", "rla", (2, 128, 4, 2, 8, 40))
+  a = bench_scan.make_inputs(case, jnp.float32)
+  np.testing.assert_allclose(bench_scan.rla_peer(**a, window_size=40, chunk=32),
+                             residual_linear_attention(**a, window_size=40, implementation="scan"),
+                             rtol=1e-5, atol=1e-5)
