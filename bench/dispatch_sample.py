@@ -179,7 +179,7 @@ def estimate_ms(c: SampledCall | dict) -> float:
   if g["mode"] == "fwd_bwd":
     flops *= FWD_BWD_FLOPS
     nbytes *= FWD_BWD_BYTES
-  return 1e3 * max(flops / H200_FLOPS, nbytes / H200_BYTES)
+  return core.roofline_ms(flops, nbytes)
 
 
 def array_bytes(c: SampledCall) -> int:
