@@ -15,7 +15,8 @@ Suites (``--suite``, default both):
   ``triton_paged`` (the same over 64-row pages), ``mla_mosaic`` / ``mosaic_paged`` (the Mosaic GPU
   decode kernel, sm_90, contiguous and over 64-row pages), ``mla_absorbed_xla`` (the op with
   attention's XLA path), ``triton_kernel`` / ``mosaic_kernel`` (each decode kernel alone on the
-  absorbed queries, split-KV combine included, no projections), ``attention_mqa_xla`` (the MQA call
+  absorbed queries, split-KV combine included, no projections; ``mosaic_kernel_own_scores``: each
+  compute warpgroup computing the score tile itself), ``attention_mqa_xla`` (the MQA call
   alone as XLA einsums, d_qk 576 / d_v 512) and, at B64 x 4096 with one query, ``mla_expanded``.
   ``--mosaic-splits 1,4,8`` adds ``mosaic_kernel_s<n>`` rows at fixed key splits. Rows carry the
   latent read floor ``bytes / 4.0e12 B/s`` and ``tb_per_s``, the bytes of latent and rope read once
@@ -168,6 +169,8 @@ def decode_cases(z: Sizes, dtype, mosaic_splits=()):
           # each decode kernel alone on the absorbed queries (its split-KV combine included)
           "triton_kernel": (lambda *a: triton_decode(*a, scale=scale)[0], kernel_args),
           "mosaic_kernel": (lambda *a: mosaic_decode(*a, scale=scale)[0], kernel_args),
+          # both compute warpgroups computing the score tile (the default hands it from one to the other)
+          "mosaic_kernel_own_scores": (lambda *a: mosaic_decode(*a, scale=scale, share_scores=False)[0], kernel_args),
           # the MQA call alone as XLA einsums (d_qk 576, d_v 512): the plain-matmul peer
           "attention_mqa_xla": (lambda q, k, v, mask=mask: dot_product_attention(q, k, v, mask=mask, implementation="xla"),
                                 (q, k, v)),

@@ -126,11 +126,12 @@ def _check_kernel(got, want, dtype):
   assert np.abs(np.asarray(lse)[fin] - w_lse[fin]).max() <= tolerance(jnp.float32)
 
 
-@pytest.mark.parametrize("paged", [False, True])
-def test_two_warpgroups_and_row_tiles_of_several_queries(paged):
-  """Two compute warpgroups (each half of the value width), 40 heads x 3 queries = two row
-  tiles whose rows belong to different queries of a causal band, two key splits, NaN past
-  ragged lengths and an element without keys; contiguous and paged (pages of 128)."""
+@pytest.mark.parametrize("paged,share", [(False, True), (True, True), pytest.param(False, False, marks=pytest.mark.slow)])
+def test_two_warpgroups_and_row_tiles_of_several_queries(paged, share):
+  """Two compute warpgroups (each half of the value width; ``share``: the first hands its P to
+  the second, else each computes the scores), 40 heads x 3 queries = two row tiles whose rows
+  belong to different queries of a causal band, two key splits, NaN past ragged lengths and an
+  element without keys; contiguous and paged (pages of 128)."""
   lengths = jnp.array([250, 0, 70], jnp.int32)
   q_lat, q_rope, lat, rope = _latent_inputs(1, 3, 3, 40, 256, lengths)
   band = (None, 249)
@@ -140,7 +141,7 @@ def test_two_warpgroups_and_row_tiles_of_several_queries(paged):
     (lat, table), (rope, _) = to_pages(lat, 128, 2), to_pages(rope, 128, 2)
     table = jnp.asarray(table, jnp.int32)
   got = decode(q_lat, q_rope, lat, rope, lengths, scale=0.1, band=band, page_table=table, wgs=2, num_splits=2,
-               interpret=True)
+               share_scores=share, interpret=True)
   _check_kernel(got, want, jnp.bfloat16)
 
 
@@ -243,6 +244,18 @@ def test_lowers_for_sm90_at_full_size(monkeypatch, paged, tq):
   loss = lambda *a: jnp.sum(f(*a).astype(jnp.float32))
   grad = jax.jit(jax.grad(loss, argnums=(0, 1, 4, 5))).trace(*args, table).lower(lowering_platforms=("cuda",)).as_text()
   assert grad.count("probjax_mla_decode_mosaic") >= 1
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_kernel_lowers_for_sm90_with_and_without_shared_scores(share):
+  """At d_c 512 both ways of the two compute warpgroups lower: one score tile handed over
+  (rope queries in registers) or each warpgroup's own."""
+  sd = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+  f = lambda ql, qr, lat, rope: decode(ql, qr, lat, rope, jnp.full((8,), 1000, jnp.int32), scale=0.1,
+                                       share_scores=share)
+  text = jax.jit(f).trace(sd(8, 1, 128, 512), sd(8, 1, 128, 64), sd(8, 4096, 512), sd(8, 4096, 64)).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "probjax_mla_decode_mosaic" in text
 
 
 def _full_inputs(b, tq, s, lengths, dtype, seed=6):

@@ -66,21 +66,29 @@ def value_wgs(d_c: int) -> int:
   return max(1, -(-d_c // MAX_PART))
 
 
-def smem_bytes(d_c: int, d_rope: int, itemsize: int, num_stages: int, wgs: int) -> int:
+def can_share(d_c: int, d_rope: int) -> bool:
+  """Whether the two compute warpgroups can share one score tile (``share_scores``): two of
+  them, and rope queries as wide as P, whose buffer they arrive in."""
+  return value_wgs(d_c) == 2 and d_rope == BLOCK_K
+
+
+def smem_bytes(d_c: int, d_rope: int, itemsize: int, num_stages: int, wgs: int, share: bool = False) -> int:
   """Shared memory of the kernel on the GPU (each buffer rounded up to 1 KiB, 8 bytes per
-  barrier and the 2 KiB Mosaic GPU reserves): the query tile, the ring (whose memory the float32
-  output tiles reuse after the last key tile) and the lse row."""
-  width = d_c + d_rope
-  ring = num_stages * BLOCK_K * width * itemsize
-  out = ROWS * d_c * 4
-  buffers = [ROWS * d_c * itemsize, ROWS * d_rope * itemsize, max(ring, out), ROWS * 4]
-  barriers = (wgs + 1) + (wgs + 1) * num_stages + num_stages + 1
+  barrier and the 2 KiB Mosaic GPU reserves): the absorbed queries, the ring (whose memory the
+  float32 output tiles and the lse reuse after the last key tile), and the rope queries or, with
+  ``share``, P's tile and the row factors (the rope queries arrive in P's tile)."""
+  ring = num_stages * BLOCK_K * (d_c + d_rope) * itemsize
+  out = _round_up(ROWS * d_c * 4, SMEM_ALIGN) + ROWS * 4
+  buffers = [ROWS * d_c * itemsize, max(ring, out)]
+  buffers += [ROWS * BLOCK_K * itemsize, ROWS * 4] if share else [ROWS * d_rope * itemsize]
+  barriers = (wgs + 1) + (wgs + 1) * num_stages + num_stages + (wgs > 1) + 2 * share
   return sum(_round_up(b, SMEM_ALIGN) for b in buffers) + 8 * barriers + SMEM_RESERVED
 
 
-def fit_stages(d_c: int, d_rope: int, itemsize: int, wgs: int, limit: int = SMEM_SM90, max_stages: int = 4) -> int:
+def fit_stages(d_c: int, d_rope: int, itemsize: int, wgs: int, share: bool = False, limit: int = SMEM_SM90,
+               max_stages: int = 4) -> int:
   """The deepest ring (2 to ``max_stages`` slots) that fits ``limit`` bytes; 0 if two do not."""
-  fits = [s for s in range(2, max_stages + 1) if smem_bytes(d_c, d_rope, itemsize, s, wgs) <= limit]
+  fits = [s for s in range(2, max_stages + 1) if smem_bytes(d_c, d_rope, itemsize, s, wgs, share) <= limit]
   return max(fits, default=0)
 
 
@@ -120,7 +128,9 @@ class _Static:
   num_splits: int
   num_stages: int
   wgs: int
+  share: bool
   dtype: jnp.dtype
+  interpret: bool
 
 
 def _key_blocks(st: _Static, row0, length):
@@ -135,7 +145,8 @@ def _key_blocks(st: _Static, row0, length):
 
 
 def _mma_sum(pairs, shape):
-  """``sum(a @ b for a, b in pairs)`` (float32 ``shape``) of shared-memory refs, one accumulator."""
+  """``sum(a @ b for a, b in pairs)`` (float32 ``shape``) in one accumulator; each ``b`` a
+  shared-memory ref, each ``a`` one too or a 16-bit register array in the wgmma layout."""
   def run(acc_ref):
     for a, b in pairs:
       plgpu.wgmma(acc_ref, a, b)
@@ -143,23 +154,18 @@ def _mma_sum(pairs, shape):
   return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
 
 
-def _mma_acc(acc, a, b, staging):
+def _mma_acc(acc, a, b):
   """``acc + a @ b`` with ``a`` in registers (16-bit, wgmma layout) and ``b`` a shared-memory
-  ref, accumulated in place; ``staging`` (interpret mode, whose wgmma reads shared memory only
-  and cannot accumulate in place): a shared-memory buffer for ``a``, the product then added."""
-  if staging is None:
-    return pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, a, b))(plgpu.ACC.init(acc))
-  staging[...] = a
-  plgpu.commit_smem()
-  return acc + _mma_sum(((staging, b),), acc.shape)
+  ref, accumulated in place by wgmma."""
+  return pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, a, b))(plgpu.ACC.init(acc))
 
 
 def _zero_rows_past(tile, start, valid):
   """Zeroes the rows of a ``[BLOCK_K, cols]`` shared-memory tile holding positions ``start..``
   at or past ``valid`` (a traced int32), where the tile reaches past it, 64 columns at a time
   (few registers beside the accumulator). Rows before ``valid`` are rewritten with their own
-  value, so a warpgroup reading the tile meanwhile (the other one's score product) reads what
-  was there or, past the length, zeros."""
+  value, so a warpgroup reading the tile meanwhile (a score product) reads what was there or,
+  past the length, zeros (whose scores are masked)."""
   @pl.when(valid - start < BLOCK_K)
   def _():
     row = plgpu.broadcasted_iota(jnp.int32, (BLOCK_K,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
@@ -170,14 +176,25 @@ def _zero_rows_past(tile, start, valid):
     plgpu.commit_smem()  # the generic-proxy writes before the wgmma that reads the tile
 
 
-def _kernel(lens_ref, table_ref, ql_ref, qr_ref, lat_ref, rope_ref, o_ref, lse_ref,
-            ql_smem, qr_smem, union, lse_smem, q_bar, lat_ready, rope_ready, free, done, *staging,
-            st: _Static):
+def _row_layout(x):
+  return plgpu.layout_cast(x, plgpu.Layout.WGMMA.reduce(1))
+
+
+def _kernel(lens_ref, table_ref, ql_ref, qr_ref, lat_ref, rope_ref, o_ref, lse_ref, *, st: _Static, ql, union,
+            q_bar, lat_ready, rope_ready, free, qr=None, done=None, p_buf=None, a_buf=None, p_ready=None,
+            p_free=None):
+  """One CTA. Scratch (keywords): ``ql`` the row tile's absorbed queries ``[wgs, 64, part]``; ``qr``
+  its rope queries ``[64, d_rope]`` (None where they land in ``p_buf`` and the leader holds them
+  in registers); ``union`` the key ring ``([stages, wgs, 64, part], [stages, 64, d_rope])`` whose
+  memory the outputs ``([wgs, 64, part] float32, [64] float32 lse)`` reuse; ``p_buf``
+  ``[n, 64, 64]``: P shared by the leader (``share``), or each warpgroup's P staging (interpret
+  mode); ``a_buf`` ``[64]`` float32: the leader's row factor (its final row sums after the
+  loop); barriers as named."""
   wgs, stages = st.wgs, st.num_stages
-  part = ql_smem.shape[-1]
+  part = ql.shape[-1]
   wg = lax.axis_index("wg")
   rt, split, b = lax.axis_index("rows"), lax.axis_index("splits"), lax.axis_index("batch")
-  (lat_smem, rope_smem), (o_smem,) = union
+  (lat, rope), (o_smem, lse_smem) = union
   row0 = rt * ROWS
   length = lens_ref[b]
   first, end = _key_blocks(st, row0, length)
@@ -186,75 +203,163 @@ def _kernel(lens_ref, table_ref, ql_ref, qr_ref, lat_ref, rope_ref, o_ref, lse_r
   lo = first + split * per_split
   hi = jnp.maximum(lo, jnp.minimum(lo + per_split, end))
   slot_of = lambda j: lax.rem(j - lo, jnp.int32(stages))
+  c = st.scale * LOG2E  # base-2 exponents: the scale folded into one multiply
+  lower, upper = st.band
+  zeros = lambda n: plgpu.layout_cast(jnp.zeros((ROWS, n), jnp.float32), plgpu.Layout.WGMMA)
+  row_init = lambda v: _row_layout(jnp.full((ROWS,), v, jnp.float32))
+
+  def wait_tile(slot, parts):
+    for p in parts:
+      plgpu.barrier_wait(lat_ready.at[p * stages + slot])
+
+  def scores(j, slot, q_rope):
+    """The masked score tile of key tile ``j`` (float32 ``[64, BLOCK_K]``, -inf where masked)."""
+    wait_tile(slot, range(wgs))
+    plgpu.barrier_wait(rope_ready.at[slot])
+    pairs = [(ql.at[p], lat.at[slot, p].T) for p in range(wgs)] + [(q_rope, rope.at[slot].T)]
+    s = _mma_sum(pairs, (ROWS, BLOCK_K))
+    it = lambda dim: plgpu.broadcasted_iota(jnp.int32, (ROWS, BLOCK_K), dim, layout=plgpu.Layout.WGMMA)
+    ki = j * BLOCK_K + it(1)
+    ok = ki < length
+    if upper is not None or lower is not None:
+      d = ki - (row0 + it(0)) // st.heads  # key position minus query index
+      if upper is not None:
+        ok &= d <= upper
+      if lower is not None:
+        ok &= d >= lower
+    return jnp.where(ok, s, -jnp.inf)
+
+  def softmax(s, m, l):
+    """``(m', alpha, p, l')``: running max (base 2) and sum after ``s``, the accumulator's factor
+    and ``s``'s probabilities."""
+    m_new = jnp.maximum(m, s.max(axis=1) * c)
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows that have seen no valid key
+    alpha = jnp.exp2(m - m_safe)
+    p = jnp.exp2(s * c - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+    return m_new, alpha, p, l * alpha + p.sum(axis=1)
+
+  rescale = lambda acc, alpha: acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+  def pv(acc, p, j, slot, staged=None):
+    """``acc + p @ latent[slot, wg-th part]`` for key tile ``j``, its rows past the length
+    zeroed first; ``staged``: P's copy in shared memory, read from there (interpret mode, the
+    follower) instead of registers."""
+    values = lat.at[slot, wg]
+    _zero_rows_past(values, j * BLOCK_K, length)
+    if staged is None:
+      return _mma_acc(acc, p, values)
+    return acc + _mma_sum(((staged, values),), acc.shape)
+
+  def finish(acc, l, m=None):
+    """Writes this warpgroup's normalised output columns (and with ``m`` the lse) once every
+    compute warpgroup is done with the ring, whose memory the outputs reuse."""
+    if done is not None:
+      plgpu.barrier_arrive(done)
+      plgpu.barrier_wait(done)
+    empty = l == 0.0
+    l = jnp.where(empty, 1.0, l)
+    o_smem.at[wg][...] = acc / lax.broadcast_in_dim(l, acc.shape, [0])
+    if m is not None:
+      lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l)) * (1.0 / LOG2E))
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[b, split, pl.ds(row0, ROWS), pl.ds(wg * part, part)])
+    if m is not None:
+      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, split, pl.ds(row0, ROWS)])
+    plgpu.wait_smem_to_gmem(0)
+
+  def independent():
+    """Every compute warpgroup computes the score tile itself (``share`` off)."""
+    for i in range(wgs + 1):
+      plgpu.barrier_wait(q_bar.at[i])
+    # Interpret mode's wgmma reads shared memory only and cannot accumulate in place: P staged.
+    staging = p_buf.at[wg] if st.interpret else None
+
+    def step(j, carry):
+      acc, m, l = carry
+      slot = slot_of(j)
+      m, alpha, p, l = softmax(scores(j, slot, qr), m, l)
+      acc = rescale(acc, alpha)
+      p = p.astype(st.dtype)
+      if staging is not None:
+        staging[...] = p
+        plgpu.commit_smem()
+      acc = pv(acc, p, j, slot, staging)
+      plgpu.barrier_arrive(free.at[slot])
+      return acc, m, l
+
+    acc, m, l = lax.fori_loop(lo, hi, step, (zeros(part), row_init(-jnp.inf), row_init(0.0)))
+    finish(acc, l, m)
+
+  def leader():
+    """Warpgroup 0 (``share``): the score tile and softmax, P and the row factor handed to the
+    follower through ``p_buf`` / ``a_buf``, then its own value columns."""
+    for i in range(wgs + 1):
+      plgpu.barrier_wait(q_bar.at[i])
+    # On the GPU the rope queries arrived in p_buf (before any P) and stay in registers; interpret
+    # mode's wgmma reads shared memory only (its rope queries have a buffer, its P is read back).
+    q_rope = qr if st.interpret else plgpu.load(p_buf.at[0], layout=plgpu.Layout.WGMMA)
+
+    def step(j, carry):
+      acc, m, l = carry
+      slot = slot_of(j)
+      m, alpha, p, l = softmax(scores(j, slot, q_rope), m, l)
+      p = p.astype(st.dtype)
+
+      @pl.when(j > lo)
+      def _():
+        plgpu.barrier_wait(p_free)  # the follower is done with the last P
+      p_buf.at[0][...] = p
+      a_buf[...] = alpha
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(p_ready)
+      acc = pv(rescale(acc, alpha), p, j, slot, p_buf.at[0] if st.interpret else None)
+      plgpu.barrier_arrive(free.at[slot])
+      return acc, m, l
+
+    acc, m, l = lax.fori_loop(lo, hi, step, (zeros(part), row_init(-jnp.inf), row_init(0.0)))
+
+    @pl.when(hi > lo)
+    def _():
+      plgpu.barrier_wait(p_free)
+    a_buf[...] = l
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(p_ready)
+    finish(acc, l, m)
+
+  def follower():
+    """Warpgroup 1 (``share``): its value columns from the leader's P and row factors."""
+    def step(j, acc):
+      slot = slot_of(j)
+      plgpu.barrier_wait(p_ready)
+      acc = rescale(acc, plgpu.load(a_buf, layout=plgpu.Layout.WGMMA.reduce(1)))
+      wait_tile(slot, (1,))
+      acc = pv(acc, None, j, slot, p_buf.at[0])
+      plgpu.barrier_arrive(p_free)
+      plgpu.barrier_arrive(free.at[slot])
+      return acc
+
+    acc = lax.fori_loop(lo, hi, step, zeros(part))
+    plgpu.barrier_wait(p_ready)
+    finish(acc, plgpu.load(a_buf, layout=plgpu.Layout.WGMMA.reduce(1)))
 
   @pl.when(wg < wgs)
   def _compute():
     # The producer needs few registers; the compute warpgroups share the rest (multiples of 8).
     compute = (REGISTERS_PER_SM // 128 - PRODUCER_REGISTERS) // wgs // 8 * 8
     plgpu.set_max_registers(min(compute, 232), action="increase")
-    c = st.scale * LOG2E  # base-2 exponents: the scale folded into one multiply
-    lower, upper = st.band
-    for i in range(wgs + 1):
-      plgpu.barrier_wait(q_bar.at[i])
-
-    def step(j, carry):
-      acc, m, l = carry
-      slot = slot_of(j)
-      for p in range(wgs):
-        plgpu.barrier_wait(lat_ready.at[p * stages + slot])
-      plgpu.barrier_wait(rope_ready.at[slot])
-      pairs = [(ql_smem.at[p], lat_smem.at[slot, p].T) for p in range(wgs)] + [(qr_smem, rope_smem.at[slot].T)]
-      s = _mma_sum(pairs, (ROWS, BLOCK_K))
-      it = lambda dim: plgpu.broadcasted_iota(jnp.int32, (ROWS, BLOCK_K), dim, layout=plgpu.Layout.WGMMA)
-      ki = j * BLOCK_K + it(1)
-      ok = ki < length
-      if upper is not None or lower is not None:
-        d = ki - (row0 + it(0)) // st.heads  # key position minus query index
-        if upper is not None:
-          ok &= d <= upper
-        if lower is not None:
-          ok &= d >= lower
-      s = jnp.where(ok, s, -jnp.inf)
-      m_new = jnp.maximum(m, s.max(axis=1) * c)
-      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows that have seen no valid key
-      alpha = jnp.exp2(m - m_safe)
-      p = jnp.exp2(s * c - lax.broadcast_in_dim(m_safe, s.shape, [0]))
-      l = l * alpha + p.sum(axis=1)
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      _zero_rows_past(lat_smem.at[slot, wg], j * BLOCK_K, length)
-      acc = _mma_acc(acc, p.astype(st.dtype), lat_smem.at[slot, wg], staging[0].at[wg] if staging else None)
-      plgpu.barrier_arrive(free.at[slot])
-      return acc, m_new, l
-
-    carry = (plgpu.layout_cast(jnp.zeros((ROWS, part), jnp.float32), plgpu.Layout.WGMMA),
-             plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
-             plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
-    acc, m, l = lax.fori_loop(lo, hi, step, carry)
-    if wgs > 1:  # the output tiles reuse the ring's memory: every warpgroup is done reading it
-      plgpu.barrier_arrive(done)
-      plgpu.barrier_wait(done)
-    empty = l == 0.0
-    l = jnp.where(empty, 1.0, l)
-    o_smem.at[wg][...] = acc / lax.broadcast_in_dim(l, acc.shape, [0])
-
-    @pl.when(wg == 0)
-    def _():
-      lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l)) * (1.0 / LOG2E))
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[b, split, pl.ds(row0, ROWS), pl.ds(wg * part, part)])
-
-    @pl.when(wg == 0)
-    def _():
-      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, split, pl.ds(row0, ROWS)])
-    plgpu.wait_smem_to_gmem(0)
+    if not st.share:
+      independent()
+    else:
+      pl.when(wg == 0)(leader)
+      pl.when(wg == 1)(follower)
 
   @pl.when(wg == wgs)
   def _produce():
     plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
     rows = pl.ds(row0, ROWS)
     for p in range(wgs):
-      plgpu.copy_gmem_to_smem(ql_ref.at[b, rows, pl.ds(p * part, part)], ql_smem.at[p], q_bar.at[p])
-    plgpu.copy_gmem_to_smem(qr_ref.at[b, rows], qr_smem, q_bar.at[wgs])
+      plgpu.copy_gmem_to_smem(ql_ref.at[b, rows, pl.ds(p * part, part)], ql.at[p], q_bar.at[p])
+    plgpu.copy_gmem_to_smem(qr_ref.at[b, rows], qr if qr is not None else p_buf.at[0], q_bar.at[wgs])
 
     @pl.loop(lo, hi)
     def _issue(j):
@@ -270,8 +375,8 @@ def _kernel(lens_ref, table_ref, ql_ref, qr_ref, lat_ref, rope_ref, o_ref, lse_r
         page = table_ref[b, pos // st.page_size]
         at = lambda ref, cols: ref.at[page, pl.ds(pos % st.page_size, BLOCK_K), cols]
       for p in range(wgs):
-        plgpu.copy_gmem_to_smem(at(lat_ref, pl.ds(p * part, part)), lat_smem.at[slot, p], lat_ready.at[p * stages + slot])
-      plgpu.copy_gmem_to_smem(at(rope_ref, slice(None)), rope_smem.at[slot], rope_ready.at[slot])
+        plgpu.copy_gmem_to_smem(at(lat_ref, pl.ds(p * part, part)), lat.at[slot, p], lat_ready.at[p * stages + slot])
+      plgpu.copy_gmem_to_smem(at(rope_ref, slice(None)), rope.at[slot], rope_ready.at[slot])
 
     # Every release is observed before the CTA ends (the last ``stages`` were not awaited above).
     @pl.loop(jnp.maximum(hi - stages, lo), hi)
@@ -299,7 +404,7 @@ def default_splits(batch: int, row_tiles: int, key_tiles: int, sm_count: int) ->
 
 def decode(q_lat, q_rope, kv_latent, k_rope, lengths, *, scale: float, band=(None, None), page_table=None,
            num_splits: int | None = None, num_stages: int | None = None, wgs: int | None = None,
-           sm_count: int = 132, interpret: bool = False):
+           share_scores: bool | None = None, sm_count: int = 132, interpret: bool = False):
   """Absorbed-form attention over a latent cache: ``(out [B, Tq, H, d_c], lse [B, Tq, H])``.
 
   Args:
@@ -314,6 +419,9 @@ def decode(q_lat, q_rope, kv_latent, k_rope, lengths, *, scale: float, band=(Non
       iff ``t + lower <= k <= t + upper`` (None: unbounded), as ``Mask.band_bounds``.
     num_splits, num_stages, wgs: key splits (None: :func:`default_splits`), ring slots (None: the
       most that fit) and compute warpgroups (None: :func:`value_wgs`; ``d_c / wgs`` a multiple of 64).
+    share_scores: with two compute warpgroups, the first computes the score tile and softmax and
+      hands P to the second (through shared memory) instead of both computing them; None: where
+      :func:`can_share`.
     interpret: Pallas Mosaic GPU interpret mode (CPU).
   Returns:
     The output in q_lat's dtype, the natural-log lse float32.
@@ -327,13 +435,17 @@ def decode(q_lat, q_rope, kv_latent, k_rope, lengths, *, scale: float, band=(Non
   if why:
     raise ValueError(why)
   wgs = wgs or value_wgs(d_c)
-  if d_c % (PART * wgs) or d_c // wgs > MAX_PART:
-    raise ValueError(f"wgs {wgs}: d_c {d_c} must split into parts of a multiple of {PART} up to {MAX_PART}")
+  if wgs > MAX_VALUE_WGS or d_c % (PART * wgs) or d_c // wgs > MAX_PART:
+    raise ValueError(f"wgs {wgs}: d_c {d_c} must split into at most {MAX_VALUE_WGS} parts of a multiple of {PART} "
+                     f"up to {MAX_PART}")
+  share = (wgs == 2 and d_rope == BLOCK_K) if share_scores is None else bool(share_scores)
+  if share and (wgs != 2 or d_rope != BLOCK_K):
+    raise ValueError(f"share_scores needs two compute warpgroups and d_rope {BLOCK_K}, got {wgs} and {d_rope}")
   itemsize = jnp.dtype(q_lat.dtype).itemsize
-  stages = num_stages or fit_stages(d_c, d_rope, itemsize, wgs)
-  if not interpret and smem_bytes(d_c, d_rope, itemsize, stages, wgs) > SMEM_SM90:
-    raise ValueError(f"num_stages {stages} needs {smem_bytes(d_c, d_rope, itemsize, stages, wgs)} bytes of "
-                     f"shared memory; sm_90 has {SMEM_SM90}")
+  stages = num_stages or fit_stages(d_c, d_rope, itemsize, wgs, share)
+  need = smem_bytes(d_c, d_rope, itemsize, stages, wgs, share)
+  if not interpret and need > SMEM_SM90:
+    raise ValueError(f"num_stages {stages} needs {need} bytes of shared memory; sm_90 has {SMEM_SM90}")
   rows = tq * heads
   row_tiles = -(-rows // ROWS)
   key_tiles = max(1, -(-kv_len // BLOCK_K))
@@ -352,22 +464,27 @@ def decode(q_lat, q_rope, kv_latent, k_rope, lengths, *, scale: float, band=(Non
   pad_rows = lambda x: jnp.pad(x.reshape(batch, rows, -1), ((0, 0), (0, rows_pad - rows), (0, 0)))
   part = d_c // wgs
   dt = q_lat.dtype
-  st = _Static(heads, tq, float(scale), tuple(band), page_size, num_splits, stages, wgs, jnp.dtype(dt))
+  st = _Static(heads, tq, float(scale), tuple(band), page_size, num_splits, stages, wgs, share, jnp.dtype(dt),
+               bool(interpret))
   ring = (plgpu.SMEM((stages, wgs, BLOCK_K, part), dt, transforms=TILED),
           plgpu.SMEM((stages, BLOCK_K, d_rope), dt, transforms=TILED))
-  scratch = [
-      plgpu.SMEM((wgs, ROWS, part), dt, transforms=TILED),
-      plgpu.SMEM((ROWS, d_rope), dt, transforms=TILED),
-      plgpu.RefUnion(ring, (plgpu.SMEM((wgs, ROWS, part), jnp.float32, transforms=TILED_F32),)),
-      plgpu.SMEM((ROWS,), jnp.float32),
-      plgpu.Barrier(num_barriers=wgs + 1),             # the query copies
-      plgpu.Barrier(num_barriers=wgs * stages),        # a latent part ready, per part and slot
-      plgpu.Barrier(num_barriers=stages),              # a rope tile ready
-      plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),  # a slot released by every compute warpgroup
-      plgpu.Barrier(num_arrivals=wgs),                 # every compute warpgroup done with the ring
-  ]
-  if interpret:  # P's staging buffers (see _mma_acc)
-    scratch.append(plgpu.SMEM((wgs, ROWS, BLOCK_K), dt, transforms=TILED))
+  outs = (plgpu.SMEM((wgs, ROWS, part), jnp.float32, transforms=TILED_F32), plgpu.SMEM((ROWS,), jnp.float32))
+  scratch = dict(
+      ql=plgpu.SMEM((wgs, ROWS, part), dt, transforms=TILED),
+      union=plgpu.RefUnion(ring, outs),
+      q_bar=plgpu.Barrier(num_barriers=wgs + 1),           # the query copies
+      lat_ready=plgpu.Barrier(num_barriers=wgs * stages),  # a latent part ready, per part and slot
+      rope_ready=plgpu.Barrier(num_barriers=stages),       # a rope tile ready
+      free=plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),  # a slot released by every compute warpgroup
+  )
+  if wgs > 1:  # every compute warpgroup done with the ring, whose memory the outputs reuse
+    scratch["done"] = plgpu.Barrier(num_arrivals=wgs)
+  if interpret or not share:
+    scratch["qr"] = plgpu.SMEM((ROWS, d_rope), dt, transforms=TILED)
+  if share or interpret:  # P shared by the leader, or each warpgroup's P staging (interpret mode)
+    scratch["p_buf"] = plgpu.SMEM((1 if share else wgs, ROWS, BLOCK_K), dt, transforms=TILED)
+  if share:
+    scratch.update(a_buf=plgpu.SMEM((ROWS,), jnp.float32), p_ready=plgpu.Barrier(), p_free=plgpu.Barrier())
   o, lse = plgpu.kernel(
       functools.partial(_kernel, st=st),
       out_type=(jax.ShapeDtypeStruct((batch, num_splits, rows_pad, d_c), jnp.float32),
