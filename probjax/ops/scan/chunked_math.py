@@ -8,7 +8,7 @@ an initial state, float32 or wider) and returns ``(y, final_state)`` in the comp
 padded with inert steps); the work inside a chunk runs for every chunk at once, the state
 crosses chunk boundaries by a scan (or a cumulative sum) over chunks. Mamba-1's and SSD's
 per-chunk functions are ``jax.checkpoint``-ed, so the backward recomputes inside a chunk; RLA's
-form has its own vjp (:func:`linear_attention_chunked`). A differentiated call saves its
+form has its own backward (:func:`linear_attention_chunked`). A differentiated call saves its
 inputs, their cumulative decays and the chunk-boundary states, never a state per position.
 """
 
@@ -19,8 +19,13 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero, linear_call
 
+from probjax.core import jax_patches
 from probjax.ops.scan.calls import MambaCall, RLACall
+
+# RLA's backward is the transpose of a linear_call: its rules for vmap and second derivatives.
+jax_patches.apply()
 
 
 def compute_dtype(dtype):
@@ -198,13 +203,13 @@ def _prefix(first, chunks, reverse=False):
   return jax.lax.cumsum(jnp.concatenate(parts, axis=1), axis=1, reverse=reverse)
 
 
-def _rla_forward(fq, fk, v, s0, chunk, dtype):
-  """The chunked forward: ``(o [b, L, h, dv], final [b, hk, f, dv])`` in the compute dtype and
-  the backward's residuals: the operands in ``dtype`` (a dtype's name), the states entering
-  the chunks and the masked scores, as the output's matmuls read them (rounded to ``dtype``;
-  both are materialised for those matmuls anyway, so saving them costs no pass)."""
-  length = fq.shape[1]
-  q, k, vc = _rla_operands(fq, fk, v, chunk, dtype)
+def _rla_core(q, k, vc, s0, length):
+  """The chunked forward on :func:`_rla_operands`' operands: ``(o [b, L, h, dv], final [b, hk,
+  f, dv])`` in the compute dtype, and what the backward reads besides the operands: the states
+  entering the chunks and the masked scores, as the output's matmuls read them (rounded to the
+  operands' dtype; both are materialised for those matmuls anyway, so keeping them costs no
+  pass)."""
+  dtype, chunk = q.dtype, q.shape[2]
   kv = _dot("bcskf,bcskd->bckfd", k, vc)                          # each chunk's k^T v
   s_in = _prefix(s0.astype(kv.dtype), kv)                         # the state entering chunk c
   final = s_in[:, -1] + kv[:, -1]
@@ -212,18 +217,40 @@ def _rla_forward(fq, fk, v, s0, chunk, dtype):
   scores = jnp.where(_causal(chunk), _dot("bctkrf,bcskf->bckrts", q, k), 0).astype(dtype)
   o = _dot("bckrts,bcskd->bctkrd", scores, vc) + _dot("bctkrf,bckfd->bctkrd", q, s_in)
   o = unchunked(o.reshape(*o.shape[:3], -1, o.shape[-1]), length)
-  return (o, final), (q, k, vc, s_in, scores)
+  return (o, final), (s_in, scores)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5, 6))
 def _rla(fq, fk, v, s0, chunk, dtype, dtypes):
   del dtypes
-  return _rla_forward(fq, fk, v, s0, chunk, dtype)[0]
+  return _rla_core(*_rla_operands(fq, fk, v, chunk, dtype), s0, fq.shape[1])[0]
 
 
-def _rla_fwd(fq, fk, v, s0, chunk, dtype, dtypes):
-  del dtypes
-  return _rla_forward(fq, fk, v, s0, chunk, dtype)
+def _rla_jvp(chunk, dtype, dtypes, primals, tangents):
+  """The tangent is a ``linear_call`` in the inputs that have one: forward mode runs the
+  chunked form's own jvp on the operands; reverse mode transposes it with :func:`_rla_bwd`, so
+  ``jax.grad`` runs that backward on the forward's residuals."""
+  fq, fk, v, s0 = primals
+  length = fq.shape[1]
+  operands = _rla_operands(fq, fk, v, chunk, dtype)
+  out, kept = _rla_core(*operands, s0, length)
+  present = tuple(not isinstance(t, SymbolicZero) for t in tangents)
+
+  def tangent(res, lin):
+    lin = iter(lin)
+    dots = tuple(next(lin) if p else jnp.zeros(x.shape, x.dtype) for p, x in zip(present, primals))
+    dots = (*_rla_operands(*dots[:3], chunk, dtype), dots[3])
+    return jax.jvp(lambda *a: _rla_core(*a, length)[0], res[:4], dots)[1]
+
+  def transpose(res, ct):
+    grads = _rla_bwd(chunk, dtype, dtypes, (*res[:3], *res[4:]), ct)
+    return tuple(g for g, p in zip(grads, present) if p)
+
+  lin = tuple(t for t, p in zip(tangents, present) if p)
+  return out, linear_call(tangent, transpose, (*operands, s0, *kept), lin)
+
+
+_rla.defjvp(_rla_jvp, symbolic_zeros=True)
 
 
 def _rla_bwd(chunk, dtype, dtypes, saved, ct):
@@ -250,9 +277,6 @@ def _rla_bwd(chunk, dtype, dtypes, saved, ct):
   return tuple(g.astype(t) for g, t in zip(grads, dtypes))
 
 
-_rla.defvjp(_rla_fwd, _rla_bwd)
-
-
 def linear_attention_chunked(fq, fk, v, s0, *, chunk: int, dtype=None):
   """Causal linear attention on features: ``o_t = fq_t · (s0 + Σ_{s <= t} fk_s v_sᵀ)``.
 
@@ -263,10 +287,11 @@ def linear_attention_chunked(fq, fk, v, s0, *, chunk: int, dtype=None):
   Every matmul reads its operands in ``dtype`` (default v's: bfloat16 inputs give bfloat16
   tensor-core matmuls) and accumulates in float32 or wider. Inside a chunk the masked
   ``fq fkᵀ`` times v and ``fq S_in``; the states entering the chunks are a cumulative sum of
-  the chunks' ``fkᵀ v`` (no decay, so no scan). A custom vjp (:func:`_rla_bwd`) keeps the
-  backward's matmuls in ``dtype`` too (JAX's own transposes would read the float32
-  cotangents, a float32 matmul) and saves the operands, the chunk-entering states and the
-  masked scores in ``dtype``, never a state per position.
+  the chunks' ``fkᵀ v`` (no decay, so no scan). Its own backward (:func:`_rla_bwd`, the
+  transpose of its jvp) keeps the backward's matmuls in ``dtype`` too (JAX's own transposes
+  would read the float32 cotangents, a float32 matmul) and saves the operands, the
+  chunk-entering states and the masked scores in ``dtype``, never a state per position;
+  forward mode (``jax.jvp``) is the form's own jvp.
   """
   return _rla(fq, fk, v, s0, chunk, jnp.dtype(v.dtype if dtype is None else dtype).name,
               tuple(t.dtype.name for t in (fq, fk, v, s0)))

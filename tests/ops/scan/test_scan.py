@@ -114,6 +114,29 @@ def test_rla_state_blocks_and_groups(impl):
   check("rla", impl, _rla_inputs(1, 37, 2, 1, 40, 72, jnp.bfloat16), dtype=jnp.bfloat16, chunk_size=16)
 
 
+_DERIVATIVES = {
+    "jvp": lambda f, q, k, dq: jax.jvp(f, (q, k), (dq, jnp.zeros_like(k)))[1],
+    "vmap_grad": lambda f, q, k, dq: jax.vmap(lambda q: jax.grad(f)(q, k))(jnp.stack([q, dq])),
+    "jvp_of_grad": lambda f, q, k, dq: jax.jvp(lambda q: jax.grad(f)(q, k), (q,), (dq,))[1],
+    "grad_of_grad": lambda f, q, k, dq: jax.grad(lambda q: jnp.sum(jax.grad(f)(q, k) ** 2))(q),
+}
+
+
+@pytest.mark.parametrize("derivative", list(_DERIVATIVES))
+def test_rla_chunked_forward_mode_and_second_order(derivative):
+  """The chunked form's backward is the transpose of its jvp: ``jax.jvp``, ``vmap`` of the
+  gradient and second derivatives match the sequential scan's (plain JAX), with tangents in
+  only some inputs (no initial state given)."""
+  a = {k: jnp.asarray(v) for k, v in inputs("rla", 20, optional=False).items()}
+  got = {}
+  for impl in ("chunked", "scan"):
+    f = lambda q, k: jnp.sum(jnp.sin(residual_linear_attention(q, k, a["v"], window_size=3, chunk_size=8,
+                                                               implementation=impl)))
+    got[impl] = jax.jit(_DERIVATIVES[derivative], static_argnums=0)(f, a["q"], a["k"], jnp.cos(a["q"]))
+  scale = float(jnp.max(jnp.abs(got["scan"])))
+  np.testing.assert_allclose(got["chunked"], got["scan"], rtol=2e-4, atol=2e-4 * scale)
+
+
 @pytest.mark.gpu
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("impl", ["chunked", "triton"])
