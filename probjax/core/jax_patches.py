@@ -14,11 +14,12 @@ JAX 0.11.2 and 0.12 ship ``jax.custom_derivatives.linear_call`` with
   AssertionError, and that fails on a tangent in only some of the linear inputs.
 
 :func:`apply` registers the three rules once (a second call does nothing); the modules whose
-calls need them (the attention autodiff wrapper, the XLA flash path) call it on import.
+calls need them (the attention autodiff wrapper, the XLA flash path, RLA's chunked form in
+``ops/scan/chunked_math.py``) call it on import.
 
 Scope: the rules are JAX's primitive's, so they hold for every ``linear_call`` in the process
-once probjax's attention is imported, not only probjax's. They change no call that JAX computes
-without them: where JAX's rules apply (no ordered effect in the callee, no batching, every
+once probjax's attention or scan room is imported, not only probjax's. They change no call that
+JAX computes without them: where JAX's rules apply (no ordered effect in the callee, no batching, every
 linear input with a tangent and none in the residuals) the abstract eval, the JVP and the
 transpose are JAX's own, and the values, jvp, transposes and gradients are the same with and
 without the import (``tests/core/test_jax_patches.py`` runs a plain ``linear_call`` both ways). The
