@@ -12,11 +12,13 @@ One CTA per (row tile, key split, batch element) with ``value_wgs + 1`` warpgrou
   tiles of ``BLOCK_K`` positions (latent and rope, from a contiguous cache or a page of a pool
   through ``page_table``) into a ring of ``num_stages`` shared-memory slots, each with "ready"
   barriers (completed by the copies) and a "free" barrier (one arrival per compute warpgroup);
-* each compute warpgroup ``w`` computes the whole score tile ``Q [latent, rope]^T`` (64 x
-  BLOCK_K), the online softmax in base 2, and ``P @ latent[:, w-th part]`` into its float32
-  accumulator of ``d_c / value_wgs`` columns: a 64 x 512 float32 accumulator is 256 registers
-  a thread, more than a warpgroup has, so two warpgroups share the value width (each repeats the
-  score tile's product, which the tensor cores absorb beside the latent's HBM reads).
+* each compute warpgroup ``w`` accumulates ``P @ latent[:, w-th part]`` in float32 over
+  ``d_c / value_wgs`` columns: a 64 x 512 float32 accumulator is 256 registers a thread, more
+  than a warpgroup has, so at d_c 512 two warpgroups share the value width. The score tile
+  ``Q [latent, rope]^T`` (64 x BLOCK_K) and the online softmax in base 2 are computed once, by
+  the first ("leader"), which hands P (16-bit) and the row factors to the second ("follower")
+  through shared memory, one tile at a time (``share_scores``); or by each warpgroup itself
+  (``share_scores=False``: half again the tensor-core work, no hand-over).
 
 Each CTA writes its normalised float32 partial output and natural-log LSE per row; :func:`combine`
 merges the splits in XLA. Positions at or past a sequence's length are never used: their tiles
