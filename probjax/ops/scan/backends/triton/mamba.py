@@ -77,8 +77,7 @@ def geometry(batch: int, channels: int, state: int) -> Geometry:
   block_n = common.block(state)
   block_d = 16 if batch * pl.cdiv(channels, 16) >= TARGET_PROGRAMS else 8
   lane_values = max(1, block_d * block_n // 32)
-  steps = max(1, min(8, 32 // lane_values))
-  return Geometry(block_d, block_n, steps, max(1, steps // 2))
+  return Geometry(block_d, block_n, max(1, min(16, 64 // lane_values)), max(1, min(4, 16 // lane_values)))
 
 
 class _View:
@@ -138,26 +137,24 @@ def _forward_kernel(x_ref, dt_ref, a_ref, b_ref, c_ref, h0_ref, y_ref, h_ref, *h
     return tuple((v.chan(x_ref, t0 + s), v.chan(dt_ref, t0 + s), v.vec(b_ref, t0 + s), v.vec(c_ref, t0 + s))
                  for s in range(steps))
 
-  def group(k, carry):
-    h, current = carry
-    ahead = rows(k + 1)  # in flight while this group computes
-    for s, (x, dt, b, c) in enumerate(current):
+  def group(k, h):
+    for s, (x, dt, b, c) in enumerate(rows(k)):
       _, h = _step(h, a2, x, dt, b)
       v.put_chan(y_ref, k * steps + s, jnp.sum(h * c[None, :], axis=1))
-    return h, ahead
+    return h
 
-  carry = (v.state(h0_ref, (bi,)), rows(bi * 0))  # a run-time position: its mask is a value
+  carry = v.state(h0_ref, (bi,))
   if not hc_ref:
     carry = jax.lax.fori_loop(0, groups, group, carry)
   else:
     per = chunk // steps
 
     def over_chunk(c, carry):
-      v.put_state(hc_ref[0], (bi, c), carry[0])
+      v.put_state(hc_ref[0], (bi, c), carry)
       return jax.lax.fori_loop(c * per, jnp.minimum((c + 1) * per, groups), group, carry)
 
     carry = jax.lax.fori_loop(0, pl.cdiv(length, chunk), over_chunk, carry)
-  v.put_state(h_ref, (bi,), carry[0])
+  v.put_state(h_ref, (bi,), carry)
 
 
 def _backward_kernel(x_ref, dt_ref, a_ref, b_ref, c_ref, hc_ref, dy_ref, ds_ref, dx_ref, ddt_ref,
@@ -167,8 +164,7 @@ def _backward_kernel(x_ref, dt_ref, a_ref, b_ref, c_ref, hc_ref, dy_ref, ds_ref,
   v = _View(geo, length, x_ref.shape[2], a_ref.shape[1], bi, j * geo.block_d)
   a = v.state(a_ref, ())
   a2 = a * LOG2E
-  steps = geo.bwd_steps
-  per = chunk // steps
+  steps, wide = geo.bwd_steps, geo.steps
   num_chunks = pl.cdiv(length, chunk)
   scratch = lambda k: hs_ref.at[bi, j, k]  # the state entering group k of the chunk
 
@@ -180,17 +176,19 @@ def _backward_kernel(x_ref, dt_ref, a_ref, b_ref, c_ref, hc_ref, dy_ref, ds_ref,
 
   def over_chunk(i, carry):
     t0 = (num_chunks - 1 - i) * chunk
-    groups = jnp.minimum(per, pl.cdiv(length - t0, steps))
+    groups = jnp.minimum(chunk // steps, pl.cdiv(length - t0, steps))
 
     def entering(k, h):
-      plgpu.store(scratch(k), h)
-      ts = t0 + k * steps
-      ins = [(v.chan(x_ref, ts + s), v.chan(dt_ref, ts + s), v.vec(b_ref, ts + s)) for s in range(steps)]
-      for x, dt, b in ins:
+      # The forward's wider groups (fewer waits on memory), storing every ``steps`` positions.
+      ts = t0 + k * wide
+      ins = [(v.chan(x_ref, ts + s), v.chan(dt_ref, ts + s), v.vec(b_ref, ts + s)) for s in range(wide)]
+      for s, (x, dt, b) in enumerate(ins):
+        if s % steps == 0:
+          plgpu.store(scratch(k * (wide // steps) + s // steps), h)
         _, h = _step(h, a2, x, dt, b)
       return h
 
-    jax.lax.fori_loop(0, groups, entering, v.state(hc_ref, (bi, t0 // chunk)))
+    jax.lax.fori_loop(0, pl.cdiv(groups * steps, wide), entering, v.state(hc_ref, (bi, t0 // chunk)))
     sync()
 
     def back(kk, carry):
