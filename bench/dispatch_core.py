@@ -48,7 +48,9 @@ H200_BYTES = 3.0e12          # its effective HBM bandwidth (bytes/s)
 MAX_DRAWS = 100_000
 
 # --- the runner ------------------------------------------------------------------------------
-PRIOR_CASE_S = {"fwd": 5.0, "fwd_bwd": 10.0}  # expected seconds per (call, path) before any is seen
+# Expected seconds per (call, path) before any is measured: its compile (shared by the workers) and its timing.
+PRIOR_COMPILE_S = {"fwd": 4.0, "fwd_bwd": 8.0}
+PRIOR_RUN_S = 1.0
 SLOW_MS = 50.0  # a call slower than this is timed with one repeat per round, no warm-up
 SINGLE_CALL_MS = 250.0  # slower than this: its probe call is its time
 MISS = 1.05  # the default "misses" where it is more than 5% slower than the best exact path
@@ -232,7 +234,8 @@ def run_calls(spec, calls: list, out: str, *, measure=None, device=None, rounds:
   spent (from ``start``), the batch's expected cost so far and its own (the mean seconds per case
   so far, compile share included, x1.5) stay within ``budget_s``; the first call that does not fit
   ends the run after its batch (never skipping to a cheaper one, so that the calls measured stay
-  the first ones of the sample). Returns counts."""
+  the first ones of the sample). Before any case is measured, a case is expected to take
+  :data:`PRIOR_COMPILE_S` over the workers plus :data:`PRIOR_RUN_S`. Returns counts."""
   from bench import harness
   log = log or (lambda s: print(s, file=sys.stderr, flush=True))
   start = clock() if start is None else start
@@ -247,7 +250,7 @@ def run_calls(spec, calls: list, out: str, *, measure=None, device=None, rounds:
   log(f"{tag} {len(calls)} call(s), {sum(c.call_id in old for c in calls)} with rows in {out} already; "
       f"budget {budget_s if budget_s is not None else 'none'} s; {workers} compile worker(s), "
       f"{batch_calls} call(s) a batch")
-  per_case = lambda mode: statistics.mean(spent[mode]) if spent[mode] else PRIOR_CASE_S[mode]
+  per_case = lambda mode: statistics.mean(spent[mode]) if spent[mode] else PRIOR_COMPILE_S[mode] / workers + PRIOR_RUN_S
   i = 0
   while i < len(calls) and not stats["stopped"]:
     batch, expected = [], 0.0

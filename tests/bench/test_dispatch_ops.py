@@ -141,12 +141,13 @@ def test_command_line_run_budget_report_and_seed(tmp_path, capsys):
   fake = FakeMeasure()
   assert do.main(["sample", "--op", "ssd_scan", "--seed", "3", "--n", "2"]) == 0
   assert [json.loads(x)["call_id"] for x in capsys.readouterr().out.splitlines()] == ["s3#0", "s3#1"]
-  # 5 cases a call at the prior (1.5 x 5 or 10 s each): the budget admits one batch of at most two calls
-  argv = ["run", "--op", "ssd_scan", "--seed", "3", "--n", "6", "--out", fit, "--rounds", "1", "--budget-s", "80",
+  # calls 0 and 1 are fwd_bwd, 5 cases each at the prior (1.5 x (8 s / 2 workers + 1 s)): 37.5 s a call, so
+  # the budget of 40 s admits call 0 alone, and the run stops after its batch
+  argv = ["run", "--op", "ssd_scan", "--seed", "3", "--n", "6", "--out", fit, "--rounds", "1", "--budget-s", "40",
           "--compile-workers", "2"]
   assert do.main(argv, measure=fake, clock=fake.clock, device=h200()) == 0
   st = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-  assert st["stopped"] and 0 < st["calls_done"] < 6 and st["batches"] == 1
+  assert st["stopped"] and st["calls_done"] == 1 and st["batches"] == 1
   rest = FakeMeasure()
   assert do.main(argv[:-4] + ["--compile-workers", "2"], measure=rest, clock=rest.clock, device=h200()) == 0
   assert len({r["call_id"] for r in do.load_rows(fit, do.SPECS["ssd_scan"])}) == 6

@@ -255,17 +255,18 @@ def test_the_budget_stops_between_batches(tmp_path):
   calls = ds.sample(5, 8)
   fake = FakeMeasure()
   out = str(tmp_path / "rows.json")
-  # batch 1: calls 0 and 1, expected at the prior (1.5 x 5 s per fwd case: 30 s each), fit in 60 s; they
-  # take 24 s (one second a round); batch 2 takes call 2 (expected at the measured 3 s a case) but not
-  # call 3 (fwd_bwd, at the prior of 10 s a case): the run stops after batch 2
-  st = ds.run_sample(calls, out, measure=fake, device=h200(), rounds=3, budget_s=60.0, clock=fake.clock,
+  # batch 1: calls 0 and 1 (4 cases each), expected at the prior (1.5 x (4 s / 2 workers + 1 s) a fwd case:
+  # 18 s a call), fit in 45 s; they take 24 s (one second a round); batch 2 takes call 2 (expected at the
+  # measured 3 s a case: 24 + 18 s) but not call 3 (fwd_bwd, at the prior of 8 s / 2 + 1 s a case): the run
+  # stops after batch 2
+  st = ds.run_sample(calls, out, measure=fake, device=h200(), rounds=3, budget_s=45.0, clock=fake.clock,
                      log=lambda s: None, workers=2, batch_calls=2)
-  assert st["stopped"] and st["batches"] == 2 and st["calls_done"] == 3 and fake.now <= 60.0
+  assert st["stopped"] and st["batches"] == 2 and st["calls_done"] == 3 and fake.now <= 45.0
   done = {r["call_id"] for r in ds.load_rows(out)}
   assert len(done) == st["calls_done"]
   assert {cid for cid, _ in fake.compiled} == done  # nothing compiled for a batch not started
-  assert done == {c.call_id for c in calls[:len(done)]}  # the first calls of the sample
-  # the first call that does not fit closes the run: no later (cheaper) call is taken
+  assert done == {c.call_id for c in calls[:len(done)]}  # no later (cheaper) call was taken
+  # the same command without the budget measures the rest
   rest = FakeMeasure()
   st2 = ds.run_sample(calls, out, measure=rest, device=h200(), rounds=3, clock=rest.clock, log=lambda s: None,
                       workers=2, batch_calls=2)
