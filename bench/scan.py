@@ -10,7 +10,8 @@ input), float32 by default (``--dtypes``). Implementations: every registered one
 on the device, and ``default`` (``implementation=None``; its row records the decision); for RLA
 also ``peer``, a plain chunked XLA form written here (:func:`rla_peer`), the form the op's
 backends must beat. ``--chunks 64,128`` adds rows ``chunked/64``, ``triton/64``, ... at those
-chunk sizes (where the implementation takes them).
+chunk sizes (where the implementation takes them); ``--lengths`` keeps the cases of those
+sequence lengths.
 
 Timing: per (case, mode, dtype), every implementation is compiled and warmed up, then
 ``--rounds`` rounds run each implementation in turn, starting one later each round (rotating
@@ -221,6 +222,7 @@ def main(argv=None):
   p.add_argument("--dtypes", default="float32")
   p.add_argument("--impls", default=None, help="comma-separated (default: every available one and default)")
   p.add_argument("--chunks", default="", help="comma-separated chunk sizes: also rows chunked/N and triton/N")
+  p.add_argument("--lengths", default="", help="comma-separated sequence lengths to keep (default: every case's)")
   p.add_argument("--output", default=None)
   p.add_argument("--append", action="store_true", help="keep the output's rows and skip their keys")
   p.add_argument("--max-minutes", type=float, default=9.0, help="no job starts that would end past it")
@@ -248,7 +250,9 @@ def main(argv=None):
   meta = dict(device=device.device_kind, platform=device.platform, versions=timing.library_versions(),
               commit=timing.code_commit(), command=" ".join([os.path.basename(sys.executable), "-m", "bench.scan", *sys.argv[1:]]),
               interpret=interpret)
+  lengths = {int(n) for n in filter(None, args.lengths.split(","))}
   jobs = [(case, mode, getattr(jnp, dt)) for name in args.cases.split(",") for case in table[name]
+          if not lengths or case.shape[1] in lengths
           for mode in args.modes.split(",") for dt in args.dtypes.split(",")]
 
   on = Device.interpreter() if interpret else Device.current()
