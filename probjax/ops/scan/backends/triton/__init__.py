@@ -140,7 +140,8 @@ def _rla_fwd(call, dtypes, fq, fk, v, s0):
 
 
 def _rla_bwd(call, dtypes, res, ct):
-  grads = rla_kernel.backward(*res, *ct, chunk=rla_kernel.default_chunk(call), interpret=call.interpret)
+  grads = rla_kernel.backward(*res, *ct, chunk=rla_kernel.default_chunk(call), dv_dtype=dtypes[2],
+                              interpret=call.interpret)
   return tuple(g.astype(t) for g, t in zip(grads, dtypes))
 
 

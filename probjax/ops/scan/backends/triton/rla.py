@@ -172,10 +172,11 @@ def forward(q, k, v, s0, *, chunk: int, out_dtype, interpret: bool):
   return o, final, h
 
 
-def backward(q, k, v, h, do, ds, *, chunk: int, interpret: bool):
-  """``(dq [b, L, h, f], dk [b, L, hk, f], dv [b, L, hk, dv], ds0 [b, hk, f, dv])``, float32,
-  for the cotangents ``do [b, L, h, dv]`` and ``ds [b, hk, f, dv]`` of :func:`forward` (its
-  operands and its states ``h``)."""
+def backward(q, k, v, h, do, ds, *, chunk: int, dv_dtype, interpret: bool):
+  """``(dq [b, L, h, f], dk [b, L, hk, f], dv [b, L, hk, dv], ds0 [b, hk, f, dv])``, float32
+  (dv in ``dv_dtype``: the values' own, the features' gradients go on through the feature
+  map in float32), for the cotangents ``do [b, L, h, dv]`` and ``ds [b, hk, f, dv]`` of
+  :func:`forward` (its operands and its states ``h``)."""
   n = _Sizes(q, v, chunk)
   do, ds = do.astype(q.dtype), ds.astype(jnp.float32)
   dh, ds0 = pl.pallas_call(
@@ -185,6 +186,6 @@ def backward(q, k, v, h, do, ds, *, chunk: int, interpret: bool):
   dq, dk, dv = pl.pallas_call(
       functools.partial(_grads_kernel, n=n), **n.params(8, (n.chunks, n.batch, n.kv_heads)),
       out_shape=(jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(k.shape, jnp.float32),
-                 jax.ShapeDtypeStruct(v.shape, jnp.float32)),
+                 jax.ShapeDtypeStruct(v.shape, dv_dtype)),
       interpret=interpret, name="probjax_rla_bwd")(q, k, v, do, h, dh)
   return dq, dk, dv, ds0
