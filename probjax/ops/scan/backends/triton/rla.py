@@ -40,6 +40,9 @@ CHUNK = 64
 # order, so their programs (blocks x batch x key/value heads) are what fills the device: a
 # [32, 32] block gives B4 Hkv8 F128 Dv64 256 programs, about two an H200 SM.
 STATE_BLOCK = 32
+# Their loop waits on each chunk's loads and does little with them: three pipeline stages keep
+# the next two chunks' loads in flight.
+STATE_STAGES = 3
 
 
 def default_chunk(call) -> int:
@@ -88,8 +91,8 @@ class _Sizes:
     i = pl.program_id(0)
     return (i // self.nv) * self.sf, (i % self.nv) * self.sv
 
-  def params(self, num_warps, grid):
-    return dict(grid=grid, compiler_params=common.params(num_warps))
+  def params(self, num_warps, grid, num_stages=2):
+    return dict(grid=grid, compiler_params=common.params(num_warps, num_stages))
 
 
 def _states_kernel(k_ref, v_ref, s0_ref, h_ref, final_ref, *, n: _Sizes):
@@ -161,7 +164,7 @@ def forward(q, k, v, s0, *, chunk: int, out_dtype, interpret: bool):
   the matmuls' dtype; s0 ``[b, hk, f, dv]`` float32."""
   n = _Sizes(q, v, chunk)
   h, final = pl.pallas_call(
-      functools.partial(_states_kernel, n=n), **n.params(4, (n.nf * n.nv, n.batch, n.kv_heads)),
+      functools.partial(_states_kernel, n=n), **n.params(4, (n.nf * n.nv, n.batch, n.kv_heads), STATE_STAGES),
       out_shape=(jax.ShapeDtypeStruct((n.batch, n.chunks, n.kv_heads, n.f, n.dv), q.dtype),
                  jax.ShapeDtypeStruct(s0.shape, jnp.float32)),
       interpret=interpret, name="probjax_rla_fwd_states")(k, v, s0)
@@ -180,7 +183,8 @@ def backward(q, k, v, h, do, ds, *, chunk: int, dv_dtype, interpret: bool):
   n = _Sizes(q, v, chunk)
   do, ds = do.astype(q.dtype), ds.astype(jnp.float32)
   dh, ds0 = pl.pallas_call(
-      functools.partial(_reverse_states_kernel, n=n), **n.params(4, (n.nf * n.nv, n.batch, n.kv_heads)),
+      functools.partial(_reverse_states_kernel, n=n),
+      **n.params(4, (n.nf * n.nv, n.batch, n.kv_heads), STATE_STAGES),
       out_shape=(jax.ShapeDtypeStruct(h.shape, q.dtype), jax.ShapeDtypeStruct(ds.shape, jnp.float32)),
       interpret=interpret, name="probjax_rla_bwd_states")(q, do, ds)
   dq, dk, dv = pl.pallas_call(
