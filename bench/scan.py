@@ -1,7 +1,7 @@
 """GPU benchmark of the scan room: every implementation of each op, in one process.
 
 Cases (``--cases``, default all):
-  mamba1   Mamba-1 selective scan, B8 L2048 and L8192, D1536 N16 (with z, D and dt_bias)
+  mamba1   Mamba-1 selective scan, B8 L2048 to L16384, D1536 N16 (with z, D and dt_bias)
   rla      RLA linear branch, B4 H8 T2048 to T16384, D64, window 512 (bfloat16: ``--dtypes
            bfloat16``)
   mamba2   Mamba-2 SSD, B8 L2048 and L8192, 24 heads, head_dim 64, state 128, one group
@@ -24,7 +24,9 @@ the device, library versions, commit and command line. ``--append`` keeps the ro
 skips their keys (resume); a run stops before ``--max-minutes`` (default 9) and says so. A
 failure (out of memory, a refusal) is a row with its status, never the end of the run.
 
-GPU: ``python -m bench.scan --append``; CPU smoke (tiny shapes, the Triton kernels in
+GPU: ``python -m bench.scan --append``; Mamba-1's kernels against the associative and chunked
+forms, float32 and bfloat16, length by length: ``python -m bench.scan --cases mamba1 --dtypes
+float32,bfloat16 --impls triton,associative,chunked``; CPU smoke (tiny shapes, the Triton kernels in
 interpret mode): ``python -m bench.scan --cpu-smoke --output /tmp/scan_smoke.json``.
 """
 
@@ -62,7 +64,7 @@ class Case:
 
 
 CASES = {
-    "mamba1": [Case("mamba1", "mamba", (8, length, 1536, 16)) for length in (2048, 8192)],
+    "mamba1": [Case("mamba1", "mamba", (8, length, 1536, 16)) for length in (2048, 4096, 8192, 16384)],
     "rla": [Case("rla", "rla", (4, length, 8, 8, 64, 512)) for length in (2048, 4096, 8192, 16384)],
     "mamba2": [Case("mamba2", "ssd", (8, length, 24, 64, 1, 128)) for length in (2048, 8192)],
 }
