@@ -190,9 +190,13 @@ def _dot(spec, a, b):
   return jax.lax.platform_dependent(a, b, cpu=wide, default=narrow)
 
 
-def _causal(chunk):
-  """``[chunk, chunk]``: query ``t`` reads key ``s <= t`` of its own chunk."""
-  return jnp.arange(chunk)[:, None] >= jnp.arange(chunk)[None, :]
+def _scores(spec, a, b):
+  """The masked ``[..., t, s]`` scores of a chunk (``s <= t``), ``einsum(spec, a, b)`` in the
+  operands' dtype as the next matmul reads them: the matmul accumulates in float32 and rounds
+  its output once, as a float32 product rounded afterwards would, at half the bytes written."""
+  scores = jnp.einsum(spec, a, b, preferred_element_type=a.dtype)
+  t = scores.shape[-1]
+  return jnp.where(jnp.arange(t)[:, None] >= jnp.arange(t)[None, :], scores, 0)
 
 
 def _prefix(first, chunks, reverse=False):
@@ -209,12 +213,12 @@ def _rla_core(q, k, vc, s0, length):
   entering the chunks and the masked scores, as the output's matmuls read them (rounded to the
   operands' dtype; both are materialised for those matmuls anyway, so keeping them costs no
   pass)."""
-  dtype, chunk = q.dtype, q.shape[2]
+  dtype = q.dtype
   kv = _dot("bcskf,bcskd->bckfd", k, vc)                          # each chunk's k^T v
   s_in = _prefix(s0.astype(kv.dtype), kv)                         # the state entering chunk c
   final = s_in[:, -1] + kv[:, -1]
   s_in = s_in.astype(dtype)
-  scores = jnp.where(_causal(chunk), _dot("bctkrf,bcskf->bckrts", q, k), 0).astype(dtype)
+  scores = _scores("bctkrf,bcskf->bckrts", q, k)
   o = _dot("bckrts,bcskd->bctkrd", scores, vc) + _dot("bctkrf,bckfd->bctkrd", q, s_in)
   o = unchunked(o.reshape(*o.shape[:3], -1, o.shape[-1]), length)
   return (o, final), (s_in, scores)
@@ -268,7 +272,7 @@ def _rla_bwd(chunk, dtype, dtypes, saved, ct):
   rev = _prefix(ds.astype(qdo.dtype), qdo, reverse=True)           # R_c
   ds0 = rev[:, 0] + qdo[:, 0]
   rev = rev.astype(dtype)
-  dscores = jnp.where(_causal(chunk), _dot("bctkrd,bcskd->bckrts", do, vc), 0).astype(dtype)
+  dscores = _scores("bctkrd,bcskd->bckrts", do, vc)
   dq = _dot("bckrts,bcskf->bctkrf", dscores, k) + _dot("bctkrd,bckfd->bctkrf", do, s_in)
   dk = _dot("bckrts,bctkrf->bcskf", dscores, q) + _dot("bcskd,bckfd->bcskf", vc, rev)
   dvv = _dot("bckrts,bctkrd->bcskd", scores, do) + _dot("bcskf,bckfd->bcskd", k, rev)
