@@ -23,18 +23,18 @@ S = jax.ShapeDtypeStruct
 
 @pytest.mark.parametrize("shape, expect", [
     # The benchmark's call: 8-channel blocks (1536 one-warp programs), 16 positions a group.
-    ((8, 1536, 16), mamba.Geometry(8, 16, 16, 4)),
+    ((8, 1536, 16), mamba.Geometry(8, 16, 16, 8, 4)),
     # Enough programs at 16 channels a block; a lane then holds 8 values: shorter groups.
-    ((32, 1536, 16), mamba.Geometry(16, 16, 8, 2)),
-    ((1, 6, 4), mamba.Geometry(8, 4, 16, 4)),
-    ((2, 64, 64), mamba.Geometry(8, 64, 4, 1)),
-    ((2, 64, 256), mamba.Geometry(8, 256, 1, 1)),
+    ((32, 1536, 16), mamba.Geometry(16, 16, 8, 4, 2)),
+    ((1, 6, 4), mamba.Geometry(8, 4, 16, 8, 4)),
+    ((2, 64, 64), mamba.Geometry(8, 64, 4, 2, 1)),
+    ((2, 64, 256), mamba.Geometry(8, 256, 1, 1, 1)),
 ])
 def test_geometry(shape, expect):
   geo = mamba.geometry(*shape)
   assert geo == expect
   # The groups tile every chunk the backend takes (16 to 128), the backward's tile the forward's.
-  assert 16 % geo.steps == 0 and geo.steps % geo.bwd_steps == 0
+  assert 16 % geo.steps == 0 and 16 % geo.recompute_steps == 0 and geo.recompute_steps % geo.bwd_steps == 0
 
 
 @pytest.mark.parametrize("length, channels, state, chunk, target", [

@@ -10,15 +10,16 @@ end a row reads as zeros: ``dt = 0`` is the identity step, so the last group nee
 care than masked stores.
 
 Forward: ``h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t``, ``y_t = h_t C_t``; for a differentiated
-call it also stores the state entering every chunk of ``chunk`` positions (a multiple of
-``steps``). Backward: the chunks in reverse; per chunk the program recomputes the states
-entering its groups from the chunk's stored state into its own region of a global scratch output
-(Pallas Triton has no shared-memory scratch), then takes the groups in reverse: it recomputes
-the group's states in registers and steps back through them carrying ``g_{t+1}`` scaled by its
-decay: ``g_t = dy_t C_t + exp(dt_{t+1} A) g_{t+1}``, from which ``dx_t = dt_t g_t B_t``,
-``ddt_t = g_t (A exp(dt_t A) h_{t-1} + x_t B_t)``, ``dA = Σ_t g_t dt_t exp(dt_t A) h_{t-1}``,
-``dh_0 = exp(dt_0 A) g_0``; dB and dC leave as partials per channel block that XLA sums in a
-fixed order (no atomics: deterministic).
+call it also stores the state entering every chunk of ``chunk`` positions (a multiple of the
+groups). Backward: the chunks in reverse; per chunk the program recomputes the chunk's states
+from its stored start, storing those entering its reverse groups into its own region of a
+global scratch output (Pallas Triton has no shared-memory scratch) and computing ``dC_t = Σ_d
+dy_t h_t`` on the way; then it takes the groups in reverse: it recomputes the group's states in
+registers and steps back through them carrying ``g_{t+1}`` scaled by its decay: ``g_t = dy_t
+C_t + exp(dt_{t+1} A) g_{t+1}``, from which ``dx_t = dt_t g_t B_t``, ``ddt_t = g_t (A exp(dt_t
+A) h_{t-1} + x_t B_t)``, ``dA = Σ_t g_t dt_t exp(dt_t A) h_{t-1}``, ``dh_0 = exp(dt_0 A) g_0``;
+dB and dC leave as partials per channel block that XLA sums in a fixed order (no atomics:
+deterministic).
 """
 
 from __future__ import annotations
@@ -43,11 +44,14 @@ TARGET_PROGRAMS = 1024
 @dataclasses.dataclass(frozen=True)
 class Geometry:
   """A program's share: ``block_d`` channels and ``block_n`` (the state, a power of two) in one
-  warp, ``steps`` positions unrolled per group (forward; the backward ``bwd_steps``)."""
+  warp, and the positions unrolled per group: ``steps`` in the forward, ``recompute_steps`` in
+  the backward's pass recomputing (and storing) the states entering its groups of
+  ``bwd_steps``."""
 
   block_d: int
   block_n: int
   steps: int
+  recompute_steps: int
   bwd_steps: int
   num_warps: int = 1
 
@@ -67,17 +71,20 @@ def geometry(batch: int, channels: int, state: int) -> Geometry:
   768 programs (5.8 one-warp programs per SM of an H200), 8 gives 1536 (11.6, whose loads
   overlap each other's arithmetic better): 8. B32 D1536: 16 (3072 programs).
 
-  ``steps``: a lane holds ``v = block_d · block_n / 32`` values of each state-shaped array, and a
+  Groups: a lane holds ``v = block_d · block_n / 32`` values of each state-shaped array, and a
   group's rows take about ``2 v + 2`` registers a position (B_t and C_t over the lane's states,
-  x_t and dt_t), twice over in the forward (this group's and the next's): 8 positions at
-  ``v <= 4`` (B8 D1536 N16: about 160 registers), fewer as ``v`` grows, so that the group stays
-  in registers. The backward also keeps each position's state and decay (``2 v`` more): half the
-  forward's group.
+  x_t and dt_t): the forward takes 16 positions at ``v <= 4`` (B8 D1536 N16: 128 registers),
+  fewer as ``v`` grows, so that the group stays in registers with 12 programs on an SM. The
+  backward's recomputation also reduces dC over the channels (half the forward's group); its
+  reverse steps keep each position's state and decay too (``2 v`` more a position): 4 at
+  ``v <= 4``.
   """
   block_n = common.block(state)
   block_d = 16 if batch * pl.cdiv(channels, 16) >= TARGET_PROGRAMS else 8
   lane_values = max(1, block_d * block_n // 32)
-  return Geometry(block_d, block_n, max(1, min(16, 64 // lane_values)), max(1, min(4, 16 // lane_values)))
+  steps = max(1, min(16, 64 // lane_values))
+  bwd_steps = max(1, min(4, 16 // lane_values))
+  return Geometry(block_d, block_n, steps, max(bwd_steps, steps // 2), bwd_steps)
 
 
 class _View:
@@ -164,7 +171,7 @@ def _backward_kernel(x_ref, dt_ref, a_ref, b_ref, c_ref, hc_ref, dy_ref, ds_ref,
   v = _View(geo, length, x_ref.shape[2], a_ref.shape[1], bi, j * geo.block_d)
   a = v.state(a_ref, ())
   a2 = a * LOG2E
-  steps, wide = geo.bwd_steps, geo.steps
+  steps, wide = geo.bwd_steps, geo.recompute_steps
   num_chunks = pl.cdiv(length, chunk)
   scratch = lambda k: hs_ref.at[bi, j, k]  # the state entering group k of the chunk
 
@@ -179,13 +186,17 @@ def _backward_kernel(x_ref, dt_ref, a_ref, b_ref, c_ref, hc_ref, dy_ref, ds_ref,
     groups = jnp.minimum(chunk // steps, pl.cdiv(length - t0, steps))
 
     def entering(k, h):
-      # The forward's wider groups (fewer waits on memory), storing every ``steps`` positions.
+      # Wider groups than the reverse steps' (fewer waits on memory), storing every ``steps``
+      # positions, and dC, which needs the states but not their gradients (the reverse steps
+      # then find this group's dy in the cache).
       ts = t0 + k * wide
-      ins = [(v.chan(x_ref, ts + s), v.chan(dt_ref, ts + s), v.vec(b_ref, ts + s)) for s in range(wide)]
-      for s, (x, dt, b) in enumerate(ins):
+      ins = [(v.chan(x_ref, ts + s), v.chan(dt_ref, ts + s), v.vec(b_ref, ts + s), v.chan(dy_ref, ts + s))
+             for s in range(wide)]
+      for s, (x, dt, b, dy) in enumerate(ins):
         if s % steps == 0:
           plgpu.store(scratch(k * (wide // steps) + s // steps), h)
         _, h = _step(h, a2, x, dt, b)
+        v.put_vec(dc_ref, ts + s, j, jnp.sum(dy[:, None] * h, axis=0))
       return h
 
     jax.lax.fori_loop(0, pl.cdiv(groups * steps, wide), entering, v.state(hc_ref, (bi, t0 // chunk)))
@@ -212,7 +223,6 @@ def _backward_kernel(x_ref, dt_ref, a_ref, b_ref, c_ref, hc_ref, dy_ref, ds_ref,
         v.put_chan(dx_ref, t, dt * jnp.sum(g * b[None, :], axis=1))
         v.put_chan(ddt_ref, t, jnp.sum(g * (a * kept + x[:, None] * b[None, :]), axis=1))
         v.put_vec(db_ref, t, j, jnp.sum(g * u[:, None], axis=0))
-        v.put_vec(dc_ref, t, j, jnp.sum(dy[:, None] * (kept + u[:, None] * b[None, :]), axis=0))
         da = da + g * dt[:, None] * kept
         g_next = decays[s] * g
       return g_next, da
