@@ -2,12 +2,13 @@
 state in registers through the sequence (the form of the Mamba-1 CUDA kernel: the decay is per
 (channel, state), so a chunk has no matmul form).
 
-The sequence runs in groups of ``steps`` positions, unrolled: a group's rows (``x_t, dt_t``:
-``[block_d]``, ``B_t, C_t``: ``[state]``) are all loaded before its first step, so the program
-waits for memory once per group, not once per position, and the forward loads the next group's
-rows before computing this one's (they stay in flight while it computes). Past the sequence's
-end a row reads as zeros: ``dt = 0`` is the identity step, so the last group needs no other
-care than masked stores.
+The sequence runs in groups of positions, unrolled (:class:`Geometry`): a group's rows (``x_t,
+dt_t``: ``[block_d]``, ``B_t, C_t``: ``[state]``) are loaded together before its first step, so
+the program waits for memory once per group, not once per position, and its state and rows stay
+in registers. (Loading the next group's rows during this one's steps would carry them through
+the loop, where Triton gives them a layout of their own and converts every row through shared
+memory.) Past the sequence's end a row reads as zeros: ``dt = 0`` is the identity step, so the
+last group needs no other care than masked stores.
 
 Forward: ``h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t``, ``y_t = h_t C_t``; for a differentiated
 call it also stores the state entering every chunk of ``chunk`` positions (a multiple of the
@@ -150,18 +151,18 @@ def _forward_kernel(x_ref, dt_ref, a_ref, b_ref, c_ref, h0_ref, y_ref, h_ref, *h
       v.put_chan(y_ref, k * steps + s, jnp.sum(h * c[None, :], axis=1))
     return h
 
-  carry = v.state(h0_ref, (bi,))
+  h = v.state(h0_ref, (bi,))
   if not hc_ref:
-    carry = jax.lax.fori_loop(0, groups, group, carry)
+    h = jax.lax.fori_loop(0, groups, group, h)
   else:
     per = chunk // steps
 
-    def over_chunk(c, carry):
-      v.put_state(hc_ref[0], (bi, c), carry)
-      return jax.lax.fori_loop(c * per, jnp.minimum((c + 1) * per, groups), group, carry)
+    def over_chunk(c, h):
+      v.put_state(hc_ref[0], (bi, c), h)
+      return jax.lax.fori_loop(c * per, jnp.minimum((c + 1) * per, groups), group, h)
 
-    carry = jax.lax.fori_loop(0, pl.cdiv(length, chunk), over_chunk, carry)
-  v.put_state(h_ref, (bi,), carry)
+    h = jax.lax.fori_loop(0, pl.cdiv(length, chunk), over_chunk, h)
+  v.put_state(h_ref, (bi,), h)
 
 
 def _backward_kernel(x_ref, dt_ref, a_ref, b_ref, c_ref, hc_ref, dy_ref, ds_ref, dx_ref, ddt_ref,
