@@ -218,13 +218,13 @@ def _backward_kernel(x_ref, dt_ref, a_ref, b_ref, c_ref, hc_ref, dy_ref, ds_ref,
       for s in reversed(range(steps)):
         x, dt, b, c, dy = ins[s]
         t = ts + s
-        kept = decays[s] * before[s]                                  # exp(dt_t A) h_{t-1}
-        u = dt * x
         g = dy[:, None] * c[None, :] + g_next
-        v.put_chan(dx_ref, t, dt * jnp.sum(g * b[None, :], axis=1))
-        v.put_chan(ddt_ref, t, jnp.sum(g * (a * kept + x[:, None] * b[None, :]), axis=1))
-        v.put_vec(db_ref, t, j, jnp.sum(g * u[:, None], axis=0))
-        da = da + g * dt[:, None] * kept
+        gb = jnp.sum(g * b[None, :], axis=1)                          # Σ_n g_t B_t
+        gk = g * (decays[s] * before[s])                              # g_t exp(dt_t A) h_{t-1}
+        v.put_chan(dx_ref, t, dt * gb)
+        v.put_chan(ddt_ref, t, jnp.sum(gk * a, axis=1) + x * gb)
+        v.put_vec(db_ref, t, j, jnp.sum(g * (dt * x)[:, None], axis=0))
+        da = da + gk * dt[:, None]
         g_next = decays[s] * g
       return g_next, da
 
