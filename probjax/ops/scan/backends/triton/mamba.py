@@ -40,6 +40,7 @@ from probjax.ops.scan.backends.triton import common
 LOG2E = math.log2(math.e)
 # Programs that keep an H200's 132 SMs busy with about 8 one-warp programs each.
 TARGET_PROGRAMS = 1024
+NUM_WARPS = 1  # a program's warps (:func:`geometry` says why one)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +55,6 @@ class Geometry:
   steps: int
   recompute_steps: int
   bwd_steps: int
-  num_warps: int = 1
 
 
 def geometry(batch: int, channels: int, state: int) -> Geometry:
@@ -239,7 +239,7 @@ def _backward_kernel(x_ref, dt_ref, a_ref, b_ref, c_ref, hc_ref, dy_ref, ds_ref,
 
 
 def _grid(geo: Geometry, b: int, d: int):
-  return dict(grid=(b, pl.cdiv(d, geo.block_d)), compiler_params=common.params(geo.num_warps, num_stages=1))
+  return dict(grid=(b, pl.cdiv(d, geo.block_d)), compiler_params=common.params(NUM_WARPS, num_stages=1))
 
 
 def forward(x, dt, A, B, C, h0, *, chunk: int | None = None, interpret: bool):
