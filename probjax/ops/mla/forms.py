@@ -125,3 +125,15 @@ def valid_inputs(q_nope, q_rope, kv_latent, k_rope, *, call, mask, page_table):
     q_ok = valid_positions(q_lens, call.q_len)[..., None]
     q_nope, q_rope = jnp.where(q_ok, q_nope, 0), jnp.where(q_ok, q_rope, 0)
   return q_nope, q_rope, kv_latent, k_rope, q_ok
+
+
+def combine_splits(o, lse):
+  """Merges split-KV partials ``o [B, splits, rows, d]`` (each normalised) by their natural-log
+  ``lse [B, splits, rows]`` (-inf where a split saw no valid key): ``([B, rows, d], [B, rows])``;
+  rows no split saw give zeros and ``-inf``. Every decode kernel's splits merge here."""
+  m = jnp.max(lse, axis=1, keepdims=True)
+  w = jnp.exp(lse - jnp.where(jnp.isfinite(m), m, 0.0))
+  total = jnp.sum(w, axis=1)
+  out = jnp.sum((w / jnp.where(total == 0.0, 1.0, total)[:, None])[..., None] * o, axis=1)
+  m = jnp.where(jnp.isfinite(m[:, 0]), m[:, 0], 0.0)
+  return out, jnp.where(total > 0, m + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)

@@ -39,6 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from probjax.core.device import SMEM_PER_BLOCK
+from probjax.ops.mla import forms
 
 LOG2E = math.log2(math.e)
 ROWS = 64          # rows of one wgmma (M) per warpgroup: the row tile
@@ -386,16 +387,7 @@ def _kernel(lens_ref, table_ref, ql_ref, qr_ref, lat_ref, rope_ref, o_ref, lse_r
       plgpu.barrier_wait(free.at[slot_of(j)])
 
 
-def combine(o, lse):
-  """Merges split partials ``o [B, splits, rows, d]`` (each normalised) by their natural-log
-  ``lse [B, splits, rows]`` (-inf where a split saw no valid key): ``([B, rows, d], [B, rows])``;
-  rows no split saw give zeros and ``-inf``."""
-  m = jnp.max(lse, axis=1, keepdims=True)
-  w = jnp.exp(lse - jnp.where(jnp.isfinite(m), m, 0.0))
-  total = jnp.sum(w, axis=1)
-  out = jnp.sum((w / jnp.where(total == 0.0, 1.0, total)[:, None])[..., None] * o, axis=1)
-  m = jnp.where(jnp.isfinite(m[:, 0]), m[:, 0], 0.0)
-  return out, jnp.where(total > 0, m + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+combine = forms.combine_splits
 
 
 def default_splits(batch: int, row_tiles: int, key_tiles: int, sm_count: int) -> int:

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from probjax.ops.mla import forms
 
 MIN_BLOCK = 16          # Triton's dots take tiles of at least 16 on each side
 MAX_QUERIES = 16        # auto dispatch: at most this many queries per step
@@ -91,16 +92,7 @@ def _kernel(lens_ref, table_ref, ql_ref, qr_ref, lat_ref, rope_ref, o_ref, lse_r
   lse_ref.at[b, split, pl.ds(row0, block_rows)][...] = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
 
 
-def combine(o, lse):
-  """Merges split partials ``o [B, splits, rows, d]`` (each normalised) by their natural-log
-  ``lse [B, splits, rows]`` (-inf where a split saw no valid key): ``([B, rows, d], [B, rows])``;
-  rows no split saw give zeros and ``-inf``."""
-  m = jnp.max(lse, axis=1, keepdims=True)
-  w = jnp.exp(lse - jnp.where(jnp.isfinite(m), m, 0.0))
-  total = jnp.sum(w, axis=1)
-  out = jnp.sum((w / jnp.where(total == 0.0, 1.0, total)[:, None])[..., None] * o, axis=1)
-  lse_all = jnp.where(total > 0, jnp.where(jnp.isfinite(m[:, 0]), m[:, 0], 0.0) + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
-  return out, lse_all
+combine = forms.combine_splits
 
 
 # Shared memory at the default tiles, d_c 512, bf16: the query tile (64 rows x 512) is 64 KiB and
