@@ -7,11 +7,12 @@ attention dispatches to are reused); nothing here imports attention's backends, 
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
 from probjax.core.eager import compile_once
-from probjax.ops.attention import dot_product_attention
+from probjax.ops.attention import KVLenMask, Mask, dot_product_attention
 
 
 def _acc(dtype):
@@ -137,3 +138,40 @@ def combine_splits(o, lse):
   out = jnp.sum((w / jnp.where(total == 0.0, 1.0, total)[:, None])[..., None] * o, axis=1)
   m = jnp.where(jnp.isfinite(m[:, 0]), m[:, 0], 0.0)
   return out, jnp.where(total > 0, m + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+
+
+def attend_absorbed_xla(q_lat, q_rope, kv_latent, k_rope, lengths, page_table, scale, band=None):
+  """The absorbed form's attention alone on XLA (the decode kernels' gradient): ``[B, Tq, H, d_c]``;
+  ``band`` (lower, upper) among the queries, or None for key lengths alone."""
+  if page_table is not None:
+    kv_latent, k_rope = gather_pages(kv_latent, page_table), gather_pages(k_rope, page_table)
+  ok = valid_positions(lengths, kv_latent.shape[1])
+  kv_latent, k_rope = jnp.where(ok, kv_latent, 0), jnp.where(ok, k_rope, 0)
+  q = jnp.concatenate([q_lat, q_rope], -1)
+  k = jnp.concatenate([kv_latent, k_rope], -1)[:, :, None, :]
+  mask = KVLenMask(lengths) if band is None else KVLenMask(lengths) & Mask(lower=band[0], upper=band[1])
+  return dot_product_attention(q, k, kv_latent[:, :, None, :], mask=mask, scale=scale, implementation="xla")
+
+
+def absorbed_with_kernel(kernel, q_nope, q_rope, kv_latent, k_rope, w_uk, w_uv, *, lengths, page_table, scale,
+                         band=None):
+  """The absorbed form with ``kernel(q_lat, q_rope, kv_latent, k_rope, lengths, page_table) -> o_lat
+  [B, Tq, H, d_c]`` as its attention, forward only: the gradient is :func:`attend_absorbed_xla`'s,
+  through a custom_vjp. ``[B, Tq, H, d_v]``."""
+
+  @jax.custom_vjp
+  def attend(q_lat, q_rope, kv_latent, k_rope, lengths, page_table):
+    return kernel(q_lat, q_rope, kv_latent, k_rope, lengths, page_table)
+
+  def fwd(*args):
+    return attend(*args), args
+
+  def bwd(args, g):
+    xla = lambda a, b, c, d: attend_absorbed_xla(a, b, c, d, args[4], args[5], scale, band)
+    return (*jax.vjp(xla, *args[:4])[1](g), None, None)
+
+  attend.defvjp(fwd, bwd)
+  dt = q_nope.dtype
+  q_lat = project("bthd,chd->bthc", q_nope, w_uk, dt)
+  o_lat = attend(q_lat, q_rope, kv_latent, k_rope, jnp.asarray(lengths, jnp.int32), page_table)
+  return project("bthc,chd->bthd", o_lat, w_uv, dt)

@@ -5,13 +5,11 @@ not pick it."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from probjax.core.backend import Backend
 from probjax.core.device import Device
 from probjax.core.eager import compile_once
-from probjax.ops.attention import KVLenMask, Mask, dot_product_attention
 from probjax.ops.mla import forms
 from probjax.ops.mla.backends.mosaic_gpu.decode import decode, why_not
 from probjax.ops.mla.call import MLACall
@@ -52,18 +50,6 @@ class MosaicBackend(Backend[MLACall]):
                            sm_count=device.num_sms, interpret=device.interpret or device.platform != "gpu")
 
 
-def _attend_xla(q_lat, q_rope, kv_latent, k_rope, lengths, page_table, scale, band):
-  """The absorbed form's attention alone on XLA: ``[B, Tq, H, d_c]``."""
-  if page_table is not None:
-    kv_latent, k_rope = forms.gather_pages(kv_latent, page_table), forms.gather_pages(k_rope, page_table)
-  ok = forms.valid_positions(lengths, kv_latent.shape[1])
-  kv_latent, k_rope = jnp.where(ok, kv_latent, 0), jnp.where(ok, k_rope, 0)
-  q = jnp.concatenate([q_lat, q_rope], -1)
-  k = jnp.concatenate([kv_latent, k_rope], -1)[:, :, None, :]
-  mask = KVLenMask(lengths) & Mask(lower=band[0], upper=band[1])
-  return dot_product_attention(q, k, kv_latent[:, :, None, :], mask=mask, scale=scale, implementation="xla")
-
-
 # Interpret mode stands in for an H200's SMs with a few CTAs (each simulated in turn): the key
 # splits then still run, over several key tiles each.
 INTERPRET_SMS = 4
@@ -75,21 +61,7 @@ def absorbed_decode(q_nope, q_rope, kv_latent, k_rope, w_uk, w_uv, *, lengths, b
   """The absorbed form with MLA's Mosaic GPU decode kernel as its attention (forward only: the
   gradient is the XLA form's, through a custom_vjp); caches contiguous or paged (see
   :func:`probjax.ops.mla.backends.mosaic_gpu.decode`); ``[B, Tq, H, d_v]``."""
-
-  @jax.custom_vjp
-  def attend(q_lat, q_rope, kv_latent, k_rope, lengths, page_table):
-    return decode(q_lat, q_rope, kv_latent, k_rope, lengths, scale=scale, band=band, page_table=page_table,
-                  sm_count=INTERPRET_SMS if interpret else sm_count, interpret=interpret)[0]
-
-  def fwd(*args):
-    return attend(*args), args
-
-  def bwd(args, g):
-    xla = lambda a, b, c, d: _attend_xla(a, b, c, d, args[4], args[5], scale, band)
-    return (*jax.vjp(xla, *args[:4])[1](g), None, None)
-
-  attend.defvjp(fwd, bwd)
-  dt = q_nope.dtype
-  q_lat = forms.project("bthd,chd->bthc", q_nope, w_uk, dt)
-  o_lat = attend(q_lat, q_rope, kv_latent, k_rope, jnp.asarray(lengths, jnp.int32), page_table)
-  return forms.project("bthc,chd->bthd", o_lat, w_uv, dt)
+  kernel = lambda *a: decode(*a[:5], scale=scale, band=band, page_table=a[5],
+                             sm_count=INTERPRET_SMS if interpret else sm_count, interpret=interpret)[0]
+  return forms.absorbed_with_kernel(kernel, q_nope, q_rope, kv_latent, k_rope, w_uk, w_uv, lengths=lengths,
+                                    page_table=page_table, scale=scale, band=band)

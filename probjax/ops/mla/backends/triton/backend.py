@@ -3,13 +3,11 @@ as its attention; forward only, its gradient is the XLA form's (through a custom
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from probjax.core.backend import Backend
 from probjax.core.device import Device
 from probjax.core.eager import compile_once
-from probjax.ops.attention import KVLenMask, dot_product_attention
 from probjax.ops.mla import forms
 from probjax.ops.mla.backends.triton.decode import decode, why_not
 from probjax.ops.mla.call import MLACall
@@ -37,39 +35,12 @@ class TritonBackend(Backend[MLACall]):
                            interpret=device.platform != "gpu")
 
 
-def _attend_xla(q_lat, q_rope, kv_latent, k_rope, lengths, page_table, scale):
-  """The absorbed form's attention alone on XLA: ``[B, Tq, H, d_c]``."""
-  if page_table is not None:
-    kv_latent, k_rope = forms.gather_pages(kv_latent, page_table), forms.gather_pages(k_rope, page_table)
-  ok = forms.valid_positions(lengths, kv_latent.shape[1])
-  kv_latent, k_rope = jnp.where(ok, kv_latent, 0), jnp.where(ok, k_rope, 0)
-  q = jnp.concatenate([q_lat, q_rope], -1)
-  k = jnp.concatenate([kv_latent, k_rope], -1)[:, :, None, :]
-  return dot_product_attention(q, k, kv_latent[:, :, None, :], mask=KVLenMask(lengths), scale=scale,
-                               implementation="xla")
-
-
 @compile_once  # eager calls: the kernel compiled once per call description
 def absorbed_decode(q_nope, q_rope, kv_latent, k_rope, w_uk, w_uv, *, lengths, page_table, scale,
                     interpret: bool = False):
   """The absorbed form with MLA's Triton decode kernel as its attention (forward only: the
   gradient is the XLA form's, through a custom_vjp); caches contiguous or paged (see
   :func:`probjax.ops.mla.backends.triton.decode`); ``[B, Tq, H, d_v]``."""
-
-  @jax.custom_vjp
-  def attend(q_lat, q_rope, kv_latent, k_rope, lengths, page_table):
-    return decode(q_lat, q_rope, kv_latent, k_rope, lengths, scale=scale, page_table=page_table,
-                  interpret=interpret)[0]
-
-  def fwd(*args):
-    return attend(*args), args
-
-  def bwd(args, g):
-    xla = lambda a, b, c, d: _attend_xla(a, b, c, d, args[4], args[5], scale)
-    return (*jax.vjp(xla, *args[:4])[1](g), None, None)
-
-  attend.defvjp(fwd, bwd)
-  dt = q_nope.dtype
-  q_lat = forms.project("bthd,chd->bthc", q_nope, w_uk, dt)
-  o_lat = attend(q_lat, q_rope, kv_latent, k_rope, jnp.asarray(lengths, jnp.int32), page_table)
-  return forms.project("bthc,chd->bthd", o_lat, w_uv, dt)
+  kernel = lambda *a: decode(*a[:5], scale=scale, page_table=a[5], interpret=interpret)[0]
+  return forms.absorbed_with_kernel(kernel, q_nope, q_rope, kv_latent, k_rope, w_uk, w_uv, lengths=lengths,
+                                    page_table=page_table, scale=scale)
