@@ -343,7 +343,7 @@ def mosaic_long(call: AttentionCall, device: Device, defaults: DeviceDefaults | 
       or REGISTRY.get("triton").supports(call, device) is not None or not _mosaic_takes(call, device)):
     return None
   bwd_min = dict(m.backward_min_work).get(call.head_dim)
-  if bwd_min is not None and call.work >= bwd_min:
+  if bwd_min is not None and call.work >= bwd_min and _mosaic_backward_takes(call, device):
     return Decision("mosaic", f"{_cc(device)} device table: long 16-bit call, the Mosaic forward and "
                     "backward are faster than the Triton kernel's", backward="mosaic")
   return Decision("mosaic", f"{_cc(device)} device table: long 16-bit call, the Mosaic forward is faster "
@@ -435,6 +435,13 @@ def _mosaic_takes(call: AttentionCall, device: Device) -> bool:
   """Whether the Mosaic kernel computes the call exactly (its rules' groups are None under
   ``PROBJAX_ATTENTION_MOSAIC=0``)."""
   return REGISTRY.get("mosaic").supports(call, device) is None
+
+
+def _mosaic_backward_takes(call: AttentionCall, device: Device) -> bool:
+  """Whether the Mosaic backward computes the call's gradient too: a table keyed by head_dim
+  alone does not say so for every call of that head_dim (128 queries/keys with 256-wide values
+  overflow its dK/dV registers; a score_mod whose vjp Mosaic GPU cannot lower)."""
+  return REGISTRY.get("mosaic").supports(dataclasses.replace(call, backward_pass_impl="mosaic"), device) is None
 
 
 def _mask_kind(mask: Mask | None) -> str | None:

@@ -117,6 +117,10 @@ def test_sm90_long_calls_run_mosaic_where_triton_would():
     assert decide(shapes, score_mod=lambda s, *idx: 30 * jnp.tanh(s / 30)).implementation == "mosaic"
     assert decide(shapes, score_mod=lambda s, *idx: jnp.round(s)).implementation == "xla"
   assert decide(((4, 8192, 8, 128), (4, 8192, 8, 128)), mask=docs).under_grad.backward == "mosaic"
+  # The table is keyed by head_dim; the Mosaic backward's own limits still apply: 256-wide
+  # values beside 128-wide keys overflow its dK/dV registers, so the Triton backward runs.
+  wide_v = decide(((4, 8192, 8, 128), (4, 8192, 8, 128)), mask=docs, v_head_dim=256)
+  assert (wide_v.implementation, wide_v.under_grad.backward) == ("mosaic", entry.backward.impl), wide_v
   assert decide(((4, 8192, 8, 128), (4, 8192, 8, 128)), mask=M.LocalWindowMask(256, 0),
                 env={"PROBJAX_ATTENTION_CUDNN": "0"}).under_grad.backward == "mosaic"
   # Lengths off the Mosaic tiles too (the kernel reads the partial tile with TMA's zero fill).
