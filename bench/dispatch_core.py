@@ -60,6 +60,11 @@ DEFAULT_WORKERS = min(8, os.cpu_count() or 1)
 # ---------------------------------------------------------------------------------------------
 # drawing
 # ---------------------------------------------------------------------------------------------
+def call_id(seed: int, index: int) -> str:
+  """A drawn call's name in rows and reports: its sample's seed and its index there ("s4101#7")."""
+  return f"s{seed}#{index}"
+
+
 def log_uniform_int(rng: np.random.Generator, lo: int, hi: int) -> int:
   """An integer in [lo, hi], log-uniform (odd values as likely as their neighbours)."""
   return int(min(hi, max(lo, math.floor(math.exp(rng.uniform(math.log(lo), math.log(hi + 1)))))))

@@ -94,7 +94,7 @@ class OpCall:
 
   @property
   def call_id(self) -> str:
-    return f"s{self.seed}#{self.index}"
+    return core.call_id(self.seed, self.index)
 
   @property
   def p(self) -> dict:

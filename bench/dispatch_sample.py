@@ -129,7 +129,7 @@ class SampledCall:
 
   @property
   def call_id(self) -> str:
-    return f"s{self.seed}#{self.index}"
+    return core.call_id(self.seed, self.index)
 
   @property
   def causal_offset(self) -> int:

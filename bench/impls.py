@@ -400,17 +400,9 @@ def timed_case(suite, impl, dtype, batch, q_heads, kv_heads, q_len, kv_len, head
       return res
     return (lambda: time_fn(fn, sync, **timing, backend=backend_of(impl))), finish
 
-  def run():
-    try:
-      timer, finish = prepare()
-      return finish(timer())
-    finally:
-      timer = finish = None
-      free_memory()
-
   return Case(suite=suite, impl=impl, dtype=dtype, batch=batch, q_heads=q_heads,
               kv_heads=kv_heads, q_len=q_len, kv_len=kv_len, head_dim=head_dim,
-              causal=causal, mode=mode, mask=mask, run=run, extra=dict(extra or {}),
+              causal=causal, mode=mode, mask=mask, run=run_of(prepare), extra=dict(extra or {}),
               variant=variant, flops=(mask == "none"), prepare=prepare)
 
 
@@ -426,6 +418,19 @@ def timed_cases(suite, names, shapes, timing, skip=None) -> list:
   leaving out the pairs ``skip(impl, shape)`` rejects."""
   return [timed_case(suite, impl, timing=timing, **s) for s in shapes for impl in names
           if skip is None or not skip(impl, s)]
+
+
+def run_of(prepare):
+  """A case's ``run``: ``prepare()`` gives ``(timer, finish)``; the row is ``finish(timer())``,
+  and the case's arrays are freed whatever happens (references dropped first)."""
+  def run():
+    try:
+      timer, finish = prepare()
+      return finish(timer())
+    finally:
+      timer = finish = None
+      free_memory()
+  return run
 
 
 def memory_case(suite, impl, dtype, batch, q_heads, kv_heads, t, head_dim, measure):

@@ -82,14 +82,7 @@ def value_width(case, dv: int, timing: dict):
       return res
     return (lambda: harness.time_fn(fn, sync, **timing, backend=harness.backend_of(case.impl))), finish
 
-  def run():
-    try:
-      timer, finish = prepare()
-      return finish(timer())
-    finally:
-      timer = finish = None
-      impls.free_memory()
-  return dataclasses.replace(case, run=run, prepare=prepare, variant=f"dv{dv}", flops=False,
+  return dataclasses.replace(case, run=impls.run_of(prepare), prepare=prepare, variant=f"dv{dv}", flops=False,
                              extra=dict(case.extra, v_head_dim=dv))
 
 
