@@ -108,12 +108,17 @@ def requested_kernel(implementation) -> str | None:
 
 
 def decode_kernel(call: MLACall, form: str, device: Device, implementation: str | None = None) -> tuple[str | None, str]:
-  """MLA's own absorbed-decode kernel for the call (``"triton"``) or None (attention computes
-  it), and why. ``implementation="triton"`` with the absorbed form asks for it: ValueError naming
-  the argument if it cannot compute the call (with the absorbed form not chosen, the name is
-  attention's). By default it runs on an NVIDIA GPU for absorbed calls of at most
-  ``tuning/gpu.json``'s ``decode_max_queries`` queries it supports (forward only: its gradient is the XLA form's). A
-  paged cache that the kernel does not take runs gathered on XLA."""
+  """MLA's own absorbed-decode kernel for the call (a registry name) or None (attention computes
+  it), and why. ``implementation="triton"`` (or ``"mosaic"``) with the absorbed form asks for it:
+  ValueError naming the argument if it cannot compute the call (with the absorbed form not
+  chosen, the name is attention's). By default, on an NVIDIA GPU, the first of ``tuning``'s
+  ``decode_kernels`` -- ``(kernel, max_queries)`` pairs, fastest first -- that takes the call and
+  has at least its queries (forward only: the gradient is the XLA form's). A paged cache that no
+  kernel takes runs gathered on XLA.
+
+  Example: with ``[["mosaic", 4], ["triton", 1]]`` a one-query call on sm_90 runs the Mosaic
+  kernel, the same call on an A100 (the Mosaic kernel needs sm_90) the Triton one, and three
+  queries on the A100 the XLA path, where the measured Triton kernel is slower than it."""
   kernel = requested_kernel(implementation)
   if kernel is not None and form == "absorbed":
     why = REGISTRY.get(kernel).supports(call, device)
@@ -124,15 +129,20 @@ def decode_kernel(call: MLACall, form: str, device: Device, implementation: str 
     return None, "an attention implementation was requested"
   if form != "absorbed" or device.platform != "gpu" or device.compute_capability is None:
     return None, "not an absorbed call on an NVIDIA GPU"
-  max_queries = tuning.values(TUNING, device).get("decode_max_queries", 0)
-  if call.q_len > max_queries:
-    return None, (f"{call.q_len} queries > {max_queries}: the kernel is slower than attention's "
-                  "XLA path here")
-  why = REGISTRY.get("triton").supports(call, device)
-  if why:
-    return None, why
-  return "triton", (f"absorbed decode of {call.q_len} queries: the latent streamed once per head tile "
-                    "by split-KV (forward; the gradient is the XLA form's)")
+  kernels = tuning.values(TUNING, device).get("decode_kernels", ())
+  refusals = []
+  for kernel, max_queries in kernels:
+    name = f"{kernel}: " if len(kernels) > 1 else ""
+    if call.q_len > max_queries:
+      refusals.append(f"{name}{call.q_len} queries > {max_queries}: the kernel is slower than attention's "
+                      "XLA path here")
+      continue
+    why = REGISTRY.get(kernel).supports(call, device)
+    if why is None:
+      return kernel, (f"absorbed decode of {call.q_len} queries: the latent streamed once per head tile "
+                      "by split-KV (forward; the gradient is the XLA form's)")
+    refusals.append(f"{name}{why}")
+  return None, "; ".join(refusals) or "no decode kernel is tuned for this device"
 
 
 def decide(call: MLACall, device: Device, form: str = "auto", implementation: str | None = None) -> Decision:

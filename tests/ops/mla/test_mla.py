@@ -327,3 +327,18 @@ def test_default_dispatch_of_value_head_dim(monkeypatch):
   d = attention_dispatch.explain_dispatch((64, 1, 128, 576), (64, 4096, 1, 576), jnp.bfloat16,
                                           device=H200, env={}, v_head_dim=512)
   assert d.implementation == "xla", d
+
+
+def test_decode_kernels_are_tried_in_the_tuned_order(tmp_path, monkeypatch):
+  """``decode_kernels`` lists ``(kernel, max_queries)`` fastest first: the first that takes the
+  call runs it; the XLA path runs where none does, with every kernel's reason."""
+  from probjax.ops.mla import dispatch as mla_dispatch
+  (tmp_path / "gpu.json").write_text('{"decode_kernels": [["mosaic", 4], ["triton", 1]]}')
+  monkeypatch.setattr(mla_dispatch, "TUNING", str(tmp_path))
+  a100 = Device("gpu", (8, 0), 80 << 30)
+  assert explain_dispatch(*shapes(4, 1, 4096), device=H200).implementation == "mosaic"
+  assert explain_dispatch(*shapes(4, 3, 4096), device=H200).implementation == "mosaic"
+  assert explain_dispatch(*shapes(4, 1, 4096), device=a100).implementation == "triton"  # Mosaic: sm_90 only
+  d = explain_dispatch(*shapes(4, 3, 4096), device=a100)
+  assert d.implementation == "xla" and d.get("form") == "absorbed", d
+  assert "mosaic: " in d.rule and "triton: 3 queries > 1" in d.rule, d.rule
