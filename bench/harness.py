@@ -323,7 +323,13 @@ OWN_SCHEMA_KEYS = {"lm_step": ("section", "case", "impl"),
                    "cpu_formulations_validate1": ("call_id", "impl"),
                    "cpu_formulations_validate2": ("call_id", "impl"),
                    "lce_memory": ("case", "impl"),
-                   "lce": ("case", "impl")}
+                   "lce": ("case", "impl"),
+                   # bench/dispatch_sample.py and bench/dispatch_ops.py: one row per drawn call and
+                   # implementation (attention's fit and validation samples, each op's)
+                   **{f"dispatch_{op}{part}": ("call_id", "impl")
+                      for op in ("attention", "mla", "grouped_matmul", "mamba_scan", "ssd_scan",
+                                 "residual_linear_attention")
+                      for part in ("_fit", "_validate")}}
 
 
 def key_function(path: str):
