@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero, linear_call
 
 from probjax.core import jax_patches
+from probjax.ops.attention.sharding import KV, Q, STATS, masked_call
 
 jax_patches.apply()  # linear_call: the callee's ordered effects under jit, vmap, jvp in residuals
 
@@ -123,6 +124,57 @@ def with_forward_mode(fast: Callable, exact: Callable, grad: Callable | None = N
     stopped = tuple(map(jax.lax.stop_gradient, (q, k, v)))
     out, vjp_fn = jax.vjp(lambda q, k, v: differentiated(q, k, v, aux), *stopped)
     return tie(out, vjp_fn, q, k, v, aux), linearized(q, k, v, aux, vjp_fn, tangents[:3])
+
+  f.defjvp(f_jvp, symbolic_zeros=True)
+  return f
+
+
+def kernel_tangent(kernel, exact: Callable) -> Callable:
+  """``f(q, k, v, mask, q_dot, k_dot, v_dot) -> out_dot`` computed by a backend's fused forward +
+  jvp pass, for :func:`with_forward_mode`'s ``fused_tangent``.
+
+  Args:
+    kernel: a :class:`probjax.ops.attention.vjp.Kernel` whose ``fn(static, q, k, v, q_dot, k_dot,
+      v_dot, mask)`` returns ``(out, out_dot [batch, q_len, heads, v_head_dim], lse, lse_dot
+      [batch, heads, q_len])`` (``q_dot, k_dot, v_dot`` shaped as ``q [batch, q_len, heads, d]``,
+      ``k [batch, kv_len, kv_heads, d]``, ``v [batch, kv_len, kv_heads, v_head_dim]``), run per
+      shard of batch and heads where ``kernel.partitioned``.
+    exact: ``exact(q, k, v, mask)``, the exact XLA formulation of the same attention.
+
+  ``f`` is linear in the tangents, and differentiable in all six arrays in both modes (reverse
+  over forward: MeanFlow, consistency models; forward over forward: the jvp of a jvp) through
+  the jvp of ``exact``'s jvp. It is a ``custom_jvp``, not a ``custom_vjp``: JAX cannot take the
+  jvp of a ``custom_vjp``, which a jvp of a jvp (or of a Hessian-vector product) through
+  :func:`with_forward_mode` needs (its ``linear_call`` differentiates the tangent in its
+  residuals). That derivative runs under ``jax.checkpoint``, so reverse mode keeps the six arrays
+  as its residuals and recomputes the XLA formulation's intermediates in the backward pass
+  (what a ``custom_vjp`` over the same vjp would keep).
+  """
+  def fused(q, k, v, mask, qd, kd, vd):
+    return masked_call(kernel.fn, kernel.static, (q, k, v, qd, kd, vd), (Q, KV, KV, Q, KV, KV), mask,
+                       (Q, Q, STATS, STATS), partition=kernel.partitioned)[1]
+
+  @jax.custom_jvp
+  def f(q, k, v, mask, qd, kd, vd):
+    return fused(q, k, v, mask, qd, kd, vd)
+
+  def f_jvp(primals, tangents):
+    q, k, v, mask, qd, kd, vd = primals
+    xs, dots = (q, k, v, qd, kd, vd), tangents[:3] + tangents[4:]
+    out = fused(*primals)
+    some = tuple(not _zero(d) for d in dots)
+    if not any(some):
+      return out, jnp.zeros(out.shape, out.dtype)
+    pick = lambda ys: tuple(y for y, s in zip(ys, some) if s)
+
+    def second(mask, xs, picked):
+      """The jvp in the picked arrays of ``(q, k, v, qd, kd, vd) -> exact's tangent``."""
+      def tangent(*sel):
+        it = iter(sel)
+        q, k, v, qd, kd, vd = (next(it) if s else x for x, s in zip(xs, some))
+        return jax.jvp(lambda q, k, v: exact(q, k, v, mask), (q, k, v), (qd, kd, vd))[1]
+      return jax.jvp(tangent, pick(xs), picked)[1]
+    return out, jax.checkpoint(second)(mask, xs, pick(dots))
 
   f.defjvp(f_jvp, symbolic_zeros=True)
   return f

@@ -146,3 +146,24 @@ def test_second_derivatives_match_reference(mask, t, h, hkv):
   for name, g, r in zip(("jvp of grad", "grad of grad", "grad of jvp"), got, want):
     assert np.all(np.isfinite(np.asarray(g))), name
     assert max_error(g, np.asarray(r)) <= tolerance(jnp.float32, grad=True), name
+
+
+def test_jvp_of_jvp_matches_reference():
+  """Forward over forward: the tangent of the fused tangent (in q, the inner tangents fixed) is
+  the jvp of the XLA formulation's jvp; it raised TypeError while the fused tangent was a
+  custom_vjp, which JAX cannot differentiate in forward mode."""
+  mask = M.CausalMask() & M.KVLenMask(jnp.array([11, 17]))
+  prim, tans = _inputs(17, 17, 2, 1)
+  s = jax.random.normal(jax.random.key(5), prim[0].shape)
+
+  def nested(attn, prim, tans, s):
+    inner = lambda q: jax.jvp(attn, (q, *prim[1:]), tans)[1]
+    return jax.jvp(inner, (prim[0],), (s,))[1]
+  assert "probjax_attention_fwd_jvp" in str(jax.make_jaxpr(lambda: nested(_triton(mask), prim, tans, s))())
+  got = nested(_triton(mask), prim, tans, s)
+  with jax.enable_x64(True):
+    up = lambda a: jnp.asarray(np.asarray(a, np.float64))
+    ref = lambda q, k, v: _attention64(q, k, v, None, mask, None, None, 16 ** -0.5)
+    want = nested(ref, *jax.tree.map(up, (prim, tans, s)))
+  assert np.all(np.isfinite(np.asarray(got)))
+  assert max_error(got, np.asarray(want)) <= tolerance(jnp.float32, grad=True)

@@ -205,7 +205,8 @@ def tangent_kernel(call, exact: Callable) -> Callable | None:
   v = jax.ShapeDtypeStruct(call.kv_shape[:-1] + (call.v_head_dim or call.kv_shape[-1],), call.dtype)
   scale = 1.0 / math.sqrt(call.q_shape[-1]) if call.scale is None else call.scale
   config = _forward_config(q, k, v, call.forward_config, config_lib.kernel_device(call.interpret))
-  return jvp_lib.tangent(exact, scale=scale, config=config, interpret=call.interpret)
+  return jvp_lib.tangent(exact, scale=scale, config=config, interpret=call.interpret,
+                         partitioned=_partitioned(None, call.mask))
 
 
 def backward_kernel(q, k, v, *, scale: float, score_mod: Callable | None = None, variant: str = "auto",

@@ -23,8 +23,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from probjax.ops.attention import autodiff, vjp
 from probjax.ops.attention.masks import Mask
-from probjax.ops.attention.sharding import KV, Q, STATS, masked_call
 from probjax.ops.attention.backends.triton import config as config_lib
 from probjax.ops.attention.backends.triton import tiles
 from probjax.ops.attention.backends.triton.config import ForwardConfig
@@ -149,34 +149,13 @@ def _shard(st: _Static, q, k, v, qd, kd, vd, mask):
   return forward_jvp(q, k, v, qd, kd, vd, mask, scale=st.scale, config=st.config, interpret=st.interpret)
 
 
-def tangent(exact: Callable, *, scale: float, config: ForwardConfig, interpret: bool) -> Callable:
+def tangent(exact: Callable, *, scale: float, config: ForwardConfig, interpret: bool,
+            partitioned: bool = True) -> Callable:
   """``f(q, k, v, mask, qd, kd, vd) -> out_dot`` computed by the fused kernel, linear in the
-  tangents, and reverse-differentiable in all six arrays (reverse over forward: MeanFlow,
-  consistency models) through the vjp of ``exact``'s jvp, ``exact(q, k, v, mask)`` being the
-  exact XLA formulation of the same attention."""
+  tangents, and differentiable in all six arrays in both modes (reverse over forward: MeanFlow,
+  consistency models; the jvp of a jvp) through the jvp of ``exact``'s jvp, ``exact(q, k, v,
+  mask)`` being the exact XLA formulation of the same attention
+  (:func:`probjax.ops.attention.autodiff.kernel_tangent`). ``partitioned``: whether the kernel
+  runs per shard of batch and heads (not under a mask_mod, which sees global indices)."""
   st = _Static(float(scale), config, bool(interpret))
-
-  def fused(q, k, v, mask, qd, kd, vd):
-    # A mask_mod sees global batch and head indices, which a shard does not have.
-    partition = mask is None or "mask_mod" not in mask.kinds
-    return masked_call(_shard, st, (q, k, v, qd, kd, vd), (Q, KV, KV, Q, KV, KV), mask, (Q, Q, STATS, STATS),
-                       partition=partition)[1]
-
-  def xla(q, k, v, mask, qd, kd, vd):
-    return jax.jvp(lambda q, k, v: exact(q, k, v, mask), (q, k, v), (qd, kd, vd))[1]
-
-  @jax.custom_vjp
-  def f(q, k, v, mask, qd, kd, vd):
-    return fused(q, k, v, mask, qd, kd, vd)
-
-  def f_fwd(q, k, v, mask, qd, kd, vd):
-    return fused(q, k, v, mask, qd, kd, vd), (q, k, v, mask, qd, kd, vd)
-
-  def f_bwd(res, ct):
-    q, k, v, mask, qd, kd, vd = res
-    _, pull = jax.vjp(lambda q, k, v, qd, kd, vd: xla(q, k, v, mask, qd, kd, vd), q, k, v, qd, kd, vd)
-    g = pull(ct)
-    return (*g[:3], jax.tree.map(lambda _: None, mask), *g[3:])
-
-  f.defvjp(f_fwd, f_bwd)
-  return f
+  return autodiff.kernel_tangent(vjp.Kernel(_shard, st, partitioned), exact)
