@@ -7,6 +7,8 @@ Implementations (``--impls``, default all), each the primal and tangent of one c
                path before the fused kernel; also what a ``score_mod`` call takes)
   jax_nn       ``jax.jvp`` of ``jax.nn.dot_product_attention(implementation="xla")``
   two_fwd      two Triton forward calls, the floor a fused jvp can approach
+  mosaic       the Mosaic GPU backend's fused forward + JVP kernel (backends/mosaic_gpu/jvp.py),
+               ``implementation="mosaic"`` under ``jax.jvp`` (sm_90; head_dim 64 and 128)
 Cases: B4 H8, D64 and D128, T 1024 to 16384 (``--lengths``), causal and not, bfloat16.
 
 Rows: one JSON object per line in ``bench/results/<device>/attention_jvp.json`` (``--output``):
@@ -36,7 +38,7 @@ from probjax.ops import attention
 from probjax.ops.attention import masks
 from probjax.ops.attention.autodiff import with_forward_mode
 
-IMPLS = ("fused", "xla_tangent", "jax_nn", "two_fwd")
+IMPLS = ("fused", "xla_tangent", "jax_nn", "two_fwd", "mosaic")
 
 
 def _triton(causal: bool, interpret: bool):
@@ -47,6 +49,11 @@ def _triton(causal: bool, interpret: bool):
 def build(impl: str, causal: bool, interpret: bool):
   """A jitted ``f(q, k, v, qd, kd, vd)`` returning the output and its tangent."""
   triton = _triton(causal, interpret)
+  if impl == "mosaic":
+    mask = masks.CausalMask() if causal else None
+    mosaic = lambda q, k, v: attention.flex_attention(q, k, v, mask=mask, implementation="mosaic",
+                                                      interpret=interpret)
+    return jax.jit(lambda q, k, v, qd, kd, vd: jax.jvp(mosaic, (q, k, v), (qd, kd, vd)))
   if impl == "fused":
     return jax.jit(lambda q, k, v, qd, kd, vd: jax.jvp(triton, (q, k, v), (qd, kd, vd)))
   if impl == "xla_tangent":

@@ -4,9 +4,10 @@ warpgroup (FA3-style; :mod:`.forward`).
 Built so far (16-bit, head_dim 64/128/192/256, values of their own width among those (MLA's
 192/128), every position mask -- causal/window band,
 per-batch query/key lengths, segment ids -- with tile skipping, GQA, any length): the
-forward (:mod:`.forward`) and a deterministic two-kernel backward (:mod:`.backward`,
-``backward_pass_impl="mosaic"``, query/key and value widths summing to at most 320: 64/64,
-128/128, 192/128, 128/64, ...); other ``backward_pass_impl`` values run
+forward (:mod:`.forward`), a fused forward + jvp kernel whose tangent ``jax.jvp`` takes
+(:mod:`.jvp`; head_dim and value head_dim 64 or 128, no ``score_mod``) and a deterministic
+two-kernel backward (:mod:`.backward`, ``backward_pass_impl="mosaic"``, query/key and value
+widths summing to at most 320: 64/64, 128/128, 192/128, 128/64, ...); other ``backward_pass_impl`` values run
 the Triton kernels' backward on the same residuals, paired by name through
 :func:`probjax.ops.attention.registry.backward_kernel` (this package never imports another
 backend). ``score_mod`` runs in the forward and in both backwards (its gradient per tile by
@@ -28,10 +29,11 @@ from probjax.ops.attention.masks import Mask
 from probjax.ops.attention.backends.mosaic_gpu import backward as backward_lib
 from probjax.ops.attention.backends.mosaic_gpu import config as config_lib
 from probjax.ops.attention.backends.mosaic_gpu import forward as forward_lib
+from probjax.ops.attention.backends.mosaic_gpu import jvp as jvp_lib
 from probjax.ops.attention.backends.mosaic_gpu.backward import MosaicBackwardConfig
 from probjax.ops.attention.backends.mosaic_gpu.config import MosaicForwardConfig
 
-__all__ = ["attention", "supports", "forward_kernel", "MosaicForwardConfig", "MosaicBackwardConfig"]
+__all__ = ["attention", "supports", "forward_kernel", "tangent_kernel", "MosaicForwardConfig", "MosaicBackwardConfig"]
 
 _HEAD_DIMS = (64, 128, 192, 256)  # multiples of 64: whole wgmma K tiles of the (8, 64) smem tiling
 
@@ -174,6 +176,21 @@ def forward_kernel(q, k, v, mask: Mask | None, *, scale: float, score_mod: Calla
                        q_len=q.shape[1], kv_len=k.shape[1], score_mod=score_mod is not None, v_head_dim=v.shape[-1])
   st = _Static(float(scale), cfg, None, bool(interpret), score_mod)
   return vjp.Kernel(_forward_shard, st, gpu.mosaic_partitioned(st))
+
+
+def tangent_kernel(call, exact: Callable) -> Callable | None:
+  """The fused forward + jvp kernel (:mod:`.jvp`) as ``f(q, k, v, mask, q_dot, k_dot, v_dot) ->
+  out_dot`` for an :class:`~probjax.ops.attention.call.AttentionCall` this backend computes, or
+  None where it cannot take the call (a ``score_mod``, widths other than 64 and 128: the tangent
+  is then ``exact``'s jvp). Its tiles are the call's forward config fitted to the kernel
+  (:func:`.jvp.fit`)."""
+  d, dv = call.q_shape[-1], call.v_head_dim or call.kv_shape[-1]
+  if jvp_lib.supports(call.score_mod, d, dv) is not None:
+    return None
+  scale = 1.0 / math.sqrt(d) if call.scale is None else call.scale
+  config = jvp_lib.fit(call.forward_config, jnp.dtype(call.dtype).itemsize, d, gpu.kernel_device(call.interpret),
+                       v_head_dim=dv)
+  return jvp_lib.tangent(exact, scale=scale, config=config, interpret=call.interpret)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,3 +39,7 @@ class Mosaic(AttentionBackend):
     from probjax.ops.attention.backends import mosaic_gpu
     return mosaic_gpu.forward_kernel(q, k, v, mask, scale=scale, score_mod=score_mod, config=config,
                                      interpret=interpret)
+
+  def tangent_kernel(self, call, exact):
+    from probjax.ops.attention.backends import mosaic_gpu
+    return mosaic_gpu.tangent_kernel(call, exact)
