@@ -49,7 +49,8 @@ def sample_logits(logits, rng, *, temperature=0.0, top_k=None):
 
   Python values pick the branch at trace time (``lax.top_k``); arrays (e.g. traced under
   ``jax.jit``, so that changing them does not recompile) select it on device, with the
-  ``top_k``-th largest logit from a sort of the vocabulary.
+  ``top_k``-th largest logit from a sort of the vocabulary, which ``top_k=None`` skips (every
+  logit is kept, whatever the temperature).
   """
   check_array("logits", logits, ("batch", "vocab"))
   check_sampling(logits.shape[-1], temperature, top_k)
@@ -63,9 +64,11 @@ def sample_logits(logits, rng, *, temperature=0.0, top_k=None):
       logits = jnp.where(logits < kth, -jnp.inf, logits)
     return jax.random.categorical(rng, logits / temperature, axis=-1).astype(jnp.int32)
   temperature = jnp.asarray(temperature, jnp.float32)
-  k = jnp.clip(jnp.asarray(v if top_k is None else top_k, jnp.int32), 1, v)
-  kth = jnp.take(jnp.sort(logits, axis=-1), v - k, axis=-1)[..., None]
-  masked = jnp.where(logits < kth, -jnp.inf, logits)
+  masked = logits
+  if top_k is not None:  # the sort of [batch, vocab] per call that top_k=None does without
+    k = jnp.clip(jnp.asarray(top_k, jnp.int32), 1, v)
+    kth = jnp.take(jnp.sort(logits, axis=-1), v - k, axis=-1)[..., None]
+    masked = jnp.where(logits < kth, -jnp.inf, logits)
   sampled = jax.random.categorical(rng, masked / jnp.where(temperature > 0, temperature, 1.0), axis=-1)
   return jnp.where(temperature > 0, sampled, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
 
@@ -174,7 +177,8 @@ def generate(model, prompts, lengths=None, *, max_new_tokens: int, max_len: int 
     rng: a ``jax.random.key`` for sampling (default ``key(0)``).
     temperature: 0 is greedy, else softmax sampling at it; top_k: sample among the ``top_k``
       largest logits (None: all). Both enter the program as values: greedy and sampled
-      generation share one compilation.
+      generation share one compilation, and so do all integer ``top_k``; None, which needs no
+      sort of the vocabulary per token, compiles a program of its own.
     eos_id: an element stops at its first ``eos_id`` (None: never); pad_id: emitted after it.
     cache_dtype: the KV cache's dtype (default: the model's).
 
@@ -211,7 +215,7 @@ def generate(model, prompts, lengths=None, *, max_new_tokens: int, max_len: int 
                      f"need {need} cache positions")
   rng = jax.random.key(0) if rng is None else rng
   graphdef, state = nnx.split(model)
-  top_k = model.vocab_size if top_k is None else top_k
-  return _generate(graphdef, state, prompts, lengths, rng, jnp.float32(temperature), jnp.int32(top_k),
+  return _generate(graphdef, state, prompts, lengths, rng, jnp.float32(temperature),
+                   None if top_k is None else jnp.int32(top_k),
                    max_new_tokens=max_new_tokens, max_len=max_len, eos_id=eos_id,
                    pad_id=pad_id, cache_dtype=None if cache_dtype is None else np.dtype(cache_dtype).name)
