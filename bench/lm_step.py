@@ -15,8 +15,13 @@ Sections (``--sections``, default all, in this order):
   per-document positions), the peers the equivalent dense ``[batch, 1, T, T]`` document mask.
 * ``decode``: the same model with 4 KV heads and bf16 weights, batch 8, prompt 1024, 256 new
   tokens (greedy) into a cache of 8192: ms per token of the on-device ``lax.scan`` decode loop
-  (cache donated) for ``probjax``, ``jaxnn_cudnn`` (``key_value_seq_lengths``) and
-  ``jaxnn_xla``, and the read floor: (weight bytes + valid K/V bytes per step) / 4.0e12 B/s.
+  (``decode_loop`` jitted with the cache donated) for ``probjax``, ``jaxnn_cudnn``
+  (``key_value_seq_lengths``) and ``jaxnn_xla``; ``probjax_cmdbuf``, probjax's loop compiled
+  with command buffers over the loop too (:data:`CMDBUF_WHILE`); ``probjax_generate``,
+  ``generate`` as a user calls it (greedy through its traced temperature: the time of 257 new
+  tokens less that of 1, per token). Each row has the read floor, (weight bytes + valid K/V bytes
+  per step) / 4.0e12 B/s, and ``x_floor``; probjax's rows ``speedup_vs_jaxnn_cudnn``; on a GPU
+  the loop rows the kernels of one loop per token (``device_ms``, ``kernels_per_step``, ...).
 
 FLOP convention (model FLOPs, no recomputation counted), printed with the rows:
 ``N`` = parameters in matmuls per token = layers * (d*(H+2*Hkv)*hd + H*hd*d + 3*d*F) + d*V
@@ -71,7 +76,7 @@ except ImportError:  # a device image without optax: the same AdamW written out 
 from bench.harness import kernel_intervals, kernel_summary  # noqa: E402
 from probjax.core.timing import classify_error, device_info, summarize  # noqa: E402
 from probjax.nn.layers.attention import dot_product_attention  # noqa: E402
-from probjax.nn.layers.decoding import decode_loop  # noqa: E402
+from probjax.nn.layers.decoding import decode_loop, generate  # noqa: E402
 from probjax.nn.layers.multi_head_attention import MultiHeadAttention  # noqa: E402
 from probjax.nn.layers.transformer import TransformerLM  # noqa: E402
 from probjax.ops.attention.masks import Mask, SegmentMask  # noqa: E402
@@ -79,6 +84,16 @@ from probjax.ops.attention.masks import Mask, SegmentMask  # noqa: E402
 HBM_BYTES_PER_S = 4.0e12
 PEAK_BF16 = {"H100": 989.4e12, "H200": 989.4e12}
 SECTIONS = ("matmul", "train", "train_packed", "decode")
+# The probjax_cmdbuf decode row's compiler options: XLA's default command-buffer types plus
+# WHILE and CONDITIONAL, so the decode loop's lax.scan runs as one CUDA graph (a conditional
+# node repeats the body on the device) instead of the host launching the body's graphs once per
+# step; graphs of any size. Read per compilation (jax.jit's compiler_options), so the row runs
+# in this process beside the others.
+CMDBUF_WHILE = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
+                "xla_gpu_graph_min_graph_size": 1}
+# Decode rows of the probjax model that are not attention peers: the loop with CMDBUF_WHILE, and
+# generate (prefill, then the loop) as a user calls it.
+DECODE_VARIANTS = ("probjax_cmdbuf", "probjax_generate")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,6 +195,7 @@ def jaxnn_attention(implementation):
 def attention_fns(platform):
   fns = {"probjax": dot_product_attention, "probjax_lce": dot_product_attention, "flax": flax_attention,
          "jaxnn_cudnn": jaxnn_attention("cudnn"), "jaxnn_xla": jaxnn_attention("xla")}
+  fns.update({v: dot_product_attention for v in DECODE_VARIANTS})
   return fns
 
 
@@ -428,6 +444,10 @@ def run_train(c, args, bar, impls, fns, docs):
 
 
 def run_decode(c, args, bar, impls, fns):
+  """Decode rows: ms per token of ``impls``, the attention peers (each model through the same
+  ``decode_loop`` jitted with its cache donated) and :data:`DECODE_VARIANTS`; each checked
+  against probjax's prefill logits and tokens, with the read floor and, on a GPU, the kernels
+  of one loop per token."""
   hk = c.decode_kv_heads
   model = make_lm(c, hk, jnp.bfloat16)
   graphdef, params = nnx.split(model)
@@ -437,7 +457,7 @@ def run_decode(c, args, bar, impls, fns):
   prompts = jnp.asarray(rng.integers(0, c.vocab, (b, c.prompt)).astype(np.int32))
   lengths = jnp.full((b,), c.prompt, jnp.int32)
 
-  def make(gd):
+  def make(gd, compiler_options=None):
     @jax.jit
     def prefill(p, prompts, lengths):
       m = nnx.merge(gd, p)
@@ -445,46 +465,84 @@ def run_decode(c, args, bar, impls, fns):
       last = logits[:, -1]
       return last, jnp.argmax(last, -1).astype(jnp.int32), cache
 
-    @functools.partial(jax.jit, donate_argnums=(1,))
     def loop(p, cache, tok):
       toks, _, cache, _ = decode_loop(nnx.merge(gd, p), cache, tok, jax.random.key(0),
                                       num_steps=c.new_tokens)
       return toks, cache
-    return prefill, loop
+    return prefill, jax.jit(loop, donate_argnums=(1,), compiler_options=compiler_options)
+
+  def make_generate(gd):
+    # generate as a user calls it: temperature and top_k enter its program as values (greedy
+    # here), the cache is made inside it. Its time per token is that of new_tokens + 1 tokens
+    # less that of one (the prefill and the first token), over new_tokens.
+    def gen(n):
+      return generate(nnx.merge(gd, params), prompts, lengths, max_new_tokens=n, max_len=c.cache)[0]
+    return gen
 
   state, info = {}, {}
   for name in impls:
     try:
-      prefill, loop = make(with_attention(graphdef, params, fns[name]))
+      gd = with_attention(graphdef, params, fns[name])
       t0 = time.perf_counter()
+      if name == "probjax_generate":
+        gen = make_generate(gd)
+        toks = np.asarray(gen(c.new_tokens + 1))
+        jax.block_until_ready(gen(1))
+        info[name] = dict(status="ok", first_call_s=time.perf_counter() - t0, loop="generate")
+        state[name] = dict(gen=gen, toks=toks[:, 1:], first=toks[:, 0])
+        continue
+      opts = CMDBUF_WHILE if name == "probjax_cmdbuf" else None
+      prefill, loop = make(gd, opts)
       last, tok, cache = prefill(params, prompts, lengths)
       jax.block_until_ready(cache)
       prefill_s = time.perf_counter() - t0
       t0 = time.perf_counter()
       toks, _ = loop(params, tree_copy(cache), tok)
       toks = np.asarray(toks)
-      info[name] = dict(status="ok", first_call_s=time.perf_counter() - t0, prefill_first_call_s=prefill_s)
-      state[name] = (loop, cache, tok, np.asarray(last, np.float32), toks)
+      info[name] = dict(status="ok", first_call_s=time.perf_counter() - t0, prefill_first_call_s=prefill_s,
+                        loop="decode_loop (cache donated)", compiler_options=opts)
+      state[name] = dict(loop=loop, cache=cache, tok=tok, last=np.asarray(last, np.float32), toks=toks,
+                         first=np.asarray(tok))
     except Exception as e:  # noqa: BLE001
       status, msg = classify_error(e)
       info[name] = dict(status=status, error=msg)
+
+  def run_loop(st):
+    fresh = tree_copy(st["cache"])
+    jax.block_until_ready(fresh)
+    t0 = time.perf_counter()
+    jax.block_until_ready(st["loop"](params, fresh, st["tok"]))
+    return time.perf_counter() - t0
+
+  def run_generate(st):
+    t0 = time.perf_counter()
+    jax.block_until_ready(st["gen"](c.new_tokens + 1))
+    t_all = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    jax.block_until_ready(st["gen"](1))
+    return t_all - (time.perf_counter() - t0)
+
   times = {n: [] for n in state}
   for r in range(args.repeats):
     for name in rotated(list(state), r):
-      loop, cache, tok = state[name][:3]
-      fresh = tree_copy(cache)
-      jax.block_until_ready(fresh)
-      t0 = time.perf_counter()
-      out = loop(params, fresh, tok)
-      jax.block_until_ready(out)
-      times[name].append((time.perf_counter() - t0) / c.new_tokens * 1e3)
+      st = state[name]
+      secs = run_generate(st) if "gen" in st else run_loop(st)
+      times[name].append(secs / c.new_tokens * 1e3)
     bar.update(1)
+  # Under the profiler XLA runs the thunks op by op, not from command buffers: the kernels of
+  # probjax_cmdbuf are probjax's, whose device_ms its wall_over_device divides by.
+  for name, st in state.items():
+    if "loop" in st and name != "probjax_cmdbuf":
+      info[name].update(decode_profile(st, params, c.new_tokens))
+  if "probjax_cmdbuf" in info and info.get("probjax", {}).get("device_ms"):
+    info["probjax_cmdbuf"].update(device_ms=info["probjax"]["device_ms"], device_ms_of="probjax")
   weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
   kv_per_pos = 2 * c.layers * b * hk * c.head_dim * 2            # k and v, bf16
   avg_len = c.prompt + (c.new_tokens + 1) / 2                      # keys attended per step, averaged
   floor_ms = (weight_bytes + kv_per_pos * avg_len) / HBM_BYTES_PER_S * 1e3
   full_cache_ms = (weight_bytes + kv_per_pos * c.cache) / HBM_BYTES_PER_S * 1e3
   ref = state.get("probjax")
+  cudnn_ms = summarize(times["jaxnn_cudnn"])["ms"] if times.get("jaxnn_cudnn") else None
   rows = []
   for name in impls:
     row = dict(impl=name, **info[name], weight_bytes=weight_bytes, kv_bytes_per_step=kv_per_pos * avg_len,
@@ -493,14 +551,41 @@ def run_decode(c, args, bar, impls, fns):
       s = summarize(times[name])
       row.update(s, ms_all=times[name], ms_per_token=s["ms"], tokens_per_s=b / (s["ms"] * 1e-3),
                  x_floor=s["ms"] / floor_ms)
+      if row.get("device_ms"):
+        row["wall_over_device"] = s["ms"] / row["device_ms"]
+      if cudnn_ms is not None and name.startswith("probjax"):
+        row["speedup_vs_jaxnn_cudnn"] = cudnn_ms / s["ms"]
       if ref is not None:
-        a, want = state[name][3], ref[3]
-        rel = float(np.abs(a - want).max() / max(np.abs(want).max(), 1e-6))
-        agree = float((state[name][4] == ref[4]).mean())
-        row.update(check_rel_logits_diff=rel, check_token_agreement=agree,
-                   check="ok" if rel < 5e-2 else f"FAILED: prefill logits differ by {rel:.3g} (relative)")
+        st = state[name]
+        agree = float((st["toks"] == ref["toks"]).mean())
+        row["check_token_agreement"] = agree
+        if "last" in st:
+          a, want = st["last"], ref["last"]
+          rel = float(np.abs(a - want).max() / max(np.abs(want).max(), 1e-6))
+          row.update(check_rel_logits_diff=rel,
+                     check="ok" if rel < 5e-2 else f"FAILED: prefill logits differ by {rel:.3g} (relative)")
+        else:  # generate: the same model and attention as probjax's loop, so the same tokens
+          same_first = bool((st["first"] == ref["first"]).all())
+          row["check"] = ("ok" if same_first and agree == 1.0 else
+                          f"FAILED: {1 - agree:.1%} of the tokens differ from probjax's decode_loop"
+                          f"{'' if same_first else ' (the first, from the prefill, too)'}")
     rows.append(row)
   return rows
+
+
+def decode_profile(st: dict, params, steps: int) -> dict:
+  """The kernel breakdown of one more decode loop of ``st`` (a :func:`run_decode` state) per
+  token (``bench.harness.kernel_summary`` over ``steps``; the loop's kernels before and after
+  its steps are spread over them), or ``device_ms_error`` saying why there is none (GPU only)."""
+  if jax.devices()[0].platform != "gpu":
+    return dict(device_ms_error=f"no kernel profile on platform {jax.devices()[0].platform}: GPU only")
+  try:
+    fresh = tree_copy(st["cache"])
+    jax.block_until_ready(fresh)
+    call = lambda: st["loop"](params, fresh, st["tok"])
+    return kernel_summary(kernel_intervals(call, jax.block_until_ready, 1, "jax"), steps)
+  except Exception as e:  # noqa: BLE001 (the wall-clock row stands without it)
+    return dict(device_ms_error=f"{type(e).__name__}: {e}"[:300])
 
 
 # -- main ---------------------------------------------------------------------------
@@ -531,14 +616,15 @@ def main(argv=None):
   fns = attention_fns(platform)
   gpu = platform == "gpu"
   default = {"train": ["probjax", "probjax_lce", "flax", "jaxnn_cudnn"] if gpu else ["probjax", "probjax_lce", "flax"],
-             "decode": ["probjax", "jaxnn_cudnn", "jaxnn_xla"] if gpu else ["probjax", "jaxnn_xla"]}
+             "decode": ["probjax", *DECODE_VARIANTS, "jaxnn_cudnn", "jaxnn_xla"] if gpu
+                       else ["probjax", *DECODE_VARIANTS, "jaxnn_xla"]}
   default["train_packed"] = default["train"]
   if args.impls:
     want = [i for i in args.impls.split(",") if i]
     unknown = [i for i in want if i not in fns]
     if unknown or "probjax" not in want:
       raise SystemExit(f"--impls: choose from {sorted(fns)}, probjax included (the reference); got {want}")
-    default = {k: want for k in default}
+    default = {k: [i for i in want if k == "decode" or i not in DECODE_VARIANTS] for k in default}
   if not gpu and not args.cpu_smoke:
     print("warning: not on a GPU and without --cpu-smoke: the full sizes will be slow", file=sys.stderr)
 
@@ -633,6 +719,10 @@ def _describe(r):
     bits.append(f"{r['frac_of_matmul']:.1%} of matmul")
   if "x_floor" in r:
     bits.append(f"{r['x_floor']:.2f}x the read floor ({r['floor_ms_per_token']:.3f} ms/token)")
+  if r.get("speedup_vs_jaxnn_cudnn"):
+    bits.append(f"{r['speedup_vs_jaxnn_cudnn']:.2f}x jaxnn_cudnn's speed")
+  if r.get("device_ms") and r["section"] == "decode":
+    bits.append(f"device {r['device_ms']:.3f} ms, {r.get('kernels_per_step', 0):.0f} kernels per token")
   if "check" in r:
     bits.append(f"check {r['check']}")
   return "  " + "  ".join(bits)
