@@ -136,3 +136,30 @@ def test_detector_sees_a_copied_cache():
 
   hlo = jax.jit(loop, donate_argnums=(0,)).lower(jnp.zeros(shape, jnp.bfloat16), jnp.bfloat16(1)).compile().as_text()
   assert _cache_copies(hlo, _shape(jnp.bfloat16))
+
+
+def test_gpu_decode_attention_gets_the_key_lengths(monkeypatch):
+  """Lowered for an H200 (on CPU), each layer's decode attention is the Triton split-KV kernel
+  reading the cache buffers as they are (no pad, slice or copy of K/V before the call), with the
+  per-element key lengths as an operand: its programs share the valid key tiles and skip those
+  past the lengths, so a step reads ``lengths`` keys, not ``max_len``."""
+  from tests.ops.attention.test_gpu_lowering import _fake_dispatch_sm90, _fake_triton_sm90
+  _fake_triton_sm90(monkeypatch, device_kind=True)
+  _fake_dispatch_sm90(monkeypatch)
+  max_len = 2048   # the split-KV kernel's automatic range: at least 1024 keys
+  lm = nnx.eval_shape(lambda: TransformerLM(vocab_size=64, features=128, num_layers=LAYERS, num_heads=4,
+                                            num_kv_heads=KV_HEADS, head_dim=64, dtype=jnp.bfloat16,
+                                            param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(lm)
+  cache = jax.eval_shape(lambda: lm.init_cache(B, max_len))
+
+  def loop(p, cache, tok):
+    return decode_loop(nnx.merge(graphdef, p), cache, tok, jax.random.key(0), num_steps=STEPS)[:3]
+
+  text = jax.jit(loop, donate_argnums=(1,)).trace(state, cache, jax.ShapeDtypeStruct((B,), jnp.int32)).lower(
+      lowering_platforms=("cuda",)).as_text()
+  kv = f"tensor<{B}x{max_len}x{KV_HEADS}x64xbf16>"
+  calls = re.findall(r"custom_call @__gpu\$xla\.gpu\.triton\(.*?name = \"(\w+)\".*?: \(([^)]*)\) ->", text)
+  assert calls and all(name == "probjax_attention_fwd_split_kv" for name, _ in calls), [c[0] for c in calls]
+  for _, operands in calls:
+    assert operands.split(", ")[1:] == [kv, kv, f"tensor<{B}xi32>"], operands
