@@ -1,5 +1,6 @@
 """The decode loop's compiled program (XLA:CPU's optimized HLO): the donated KV cache is updated
-in place, never copied, and the stacked layer parameters are sliced once, before the loop.
+in place, never copied, and the stacked layer parameters are sliced once, before the loop; and
+its program lowered for an H200 (on CPU): the attention reads only the valid keys.
 
 A copy of the cache shows in the HLO as a ``copy`` (or ``concatenate``) whose result has a
 cache buffer's shape: copy insertion adds one wherever a buffer cannot be updated in place
