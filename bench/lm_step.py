@@ -16,12 +16,14 @@ Sections (``--sections``, default all, in this order):
 * ``decode``: the same model with 4 KV heads and bf16 weights, batch 8, prompt 1024, 256 new
   tokens (greedy) into a cache of 8192: ms per token of the on-device ``lax.scan`` decode loop
   (``decode_loop`` jitted with the cache donated) for ``probjax``, ``jaxnn_cudnn``
-  (``key_value_seq_lengths``) and ``jaxnn_xla``; ``probjax_cmdbuf``, probjax's loop compiled
-  with command buffers over the loop too (:data:`CMDBUF_WHILE`); ``probjax_generate``,
-  ``generate`` as a user calls it (greedy through its traced temperature: the time of 257 new
-  tokens less that of 1, per token). Each row has the read floor, (weight bytes + valid K/V bytes
-  per step) / 4.0e12 B/s, and ``x_floor``; probjax's rows ``speedup_vs_jaxnn_cudnn``; on a GPU
-  the loop rows the kernels of one loop per token (``device_ms``, ``kernels_per_step``, ...).
+  (``key_value_seq_lengths``) and ``jaxnn_xla``; ``probjax_cmdbuf`` and
+  ``jaxnn_cudnn_cmdbuf``, those loops compiled with command buffers over the loop too
+  (:data:`CMDBUF_WHILE`); ``probjax_generate``, ``generate`` as a user calls it (greedy through
+  its traced temperature: the time of 257 new tokens less that of 1, per token). Each row has
+  the read floor, (weight bytes + valid K/V bytes per step) / 4.0e12 B/s, and ``x_floor``;
+  probjax's rows ``speedup_vs_jaxnn_cudnn`` (over the cuDNN row compiled alike, named in
+  ``speedup_vs``); on a GPU the loop rows the kernels of one loop per token (``device_ms``,
+  ``kernels_per_step``, ...).
 
 FLOP convention (model FLOPs, no recomputation counted), printed with the rows:
 ``N`` = parameters in matmuls per token = layers * (d*(H+2*Hkv)*hd + H*hd*d + 3*d*F) + d*V
@@ -84,16 +86,18 @@ from probjax.ops.attention.masks import Mask, SegmentMask  # noqa: E402
 HBM_BYTES_PER_S = 4.0e12
 PEAK_BF16 = {"H100": 989.4e12, "H200": 989.4e12}
 SECTIONS = ("matmul", "train", "train_packed", "decode")
-# The probjax_cmdbuf decode row's compiler options: XLA's default command-buffer types plus
+# The *_cmdbuf decode rows' compiler options: XLA's default command-buffer types plus
 # WHILE and CONDITIONAL, so the decode loop's lax.scan runs as one CUDA graph (a conditional
 # node repeats the body on the device) instead of the host launching the body's graphs once per
 # step; graphs of any size. Read per compilation (jax.jit's compiler_options), so the row runs
 # in this process beside the others.
 CMDBUF_WHILE = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
                 "xla_gpu_graph_min_graph_size": 1}
-# Decode rows of the probjax model that are not attention peers: the loop with CMDBUF_WHILE, and
-# generate (prefill, then the loop) as a user calls it.
-DECODE_VARIANTS = ("probjax_cmdbuf", "probjax_generate")
+# Decode rows that are not attention peers of their own: the probjax and cuDNN loops with
+# CMDBUF_WHILE (the attention of the name before "_cmdbuf"), and generate (prefill, then the
+# loop) as a user calls it.
+CMDBUF = "_cmdbuf"
+DECODE_VARIANTS = ("probjax" + CMDBUF, "probjax_generate", "jaxnn_cudnn" + CMDBUF)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,7 +199,7 @@ def jaxnn_attention(implementation):
 def attention_fns(platform):
   fns = {"probjax": dot_product_attention, "probjax_lce": dot_product_attention, "flax": flax_attention,
          "jaxnn_cudnn": jaxnn_attention("cudnn"), "jaxnn_xla": jaxnn_attention("xla")}
-  fns.update({v: dot_product_attention for v in DECODE_VARIANTS})
+  fns.update({v: fns[v.removesuffix(CMDBUF).removesuffix("_generate")] for v in DECODE_VARIANTS})
   return fns
 
 
@@ -491,7 +495,7 @@ def run_decode(c, args, bar, impls, fns):
         info[name] = dict(status="ok", first_call_s=time.perf_counter() - t0, loop="generate")
         state[name] = dict(gen=gen, toks=toks[:, 1:], first=toks[:, 0])
         continue
-      opts = CMDBUF_WHILE if name == "probjax_cmdbuf" else None
+      opts = CMDBUF_WHILE if name.endswith(CMDBUF) else None
       prefill, loop = make(gd, opts)
       last, tok, cache = prefill(params, prompts, lengths)
       jax.block_until_ready(cache)
@@ -529,20 +533,24 @@ def run_decode(c, args, bar, impls, fns):
       secs = run_generate(st) if "gen" in st else run_loop(st)
       times[name].append(secs / c.new_tokens * 1e3)
     bar.update(1)
-  # Under the profiler XLA runs the thunks op by op, not from command buffers: the kernels of
-  # probjax_cmdbuf are probjax's, whose device_ms its wall_over_device divides by.
+  # Under the profiler XLA runs the thunks op by op, not from command buffers: the kernels of a
+  # *_cmdbuf row are its base row's, whose device_ms its wall_over_device divides by.
   for name, st in state.items():
-    if "loop" in st and name != "probjax_cmdbuf":
+    if "loop" in st and not name.endswith(CMDBUF):
       info[name].update(decode_profile(st, params, c.new_tokens))
-  if "probjax_cmdbuf" in info and info.get("probjax", {}).get("device_ms"):
-    info["probjax_cmdbuf"].update(device_ms=info["probjax"]["device_ms"], device_ms_of="probjax")
+  for name in state:
+    base = name.removesuffix(CMDBUF)
+    if name != base and info.get(base, {}).get("device_ms"):
+      info[name].update(device_ms=info[base]["device_ms"], device_ms_of=base)
   weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
   kv_per_pos = 2 * c.layers * b * hk * c.head_dim * 2            # k and v, bf16
   avg_len = c.prompt + (c.new_tokens + 1) / 2                      # keys attended per step, averaged
   floor_ms = (weight_bytes + kv_per_pos * avg_len) / HBM_BYTES_PER_S * 1e3
   full_cache_ms = (weight_bytes + kv_per_pos * c.cache) / HBM_BYTES_PER_S * 1e3
   ref = state.get("probjax")
-  cudnn_ms = summarize(times["jaxnn_cudnn"])["ms"] if times.get("jaxnn_cudnn") else None
+  # probjax's rows against the cuDNN loop compiled alike (with or without CMDBUF_WHILE)
+  cudnn_ms = {suffix: summarize(times["jaxnn_cudnn" + suffix])["ms"]
+              for suffix in ("", CMDBUF) if times.get("jaxnn_cudnn" + suffix)}
   rows = []
   for name in impls:
     row = dict(impl=name, **info[name], weight_bytes=weight_bytes, kv_bytes_per_step=kv_per_pos * avg_len,
@@ -553,8 +561,9 @@ def run_decode(c, args, bar, impls, fns):
                  x_floor=s["ms"] / floor_ms)
       if row.get("device_ms"):
         row["wall_over_device"] = s["ms"] / row["device_ms"]
-      if cudnn_ms is not None and name.startswith("probjax"):
-        row["speedup_vs_jaxnn_cudnn"] = cudnn_ms / s["ms"]
+      suffix = CMDBUF if name.endswith(CMDBUF) else ""
+      if name.startswith("probjax") and suffix in cudnn_ms:
+        row.update(speedup_vs_jaxnn_cudnn=cudnn_ms[suffix] / s["ms"], speedup_vs="jaxnn_cudnn" + suffix)
       if ref is not None:
         st = state[name]
         agree = float((st["toks"] == ref["toks"]).mean())
@@ -617,7 +626,7 @@ def main(argv=None):
   gpu = platform == "gpu"
   default = {"train": ["probjax", "probjax_lce", "flax", "jaxnn_cudnn"] if gpu else ["probjax", "probjax_lce", "flax"],
              "decode": ["probjax", *DECODE_VARIANTS, "jaxnn_cudnn", "jaxnn_xla"] if gpu
-                       else ["probjax", *DECODE_VARIANTS, "jaxnn_xla"]}
+                       else ["probjax", *(v for v in DECODE_VARIANTS if "cudnn" not in v), "jaxnn_xla"]}
   default["train_packed"] = default["train"]
   if args.impls:
     want = [i for i in args.impls.split(",") if i]
@@ -720,7 +729,7 @@ def _describe(r):
   if "x_floor" in r:
     bits.append(f"{r['x_floor']:.2f}x the read floor ({r['floor_ms_per_token']:.3f} ms/token)")
   if r.get("speedup_vs_jaxnn_cudnn"):
-    bits.append(f"{r['speedup_vs_jaxnn_cudnn']:.2f}x jaxnn_cudnn's speed")
+    bits.append(f"{r['speedup_vs_jaxnn_cudnn']:.2f}x {r['speedup_vs']}'s speed")
   if r.get("device_ms") and r["section"] == "decode":
     bits.append(f"device {r['device_ms']:.3f} ms, {r.get('kernels_per_step', 0):.0f} kernels per token")
   if "check" in r:
