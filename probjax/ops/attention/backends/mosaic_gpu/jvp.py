@@ -51,8 +51,8 @@ HEAD_DIMS = (64, 128)
 # block_k / 4 each, while S and sd are dead). Keeping v_head_dim + block_k at most 192 leaves 40
 # of the 232 a compute warpgroup gets beside one other (common.registers) for the row statistics
 # (m, l, acc_ds), the mask's predicate and the addresses: v_head_dim 128 takes key tiles of 64,
-# v_head_dim 64 key tiles of 128. Three compute warpgroups get 160 each, less than v_head_dim 128's
-# accumulators and one score tile, so the kernel runs one or two.
+# v_head_dim 64 key tiles of 128. Three compute warpgroups get 160 each, less than the 192 of
+# v_head_dim 128's accumulators and a step's two 64-key score tiles, so the kernel runs one or two.
 TILE_REGISTERS = 192
 MAX_WGS = 2
 # block_k for the wider width; two compute warpgroups, two ring slots (four operands a slot:
