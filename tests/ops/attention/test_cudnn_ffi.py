@@ -67,6 +67,25 @@ def test_library_that_does_not_load_falls_back_with_its_reason(tmp_path):
   assert ffi.unavailable(env) == why and cudnn.route(env) == f"jax.nn ({why})"
 
 
+def test_library_that_does_not_register_falls_back_with_its_reason(tmp_path, monkeypatch):
+  """A library built with a newer jaxlib's FFI headers loads, but XLA refuses its handlers
+  (their API version): the route says so and names the rebuild, instead of failing every call."""
+  import ctypes
+  import jax
+  lib = tmp_path / "newer_api.so"
+  lib.write_bytes(b"")
+  monkeypatch.setattr(ctypes, "CDLL", lambda *a, **kw: type("Lib", (), {s: 0 for s in ffi._TARGETS.values()})())
+  monkeypatch.setattr(jax.ffi, "pycapsule", lambda f: f)
+
+  def register(*a, **kw):
+    raise jax.errors.JaxRuntimeError("INVALID_ARGUMENT: XLA FFI handler registration failed because the "
+                                     "handler's API version (0.5) is incompatible with the framework's (0.4)")
+  monkeypatch.setattr(jax.ffi, "register_ffi_target", register)
+  why = ffi._load(lib)
+  assert why.startswith(f"the FFI extension {lib} does not register with this jaxlib") and "(0.5)" in why, why
+  assert "--force" in why
+
+
 def test_cudnn_config_is_validated_and_needs_the_cudnn_route(tmp_path):
   assert CudnnConfig(sdpa="unified", autotune=True).attributes() == dict(sdpa=2, autotune=True)
   with pytest.raises(ValueError, match="sdpa must be one of"):

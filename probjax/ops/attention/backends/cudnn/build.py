@@ -30,9 +30,11 @@ def main(argv=None) -> int:
   p.add_argument("--cudnn-include", help="cuDNN's headers (default: nvidia-cudnn-cu13's, $CUDNN_INCLUDE_DIR)")
   p.add_argument("--frontend-include", help="cudnn-frontend's headers (default: nvidia-cudnn-frontend's)")
   p.add_argument("--include", action="append", default=[], help="more include folders (CUDA runtime, NVRTC)")
+  p.add_argument("--ffi-include", help="XLA's FFI headers (default: the installed jaxlib's; for a library "
+                 "carried to another machine, the oldest jaxlib it runs with)")
   a = p.parse_args(argv)
   path = extension.build(output=a.output, force=a.force, include=a.include, cudnn_include=a.cudnn_include,
-                         frontend_include=a.frontend_include)
+                         frontend_include=a.frontend_include, ffi_include=a.ffi_include)
   print(f"probjax: cuDNN FFI extension: {path} ({path.stat().st_size // 1024} KiB)")
   return 0
 

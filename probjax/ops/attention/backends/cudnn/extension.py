@@ -135,9 +135,13 @@ def _first(header: str, dirs: Iterable[pathlib.Path], missing: list[str]) -> pat
 
 
 def find_headers(sites: Iterable[pathlib.Path], env: Mapping[str, str], *, include: Iterable[str] = (),
-                 cudnn_include: str | None = None, frontend_include: str | None = None) -> Headers:
+                 cudnn_include: str | None = None, frontend_include: str | None = None,
+                 ffi_include: str | None = None) -> Headers:
   """The headers of a build: first the folders passed, then the NVIDIA packages under
   ``sites`` (site-packages folders), then ``$CUDA_HOME/include`` and ``/usr/local/cuda/include``.
+  ``ffi_include``: XLA's FFI headers (default: the installed jaxlib's); a library built with a
+  newer jaxlib's headers does not register with an older jaxlib (the FFI API version is
+  checked), so one built for other machines takes the oldest supported jaxlib's.
   BuildError names every header missing and where it was looked for."""
   import jax  # noqa: PLC0415 (the FFI headers ship with jaxlib; jax is imported by then on every path)
 
@@ -162,7 +166,7 @@ def find_headers(sites: Iterable[pathlib.Path], env: Mapping[str, str], *, inclu
                                     for p in ("MAJOR", "MINOR", "PATCH"))),
               ("cuda", f"{cudart // 1000}.{cudart % 1000 // 10}"))
   # frontend, then cuDNN, then CUDA: a cudnn.h that also lies in a CUDA folder is not the one versioned
-  dirs = (pathlib.Path(jax.ffi.include_dir()), frontend, cudnn, *cuda)
+  dirs = (pathlib.Path(ffi_include or jax.ffi.include_dir()), frontend, cudnn, *cuda)
   return Headers(tuple(dict.fromkeys(dirs)), versions, version_files)
 
 
@@ -254,16 +258,16 @@ def _error_line(text: str) -> str:
 
 def build(env: Mapping[str, str] | None = None, *, output: pathlib.Path | None = None, force: bool = False,
           include: Iterable[str] = (), cudnn_include: str | None = None, frontend_include: str | None = None,
-          announce: Callable[[str], None] = print) -> pathlib.Path:
+          ffi_include: str | None = None, announce: Callable[[str], None] = print) -> pathlib.Path:
   """Builds the library into ``output`` (default: :func:`cached_library`) unless it is there
   (or ``force``), under :func:`locked`, and returns its path; BuildError says why it cannot.
 
   ``announce`` gets one line before the compiler runs. The compiler writes a temporary file
   renamed into place, so that no process loads a library being written."""
   env = os.environ if env is None else env
-  if include or cudnn_include or frontend_include:
+  if include or cudnn_include or frontend_include or ffi_include:
     headers = find_headers(site_dirs(), env, include=include, cudnn_include=cudnn_include,
-                           frontend_include=frontend_include)
+                           frontend_include=frontend_include, ffi_include=ffi_include)
   else:
     headers = discover(env)
   cxx = compiler(env)

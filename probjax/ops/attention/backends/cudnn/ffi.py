@@ -137,6 +137,9 @@ def _load(path: pathlib.Path) -> str | None:
       jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="CUDA")
   except (OSError, AttributeError) as e:
     return f"the FFI extension {path} does not load: {e}"
+  except RuntimeError as e:  # e.g. built with a newer jaxlib's FFI headers than this jaxlib's
+    return (f"the FFI extension {path} does not register with this jaxlib ({str(e).splitlines()[0]}); "
+            f"rebuild it: {extension.BUILD_COMMAND} --force")
   return None
 
 
