@@ -10,6 +10,8 @@ shapes): every case runs in the default selection.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -219,13 +221,62 @@ def test_dispatch_takes_triton_only_when_asked():
 def test_gpu_full_size(impl):
   b, tq, tk, h, hkv, d = 2, 1000, 1500, 8, 2, 128
   x = make_inputs(8, b, tq, tk, h, hkv, d, dtype=jnp.bfloat16)
-  m = MaskMod(lambda b_, h_, q, k: (k <= q + 500) & (q + 500 - k < 256 + 64 * h_), heads=h) & KVLenMask(
-      jnp.array([tk, 1200]))
+  m = _full_size_mask(h, tk)
   f = lambda q, k, v: pt.attention(q, k, v, mask=m, backward_pass_impl=impl)
   out, vjp = jax.vjp(f, x.q, x.k, x.v)
   ref = reference_vjp(x.q, x.k, x.v, x.do, mask=m)
   for name, g, r in zip(("out", "dq", "dk", "dv"), (out,) + vjp(x.do), ref):
     assert max_error(g, r) <= tolerance(jnp.bfloat16, grad=name != "out"), name
+
+
+def _full_size_mask(h, tk):  # test_gpu_full_size's: PARTIAL tiles evaluate the function
+  return MaskMod(lambda b_, h_, q, k: (k <= q + 500) & (q + 500 - k < 256 + 64 * h_), heads=h) & KVLenMask(
+      jnp.array([tk, 1200]))
+
+
+@pytest.mark.parametrize("impl", ["triton_split", "triton_fused", "triton_onepass"])
+def test_full_size_configs_fit_sm90_shared_memory(monkeypatch, impl):
+  """The tiles chosen on an H100/H200 for test_gpu_full_size's call (bf16, head_dim 128) fit
+  232,448 bytes with the shared memory a mask_mod costs (config.mask_mod_smem_bytes: a zeroed
+  copy of the K and V tiles). The model reproduces the request the one-pass backward made on
+  an H100 with the table's 64 x 128 tiles at 3 stages, 280,600 bytes."""
+  from probjax.ops.attention.backends.triton import config as cfg
+  b, tq, tk, h, hkv, d = 2, 1000, 1500, 8, 2, 128
+  table = cfg.BACKWARD_TABLE[("sm_90", "bfloat16", 128)]
+  assert table.smem_bytes(2, d, onepass=True, mask_mod=True) == 280600
+  assert table.smem_bytes(2, d, onepass=True) == 214528  # without the mask_mod's copies
+  monkeypatch.setattr(cfg, "kernel_device", lambda interpret: "sm_90")
+  q = jax.ShapeDtypeStruct((b, tq, h, d), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((b, tk, hkv, d), jnp.bfloat16)
+  m = _full_size_mask(h, tk)
+  device, fc, got_impl, bc = pt._configs(q, kv, kv, None, None, impl, False, pt._has_mask_mod(m))
+  assert device == "sm_90" and got_impl == impl
+  limit = cfg.SMEM_LIMIT["sm_90"]
+  assert limit == 232448
+  assert bc.smem_bytes(2, d, onepass=impl == "triton_onepass", mask_mod=True) <= limit
+  assert fc.smem_bytes(2, d, mask_mod=True) <= limit
+  if impl == "triton_onepass":  # stages shrink first: 247,320 bytes at 2 stages, 214,040 at 1
+    assert bc == dataclasses.replace(table, num_stages=1, fast_exp2=True)
+  else:  # the two-pass kernels keep the table's tiles: 229,912 bytes
+    assert bc == dataclasses.replace(table, fast_exp2=True)
+  # An explicit config the mask_mod pushes over the device's shared memory is refused.
+  with pytest.raises(ValueError, match="shared memory"):
+    pt._configs(q, kv, kv, None, table, "triton_onepass", False, True)
+
+
+@pytest.mark.parametrize("d", [128, 256])
+def test_mask_mod_forward_and_backward_fit_sm90(d):
+  """Every default config a mask_mod call gets on sm_90, forward and the three backwards, at
+  head_dim 128 and 256 in bf16 and fp32, fits the device with the mask_mod's copies."""
+  from probjax.ops.attention.backends.triton import config as cfg
+  limit = cfg.SMEM_LIMIT["sm_90"]
+  for dtype in (jnp.bfloat16, jnp.float32):
+    isz = jnp.dtype(dtype).itemsize
+    assert cfg.fit_forward_config(None, dtype, d, 4096, 4096, "sm_90", mask_mod=True).smem_bytes(
+        isz, d, mask_mod=True) <= limit
+    for impl in cfg.BACKWARD_IMPLS:
+      bc = cfg.fit_backward_config(None, dtype, d, 4096, 4096, "sm_90", impl, mask_mod=True)
+      assert bc.smem_bytes(isz, d, onepass=impl == "triton_onepass", mask_mod=True) <= limit, (dtype, impl)
 
 
 # -- lowering for sm_90 on CPU (no GPU): interpret mode checks the arithmetic, this that Pallas

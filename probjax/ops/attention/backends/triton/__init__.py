@@ -174,7 +174,7 @@ def attention(q, k, v, *, mask: Mask | None = None, score_mod: Callable | None =
   if scale is None:
     scale = 1.0 / math.sqrt(q.shape[-1])
   device, fcfg, impl, bcfg = _configs(q, k, v, forward_config, backward_config, backward_pass_impl,
-                                      interpret)
+                                      interpret, _has_mask_mod(mask))
   split = decode_lib.plan(q.shape, k.shape, q.dtype, mask=mask, score_mod=score_mod,
                           split_kv=split_kv, device=device, v_head_dim=v.shape[-1])
   st = _Static(score_mod, float(scale), fcfg, bcfg, impl, split, bool(interpret))
@@ -204,7 +204,8 @@ def tangent_kernel(call, exact: Callable) -> Callable | None:
   k = jax.ShapeDtypeStruct(call.kv_shape, call.dtype)
   v = jax.ShapeDtypeStruct(call.kv_shape[:-1] + (call.v_head_dim or call.kv_shape[-1],), call.dtype)
   scale = 1.0 / math.sqrt(call.q_shape[-1]) if call.scale is None else call.scale
-  config = _forward_config(q, k, v, call.forward_config, config_lib.kernel_device(call.interpret))
+  config = _forward_config(q, k, v, call.forward_config, config_lib.kernel_device(call.interpret),
+                           _has_mask_mod(call.mask))
   return jvp_lib.tangent(exact, scale=scale, config=config, interpret=call.interpret,
                          partitioned=_partitioned(None, call.mask))
 
@@ -220,28 +221,35 @@ def backward_kernel(q, k, v, *, scale: float, score_mod: Callable | None = None,
   return vjp.Kernel(_backward_shard, st, _partitioned(score_mod))
 
 
-def _configs(q, k, v, forward_config, backward_config, backward_pass_impl: str, interpret: bool):
+def _has_mask_mod(mask: Mask | None) -> bool:
+  """Whether the kernels evaluate a mask_mod, which costs shared memory
+  (:func:`config.mask_mod_smem_bytes`)."""
+  return mask is not None and "mask_mod" in mask.kinds
+
+
+def _configs(q, k, v, forward_config, backward_config, backward_pass_impl: str, interpret: bool,
+             mask_mod: bool = False):
   """``(device, forward config, backward variant, backward config)`` of a call, fitted to the
-  device (``"interpret"`` in interpret mode)."""
+  device (``"interpret"`` in interpret mode); ``mask_mod``: the call's mask has one."""
   device = config_lib.kernel_device(interpret)
-  return (device, _forward_config(q, k, v, forward_config, device),
-          *_backward_config(q, k, v, backward_config, backward_pass_impl, device))
+  return (device, _forward_config(q, k, v, forward_config, device, mask_mod),
+          *_backward_config(q, k, v, backward_config, backward_pass_impl, device, mask_mod))
 
 
-def _forward_config(q, k, v, config, device: str) -> ForwardConfig:
+def _forward_config(q, k, v, config, device: str, mask_mod: bool = False) -> ForwardConfig:
   """The forward's tiles fitted to the device (both head widths padded as the kernel loads them)."""
   return config_lib.fit_forward_config(config, q.dtype, padded_head_dim(q.shape[-1]), q.shape[1], k.shape[1],
-                                       device, padded_head_dim(v.shape[-1]))
+                                       device, padded_head_dim(v.shape[-1]), mask_mod)
 
 
-def _backward_config(q, k, v, config, variant: str, device: str):
+def _backward_config(q, k, v, config, variant: str, device: str, mask_mod: bool = False):
   """``(backward variant, its config)`` fitted to the device: the variant rules read the wider
   of the two head widths (their tables were tuned with every operand that wide) and the tiles
   fit both widths' shared memory."""
   d, dv, q_len, kv_len = q.shape[-1], v.shape[-1], q.shape[1], k.shape[1]
   impl = config_lib.resolve_backward_impl(variant, device, q.dtype, max(d, dv), q_len, kv_len)
   return impl, config_lib.fit_backward_config(config, q.dtype, padded_head_dim(d), q_len, kv_len, device, impl,
-                                              padded_head_dim(dv))
+                                              padded_head_dim(dv), mask_mod)
 
 
 @dataclasses.dataclass(frozen=True)

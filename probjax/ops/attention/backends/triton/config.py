@@ -18,6 +18,10 @@ streamed tile once per pipeline stage and keeps the loop-invariant tiles residen
 The H100 failures of the spec (327,680 bytes for the head_dim-256 forward at
 128x64 tiles and 4 stages; 262,144 bytes for the fp32 head_dim-128 single-pass
 backward at 64x128 tiles and 2 stages) are reproduced exactly by this model.
+
+A mask_mod (:func:`mask_mod_smem_bytes`) adds, in every kernel, a zeroed copy of each
+key-row tile the products read (:func:`tiles.unseen_keys_zeroed`): one K and one V tile
+more in shared memory, plus the reduction row that finds the unseen keys.
 """
 
 from __future__ import annotations
@@ -83,9 +87,12 @@ class ForwardConfig:
     _pow2("block_k", self.block_k)
     _warps_stages(self.num_warps, self.num_stages)
 
-  def smem_bytes(self, itemsize: int, head_dim: int, v_head_dim: int | None = None) -> int:
+  def smem_bytes(self, itemsize: int, head_dim: int, v_head_dim: int | None = None,
+                 mask_mod: bool = False) -> int:
+    """``mask_mod``: the call's mask has one (:func:`mask_mod_smem_bytes`)."""
     dv = head_dim if v_head_dim is None else v_head_dim
-    return (self.num_stages * self.block_k * (head_dim + dv) + self.block_q * head_dim) * itemsize
+    extra = mask_mod_smem_bytes(self.block_k, itemsize, head_dim, dv) if mask_mod else 0
+    return (self.num_stages * self.block_k * (head_dim + dv) + self.block_q * head_dim) * itemsize + extra
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,19 +134,43 @@ class BackwardConfig:
     return groups
 
   def smem_bytes(self, itemsize: int, head_dim: int, onepass: bool = False,
-                 v_head_dim: int | None = None) -> int:
+                 v_head_dim: int | None = None, mask_mod: bool = False) -> int:
     """Bytes of the larger of the two kernels (dK/dV and dQ). ``onepass``: the dK/dV
     kernel also stages dS^T for the dQ product and the dQ tile for its atomic adds, plus
     the pipelined LSE/delta rows (calibrated on the H200: fp32 head_dim 128, 32 x 128 tiles,
     2 stages requested 246,272 bytes; bf16 head_dim 128, 64 x 128, 3 stages compiled).
-    ``v_head_dim``: the width of V and dO (None: ``head_dim``)."""
-    row = (head_dim + (head_dim if v_head_dim is None else v_head_dim)) * itemsize  # (Q, dO) or (K, V)
+    ``v_head_dim``: the width of V and dO (None: ``head_dim``). ``mask_mod``: the call's mask
+    has one; each kernel holds :func:`mask_mod_smem_bytes` more for its key tile."""
+    dv = head_dim if v_head_dim is None else v_head_dim
+    row = (head_dim + dv) * itemsize  # (Q, dO) or (K, V)
     dkv = (self.num_stages * self.block_q_dkv + self.block_kv_dkv) * row
     if onepass:
       dkv += (self.block_q_dkv * self.block_kv_dkv + 2 * self.block_q_dkv * head_dim) * itemsize
       dkv += self.num_stages * 2 * self.block_q_dkv * 4
     dq = (self.num_stages * self.block_kv_dq + self.block_q_dq) * row
+    if mask_mod:
+      dkv += mask_mod_smem_bytes(self.block_kv_dkv, itemsize, head_dim, dv)
+      dq += mask_mod_smem_bytes(self.block_kv_dq, itemsize, head_dim, dv)
     return max(dkv, dq)
+
+
+def mask_mod_smem_bytes(block_k: int, itemsize: int, head_dim: int, v_head_dim: int) -> int:
+  """Shared memory a mask_mod adds to a kernel whose key tile has ``block_k`` rows.
+
+  On PARTIAL tiles the kernels zero the key rows no query of the tile sees
+  (:func:`tiles.unseen_keys_zeroed`: they may hold NaN, which a zero probability does not
+  cancel). The zeroed K and V are new values, not the loaded tiles, and they are operands of
+  the tile's products (``dS^T K`` for dQ, ``P V``, ``q K^T``), which the tensor cores read from
+  shared memory: Triton stages both copies there, beside the loaded (or, in the dK/dV kernels,
+  resident) K and V, so they are not covered by the stage count. The ``[block_k]`` int32 row of
+  the ``seen`` reduction and its scratch take ``block_k * 4 + 24`` more.
+
+  Calibrated on the H100 failure it explains: the bf16 head_dim-128 one-pass backward at
+  64 x 128 dK/dV tiles and 3 stages requested 280,600 bytes with a mask_mod, where the model
+  without one gives 214,528: the difference, 66,072, is ``128 * (128 + 128) * 2`` (65,536,
+  the two copies) ``+ 128 * 4 + 24`` (536).
+  """
+  return block_k * (head_dim + v_head_dim) * itemsize + block_k * 4 + 24
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,14 +307,16 @@ def _check(cfg, itemsize, head_dim, device, limit, what, **kw):
 
 
 def fit_forward_config(cfg: ForwardConfig | None, dtype, head_dim: int, q_len: int,
-                       kv_len: int, device: str, v_head_dim: int | None = None) -> ForwardConfig:
+                       kv_len: int, device: str, v_head_dim: int | None = None,
+                       mask_mod: bool = False) -> ForwardConfig:
   """The forward config to launch: explicit ``cfg`` checked, or the table's shrunk to fit.
 
   ``head_dim`` and ``v_head_dim`` (None: ``head_dim``) are the padded query/key and value
-  head_dims the kernel loads.
+  head_dims the kernel loads. ``mask_mod``: the call's mask has one (it costs shared memory:
+  :func:`mask_mod_smem_bytes`).
   """
   itemsize, limit = np.dtype(dtype).itemsize, smem_limit(device)
-  kw = {"v_head_dim": v_head_dim}
+  kw = {"v_head_dim": v_head_dim, "mask_mod": mask_mod}
   if cfg is not None:
     return with_fast_exp2(_check(cfg, itemsize, head_dim, device, limit, "forward_config", **kw), device)
   cfg = _lookup(FORWARD_TABLE, device, dtype, head_dim, v_head_dim)
@@ -293,11 +326,15 @@ def fit_forward_config(cfg: ForwardConfig | None, dtype, head_dim: int, q_len: i
 
 def fit_backward_config(cfg: BackwardConfig | None, dtype, head_dim: int, q_len: int,
                         kv_len: int, device: str, impl: str | None = None,
-                        v_head_dim: int | None = None) -> BackwardConfig:
+                        v_head_dim: int | None = None, mask_mod: bool = False) -> BackwardConfig:
   """The backward config to launch for backward ``impl`` (None: the two-pass kernels;
-  see :func:`fit_forward_config`)."""
+  see :func:`fit_forward_config`, also for ``mask_mod``).
+
+  With a mask_mod the sm_90 bf16 head_dim-128 entry (64 x 128 dK/dV tiles, 3 stages) still
+  fits the two-pass kernels (229,912 of 232,448 bytes) but not the one-pass one (280,600):
+  shrinking stages first gives 247,320 at 2 stages and 214,040 at 1."""
   itemsize, limit = np.dtype(dtype).itemsize, smem_limit(device)
-  kw = {"onepass": impl == "triton_onepass", "v_head_dim": v_head_dim}
+  kw = {"onepass": impl == "triton_onepass", "v_head_dim": v_head_dim, "mask_mod": mask_mod}
   if cfg is not None:
     return with_fast_exp2(_check(cfg, itemsize, head_dim, device, limit, "backward_config", **kw),
                           device)
