@@ -25,11 +25,12 @@ import jax.numpy as jnp  # noqa: E402
 import pytest  # noqa: E402
 
 from probjax.nn.layers.attention import dot_product_attention  # noqa: E402
+from probjax.ops.attention import flex_attention  # noqa: E402
 from probjax.ops.attention import masks as M  # noqa: E402
 from probjax.ops.attention.backends import mosaic_gpu as pm  # noqa: E402
 from probjax.ops.attention.backends import triton as pt  # noqa: E402
 from probjax.ops.attention.reference import reference_attention, reference_vjp  # noqa: E402
-from probjax.testing import assert_matches, make_inputs, poison  # noqa: E402
+from probjax.testing import assert_matches, make_inputs, poison, reference_jvp  # noqa: E402
 
 # Interpret mode can hang (above) or crawl on a loaded machine: fail loudly instead of stalling
 # CI. "thread": a hung test sits in XLA, where a signal would never reach Python.
@@ -270,3 +271,57 @@ def test_gpu_cudnn_garbage_past_kv_lengths(q_len, kv_len, grads):
   attn = lambda q, k, v: dot_product_attention(q, k, v, mask=mask, implementation="cudnn")
   _check_garbage_ignored(attn, x, mask, grads=grads,
                          what=f"cuDNN via {cudnn.route()} Tq{q_len} Tkv{kv_len} {'grads' if grads else 'forward'}")
+
+
+# -- tiny lengths: no CTA past the tiles of the mask -----------------------------------------
+# Each Mosaic kernel indexes its precomputed per-tile ranges (segment ids) by its grid position,
+# so its grid may not reach past the mask's tiles. Backward tiles of 128 queries and keys over
+# CTAs of one 64-row warpgroup (the interpret-mode default) are where a grid rounded to the
+# other kernel's tiles would have such CTAs: at q_len = kv_len = 1 a second key-tile CTA of the
+# dK/dV kernel, reading the segment ranges past their end (interpret mode raises "Out-of-bounds
+# read"; a GPU reads whatever lies there). Lengths and bands, whose ranges the kernels compute,
+# and the lengths' NaN/inf tails (planted past them) at the same tiny shapes.
+MOSAIC_BWD_128 = pm.MosaicBackwardConfig(block_q=128, block_k=128, num_stages=2, compute_wgs=1)
+TINY_BWD = {"two kernels": MOSAIC_BWD_128, "fused_dq": dataclasses.replace(MOSAIC_BWD_128, fused_dq=True)}
+
+
+def _tiny_mask(kind, t):
+  if kind == "segments":  # one document, and two (one at t = 1)
+    ids = jnp.stack([jnp.zeros(t, jnp.int32), (jnp.arange(t) >= t // 2).astype(jnp.int32)])
+    return M.SegmentMask(ids, ids)
+  if kind == "lengths":  # batch element 0 has no key at t = 1
+    lengths = lambda *x: jnp.asarray(x, jnp.int32)
+    return M.LengthMask(lengths(t, (t + 1) // 2), lengths(t // 2, t))
+  return M.LocalWindowMask(left=1, right=0)
+
+
+def _tiny_cases(fast):
+  cases = [(t, kind) for t in (1, 2, 65) for kind in ("segments", "lengths", "band")]
+  return [pytest.param(*c, marks=() if c in fast else SLOW) for c in cases]
+
+
+@pytest.mark.parametrize("bwd", list(TINY_BWD))
+@pytest.mark.parametrize("t,kind", _tiny_cases(fast=[(1, "segments")]))
+def test_mosaic_backward_at_tiny_lengths(t, kind, bwd):
+  """Output and gradients of the Mosaic forward and backward (both kernels, and the dK/dV
+  kernel with the fused dQ) against the float64 reference at q_len = kv_len = t."""
+  x = make_inputs(14, 2, t, t, 2, 1, 64, jnp.bfloat16)
+  mask = _tiny_mask(kind, t)
+  attn = lambda q, k, v: pm.attention(q, k, v, mask=mask, backward_pass_impl="mosaic", backward_config=TINY_BWD[bwd],
+                                      interpret=True)
+  _check_garbage_ignored(attn, x, mask, what=f"mosaic backward {bwd}, T{t} {kind}")
+
+
+@pytest.mark.parametrize("t,kind", _tiny_cases(fast=[(1, "segments")]))
+def test_mosaic_jvp_at_tiny_lengths(t, kind):
+  """The fused forward + JVP kernel's output and tangent against the float64 reference at
+  q_len = kv_len = t."""
+  x = make_inputs(15, 2, t, t, 2, 1, 64, jnp.bfloat16)
+  mask = _tiny_mask(kind, t)
+  tans = tuple(jax.random.normal(jax.random.key(16 + i), a.shape).astype(a.dtype) for i, a in enumerate((x.q, x.k, x.v)))
+  f = lambda q, k, v: flex_attention(q, k, v, mask=mask, implementation="mosaic", interpret=True)
+  assert "probjax_attention_fwd_jvp_mosaic" in str(jax.make_jaxpr(lambda p, d: jax.jvp(f, p, d))((x.q, x.k, x.v), tans))
+  out, dot = jax.jvp(f, (x.q, x.k, x.v), tans)
+  want_out, want_dot = reference_jvp(x.q, x.k, x.v, dict(zip("qkv", tans)), mask=mask)
+  assert_matches(dict(out=out, tangent=dot), dict(out=want_out, tangent=want_dot), x.q.dtype,
+                 what=f"mosaic jvp T{t} {kind}")

@@ -497,7 +497,7 @@ def test_persistent_schedule_by_work_balances_causal_documents():
   ids = jnp.asarray(np.arange(t) * 4 // t, jnp.int32)[None]
   mask = M.SegmentMask(ids, ids) & M.CausalMask()
   band, lengths, lens = C.split_mask(mask, 1, t, t)
-  rng = C.segment_operands(mask, 1, t, t, t, t, rows, 128, by_q=True)[0]
+  rng = C.segment_operands(mask, 1, t, t, t, t, rows, 128, by_q=True, n_outer=t // rows)[0]
   work = np.asarray(F.tile_work(band, lens, rng, lengths=lengths, segments=True, n_q=t // rows, rows=rows,
                                 kv_len=t, block_k=128))
   assert (work[0] == np.arange(128) % 32 + 1).all()

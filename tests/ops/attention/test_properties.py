@@ -493,6 +493,9 @@ def test_triton_interpret_thorough(selected_slow, call, implementation, transfor
 
 
 MOSAIC_KV_CACHE = AttnCase(1, 64, 64, 2, 1, 64, dtype="bfloat16", mask=MaskSpec(causal=0))
+# Segment ids at q_len = kv_len = 1: the backward's grids may not reach past the mask's tiles,
+# whose precomputed segment ranges the kernels index by grid position.
+MOSAIC_ONE_TOKEN_DOCS = AttnCase(2, 1, 1, 2, 1, 64, dtype="bfloat16", mask=MaskSpec(segments=(2, 0)))
 
 
 # Interpret-mode Mosaic runs warpgroups as threads that can deadlock inside XLA callbacks, where a
@@ -505,6 +508,7 @@ MOSAIC_KV_CACHE = AttnCase(1, 64, 64, 2, 1, 64, dtype="bfloat16", mask=MaskSpec(
                          scales=(None, 0.3, 1.0)),  # the Mosaic kernel refuses a negative scale
        transform=st.sampled_from(["vjp", "jvp"]), backward=st.sampled_from(["auto", "mosaic"]))
 @example(call=(MOSAIC_KV_CACHE, True), transform="vjp", backward="mosaic")
+@example(call=(MOSAIC_ONE_TOKEN_DOCS, False), transform="vjp", backward="mosaic")
 def test_mosaic_interpret_thorough(selected_slow, call, transform, backward):
   """The Mosaic GPU forward (with the Triton or the Mosaic backward) in interpret mode."""
   case, jit = call

@@ -401,6 +401,10 @@ def backward(q, k, v, out, lse, do, mask: Mask | None, *, scale: float, config: 
   wgs, stages = cfg.compute_wgs, cfg.num_stages
   q_pad = round_up(q_len, math.lcm(wgs * R, cfg.block_q))   # whole tiles of both kernels
   kv_pad = round_up(kv_len, math.lcm(wgs * R, cfg.block_k))
+  # Each kernel's grid covers its own rows' tiles of the arrays, not the pads: a pad rounded
+  # to the other kernel's tiles (block_k or block_q wider than 64 * compute_wgs) would add CTAs
+  # wholly past the end, whose segment ranges (one per tile the mask has) do not exist.
+  n_kv, n_q = num_tiles(kv_len, wgs * R), num_tiles(q_len, wgs * R)
   delta = output_delta(out, do, mask)
   stats = jnp.stack([pad_axis(lse * C.LOG2E, 2, q_pad, jnp.inf), pad_axis(delta, 2, q_pad)], axis=2)
   # Operands and gradients are not copied to whole tiles (:func:`.common.tma_rows`): rows past
@@ -438,9 +442,9 @@ def backward(q, k, v, out, lse, do, mask: Mask | None, *, scale: float, config: 
       functools.partial(_dkv_kernel, **static, interpret=bool(interpret)),
       out_type=(jax.ShapeDtypeStruct((batch, kv_rows, kv_heads, d), k.dtype),
                 jax.ShapeDtypeStruct((batch, kv_rows, kv_heads, d_v), v.dtype)),
-      scratch_types=dkv_scratch, grid=(num_tiles(kv_pad, wgs * R), batch, kv_heads),
+      scratch_types=dkv_scratch, grid=(n_kv, batch, kv_heads),
       grid_names=("kv_tiles", "batch", "kv_heads"), kernel_name="probjax_attention_bwd_dkv_mosaic",
-      **common)(qp, kp, vp, dop, stats, lens, *seg(cfg.block_q, wgs * R, by_q=False), *dq_acc)
+      **common)(qp, kp, vp, dop, stats, lens, *seg(cfg.block_q, wgs * R, by_q=False, n_outer=n_kv), *dq_acc)
   if cfg.fused_dq:
     dq = jax.freeze(dq_acc[0])
     if per_wg:
@@ -456,7 +460,7 @@ def backward(q, k, v, out, lse, do, mask: Mask | None, *, scale: float, config: 
   dq = plgpu.kernel(
       functools.partial(_dq_kernel, **static),
       out_type=jax.ShapeDtypeStruct((batch, q_rows, heads, d), q.dtype),
-      scratch_types=dq_scratch, grid=(num_tiles(q_pad, wgs * R), batch, heads),
+      scratch_types=dq_scratch, grid=(n_q, batch, heads),
       grid_names=("q_tiles", "batch", "heads"), kernel_name="probjax_attention_bwd_dq_mosaic",
-      **common)(qp, kp, vp, dop, stats, lens, *seg(wgs * R, cfg.block_k, by_q=True))
+      **common)(qp, kp, vp, dop, stats, lens, *seg(wgs * R, cfg.block_k, by_q=True, n_outer=n_q))
   return C.first_rows(dq, q_len), C.first_rows(dk, kv_len), C.first_rows(dv, kv_len)

@@ -14,7 +14,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from probjax.ops.attention.base import score_mod_pullback
 from probjax.ops.attention.call import KERNEL_MASK_KINDS
-from probjax.ops.attention.masks import Mask, band as band_mask, ranges_from_classes, round_up
+from probjax.ops.attention.masks import Mask, band as band_mask, pad_axis, ranges_from_classes, round_up
 
 LOG2E = math.log2(math.e)
 REGISTERS_PER_SM = 65536
@@ -61,18 +61,22 @@ def split_mask(mask: Mask | None, batch: int, q_len: int, kv_len: int):
 
 
 def segment_operands(mask: Mask | None, batch: int, q_len: int, kv_len: int, q_pad: int, kv_pad: int,
-                     block_q: int, block_k: int, *, by_q: bool):
+                     block_q: int, block_k: int, *, by_q: bool, n_outer: int):
   """``(ranges, q_ids, kv_ids)`` for a mask with segment ids, else small placeholders the
   kernel never reads. ``ranges [batch, 4, n_outer]``: per batch element and outer tile
   (query tiles of ``block_q`` rows when ``by_q``, else key tiles of ``block_k``) the inner
   tile range and its run of FULL tiles, from the whole mask's tile classes
   (:func:`~probjax.ops.attention.masks.ranges_from_classes`); ids padded to whole tiles with
-  values that match nothing."""
+  values that match nothing. ``n_outer``: the outer tiles of the kernel's grid, whose
+  position every CTA indexes the ranges by: grid tiles past the mask's get empty ranges, so
+  that no CTA reads past the array; a grid of fewer tiles than the mask raises."""
   if not has_segments(mask):
     return jnp.zeros((1, 4, 1), jnp.int32), jnp.zeros((1, 64), jnp.int32), jnp.zeros((1, 64), jnp.int32)
   classes = mask.classify_tiles(batch, q_len, kv_len, block_q, block_k)
   ranges = ranges_from_classes(classes if by_q else jnp.swapaxes(classes, 1, 2))
-  return (ranges, *mask.padded_segment_ids(batch, q_pad, kv_pad))
+  if ranges.shape[2] > n_outer:
+    raise ValueError(f"the grid's {n_outer} outer tiles do not cover the mask's {ranges.shape[2]}")
+  return (pad_axis(ranges, 2, n_outer), *mask.padded_segment_ids(batch, q_pad, kv_pad))
 
 
 def has_segments(mask: Mask | None) -> bool:

@@ -399,7 +399,8 @@ def forward(q, k, v, mask: Mask | None, *, scale: float, config: MosaicForwardCo
   if interpret:  # P's staging buffer (see common.mma_acc)
     scratch.append(plgpu.SMEM((cfg.compute_wgs, cfg.block_q, cfg.block_k), q.dtype, transforms=tiled))
   band, lengths, lens = C.split_mask(mask, batch, q_len, kv_len)
-  seg_ops = C.segment_operands(mask, batch, q_len, kv_len, q_pad, kv_pad, rows, cfg.block_k, by_q=True)
+  seg_ops = C.segment_operands(mask, batch, q_len, kv_len, q_pad, kv_pad, rows, cfg.block_k, by_q=True,
+                               n_outer=num_tiles(q_pad, rows))
   segments = C.has_segments(mask)
   # Grid and schedule in units of ``cfg.cluster`` query tiles (a cluster's CTAs share them).
   tiles = (num_tiles(q_pad, rows) // cfg.cluster, batch, heads)

@@ -260,10 +260,10 @@ def forward_jvp(q, k, v, qd, kd, vd, mask: Mask | None, *, scale: float, config:
     warn_if_interpret_may_hang(wgs + 1)
   band, lengths, lens = C.split_mask(mask, batch, q_len, kv_len)
   segments = C.has_segments(mask)
-  seg_ops = C.segment_operands(mask, batch, q_len, kv_len, q_pad, kv_pad, rows, bk, by_q=True)
+  grid = (num_tiles(q_pad, rows), batch, heads)
+  seg_ops = C.segment_operands(mask, batch, q_len, kv_len, q_pad, kv_pad, rows, bk, by_q=True, n_outer=grid[0])
   # Segment ids make a tile's work follow its document, not its position.
   reverse = cfg.heavy_first and band is not None and band.work_grows(by_q=True) and not segments
-  grid = (num_tiles(q_pad, rows), batch, heads)
   kernel = functools.partial(
       _kernel, band=band, lengths=lengths, segments=segments, scale=scale, groups=heads // kv_heads, cfg=cfg,
       q_len=q_len, kv_len=kv_len, dtype=dtype, grid=grid, reverse=reverse, own_out=own_out,
