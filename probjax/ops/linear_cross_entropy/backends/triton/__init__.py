@@ -22,7 +22,8 @@ class Triton(Backend[LinearCrossEntropyCall]):
     return pallas_triton.unavailable(device)
 
   def supports(self, call: LinearCrossEntropyCall, device: Device) -> str | None:
-    return self.available(device) or pallas_triton.float64_refusal(call.dtype, device, "inputs")
+    return (self.available(device) or pallas_triton.float64_refusal(call.dtype, device, "inputs")
+            or kernels.tiles_refusal(call, device))
 
   def tile(self, call: LinearCrossEntropyCall) -> tuple[int, int]:
     """The kernels' ``(block_t, block_v)``."""
