@@ -89,11 +89,12 @@ def attention_implementation(call: MLACall, form: str, device: Device,
 # The backend that runs a form through attention's face; every other backend is MLA's own kernel
 # of the absorbed form.
 ATTENTION_ROUTE = "xla"
-# Tuned values (``tuning/gpu.json``, values only; :mod:`probjax.core.tuning`). "decode_max_queries":
-# auto runs the decode kernel for at most this many queries per step. Its row tiles hold heads x
-# queries and each reads the step's latent, so its time grows with the queries: at 128 heads it
-# is ahead of attention's XLA path with one query and behind it with two (docs/dev/decisions.md,
-# "MLA: values of their own width and decoding").
+# Tuned values (``tuning/gpu.json``, ``tuning/sm_90.json``; values only: :mod:`probjax.core.tuning`).
+# "decode_kernels": ``(kernel, max_queries)`` pairs, fastest first. A kernel's row tiles hold
+# heads x queries and each reads the step's latent, so its time grows with the queries: at 128
+# heads the Triton kernel is ahead of attention's XLA path with one query and behind it with two,
+# and on sm_90 the Mosaic kernel (wgmma, TMA) is ahead of the Triton one at one query
+# (docs/dev/decisions.md, "MLA: values of their own width and decoding").
 TUNING = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuning")
 
 

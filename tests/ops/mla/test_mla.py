@@ -105,7 +105,7 @@ def test_on_a_gpu_widths_that_differ_leave_it_to_attention():
 
 
 # -- every decision against the one the dispatch gave before the registry (issue 40) ----------
-# The rows were computed by the previous dispatch (MLA's own Decision: form, rule, kernel,
+# The rows were first computed by the previous dispatch (MLA's own Decision: form, rule, kernel,
 # kernel_rule, attention_implementation, attention_rule) before it moved to the core Decision;
 # they are data, so a change of any choice or reason shows here. Columns: device, widths, q_len,
 # kv_len, form, implementation, mask, page_size -> implementation (the MLA backend), form, the
@@ -119,7 +119,7 @@ WIDTHS = {  # batch, heads, d_nope, d_rope, d_c, d_v, dtype
 }
 ABSORBED = "{} queries over {} positions: attending over the shared latent does less work than forming K and V per head".format
 EXPANDED = "{} queries over {} positions: forming K and V per head does less work than attending over the wide latent".format
-SLOWER = "{} queries > 1: the kernel is slower than attention's XLA path here".format
+SLOWER = "mosaic: {0} queries > 1: the kernel is slower than attention's XLA path here; triton: {0} queries > 1: the kernel is slower than attention's XLA path here".format
 SPLIT_KV = ("absorbed decode of 1 queries: the latent streamed once per head tile by split-KV (forward; the gradient is "
             "the XLA form's)")
 NOT_GPU = "not an absorbed call on an NVIDIA GPU"
@@ -128,17 +128,17 @@ WIDE_576 = "attention's default at query/key head_dim 576, value head_dim 512"
 NARROW_192 = "attention's default at query/key head_dim 192, value head_dim 128"
 DISPATCH_TABLE = [
     (('h200', 'deepseek', 1, 4096, 'auto', None, None, None),
-     ('triton', 'absorbed', ABSORBED(1, 4096), SPLIT_KV, None, None)),
+     ('mosaic', 'absorbed', ABSORBED(1, 4096), SPLIT_KV, None, None)),
     (('h200', 'deepseek', 1, 4096, 'auto', None, 'kv_len', None),
-     ('triton', 'absorbed', ABSORBED(1, 4096), SPLIT_KV, None, None)),
+     ('mosaic', 'absorbed', ABSORBED(1, 4096), SPLIT_KV, None, None)),
     (('h200', 'deepseek', 1, 4096, 'auto', None, 'kv_len', 64),
-     ('triton', 'absorbed', ABSORBED(1, 4096), SPLIT_KV, None, None)),
+     ('mosaic', 'absorbed', ABSORBED(1, 4096), SPLIT_KV, None, None)),
     (('h200', 'deepseek', 1, 4096, 'auto', None, 'kv_len', 8),
-     ('xla', 'absorbed', ABSORBED(1, 4096), 'page_size 8 must be a multiple of 16 (>= 16)', 'default', WIDE_576)),
+     ('xla', 'absorbed', ABSORBED(1, 4096), 'mosaic: page_size 8: the Mosaic GPU decode kernel takes a power of two >= 64; triton: page_size 8 must be a multiple of 16 (>= 16)', 'default', WIDE_576)),
     (('h200', 'deepseek', 1, 4096, 'auto', None, 'causal', None),
-     ('xla', 'absorbed', ABSORBED(1, 4096), "mask predicates ('band',): the decode kernel takes KVLenMask only", 'default', WIDE_576)),
+     ('mosaic', 'absorbed', ABSORBED(1, 4096), SPLIT_KV, None, None)),
     (('h200', 'deepseek', 1, 4096, 'auto', None, 'causal&kv_len', 64),
-     ('xla', 'absorbed', ABSORBED(1, 4096), "mask predicates ('band', 'kv_lengths'): the decode kernel takes KVLenMask only", 'default', WIDE_576)),
+     ('mosaic', 'absorbed', ABSORBED(1, 4096), SPLIT_KV, None, None)),
     (('h200', 'deepseek', 2, 4096, 'auto', None, None, None),
      ('xla', 'absorbed', ABSORBED(2, 4096), SLOWER(2), 'default', WIDE_576)),
     (('h200', 'deepseek', 2, 4096, 'auto', None, 'kv_len', 64),
@@ -178,13 +178,13 @@ DISPATCH_TABLE = [
     (('h200', 'small', 1, 64, 'absorbed', 'triton', None, None),
      (ValueError, "implementation='triton': d_c 12 is not a multiple of 16")),
     (('h200', 'small', 1, 64, 'auto', None, None, None),
-     ('xla', 'absorbed', ABSORBED(1, 64), 'd_c 12 is not a multiple of 16', 'default', "attention's default at query/key head_dim 16, value head_dim 12")),
+     ('xla', 'absorbed', ABSORBED(1, 64), 'mosaic: dtype float32: the Mosaic GPU decode kernel takes bfloat16 and float16; triton: d_c 12 is not a multiple of 16', 'default', "attention's default at query/key head_dim 16, value head_dim 12")),
     (('h200', 'small', 4, 64, 'auto', None, 'causal', None),
      ('xla', 'absorbed', ABSORBED(4, 64), SLOWER(4), 'default', "attention's default at query/key head_dim 16, value head_dim 12")),
     (('h200', 'equal', 4096, 4096, 'auto', None, None, None),
      ('xla', 'expanded', EXPANDED(4096, 4096), NOT_GPU, 'default', "attention's default")),
     (('h200', 'equal', 1, 4096, 'auto', None, 'kv_len', 64),
-     ('triton', 'absorbed', ABSORBED(1, 4096), SPLIT_KV, None, None)),
+     ('mosaic', 'absorbed', ABSORBED(1, 4096), SPLIT_KV, None, None)),
     (('rocm', 'deepseek', 1, 4096, 'auto', None, None, None),
      ('xla', 'absorbed', ABSORBED(1, 4096), NOT_GPU, 'default', WIDE_576)),
     (('cpu', 'deepseek', 1, 4096, 'auto', None, None, None),
@@ -262,7 +262,7 @@ def test_the_registry_names_and_requests():
   d = explain_dispatch(*call, device=CPU, implementation="flash")   # attention refuses it when called
   assert d.implementation == "xla" and d.get("attention") == Decision("flash", "requested")
   row = explain_dispatch(*call, device=H200).as_dict()
-  assert row["implementation"] == "triton" and row["config"]["form"] == "absorbed" and row["rule"] == SPLIT_KV
+  assert row["implementation"] == "mosaic" and row["config"]["form"] == "absorbed" and row["rule"] == SPLIT_KV
 
 
 @pytest.mark.parametrize("name", ["triton", "mosaic", "cudnn"])

@@ -18,6 +18,7 @@ from tests.ops.mla.conformance import MLAConformance, inputs, to_pages
 TF32 = float32_is_tf32()  # on a GPU, float32 matmuls run as TF32 (tolerances bound that)
 
 H200 = Device("gpu", (9, 0), 140 << 30)
+A100 = Device("gpu", (8, 0), 80 << 30)
 CPU = Device("cpu")
 DIMS = dict(heads=4, d_nope=8, d_rope=16, d_c=64, d_v=8)
 
@@ -77,10 +78,10 @@ def test_dispatch_and_refusals():
   sds = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
   shapes = lambda tq, s: (sds(4, tq, 128, 128), sds(4, tq, 128, 64), sds(4, s, 512), sds(4, s, 64),
                           sds(512, 128, 128), sds(512, 128, 128))
-  d = explain_dispatch(*shapes(1, 4096), device=H200)
+  d = explain_dispatch(*shapes(1, 4096), device=A100)   # sm_90 picks the Mosaic kernel (test_mla_mosaic)
   assert d.get("form") == "absorbed" and d.implementation == "triton" and "split-KV" in d.rule
   assert explain_dispatch(*shapes(1, 4096), device=CPU).implementation == "xla"
-  assert explain_dispatch(*shapes(1, 4096), device=H200, mask=CausalMask()).implementation == "xla"
+  assert explain_dispatch(*shapes(1, 4096), device=A100, mask=CausalMask()).implementation == "xla"
   assert explain_dispatch(*shapes(4096, 4096), device=H200).implementation == "xla"
   assert explain_dispatch(*shapes(2, 4096), device=H200).implementation == "xla"   # two queries: XLA is faster (measured)
   with pytest.raises(ValueError, match="implementation"):
@@ -100,10 +101,12 @@ def test_gpu_h128_bf16():
   lengths = jnp.array([4096, 1000, 1, 0], jnp.int32)
   args = plant_nan(inputs(6, b, 1, s, heads=128, d_nope=128, d_rope=64, d_c=512, d_v=128, dtype=jnp.bfloat16)[0], lengths)
   mask = KVLenMask(lengths)
-  assert explain_dispatch(*args, mask=mask).implementation == "triton"
-  out = mla(*args, mask=mask, form="absorbed")
+  assert explain_dispatch(*args, mask=mask).implementation == "mosaic"   # tuning/sm_90.json
   ref = reference_mla(*args, mask=mask)
-  assert max_error(out, ref) <= tolerance(jnp.bfloat16)
   (lat, table), (rope, _) = to_pages(args[2], 64, 0), to_pages(args[3], 64, 0)
-  paged = mla(*args[:2], lat, rope, *args[4:], mask=mask, form="absorbed", page_table=jnp.asarray(table, jnp.int32))
-  assert max_error(paged, out) <= tolerance(jnp.bfloat16)
+  for implementation in (None, "triton"):   # the default (Mosaic) and the Triton kernel
+    out = mla(*args, mask=mask, form="absorbed", implementation=implementation)
+    assert max_error(out, ref) <= tolerance(jnp.bfloat16), implementation
+    paged = mla(*args[:2], lat, rope, *args[4:], mask=mask, form="absorbed", implementation=implementation,
+                page_table=jnp.asarray(table, jnp.int32))
+    assert max_error(paged, out) <= tolerance(jnp.bfloat16), implementation

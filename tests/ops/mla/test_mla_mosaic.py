@@ -174,11 +174,13 @@ def _shapes(tq=1, s=4096, b=4, dtype=jnp.bfloat16, **dims):
           sd(d["d_c"], d["heads"], d["d_nope"]), sd(d["d_c"], d["heads"], d["d_v"]))
 
 
-def test_requested_only_and_listed():
-  """The default never picks the kernel (unmeasured); ``implementation="mosaic"`` (or
-  ``"mosaic_gpu"``) with the absorbed form asks for it, on sm_90 and in interpret mode off the
-  GPU; it is listed where it runs."""
-  assert explain_dispatch(*_shapes(), device=H200).implementation == "triton"
+def test_default_requested_and_listed():
+  """The default picks the kernel for one-query decoding on sm_90 (``tuning/sm_90.json``) and
+  the Triton one on an A100; ``implementation="mosaic"`` (or ``"mosaic_gpu"``) with the absorbed
+  form asks for it, on sm_90 and in interpret mode off the GPU; it is listed where it runs."""
+  assert explain_dispatch(*_shapes(), device=H200).implementation == "mosaic"
+  assert explain_dispatch(*_shapes(), device=A100).implementation == "triton"
+  assert explain_dispatch(*_shapes(2), device=H200).implementation == "xla"
   for name in ("mosaic", "mosaic_gpu"):
     d = explain_dispatch(*_shapes(), device=H200, implementation=name, form="absorbed")
     assert (d.implementation, d.rule, d.get("form")) == ("mosaic", "requested", "absorbed")
