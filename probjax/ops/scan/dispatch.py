@@ -50,6 +50,11 @@ from probjax.ops.scan.calls import SSDCall
 # calls those kernels cannot take run the associative form (memory permitting). RLA's chunked
 # XLA form keeps its state updates on tensor cores, which the Triton backward kernels do not;
 # SSD's chunked form at chunk 64 beats the kernels' chunk of 32.
+#
+# A value is a backend name, or ``{dtype: name, ..., "other": name}`` where the fastest form
+# depends on the inputs' dtype. E.g. RLA: in bfloat16 the Triton kernels beat the chunked form
+# about twice, forward and differentiated, while in float32 the chunked form was the faster one
+# by as much (docs/dev/decisions.md, "RLA by dtype").
 TUNING = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuning")
 
 
@@ -83,12 +88,23 @@ def device_of(call) -> Device:
   return Device.interpreter() if call.interpret else Device.current()
 
 
+def tuned_form(call, device: Device, table: str) -> str:
+  """The backend ``tuning``'s ``table`` ("forward", "grad" or "default") names for ``call``'s op
+  and dtype (a name, or ``{dtype: name, "other": name}``)."""
+  value = tuned(device)[table][registry_of(call).op]
+  if isinstance(value, dict):
+    return value.get(call.dtype, value["other"])
+  return value
+
+
 def _gpu_grad(call, device: Device, kernel_ok: bool) -> str:
-  """What a differentiated call runs on a GPU (``tuning/gpu.json`` "grad"; the associative form
-  where the kernels cannot take it, memory permitting)."""
-  grad = tuned(device)["grad"][registry_of(call).op]
+  """What a differentiated call runs on a GPU (``tuning/gpu.json`` "grad"; where the kernels
+  cannot take it, the associative form, memory permitting, or the chunked one for ops without
+  an associative form)."""
+  reg = registry_of(call)
+  grad = tuned_form(call, device, "grad")
   if grad == "triton" and not kernel_ok:
-    grad = "associative"
+    grad = "associative" if "associative" in reg.names() else "chunked"
   if grad == "associative" and device.memory_bytes:
     states = 3 * 4 * call.batch * call.length * call.channels * call.state
     if states > ASSOCIATIVE_MEMORY_SHARE * device.memory_bytes:
@@ -127,14 +143,14 @@ def decide(call, implementation: str | None, device: Device) -> Decision:
   if device.platform == "gpu":
     why = registry.refusal(reg, "triton", call, device)
     grad = _gpu_grad(call, device, why is None)
-    if tuned(device)["forward"][reg.op] == "chunked":
+    if tuned_form(call, device, "forward") == "chunked":
       return _decision(call, "chunked", "GPU: the chunked XLA form, the fastest forward measured; "
                        "differentiated, the fastest forward+backward measured", grad)
     if why is None:
       return _decision(call, "triton", "GPU: the Triton kernels compute the call exactly; differentiated, "
                        "the fastest forward+backward measured", grad)
     return _decision(call, "chunked", f"GPU: the Triton kernels cannot take it ({why})", grad)
-  return _decision(call, tuned(device)["default"][reg.op], f"platform {device.platform}: the fastest exact XLA form measured on CPU")
+  return _decision(call, tuned_form(call, device, "default"), f"platform {device.platform}: the fastest exact XLA form measured on CPU")
 
 
 def with_grad_of(primal, grad):

@@ -34,7 +34,7 @@ def _grad(decision):
 @pytest.mark.parametrize("op, expect", [("mamba", "scan"), ("ssd", "chunked"), ("rla", "chunked")])
 def test_cpu_default_is_the_fastest_exact_xla_form(op, expect):
   d = scan.explain_dispatch(CALLS[op], device=CPU)
-  assert d.implementation == expect == dispatch.tuned(Device("cpu"))["default"][dispatch.registry_of(CALLS[op]).op]
+  assert d.implementation == expect == dispatch.tuned_form(CALLS[op], Device("cpu"), "default")
   assert "cpu" in d.rule
 
 
@@ -42,9 +42,10 @@ def test_cpu_default_is_the_fastest_exact_xla_form(op, expect):
 @pytest.mark.parametrize("op", list(CALLS))
 def test_gpu_default_is_the_fastest_measured_form(op, device):
   d = scan.explain_dispatch(CALLS[op], device=device)
-  # Forward: the Mamba-1 kernel; SSD's and RLA's chunked XLA forms. Differentiated: the
-  # Mamba-1 kernels, the chunked forms (one form forward and backward: no grad decision).
-  assert d.implementation == {"mamba": "triton", "ssd": "chunked", "rla": "chunked"}[op], d
+  # Forward: the Mamba-1 kernel, SSD's chunked XLA form, RLA's kernel in bfloat16 (its chunked
+  # form in float32: test_gpu_rla_form_follows_the_dtype). Differentiated: the same (one form
+  # forward and backward: no grad decision).
+  assert d.implementation == {"mamba": "triton", "ssd": "chunked", "rla": "triton"}[op], d
   assert d.grad is None, d
   if op == "mamba":
     assert d.get("chunk_size") == 32
@@ -52,6 +53,24 @@ def test_gpu_default_is_the_fastest_measured_form(op, device):
   # RLA's run.
   asked = scan.explain_dispatch(CALLS[op], implementation="triton", device=device)
   assert _grad(asked) == ("chunked" if op == "ssd" else None), asked
+
+
+@pytest.mark.parametrize("dtype, form", [("bfloat16", "triton"), ("float32", "chunked"), ("float16", "chunked")])
+def test_gpu_rla_form_follows_the_dtype(dtype, form):
+  """RLA's tuned form is per dtype (``{"bfloat16": "triton", "other": "chunked"}``): the one
+  measured fastest in that dtype, forward and differentiated; a dtype not measured runs the
+  chunked form."""
+  d = scan.explain_dispatch(dataclasses.replace(RLA, dtype=dtype), device=H200)
+  assert (d.implementation, d.grad) == (form, None), d
+  assert dispatch.tuned_form(dataclasses.replace(RLA, dtype=dtype), H200, "grad") == form
+
+
+def test_gpu_rla_kernel_refusal_runs_chunked_with_the_reason():
+  """A bfloat16 RLA call the kernels refuse runs the chunked form forward and backward (RLA has
+  no associative form), the reason naming the refusal."""
+  d = scan.explain_dispatch(dataclasses.replace(RLA, v_head_dim=512), device=H200)
+  assert (d.implementation, d.grad) == ("chunked", None), d
+  assert "v_head_dim = 512" in d.rule, d
 
 
 def test_gpu_grad_default_falls_back_to_chunked_for_memory():
@@ -224,9 +243,9 @@ _RECORDED = {
     ('ssd L9 bfloat16', 'rtx3090'): ['chunked/16 #5', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/16 grad chunked/16 #1'],
     ('ssd L9 bfloat16', 'interpret'): ['chunked/16 #5', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/16 grad chunked/16 #1'],
     ('rla L9 bfloat16', 'cpu'): ['chunked/16 #0', 'scan #1', 'chunked/16 #1', 'ValueError #6'],
-    ('rla L9 bfloat16', 'h200'): ['chunked/16 #5', 'scan #1', 'chunked/16 #1', 'triton/16 #1'],
-    ('rla L9 bfloat16', 'rtx3090'): ['chunked/16 #5', 'scan #1', 'chunked/16 #1', 'triton/16 #1'],
-    ('rla L9 bfloat16', 'interpret'): ['chunked/16 #5', 'scan #1', 'chunked/16 #1', 'triton/16 #1'],
+    ('rla L9 bfloat16', 'h200'): ['triton/16 #3', 'scan #1', 'chunked/16 #1', 'triton/16 #1'],
+    ('rla L9 bfloat16', 'rtx3090'): ['triton/16 #3', 'scan #1', 'chunked/16 #1', 'triton/16 #1'],
+    ('rla L9 bfloat16', 'interpret'): ['triton/16 #3', 'scan #1', 'chunked/16 #1', 'triton/16 #1'],
     ('mamba L20 bfloat16', 'cpu'): ['scan #0', 'scan #1', 'associative #1', 'chunked/4 #1', 'ValueError #2'],
     ('mamba L20 bfloat16', 'h200'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/4 #1', 'triton/32 #1'],
     ('mamba L20 bfloat16', 'rtx3090'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/4 #1', 'triton/32 #1'],
@@ -236,9 +255,9 @@ _RECORDED = {
     ('ssd L20 bfloat16', 'rtx3090'): ['chunked/32 #5', 'scan #1', 'associative #1', 'chunked/32 #1', 'triton/32 grad chunked/32 #1'],
     ('ssd L20 bfloat16', 'interpret'): ['chunked/32 #5', 'scan #1', 'associative #1', 'chunked/32 #1', 'triton/32 grad chunked/32 #1'],
     ('rla L20 bfloat16', 'cpu'): ['chunked/32 #0', 'scan #1', 'chunked/32 #1', 'ValueError #6'],
-    ('rla L20 bfloat16', 'h200'): ['chunked/32 #5', 'scan #1', 'chunked/32 #1', 'triton/32 #1'],
-    ('rla L20 bfloat16', 'rtx3090'): ['chunked/32 #5', 'scan #1', 'chunked/32 #1', 'triton/32 #1'],
-    ('rla L20 bfloat16', 'interpret'): ['chunked/32 #5', 'scan #1', 'chunked/32 #1', 'triton/32 #1'],
+    ('rla L20 bfloat16', 'h200'): ['triton/32 #3', 'scan #1', 'chunked/32 #1', 'triton/32 #1'],
+    ('rla L20 bfloat16', 'rtx3090'): ['triton/32 #3', 'scan #1', 'chunked/32 #1', 'triton/32 #1'],
+    ('rla L20 bfloat16', 'interpret'): ['triton/32 #3', 'scan #1', 'chunked/32 #1', 'triton/32 #1'],
     ('mamba L300 bfloat16', 'cpu'): ['scan #0', 'scan #1', 'associative #1', 'chunked/16 #1', 'ValueError #2'],
     ('mamba L300 bfloat16', 'h200'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/32 #1'],
     ('mamba L300 bfloat16', 'rtx3090'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/32 #1'],
@@ -248,9 +267,9 @@ _RECORDED = {
     ('ssd L300 bfloat16', 'rtx3090'): ['chunked/64 #5', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
     ('ssd L300 bfloat16', 'interpret'): ['chunked/64 #5', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
     ('rla L300 bfloat16', 'cpu'): ['chunked/64 #0', 'scan #1', 'chunked/64 #1', 'ValueError #6'],
-    ('rla L300 bfloat16', 'h200'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
-    ('rla L300 bfloat16', 'rtx3090'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
-    ('rla L300 bfloat16', 'interpret'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
+    ('rla L300 bfloat16', 'h200'): ['triton/64 #3', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
+    ('rla L300 bfloat16', 'rtx3090'): ['triton/64 #3', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
+    ('rla L300 bfloat16', 'interpret'): ['triton/64 #3', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
     ('mamba L2048 bfloat16', 'cpu'): ['scan #0', 'scan #1', 'associative #1', 'chunked/64 #1', 'ValueError #2'],
     ('mamba L2048 bfloat16', 'h200'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 #1'],
     ('mamba L2048 bfloat16', 'rtx3090'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 #1'],
@@ -260,9 +279,9 @@ _RECORDED = {
     ('ssd L2048 bfloat16', 'rtx3090'): ['chunked/64 #5', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
     ('ssd L2048 bfloat16', 'interpret'): ['chunked/64 #5', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
     ('rla L2048 bfloat16', 'cpu'): ['chunked/64 #0', 'scan #1', 'chunked/64 #1', 'ValueError #6'],
-    ('rla L2048 bfloat16', 'h200'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
-    ('rla L2048 bfloat16', 'rtx3090'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
-    ('rla L2048 bfloat16', 'interpret'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
+    ('rla L2048 bfloat16', 'h200'): ['triton/64 #3', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
+    ('rla L2048 bfloat16', 'rtx3090'): ['triton/64 #3', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
+    ('rla L2048 bfloat16', 'interpret'): ['triton/64 #3', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
     ('mamba big state', 'cpu'): ['scan #0', 'scan #1', 'associative #1', 'chunked/32 #1', 'ValueError #2'],
     ('mamba big state', 'h200'): ['chunked/32 grad associative #7', 'scan #1', 'associative #1', 'chunked/32 #1', 'ValueError #8'],
     ('mamba big state', 'rtx3090'): ['chunked/32 #7', 'scan #1', 'associative #1', 'chunked/32 #1', 'ValueError #8'],
@@ -425,13 +444,13 @@ def test_rla_kernels_lower_for_sm90(fake_h200):
   q, k = S((2, 300, 8, 64), BF16), S((2, 300, 2, 64), BF16)
   fn = lambda q, k: scan.residual_linear_attention(q, k, k, window_size=64)
   grad = lambda fn: jax.grad(lambda q, k: jnp.sum(fn(q, k).astype(jnp.float32) ** 2), argnums=(0, 1))
-  # The default is the chunked XLA form's, forward and backward (faster than the kernels);
-  # asked for, the kernels run forward and backward.
-  assert _kernels(fn, q, k) == [] and _kernels(grad(fn), q, k) == []
+  # In bfloat16 the default is the kernels, forward and backward (faster than the chunked form);
+  # asked for, the same. In float32 the default is the chunked XLA form's (no kernel).
   asked = lambda q, k: scan.residual_linear_attention(q, k, k, window_size=64, implementation="triton")
-  assert _kernels(asked, q, k) == ["probjax_rla_fwd", "probjax_rla_fwd_states"]
-  assert _kernels(grad(asked), q, k) == ["probjax_rla_bwd", "probjax_rla_bwd_states", "probjax_rla_fwd",
-                                         "probjax_rla_fwd_states"]
+  for f in (fn, asked):
+    assert _kernels(f, q, k) == ["probjax_rla_fwd", "probjax_rla_fwd_states"]
+    assert _kernels(grad(f), q, k) == ["probjax_rla_bwd", "probjax_rla_bwd_states", "probjax_rla_fwd",
+                                       "probjax_rla_fwd_states"]
   # Rows wider than 128 (features 256 here) and GQA 8:1, float32 (TF32 dots).
   q32, k32 = S((1, 100, 8, 128), jnp.float32), S((1, 100, 1, 128), jnp.float32)
-  assert len(_kernels(grad(asked), q32, k32)) == 4
+  assert len(_kernels(grad(asked), q32, k32)) == 4 and _kernels(grad(fn), q32, k32) == []
