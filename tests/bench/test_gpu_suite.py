@@ -2,7 +2,7 @@
 
 from bench import gpu_suite
 
-JUNIT = """<?xml version="1.0"?><testsuites><testsuite name="pytest">
+JUNIT = """<?xml version="1.0"?><testsuites><testsuite name="pytest" time="2.75">
 <testcase classname="tests.ops.a" name="test_ok" time="1.5"/>
 <testcase classname="tests.ops.a" name="test_bad" time="2"><failure message="x"/></testcase>
 <testcase classname="tests.ops.b" name="test_skip" time="0"><skipped message="y"/></testcase>
@@ -16,4 +16,5 @@ def test_row_counts_every_case(tmp_path):
                       "--command", "c", "--output", str(out)])
   assert (r["passed"], r["failed"], r["skipped"]) == (1, 1, 1)
   assert [c["status"] for c in r["cases"]] == ["passed", "failed", "skipped"]
+  assert (r["wall_s"], r["case_s_sum"]) == (2.75, 3.5)
   assert r["cases"][1]["id"] == "tests.ops.a::test_bad" and out.read_text().count("\n") == 1
