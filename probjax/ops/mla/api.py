@@ -12,7 +12,7 @@ name). A call validates its arguments, asks :func:`~probjax.ops.mla.dispatch.dec
 ...           sd(512, 128, 128), sd(512, 128, 128))
 >>> d = explain_dispatch(*decode, device=Device("gpu", (9, 0), 140 << 30))
 >>> d.implementation, d.get("form")
-('triton', 'absorbed')
+('mosaic', 'absorbed')
 >>> d = explain_dispatch(*decode, device=Device("cpu"))
 >>> d.implementation, d.get("form"), d.get("attention").implementation, d.rule
 ('xla', 'absorbed', 'default', 'not an absorbed call on an NVIDIA GPU')
@@ -41,7 +41,7 @@ def explain_dispatch(q_nope, q_rope=None, kv_latent=None, k_rope=None, w_uk=None
                      mask: Mask | None = None, page_table=None) -> Decision:
   """What :func:`mla` runs for these arguments (arrays or ``jax.ShapeDtypeStruct``) on
   ``device`` (default: the current one), and why: the backend (``implementation``: ``"xla"``,
-  the form through attention, or ``"triton"``, MLA's absorbed decode kernel) and its reason
+  the form through attention, or ``"mosaic"`` / ``"triton"``, MLA's absorbed decode kernels) and its reason
   (``rule``), the form (``get("form")``, why: ``get("form_rule")``) and, on ``xla``, what the
   form asks attention for (``get("attention")``, a Decision: ``"default"`` or the requested name,
   and why).
@@ -114,7 +114,7 @@ def mla(q_nope, q_rope, kv_latent, k_rope, w_uk, w_uv, *, mask: Mask | None = No
       lengths may hold anything (NaN included).
     scale: softmax scale, default ``(d_nope + d_rope) ** -0.5``.
     form: "auto", "expanded" or "absorbed" (the same function; :func:`explain_dispatch` says which runs).
-    implementation: "triton" with the absorbed form: MLA's decode kernel (ValueError where it
+    implementation: "mosaic" or "triton" with the absorbed form: an MLA decode kernel (ValueError where it
       cannot compute the call); other names are passed to attention (None: see :func:`explain_dispatch`).
     page_table: ``[B, pages_per_seq]`` int32: ``kv_latent`` / ``k_rope`` are then page pools
       ``[num_pages, page_size, d]`` and the mask's ``KVLenMask`` gives the sequence lengths.

@@ -7,14 +7,14 @@ widths ``d_nope + d_rope`` / ``d_v``; the absorbed form never forms them but att
 widths ``d_c + d_rope`` / ``d_c`` and reads one latent row that all heads share.
 
 The :class:`~probjax.core.dispatch.Decision` names the backend of :data:`~probjax.ops.mla.registry.REGISTRY`
-(``"xla"``: the form through attention's face; ``"triton"``: the absorbed form with MLA's decode
-kernel) with the reason it was chosen, or the other not (``rule``), and carries
+(``"xla"``: the form through attention's face; ``"mosaic"`` / ``"triton"``: the absorbed form with one of
+MLA's decode kernels, the first of the device's tuned ``decode_kernels`` that takes the call) with the reason it was chosen, or the other not (``rule``), and carries
 
 * ``("form", "absorbed" | "expanded")`` and ``("form_rule", why that form)``;
 * on the ``xla`` backend, ``("attention", Decision(name, why))``: the implementation the form
   passes to attention, ``"default"`` for attention's own dispatch.
 
-An explicit ``implementation`` naming an MLA kernel (``"triton"``) with the absorbed form asks
+An explicit ``implementation`` naming an MLA kernel (``"mosaic"``, ``"triton"``) with the absorbed form asks
 for that backend (ValueError with its reason where it cannot compute the call); any other name,
 or that one with the expanded form, is passed to attention, which refuses what it cannot compute.
 """
