@@ -302,7 +302,7 @@ def row_key(row: dict) -> tuple:
 
 
 # The suites with their own row schema (bench/lm_step.py, moe.py, scan.py, dit_step.py,
-# mla.py, isab.py, quickstart.py; and results of probes whose conclusion docs/dev/decisions.md
+# mla.py, isab.py, quickstart.py, eager.py; and results of probes whose conclusion docs/dev/decisions.md
 # records, their scripts in git history: mla_decode_tiles.json, a tile sweep of MLA's decode
 # kernel, mla_decode_xla_check.json, segment_traced.json of bench/segment_traced.py): the
 # fields that key their rows, by file name.
@@ -316,6 +316,7 @@ OWN_SCHEMA_KEYS = {"lm_step": ("section", "case", "impl"),
                    "mla_decode_tiles": ("case", "impl"),
                    "segment_traced": ("case", "impl"),
                    "quickstart": ("suite",),
+                   "eager": ("case", "impl"),
                    "mla_decode_xla_check": ("suite", "case", "impl", "mode"),
                    "gpu_suite": ("selection",),
                    "ci_times": ("step",),
@@ -401,9 +402,11 @@ def load_rows(path: str) -> list[dict]:
 
 
 def replace_rows(path: str, rows: list[dict]) -> None:
-  """Writes ``rows`` into the JSON Lines file ``path``, replacing the rows of their keys."""
-  keys = {row_key(r) for r in rows}
-  keep = [r for r in load_rows(path) if row_key(r) not in keys]
+  """Writes ``rows`` into the JSON Lines file ``path``, replacing the rows of their keys
+  (:func:`key_function` of the file)."""
+  key = key_function(path)
+  keys = {key(r) for r in rows}
+  keep = [r for r in load_rows(path) if key(r) not in keys]
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   with open(path, "w") as f:
     f.writelines(json.dumps(r, default=_json_default) + "\n" for r in keep + list(rows))

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from probjax.core.device import Device
 from probjax.core.dispatch import Decision
+from probjax.core.eager import compile_once
 from probjax.core.values import concrete_values
 from probjax.ops.attention import Mask
 from probjax.ops.mla import forms
@@ -144,7 +145,12 @@ def mla(q_nope, q_rope, kv_latent, k_rope, w_uk, w_uv, *, mask: Mask | None = No
                                               decision=decision, mask=mask, page_table=page_table, device=device)
   if not return_lse:
     return out
+  return out, _log_sum_exp(q_nope, q_rope, kv_latent, k_rope, w_uk, call=call, mask=mask, page_table=page_table)
+
+
+@compile_once  # eager calls: compiled once per call description
+def _log_sum_exp(q_nope, q_rope, kv_latent, k_rope, w_uk, *, call, mask, page_table):
+  """The softmax's log-sum-exp ``[B, Tq, H]`` (float32) of the call, on XLA."""
   q_nope, q_rope, kv_latent, k_rope, _ = forms.valid_inputs(q_nope, q_rope, kv_latent, k_rope, call=call, mask=mask,
                                                             page_table=page_table)
-  lse = forms.log_sum_exp(q_nope, q_rope, kv_latent, k_rope, w_uk, mask=mask, scale=call.softmax_scale)
-  return out, lse
+  return forms.log_sum_exp(q_nope, q_rope, kv_latent, k_rope, w_uk, mask=mask, scale=call.softmax_scale)

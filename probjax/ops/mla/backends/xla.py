@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from probjax.core.backend import Backend
 from probjax.core.device import Device
+from probjax.core.eager import compile_once
 from probjax.core.dispatch import Decision
 from probjax.ops.mla import forms
 from probjax.ops.mla.call import MLACall
@@ -38,11 +39,18 @@ class XlaBackend(Backend[MLACall]):
   def __call__(self, q_nope, q_rope, kv_latent, k_rope, w_uk, w_uv, *, call: MLACall, decision: Decision,
                mask=None, page_table=None, **_):
     """``[B, Tq, H, d_v]`` in the form ``decision.get("form")``."""
-    q_nope, q_rope, kv_latent, k_rope, q_ok = forms.valid_inputs(
-        q_nope, q_rope, kv_latent, k_rope, call=call, mask=mask, page_table=page_table)
-    run = forms.expanded if decision.get("form") == "expanded" else forms.absorbed
-    out = run(q_nope, q_rope, kv_latent, k_rope, w_uk, w_uv, mask=mask, scale=call.softmax_scale,
-              implementation=attention_implementation(decision))
-    if q_ok is not None:
-      out = jnp.where(q_ok, out, 0)  # also drops a NaN cotangent on padded rows before w_uv's gradient
-    return out
+    return _compute(q_nope, q_rope, kv_latent, k_rope, w_uk, w_uv, call=call, form=decision.get("form"),
+                    implementation=attention_implementation(decision), mask=mask, page_table=page_table)
+
+
+@compile_once  # eager calls: the projections and attention compiled once per call description
+def _compute(q_nope, q_rope, kv_latent, k_rope, w_uk, w_uv, *, call: MLACall, form: str, implementation: str | None,
+             mask, page_table):
+  q_nope, q_rope, kv_latent, k_rope, q_ok = forms.valid_inputs(
+      q_nope, q_rope, kv_latent, k_rope, call=call, mask=mask, page_table=page_table)
+  run = forms.expanded if form == "expanded" else forms.absorbed
+  out = run(q_nope, q_rope, kv_latent, k_rope, w_uk, w_uv, mask=mask, scale=call.softmax_scale,
+            implementation=implementation)
+  if q_ok is not None:
+    out = jnp.where(q_ok, out, 0)  # also drops a NaN cotangent on padded rows before w_uv's gradient
+  return out
