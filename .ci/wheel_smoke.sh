@@ -5,10 +5,19 @@
 # tests/test_packaging.py and tests/typing/test_mypy.py (mypy on a user's script against the
 # installed package) from a copy of tests/.
 #
+#   bash .ci/wheel_smoke.sh           # with the newest JAX and Flax the ranges allow
+#   bash .ci/wheel_smoke.sh lowest    # with the ranges' lowest (.ci/lowest.txt as constraints)
+#
 # Python: $PYTHON, else the checkout's .venv (made by `make test`), else python3.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo="$PWD"
+which="${1:-newest}"
+case "$which" in
+  newest) constraints=() ;;
+  lowest) constraints=(-c "$repo/.ci/lowest.txt") ;;
+  *) echo "usage: $0 [newest|lowest]" >&2; exit 2 ;;
+esac
 base="${PYTHON:-}"
 if [ -z "$base" ]; then
   if [ -x "$repo/.venv/bin/python" ]; then base="$repo/.venv/bin/python"; else base="$(command -v python3)"; fi
@@ -16,7 +25,7 @@ fi
 work="$(mktemp -d "${TMPDIR:-/tmp}/probjax-wheel.XXXXXX")"
 trap 'rm -rf "$work"' EXIT
 
-echo "wheel smoke: fresh venv in $work ($("$base" -c 'import platform; print(platform.python_version())'))"
+echo "wheel smoke ($which): fresh venv in $work ($("$base" -c 'import platform; print(platform.python_version())'))"
 "$base" -m venv "$work/venv"
 py="$work/venv/bin/python"
 "$py" -m pip install -q build
@@ -27,7 +36,7 @@ py="$work/venv/bin/python"
 # README says, by a direct reference that names it, so pip checks the wheel is this project.
 wheel="$(ls "$work"/dist/probjax_attention-*.whl)"
 echo "built $(cd "$work/dist" && ls)"
-"$py" -m pip install -q "probjax-attention[test] @ file://$wheel"
+"$py" -m pip install -q "${constraints[@]}" "probjax-attention[test] @ file://$wheel"
 
 cd "$work"
 export JAX_PLATFORMS=cpu
