@@ -323,6 +323,8 @@ OWN_SCHEMA_KEYS = {"lm_step": ("section", "case", "impl"),
                    "cpu_formulations_fit": ("call_id", "impl"),
                    "cpu_formulations_validate1": ("call_id", "impl"),
                    "cpu_formulations_validate2": ("call_id", "impl"),
+                   "cpu_formulations_v2_fit": ("call_id", "impl"),
+                   "cpu_formulations_v2_validate": ("call_id", "impl"),
                    "lce_memory": ("case", "impl"),
                    "lce": ("case", "impl"),
                    # bench/dispatch_sample.py and bench/dispatch_ops.py: one row per drawn call and

@@ -45,3 +45,26 @@ def test_run_writes_rows_and_resumes(tmp_path, monkeypatch):
   assert {r["impl"] for r in rows} == set(cf.FORMULATIONS)
   assert all(r["status"] == "ok" and r["ms"] > 0 and r["commit"] is not None for r in rows)
   assert cf.run(calls, out, rounds=1) == 0  # resumed: nothing left
+
+
+def test_round_lengths_and_padding():
+  assert [cf.round_length(n) for n in (1, 3, 100, 255, 256, 300, 553, 1000)] == [1, 4, 128, 256, 256, 256, 512, 1024]
+  c = lambda tq, tk: dict(q_len=tq, kv_len=tk)
+  assert cf.padding(c(512, 512)) == 1.0 and cf.padding(c(1024, 2048)) == 1.0
+  assert abs(cf.padding(c(553, 553)) - (768 / 553) ** 2) < 1e-12
+
+
+def test_padded_fit_separates_tiled_from_padded_calls():
+  # Flash faster wherever its tiles fit the lengths (T512, T1024, T2048), dense faster at
+  # lengths the 256-tiles pad by half or more (T600, T1100 and T2100 are all above 512): the
+  # fit must find a padding bound that splits them, with no regret left.
+  rows = []
+  for i, t in enumerate((512, 1024, 2048)):
+    rows += _row(i, t, t, 1.5, 1.0)
+  for i, t in enumerate((600, 1100, 2100), start=3):
+    rows += _row(i, t, t, 1.0, 1.5)
+  params, ev = cf.fit_padded(cf.calls_of(rows))
+  assert ev["geomean"] == 1.0 and ev["max"] == 1.0
+  assert params["max_padding"] < min(cf.padding(dict(q_len=t, kv_len=t)) for t in (600, 1100, 2100))
+  _, plain = cf.fit(cf.calls_of(rows))
+  assert plain["max"] > 1.0  # the scores alone cannot split them
