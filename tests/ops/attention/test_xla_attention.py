@@ -190,13 +190,17 @@ def test_dropout_flash_matches_dense_expectation():
 
 
 def test_auto_formulation():
-  """Dense while the scores are few (decoding included), flash past DENSE_MAX_SCORES, and with
-  a band mask past BAND_DENSE_MAX_SCORES (bench/cpu_formulations.py fitted both)."""
+  """Dense while the scores are few (decoding included), flash past DENSE_MAX_SCORES, with a
+  band mask past BAND_DENSE_MAX_SCORES, and where flash's tiles pad the scores by at most
+  TILED_MAX_PADDING past TILED_DENSE_MAX_SCORES (bench/cpu_formulations.py fitted them)."""
   choose = lambda tq, tk, b=1, h=8, band=False: xla.choose_formulation((b, tq, h, 64), (b, tk, 2, 64), band=band)
-  assert choose(1000, 1000) == "dense" and choose(16, 16384) == "dense"
-  assert choose(1024, 1024) == "dense" and choose(1024, 1025) == "flash"  # 8 * 1024 * 1024 = 2^23
-  assert choose(512, 512, band=True) == "dense" and choose(512, 513, band=True) == "flash"  # 2^21
-  assert choose(512, 513) == "dense"
+  assert choose(600, 600) == "dense" and choose(16, 16384) == "dense"
+  # T800: 5.1M scores, between 2^22 and 2^23, that 256-tiles pad by 1.64: dense; past 2^23, flash.
+  assert choose(800, 800) == "dense" and choose(1030, 1030) == "flash"
+  assert choose(700, 700, band=True) == "dense" and choose(800, 800, band=True) == "flash"  # 2^22
+  # Lengths the flash tiles cover (no padding): flash past 2^22 scores, with or without a band.
+  assert choose(512, 1024) == "dense" and choose(1024, 1024) == "flash" and choose(512, 1280) == "flash"
+  assert xla.flash_padding(1024, 1024) == 1.0 and xla.flash_padding(553, 553) == (768 / 553) ** 2
   assert choose(1, 1 << 20, b=128) == "flash"
   assert xla.choose_formulation((1, 4096, 8, 64), (1, 4096, 8, 64), module=True) == "dense"
 
