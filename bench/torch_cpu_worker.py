@@ -11,20 +11,20 @@ DIR holds q.npy, k.npy, v.npy, do.npy in [B, T, H, D]; torch gets [B, H, T, D].
 Prints one JSON line: {"timing": {...}, "torch": version, "threads": n} (``timing``:
 ``probjax.core.timing.time_fn``'s result) or {"error": "..."}.
 """
-import importlib.util
 import json
 import os
 import sys
 
 
 def _timing():
-  """probjax/core/timing.py (standard library only) without importing probjax, which needs JAX;
-  registered in ``sys.modules`` before it runs, as its dataclasses need."""
-  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "probjax", "core", "timing.py")
-  spec = importlib.util.spec_from_file_location("probjax_core_timing", path)
-  mod = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
+  """probjax.core.timing from this checkout: it and what it imports (``probjax.core.config``)
+  need only the standard library, and ``import probjax`` loads nothing else eagerly, so this
+  interpreter needs no JAX."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  if root not in sys.path:
+    sys.path.insert(0, root)
+  from probjax.core import timing
+  return timing
 
 
 def main():

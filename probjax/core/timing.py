@@ -9,8 +9,9 @@
 * :func:`device_info`: the device, the library versions and the probjax commit measured.
 * :class:`Shape`: the shape every measured attention call (a report case, a benchmark row) names.
 
-Only the standard library is imported at module level: the torch worker of the CPU
-suite, which runs in an interpreter without JAX, loads this file too.
+Only the standard library (and :mod:`probjax.core.config`, standard library only too) is imported
+at module level: the torch worker of the CPU suite, which runs in an interpreter without JAX,
+imports this module too.
 """
 
 from __future__ import annotations

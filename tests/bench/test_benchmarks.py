@@ -762,3 +762,18 @@ def test_quickstart_times_the_readme_quick_start_as_written():
   code = quickstart.quick_start_code((pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text())
   compile(code, "quick_start.py", "exec")
   assert "dot_product_attention(q, k, v" in code and "```" not in code
+
+
+def test_torch_worker_loads_the_timing_module_without_jax(tmp_path):
+  # The torch worker runs in an interpreter without JAX (.torchenv): its timing module, and what
+  # that imports, must not need JAX (a probjax import there once left every torch row an error).
+  root = pathlib.Path(__file__).resolve().parents[2]
+  code = ("import sys; sys.modules['jax'] = None; sys.modules['jaxlib'] = None\n"
+          f"sys.path.insert(0, {str(root / 'bench')!r}); import torch_cpu_worker as w\n"
+          "t = w._timing(); assert callable(t.time_fn) and 'jax' not in {m.split('.')[0] for m in sys.modules if sys.modules[m]}\n")
+  # Run from elsewhere and without site-packages (-S: no editable install of probjax), as in
+  # the torch interpreter: the checkout is not on the path by accident.
+  env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+  run = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=120)
+  assert run.returncode == 0, run.stderr
