@@ -343,7 +343,8 @@ def padded_rule(max_scores: int, band_max_scores: int, tiled_max_scores: int, ma
   base = scores_rule(max_scores, band_max_scores)
 
   def choose(c: dict) -> str:
-    if c.get("padding", padding(c)) <= max_padding and c["batch"] * c["q_heads"] * c["q_len"] * c["kv_len"] > tiled_max_scores:
+    pad = c["padding"] if "padding" in c else padding(c)
+    if pad <= max_padding and c["batch"] * c["q_heads"] * c["q_len"] * c["kv_len"] > tiled_max_scores:
       return "flash"
     return base(c)
   return choose
@@ -399,7 +400,8 @@ def fit(calls: list[dict]) -> tuple[dict, dict]:
 
 def fit_padded(calls: list[dict]) -> tuple[dict, dict]:
   """The parameters of :func:`padded_rule` (thresholds powers of two, ``max_padding`` from
-  :data:`PADDING_GRID`) with the least geometric-mean regret on ``calls`` (ties as :func:`fit`)."""
+  :data:`PADDING_GRID`) with the least geometric-mean regret on ``calls`` (ties as :func:`fit`).
+  Each call's padding is computed once, not once per candidate."""
   best = None
   calls = [dict(c, padding=padding(c)) for c in calls]
   for a in SCORES_GRID:
@@ -409,8 +411,7 @@ def fit_padded(calls: list[dict]) -> tuple[dict, dict]:
           continue  # a tiled threshold above the general one changes nothing
         for w in PADDING_GRID:
           t = dict(max_scores=1 << a, band_max_scores=1 << b, tiled_max_scores=1 << t_, max_padding=w)
-          rule = padded_rule(**t)
-          ev = evaluate(calls, lambda c, rule=rule: rule(c))
+          ev = evaluate(calls, padded_rule(**t))
           key = (round(ev["geomean"], 4), round(ev["max"], 3), a, b, -t_, w)
           if best is None or key < best[0]:
             best = (key, t, ev)
