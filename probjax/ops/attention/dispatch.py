@@ -223,11 +223,11 @@ def mosaic_primal(call: AttentionCall, device: Device, defaults: DeviceDefaults 
 
 
 def cudnn(call: AttentionCall, device: Device, defaults: DeviceDefaults | None) -> Decision | None:
-  """Rule 4. An eligible bf16/fp16 call (a mask cuDNN computes exactly, head_dim at least
-  ``defaults.cudnn.min_head_dim``) with at least its work threshold (``defaults.cudnn.min_work``,
-  or ``min_work_at`` for its mask and head_dim), not decoding (``defaults.decode``): cuDNN, or
-  the Triton forward in a ``triton_forward_work`` range; under grad, rule 5 or 6, else cuDNN's
-  forward and backward.
+  """Rule 4. An eligible bf16/fp16 call (a mask cuDNN computes exactly, head_dim from
+  ``defaults.cudnn.min_head_dim`` to ``max_head_dim``) with at least its work threshold
+  (``defaults.cudnn.min_work``, or ``min_work_at`` for its mask and head_dim), not decoding
+  (``defaults.decode``): cuDNN, or the Triton forward in a ``triton_forward_work`` range; under
+  grad, rule 5 or 6, else cuDNN's forward and backward.
 
   At B4 H8 T2048 D128 unmasked bf16 on sm_90 (work 2^27) cuDNN's fused forward and backward
   are ahead of the Triton kernel's; at B4 H8 T1024 (2^25), a call bound by its fixed per-call
@@ -235,13 +235,16 @@ def cudnn(call: AttentionCall, device: Device, defaults: DeviceDefaults | None) 
   is ahead at every measured length. From 40 it is not: it loads head_dims padded to a power of
   two, so at 40 or 48 (padded to 64) and at 80 or 96 (to 128) a third or more of its matmul
   work multiplies zeros, where cuDNN computes the width as it is: at B4 H8 T4096 D48 cuDNN's
-  forward is 1.3x ahead, and at D80 it is 1.6x ahead already at T1024, below the general
-  threshold. Unmasked D64 at B4 H8 T1500 (work 72 x 2^20) the Triton forward is ahead of
-  cuDNN's while cuDNN's forward and backward are ahead under grad: a ``triton_forward_work``
-  range. Decoding, B8 H32/8 with 16 queries against 65536
-  keys, stays off cuDNN: its forward parallelises over query tiles, one per (batch, head) here,
-  each walking all the keys, where the Triton split-KV forward spreads the keys over the SMs
-  (rule 10)."""
+  forward is 1.3x ahead, and at D80 and D96 it is ahead from a quarter of the general
+  threshold, key lengths included. Unmasked D64 at B4 H8 T1500 (work 72 x 2^20) the Triton
+  forward is ahead of cuDNN's while cuDNN's forward and backward are ahead under grad: a
+  ``triton_forward_work`` range. At head_dim 192 or 256 cuDNN runs from any work: the Triton
+  kernel pads 192 to 256, and at these widths both probjax kernels' backwards fall far behind
+  cuDNN's (B2 H24 T6133 D192 unmasked, forward and backward: cuDNN's take a third of the time
+  of the Mosaic forward with the Triton backward). Decoding, B8 H32/8 with 16 queries against
+  65536 keys, stays off cuDNN: its forward parallelises over query tiles, one per (batch, head)
+  here, each walking all the keys, where the Triton split-KV forward spreads the keys over the
+  SMs (rule 10)."""
   if defaults is None or not _cudnn_takes(call, device, defaults):
     return None
   if _in_ranges(defaults.cudnn.triton_forward_work, call):
@@ -337,9 +340,12 @@ def mosaic_long(call: AttentionCall, device: Device, defaults: DeviceDefaults | 
   flight by TMA while two compute warpgroups take turns on the tensor cores; with the soft cap
   30 tanh(s/30) the gap grows, one warpgroup's tanh running under the other's matmul. At T1024
   the Triton forward is ahead; at D128 from 2^29 work the Mosaic backward is ahead of the Triton
-  one, at D64 it is behind."""
+  one, at D64 it is behind. A causal window at D64 (``triton_masks``) keeps the Triton forward:
+  at B21 H56 T6644 with a 177-key window the Mosaic forward visits more key tiles per query
+  tile than the band holds and is half the Triton forward's speed."""
   m = None if defaults is None else defaults.mosaic_long
   if (m is None or min(call.q_len, call.kv_len) < m.min_len
+      or (_mask_kind(call.mask), call.head_dim) in m.triton_masks
       or REGISTRY.get("triton").supports(call, device) is not None or not _mosaic_takes(call, device)):
     return None
   bwd_min = dict(m.backward_min_work).get(call.head_dim)
@@ -391,14 +397,6 @@ def _cudnn_rule(device: Device) -> str:
   return f"{_cc(device)} device table: eligible 16-bit call above the cuDNN work threshold"
 
 
-# The cuDNN thresholds of the device table were measured at head_dims up to 128 with values as
-# wide as keys, and at MLA's 192/128 (values of their own width, probjax's FFI call only), where
-# cuDNN's backward is 3-4x ahead of the Triton one and its forward level with or ahead of the
-# Mosaic one (docs/dev/decisions.md). Wider heads with values as wide (e.g. 256/256) are not measured:
-# rule 4 leaves them to the kernels' rules (implementation="cudnn" still runs them).
-CUDNN_TABLE_MAX_HEAD_DIM = 128
-
-
 def _cudnn_takes(call: AttentionCall, device: Device, defaults: DeviceDefaults) -> bool:
   """Rule 4's conditions (rule 3 runs on the same calls)."""
   if defaults.cudnn is None:
@@ -406,7 +404,7 @@ def _cudnn_takes(call: AttentionCall, device: Device, defaults: DeviceDefaults) 
   decoding = call.q_len <= defaults.decode.max_q_len and call.kv_len >= defaults.decode.min_kv_len
   return (call.work >= defaults.cudnn.threshold(_mask_kind(call.mask), call.head_dim)
           and call.head_dim >= defaults.cudnn.min_head_dim
-          and (call.head_dim <= CUDNN_TABLE_MAX_HEAD_DIM or call.v_head_dim is not None)
+          and (call.head_dim <= defaults.cudnn.max_head_dim or call.v_head_dim is not None)
           and not decoding and REGISTRY.get("cudnn").supports(call, device) is None)
 
 

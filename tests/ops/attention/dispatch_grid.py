@@ -1,9 +1,16 @@
 """The benchmark grid's calls as dispatch sees them, and the default's decision for each:
-``python -m tests.ops.attention.dispatch_grid`` rewrites ``tests/ops/attention/data/dispatch_grid.json``, which
-``test_dispatch_grid.py`` compares against, so a restructure cannot move a decision silently."""
+``python -m tests.ops.attention.dispatch_grid --reason "..."`` rewrites
+``tests/ops/attention/data/dispatch_grid.json``, which ``test_dispatch_grid.py`` compares against,
+so a restructure cannot move a decision silently, and appends to ``dispatch_grid_changes.json``
+what moved (counts of old -> new implementation, a few examples) with the reason given: the
+measurement behind the change (an entry of docs/dev/decisions.md and its results rows). The
+test checks that the grid file is the one the last change recorded."""
 
 from __future__ import annotations
 
+import argparse
+import collections
+import hashlib
 import itertools
 import json
 import pathlib
@@ -14,6 +21,7 @@ from probjax.ops.attention import masks as M
 from probjax.ops.attention.dispatch import Device, explain_dispatch
 
 PATH = pathlib.Path(__file__).parent / "data" / "dispatch_grid.json"
+CHANGES = pathlib.Path(__file__).parent / "data" / "dispatch_grid_changes.json"
 DEVICES = {"h200": Device("gpu", (9, 0), 140 << 30), "rtx3090": Device("gpu", (8, 6), 24 << 30)}
 DTYPES = ("bfloat16", "float16", "float32")
 HEAD_DIMS = (32, 64, 128, 256)
@@ -46,9 +54,41 @@ def decisions() -> dict[str, dict]:
   return out
 
 
-if __name__ == "__main__":
-  PATH.parent.mkdir(exist_ok=True)
+def grid_text(rows: dict[str, dict]) -> str:
+  return "{\n" + ",\n".join(f"{json.dumps(k)}: {json.dumps(rows[k], sort_keys=True)}" for k in sorted(rows)) + "\n}\n"
+
+
+def digest(text: str) -> str:
+  return hashlib.sha256(text.encode()).hexdigest()
+
+
+def moved(old: dict[str, dict], new: dict[str, dict]) -> dict:
+  """What changed between two grids: counts of ``old -> new`` implementation (``=`` where only
+  the rule, backward or config moved), keys added or removed, and up to five examples."""
+  keys = sorted(k for k in old.keys() & new.keys() if old[k] != new[k])
+  counts = collections.Counter(
+      f"{old[k]['implementation']} -> {new[k]['implementation']}"
+      if old[k]["implementation"] != new[k]["implementation"] else f"= {new[k]['implementation']}" for k in keys)
+  return {"moved": len(keys), "by_implementation": dict(sorted(counts.items())),
+          "added": len(new.keys() - old.keys()), "removed": len(old.keys() - new.keys()), "examples": keys[:5]}
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--reason", required=True,
+                 help="why the decisions moved: the measurement (docs/dev/decisions.md entry, results rows)")
+  args = p.parse_args(argv)
+  old = json.loads(PATH.read_text()) if PATH.exists() else {}
   rows = decisions()
-  PATH.write_text("{\n" + ",\n".join(f"{json.dumps(k)}: {json.dumps(rows[k], sort_keys=True)}"
-                                      for k in sorted(rows)) + "\n}\n")
-  print(f"wrote {PATH}")
+  text = grid_text(rows)
+  changes = json.loads(CHANGES.read_text()) if CHANGES.exists() else []
+  changes.append({"sha256": digest(text), "reason": args.reason, **moved(old, rows)})
+  PATH.parent.mkdir(exist_ok=True)
+  PATH.write_text(text)
+  CHANGES.write_text(json.dumps(changes, indent=1) + "\n")
+  print(f"wrote {PATH} ({changes[-1]['moved']} decisions moved) and {CHANGES}")
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())

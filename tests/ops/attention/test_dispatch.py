@@ -461,7 +461,9 @@ def test_sm90_cudnn_threshold_per_mask_and_head_dim():
     below, at = ((4, n - 1, 8, d),) * 2, ((4, n, 8, d),) * 2
     assert decide(below, mask=mask).implementation != "cudnn"
     assert decide(at, mask=mask).implementation in ("cudnn", "mosaic")
-    assert cud.threshold(kind, d) == work and cud.threshold("window", d) == cud.min_work
+    assert cud.threshold(kind, d) == work
+    assert cud.threshold("window", d) == (work if kind == "any" else cud.min_work)  # "any": every mask
+    assert cud.threshold(None, d) == (work if kind == "any" else cud.min_work)      # key lengths
 
 
 def test_sm90_triton_forward_ranges_keep_cudnn_under_grad():
@@ -484,11 +486,14 @@ def test_sm90_triton_forward_ranges_keep_cudnn_under_grad():
 @pytest.mark.parametrize("d,impl", [(32, "triton"), (40, "cudnn"), (48, "cudnn"), (80, "cudnn"), (96, "cudnn")])
 def test_sm90_head_dims_the_triton_kernel_pads_run_cudnn(d, impl):
   # The Triton kernel pads 40/48 to 64 and 80/96 to 128; from head_dim 40 cuDNN is ahead above
-  # the work threshold (B4 H8 T4096), at 80 and 96 already from B4 H8 T1024.
+  # the work threshold (B4 H8 T4096), at 80 and 96 already from B4 H8 T725 (2^24), key lengths too.
   assert decide(((4, 4096, 8, d),) * 2).implementation == impl
   assert decide(((4, 4096, 8, d),) * 2, mask=M.CausalMask()).implementation == impl
   assert decide(((4, 1024, 8, d),) * 2).implementation == ("cudnn" if d >= 80 else "triton")
-  assert decide(((4, 1023, 8, d),) * 2).implementation == "triton"
+  assert decide(((4, 725, 8, d),) * 2).implementation == ("cudnn" if d >= 80 else "triton")
+  lengths = M.KVLenMask(jnp.full((4,), 700, jnp.int32))
+  assert decide(((4, 725, 8, d),) * 2, mask=lengths).implementation == ("cudnn" if d >= 80 else "triton")
+  assert decide(((4, 724, 8, d),) * 2).implementation == "triton"
 
 
 def test_sm90_short_unmasked_backward_is_fused():

@@ -434,6 +434,15 @@ def test_split_kv_matches_reference(tq, h, hkv, tk, d, mask_name):
   assert max_error(out, reference_attention(q, k, v, mask=mask)) <= tolerance(jnp.float32)
 
 
+def test_split_kv_one_split_packs_gqa_rows():
+  """One split (what the automatic plan gives a GQA decode that fills the device): the packed
+  rows of each K/V head, one program per (batch, K/V head), against the reference."""
+  q, k, v, _ = _inputs(7, 3, 5, 300, 8, 2, 64, jnp.float32)
+  mask = _mask("causal_offset", 3, 5, 300)
+  out = pt.attention(q, k, v, mask=mask, split_kv=pt.SplitKVConfig(block_k=16, num_splits=1), interpret=True)
+  assert max_error(out, reference_attention(q, k, v, mask=mask)) <= tolerance(jnp.float32)
+
+
 def test_split_kv_combine():
   """Merging per-split softmax results equals one softmax over all keys; splits that saw no
   key (lse -inf) have no weight; rows no split saw are 0."""
@@ -501,7 +510,9 @@ def test_split_kv_plan():
   assert plan((1, 64, 32, 128), (1, 32768, 8, 128)).block_rows == 128      # 256 rows: 2 tiles
   assert plan((1, 65, 32, 128), (1, 32768, 8, 128)) is None                # too many queries
   assert plan((1, 1, 32, 128), (1, 1023, 8, 128)) is None                  # too few keys
-  assert plan((64, 1, 32, 128), (64, 4096, 8, 128)) is None                # device already full
+  assert plan((64, 1, 32, 128), (64, 4096, 32, 128)) is None  # device full, no GQA
+  full_gqa = plan((64, 1, 32, 128), (64, 4096, 8, 128))  # one split, each K/V tile read once per group
+  assert full_gqa.num_splits == 1 and full_gqa.block_rows == 16
   assert plan(*dec, split_kv=False) is None
   assert plan(*dec, score_mod=lambda s, *_: s) is None
   with pytest.raises(ValueError, match="split_kv=True cannot compute this call: score_mod"):
@@ -539,6 +550,19 @@ def test_gpu_split_kv(dtype, tq, h, hkv, tk, mask_name):
   out = pt.attention(q, k, v, mask=mask, split_kv=True)
   err = max_error(out, reference_attention(q, k, v, mask=mask))
   assert err <= tolerance(jnp.dtype(dtype), tf32=dtype == "float32")
+
+
+@pytest.mark.gpu
+def test_gpu_split_kv_device_full_gqa():
+  """A GQA decode whose K/V heads fill the device: the automatic plan packs each group's rows in
+  one split rather than running the regular forward once per query head."""
+  from probjax.ops.attention.backends.triton import decode
+  b, tq, h, hkv, tk, d = 48, 13, 48, 12, 1500, 192
+  assert decode.plan((b, tq, h, d), (b, tk, hkv, d), jnp.bfloat16, mask=None, score_mod=None,
+                     split_kv=None, device="sm_90").num_splits == 1
+  q, k, v, _ = _inputs(5, b, tq, tk, h, hkv, d, jnp.bfloat16)
+  out = pt.attention(q, k, v)
+  assert max_error(out, reference_attention(q, k, v)) <= tolerance(jnp.bfloat16)
 
 
 def test_longest_programs_first():

@@ -43,20 +43,24 @@ class Decode:
 
 @dataclasses.dataclass(frozen=True)
 class Cudnn:
-  """Rule 4: eligible bf16/fp16 calls with at least ``min_work`` work and ``head_dim >=
-  min_head_dim`` run cuDNN; ``min_work_at``, ``((mask, head_dim, min_work), ...)``, replaces
-  ``min_work`` for calls of that mask kind (as :class:`MosaicPrimal`'s) and head_dim;
+  """Rule 4: eligible bf16/fp16 calls with at least ``min_work`` work and ``min_head_dim <=
+  head_dim <= max_head_dim`` run cuDNN (values of their own width, MLA's 192/128, at any
+  head_dim cuDNN takes); ``min_work_at``, ``((mask, head_dim, min_work), ...)``, replaces
+  ``min_work`` for calls of that mask kind (as :class:`MosaicPrimal`'s; ``"any"``: every mask
+  cuDNN takes, key lengths included) and head_dim, the first matching entry winning;
   ``triton_forward_work``, ``((mask, head_dim, min_work, max_work), ...)``: calls of rule 4 in
   one of these ranges run the Triton forward instead (differentiated calls as rule 4 says)."""
 
   min_work: int
   min_head_dim: int
+  max_head_dim: int
   min_work_at: tuple[tuple[str, int, int], ...]
   triton_forward_work: tuple[tuple[str, int, int, int], ...]
 
   def threshold(self, mask_kind: str | None, head_dim: int) -> int:
     """The least work at which a call of this mask kind and head_dim runs cuDNN."""
-    return next((w for m, d, w in self.min_work_at if m == mask_kind and d == head_dim), self.min_work)
+    return next((w for m, d, w in self.min_work_at if m in (mask_kind, "any") and d == head_dim),
+                self.min_work)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,11 +112,13 @@ class Fp32Dense:
 @dataclasses.dataclass(frozen=True)
 class MosaicLong:
   """Rule 9: 16-bit calls the Triton kernel would run (rule 10) with both lengths at least
-  ``min_len`` run the Mosaic GPU forward (rule 3 asks for the same lengths); with the Mosaic
-  backward too at a ``head_dim`` of ``backward_min_work``, ``((head_dim, work), ...)``, from
-  that work."""
+  ``min_len`` run the Mosaic GPU forward (rule 3 asks for the same lengths), except calls of a
+  ``triton_masks`` entry, ``((mask, head_dim), ...)`` (mask kinds as :class:`MosaicPrimal`'s),
+  which keep the Triton kernel; with the Mosaic backward too at a ``head_dim`` of
+  ``backward_min_work``, ``((head_dim, work), ...)``, from that work."""
 
   min_len: int
+  triton_masks: tuple[tuple[str, int], ...]
   backward_min_work: tuple[tuple[int, int], ...]
 
 

@@ -72,7 +72,7 @@ def plan(q_shape, kv_shape, dtype, *, mask: Mask | None, score_mod, split_kv,
   """The split-KV launch for a forward call, or None for the regular kernel.
 
   ``split_kv``: None (automatic: at most ``MAX_QUERIES`` queries, at least
-  ``MIN_KEYS`` keys and two or more splits), False (never), True (whenever the
+  ``MIN_KEYS`` keys, and two or more splits or GQA's packed rows), False (never), True (whenever the
   kernel can take the call; ValueError otherwise) or a :class:`SplitKVConfig`
   (likewise, with its tiles, which must fit the device's shared memory). Default
   tiles are shrunk -- stages, then keys, then rows -- until they fit. ``v_head_dim``: the
@@ -127,7 +127,11 @@ def plan(q_shape, kv_shape, dtype, *, mask: Mask | None, score_mod, split_kv,
     by_len = max(1, (hi - lo) // MIN_SPLIT_KEYS)
     by_device = math.ceil(config_lib.num_programs_target(device) / (q_shape[0] * kv_shape[2] * n_rows))
     cfg = dataclasses.replace(cfg, num_splits=max(1, min(by_len, by_device)))
-  if split_kv is None and cfg.num_splits < 2:
+  if split_kv is None and cfg.num_splits < 2 and group_rows == q_shape[1]:
+    # One split and one head per K/V head: the regular forward's grid is as full and reads the
+    # same bytes. Under GQA the packed rows still read each K/V tile once per group where the
+    # regular forward reads it once per query head: at B56 H48/12 with 13 queries against 4722
+    # keys (one split fills the device) that is 4x the cache's bytes.
     return None
   return config_lib.with_fast_exp2(cfg, device)
 
