@@ -326,6 +326,7 @@ OWN_SCHEMA_KEYS = {"lm_step": ("section", "case", "impl"),
                    "cpu_formulations_v2_fit": ("call_id", "impl"),
                    "cpu_formulations_v2_validate": ("call_id", "impl"),
                    "lce_memory": ("case", "impl"),
+                   "decode_splits": ("call_id", "impl"),
                    "lce": ("case", "impl"),
                    # bench/dispatch_sample.py and bench/dispatch_ops.py: one row per drawn call and
                    # implementation (attention's fit and validation samples, each op's)
