@@ -249,6 +249,20 @@ def test_split_kv_lowers_for_sm90(monkeypatch, mask):
   assert "probjax_attention_fwd_split_kv" in text
 
 
+@pytest.mark.parametrize("d", [96, 192])
+def test_split_kv_reads_a_padded_head_dim_cache_in_place(monkeypatch, d):
+  """At a head_dim off the power-of-two tile the split-KV forward reads K/V as they are (the
+  tile's extra columns masked), with no padded copy of the cache in the program."""
+  _fake_triton_sm90(monkeypatch, device_kind=True)
+  q = jax.ShapeDtypeStruct((2, 1, 32, d), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, 4096, 8, d), jnp.bfloat16)
+  text = jax.jit(lambda q, k, v: pt.attention(q, k, v)).trace(q, kv, kv).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "probjax_attention_fwd_split_kv" in text
+  padded = 1 << (d - 1).bit_length()
+  assert f"tensor<2x4096x8x{padded}xbf16>" not in text
+
+
 @pytest.mark.parametrize("mask_name,d,wgs,persistent", [("none", 64, None, None), ("causal", 128, None, None),
                                                          ("window&lengths", 256, None, None), ("causal", 64, 3, False),
                                                          ("none", 128, 2, False), ("causal", 64, 2, False),

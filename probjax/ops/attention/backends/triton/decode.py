@@ -178,20 +178,27 @@ def _kernel(q_ref, k_ref, v_ref, *refs, tm: tiles.TileMask, scale: float, groups
     end = jnp.minimum(start + per_split, valid_hi)
 
   kv_valid = mr.valid(b, keys=True)
+  # The cache keeps its own head_dim: a width off the power-of-two tile (96, 192) is read as the
+  # tile's columns with the ones past it masked (zeros, never loaded), as the rows past the keys
+  # are. Padding the cache in XLA instead would copy all of it on every decoding step, three
+  # times the bytes the kernel itself reads. The column slice starts at a traced zero: a static
+  # slice wider than the array is refused at trace time, a dynamic one is the masked load's.
+  zero = split * 0
+  cols = lambda ref, width: (pl.ds(zero, width) if width != ref.shape[-1] else slice(None))
 
   def body(j, carry):
     k_start = j * block_k
     if page_size is None:
-      at = lambda ref: ref.at[b, pl.ds(k_start, block_k), hkv, :]
+      at = lambda ref, width: ref.at[b, pl.ds(k_start, block_k), hkv, cols(ref, width)]
       limit = kv_valid
     else:  # the block lies inside page k_start // page_size (the block divides the page)
       page_idx = k_start // page_size
       page, off = pages_ref[b, page_idx], k_start % page_size
-      at = lambda ref: ref.at[page, pl.ds(off, block_k), hkv, :]
+      at = lambda ref, width: ref.at[page, pl.ds(off, block_k), hkv, cols(ref, width)]
       # An entry outside the pool (read as page 0) gets zero weight: its length limit is 0.
       limit = kv_valid * page_ok_ref[b, page_idx]
-    k = tiles.load_rows(at(k_ref), k_start, tm.kv_len, valid=limit)
-    v = tiles.load_rows(at(v_ref), k_start, tm.kv_len, valid=limit)
+    k = tiles.load_rows(at(k_ref, q.shape[-1]), k_start, tm.kv_len, valid=limit, width=k_ref.shape[-1])
+    v = tiles.load_rows(at(v_ref, o_ref.shape[-1]), k_start, tm.kv_len, valid=limit, width=v_ref.shape[-1])
     t, c, _ = tiles.scores(q, k, scale=scale, score_mod=None, b=b, h=None, q_start=None,
                            k_start=k_start)
     if masked:
@@ -203,7 +210,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, tm: tiles.TileMask, scale: float, groups
     return tiles.online_softmax_step(carry, t, c, v, fast_exp2)
 
   carry = jax.lax.fori_loop(start, jnp.maximum(start, end), body,
-                            tiles.online_softmax_init(block_rows, v_ref.shape[-1]))
+                            tiles.online_softmax_init(block_rows, o_ref.shape[-1]))
   out, lse2, empty = tiles.online_softmax_finish(carry)
   o_ref.at[b, hkv, split, pl.ds(row0, block_rows), :][...] = out
   lse_ref.at[b, hkv, split, pl.ds(row0, block_rows)][...] = jnp.where(empty, -jnp.inf, lse2)
@@ -249,7 +256,7 @@ def forward(q, k, v, mask: Mask | None, *, scale: float, config: SplitKVConfig, 
   qp = q.reshape(batch, q_len, kv_heads, groups, d).transpose(0, 2, 1, 3, 4)
   qp = qp.reshape(batch, kv_heads, n_rows, d)
   qp = tiles.pad_axis(tiles.pad_axis(qp, 3, dp), 2, rows_pad)  # small: the packed queries
-  kp, vp = tiles.pad_axis(k, 3, dp), tiles.pad_axis(v, 3, dvp)  # the cache is not copied: masked tiles
+  # k and v are read in place, at their own head_dims (the kernel masks the tile's extra columns)
 
   m = mask if mask is not None else Mask()
   why = m.refusal(KERNEL_MASK_KINDS, "the Triton kernel")
@@ -277,7 +284,7 @@ def forward(q, k, v, mask: Mask | None, *, scale: float, config: SplitKVConfig, 
       compiler_params=plgpu.CompilerParams(num_warps=c.num_warps, num_stages=c.num_stages),
       interpret=interpret,
       name="probjax_attention_fwd_split_kv",
-  )(qp, kp, vp, *mask_ops, *page_ops)
+  )(qp, k, v, *mask_ops, *page_ops)
   out = combine(o, lse2)[:, :, :n_rows, :dv]
   out = out.reshape(batch, kv_heads, q_len, groups, dv).transpose(0, 2, 1, 3, 4)
   return out.reshape(batch, q_len, heads, dv).astype(q.dtype)

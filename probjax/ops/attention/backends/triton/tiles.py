@@ -94,7 +94,7 @@ class MaskRefs:
     return out
 
 
-def load_rows(view, start, length: int, masked: bool = True, valid=None):
+def load_rows(view, start, length: int, masked: bool = True, valid=None, width: int | None = None):
   """``view[...]`` of a ``[block, ...]`` ref view whose first axis starts at row ``start`` of
   an axis of ``length`` rows. Rows at or past ``length`` read as zeros and are not touched in
   memory, so arrays need no padding to a multiple of the tile. ``masked=False`` (the caller
@@ -104,15 +104,22 @@ def load_rows(view, start, length: int, masked: bool = True, valid=None):
   ``valid`` (traced; only where ``masked``): this batch element's length of the axis
   (:meth:`MaskRefs.valid`). Rows at or past it read as zeros too: they may hold anything (a KV
   cache's unwritten tail: NaN, inf), and a probability of zero does not cancel them in a
-  product (``0 * nan`` is NaN)."""
+  product (``0 * nan`` is NaN).
+
+  ``width``: the array's last axis when the view's is wider (a head_dim of 96 read as a
+  128-column tile): columns at or past it read as zeros and are not touched either."""
   block = view.shape[0]
   rows = lambda: start + jax.lax.broadcasted_iota(jnp.int32, view.shape, 0)
+  cols_ok = None
+  if width is not None and width < view.shape[-1]:
+    cols_ok = jax.lax.broadcasted_iota(jnp.int32, view.shape, view.ndim - 1) < width
+  both = lambda ok: ok if cols_ok is None else ok & cols_ok
   if masked and valid is not None:
     ok = rows() < valid
-    return plgpu.load(view, mask=ok if length % block == 0 else ok & (rows() < length), other=0)
+    return plgpu.load(view, mask=both(ok if length % block == 0 else ok & (rows() < length)), other=0)
   if length % block == 0 or (not masked and length >= block):
-    return view[...]
-  return plgpu.load(view, mask=rows() < length, other=0)
+    return view[...] if cols_ok is None else plgpu.load(view, mask=cols_ok, other=0)
+  return plgpu.load(view, mask=both(rows() < length), other=0)
 
 
 def store_rows(view, val, start, length: int):
