@@ -182,13 +182,15 @@ def test_default_causal_forward_runs_mosaic_and_agrees():
 # (head_dim, length, causal, what the sm_90 table runs: forward, differentiated)
 SMALL_HEAD_DIMS = [(16, 2048, False, "triton", "triton"), (40, 2048, True, "cudnn", "cudnn"),
                    (48, 2048, False, "cudnn", "cudnn"), (80, 1024, True, "cudnn", "cudnn"),
-                   (96, 1024, False, "cudnn", "cudnn"), (64, 1500, False, "triton", "cudnn")]
+                   (96, 1024, False, "cudnn", "cudnn"), (64, 1500, False, "triton", "cudnn"),
+                   (192, 1024, True, "cudnn", "cudnn"), (256, 512, False, "cudnn", "cudnn")]
 
 
 @pytest.mark.parametrize("d,t,causal,fwd,grad", SMALL_HEAD_DIMS)
 def test_default_at_head_dims_the_triton_kernel_pads_is_exact(d, t, causal, fwd, grad):
   # B4 H8 bf16: head_dims 40/48 and 80/96 run cuDNN (the Triton kernel pads them to 64 and 128),
-  # unmasked D64 at T1500 the Triton forward with cuDNN under grad; values and gradients exact.
+  # as do 192 and 256 (values as wide); unmasked D64 at T1500 the Triton forward with cuDNN under
+  # grad; values and gradients exact.
   x = make_inputs(d + t, 4, t, t, 8, 8, d, jnp.bfloat16)
   mask = M.CausalMask() if causal else None
   dec = explain_dispatch(x.q.shape, x.k.shape, x.q.dtype, mask=mask)
