@@ -9,25 +9,24 @@ is the limit, call by call:
   python -m bench.decode_splits --calls s4101#10,s4101#48 --out PATH [--budget-s S]
 
 ``--calls``: call ids of :mod:`bench.dispatch_sample`'s sampler (``s<seed>#<index>``), decoding
-calls (at most 64 queries). Paths: ``default``, ``cudnn``, ``xla``, ``triton`` (its automatic
-plan), ``triton_s<N>`` (``SplitKVConfig(num_splits=N)``), ``triton_k<K>`` (``block_k=K``),
-``triton_st<S>`` (``num_stages=S``) and ``triton_nosplit`` (``split_kv=False``, the regular
-forward). Every path of a call is compiled first, then timed in ``--rounds`` rotating rounds
-(:func:`probjax.core.timing.time_fn` each); the row's ``ms`` is the median of its rounds'
-medians. Rows (JSON lines, ``suite`` "decode_splits", key ``(call_id, impl)``): the call's
-draw, ``ms``, ``round_ms``, ``tb_s`` (bytes of the visible cache read once, K and V, over the
-time: the convention of the decode pages), ``plan`` (the launch the Triton path ran), status,
-device, versions, commit, command. A resumed run skips the rows already in ``--out``.
+calls (at most 64 queries). Paths (:func:`paths`): ``default``, ``cudnn``, ``xla``, ``triton``
+(its automatic plan), ``triton_nosplit`` (``split_kv=False``, the regular forward),
+``triton_s<N>`` (``SplitKVConfig(num_splits=N)``), ``triton_k<K>`` (``block_k=K``) and
+``triton_st<S>`` (``num_stages=S``). The runner is :func:`bench.dispatch_core.run_calls`, as for
+the dispatch samples: a batch's (call, path) cases compiled on worker threads, then each call
+timed alone, its paths in rotating rounds; resumes from ``--out``; no batch started past the
+budget. Rows (JSON lines, ``suite`` "decode_splits", key ``(call_id, impl)``):
+``bench.harness.make_row``'s fields with ``impl`` the path, the call's draw, ``tb_s`` (the
+visible cache's K and V bytes read once over the time, the decode pages' convention) and
+``launch`` (the split-KV config the Triton path ran; None: the regular forward).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
-import os
-import statistics
-import time
+
+from bench import dispatch_core as core
+from bench import dispatch_sample as ds
 
 SUITE = "decode_splits"
 SPLITS = (1, 2, 4, 8, 16)
@@ -61,78 +60,66 @@ def parse_call_id(cid: str) -> tuple[int, int]:
   return int(seed), int(index)
 
 
-def cache_bytes(c) -> float:
-  """K and V bytes the call must read once: the visible keys of each sequence."""
-  from bench.dispatch_sample import visible_keys
-  itemsize = 2
-  keys = visible_keys(c.q_len, c.kv_len, c.mask, c.window, c.kv_lengths)
-  return c.batch * keys * c.kv_heads * 2 * c.head_dim * itemsize
+def cache_bytes(c: ds.SampledCall) -> float:
+  """K and V bytes the call must read once: the visible keys of each sequence (16-bit)."""
+  keys = ds.visible_keys(c.q_len, c.kv_len, c.mask, c.window, c.kv_lengths)
+  return c.batch * keys * c.kv_heads * 2 * c.head_dim * 2
 
 
-def triton_plan(c, path: str) -> str | None:
-  """The split-KV launch a Triton path runs (None: the regular forward)."""
+def launch(c: ds.SampledCall, path: str) -> str | None:
+  """The split-KV config a Triton path runs on an sm_90 device (None: the regular forward);
+  ValueError where the forced config cannot take the call."""
   from probjax.ops.attention.backends.triton import decode
-  from bench.dispatch_sample import _dtype, make_mask
-  kw = attention_kwargs(path)
-  try:
-    cfg = decode.plan((c.batch, c.q_len, c.q_heads, c.head_dim), (c.batch, c.kv_len, c.kv_heads, c.head_dim),
-                      _dtype(c.dtype), mask=make_mask(c), score_mod=None, split_kv=kw.get("split_kv"),
-                      device="sm_90")
-  except ValueError as e:
-    return f"refused: {e}"
+  cfg = decode.plan(ds.shapes(c)[0], ds.shapes(c)[1], ds._dtype(c.dtype), mask=ds.make_mask(c), score_mod=None,
+                    split_kv=attention_kwargs(path).get("split_kv"), device="sm_90")
   return None if cfg is None else str(cfg)
 
 
-def measure(calls, out: str, *, rounds: int, budget_s: float) -> int:
-  import jax
-  from bench import harness
-  from bench.dispatch_core import environment
-  from bench.dispatch_sample import make_inputs, make_mask
-  from probjax.core import timing
-  from probjax.ops.attention import dot_product_attention
-  done = set()
-  if os.path.exists(out):
-    done = {(r.get("call_id"), r.get("impl")) for r in harness.load_rows(out) if isinstance(r, dict)}
-  env = environment()
-  t_start, written = time.monotonic(), 0
-  for c in calls:
-    if time.monotonic() - t_start > budget_s:
-      print(f"[decode_splits] budget spent; stopping before {c.call_id}", flush=True)
-      break
-    todo = [p for p in paths() if (c.call_id, p) not in done]
-    if not todo:
-      continue
-    q, k, v = make_inputs(c)
-    mask = make_mask(c)
-    fns, status = {}, {}
-    for p in todo:
-      f = jax.jit(lambda q, k, v, kw=attention_kwargs(p): dot_product_attention(q, k, v, mask=mask, **kw))
+class DecodeSplitsSpec(ds.AttentionSpec):
+  """:class:`bench.dispatch_sample.AttentionSpec` over :func:`paths` instead of the exact
+  implementations."""
+  suite = SUITE
+
+  def plan(self, c, device) -> dict:
+    from probjax.ops.attention import explain_dispatch
+    out = {}
+    for p in paths():
+      kw = attention_kwargs(p)
       try:
-        jax.block_until_ready(f(q, k, v))
-        fns[p] = f
-      except Exception as e:  # noqa: BLE001 (a refused or failing path is its row's status)
-        status[p] = timing.classify_error(e)
-    round_ms = {p: [] for p in fns}
-    for _ in range(rounds):
-      for p, f in fns.items():
-        res = timing.time_fn(lambda f=f: f(q, k, v), jax.block_until_ready)
-        round_ms[p].append(res["ms"])
-    nbytes = cache_bytes(c)
-    with open(out, "a") as fh:
-      for p in todo:
-        ms = statistics.median(round_ms[p]) if p in round_ms else None
-        row = {"suite": SUITE, "call_id": c.call_id, "impl": p, **dataclasses.asdict(c),
-               "ms": ms, "round_ms": round_ms.get(p), "tb_s": None if ms is None else nbytes / ms / 1e9,
-               "plan": triton_plan(c, p) if p.startswith("triton") else None,
-               "status": "ok" if p in fns else status[p][0], "error": None if p in fns else status[p][1],
-               **env, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        fh.write(json.dumps(row) + "\n")
-        written += 1
-    best = min(((round_ms[p] and statistics.median(round_ms[p])), p) for p in round_ms) if round_ms else None
-    print(f"[decode_splits] {c.call_id} B{c.batch} H{c.q_heads}/{c.kv_heads} T{c.q_len}/{c.kv_len} "
-          f"D{c.head_dim} {c.mask}: " + " ".join(f"{p}={statistics.median(round_ms[p]):.3f}" for p in round_ms)
-          + (f" best {best[1]}" if best else "") + f" [{time.monotonic() - t_start:.0f} s]", flush=True)
-  return written
+        if p.startswith("triton"):
+          launch(c, p)
+        out[p] = explain_dispatch(*ds.shapes(c)[:2], ds._dtype(c.dtype), mask=ds.make_mask(c),
+                                  implementation=kw.get("implementation"), device=device)
+      except Exception as e:  # noqa: BLE001 (refused: the row's status)
+        out[p] = core.refusal(e)
+    return out
+
+  def function(self, c, path):
+    from probjax.ops.attention import dot_product_attention
+    mask, kw = ds.make_mask(c), attention_kwargs(path)
+    return (lambda q, k, v: dot_product_attention(q, k, v, mask=mask, **kw)), (0, 1, 2)
+
+  def row_name(self, path) -> str:
+    return path
+
+  def row(self, c, plan, path, result, status, error) -> dict:
+    from bench import harness
+    case = harness.Case(suite=SUITE, impl=path, dtype=c.dtype, batch=c.batch, q_heads=c.q_heads,
+                        kv_heads=c.kv_heads, q_len=c.q_len, kv_len=c.kv_len, head_dim=c.head_dim,
+                        causal=c.causal, mode=c.mode, mask=c.mask, variant=c.call_id, run=None, flops=False)
+    row = harness.make_row(case, result, status, error)
+    ms = row.get("ms")
+    own = plan.get(path)
+    row.update(call_id=c.call_id, seed=c.seed, index=c.index, kind=c.kind, window=c.window,
+               kv_lengths=None if c.kv_lengths is None else list(c.kv_lengths),
+               tb_s=None if not ms else cache_bytes(c) / ms / 1e9,
+               launch=launch(c, path) if path.startswith("triton") and status == "ok" else None,
+               decision=None if isinstance(own, core.Refused) else str(own),
+               jax_version=row.get("versions", {}).get("jax"))
+    return row
+
+  def summary_line(self, rows: list[dict]) -> str:
+    return core.summary_line(rows, "default")
 
 
 def main(argv=None) -> int:
@@ -140,15 +127,16 @@ def main(argv=None) -> int:
   p.add_argument("--calls", required=True, help="comma-separated call ids, s<seed>#<index>")
   p.add_argument("--out", required=True)
   p.add_argument("--rounds", type=int, default=3)
-  p.add_argument("--budget-s", type=float, default=300.0)
+  p.add_argument("--budget-s", type=float, default=None)
+  p.add_argument("--compile-workers", type=int, default=core.DEFAULT_WORKERS)
   args = p.parse_args(argv)
-  from bench.dispatch_sample import draw_call
-  calls = [draw_call(*parse_call_id(cid)) for cid in args.calls.split(",")]
+  calls = [ds.draw_call(*parse_call_id(cid)) for cid in args.calls.split(",")]
   bad = [c.call_id for c in calls if c.q_len > 64]
   if bad:
     raise SystemExit(f"--calls: not decoding calls (more than 64 queries): {bad}")
-  n = measure(calls, args.out, rounds=args.rounds, budget_s=args.budget_s)
-  print(f"[decode_splits] {n} rows -> {args.out}")
+  stats = core.run_calls(DecodeSplitsSpec(), calls, args.out, rounds=args.rounds, budget_s=args.budget_s,
+                         workers=args.compile_workers)
+  print(stats)
   return 0
 
 
