@@ -452,8 +452,11 @@ def test_mosaic_sees_the_scale():
     decide(shapes, mask=docs, scale=-0.1, implementation="mosaic")
 
 
-def test_sm90_cudnn_threshold_per_mask_and_head_dim():
-  # min_work_at replaces min_work for its mask kind and head_dim only.
+def test_sm90_cudnn_threshold_per_mask_and_head_dim(monkeypatch):
+  # min_work_at replaces min_work for its mask kind and head_dim only. Head_dims above 128 reach
+  # cuDNN through probjax's FFI extension only: as where it is built (the table's machines).
+  from probjax.ops.attention.backends.cudnn import ffi
+  monkeypatch.setattr(ffi, "unavailable", lambda env=None: None)
   cud = attention_device.DEVICE_DEFAULTS[(9, 0)].cudnn
   for kind, d, work in cud.min_work_at:
     mask = M.CausalMask() if kind == "causal" else None
@@ -464,6 +467,17 @@ def test_sm90_cudnn_threshold_per_mask_and_head_dim():
     assert cud.threshold(kind, d) == work
     assert cud.threshold("window", d) == (work if kind == "any" else cud.min_work)  # "any": every mask
     assert cud.threshold(None, d) == (work if kind == "any" else cud.min_work)      # key lengths
+
+
+def test_sm90_wide_head_dims_take_cudnn_only_through_the_ffi_extension(monkeypatch):
+  # Without the extension (jax.nn's route takes head_dims up to 128) a D256 call keeps the
+  # kernels' rules: the default never picks a path that cannot compute the call.
+  from probjax.ops.attention.backends.cudnn import ffi
+  shapes = ((4, 4096, 8, 256),) * 2
+  monkeypatch.setattr(ffi, "unavailable", lambda env=None: None)
+  assert decide(shapes).implementation == "cudnn"
+  monkeypatch.setattr(ffi, "unavailable", lambda env=None: "not built")
+  assert decide(shapes).implementation in ("triton", "mosaic")
 
 
 def test_sm90_triton_forward_ranges_keep_cudnn_under_grad():
