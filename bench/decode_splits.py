@@ -115,6 +115,7 @@ class DecodeSplitsSpec(ds.AttentionSpec):
                tb_s=None if not ms else cache_bytes(c) / ms / 1e9,
                launch=launch(c, path) if path.startswith("triton") and status == "ok" else None,
                decision=None if isinstance(own, core.Refused) else str(own),
+               default_impl=core.impl_of(plan.get("default")),
                jax_version=row.get("versions", {}).get("jax"))
     return row
 

@@ -33,6 +33,7 @@ def test_rows_on_cpu_and_resume(tmp_path):
   assert set(by) == set(ds.paths()) and {r["call_id"] for r in rows} == {"s4101#94"}
   assert by["xla"]["status"] == "ok" and by["xla"]["ms"] > 0 and by["xla"]["tb_s"] > 0
   assert by["default"]["status"] == "ok" and by["default"]["suite"] == "decode_splits"
+  assert {r["default_impl"] for r in rows} == {"xla"}  # what the default runs, on every row
   assert by["triton_s2"]["status"] == "unsupported" and by["triton_s2"]["launch"] is None
   assert ds.main(argv) == 0  # resumes: nothing new
   assert len(out.read_text().splitlines()) == len(rows)
