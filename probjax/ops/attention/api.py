@@ -204,9 +204,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
     backward_pass_impl: Triton backward: "auto", "triton_onepass", "triton_fused",
       "triton_split"; or "mosaic" (with ``implementation="mosaic"``: the Mosaic GPU backward).
     split_kv: Triton split-KV forward for decoding: None (automatic: at most 64
-      queries, at least 1024 keys, two or more splits), False (never), True or a
-      ``SplitKVConfig`` (whenever the call allows; ValueError otherwise). Under
-      ``jax.grad`` the regular kernel runs.
+      queries, at least 1024 keys, two or more splits or a GQA group's heads packed),
+      False (never), True or a ``SplitKVConfig`` (whenever the call allows; ValueError
+      otherwise). Under ``jax.grad`` the regular kernel runs.
     interpret: run the Triton or Mosaic kernels in Pallas interpret mode (CPU testing).
     page_table: ``[batch, pages_per_seq]`` int32: attention over a paged KV cache (one batch
       axis). ``key`` / ``value`` are then page pools ``[num_pages, page_size, kv_heads, head_dim]``
