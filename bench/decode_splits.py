@@ -70,7 +70,7 @@ def launch(c: ds.SampledCall, path: str) -> str | None:
   """The split-KV config a Triton path runs on an sm_90 device (None: the regular forward);
   ValueError where the forced config cannot take the call."""
   from probjax.ops.attention.backends.triton import decode
-  cfg = decode.plan(ds.shapes(c)[0], ds.shapes(c)[1], ds._dtype(c.dtype), mask=ds.make_mask(c), score_mod=None,
+  cfg = decode.plan(ds.shapes(c)[0], ds.shapes(c)[1], ds.jnp_dtype(c.dtype), mask=ds.make_mask(c), score_mod=None,
                     split_kv=attention_kwargs(path).get("split_kv"), device="sm_90")
   return None if cfg is None else str(cfg)
 
@@ -88,7 +88,7 @@ class DecodeSplitsSpec(ds.AttentionSpec):
       try:
         if p.startswith("triton"):
           launch(c, p)
-        out[p] = explain_dispatch(*ds.shapes(c)[:2], ds._dtype(c.dtype), mask=ds.make_mask(c),
+        out[p] = explain_dispatch(*ds.shapes(c)[:2], ds.jnp_dtype(c.dtype), mask=ds.make_mask(c),
                                   implementation=kw.get("implementation"), device=device)
       except Exception as e:  # noqa: BLE001 (refused: the row's status)
         out[p] = core.refusal(e)
@@ -104,10 +104,7 @@ class DecodeSplitsSpec(ds.AttentionSpec):
 
   def row(self, c, plan, path, result, status, error) -> dict:
     from bench import harness
-    case = harness.Case(suite=SUITE, impl=path, dtype=c.dtype, batch=c.batch, q_heads=c.q_heads,
-                        kv_heads=c.kv_heads, q_len=c.q_len, kv_len=c.kv_len, head_dim=c.head_dim,
-                        causal=c.causal, mode=c.mode, mask=c.mask, variant=c.call_id, run=None, flops=False)
-    row = harness.make_row(case, result, status, error)
+    row = harness.make_row(ds.row_case(c, path, SUITE), result, status, error)
     ms = row.get("ms")
     own = plan.get(path)
     row.update(call_id=c.call_id, seed=c.seed, index=c.index, kind=c.kind, window=c.window,

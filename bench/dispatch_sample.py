@@ -254,7 +254,7 @@ def make_mask(c: SampledCall):
   return lengths if c.mask == "kv_lengths" else CausalMask(offset=c.causal_offset) & lengths
 
 
-def _dtype(name: str):
+def jnp_dtype(name: str):
   import jax.numpy as jnp
   return {"bfloat16": jnp.bfloat16, "float16": jnp.float16}[name]
 
@@ -268,7 +268,7 @@ def plan_call(c: SampledCall, device=None, mask=None) -> dict:
   for impl in (None, *EXACT_IMPLS):
     try:
       out[impl] = explain_dispatch((c.batch, c.q_len, c.q_heads, c.head_dim),
-                                   (c.batch, c.kv_len, c.kv_heads, c.head_dim), _dtype(c.dtype),
+                                   (c.batch, c.kv_len, c.kv_heads, c.head_dim), jnp_dtype(c.dtype),
                                    mask=mask, implementation=impl, device=device)
     except Exception as e:  # noqa: BLE001 (ValueError: refused; anything else is recorded, never raised)
       out[impl] = core.refusal(e)
@@ -285,13 +285,15 @@ def make_inputs(c: SampledCall, seed: int = 0):
   """q, k, v on the default device in the call's dtype (standard normal), shared by every
   implementation of the call."""
   import jax
-  dt = _dtype(c.dtype)
+  dt = jnp_dtype(c.dtype)
   return tuple(jax.random.normal(k, s, dt) for k, s in zip(jax.random.split(jax.random.key(seed), 3), shapes(c)))
 
 
-def _case(c: SampledCall, impl: str | None):
+def row_case(c: SampledCall, row_impl: str, suite: str = SUITE):
+  """The harness case of a call's row, ``row_impl`` its ``impl`` (for attention's sample:
+  :data:`ROW_IMPL`'s name of the implementation)."""
   from bench import harness
-  return harness.Case(suite=SUITE, impl=ROW_IMPL[impl], dtype=c.dtype, batch=c.batch, q_heads=c.q_heads,
+  return harness.Case(suite=suite, impl=row_impl, dtype=c.dtype, batch=c.batch, q_heads=c.q_heads,
                       kv_heads=c.kv_heads, q_len=c.q_len, kv_len=c.kv_len, head_dim=c.head_dim,
                       causal=c.causal, mode=c.mode, mask=c.mask, variant=c.call_id, run=None, flops=False)
 
@@ -337,7 +339,7 @@ class AttentionSpec:
 
   def avals(self, c: SampledCall):
     import jax
-    return tuple(jax.ShapeDtypeStruct(s, _dtype(c.dtype)) for s in shapes(c))
+    return tuple(jax.ShapeDtypeStruct(s, jnp_dtype(c.dtype)) for s in shapes(c))
 
   def inputs(self, c: SampledCall):
     return make_inputs(c, seed=c.index)
@@ -347,7 +349,7 @@ class AttentionSpec:
 
   def row(self, c: SampledCall, plan: dict, impl: str | None, result, status: str, error) -> dict:
     from bench import harness
-    row = harness.make_row(_case(c, impl), result, status, error)
+    row = harness.make_row(row_case(c, ROW_IMPL[impl]), result, status, error)
     row.update(row_extra(c, plan, impl), jax_version=row.get("versions", {}).get("jax"))
     return row
 

@@ -162,8 +162,9 @@ def attention(q, k, v, *, mask: Mask | None = None, score_mod: Callable | None =
       device's shared memory); None picks them from the tuned tables.
     split_kv: the split-KV forward for decoding (:mod:`.decode`): None picks it
       for at most 64 queries against at least 1024 keys when two or more splits
-      fill the device better, or one split packs a GQA group's heads; False never; True or a :class:`SplitKVConfig`
-      whenever it can take the call (ValueError otherwise). It computes the
+      fill the device better, or one split packs a GQA group's heads; False never;
+      True or a :class:`SplitKVConfig` whenever it can take the call (ValueError
+      otherwise). It computes the
       output only: under ``jax.grad`` the regular forward runs.
     interpret: run the kernels in Pallas interpret mode (CPU testing).
   Returns:

@@ -71,9 +71,9 @@ def plan(q_shape, kv_shape, dtype, *, mask: Mask | None, score_mod, split_kv,
          device: str, v_head_dim: int | None = None, page_size: int | None = None) -> SplitKVConfig | None:
   """The split-KV launch for a forward call, or None for the regular kernel.
 
-  ``split_kv``: None (automatic: at most ``MAX_QUERIES`` queries, at least
-  ``MIN_KEYS`` keys, and two or more splits or GQA's packed rows), False (never), True (whenever the
-  kernel can take the call; ValueError otherwise) or a :class:`SplitKVConfig`
+  ``split_kv``: None (automatic: at most ``MAX_QUERIES`` queries, at least ``MIN_KEYS`` keys,
+  and two or more splits or GQA's packed rows), False (never), True (whenever the kernel can
+  take the call; ValueError otherwise) or a :class:`SplitKVConfig`
   (likewise, with its tiles, which must fit the device's shared memory). Default
   tiles are shrunk -- stages, then keys, then rows -- until they fit. ``v_head_dim``: the
   values' head_dim (None: the keys'). ``page_size``: a paged call (``kv_shape`` the contiguous
@@ -197,8 +197,9 @@ def _kernel(q_ref, k_ref, v_ref, *refs, tm: tiles.TileMask, scale: float, groups
       at = lambda ref, width: ref.at[page, pl.ds(off, block_k), hkv, cols(ref, width)]
       # An entry outside the pool (read as page 0) gets zero weight: its length limit is 0.
       limit = kv_valid * page_ok_ref[b, page_idx]
-    k = tiles.load_rows(at(k_ref, q.shape[-1]), k_start, tm.kv_len, valid=limit, width=k_ref.shape[-1])
-    v = tiles.load_rows(at(v_ref, o_ref.shape[-1]), k_start, tm.kv_len, valid=limit, width=v_ref.shape[-1])
+    load = lambda ref, tile_width: tiles.load_rows(at(ref, tile_width), k_start, tm.kv_len, valid=limit,
+                                                   width=ref.shape[-1])
+    k, v = load(k_ref, q.shape[-1]), load(v_ref, o_ref.shape[-1])
     t, c, _ = tiles.scores(q, k, scale=scale, score_mod=None, b=b, h=None, q_start=None,
                            k_start=k_start)
     if masked:
