@@ -382,7 +382,9 @@ def calls_of(rows: Iterable[dict], suite: str, fields: tuple[str, ...], group: C
   that ran; "default" for the default), ``status`` ({path: status}), ``default_ms``,
   ``best_impl``/``best_ms`` (the fastest exact path) and ``ratio`` (default / best; None where
   either did not run), ``default_pick`` (what the default ran: under grad ``default_grad_impl``)
-  and ``pick_ratio`` (the default against that path requested), ``group`` (``group(record)``).
+  and ``pick_ratio`` (the default against that path requested), ``decision_ratio`` (that path
+  requested against the best: whether the decision was right, free of the run-to-run spread
+  between the default's row and the same kernel's), ``group`` (``group(record)``).
   The later of two rows of a call and path wins."""
   by_call: dict[str, dict] = {}
   for r in rows:
@@ -407,6 +409,7 @@ def calls_of(rows: Iterable[dict], suite: str, fields: tuple[str, ...], group: C
     rec["default_pick"] = (rec.get("default_grad_impl") if rec.get("mode") == "fwd_bwd" else None) or rec.get("default_impl")
     same = rec["ms"].get(rec["default_pick"] or "")
     rec["pick_ratio"] = rec["default_ms"] / same if rec["default_ms"] and same else None
+    rec["decision_ratio"] = same / rec["best_ms"] if same and rec["best_ms"] else None
     rec["group"] = group(rec)
     out.append(rec)
   return sorted(out, key=lambda r: (r.get("seed") or 0, r.get("index") or 0))
@@ -429,18 +432,23 @@ def summarize_calls(calls: list[dict], miss: float = MISS, describe: Callable[[d
   x the best), their share, the geometric mean, median, 90th percentile and worst of default /
   best, the summed default and best ms, the calls where the default failed, how often each path
   was the best and the default's pick, and ``pick_spread_p50/p90``: the default against the same
-  path requested, as max(r, 1/r) (the measurement's spread where both run the same kernel)."""
+  path requested, as max(r, 1/r) (the measurement's spread where both run the same kernel), and
+  ``decision_geomean``/``decision_worst``/``decision_misses``: the same over ``decision_ratio``
+  (the picked path's own row against the best), which tells a wrong decision from that spread."""
   from probjax.core.timing import percentile
   cmp = [c for c in calls if c["ratio"] is not None]
   worst = max(cmp, key=lambda c: c["ratio"]) if cmp else None
   count = lambda key: dict(sorted(_counts(c[key] for c in cmp).items()))
   ratios = [c["ratio"] for c in cmp]
   picks = [max(c["pick_ratio"], 1 / c["pick_ratio"]) for c in calls if c.get("pick_ratio")]
+  decided = [c["decision_ratio"] for c in calls if c.get("decision_ratio")]
   return {"calls": len(calls), "compared": len(cmp),
           "p50": percentile(ratios, 50) if ratios else None, "p90": percentile(ratios, 90) if ratios else None,
           "pick_spread_p50": percentile(picks, 50) if picks else None,
           "pick_spread_p90": percentile(picks, 90) if picks else None,
           "misses": sum(r > miss for r in ratios),
+          "decision_geomean": geomean(decided), "decision_worst": max(decided) if decided else None,
+          "decision_misses": sum(r > miss for r in decided),
           "miss_share": (sum(r > miss for r in ratios) / len(cmp)) if cmp else None,
           "geomean": geomean(ratios),
           "worst": None if worst is None else {"call_id": worst["call_id"], "ratio": worst["ratio"],
@@ -512,15 +520,16 @@ def markdown(report: dict, describe: Callable[[dict], str], title: str, groups_b
   if report.get("warning"):
     lines += [f"**Warning: {report['warning']}.**", ""]
   lines += ["| sample | seeds | calls | compared | misses | geomean default/best | p90 | worst | worst call "
-            "| default vs its pick requested (p50/p90) |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+            "| default vs its pick requested (p50/p90) | its pick requested/best: geomean, worst, misses |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
   for name, s in report["samples"].items():
     m = s["summary"]
     w = m["worst"] or {}
     lines.append(f"| {name} | {','.join(map(str, s['seeds']))} | {m['calls']} | {m['compared']} | {m['misses']} | "
                  f"{_f(m['geomean'])} | {_f(m['p90'])} | {_f(w.get('ratio'), '.2f')} | {w.get('call', '-')} "
                  f"({w.get('default_impl', '-')} vs {w.get('best_impl', '-')}) | "
-                 f"{_f(m['pick_spread_p50'])}/{_f(m['pick_spread_p90'])} |")
+                 f"{_f(m['pick_spread_p50'])}/{_f(m['pick_spread_p90'])} | "
+                 f"{_f(m['decision_geomean'])}, {_f(m['decision_worst'], '.2f')}, {m['decision_misses']} |")
   for name, s in report["samples"].items():
     lines += ["", f"## {name}: by {groups_by}", "",
               "| group | compared | misses | geomean | worst | default picks | best |", "|---|---|---|---|---|---|---|"]

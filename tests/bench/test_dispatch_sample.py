@@ -360,6 +360,11 @@ def test_report_arithmetic():
   # the default (its pick: triton) against triton requested: a 2.0/1.2, c 1.04/1.0
   assert calls["a"]["pick_ratio"] == pytest.approx(0.6) and calls["c"]["pick_ratio"] == pytest.approx(1.04)
   assert s["pick_spread_p90"] == pytest.approx(1.04 + 0.9 * (1 / 0.6 - 1.04))
+  # the decision alone (triton requested against the best): a 2.0/1.0, c and d 1.0/1.0 (d: the
+  # default failed, its pick ran); b's pick did not run
+  assert calls["a"]["decision_ratio"] == pytest.approx(2.0) and calls["b"]["decision_ratio"] is None
+  assert s["decision_geomean"] == pytest.approx(2 ** (1 / 3)) and s["decision_worst"] == pytest.approx(2.0)
+  assert s["decision_misses"] == 1
   groups = ds.group_calls(list(calls.values()))
   assert list(groups)[0] == "D128 none fwd prefill"  # the worst geometric mean first
   assert groups["D128 none fwd prefill"]["compared"] == 1 and groups["D128 causal fwd prefill"]["misses"] == 0
