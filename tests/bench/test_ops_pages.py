@@ -42,3 +42,9 @@ def test_committed_pages_are_generated_from_the_committed_results():
     with open(path) as f:
       assert f.read() == ops_pages.page_text(page, RESULTS_DIR), (
           f"{path} is stale: python -m bench.ops_pages")
+
+
+def test_committed_dispatch_page_is_generated_from_the_committed_results():
+  path = os.path.join(ops_pages.DOCS_DIR, ops_pages.DISPATCH_PAGE)
+  with open(path) as f:
+    assert f.read() == ops_pages.dispatch_page_text(RESULTS_DIR), f"{path} is stale: python -m bench.ops_pages"
