@@ -34,6 +34,34 @@ def float32_is_tf32() -> bool:
   return jax.default_backend() == "gpu" and jax.config.jax_default_matmul_precision in (None, "default", "bfloat16_3x", "tensorfloat32")
 
 
+def _gpu_info_modules() -> list:
+  """The modules Pallas Triton's lowering reads the GPU's info from: ``jax._src.gpu_info`` from
+  JAX 0.12.1, ``jax._src.pallas.triton.gpu_info`` before (both where both exist)."""
+  import importlib
+  found = []
+  for name in ("jax._src.gpu_info", "jax._src.pallas.triton.gpu_info"):
+    try:
+      found.append(importlib.import_module(name))
+    except ImportError:
+      pass
+  if not found:
+    raise ImportError("this JAX has no GPU info module for Pallas Triton (jax._src.gpu_info)")
+  return found
+
+
+def h200_gpu_info():
+  """The GPU info Pallas Triton's lowering would read on an H200."""
+  m = _gpu_info_modules()[0]
+  return m.get_gpu_info_from_version(m.GpuVersion.H200)
+
+
+def pretend_h200(monkeypatch) -> None:
+  """From here on Pallas Triton lowers as for an H200 (sm_90) on a machine without a GPU."""
+  for m in _gpu_info_modules():
+    info = m.get_gpu_info_from_version(m.GpuVersion.H200)
+    monkeypatch.setattr(m, "get_gpu_info", lambda info=info: info)
+
+
 def verify_triton_lowering(monkeypatch) -> None:
   """From here on every Pallas Triton module is checked by MLIR's verifier as it is lowered,
   so that a module the GPU's Triton compiler would refuse fails on CPU (lowering alone

@@ -13,14 +13,14 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
-from jax._src.pallas.triton import gpu_info
+from probjax.testing import h200_gpu_info, pretend_h200
 
 import probjax.ops.attention.backends.triton as pt
 from probjax.ops.attention import gpu, masks as M
 from probjax.ops.attention.backends.triton.config import BackwardConfig, ForwardConfig
 from probjax.testing import make_mask, verify_triton_lowering
 
-H200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
+H200 = h200_gpu_info()
 MASKS = {
     "none": None,
     "causal": M.CausalMask(),
@@ -32,7 +32,7 @@ MASKS = {
 def _fake_triton_sm90(monkeypatch, device_kind: bool = False):
   """Pallas lowers for an H200; the Triton backend's platform check (it sees the CPU) passes;
   ``device_kind``: the kernels' config tables (Triton and Mosaic GPU) read sm_90."""
-  monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: H200)
+  pretend_h200(monkeypatch)
   monkeypatch.setattr(pt, "supports", lambda *a, **kw: None)
   verify_triton_lowering(monkeypatch)
   if device_kind:

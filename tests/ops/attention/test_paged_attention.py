@@ -183,12 +183,11 @@ def test_triton_refuses_what_its_kernel_cannot_read():
 def test_paged_decode_kernel_lowers_for_sm90(monkeypatch, page_size):
   """The page reads (a scalar load of the table per key block, a traced page as the pool's
   leading index) lower for sm_90 and pass MLIR's verifier, at bfloat16 decoding shapes."""
-  from jax._src.pallas.triton import gpu_info
+  from probjax.testing import pretend_h200
   import probjax.ops.attention.backends.triton as pt
   from probjax.ops.attention import gpu
   from probjax.testing import verify_triton_lowering
-  monkeypatch.setattr(gpu_info, "get_gpu_info",
-                      lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+  pretend_h200(monkeypatch)
   monkeypatch.setattr(pt, "supports", lambda *a, **kw: None)
   monkeypatch.setattr(gpu, "device_kind", lambda device=None: "sm_90")
   verify_triton_lowering(monkeypatch)

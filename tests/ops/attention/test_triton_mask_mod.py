@@ -283,9 +283,9 @@ def test_mask_mod_forward_and_backward_fit_sm90(d):
 # lowers the traced function, its scalar operands and the tile-list loops for a Hopper GPU.
 @pytest.mark.parametrize("impl", ["triton_split", "triton_fused", "triton_onepass"])
 def test_lowers_for_sm90(monkeypatch, impl):
-  from jax._src.pallas.triton import gpu_info
+  from probjax.testing import pretend_h200
   from probjax.testing import verify_triton_lowering
-  monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+  pretend_h200(monkeypatch)
   monkeypatch.setattr(pt, "supports", lambda *a, **kw: None)
   verify_triton_lowering(monkeypatch)
   q = jax.ShapeDtypeStruct((2, 300, 8, 128), jnp.bfloat16)

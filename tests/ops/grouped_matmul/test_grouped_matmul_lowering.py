@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
-from jax._src.pallas.triton import gpu_info
+from probjax.testing import pretend_h200
 
 from probjax.core.device import Device
 from probjax.nn.layers.moe import MoELayer
@@ -30,7 +30,7 @@ MOSAIC = "mosaic_gpu_v2"
 def sm90(monkeypatch):
   """Dispatch and the kernels' configs see an H200; Pallas Triton lowers for one."""
   monkeypatch.setattr(Device, "current", classmethod(lambda cls: H200))
-  monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+  pretend_h200(monkeypatch)
   verify_triton_lowering(monkeypatch)
 
 

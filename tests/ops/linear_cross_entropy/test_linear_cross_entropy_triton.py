@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax._src.pallas.triton import gpu_info
+from probjax.testing import pretend_h200
 
 from probjax.core.device import Device
 from probjax.ops.linear_cross_entropy import LinearCrossEntropyCall, explain_dispatch, linear_cross_entropy
@@ -99,7 +99,7 @@ def test_full_size_lowers_for_sm90(monkeypatch):
   """x [4, 1000, 768] bf16 against a [768, 32003] head, value and both gradients: the three
   kernels lower for an H200 (tiles chosen for it: 64-wide chunks, 3 stages) and nothing else."""
   monkeypatch.setattr(Device, "current", classmethod(lambda cls: H200))
-  monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+  pretend_h200(monkeypatch)
   verify_triton_lowering(monkeypatch)
   x, w, labels = S((4, 1000, 768), jnp.bfloat16), S((768, 32003), jnp.bfloat16), S((4, 1000), jnp.int32)
   call = LinearCrossEntropyCall.of(x, w, labels)

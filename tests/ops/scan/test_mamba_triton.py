@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src.pallas.triton import gpu_info
+from probjax.testing import pretend_h200
 
 from probjax.core.device import Device
 from probjax.ops import scan
@@ -56,7 +56,7 @@ def test_geometries_against_the_reference(monkeypatch, length, channels, state, 
 
 @pytest.fixture
 def fake_h200(monkeypatch):
-  monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+  pretend_h200(monkeypatch)
   monkeypatch.setattr(Device, "current", classmethod(lambda cls: Device("gpu", (9, 0), 140 << 30)))
   verify_triton_lowering(monkeypatch)
 

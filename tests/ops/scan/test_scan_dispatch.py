@@ -7,7 +7,7 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
-from jax._src.pallas.triton import gpu_info
+from probjax.testing import pretend_h200
 
 from probjax.core.device import Device
 from probjax.ops import scan
@@ -401,7 +401,7 @@ def test_the_face_is_one_set_of_objects():
 
 @pytest.fixture
 def fake_h200(monkeypatch):
-  monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+  pretend_h200(monkeypatch)
   monkeypatch.setattr(Device, "current", classmethod(lambda cls: H200))
   verify_triton_lowering(monkeypatch)
 
