@@ -52,9 +52,11 @@ from probjax.ops.scan.calls import SSDCall
 # SSD's chunked form at chunk 64 beats the kernels' chunk of 32.
 #
 # A value is a backend name, or ``{dtype: name, ..., "other": name}`` where the fastest form
-# depends on the inputs' dtype. E.g. RLA on the GPU: the Triton kernels beat the chunked form in
-# every dtype measured (bfloat16 about twice, float32 by 1.2-1.9x, forward and differentiated:
-# docs/dev/decisions.md, "RLA by dtype"), so its value is one name.
+# depends on the inputs' dtype. E.g. RLA: in bfloat16 and float16 the Triton kernels beat the
+# chunked form about twice, forward and differentiated; in float32 they were ahead at feature
+# width 128 but 5x behind at 256, and a float32 backward at head_dim 128 with GQA asked for more
+# shared memory than an H100 has, so float32 keeps the chunked form (docs/dev/decisions.md,
+# "RLA by dtype").
 TUNING = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuning")
 
 
