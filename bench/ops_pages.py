@@ -215,10 +215,11 @@ def dispatch_page_text(results_dir: str) -> str:
         fit_rows = dispatch_ops.load_rows(fit, spec)
         val_rows = dispatch_ops.load_rows(val, spec) if os.path.exists(val) else None
         text = dispatch_ops.markdown(spec, dispatch_ops.build_report(spec, fit_rows, val_rows))
-      devices = sorted({r.get("device", "?") for r in fit_rows + (val_rows or [])})
+      rows = fit_rows + (val_rows or [])
+      devices = sorted({r.get("device", "?") for r in rows})
       body = text.split("\n", 1)[1]  # the report's own title replaced by the device and op
       body = "\n".join("##" + l if l.startswith("#") else l for l in body.splitlines())
-      sources = sorted({(r.get("command", "?"), str(r.get("commit", "?"))) for r in fit_rows + (val_rows or [])})
+      sources = sorted({(r.get("command", "?"), str(r.get("commit", "?"))) for r in rows})
       parts += [f"## {op} · {', '.join(devices)}", "", body.strip(), "", "Measured with:", ""]
       parts += [f"- `{c}` at {k}" for c, k in sources] + [""]
   if not found:

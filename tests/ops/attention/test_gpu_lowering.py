@@ -13,12 +13,11 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
-from probjax.testing import h200_gpu_info, pretend_h200
 
 import probjax.ops.attention.backends.triton as pt
 from probjax.ops.attention import gpu, masks as M
 from probjax.ops.attention.backends.triton.config import BackwardConfig, ForwardConfig
-from probjax.testing import make_mask, verify_triton_lowering
+from probjax.testing import h200_gpu_info, make_mask, pretend_h200, verify_triton_lowering
 
 H200 = h200_gpu_info()
 MASKS = {

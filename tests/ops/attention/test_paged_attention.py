@@ -183,10 +183,9 @@ def test_triton_refuses_what_its_kernel_cannot_read():
 def test_paged_decode_kernel_lowers_for_sm90(monkeypatch, page_size):
   """The page reads (a scalar load of the table per key block, a traced page as the pool's
   leading index) lower for sm_90 and pass MLIR's verifier, at bfloat16 decoding shapes."""
-  from probjax.testing import pretend_h200
   import probjax.ops.attention.backends.triton as pt
   from probjax.ops.attention import gpu
-  from probjax.testing import verify_triton_lowering
+  from probjax.testing import pretend_h200, verify_triton_lowering
   pretend_h200(monkeypatch)
   monkeypatch.setattr(pt, "supports", lambda *a, **kw: None)
   monkeypatch.setattr(gpu, "device_kind", lambda device=None: "sm_90")

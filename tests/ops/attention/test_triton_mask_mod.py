@@ -283,8 +283,7 @@ def test_mask_mod_forward_and_backward_fit_sm90(d):
 # lowers the traced function, its scalar operands and the tile-list loops for a Hopper GPU.
 @pytest.mark.parametrize("impl", ["triton_split", "triton_fused", "triton_onepass"])
 def test_lowers_for_sm90(monkeypatch, impl):
-  from probjax.testing import pretend_h200
-  from probjax.testing import verify_triton_lowering
+  from probjax.testing import pretend_h200, verify_triton_lowering
   pretend_h200(monkeypatch)
   monkeypatch.setattr(pt, "supports", lambda *a, **kw: None)
   verify_triton_lowering(monkeypatch)

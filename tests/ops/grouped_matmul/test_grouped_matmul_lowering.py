@@ -13,12 +13,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
-from probjax.testing import pretend_h200
 
 from probjax.core.device import Device
 from probjax.nn.layers.moe import MoELayer
 from probjax.ops.grouped_matmul import grouped_matmul
-from probjax.testing import verify_triton_lowering
+from probjax.testing import pretend_h200, verify_triton_lowering
 
 H200 = Device("gpu", (9, 0), 140 << 30)
 S = jax.ShapeDtypeStruct

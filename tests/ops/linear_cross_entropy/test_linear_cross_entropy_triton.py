@@ -13,13 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from probjax.testing import pretend_h200
 
 from probjax.core.device import Device
 from probjax.ops.linear_cross_entropy import LinearCrossEntropyCall, explain_dispatch, linear_cross_entropy
 from probjax.ops.linear_cross_entropy.backends.triton import kernels
 from probjax.ops.linear_cross_entropy.reference import linear_cross_entropy64, linear_cross_entropy_grads64
-from probjax.testing import verify_triton_lowering
+from probjax.testing import pretend_h200, verify_triton_lowering
 from tests.ops.linear_cross_entropy.test_linear_cross_entropy import OPTIONS, _close, _inputs
 
 TRITON = dict(implementation="triton", interpret=True)

@@ -9,12 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from probjax.testing import pretend_h200
 
 from probjax.core.device import Device
 from probjax.ops import scan
 from probjax.ops.scan.backends.triton import mamba
-from probjax.testing import float32_is_tf32, verify_triton_lowering
+from probjax.testing import float32_is_tf32, pretend_h200, verify_triton_lowering
 from tests.ops.scan.conformance import check, inputs
 
 TF32 = float32_is_tf32()

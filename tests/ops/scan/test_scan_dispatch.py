@@ -7,13 +7,12 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
-from probjax.testing import pretend_h200
 
 from probjax.core.device import Device
 from probjax.ops import scan
 from probjax.ops.scan import dispatch, registry
 from probjax.ops.scan.calls import MambaCall, RLACall, SSDCall
-from probjax.testing import verify_triton_lowering
+from probjax.testing import pretend_h200, verify_triton_lowering
 
 CPU = Device("cpu")
 H200 = Device("gpu", (9, 0), 140 << 30)
