@@ -38,25 +38,27 @@ from probjax.ops.scan.calls import SSDCall
 # differentiated, by far, and near the sequential scan's forward.
 #
 # ``gpu.json`` "forward": what an undifferentiated call runs on a GPU, the fastest exact forward
-# measured on the H200 (docs/dev/decisions.md, "Forward GPU calls"). Mamba-1's per-(channel,
-# state) decay has no matmul form, so the sequential Triton kernel, reading each input once,
-# wins; SSD's and RLA's chunked XLA forms run their intra-chunk work as large tensor-core
-# matmuls, which the Triton kernels' smaller tiles do not match.
+# measured (docs/dev/decisions.md, "Forward GPU calls" and the entries after it). Mamba-1's
+# per-(channel, state) decay has no matmul form, so the sequential Triton kernel, reading each
+# input once, wins; on long sequences SSD's chunked XLA form runs its intra-chunk work as large
+# tensor-core matmuls, which the SSD kernel's smaller tiles do not match.
 #
 # ``gpu.json`` "grad": what a differentiated call runs on a GPU (forward with residuals and
-# backward), the fastest exact forward+backward measured on the H200 (docs/dev/decisions.md,
+# backward), the fastest exact forward+backward measured (docs/dev/decisions.md,
 # "Differentiated GPU calls"). Mamba-1's Triton kernels read each input once per pass and keep
 # only chunk-boundary states, where the associative form materialises every position's state;
-# calls those kernels cannot take run the associative form (memory permitting). RLA's chunked
-# XLA form keeps its state updates on tensor cores, which the Triton backward kernels do not;
-# SSD's chunked form at chunk 64 beats the kernels' chunk of 32.
+# calls those kernels cannot take run the associative form (memory permitting). SSD's chunked
+# form at chunk 64 beats the kernels' chunk of 32.
 #
-# A value is a backend name, or ``{dtype: name, ..., "other": name}`` where the fastest form
-# depends on the inputs' dtype. E.g. RLA: in bfloat16 and float16 the Triton kernels beat the
-# chunked form about twice, forward and differentiated; in float32 they were ahead at feature
-# width 128 but 5x behind at 256, and a float32 backward at head_dim 128 with GQA asked for more
-# shared memory than an H100 has, so float32 keeps the chunked form (docs/dev/decisions.md,
-# "RLA by dtype").
+# A value is a backend name; or ``{dtype: value, ..., "other": value}`` where the fastest form
+# depends on the inputs' dtype; or ``{"attr": a, "below": n, "then": value, "else": value}``
+# where it depends on one size of the call (``call.a < n``). E.g. RLA: in bfloat16 and float16
+# the Triton kernels beat the chunked form about twice, forward and differentiated; in float32
+# they were ahead at feature width 128 but 5x behind at 256 (their tiles hold a [features,
+# v_head_dim] float32 state), so float32 runs them below feature width 256 (docs/dev/decisions.md,
+# "RLA by dtype"). SSD's forward kernel wins on short sequences, where the chunked form's
+# launches and [chunk, chunk] intermediates dominate, and loses on long ones, where its
+# tensor-core matmuls do ("SSD forward by length").
 TUNING = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuning")
 
 
@@ -90,13 +92,28 @@ def device_of(call) -> Device:
   return Device.interpreter() if call.interpret else Device.current()
 
 
+def tuned_choice(call, device: Device, table: str) -> tuple[str, str]:
+  """The backend ``tuning``'s ``table`` ("forward", "grad" or "default") names for ``call``, and
+  the conditions that chose it (e.g. ``"float32, features 128 < 256"``; empty for a plain name).
+  A value is a name, ``{dtype: value, "other": value}`` or ``{"attr", "below", "then",
+  "else"}`` (the comment above :data:`TUNING`)."""
+  value, why = tuned(device)[table][registry_of(call).op], []
+  while isinstance(value, dict):
+    if "attr" in value:
+      size, bound = getattr(call, value["attr"]), value["below"]
+      below = size < bound
+      why.append(f"{value['attr']} {size} {'<' if below else '>='} {bound}")
+      value = value["then" if below else "else"]
+    else:
+      why.append(call.dtype)
+      value = value.get(call.dtype, value["other"])
+  return value, ", ".join(why)
+
+
 def tuned_form(call, device: Device, table: str) -> str:
-  """The backend ``tuning``'s ``table`` ("forward", "grad" or "default") names for ``call``'s op
-  and dtype (a name, or ``{dtype: name, "other": name}``)."""
-  value = tuned(device)[table][registry_of(call).op]
-  if isinstance(value, dict):
-    return value.get(call.dtype, value["other"])
-  return value
+  """The backend ``tuning``'s ``table`` names for ``call`` (:func:`tuned_choice` without the
+  conditions)."""
+  return tuned_choice(call, device, table)[0]
 
 
 def _gpu_grad(call, device: Device, kernel_ok: bool) -> str:
@@ -145,12 +162,14 @@ def decide(call, implementation: str | None, device: Device) -> Decision:
   if device.platform == "gpu":
     why = registry.refusal(reg, "triton", call, device)
     grad = _gpu_grad(call, device, why is None)
-    if tuned_form(call, device, "forward") == "chunked":
-      return _decision(call, "chunked", "GPU: the chunked XLA form, the fastest forward measured; "
+    form, conditions = tuned_choice(call, device, "forward")
+    measured = f" ({conditions})" if conditions else ""
+    if form == "chunked":
+      return _decision(call, "chunked", f"GPU: the chunked XLA form, the fastest forward measured{measured}; "
                        "differentiated, the fastest forward+backward measured", grad)
     if why is None:
-      return _decision(call, "triton", "GPU: the Triton kernels compute the call exactly; differentiated, "
-                       "the fastest forward+backward measured", grad)
+      return _decision(call, "triton", f"GPU: the Triton kernels, the fastest forward measured{measured}, compute "
+                       "the call exactly; differentiated, the fastest forward+backward measured", grad)
     return _decision(call, "chunked", f"GPU: the Triton kernels cannot take it ({why})", grad)
   return _decision(call, tuned_form(call, device, "default"), f"platform {device.platform}: the fastest exact XLA form measured on CPU")
 

@@ -41,8 +41,9 @@ def test_cpu_default_is_the_fastest_exact_xla_form(op, expect):
 @pytest.mark.parametrize("op", list(CALLS))
 def test_gpu_default_is_the_fastest_measured_form(op, device):
   d = scan.explain_dispatch(CALLS[op], device=device)
-  # Forward: the Mamba-1 kernel, SSD's chunked XLA form, RLA's kernel in bfloat16 (its chunked
-  # form in float32: test_gpu_rla_form_follows_the_dtype). Differentiated: the same (one form
+  # Forward: the Mamba-1 kernel, SSD's chunked XLA form at 2048 positions
+  # (test_gpu_ssd_forward_follows_the_length), RLA's kernel in bfloat16
+  # (test_gpu_rla_form_follows_the_dtype_and_features). Differentiated: the same (one form
   # forward and backward: no grad decision).
   assert d.implementation == {"mamba": "triton", "ssd": "chunked", "rla": "triton"}[op], d
   assert d.grad is None, d
@@ -54,14 +55,42 @@ def test_gpu_default_is_the_fastest_measured_form(op, device):
   assert _grad(asked) == ("chunked" if op == "ssd" else None), asked
 
 
-@pytest.mark.parametrize("dtype, form", [("bfloat16", "triton"), ("float16", "triton"), ("float32", "chunked")])
-def test_gpu_rla_form_follows_the_dtype(dtype, form):
-  """RLA's tuned form is per dtype (``{"bfloat16": "triton", "float16": "triton", "other":
-  "chunked"}``): the one measured fastest in that dtype, forward and differentiated; float32
-  (and a dtype not named) runs the chunked form."""
-  d = scan.explain_dispatch(dataclasses.replace(RLA, dtype=dtype), device=H200)
+@pytest.mark.parametrize("dtype, head_dim, feature_map, form", [
+    ("bfloat16", 128, "softmax", "triton"), ("float16", 64, "relu", "triton"),
+    ("float32", 64, "softmax", "triton"), ("float32", 128, "relu", "triton"),
+    ("float32", 128, "softmax", "chunked"), ("float32", 256, "relu", "chunked")])
+def test_gpu_rla_form_follows_the_dtype_and_features(dtype, head_dim, feature_map, form):
+  """RLA's tuned form is per dtype, and in float32 by feature width: the kernels in bfloat16
+  and float16, in float32 below feature width 256 (softmax doubles head_dim), else the chunked
+  form; forward and differentiated alike, the rule naming the conditions."""
+  call = dataclasses.replace(RLA, dtype=dtype, head_dim=head_dim, v_head_dim=64, feature_map=feature_map)
+  d = scan.explain_dispatch(call, device=H200)
   assert (d.implementation, d.grad) == (form, None), d
-  assert dispatch.tuned_form(dataclasses.replace(RLA, dtype=dtype), H200, "grad") == form
+  assert dispatch.tuned_form(call, H200, "grad") == form
+  assert dtype in d.rule
+  if dtype == "float32":
+    assert f"features {call.features} {'<' if form == 'triton' else '>='} 256" in d.rule, d
+
+
+@pytest.mark.parametrize("length, form", [(1, "triton"), (1023, "triton"), (1024, "chunked"), (4096, "chunked")])
+def test_gpu_ssd_forward_follows_the_length(length, form):
+  """SSD's forward kernel runs below 1024 positions; differentiated, the chunked form runs
+  forward and backward at every length (the kernel has no backward)."""
+  d = scan.explain_dispatch(dataclasses.replace(SSD, length=length), device=H200)
+  assert d.implementation == form, d
+  assert f"length {length} {'<' if form == 'triton' else '>='} 1024" in d.rule, d
+  assert (d.grad.implementation if d.grad else d.implementation) == "chunked"
+
+
+def test_tuned_choice_reads_nested_conditions(tmp_path, monkeypatch):
+  """A tuned value may nest dtype keys and size conditions; the choice names each one."""
+  (tmp_path / "gpu.json").write_text(
+      '{"forward": {"ssd_scan": {"float32": "chunked", "other": {"attr": "heads", "below": 16, '
+      '"then": "triton", "else": "chunked"}}}}')
+  monkeypatch.setattr(dispatch, "TUNING", str(tmp_path))
+  assert dispatch.tuned_choice(dataclasses.replace(SSD, heads=8), H200, "forward") == ("triton", "bfloat16, heads 8 < 16")
+  assert dispatch.tuned_choice(SSD, H200, "forward") == ("chunked", "bfloat16, heads 24 >= 16")
+  assert dispatch.tuned_choice(dataclasses.replace(SSD, dtype="float32"), H200, "forward") == ("chunked", "float32")
 
 
 def test_gpu_rla_kernel_refusal_runs_chunked_with_the_reason():
@@ -160,7 +189,10 @@ def test_interpret_call_dispatches_as_on_a_gpu():
 # the registry's order, as "implementation[/chunk_size][ grad implementation[/chunk_size]] #rule"
 # (rule: an index into _RULES) or "ValueError #message". Recorded from the code at 51f288f.
 # RLA's chunk rules changed since: the chunked form's (chunked_math.rla_chunk) is 128 for the
-# wide features and values below, the kernels' (backends/triton/rla.default_chunk) 64.
+# wide features and values below, the kernels' (backends/triton/rla.default_chunk) 64. Later the
+# GPU forward table gained conditions (docs/dev/decisions.md "SSD forward by length", "RLA by
+# dtype"): SSD below 1024 positions and float32 RLA below feature width 256 run the kernels
+# forward, and a rule names the conditions that chose it (rules 18 onwards).
 
 _DEVICES = {"cpu": CPU, "h200": H200, "rtx3090": RTX3090, "interpret": INTERPRET}
 
@@ -183,104 +215,114 @@ _RULES = (
     "residual_linear_attention: implementation='triton' cannot compute this call: features = 512 is above the kernels' 256 (their state lives in registers)",
     "residual_linear_attention: implementation='triton' cannot compute this call: v_head_dim = 512 is above the kernels' 256 (their state lives in registers)",
     "residual_linear_attention: implementation='triton' cannot compute this call: the kernels' chunk_size is one of (16, 32, 64, 128), got 5",
+    'GPU: the Triton kernels, the fastest forward measured, compute the call exactly; differentiated, the fastest forward+backward measured',
+    'GPU: the Triton kernels, the fastest forward measured (length 9 < 1024), compute the call exactly; differentiated, the fastest forward+backward measured',
+    'GPU: the Triton kernels, the fastest forward measured (float32, features 128 < 256), compute the call exactly; differentiated, the fastest forward+backward measured',
+    'GPU: the Triton kernels, the fastest forward measured (length 20 < 1024), compute the call exactly; differentiated, the fastest forward+backward measured',
+    'GPU: the Triton kernels, the fastest forward measured (length 300 < 1024), compute the call exactly; differentiated, the fastest forward+backward measured',
+    'GPU: the chunked XLA form, the fastest forward measured (length 2048 >= 1024); differentiated, the fastest forward+backward measured',
+    'GPU: the Triton kernels, the fastest forward measured (bfloat16), compute the call exactly; differentiated, the fastest forward+backward measured',
+    'GPU: the chunked XLA form, the fastest forward measured (float32, features 512 >= 256); differentiated, the fastest forward+backward measured',
+    "GPU: the Triton kernels cannot take it (v_head_dim = 512 is above the kernels' 256 (their state lives in registers))",
+    "GPU: the Triton kernels cannot take it (the kernels' chunk_size is one of (16, 32, 64, 128), got 5)",
 )
 _RECORDED = {
     ('mamba L9 float32', 'cpu'): ['scan #0', 'scan #1', 'associative #1', 'chunked/4 #1', 'ValueError #2'],
-    ('mamba L9 float32', 'h200'): ['triton/16 #3', 'scan #1', 'associative #1', 'chunked/4 #1', 'triton/16 #1'],
-    ('mamba L9 float32', 'rtx3090'): ['triton/16 #3', 'scan #1', 'associative #1', 'chunked/4 #1', 'triton/16 #1'],
-    ('mamba L9 float32', 'interpret'): ['triton/16 #3', 'scan #1', 'associative #1', 'chunked/4 #1', 'triton/16 #1'],
+    ('mamba L9 float32', 'h200'): ['triton/16 #18', 'scan #1', 'associative #1', 'chunked/4 #1', 'triton/16 #1'],
+    ('mamba L9 float32', 'rtx3090'): ['triton/16 #18', 'scan #1', 'associative #1', 'chunked/4 #1', 'triton/16 #1'],
+    ('mamba L9 float32', 'interpret'): ['triton/16 #18', 'scan #1', 'associative #1', 'chunked/4 #1', 'triton/16 #1'],
     ('ssd L9 float32', 'cpu'): ['chunked/16 #0', 'scan #1', 'associative #1', 'chunked/16 #1', 'ValueError #4'],
-    ('ssd L9 float32', 'h200'): ['chunked/16 #5', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/16 grad chunked/16 #1'],
-    ('ssd L9 float32', 'rtx3090'): ['chunked/16 #5', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/16 grad chunked/16 #1'],
-    ('ssd L9 float32', 'interpret'): ['chunked/16 #5', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/16 grad chunked/16 #1'],
+    ('ssd L9 float32', 'h200'): ['triton/16 grad chunked/16 #19', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/16 grad chunked/16 #1'],
+    ('ssd L9 float32', 'rtx3090'): ['triton/16 grad chunked/16 #19', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/16 grad chunked/16 #1'],
+    ('ssd L9 float32', 'interpret'): ['triton/16 grad chunked/16 #19', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/16 grad chunked/16 #1'],
     ('rla L9 float32', 'cpu'): ['chunked/16 #0', 'scan #1', 'chunked/16 #1', 'ValueError #6'],
-    ('rla L9 float32', 'h200'): ['chunked/16 #5', 'scan #1', 'chunked/16 #1', 'triton/16 #1'],
-    ('rla L9 float32', 'rtx3090'): ['chunked/16 #5', 'scan #1', 'chunked/16 #1', 'triton/16 #1'],
-    ('rla L9 float32', 'interpret'): ['chunked/16 #5', 'scan #1', 'chunked/16 #1', 'triton/16 #1'],
+    ('rla L9 float32', 'h200'): ['triton/16 #20', 'scan #1', 'chunked/16 #1', 'triton/16 #1'],
+    ('rla L9 float32', 'rtx3090'): ['triton/16 #20', 'scan #1', 'chunked/16 #1', 'triton/16 #1'],
+    ('rla L9 float32', 'interpret'): ['triton/16 #20', 'scan #1', 'chunked/16 #1', 'triton/16 #1'],
     ('mamba L20 float32', 'cpu'): ['scan #0', 'scan #1', 'associative #1', 'chunked/4 #1', 'ValueError #2'],
-    ('mamba L20 float32', 'h200'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/4 #1', 'triton/32 #1'],
-    ('mamba L20 float32', 'rtx3090'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/4 #1', 'triton/32 #1'],
-    ('mamba L20 float32', 'interpret'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/4 #1', 'triton/32 #1'],
+    ('mamba L20 float32', 'h200'): ['triton/32 #18', 'scan #1', 'associative #1', 'chunked/4 #1', 'triton/32 #1'],
+    ('mamba L20 float32', 'rtx3090'): ['triton/32 #18', 'scan #1', 'associative #1', 'chunked/4 #1', 'triton/32 #1'],
+    ('mamba L20 float32', 'interpret'): ['triton/32 #18', 'scan #1', 'associative #1', 'chunked/4 #1', 'triton/32 #1'],
     ('ssd L20 float32', 'cpu'): ['chunked/32 #0', 'scan #1', 'associative #1', 'chunked/32 #1', 'ValueError #4'],
-    ('ssd L20 float32', 'h200'): ['chunked/32 #5', 'scan #1', 'associative #1', 'chunked/32 #1', 'triton/32 grad chunked/32 #1'],
-    ('ssd L20 float32', 'rtx3090'): ['chunked/32 #5', 'scan #1', 'associative #1', 'chunked/32 #1', 'triton/32 grad chunked/32 #1'],
-    ('ssd L20 float32', 'interpret'): ['chunked/32 #5', 'scan #1', 'associative #1', 'chunked/32 #1', 'triton/32 grad chunked/32 #1'],
+    ('ssd L20 float32', 'h200'): ['triton/32 grad chunked/32 #21', 'scan #1', 'associative #1', 'chunked/32 #1', 'triton/32 grad chunked/32 #1'],
+    ('ssd L20 float32', 'rtx3090'): ['triton/32 grad chunked/32 #21', 'scan #1', 'associative #1', 'chunked/32 #1', 'triton/32 grad chunked/32 #1'],
+    ('ssd L20 float32', 'interpret'): ['triton/32 grad chunked/32 #21', 'scan #1', 'associative #1', 'chunked/32 #1', 'triton/32 grad chunked/32 #1'],
     ('rla L20 float32', 'cpu'): ['chunked/32 #0', 'scan #1', 'chunked/32 #1', 'ValueError #6'],
-    ('rla L20 float32', 'h200'): ['chunked/32 #5', 'scan #1', 'chunked/32 #1', 'triton/32 #1'],
-    ('rla L20 float32', 'rtx3090'): ['chunked/32 #5', 'scan #1', 'chunked/32 #1', 'triton/32 #1'],
-    ('rla L20 float32', 'interpret'): ['chunked/32 #5', 'scan #1', 'chunked/32 #1', 'triton/32 #1'],
+    ('rla L20 float32', 'h200'): ['triton/32 #20', 'scan #1', 'chunked/32 #1', 'triton/32 #1'],
+    ('rla L20 float32', 'rtx3090'): ['triton/32 #20', 'scan #1', 'chunked/32 #1', 'triton/32 #1'],
+    ('rla L20 float32', 'interpret'): ['triton/32 #20', 'scan #1', 'chunked/32 #1', 'triton/32 #1'],
     ('mamba L300 float32', 'cpu'): ['scan #0', 'scan #1', 'associative #1', 'chunked/16 #1', 'ValueError #2'],
-    ('mamba L300 float32', 'h200'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/32 #1'],
-    ('mamba L300 float32', 'rtx3090'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/32 #1'],
-    ('mamba L300 float32', 'interpret'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/32 #1'],
+    ('mamba L300 float32', 'h200'): ['triton/32 #18', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/32 #1'],
+    ('mamba L300 float32', 'rtx3090'): ['triton/32 #18', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/32 #1'],
+    ('mamba L300 float32', 'interpret'): ['triton/32 #18', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/32 #1'],
     ('ssd L300 float32', 'cpu'): ['chunked/64 #0', 'scan #1', 'associative #1', 'chunked/64 #1', 'ValueError #4'],
-    ('ssd L300 float32', 'h200'): ['chunked/64 #5', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
-    ('ssd L300 float32', 'rtx3090'): ['chunked/64 #5', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
-    ('ssd L300 float32', 'interpret'): ['chunked/64 #5', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
+    ('ssd L300 float32', 'h200'): ['triton/32 grad chunked/64 #22', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
+    ('ssd L300 float32', 'rtx3090'): ['triton/32 grad chunked/64 #22', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
+    ('ssd L300 float32', 'interpret'): ['triton/32 grad chunked/64 #22', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
     ('rla L300 float32', 'cpu'): ['chunked/64 #0', 'scan #1', 'chunked/64 #1', 'ValueError #6'],
-    ('rla L300 float32', 'h200'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
-    ('rla L300 float32', 'rtx3090'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
-    ('rla L300 float32', 'interpret'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
+    ('rla L300 float32', 'h200'): ['triton/64 #20', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
+    ('rla L300 float32', 'rtx3090'): ['triton/64 #20', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
+    ('rla L300 float32', 'interpret'): ['triton/64 #20', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
     ('mamba L2048 float32', 'cpu'): ['scan #0', 'scan #1', 'associative #1', 'chunked/64 #1', 'ValueError #2'],
-    ('mamba L2048 float32', 'h200'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 #1'],
-    ('mamba L2048 float32', 'rtx3090'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 #1'],
-    ('mamba L2048 float32', 'interpret'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 #1'],
+    ('mamba L2048 float32', 'h200'): ['triton/32 #18', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 #1'],
+    ('mamba L2048 float32', 'rtx3090'): ['triton/32 #18', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 #1'],
+    ('mamba L2048 float32', 'interpret'): ['triton/32 #18', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 #1'],
     ('ssd L2048 float32', 'cpu'): ['chunked/64 #0', 'scan #1', 'associative #1', 'chunked/64 #1', 'ValueError #4'],
-    ('ssd L2048 float32', 'h200'): ['chunked/64 #5', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
-    ('ssd L2048 float32', 'rtx3090'): ['chunked/64 #5', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
-    ('ssd L2048 float32', 'interpret'): ['chunked/64 #5', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
+    ('ssd L2048 float32', 'h200'): ['chunked/64 #23', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
+    ('ssd L2048 float32', 'rtx3090'): ['chunked/64 #23', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
+    ('ssd L2048 float32', 'interpret'): ['chunked/64 #23', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
     ('rla L2048 float32', 'cpu'): ['chunked/64 #0', 'scan #1', 'chunked/64 #1', 'ValueError #6'],
-    ('rla L2048 float32', 'h200'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
-    ('rla L2048 float32', 'rtx3090'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
-    ('rla L2048 float32', 'interpret'): ['chunked/64 #5', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
+    ('rla L2048 float32', 'h200'): ['triton/64 #20', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
+    ('rla L2048 float32', 'rtx3090'): ['triton/64 #20', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
+    ('rla L2048 float32', 'interpret'): ['triton/64 #20', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
     ('mamba L9 bfloat16', 'cpu'): ['scan #0', 'scan #1', 'associative #1', 'chunked/4 #1', 'ValueError #2'],
-    ('mamba L9 bfloat16', 'h200'): ['triton/16 #3', 'scan #1', 'associative #1', 'chunked/4 #1', 'triton/16 #1'],
-    ('mamba L9 bfloat16', 'rtx3090'): ['triton/16 #3', 'scan #1', 'associative #1', 'chunked/4 #1', 'triton/16 #1'],
-    ('mamba L9 bfloat16', 'interpret'): ['triton/16 #3', 'scan #1', 'associative #1', 'chunked/4 #1', 'triton/16 #1'],
+    ('mamba L9 bfloat16', 'h200'): ['triton/16 #18', 'scan #1', 'associative #1', 'chunked/4 #1', 'triton/16 #1'],
+    ('mamba L9 bfloat16', 'rtx3090'): ['triton/16 #18', 'scan #1', 'associative #1', 'chunked/4 #1', 'triton/16 #1'],
+    ('mamba L9 bfloat16', 'interpret'): ['triton/16 #18', 'scan #1', 'associative #1', 'chunked/4 #1', 'triton/16 #1'],
     ('ssd L9 bfloat16', 'cpu'): ['chunked/16 #0', 'scan #1', 'associative #1', 'chunked/16 #1', 'ValueError #4'],
-    ('ssd L9 bfloat16', 'h200'): ['chunked/16 #5', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/16 grad chunked/16 #1'],
-    ('ssd L9 bfloat16', 'rtx3090'): ['chunked/16 #5', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/16 grad chunked/16 #1'],
-    ('ssd L9 bfloat16', 'interpret'): ['chunked/16 #5', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/16 grad chunked/16 #1'],
+    ('ssd L9 bfloat16', 'h200'): ['triton/16 grad chunked/16 #19', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/16 grad chunked/16 #1'],
+    ('ssd L9 bfloat16', 'rtx3090'): ['triton/16 grad chunked/16 #19', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/16 grad chunked/16 #1'],
+    ('ssd L9 bfloat16', 'interpret'): ['triton/16 grad chunked/16 #19', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/16 grad chunked/16 #1'],
     ('rla L9 bfloat16', 'cpu'): ['chunked/16 #0', 'scan #1', 'chunked/16 #1', 'ValueError #6'],
-    ('rla L9 bfloat16', 'h200'): ['triton/16 #3', 'scan #1', 'chunked/16 #1', 'triton/16 #1'],
-    ('rla L9 bfloat16', 'rtx3090'): ['triton/16 #3', 'scan #1', 'chunked/16 #1', 'triton/16 #1'],
-    ('rla L9 bfloat16', 'interpret'): ['triton/16 #3', 'scan #1', 'chunked/16 #1', 'triton/16 #1'],
+    ('rla L9 bfloat16', 'h200'): ['triton/16 #24', 'scan #1', 'chunked/16 #1', 'triton/16 #1'],
+    ('rla L9 bfloat16', 'rtx3090'): ['triton/16 #24', 'scan #1', 'chunked/16 #1', 'triton/16 #1'],
+    ('rla L9 bfloat16', 'interpret'): ['triton/16 #24', 'scan #1', 'chunked/16 #1', 'triton/16 #1'],
     ('mamba L20 bfloat16', 'cpu'): ['scan #0', 'scan #1', 'associative #1', 'chunked/4 #1', 'ValueError #2'],
-    ('mamba L20 bfloat16', 'h200'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/4 #1', 'triton/32 #1'],
-    ('mamba L20 bfloat16', 'rtx3090'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/4 #1', 'triton/32 #1'],
-    ('mamba L20 bfloat16', 'interpret'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/4 #1', 'triton/32 #1'],
+    ('mamba L20 bfloat16', 'h200'): ['triton/32 #18', 'scan #1', 'associative #1', 'chunked/4 #1', 'triton/32 #1'],
+    ('mamba L20 bfloat16', 'rtx3090'): ['triton/32 #18', 'scan #1', 'associative #1', 'chunked/4 #1', 'triton/32 #1'],
+    ('mamba L20 bfloat16', 'interpret'): ['triton/32 #18', 'scan #1', 'associative #1', 'chunked/4 #1', 'triton/32 #1'],
     ('ssd L20 bfloat16', 'cpu'): ['chunked/32 #0', 'scan #1', 'associative #1', 'chunked/32 #1', 'ValueError #4'],
-    ('ssd L20 bfloat16', 'h200'): ['chunked/32 #5', 'scan #1', 'associative #1', 'chunked/32 #1', 'triton/32 grad chunked/32 #1'],
-    ('ssd L20 bfloat16', 'rtx3090'): ['chunked/32 #5', 'scan #1', 'associative #1', 'chunked/32 #1', 'triton/32 grad chunked/32 #1'],
-    ('ssd L20 bfloat16', 'interpret'): ['chunked/32 #5', 'scan #1', 'associative #1', 'chunked/32 #1', 'triton/32 grad chunked/32 #1'],
+    ('ssd L20 bfloat16', 'h200'): ['triton/32 grad chunked/32 #21', 'scan #1', 'associative #1', 'chunked/32 #1', 'triton/32 grad chunked/32 #1'],
+    ('ssd L20 bfloat16', 'rtx3090'): ['triton/32 grad chunked/32 #21', 'scan #1', 'associative #1', 'chunked/32 #1', 'triton/32 grad chunked/32 #1'],
+    ('ssd L20 bfloat16', 'interpret'): ['triton/32 grad chunked/32 #21', 'scan #1', 'associative #1', 'chunked/32 #1', 'triton/32 grad chunked/32 #1'],
     ('rla L20 bfloat16', 'cpu'): ['chunked/32 #0', 'scan #1', 'chunked/32 #1', 'ValueError #6'],
-    ('rla L20 bfloat16', 'h200'): ['triton/32 #3', 'scan #1', 'chunked/32 #1', 'triton/32 #1'],
-    ('rla L20 bfloat16', 'rtx3090'): ['triton/32 #3', 'scan #1', 'chunked/32 #1', 'triton/32 #1'],
-    ('rla L20 bfloat16', 'interpret'): ['triton/32 #3', 'scan #1', 'chunked/32 #1', 'triton/32 #1'],
+    ('rla L20 bfloat16', 'h200'): ['triton/32 #24', 'scan #1', 'chunked/32 #1', 'triton/32 #1'],
+    ('rla L20 bfloat16', 'rtx3090'): ['triton/32 #24', 'scan #1', 'chunked/32 #1', 'triton/32 #1'],
+    ('rla L20 bfloat16', 'interpret'): ['triton/32 #24', 'scan #1', 'chunked/32 #1', 'triton/32 #1'],
     ('mamba L300 bfloat16', 'cpu'): ['scan #0', 'scan #1', 'associative #1', 'chunked/16 #1', 'ValueError #2'],
-    ('mamba L300 bfloat16', 'h200'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/32 #1'],
-    ('mamba L300 bfloat16', 'rtx3090'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/32 #1'],
-    ('mamba L300 bfloat16', 'interpret'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/32 #1'],
+    ('mamba L300 bfloat16', 'h200'): ['triton/32 #18', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/32 #1'],
+    ('mamba L300 bfloat16', 'rtx3090'): ['triton/32 #18', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/32 #1'],
+    ('mamba L300 bfloat16', 'interpret'): ['triton/32 #18', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/32 #1'],
     ('ssd L300 bfloat16', 'cpu'): ['chunked/64 #0', 'scan #1', 'associative #1', 'chunked/64 #1', 'ValueError #4'],
-    ('ssd L300 bfloat16', 'h200'): ['chunked/64 #5', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
-    ('ssd L300 bfloat16', 'rtx3090'): ['chunked/64 #5', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
-    ('ssd L300 bfloat16', 'interpret'): ['chunked/64 #5', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
+    ('ssd L300 bfloat16', 'h200'): ['triton/32 grad chunked/64 #22', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
+    ('ssd L300 bfloat16', 'rtx3090'): ['triton/32 grad chunked/64 #22', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
+    ('ssd L300 bfloat16', 'interpret'): ['triton/32 grad chunked/64 #22', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
     ('rla L300 bfloat16', 'cpu'): ['chunked/64 #0', 'scan #1', 'chunked/64 #1', 'ValueError #6'],
-    ('rla L300 bfloat16', 'h200'): ['triton/64 #3', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
-    ('rla L300 bfloat16', 'rtx3090'): ['triton/64 #3', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
-    ('rla L300 bfloat16', 'interpret'): ['triton/64 #3', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
+    ('rla L300 bfloat16', 'h200'): ['triton/64 #24', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
+    ('rla L300 bfloat16', 'rtx3090'): ['triton/64 #24', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
+    ('rla L300 bfloat16', 'interpret'): ['triton/64 #24', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
     ('mamba L2048 bfloat16', 'cpu'): ['scan #0', 'scan #1', 'associative #1', 'chunked/64 #1', 'ValueError #2'],
-    ('mamba L2048 bfloat16', 'h200'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 #1'],
-    ('mamba L2048 bfloat16', 'rtx3090'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 #1'],
-    ('mamba L2048 bfloat16', 'interpret'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 #1'],
+    ('mamba L2048 bfloat16', 'h200'): ['triton/32 #18', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 #1'],
+    ('mamba L2048 bfloat16', 'rtx3090'): ['triton/32 #18', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 #1'],
+    ('mamba L2048 bfloat16', 'interpret'): ['triton/32 #18', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 #1'],
     ('ssd L2048 bfloat16', 'cpu'): ['chunked/64 #0', 'scan #1', 'associative #1', 'chunked/64 #1', 'ValueError #4'],
-    ('ssd L2048 bfloat16', 'h200'): ['chunked/64 #5', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
-    ('ssd L2048 bfloat16', 'rtx3090'): ['chunked/64 #5', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
-    ('ssd L2048 bfloat16', 'interpret'): ['chunked/64 #5', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
+    ('ssd L2048 bfloat16', 'h200'): ['chunked/64 #23', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
+    ('ssd L2048 bfloat16', 'rtx3090'): ['chunked/64 #23', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
+    ('ssd L2048 bfloat16', 'interpret'): ['chunked/64 #23', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
     ('rla L2048 bfloat16', 'cpu'): ['chunked/64 #0', 'scan #1', 'chunked/64 #1', 'ValueError #6'],
-    ('rla L2048 bfloat16', 'h200'): ['triton/64 #3', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
-    ('rla L2048 bfloat16', 'rtx3090'): ['triton/64 #3', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
-    ('rla L2048 bfloat16', 'interpret'): ['triton/64 #3', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
+    ('rla L2048 bfloat16', 'h200'): ['triton/64 #24', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
+    ('rla L2048 bfloat16', 'rtx3090'): ['triton/64 #24', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
+    ('rla L2048 bfloat16', 'interpret'): ['triton/64 #24', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
     ('mamba big state', 'cpu'): ['scan #0', 'scan #1', 'associative #1', 'chunked/32 #1', 'ValueError #2'],
     ('mamba big state', 'h200'): ['chunked/32 grad associative #7', 'scan #1', 'associative #1', 'chunked/32 #1', 'ValueError #8'],
     ('mamba big state', 'rtx3090'): ['chunked/32 #7', 'scan #1', 'associative #1', 'chunked/32 #1', 'ValueError #8'],
@@ -298,29 +340,29 @@ _RECORDED = {
     ('mamba chunk 24', 'rtx3090'): ['chunked/24 grad associative #11', 'scan #1', 'associative #1', 'chunked/24 #1', 'ValueError #12'],
     ('mamba chunk 24', 'interpret'): ['chunked/24 grad associative #11', 'scan #1', 'associative #1', 'chunked/24 #1', 'ValueError #12'],
     ('mamba chunk 64', 'cpu'): ['scan #0', 'scan #1', 'associative #1', 'chunked/64 #1', 'ValueError #2'],
-    ('mamba chunk 64', 'h200'): ['triton/64 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/64 #1'],
-    ('mamba chunk 64', 'rtx3090'): ['triton/64 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/64 #1'],
-    ('mamba chunk 64', 'interpret'): ['triton/64 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/64 #1'],
+    ('mamba chunk 64', 'h200'): ['triton/64 #18', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/64 #1'],
+    ('mamba chunk 64', 'rtx3090'): ['triton/64 #18', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/64 #1'],
+    ('mamba chunk 64', 'interpret'): ['triton/64 #18', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/64 #1'],
     ('ssd chunk 24', 'cpu'): ['chunked/24 #0', 'scan #1', 'associative #1', 'chunked/24 #1', 'ValueError #4'],
-    ('ssd chunk 24', 'h200'): ['chunked/24 #5', 'scan #1', 'associative #1', 'chunked/24 #1', 'ValueError #13'],
-    ('ssd chunk 24', 'rtx3090'): ['chunked/24 #5', 'scan #1', 'associative #1', 'chunked/24 #1', 'ValueError #13'],
-    ('ssd chunk 24', 'interpret'): ['chunked/24 #5', 'scan #1', 'associative #1', 'chunked/24 #1', 'ValueError #13'],
+    ('ssd chunk 24', 'h200'): ['chunked/24 #11', 'scan #1', 'associative #1', 'chunked/24 #1', 'ValueError #13'],
+    ('ssd chunk 24', 'rtx3090'): ['chunked/24 #11', 'scan #1', 'associative #1', 'chunked/24 #1', 'ValueError #13'],
+    ('ssd chunk 24', 'interpret'): ['chunked/24 #11', 'scan #1', 'associative #1', 'chunked/24 #1', 'ValueError #13'],
     ('ssd state 512', 'cpu'): ['chunked/64 #0', 'scan #1', 'associative #1', 'chunked/64 #1', 'ValueError #4'],
-    ('ssd state 512', 'h200'): ['chunked/64 #5', 'scan #1', 'associative #1', 'chunked/64 #1', 'ValueError #14'],
-    ('ssd state 512', 'rtx3090'): ['chunked/64 #5', 'scan #1', 'associative #1', 'chunked/64 #1', 'ValueError #14'],
-    ('ssd state 512', 'interpret'): ['chunked/64 #5', 'scan #1', 'associative #1', 'chunked/64 #1', 'ValueError #14'],
+    ('ssd state 512', 'h200'): ['chunked/64 #7', 'scan #1', 'associative #1', 'chunked/64 #1', 'ValueError #14'],
+    ('ssd state 512', 'rtx3090'): ['chunked/64 #7', 'scan #1', 'associative #1', 'chunked/64 #1', 'ValueError #14'],
+    ('ssd state 512', 'interpret'): ['chunked/64 #7', 'scan #1', 'associative #1', 'chunked/64 #1', 'ValueError #14'],
     ('rla features 512', 'cpu'): ['chunked/128 #0', 'scan #1', 'chunked/128 #1', 'ValueError #6'],
-    ('rla features 512', 'h200'): ['chunked/128 #5', 'scan #1', 'chunked/128 #1', 'ValueError #15'],
-    ('rla features 512', 'rtx3090'): ['chunked/128 #5', 'scan #1', 'chunked/128 #1', 'ValueError #15'],
-    ('rla features 512', 'interpret'): ['chunked/128 #5', 'scan #1', 'chunked/128 #1', 'ValueError #15'],
+    ('rla features 512', 'h200'): ['chunked/128 #25', 'scan #1', 'chunked/128 #1', 'ValueError #15'],
+    ('rla features 512', 'rtx3090'): ['chunked/128 #25', 'scan #1', 'chunked/128 #1', 'ValueError #15'],
+    ('rla features 512', 'interpret'): ['chunked/128 #25', 'scan #1', 'chunked/128 #1', 'ValueError #15'],
     ('rla v_head_dim 512', 'cpu'): ['chunked/128 #0', 'scan #1', 'chunked/128 #1', 'ValueError #6'],
-    ('rla v_head_dim 512', 'h200'): ['chunked/128 #5', 'scan #1', 'chunked/128 #1', 'ValueError #16'],
-    ('rla v_head_dim 512', 'rtx3090'): ['chunked/128 #5', 'scan #1', 'chunked/128 #1', 'ValueError #16'],
-    ('rla v_head_dim 512', 'interpret'): ['chunked/128 #5', 'scan #1', 'chunked/128 #1', 'ValueError #16'],
+    ('rla v_head_dim 512', 'h200'): ['chunked/128 #26', 'scan #1', 'chunked/128 #1', 'ValueError #16'],
+    ('rla v_head_dim 512', 'rtx3090'): ['chunked/128 #26', 'scan #1', 'chunked/128 #1', 'ValueError #16'],
+    ('rla v_head_dim 512', 'interpret'): ['chunked/128 #26', 'scan #1', 'chunked/128 #1', 'ValueError #16'],
     ('rla chunk 5', 'cpu'): ['chunked/5 #0', 'scan #1', 'chunked/5 #1', 'ValueError #6'],
-    ('rla chunk 5', 'h200'): ['chunked/5 #5', 'scan #1', 'chunked/5 #1', 'ValueError #17'],
-    ('rla chunk 5', 'rtx3090'): ['chunked/5 #5', 'scan #1', 'chunked/5 #1', 'ValueError #17'],
-    ('rla chunk 5', 'interpret'): ['chunked/5 #5', 'scan #1', 'chunked/5 #1', 'ValueError #17'],
+    ('rla chunk 5', 'h200'): ['chunked/5 #27', 'scan #1', 'chunked/5 #1', 'ValueError #17'],
+    ('rla chunk 5', 'rtx3090'): ['chunked/5 #27', 'scan #1', 'chunked/5 #1', 'ValueError #17'],
+    ('rla chunk 5', 'interpret'): ['chunked/5 #27', 'scan #1', 'chunked/5 #1', 'ValueError #17'],
 }
 _RECORDED_CALLS = {
     'mamba L9 float32': MambaCall(2, 9, 64, 16, 'float32'),
