@@ -97,18 +97,30 @@ def _jax_fn(attn, arrays, dtype, mode, compile_only=False):
   dt = jnp_dtype(dtype)
   q, k, v, do = (jnp.asarray(a, dtype=dt) for a in arrays)
   if mode == "fwd":
-    f = jax.jit(attn)
-    if compile_only:
-      return f.lower(q, k, v).compile(), None
-    return (lambda: f(q, k, v)), jax.block_until_ready
-
-  def fb(q, k, v, do):
-    out, vjp = jax.vjp(attn, q, k, v)
-    return (out,) + tuple(vjp(do))
-  f = jax.jit(fb)
+    f, args = jax.jit(attn), (q, k, v)
+  else:
+    def fb(q, k, v, do):
+      out, vjp = jax.vjp(attn, q, k, v)
+      return (out,) + tuple(vjp(do))
+    f, args = jax.jit(fb), (q, k, v, do)
   if compile_only:
-    return f.lower(q, k, v, do).compile(), None
-  return (lambda: f(q, k, v, do)), jax.block_until_ready
+    return f.lower(*args).compile(), None
+  call = lambda: f(*args)
+  call.lower = lambda: f.lower(*args)   # for memory_of: the executable the calls ran (jit's cache)
+  return call, jax.block_until_ready
+
+
+def memory_of(compiled) -> dict:
+  """XLA's memory analysis of a compiled program (bytes): temporaries, arguments, outputs,
+  aliases and ``compiled_total_bytes``, what the program holds on the device while it runs."""
+  ma = compiled.memory_analysis()
+  if ma is None:
+    raise Unsupported("memory_analysis() returned None on this backend")
+  get = lambda n: int(getattr(ma, n, 0) or 0)
+  out = {"temp_bytes": get("temp_size_in_bytes"), "argument_bytes": get("argument_size_in_bytes"),
+         "output_bytes": get("output_size_in_bytes"), "alias_bytes": get("alias_size_in_bytes")}
+  out["compiled_total_bytes"] = out["temp_bytes"] + out["argument_bytes"] + out["output_bytes"] - out["alias_bytes"]
+  return out
 
 
 def probjax_attn(impl: str, causal: bool, mask_obj=None, extra_kwargs=None):
@@ -455,14 +467,7 @@ def compiled_memory(impl, arrays, dtype, causal, mode, mask="none") -> dict:
   if impl.startswith("torch"):
     raise Unsupported("compile-time memory analysis is JAX-only")
   compiled, _ = build_jax_side(impl, arrays, dtype, causal, mode, mask, compile_only=True)
-  ma = compiled.memory_analysis()
-  if ma is None:
-    raise Unsupported("memory_analysis() returned None on this backend")
-  get = lambda n: int(getattr(ma, n, 0) or 0)
-  out = {"temp_bytes": get("temp_size_in_bytes"), "argument_bytes": get("argument_size_in_bytes"),
-         "output_bytes": get("output_size_in_bytes"), "alias_bytes": get("alias_size_in_bytes")}
-  out["compiled_total_bytes"] = out["temp_bytes"] + out["argument_bytes"] + out["output_bytes"] - out["alias_bytes"]
-  return out
+  return memory_of(compiled)
 
 
 def residual_bytes(impl, arrays, dtype, causal, mask="none") -> dict:

@@ -15,12 +15,28 @@ its status and error in its row.
 
 ``--v-head-dim`` gives the values a width of their own (MLA's 192/128): v and dO are the
 shared inputs' first columns, rows carry the variant ``dv<width>`` and their FLOPs count
-both widths. The default, cuDNN, the Mosaic forward and backward, and the Triton backward
-(after the Mosaic or the Triton forward) at B2 H16 T4096 causal, 192/128:
+both widths, ``2 B H Tq Tkv (head_dim + v_head_dim)`` (halved for causal, x3.5 with the
+backward). There ``jaxnn_cudnn_padded_v`` is what jax.nn offers (its cuDNN call takes values
+as wide as the keys): v zero-padded to head_dim inside the timed call, the output sliced.
+``probjax_mosaic`` is the Mosaic forward with the Triton backward (``backward_pass_impl="auto"``),
+``probjax_mosaic_bwd`` the Mosaic forward and backward (``backward_pass_impl="mosaic"``); the
+forward of the two is one kernel, so with both listed ``probjax_mosaic_bwd`` has no ``fwd`` row.
+The default, cuDNN (probjax's FFI route), the Mosaic forward with either backward, the Triton
+kernel and jax.nn's padded cuDNN at B2 H16 T4096 causal and not, 192/128 (the issue "MLA at
+FlashMLA speed on Hopper": forward + backward within 1.10x cuDNN's):
 
-  python -m bench.interleaved --lengths 4096 --head-dims 192 --v-head-dim 128 --causal true \
+  python -m bench.interleaved --lengths 4096 --head-dims 192 --v-head-dim 128 --causal both \
       --batch 2 --heads 16 --modes fwd,fwd_bwd \
-      --impls probjax_default,probjax_cudnn,probjax_mosaic_bwd,probjax_mosaic,probjax_triton
+      --impls probjax_default,probjax_cudnn,probjax_mosaic_bwd,probjax_mosaic,probjax_triton,jaxnn_cudnn_padded_v
+
+Every JAX row carries the compiled program's memory (``temp_bytes``, ``argument_bytes``,
+``output_bytes``, ``compiled_total_bytes``: XLA's analysis of the executable the calls ran; a
+custom call's workspace outside XLA's buffers is not in it) and, on a GPU,
+``device_peak_bytes``, the device's ``peak_bytes_in_use`` so far in the process (a high-water
+mark over every earlier case). ``probjax_default`` rows carry ``dispatch``, the default's
+decision. ``--cpu-smoke``: the same command at tiny sizes on CPU (B1 H2 T64, head_dim 16,
+values 8 wide with ``--v-head-dim``; float32, quick timing): every row, the GPU kernels'
+statuses unsupported or error.
 """
 
 from __future__ import annotations
@@ -39,39 +55,112 @@ MASK_IS_CAUSAL = ("window512", "docs4_causal", "softcap30")
 def cases(args) -> list[harness.Case]:
   timing = harness.timing_kwargs(args)
   ints = lambda s: tuple(int(x) for x in str(s).split(",") if x)
+  dv = args.v_head_dim
   if args.quick:
     dtype, shapes, names = "float32", [(1, 2, 64, 16, False, "fwd")], ("probjax_default", "jaxnn_xla")
+    dv = None
   else:
     dtype, names = "bfloat16", tuple(x for x in args.impls.split(",") if x)
     shapes = [(args.batch, args.heads, t, d, c, mode) for t in ints(args.lengths) for d in ints(args.head_dims)
               for c in CAUSAL[args.causal] for mode in args.modes.split(",") if mode]
+    if args.cpu_smoke:   # the command's implementations, causal flags and modes at tiny sizes
+      dtype, dv = "float32", (min(dv, 8) if dv else None)
+      shapes = list(dict.fromkeys((1, 2, 64, 16, c, mode) for *_, c, mode in shapes))
+  if dv and dv > min(d for *_, d, _, _ in shapes):
+    raise SystemExit(f"--v-head-dim {dv}: the values are the inputs' first columns, at most --head-dims' smallest")
+  # probjax_mosaic_bwd's forward is probjax_mosaic's kernel: timed once where both are listed
+  same_forward = lambda impl, s: impl == "probjax_mosaic_bwd" and s["mode"] == "fwd" and "probjax_mosaic" in names
   table = impls.timed_cases("interleaved", names, [
       impls.shape(dtype, b, h, h, t, t, d, causal or args.mask in MASK_IS_CAUSAL, mode, mask=args.mask)
-      for b, h, t, d, causal, mode in shapes], timing)
-  if args.v_head_dim and not args.quick:
-    if args.v_head_dim > min(d for *_, d, _, _ in shapes):
-      raise SystemExit(f"--v-head-dim {args.v_head_dim}: the values are the inputs' first columns, at most "
-                       "--head-dims' smallest")
-    table = [value_width(c, args.v_head_dim, timing) for c in table]
-  return table
+      for b, h, t, d, causal, mode in shapes], timing, skip=same_forward)
+  return [value_width(c, dv, timing) for c in table]
 
 
-def value_width(case, dv: int, timing: dict):
-  """``case`` (:func:`bench.impls.timed_case`, inputs ``[B, T, H, head_dim]``) with values
-  ``dv`` wide: v and dO are the shared inputs' first ``dv`` columns (the output is
+PADDED_V = "jaxnn_cudnn_padded_v"
+
+
+def padded_v_jaxnn(arrays, dtype, causal, mode, mask):
+  """jax.nn's cuDNN attention with v zero-padded to the keys' width and the output sliced back
+  (inside the timed call): what jax.nn offers for values narrower than the keys."""
+  if mask != "none":
+    raise impls.Unsupported(f"{PADDED_V} is run without a mask")
+  if dtype == "float32":
+    raise impls.Unsupported(f"{PADDED_V} has no float32 path")
+  impls.require_gpu("cuDNN")
+  return impls._jax_fn(padded_v_attention(causal, arrays[0].shape[-1]), arrays, dtype, mode)
+
+
+def padded_v_attention(causal: bool, width: int, implementation: str = "cudnn"):
+  """``attn(q, k, v)``: jax.nn's attention on v zero-padded to ``width``, the output sliced to v's."""
+  import jax
+  import jax.numpy as jnp
+
+  def attn(q, k, v):
+    vp = jnp.pad(v, ((0, 0),) * 3 + ((0, width - v.shape[-1]),))
+    return jax.nn.dot_product_attention(q, k, vp, is_causal=causal, implementation=implementation)[..., :v.shape[-1]]
+  return attn
+
+
+def memory_fields(impl: str, fn) -> dict:
+  """The compiled program's memory (:func:`bench.impls.memory_of` of the executable ``fn``'s
+  calls ran) and the device's peak bytes in use so far in the process (JAX rows)."""
+  if impl.startswith("torch_"):
+    return {}
+  out = {}
+  try:
+    out.update(impls.memory_of(fn.lower().compile()))
+  except Exception as e:  # noqa: BLE001 (the timing stands without it)
+    out["memory_error"] = f"{type(e).__name__}: {e}"[:200]
+  try:
+    import jax
+    peak = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+  except Exception:  # noqa: BLE001
+    peak = None
+  if peak is not None:
+    out["device_peak_bytes"] = int(peak)
+  return out
+
+
+def default_dispatch(case, dv: int) -> str:
+  """The default's decision for the case (its rule), as text."""
+  try:
+    from probjax.ops.attention.api import explain_dispatch
+    mobj, is_causal = impls.probjax_mask(case.mask, case.causal, case.batch, case.q_len, case.kv_len)
+    d = explain_dispatch((case.batch, case.q_len, case.q_heads, case.head_dim),
+                         (case.batch, case.kv_len, case.kv_heads, case.head_dim), impls.jnp_dtype(case.dtype),
+                         mask=mobj, is_causal=is_causal, v_head_dim=dv)
+    grad = getattr(d, "grad", None)
+    return str(d) + (f"; under grad: {grad}" if grad is not None and grad != d else "")
+  except Exception as e:  # noqa: BLE001
+    return f"unknown ({type(e).__name__}: {e})"[:300]
+
+
+def value_width(case, dv: int | None, timing: dict):
+  """``case`` (:func:`bench.impls.timed_case`, inputs ``[B, T, H, head_dim]``) built here, its
+  row with :func:`memory_fields` (and ``dispatch`` for ``probjax_default``). With ``dv`` the
+  values are ``dv`` wide: v and dO are the shared inputs' first ``dv`` columns (the output is
   ``[B, T, H, dv]``); the row is keyed by the variant ``dv<dv>`` and its FLOPs are
   ``2 B H Tq Tkv (head_dim + dv)`` (halved for causal, x3.5 with the backward), the
   convention's ``4 B H Tq Tkv D`` with D their mean. A forward row also gets
   ``max_abs_err`` against the float64 reference slice, as :func:`bench.impls.timed_case`'s."""
+  width = dv or case.head_dim
+
   def prepare():
     q, k, v, do = impls.inputs(case.batch, case.q_len, case.kv_len, case.q_heads, case.kv_heads, case.head_dim)
-    arrays = (q, k, v[..., :dv], do[..., :dv])
-    fn, sync = impls.build(case.impl, arrays, case.dtype, case.causal, case.mode, case.mask)
+    arrays = (q, k, v[..., :width], do[..., :width])
+    if case.impl == PADDED_V:
+      fn, sync = padded_v_jaxnn(arrays, case.dtype, case.causal, case.mode, case.mask)
+    else:
+      fn, sync = impls.build(case.impl, arrays, case.dtype, case.causal, case.mode, case.mask)
 
     def finish(res):
       flops = harness.attention_flops(case.batch, case.q_heads, case.q_len, case.kv_len,
-                                      (case.head_dim + dv) / 2, case.causal, case.mode)
-      res.update(flops=flops, tflops=harness.tflops(flops, res.get("ms")))
+                                      (case.head_dim + width) / 2, case.causal, case.mode)
+      if dv:   # else make_row counts them (head_dim wide values)
+        res.update(flops=flops, tflops=harness.tflops(flops, res.get("ms")))
+      res.update(memory_fields(case.impl, fn))
+      if case.impl == "probjax_default":
+        res["dispatch"] = default_dispatch(case, width)
       if case.mode == "fwd":
         try:
           import numpy as np
@@ -82,6 +171,8 @@ def value_width(case, dv: int, timing: dict):
       return res
     return (lambda: harness.time_fn(fn, sync, **timing, backend=harness.backend_of(case.impl))), finish
 
+  if not dv:   # keyed as impls.timed_case's rows; make_row counts the FLOPs
+    return dataclasses.replace(case, run=impls.run_of(prepare), prepare=prepare)
   return dataclasses.replace(case, run=impls.run_of(prepare), prepare=prepare, variant=f"dv{dv}", flops=False,
                              extra=dict(case.extra, v_head_dim=dv))
 
@@ -99,6 +190,8 @@ def main(argv=None):
   p.add_argument("--mask", default="none", help="a benchmark mask name (bench.impls.MASKS)")
   p.add_argument("--v-head-dim", type=int, default=None,
                  help="the values' head_dim, at most --head-dims' smallest (default: as wide as queries and keys)")
+  p.add_argument("--cpu-smoke", action="store_true",
+                 help="the command's implementations, causal flags and modes at tiny sizes on CPU (float32)")
   p.set_defaults(rounds=3)
   args = p.parse_args(argv)
   harness.run_cases(cases(args), args)

@@ -5,7 +5,9 @@ Suites (``--suite``, default both):
 * ``expanded``: B2 H16 T4096 and B1 H16 T16384, d_nope 128 + d_rope 64 (d_qk 192), d_v 128,
   latent 512, bf16, causal and not, ``fwd`` and ``fwd_bwd`` (the gradient of every input). Impls:
   ``mla_expanded`` (the op, latent projections included), ``attention_{default,triton,mosaic,cudnn,xla}``
-  (``dot_product_attention`` alone on the formed q [.., 192], k [.., 192], v [.., 128]),
+  (``dot_product_attention`` alone on the formed q [.., 192], k [.., 192], v [.., 128];
+  ``attention_mosaic`` is the Mosaic forward with the Triton backward, ``backward_pass_impl="auto"``),
+  ``attention_mosaic_bwd`` (the Mosaic forward and the Mosaic backward, ``backward_pass_impl="mosaic"``),
   ``jaxnn_cudnn_padded_v`` (v zero-padded to 192 through jax.nn's cuDNN, output sliced: what jax.nn
   offers) and torch's SDPA (cuDNN, flash, efficient) and flex_attention in their own process
   (bench/torch_mla_worker.py; ``--no-torch`` skips them).
@@ -20,10 +22,28 @@ Suites (``--suite``, default both):
   alone as XLA einsums, d_qk 576 / d_v 512) and, at B64 x 4096 with one query, ``mla_expanded``.
   ``--mosaic-splits 1,4,8`` adds ``mosaic_kernel_s<n>`` rows at fixed key splits. Rows carry the
   latent read floor ``bytes / 4.0e12 B/s`` and ``tb_per_s``, the bytes of latent and rope read once
-  over the time.
+  (``read_bytes = B S 576 x 2``, bf16) over the time.
 
 FLOPs (printed as ``tflops``): attention ``2 B H Tq S (d_qk + d_v)`` (halved for causal),
-forward + backward 3.5x the forward; the projections are not counted.
+forward + backward 3.5x the forward; the projections are not counted. Decoding counts the two
+matmuls of the absorbed form per query head and cached row: scores over the 576-wide latent + rope
+(``2 x 576``) and the output over the 512-wide latent (``2 x 512``), so ``2 B H Tq S (576 + 512)``
+with ``H`` the 128 query heads and ``Tq`` the queries per sequence.
+
+Memory (every JAX row): ``temp_bytes``, ``argument_bytes``, ``output_bytes`` of the compiled program
+(XLA's memory analysis; a custom call's own workspace outside XLA's buffers is not in it),
+``compiled_bytes`` = arguments + outputs + temporaries - aliases (what the program holds on the
+device while it runs) and, on a GPU, ``device_peak_bytes``: the device's ``peak_bytes_in_use``
+so far in the process (a high-water mark over every earlier row, as bench/moe.py's).
+
+The issue's numbers ("MLA at FlashMLA speed on Hopper"), decoding with 1, 2 and 4 queries at
+B64 x 4096 and B128 x 8192, each decode kernel alone, the default op and the absorbed XLA form:
+
+  python -m bench.mla --suite decode --decode-shapes 64x4096,128x8192 --decode-queries 1,2,4 \
+      --impl mosaic_kernel,triton_kernel,attention_mqa_xla,mla_absorbed --output $OUT/mla.json
+
+and the expanded 192/128 attention at B2 H16 T4096 (causal and not, forward and forward +
+backward) with torch's SDPA in its own process: ``--suite expanded --expanded-shapes 2x4096``.
 
 Rows are JSON lines in ``--output`` keyed by (suite, case, mode, impl), as bench/lm_step.py's:
 device, versions, commit and command in every row; a rerun skips the keys already there
@@ -93,6 +113,7 @@ def mla_inputs(seed, b, tq, s, h, z: Sizes, dtype):
 
 
 def attention_flops(b, h, tq, s, d_qk, d_v, causal, mode):
+  """``2 b h tq s (d_qk + d_v)``: the score and output matmuls (halved for causal; x3.5 with the backward)."""
   f = 2.0 * b * h * tq * s * (d_qk + d_v) * (0.5 if causal else 1.0)
   return f * (3.5 if mode == "fwd_bwd" else 1.0)
 
@@ -119,13 +140,15 @@ def expanded_cases(z: Sizes, dtype):
     v = jnp.einsum("bsc,chd->bshd", args[2], args[5])
     for causal in (False, True):
       mask = CausalMask() if causal else None
-      attn = lambda impl, mask=mask: (lambda q, k, v: dot_product_attention(q, k, v, mask=mask, implementation=impl))
+      attn = lambda impl, bwd="auto", mask=mask: (
+          lambda q, k, v: dot_product_attention(q, k, v, mask=mask, implementation=impl, backward_pass_impl=bwd))
       impls = {
           "mla_expanded": (lambda *a, mask=mask: mla(*a, mask=mask, form="expanded"), args),
           # the attention call alone on the formed q [.., 192], k [.., 192], v [.., 128]
           "attention_default": (attn(None), (q, k, v)),
           "attention_triton": (attn("triton"), (q, k, v)),
-          "attention_mosaic": (attn("mosaic"), (q, k, v)),
+          "attention_mosaic": (attn("mosaic"), (q, k, v)),                  # Mosaic forward, Triton backward
+          "attention_mosaic_bwd": (attn("mosaic", "mosaic"), (q, k, v)),    # Mosaic forward and backward
           "attention_cudnn": (attn("cudnn"), (q, k, v)),
           "attention_xla": (attn("xla"), (q, k, v)),
           # what a JAX user gets today: v padded to 192 through jax.nn's cuDNN, output sliced
@@ -229,7 +252,36 @@ def measure(meta, fn, xs, mode, args):
   row["tflops"] = meta["flops"] / (res["ms"] * 1e-3) / 1e12
   if "read_bytes" in meta:
     row["tb_per_s"] = meta["read_bytes"] / (res["ms"] * 1e-3) / 1e12   # effective bandwidth of the cache read
+  row.update(memory_fields(run, xs))
   return row
+
+
+def memory_fields(run, xs) -> dict:
+  """The compiled program's memory (XLA's analysis; the jitted call's cached executable) and the
+  device's peak bytes in use so far in the process (GPU only)."""
+  out = {}
+  try:
+    ma = run.lower(*xs).compile().memory_analysis()
+    if ma is not None:
+      get = lambda n: int(getattr(ma, n, 0) or 0)
+      out = dict(temp_bytes=get("temp_size_in_bytes"), argument_bytes=get("argument_size_in_bytes"),
+                 output_bytes=get("output_size_in_bytes"))
+      out["compiled_bytes"] = (out["temp_bytes"] + out["argument_bytes"] + out["output_bytes"]
+                               - get("alias_size_in_bytes"))
+  except Exception as e:  # noqa: BLE001 (the timing stands without it)
+    out["memory_error"] = f"{type(e).__name__}: {e}"[:200]
+  try:
+    peak = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+  except Exception:  # noqa: BLE001
+    peak = None
+  if peak is not None:
+    out["device_peak_bytes"] = int(peak)
+  return out
+
+
+def _shapes(text):
+  """``"64x4096,128x8192"`` -> ``((64, 4096), (128, 8192))``."""
+  return tuple(tuple(int(n) for n in c.split("x")) for c in text.split(",") if c)
 
 
 def key_of(row):
@@ -245,14 +297,18 @@ def main(argv=None):
   p.add_argument("--cpu-smoke", action="store_true", help="tiny sizes in float32, for CPU")
   p.add_argument("--force", action="store_true", help="re-measure rows already in --output")
   p.add_argument("--no-torch", action="store_true", help="skip the expanded suite's torch peers")
+  p.add_argument("--expanded-shapes", default="", help="expanded suite's BxT cases, e.g. 2x4096 "
+                 "(default: 2x4096,1x16384); the torch peers run the same")
   p.add_argument("--decode-shapes", default="", help="decode suite's BxS cases, e.g. 128x8192,4x16384 "
                  "(default: 64x4096,8x32768)")
   p.add_argument("--decode-queries", default="", help="decode suite's queries per step, e.g. 1,2,4")
   p.add_argument("--mosaic-splits", default="", help="decode suite: also the Mosaic kernel at these key splits, e.g. 1,4,8")
   args = p.parse_args(argv)
   z = SMOKE if args.cpu_smoke else Sizes()
+  if args.expanded_shapes:
+    z = dataclasses.replace(z, expanded_shapes=_shapes(args.expanded_shapes))
   if args.decode_shapes:
-    z = dataclasses.replace(z, decode_shapes=tuple(tuple(int(n) for n in c.split("x")) for c in args.decode_shapes.split(",")))
+    z = dataclasses.replace(z, decode_shapes=_shapes(args.decode_shapes))
   if args.decode_queries:
     z = dataclasses.replace(z, decode_queries=tuple(int(n) for n in args.decode_queries.split(",")))
   dtype = jnp.float32 if args.cpu_smoke else jnp.bfloat16
@@ -283,7 +339,8 @@ def main(argv=None):
         status, msg = classify_error(e)
         row = dict(meta, status=status, error=msg)
       rows = [r for r in rows if key_of(r) != key_of(row)] + [row]
-      print(json.dumps({k: row.get(k) for k in ("suite", "case", "mode", "impl", "status", "ms", "tflops", "tb_per_s")}),
+      print(json.dumps({k: row.get(k) for k in ("suite", "case", "mode", "impl", "status", "ms", "tflops", "tb_per_s",
+                                                "compiled_bytes", "device_peak_bytes", "first_call_s")}),
             flush=True)
       if args.output:
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
