@@ -429,6 +429,11 @@ RLA_HEAD_DIMS = (64, 128)
 RLA_WINDOW = (64, 2048)
 RLA_FEATURE_MAPS = ("softmax", "relu")
 SCAN_CHUNK = 64  # the chunked forms' work per position, for the budget's FLOPs
+# A Mamba-1 path whose float32 states pass this share of the device's memory is recorded as
+# out of memory without compiling it: the sampler draws up to B64 x L16384 x D5120 x N16, where
+# the associative form's states alone are about 1 TB and XLA's failed allocation takes the
+# batch's time.
+MAMBA_MEMORY_SHARE = 0.5
 
 
 class ScanSpec(OpSpec):
@@ -491,7 +496,23 @@ class ScanSpec(OpSpec):
 
   def explain(self, c: OpCall, path, device):
     from probjax.ops.scan import explain_dispatch
-    return explain_dispatch(self.call_object(c), implementation=path, device=device)
+    decision = explain_dispatch(self.call_object(c), implementation=path, device=device)
+    need = self.state_bytes(c, decision.implementation)
+    memory = _device(device).memory_bytes
+    if memory and need > MAMBA_MEMORY_SHARE * memory:
+      raise MemoryError(f"out of memory (estimated): the {decision.implementation} form keeps {need / 2**30:.0f} GiB "
+                        f"of float32 states, over {MAMBA_MEMORY_SHARE:.0%} of the device's {memory / 2**30:.0f} GiB")
+    return decision
+
+  def state_bytes(self, c: OpCall, implementation: str) -> int:
+    """Mamba-1's XLA forms hold ``[batch, length, channels, state]`` float32 states (the
+    associative form about three copies of them, the sequential and chunked forms one, kept for
+    the backward); the kernels and the other ops' forms only chunk-boundary states (0 here)."""
+    if self.op != "mamba_scan" or implementation == "triton":
+      return 0
+    p = c.p
+    copies = 3 if implementation == "associative" else 1
+    return copies * 4 * p["batch"] * p["length"] * p["channels"] * p["state"]
 
   def avals(self, c: OpCall):
     """The op's arrays: Mamba-1 and SSD x, dt, A, B, C, D, z, dt_bias (a Mamba layer's); RLA q, k, v."""

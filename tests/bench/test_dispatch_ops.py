@@ -124,6 +124,9 @@ def test_the_runner_writes_rows_and_resumes(tmp_path, op):
     if r["status"] == "ok":
       assert r["ms"] == (1.2 if r["impl"] == "default" else len(r["impl"]) / 10) and len(r["round_ms"]) == 2
       assert r["decision"]
+    elif r["status"] == "oom":  # Mamba-1's XLA forms past the memory guard, never compiled
+      assert op == "mamba_scan" and "(estimated)" in r["error"] and r["ms"] is None
+      assert (r["call_id"], r["impl"]) not in fake.compiled
     else:
       assert r["status"] == "unsupported" and r["ms"] is None and r["error"]
   again = FakeMeasure()
@@ -206,3 +209,19 @@ def test_the_real_measurer_on_a_tiny_call_of_each_op(tmp_path, op):
   assert len(ran) >= 2 and all(r["ms"] > 0 and r["compile_s"] > 0 and len(r["round_ms"]) == 2 for r in ran)
   assert all(r["status"] == "unsupported" and r["error"] for r in rows.values() if r["status"] != "ok")
   assert rows["default"]["default_impl"] in rows
+
+
+def test_mamba_paths_past_the_memory_guard_are_refused_without_compiling():
+  """The associative form keeps about three float32 copies of [B, L, D, N]: at B64 L16384 D5120
+  N16 that is over a terabyte, recorded as out of memory from the estimate; the kernels keep
+  chunk-boundary states only and are planned as usual."""
+  spec = do.SPECS["mamba_scan"]
+  big = do.OpCall("mamba_scan", 1, 0, "mamba_scan", "bfloat16", "fwd_bwd",
+                  (("batch", 64), ("length", 16384), ("channels", 5120), ("state", 16)))
+  plan = spec.plan(big, h200())
+  assert isinstance(plan["associative"], core.Refused) and plan["associative"][0] == "oom", plan
+  assert "estimated" in plan["associative"][1]
+  assert not isinstance(plan["triton"], core.Refused) and not isinstance(plan[None], core.Refused)
+  small = do.OpCall("mamba_scan", 1, 0, "mamba_scan", "bfloat16", "fwd_bwd",
+                    (("batch", 2), ("length", 512), ("channels", 256), ("state", 16)))
+  assert not any(isinstance(d, core.Refused) for d in spec.plan(small, h200()).values())
