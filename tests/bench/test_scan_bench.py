@@ -20,7 +20,7 @@ def test_cpu_smoke_writes_rows_and_resumes(tmp_path):
   # interpret mode dispatches as on a GPU, where float32 RLA below feature width 256 runs the
   # Triton kernels (the fastest measured), here emulated
   assert rows[1]["decision"].startswith("triton") and "GPU" in rows[1]["decision"], rows[1]["decision"]
-  assert "features 128 < 256" in rows[1]["decision"]
+  assert "float32, features 16 < 256" in rows[1]["decision"]
   bench_scan.main(argv + ["--append"])
   assert len(out.read_text().splitlines()) == 2
 
