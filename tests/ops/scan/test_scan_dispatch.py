@@ -492,6 +492,15 @@ def test_rla_kernels_lower_for_sm90(fake_h200):
     assert _kernels(f, q, k) == ["probjax_rla_fwd", "probjax_rla_fwd_states"]
     assert _kernels(grad(f), q, k) == ["probjax_rla_bwd", "probjax_rla_bwd_states", "probjax_rla_fwd",
                                        "probjax_rla_fwd_states"]
-  # Rows wider than 128 (features 256 here) and GQA 8:1, float32 (TF32 dots).
+  # Rows wider than 128 (features 256 here) and GQA 8:1: in bfloat16 the kernels; in float32
+  # their backward needs more shared memory than sm_90 has at any chunk
+  # (test_rla_triton_smem.py), so asked for they are refused, and the default is the chunked
+  # form. Float32 (TF32 dots) at features 128 runs the kernels.
+  qw, kw = S((1, 100, 8, 128), BF16), S((1, 100, 1, 128), BF16)
+  assert len(_kernels(grad(asked), qw, kw)) == 4
   q32, k32 = S((1, 100, 8, 128), jnp.float32), S((1, 100, 1, 128), jnp.float32)
-  assert len(_kernels(grad(asked), q32, k32)) == 4 and _kernels(grad(fn), q32, k32) == []
+  with pytest.raises(ValueError, match="bytes of shared memory"):
+    _kernels(grad(asked), q32, k32)
+  assert _kernels(grad(fn), q32, k32) == []
+  q32, k32 = S((1, 100, 8, 64), jnp.float32), S((1, 100, 1, 64), jnp.float32)
+  assert len(_kernels(grad(asked), q32, k32)) == 4

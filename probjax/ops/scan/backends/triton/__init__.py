@@ -116,6 +116,14 @@ class SSDTriton(_Triton, Backend[SSDCall]):
     return ssd_kernel.forward(x, dt, A, B, C, h0, chunk=kernel_chunk(call), interpret=call.interpret)
 
 
+def _rla_chunk(call) -> int:
+  """The RLA kernels' chunk where they run: fitting the current device's shared memory (none
+  bounds interpret mode). Forward and backward take the same one: the backward reads the
+  forward's per-chunk states."""
+  limit = None if call.interpret else Device.current().smem_per_block
+  return rla_kernel.default_chunk(call, limit)
+
+
 def _rla_operands(call, fq, fk, v):
   """The kernels' operands: the features (float32 from the feature map) and the values in the
   matmuls' dtype, q's and v's (bfloat16 inputs give bfloat16 tensor-core matmuls)."""
@@ -126,7 +134,7 @@ def _rla_operands(call, fq, fk, v):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _rla(call, dtypes, fq, fk, v, s0):
   del dtypes
-  o, final, _ = rla_kernel.forward(*_rla_operands(call, fq, fk, v), s0, chunk=rla_kernel.default_chunk(call),
+  o, final, _ = rla_kernel.forward(*_rla_operands(call, fq, fk, v), s0, chunk=_rla_chunk(call),
                                    out_dtype=call.dtype, interpret=call.interpret)
   return o, final
 
@@ -134,13 +142,13 @@ def _rla(call, dtypes, fq, fk, v, s0):
 def _rla_fwd(call, dtypes, fq, fk, v, s0):
   del dtypes
   q, k, v = _rla_operands(call, fq, fk, v)
-  o, final, h = rla_kernel.forward(q, k, v, s0, chunk=rla_kernel.default_chunk(call),
+  o, final, h = rla_kernel.forward(q, k, v, s0, chunk=_rla_chunk(call),
                                    out_dtype=call.dtype, interpret=call.interpret)
   return (o, final), (q, k, v, h)
 
 
 def _rla_bwd(call, dtypes, res, ct):
-  grads = rla_kernel.backward(*res, *ct, chunk=rla_kernel.default_chunk(call), dv_dtype=dtypes[2],
+  grads = rla_kernel.backward(*res, *ct, chunk=_rla_chunk(call), dv_dtype=dtypes[2],
                               interpret=call.interpret)
   return tuple(g.astype(t) for g, t in zip(grads, dtypes))
 
@@ -149,14 +157,30 @@ _rla.defvjp(_rla_fwd, _rla_bwd)
 
 
 class RLATriton(_Triton, Backend[RLACall]):
-  """Chunk kernels, forward and backward (:mod:`.rla`); chunk :func:`.rla.default_chunk`."""
+  """Chunk kernels, forward and backward (:mod:`.rla`); chunk :func:`.rla.default_chunk`, the
+  largest whose kernels fit the device's shared memory."""
 
   def supports(self, call: RLACall, device: Device) -> str | None:
     return (self._refusal(call, device, [("features", call.features), ("v_head_dim", call.v_head_dim)])
-            or self._chunk_refusal(call))
+            or self._chunk_refusal(call) or self._smem_refusal(call, device))
+
+  def _smem_refusal(self, call: RLACall, device: Device) -> str | None:
+    """Why not, where a kernel at the call's chunk (:func:`.rla.default_chunk` for the device)
+    would overflow the device's shared memory, a failure that would otherwise come at launch.
+    Every kernel counts: the call may be differentiated."""
+    limit = None if call.interpret else device.smem_per_block
+    if limit is None:
+      return None
+    chunk = rla_kernel.default_chunk(call, limit)
+    name, need = rla_kernel.call_smem(call, chunk)
+    if need <= limit:
+      return None
+    how = "the call's chunk_size" if call.chunk_size is not None else "the smallest chunk"
+    return (f"the {name} kernel needs {need} bytes of shared memory (estimated, {call.dtype} at features "
+            f"{call.features}, v_head_dim {call.v_head_dim}, {how} {chunk}), the device has {limit}")
 
   def chunk_size(self, call) -> int:
-    return rla_kernel.default_chunk(call)
+    return _rla_chunk(call)
 
   def __call__(self, fq, fk, v, s0, *, call: RLACall):
     # The output in q's dtype (the op's), the gradients in each input's.

@@ -31,11 +31,10 @@ from jax.experimental import pallas as pl
 
 from probjax.ops.scan.backends.triton import common
 
-# Rows per chunk, as flash-linear-attention's chunk kernels: the gradient kernel holds [C,
-# features] and [C, v_head_dim] float32 accumulators and two [C, C] score tiles, 112 KB at C
-# 64, features 128 and v_head_dim 64 (the RLA softmax map of head_dim 64) over 8 warps; wider
-# rows halve the chunk.
+# Rows per chunk, as flash-linear-attention's chunk kernels; wider rows halve it, and so does a
+# device whose shared memory the kernels would overflow (:func:`default_chunk`).
 CHUNK = 64
+MIN_CHUNK = 16
 # The state kernels' block of a state's rows and columns. Those kernels run the chunks in
 # order, so their programs (blocks x batch x key/value heads) are what fills the device: a
 # [32, 32] block gives B4 Hkv8 F128 Dv64 256 programs, about two an H200 SM.
@@ -43,15 +42,70 @@ STATE_BLOCK = 32
 # Their loop waits on each chunk's loads and does little with them: three pipeline stages keep
 # the next two chunks' loads in flight.
 STATE_STAGES = 3
+# The chunk kernels' warps and stages (the output kernel's, the gradient kernel's).
+OUTPUT_WARPS, GRADS_WARPS, CHUNK_STAGES = 4, 8, 2
+# Kernel names, as their launches and the compiler's messages give them.
+FWD_STATES, FWD, BWD_STATES, BWD = ("probjax_rla_fwd_states", "probjax_rla_fwd", "probjax_rla_bwd_states",
+                                    "probjax_rla_bwd")
 
 
-def default_chunk(call) -> int:
+def smem_bytes(dtype, features: int, v_head_dim: int, chunk: int, stages: int = STATE_STAGES) -> dict[str, int]:
+  """Estimated shared-memory bytes per block of each kernel (by name), an upper bound:
+  operands of ``dtype`` (the matmuls'), ``features`` (twice head_dim under the softmax map)
+  and ``v_head_dim`` wide, in chunks of ``chunk`` rows; ``stages``: the state kernels'.
+
+  The chunk kernels' dots read their operand tiles through shared memory. Counting each tile
+  once: the output kernel holds q and k ``[C, F]``, v ``[C, Dv]``, the state ``[F, Dv]`` and the
+  scores ``[C, C]``; the gradient kernel k, q ``[C, F]``, v, do ``[C, Dv]``, the states S and R
+  ``[F, Dv]`` and the two score tiles. On top, at 64 rows and more (sm_90's warpgroup MMAs,
+  whose operands stay in shared memory while they run) two ``[C, max(F, Dv)]`` tiles, else one.
+  E.g. float32, F = Dv = 128 (relu, head_dim 128), C 64, gradient kernel: 4 B x (2 x 64 x 128
+  + 2 x 64 x 128 + 2 x 128 x 128 + 2 x 64 x 64) = 294,912 B, what the official Triton compiler
+  allocates for sm_90 (tests/ops/scan/rla_triton_smem_probe.py); the Triton inside XLA asked
+  for 327,680 on an H100, one [64, 128] tile more, and the official compiler itself allocates
+  one such tile beyond the sum at F 256 (557,056), hence two: 360,448, over the H100's 232,448,
+  so that call runs in chunks of 32 (221,184 estimated, 147,456 compiled). Below 64 rows (mma.sync,
+  the same figures on sm_86 as on sm_90 where measured) the compiler allocates at most one such
+  tile beyond the sum (bfloat16 F = Dv = 64, C 32: 38,912 against 36,864), mostly well under;
+  at 64 sm_86 allocates less than sm_90.
+
+  The chunk kernels' pipeline stages do not enter: their only loop, the gradient kernel's over a
+  group's heads, moved its peak by one tile either way between 1 and 2 stages, so fewer stages
+  would not fit a kernel that 2 overflow. Nor does the group count: one head's q and do at a
+  time (groups of 4 compiled the most). The state kernels stage ``stages`` chunks' ``[C, 32]``
+  loads beside their float32 ``[32, 32]`` state block."""
+  e = jnp.dtype(dtype).itemsize
+  f, dv, c = common.block(features, 16), common.block(v_head_dim, 16), chunk
+  sf, sv = min(STATE_BLOCK, f), min(STATE_BLOCK, dv)
+  extra = (2 if c >= 64 else 1) * c * max(f, dv) * e
+  states = stages * c * (sf + sv) * e + sf * sv * 4
+  return {FWD_STATES: states,
+          FWD: (2 * c * f + c * dv + f * dv + c * c) * e + extra,
+          BWD_STATES: states,
+          BWD: 2 * (c * f + c * dv + f * dv + c * c) * e + extra}
+
+
+def call_smem(call, chunk: int) -> tuple[str, int]:
+  """The kernel of ``call`` (an RLA call) needing the most shared memory at ``chunk``, and its
+  bytes (:func:`smem_bytes`; a differentiated call runs all four kernels)."""
+  need = smem_bytes(call.dtype, call.features, call.v_head_dim, chunk)
+  name = max(need, key=need.get)
+  return name, need[name]
+
+
+def default_chunk(call, smem_limit: int | None = None) -> int:
   """The kernels' chunk: the call's, else ``CHUNK`` (half where features or v_head_dim is above
-  128), or the power of two (at least 16) covering a shorter call."""
+  128), or the power of two (at least 16) covering a shorter call, halved (down to
+  ``MIN_CHUNK``) while a kernel's :func:`call_smem` is over ``smem_limit`` (bytes per block;
+  None: no limit, as in interpret mode). The chunk splits the same sums, so every chunk is
+  exact."""
   if call.chunk_size is not None:
     return call.chunk_size
   wide = max(call.features, call.v_head_dim) > 128
-  return min(CHUNK // 2 if wide else CHUNK, common.block(call.length, 16))
+  chunk = min(CHUNK // 2 if wide else CHUNK, common.block(call.length, MIN_CHUNK))
+  while smem_limit is not None and chunk > MIN_CHUNK and call_smem(call, chunk)[1] > smem_limit:
+    chunk //= 2
+  return chunk
 
 
 class _Sizes:
@@ -91,7 +145,7 @@ class _Sizes:
     i = pl.program_id(0)
     return (i // self.nv) * self.sf, (i % self.nv) * self.sv
 
-  def params(self, num_warps, grid, num_stages=2):
+  def params(self, num_warps, grid, num_stages=CHUNK_STAGES):
     return dict(grid=grid, compiler_params=common.params(num_warps, num_stages))
 
 
@@ -167,11 +221,11 @@ def forward(q, k, v, s0, *, chunk: int, out_dtype, interpret: bool):
       functools.partial(_states_kernel, n=n), **n.params(4, (n.nf * n.nv, n.batch, n.kv_heads), STATE_STAGES),
       out_shape=(jax.ShapeDtypeStruct((n.batch, n.chunks, n.kv_heads, n.f, n.dv), q.dtype),
                  jax.ShapeDtypeStruct(s0.shape, jnp.float32)),
-      interpret=interpret, name="probjax_rla_fwd_states")(k, v, s0)
+      interpret=interpret, name=FWD_STATES)(k, v, s0)
   o = pl.pallas_call(
-      functools.partial(_output_kernel, n=n), **n.params(4, (n.chunks, n.batch, n.heads)),
+      functools.partial(_output_kernel, n=n), **n.params(OUTPUT_WARPS, (n.chunks, n.batch, n.heads)),
       out_shape=jax.ShapeDtypeStruct((n.batch, n.length, n.heads, n.dv), out_dtype),
-      interpret=interpret, name="probjax_rla_fwd")(q, k, v, h)
+      interpret=interpret, name=FWD)(q, k, v, h)
   return o, final, h
 
 
@@ -186,10 +240,10 @@ def backward(q, k, v, h, do, ds, *, chunk: int, dv_dtype, interpret: bool):
       functools.partial(_reverse_states_kernel, n=n),
       **n.params(4, (n.nf * n.nv, n.batch, n.kv_heads), STATE_STAGES),
       out_shape=(jax.ShapeDtypeStruct(h.shape, q.dtype), jax.ShapeDtypeStruct(ds.shape, jnp.float32)),
-      interpret=interpret, name="probjax_rla_bwd_states")(q, do, ds)
+      interpret=interpret, name=BWD_STATES)(q, do, ds)
   dq, dk, dv = pl.pallas_call(
-      functools.partial(_grads_kernel, n=n), **n.params(8, (n.chunks, n.batch, n.kv_heads)),
+      functools.partial(_grads_kernel, n=n), **n.params(GRADS_WARPS, (n.chunks, n.batch, n.kv_heads)),
       out_shape=(jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(k.shape, jnp.float32),
                  jax.ShapeDtypeStruct(v.shape, dv_dtype)),
-      interpret=interpret, name="probjax_rla_bwd")(q, k, v, do, h, dh)
+      interpret=interpret, name=BWD)(q, k, v, do, h, dh)
   return dq, dk, dv, ds0
