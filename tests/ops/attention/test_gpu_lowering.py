@@ -262,6 +262,34 @@ def test_split_kv_reads_a_padded_head_dim_cache_in_place(monkeypatch, d):
   assert f"tensor<2x4096x8x{padded}xbf16>" not in text
 
 
+@pytest.mark.parametrize("impl", ["triton_split", "triton_fused", "triton_onepass"])
+def test_regular_kernels_read_a_padded_head_dim_in_place(monkeypatch, impl):
+  """At head_dim 192 (tiles of 256 columns) the regular forward, its jvp and the backward read
+  Q, K, V and dO as they are and write the output and the gradients at 192 (the tiles' extra
+  columns masked): no array of the tile's width is in the program, but the onepass backward's
+  float32 dQ accumulator."""
+  _fake_triton_sm90(monkeypatch)
+  q = jax.ShapeDtypeStruct((2, 300, 8, 192), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, 300, 2, 192), jnp.bfloat16)
+  attn = lambda q, k, v: pt.attention(q, k, v, mask=M.CausalMask(), backward_pass_impl=impl,
+                                      forward_config=ForwardConfig(128, 64, 8, 3),
+                                      backward_config=BackwardConfig(64, 128, 128, 64, 8, 2))
+  loss = lambda q, k, v: jnp.sum(attn(q, k, v).astype(jnp.float32))
+  lower = lambda f, *a: jax.jit(f).trace(*a).lower(lowering_platforms=("cuda",)).as_text()
+  text = lower(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv)
+  assert "probjax_attention_fwd" in text and "probjax_attention_bwd" in text
+  wide = set(re.findall(r"tensor<[\dx]*x256x(\w+)>", text))
+  assert wide == ({"f32"} if impl == "triton_onepass" else set()), wide
+  from probjax.ops.attention.backends.triton import jvp as jvp_lib
+  jvp = lower(lambda q, k, v: jvp_lib.forward_jvp(q, k, v, q, k, v, M.CausalMask(), scale=0.1,
+                                                  config=ForwardConfig(128, 64, 8, 3), interpret=False), q, kv, kv)
+  assert "probjax_attention_fwd_jvp" in jvp and not re.search(r"x256x\w+>", jvp)
+  # A decoding-like call on the regular forward: the cache is not copied to the tile's width.
+  decode = lower(lambda q, k, v: pt.attention(q, k, v, split_kv=False), jax.ShapeDtypeStruct((53, 3, 40, 192), jnp.bfloat16),
+                 *(jax.ShapeDtypeStruct((53, 3187, 40, 192), jnp.bfloat16),) * 2)
+  assert "probjax_attention_fwd" in decode and not re.search(r"x256x\w+>", decode)
+
+
 @pytest.mark.parametrize("mask_name,d,wgs,persistent", [("none", 64, None, None), ("causal", 128, None, None),
                                                          ("window&lengths", 256, None, None), ("causal", 64, 3, False),
                                                          ("none", 128, 2, False), ("causal", 64, 2, False),

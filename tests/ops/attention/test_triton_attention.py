@@ -662,6 +662,22 @@ def test_value_head_dim_fully_masked_rows_are_zero(impl):
   assert not np.any(np.asarray(dq[0])) and not np.any(np.asarray(dk[0])) and not np.any(np.asarray(dv[0]))
 
 
+# (q/k head_dim, value head_dim) off the kernels' power-of-two tile width, with the backward pass
+HEAD_DIMS = [("triton_split", 40, 40), ("triton_fused", 48, 48), ("triton_onepass", 80, 80), ("triton_split", 96, 96),
+             ("triton_fused", 192, 192), ("triton_onepass", 192, 96), ("triton_split", 80, 48)]
+
+
+@pytest.mark.parametrize("impl,d,dv", _slow_except(HEAD_DIMS, ("triton_split", 40, 40), ("triton_onepass", 192, 96)))
+def test_head_dims_off_the_tile(impl, d, dv):
+  """Q, K, V and dO read in place through tiles wider than their head_dims (the extra columns
+  masked to zeros), the output and the gradients written at their own widths: odd lengths,
+  GQA, causal with key lengths, against the float64 reference."""
+  from probjax.testing import check_against_reference, make_inputs
+  x = make_inputs(d * dv + 1, 2, 19, 27, 4, 2, d, v_head_dim=dv)
+  mask = _mla_mask()
+  check_against_reference(_attention_v(mask, impl, interpret=True), x, mask=mask, tf32=TF32)
+
+
 @pytest.mark.parametrize("d,dv,mask_name", _slow_except([(48, 32, "causal_offset"), (32, 64, "kv_lengths"),
                                                          (48, 32, "kv_lengths")], (48, 32, "causal_offset")))
 def test_split_kv_value_head_dim(d, dv, mask_name):

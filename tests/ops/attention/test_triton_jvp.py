@@ -57,6 +57,23 @@ def test_kernel_matches_reference(name):
     assert np.all(np.asarray(lse[1]) == np.inf) and not np.any(np.asarray(lse_dot[1]))
 
 
+@pytest.mark.parametrize("d,dv", [(40, 40), pytest.param(96, 96, marks=pytest.mark.slow),
+                                  pytest.param(192, 192, marks=pytest.mark.slow), (80, 48)])
+def test_kernel_at_head_dims_off_the_tile(d, dv):
+  """Primals and tangents read in place through tiles wider than their head_dims (the extra
+  columns masked to zeros), the output and its tangent written at the value width."""
+  mask = M.CausalMask(4) & M.KVLenMask(jnp.array([23, 11]))
+  x = make_inputs(d + dv, 2, 19, 23, 4, 2, d, v_head_dim=dv)
+  prim = (x.q, x.k, x.v)
+  tans = tuple(jax.random.normal(jax.random.key(i + 7), a.shape) for i, a in enumerate(prim))
+  out, dot, _, _ = jvp_lib.forward_jvp(*prim, *tans, mask, scale=d ** -0.5, config=ForwardConfig(16, 16, 4, 1),
+                                       interpret=True)
+  assert out.shape == dot.shape == (2, 19, 4, dv)
+  want_out, want_dot = _reference(mask, prim, tans, d)
+  assert max_error(out, want_out) <= tolerance(jnp.float32)
+  assert max_error(dot, want_dot) <= tolerance(jnp.float32, grad=True)
+
+
 def _triton(mask):
   return lambda q, k, v: flex_attention(q, k, v, mask=mask, implementation="triton", interpret=True,
                                         backward_pass_impl="triton_split", **CFG)

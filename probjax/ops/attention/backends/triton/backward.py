@@ -78,8 +78,8 @@ def _dkv_program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mr, dk_ref, dv
   """
   k_start = j * block_k
   kv_valid, q_valid = mr.valid(b, keys=True), mr.valid(b, keys=False)
-  k = tiles.load_rows(k_ref.at[b, pl.ds(k_start, block_k), hkv, :], k_start, tm.kv_len, valid=kv_valid)
-  v = tiles.load_rows(v_ref.at[b, pl.ds(k_start, block_k), hkv, :], k_start, tm.kv_len, valid=kv_valid)
+  keys = (b, pl.ds(k_start, block_k), hkv)
+  k, v = (tiles.load_head(ref, keys, k_start, tm.kv_len, valid=kv_valid) for ref in (k_ref, v_ref))
 
   def head(g, carry):
     h = hkv * groups + g
@@ -89,8 +89,7 @@ def _dkv_program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mr, dk_ref, dv
       q_start = i * block_q
       rows = pl.ds(q_start, block_q)
       # Only masked tiles can hold the partial last tile of the queries, or this batch element's.
-      q = tiles.load_rows(q_ref.at[b, rows, h, :], q_start, tm.q_len, masked, q_valid)
-      do = tiles.load_rows(do_ref.at[b, rows, h, :], q_start, tm.q_len, masked, q_valid)
+      q, do = (tiles.load_head(ref, (b, rows, h), q_start, tm.q_len, masked, q_valid) for ref in (q_ref, do_ref))
       pt, dst, kt = _probs_and_ds(q, k, v, do, lse_ref.at[b, h, rows][...],
                               delta_ref.at[b, h, rows][...], tm=tm, mr=mr, b=b, h=h,
                               q_start=q_start, k_start=k_start, masked=masked, scale=scale,
@@ -108,11 +107,9 @@ def _dkv_program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mr, dk_ref, dv
   zeros = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
   per_split = groups // splits
   dk, dv = jax.lax.fori_loop(split * per_split, (split + 1) * per_split, head, zeros)
-  out = hkv * splits + split
-  tiles.store_rows(dk_ref.at[b, pl.ds(k_start, block_k), out, :], (dk * scale).astype(dk_ref.dtype),
-                   k_start, tm.kv_len)
-  tiles.store_rows(dv_ref.at[b, pl.ds(k_start, block_k), out, :], dv.astype(dv_ref.dtype), k_start,
-                   tm.kv_len)
+  out_keys = (b, pl.ds(k_start, block_k), hkv * splits + split)
+  tiles.store_head(dk_ref, out_keys, (dk * scale).astype(dk_ref.dtype), k_start, tm.kv_len)
+  tiles.store_head(dv_ref, out_keys, dv.astype(dv_ref.dtype), k_start, tm.kv_len)
 
 
 def _dq_program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mr, dq_ref, *, b, h, i, tm, scale,
@@ -122,15 +119,14 @@ def _dq_program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mr, dq_ref, *, 
   q_start = i * block_q
   rows = pl.ds(q_start, block_q)
   kv_valid, q_valid = mr.valid(b, keys=True), mr.valid(b, keys=False)
-  q = tiles.load_rows(q_ref.at[b, rows, h, :], q_start, tm.q_len, valid=q_valid)
-  do = tiles.load_rows(do_ref.at[b, rows, h, :], q_start, tm.q_len, valid=q_valid)
+  q, do = (tiles.load_head(ref, (b, rows, h), q_start, tm.q_len, valid=q_valid) for ref in (q_ref, do_ref))
   lse2 = lse_ref.at[b, h, rows][...]
   delta = delta_ref.at[b, h, rows][...]
 
   def body(j, dq, masked):
     k_start = j * block_k
-    k = tiles.load_rows(k_ref.at[b, pl.ds(k_start, block_k), hkv, :], k_start, tm.kv_len, masked, kv_valid)
-    v = tiles.load_rows(v_ref.at[b, pl.ds(k_start, block_k), hkv, :], k_start, tm.kv_len, masked, kv_valid)
+    k, v = (tiles.load_head(ref, (b, pl.ds(k_start, block_k), hkv), k_start, tm.kv_len, masked, kv_valid)
+            for ref in (k_ref, v_ref))
     _, ds, k = _probs_and_ds(q, k, v, do, lse2, delta, tm=tm, mr=mr, b=b, h=h, q_start=q_start,
                           k_start=k_start, masked=masked, scale=scale, score_mod=score_mod,
                           fast_exp2=fast_exp2)
@@ -138,7 +134,7 @@ def _dq_program(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mr, dq_ref, *, 
 
   dq = tiles.tile_loop(tm, mr, b, i, num_kv_tiles, body, jnp.zeros(q.shape, jnp.float32), by_q=True,
                        block_outer=block_q, block_inner=block_k)
-  tiles.store_rows(dq_ref.at[b, rows, h, :], (dq * scale).astype(dq_ref.dtype), q_start, tm.q_len)
+  tiles.store_head(dq_ref, (b, rows, h), (dq * scale).astype(dq_ref.dtype), q_start, tm.q_len)
 
 
 def _split_refs(refs, tms):
@@ -204,15 +200,14 @@ def backward(q, k, v, out, lse, do, mask: Mask | None, *, scale: float,
   batch, q_len, heads, d = q.shape
   kv_len, kv_heads = k.shape[1], k.shape[2]
   c = config
-  dv_width = v.shape[-1]
-  dp, dvp = tiles.padded_head_dim(d), tiles.padded_head_dim(dv_width)
+  dp, dvp = tiles.padded_head_dim(d), tiles.padded_head_dim(v.shape[-1])
   q_pad = tiles.round_up(q_len, max(c.block_q_dkv, c.block_q_dq))
   kv_pad = tiles.round_up(kv_len, max(c.block_kv_dkv, c.block_kv_dq))
-  pad_d = lambda x, width=dp: tiles.pad_axis(x, 3, width)  # sequence axes: masked tiles, no copies
   # Preprocess (shared): delta = rowsum(dO * O); lse in base 2. Both are small
-  # [batch, heads, q_len] rows, padded (+inf, 0) so their loads need no mask.
+  # [batch, heads, q_len] rows, padded (+inf, 0) so their loads need no mask. Q, K, V and dO
+  # are read in place: masked tiles past the lengths and head_dims (tiles.load_head).
   delta = output_delta(out, do, mask)
-  ops = (pad_d(q), pad_d(k), pad_d(v, dvp), pad_d(do.astype(q.dtype), dvp),
+  ops = (q, k, v, do.astype(q.dtype),
          tiles.pad_axis(lse * tiles.LOG2E, 2, q_pad, jnp.inf), tiles.pad_axis(delta, 2, q_pad))
 
   tm_dkv, mops_dkv = tiles.mask_operands(mask, batch, q_len, kv_len, q_pad, kv_pad, c.block_q_dkv,
@@ -229,10 +224,10 @@ def backward(q, k, v, out, lse, do, mask: Mask | None, *, scale: float,
   dkv_kw = dict(common, block_q=c.block_q_dkv, block_k=c.block_kv_dkv, num_q_tiles=q_pad // c.block_q_dkv,
                 splits=splits)
   dq_kw = dict(common, block_q=c.block_q_dq, block_k=c.block_kv_dq, num_kv_tiles=kv_pad // c.block_kv_dq)
-  dq_shape = jax.ShapeDtypeStruct((batch, q_len, heads, dp), q.dtype)
-  dkv_shape = tuple(jax.ShapeDtypeStruct((batch, kv_len, kv_heads * splits, width),
+  dq_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+  dkv_shape = tuple(jax.ShapeDtypeStruct((batch, kv_len, kv_heads * splits, x.shape[-1]),
                                          x.dtype if splits == 1 else jnp.float32)
-                    for x, width in ((k, dp), (v, dvp)))
+                    for x in (k, v))
   call = functools.partial(
       pl.pallas_call, interpret=interpret,
       compiler_params=plgpu.CompilerParams(num_warps=c.num_warps, num_stages=c.num_stages))
@@ -256,6 +251,7 @@ def backward(q, k, v, out, lse, do, mask: Mask | None, *, scale: float,
         grid=(nk_dkv * kv_heads * splits + nq_dq * heads, batch), out_shape=(dq_shape, *dkv_shape),
         name="probjax_attention_bwd_fused")(*ops, *mops_dkv, *mops_dq)
   elif impl == "triton_onepass":  # dQ accumulates in a float32 buffer padded to whole tiles
+    # (and to the tile's head_dim: interpret mode has no masked atomic add)
     dq_acc = jnp.zeros((batch, q_pad, heads, dp), jnp.float32)
     n_in = len(ops) + len(mops_dkv)
     dq, dk, dv = call(functools.partial(_dkv_kernel, tm=tm_dkv, onepass=True, **dkv_order, **dkv_kw),
@@ -263,10 +259,10 @@ def backward(q, k, v, out, lse, do, mask: Mask | None, *, scale: float,
                       out_shape=(jax.ShapeDtypeStruct(dq_acc.shape, jnp.float32), *dkv_shape),
                       input_output_aliases={n_in: 0},
                       name="probjax_attention_bwd_onepass")(*ops, *mops_dkv, dq_acc)
-    dq = dq[:, :q_len].astype(q.dtype)
+    dq = dq[:, :q_len, :, :d].astype(q.dtype)
   else:
     raise ValueError(f"unknown backward_pass_impl {impl!r}")
   if splits > 1:  # fixed order: still bitwise reproducible
     dk, dv = (x.reshape(batch, kv_len, kv_heads, splits, x.shape[-1]).sum(3).astype(y.dtype)
               for x, y in ((dk, k), (dv, v)))
-  return dq[..., :d], dk[..., :d], dv[..., :dv_width]
+  return dq, dk, dv

@@ -182,28 +182,21 @@ def _kernel(q_ref, k_ref, v_ref, *refs, tm: tiles.TileMask, scale: float, groups
     end = jnp.minimum(start + per_split, valid_hi)
 
   kv_valid = mr.valid(b, keys=True)
-  # The cache keeps its own head_dim: a width off the power-of-two tile (96, 192) is read as the
-  # tile's columns with the ones past it masked (zeros, never loaded), as the rows past the keys
-  # are. Padding the cache in XLA instead would copy all of it on every decoding step, three
-  # times the bytes the kernel itself reads. The column slice starts at a traced zero: a static
-  # slice wider than the array is refused at trace time, a dynamic one is the masked load's.
-  zero = split * 0
-  cols = lambda ref, width: (pl.ds(zero, width) if width != ref.shape[-1] else slice(None))
 
   def body(j, carry):
+    # The cache keeps its own head_dim: a width off the power-of-two tile (96, 192) is read in
+    # place, the tile's columns past it masked (tiles.load_head), as the rows past the keys are.
     k_start = j * block_k
     if page_size is None:
-      at = lambda ref, width: ref.at[b, pl.ds(k_start, block_k), hkv, cols(ref, width)]
+      idx = (b, pl.ds(k_start, block_k), hkv)
       limit = kv_valid
     else:  # the block lies inside page k_start // page_size (the block divides the page)
       page_idx = k_start // page_size
       page, off = pages_ref[b, page_idx], k_start % page_size
-      at = lambda ref, width: ref.at[page, pl.ds(off, block_k), hkv, cols(ref, width)]
+      idx = (page, pl.ds(off, block_k), hkv)
       # An entry outside the pool (read as page 0) gets zero weight: its length limit is 0.
       limit = kv_valid * page_ok_ref[b, page_idx]
-    load = lambda ref, tile_width: tiles.load_rows(at(ref, tile_width), k_start, tm.kv_len, valid=limit,
-                                                   width=ref.shape[-1])
-    k, v = load(k_ref, q.shape[-1]), load(v_ref, o_ref.shape[-1])
+    k, v = (tiles.load_head(ref, idx, k_start, tm.kv_len, valid=limit) for ref in (k_ref, v_ref))
     t, c, _ = tiles.scores(q, k, scale=scale, score_mod=None, b=b, h=None, q_start=None,
                            k_start=k_start)
     if masked:

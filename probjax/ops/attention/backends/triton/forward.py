@@ -29,15 +29,16 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, tm: tiles.TileMask, scale: float
   i, b, h = tiles.program_tile(tm, *grid, group, by_q=True)
   hkv = h // groups
   q_start = i * block_q
-  q = tiles.load_rows(q_ref.at[b, pl.ds(q_start, block_q), h, :], q_start, tm.q_len)
+  q_rows = (b, pl.ds(q_start, block_q), h)
+  q = tiles.load_head(q_ref, q_rows, q_start, tm.q_len)
 
   kv_valid = mr.valid(b, keys=True)
 
   def body(j, carry, masked):
     # Only masked tiles can hold the partial last tile of the keys, or this batch element's.
     k_start = j * block_k
-    k = tiles.load_rows(k_ref.at[b, pl.ds(k_start, block_k), hkv, :], k_start, tm.kv_len, masked, kv_valid)
-    v = tiles.load_rows(v_ref.at[b, pl.ds(k_start, block_k), hkv, :], k_start, tm.kv_len, masked, kv_valid)
+    load = lambda ref: tiles.load_head(ref, (b, pl.ds(k_start, block_k), hkv), k_start, tm.kv_len, masked, kv_valid)
+    k, v = load(k_ref), load(v_ref)
     if masked:
       ok = tiles.tile_valid(tm, mr, b, q_start, k_start, block_q, block_k, h=h)
       k, v = tiles.unseen_keys_zeroed(tm, ok, k, v)
@@ -47,12 +48,12 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, tm: tiles.TileMask, scale: float
       t = jnp.where(ok, t, -jnp.inf)
     return tiles.online_softmax_step(carry, t, c, v, fast_exp2)
 
-  carry = tiles.tile_loop(tm, mr, b, i, num_kv_tiles, body, tiles.online_softmax_init(block_q, v_ref.shape[-1]),
-                         by_q=True, block_outer=block_q, block_inner=block_k)
+  init = tiles.online_softmax_init(block_q, tiles.padded_head_dim(v_ref.shape[-1]))
+  carry = tiles.tile_loop(tm, mr, b, i, num_kv_tiles, body, init, by_q=True, block_outer=block_q,
+                          block_inner=block_k)
   out, lse2, empty = tiles.online_softmax_finish(carry)
   lse = jnp.where(empty, jnp.inf, lse2 * (1.0 / tiles.LOG2E))
-  tiles.store_rows(o_ref.at[b, pl.ds(q_start, block_q), h, :], out.astype(o_ref.dtype), q_start,
-                   tm.q_len)
+  tiles.store_head(o_ref, q_rows, out.astype(o_ref.dtype), q_start, tm.q_len)
   lse_ref.at[b, h, pl.ds(q_start, block_q)][...] = lse
 
 
@@ -72,7 +73,6 @@ def forward(q, k, v, mask: Mask | None, *, scale: float, score_mod: Callable | N
   dv = v.shape[-1]
   dp, dvp = tiles.padded_head_dim(d), tiles.padded_head_dim(dv)
   q_pad, kv_pad = tiles.round_up(q_len, bq), tiles.round_up(kv_len, bk)
-  qp, kp, vp = tiles.pad_axis(q, 3, dp), tiles.pad_axis(k, 3, dp), tiles.pad_axis(v, 3, dvp)  # sequence axes: masked tiles
   tm, mask_ops = tiles.mask_operands(mask, batch, q_len, kv_len, q_pad, kv_pad, bq, bk, by_q=True)
   grid = (q_pad // bq, batch, heads)
   device = config_lib.kernel_device(interpret)
@@ -84,11 +84,11 @@ def forward(q, k, v, mask: Mask | None, *, scale: float, score_mod: Callable | N
   out, lse = pl.pallas_call(
       kernel,
       grid=grid,
-      out_shape=(jax.ShapeDtypeStruct((batch, q_len, heads, dvp), q.dtype),
+      out_shape=(jax.ShapeDtypeStruct((batch, q_len, heads, dv), q.dtype),
                  jax.ShapeDtypeStruct((batch, heads, q_pad), jnp.float32)),
       compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
       interpret=interpret,
       name="probjax_attention_fwd",
-  )(qp, kp, vp, *mask_ops)
-  return out[..., :dv], lse[:, :, :q_len]
+  )(q, k, v, *mask_ops)  # in place: masked tiles past the lengths and head_dims (tiles.load_head)
+  return out, lse[:, :, :q_len]
 

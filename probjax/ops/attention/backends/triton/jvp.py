@@ -48,16 +48,16 @@ def _jvp_kernel(q_ref, k_ref, v_ref, qd_ref, kd_ref, vd_ref, *refs, tm: tiles.Ti
   i, b, h = tiles.program_tile(tm, *grid, group, by_q=True)
   hkv = h // groups
   q_start = i * block_q
-  q = tiles.load_rows(q_ref.at[b, pl.ds(q_start, block_q), h, :], q_start, tm.q_len)
-  qd = tiles.load_rows(qd_ref.at[b, pl.ds(q_start, block_q), h, :], q_start, tm.q_len)
+  q_rows = (b, pl.ds(q_start, block_q), h)
+  q, qd = (tiles.load_head(ref, q_rows, q_start, tm.q_len) for ref in (q_ref, qd_ref))
   kv_valid = mr.valid(b, keys=True)
   dot = lambda a, c, dims: jax.lax.dot_general(a, c, (dims, ((), ())), preferred_element_type=jnp.float32)
 
   def body(j, carry, masked):
     acc_o, acc_1, acc_ds, m, l = carry
     k_start = j * block_k
-    load = lambda ref: tiles.load_rows(ref.at[b, pl.ds(k_start, block_k), hkv, :], k_start, tm.kv_len,
-                                       masked, kv_valid)
+    load = lambda ref: tiles.load_head(ref, (b, pl.ds(k_start, block_k), hkv), k_start, tm.kv_len, masked,
+                                       kv_valid)
     k, v, kd, vd = load(k_ref), load(v_ref), load(kd_ref), load(vd_ref)
     if masked:
       ok = tiles.tile_valid(tm, mr, b, q_start, k_start, block_q, block_k, h=h)
@@ -79,7 +79,7 @@ def _jvp_kernel(q_ref, k_ref, v_ref, qd_ref, kd_ref, vd_ref, *refs, tm: tiles.Ti
     acc_1 = acc_1 * alpha[:, None] + pv(p, vd) + pv(psd, v)
     return acc_o, acc_1, acc_ds, m_new, l
 
-  dv = v_ref.shape[-1]
+  dv = tiles.padded_head_dim(v_ref.shape[-1])
   rows = lambda: jnp.zeros((block_q,), jnp.float32)
   init = (jnp.zeros((block_q, dv), jnp.float32), jnp.zeros((block_q, dv), jnp.float32), rows(),
           jnp.full((block_q,), -jnp.inf, jnp.float32), rows())
@@ -91,8 +91,7 @@ def _jvp_kernel(q_ref, k_ref, v_ref, qd_ref, kd_ref, vd_ref, *refs, tm: tiles.Ti
   lse_dot = acc_ds / l
   out_dot = acc_1 / l[:, None] - lse_dot[:, None] * out
   lse = jnp.where(empty, jnp.inf, (m + jnp.log2(l)) * (1.0 / tiles.LOG2E))
-  store = lambda ref, x: tiles.store_rows(ref.at[b, pl.ds(q_start, block_q), h, :], x.astype(ref.dtype),
-                                          q_start, tm.q_len)
+  store = lambda ref, x: tiles.store_head(ref, q_rows, x.astype(ref.dtype), q_start, tm.q_len)
   store(o_ref, out)
   store(od_ref, out_dot)
   lse_ref.at[b, h, pl.ds(q_start, block_q)][...] = lse
@@ -117,7 +116,6 @@ def forward_jvp(q, k, v, qd, kd, vd, mask: Mask | None, *, scale: float, config:
   dv = v.shape[-1]
   dp, dvp = tiles.padded_head_dim(d), tiles.padded_head_dim(dv)
   q_pad, kv_pad = tiles.round_up(q_len, bq), tiles.round_up(kv_len, bk)
-  ops = [tiles.pad_axis(x, 3, w) for x, w in ((q, dp), (k, dp), (v, dvp), (qd, dp), (kd, dp), (vd, dvp))]
   tm, mask_ops = tiles.mask_operands(mask, batch, q_len, kv_len, q_pad, kv_pad, bq, bk, by_q=True)
   grid = (q_pad // bq, batch, heads)
   device = config_lib.kernel_device(interpret)
@@ -125,7 +123,7 @@ def forward_jvp(q, k, v, qd, kd, vd, mask: Mask | None, *, scale: float, config:
   kernel = functools.partial(
       _jvp_kernel, tm=tm, scale=scale, groups=heads // kv_heads, block_q=bq, block_k=bk,
       num_kv_tiles=kv_pad // bk, fast_exp2=config.fast_exp2 and not interpret, grid=grid, group=group)
-  rows = jax.ShapeDtypeStruct((batch, q_len, heads, dvp), q.dtype)
+  rows = jax.ShapeDtypeStruct((batch, q_len, heads, dv), q.dtype)
   stats = jax.ShapeDtypeStruct((batch, heads, q_pad), jnp.float32)
   out, out_dot, lse, lse_dot = pl.pallas_call(
       kernel,
@@ -134,8 +132,8 @@ def forward_jvp(q, k, v, qd, kd, vd, mask: Mask | None, *, scale: float, config:
       compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
       interpret=interpret,
       name="probjax_attention_fwd_jvp",
-  )(*ops, *mask_ops)
-  return out[..., :dv], out_dot[..., :dv], lse[:, :, :q_len], lse_dot[:, :, :q_len]
+  )(q, k, v, qd, kd, vd, *mask_ops)  # in place: masked tiles past the lengths and head_dims (tiles.load_head)
+  return out, out_dot, lse[:, :, :q_len], lse_dot[:, :, :q_len]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,11 +2,12 @@
 pallas_call receives, the in-kernel tile predicate and the score computation.
 
 All kernels take whole-array refs (``[batch, seq, heads, head_dim]`` etc.) and
-index their tile with ``ref.at[b, pl.ds(start, block), h, :]``: Triton only sees
-pointers, and one layout serves every grid (split, fused, onepass). The sequence
-axes are not padded to a multiple of the tile: the last, partial tile is loaded and
-stored with a row mask (:func:`load_rows`, :func:`store_rows`), so a call at an odd
-length copies no array around the kernel.
+index their tile with ``ref.at[b, pl.ds(start, block), h, cols]`` (:func:`load_head`,
+:func:`store_head`): Triton only sees pointers, and one layout serves every grid (split, fused,
+onepass). No axis is padded to the tile: the sequence axes' last, partial tile is loaded and
+stored with a row mask, a head_dim off the power-of-two tile width (40, 96, 192) with a column
+mask (:func:`load_rows`, :func:`store_rows`), so a call at an odd length or width copies no
+array around the kernel.
 """
 
 from __future__ import annotations
@@ -122,18 +123,53 @@ def load_rows(view, start, length: int, masked: bool = True, valid=None, width: 
   return plgpu.load(view, mask=both(rows() < length), other=0)
 
 
-def store_rows(view, val, start, length: int):
-  """``view[...] = val`` for the rows of ``view`` (see :func:`load_rows`) before ``length``."""
+def store_rows(view, val, start, length: int, width: int | None = None):
+  """``view[...] = val`` for the rows of ``view`` (see :func:`load_rows`) before ``length``
+  and, with ``width`` (the array's last axis, where the view's is wider), the columns before
+  ``width``."""
+  cols_ok = None
+  if width is not None and width < view.shape[-1]:
+    cols_ok = jax.lax.broadcasted_iota(jnp.int32, view.shape, view.ndim - 1) < width
   if length % view.shape[0] == 0:
-    view[...] = val
+    if cols_ok is None:
+      view[...] = val
+    else:
+      plgpu.store(view, val, mask=cols_ok)
     return
-  rows = start + jax.lax.broadcasted_iota(jnp.int32, view.shape, 0)
-  plgpu.store(view, val, mask=rows < length)
+  rows_ok = start + jax.lax.broadcasted_iota(jnp.int32, view.shape, 0) < length
+  plgpu.store(view, val, mask=rows_ok if cols_ok is None else rows_ok & cols_ok)
 
 
 def padded_head_dim(d: int) -> int:
   """Head dim the kernels load: next power of two, at least 32."""
   return max(32, 1 << (d - 1).bit_length())
+
+
+def _head_view(ref, idx: tuple, start):
+  """``ref.at[*idx, cols]``: the tile of ``ref``'s last axis (a head_dim) at the kernels' width,
+  :func:`padded_head_dim`. An array of another width (40, 96, 192) is read and written in place
+  through a wider view, whose columns past the array are masked: padding it in XLA instead
+  would copy all of it on every call, for a decoding step's long KV cache more bytes than the
+  kernel itself reads. The column slice starts at a traced zero, ``start * 0`` (``start``: the
+  tile's first row, a program or loop index): a static slice wider than the array is refused
+  at trace time, a dynamic one is the masked load's (Triton folds the zero away), and
+  ``pl.program_id`` is not available inside the tile loops in interpret mode."""
+  d = ref.shape[-1]
+  width = padded_head_dim(d)
+  return ref.at[(*idx, slice(None) if width == d else pl.ds(start * 0, width))]
+
+
+def load_head(ref, idx: tuple, start, length: int, masked: bool = True, valid=None):
+  """:func:`load_rows` of the tile ``ref[*idx, :]`` (``idx``'s ``pl.ds``: its rows, from row
+  ``start`` of ``length``) at the kernels' head_dim width (:func:`_head_view`): columns past
+  ``ref``'s head_dim read as zeros and are not touched in memory."""
+  return load_rows(_head_view(ref, idx, start), start, length, masked, valid, width=ref.shape[-1])
+
+
+def store_head(ref, idx: tuple, val, start, length: int):
+  """:func:`store_rows` of ``val`` into the tile ``ref[*idx, :]`` (see :func:`load_head`): its
+  columns past ``ref``'s head_dim are not written."""
+  store_rows(_head_view(ref, idx, start), val, start, length, width=ref.shape[-1])
 
 
 def mask_operands(mask: Mask | None, batch: int, q_len: int, kv_len: int, q_pad: int,
