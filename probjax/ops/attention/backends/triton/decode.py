@@ -127,15 +127,12 @@ def plan(q_shape, kv_shape, dtype, *, mask: Mask | None, score_mod, split_kv,
     by_len = max(1, (hi - lo) // MIN_SPLIT_KEYS)
     by_device = math.ceil(config_lib.num_programs_target(device) / (q_shape[0] * kv_shape[2] * n_rows))
     cfg = dataclasses.replace(cfg, num_splits=max(1, min(by_len, by_device)))
-  in_place = d == q_shape[-1] and dv == (q_shape[-1] if v_head_dim is None else v_head_dim)
-  if split_kv is None and cfg.num_splits < 2 and group_rows == q_shape[1] and in_place:
+  if split_kv is None and cfg.num_splits < 2 and group_rows == q_shape[1]:
     # One split and one head per K/V head: the regular forward's grid is as full and reads the
-    # same bytes. Not so under GQA: the packed rows read each K/V tile once per group where the
-    # regular forward reads it once per query head (at B56 H48/12 with 13 queries against 4722
-    # keys, one split filling the device, 4x the cache's bytes). Nor at a head_dim that is not a
-    # power of two: the regular forward pads K and V to one in XLA, a copy of the whole cache per
-    # call (at B53 H40 D192 with 3 queries against 3187 keys, 2.1 GB padded to 2.8 GB and copied
-    # before the kernel reads it), where this kernel masks the extra columns in its loads.
+    # same bytes (in place at any head_dim, as this kernel does). Under GQA the packed rows
+    # still read each K/V tile once per group where the regular forward reads it once per query
+    # head: at B56 H48/12 with 13 queries against 4722 keys (one split fills the device) that is
+    # 4x the cache's bytes.
     return None
   return config_lib.with_fast_exp2(cfg, device)
 
