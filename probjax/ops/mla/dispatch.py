@@ -90,11 +90,13 @@ def attention_implementation(call: MLACall, form: str, device: Device,
 # of the absorbed form.
 ATTENTION_ROUTE = "xla"
 # Tuned values (``tuning/gpu.json``, ``tuning/sm_90.json``; values only: :mod:`probjax.core.tuning`).
-# "decode_kernels": ``(kernel, max_queries)`` pairs, fastest first. A kernel's row tiles hold
-# heads x queries and each reads the step's latent, so its time grows with the queries: at 128
-# heads the Triton kernel is ahead of attention's XLA path with one query and behind it with two,
-# and on sm_90 the Mosaic kernel (wgmma, TMA) is ahead of the Triton one at one query
-# (docs/dev/decisions.md, "MLA: values of their own width and decoding").
+# "decode_kernels": ``(kernel, max_rows)`` pairs, fastest first. A kernel's row tiles hold
+# heads x queries of one sequence and each tile reads the step's latent, where the XLA path
+# reads it once for all of them: the kernel is ahead while the rows fit one tile of 128 and
+# falls behind beyond. E.g. at 128 heads the Triton kernel is ahead of the XLA path with one
+# query (128 rows) and behind it with two (256); at 16 heads with 3 queries (48 rows) both
+# kernels are ahead, and on sm_90 the Mosaic kernel (wgmma, TMA) is ahead of the Triton one at
+# 128 rows (docs/dev/decisions.md, "MLA: values of their own width and decoding").
 TUNING = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuning")
 
 
@@ -113,13 +115,14 @@ def decode_kernel(call: MLACall, form: str, device: Device, implementation: str 
   it), and why. ``implementation="triton"`` (or ``"mosaic"``) with the absorbed form asks for it:
   ValueError naming the argument if it cannot compute the call (with the absorbed form not
   chosen, the name is attention's). By default, on an NVIDIA GPU, the first of ``tuning``'s
-  ``decode_kernels`` -- ``(kernel, max_queries)`` pairs, fastest first -- that takes the call and
-  has at least its queries (forward only: the gradient is the XLA form's). A paged cache that no
-  kernel takes runs gathered on XLA.
+  ``decode_kernels`` -- ``(kernel, max_rows)`` pairs, fastest first -- that takes the call and
+  whose ``max_rows`` holds its heads x queries (forward only: the gradient is the XLA form's). A
+  paged cache that no kernel takes runs gathered on XLA.
 
-  Example: with ``[["mosaic", 4], ["triton", 1]]`` a one-query call on sm_90 runs the Mosaic
-  kernel, the same call on an A100 (the Mosaic kernel needs sm_90) the Triton one, and three
-  queries on the A100 the XLA path, where the measured Triton kernel is slower than it."""
+  Example: with ``[["mosaic", 512], ["triton", 128]]`` a one-query call of 128 heads on sm_90
+  runs the Mosaic kernel, the same call on an A100 (the Mosaic kernel needs sm_90) the Triton
+  one, and three queries on the A100 (384 rows) the XLA path, where the measured Triton kernel
+  is slower than it."""
   kernel = requested_kernel(implementation)
   if kernel is not None and form == "absorbed":
     why = REGISTRY.get(kernel).supports(call, device)
@@ -132,11 +135,12 @@ def decode_kernel(call: MLACall, form: str, device: Device, implementation: str 
     return None, "not an absorbed call on an NVIDIA GPU"
   kernels = tuning.values(TUNING, device).get("decode_kernels", ())
   refusals = []
-  for kernel, max_queries in kernels:
+  for kernel, max_rows in kernels:
     name = f"{kernel}: " if len(kernels) > 1 else ""
-    if call.q_len > max_queries:
-      refusals.append(f"{name}{call.q_len} queries > {max_queries}: the kernel is slower than attention's "
-                      "XLA path here")
+    rows = call.q_len * call.heads
+    if rows > max_rows:
+      refusals.append(f"{name}{call.q_len} queries x {call.heads} heads = {rows} rows > {max_rows}: the kernel "
+                      "is slower than attention's XLA path here")
       continue
     why = REGISTRY.get(kernel).supports(call, device)
     if why is None:

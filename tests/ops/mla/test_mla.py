@@ -119,7 +119,9 @@ WIDTHS = {  # batch, heads, d_nope, d_rope, d_c, d_v, dtype
 }
 ABSORBED = "{} queries over {} positions: attending over the shared latent does less work than forming K and V per head".format
 EXPANDED = "{} queries over {} positions: forming K and V per head does less work than attending over the wide latent".format
-SLOWER = "mosaic: {0} queries > 1: the kernel is slower than attention's XLA path here; triton: {0} queries > 1: the kernel is slower than attention's XLA path here".format
+SLOWER = lambda q, heads=128: "; ".join(  # noqa: E731
+    f"{k}: {q} queries x {heads} heads = {q * heads} rows > 128: the kernel is slower than attention's XLA path here"
+    for k in ("mosaic", "triton"))
 SPLIT_KV = ("absorbed decode of 1 queries: the latent streamed once per head tile by split-KV (forward; the gradient is "
             "the XLA form's)")
 NOT_GPU = "not an absorbed call on an NVIDIA GPU"
@@ -180,7 +182,7 @@ DISPATCH_TABLE = [
     (('h200', 'small', 1, 64, 'auto', None, None, None),
      ('xla', 'absorbed', ABSORBED(1, 64), 'mosaic: dtype float32: the Mosaic GPU decode kernel takes bfloat16 and float16; triton: d_c 12 is not a multiple of 16', 'default', "attention's default at query/key head_dim 16, value head_dim 12")),
     (('h200', 'small', 4, 64, 'auto', None, 'causal', None),
-     ('xla', 'absorbed', ABSORBED(4, 64), SLOWER(4), 'default', "attention's default at query/key head_dim 16, value head_dim 12")),
+     ('xla', 'absorbed', ABSORBED(4, 64), "mosaic: dtype float32: the Mosaic GPU decode kernel takes bfloat16 and float16; triton: mask predicates ('band',): the decode kernel takes KVLenMask only", 'default', "attention's default at query/key head_dim 16, value head_dim 12")),
     (('h200', 'equal', 4096, 4096, 'auto', None, None, None),
      ('xla', 'expanded', EXPANDED(4096, 4096), NOT_GPU, 'default', "attention's default")),
     (('h200', 'equal', 1, 4096, 'auto', None, 'kv_len', 64),
@@ -330,10 +332,11 @@ def test_default_dispatch_of_value_head_dim(monkeypatch):
 
 
 def test_decode_kernels_are_tried_in_the_tuned_order(tmp_path, monkeypatch):
-  """``decode_kernels`` lists ``(kernel, max_queries)`` fastest first: the first that takes the
-  call runs it; the XLA path runs where none does, with every kernel's reason."""
+  """``decode_kernels`` lists ``(kernel, max_rows)`` fastest first: the first that takes the
+  call and holds its heads x queries runs it; the XLA path runs where none does, with every
+  kernel's reason."""
   from probjax.ops.mla import dispatch as mla_dispatch
-  (tmp_path / "gpu.json").write_text('{"decode_kernels": [["mosaic", 4], ["triton", 1]]}')
+  (tmp_path / "gpu.json").write_text('{"decode_kernels": [["mosaic", 512], ["triton", 128]]}')
   monkeypatch.setattr(mla_dispatch, "TUNING", str(tmp_path))
   a100 = Device("gpu", (8, 0), 80 << 30)
   assert explain_dispatch(*shapes(4, 1, 4096), device=H200).implementation == "mosaic"
@@ -341,4 +344,4 @@ def test_decode_kernels_are_tried_in_the_tuned_order(tmp_path, monkeypatch):
   assert explain_dispatch(*shapes(4, 1, 4096), device=a100).implementation == "triton"  # Mosaic: sm_90 only
   d = explain_dispatch(*shapes(4, 3, 4096), device=a100)
   assert d.implementation == "xla" and d.get("form") == "absorbed", d
-  assert "mosaic: " in d.rule and "triton: 3 queries > 1" in d.rule, d.rule
+  assert "mosaic: " in d.rule and "triton: 3 queries x 128 heads = 384 rows > 128" in d.rule, d.rule
