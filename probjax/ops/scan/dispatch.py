@@ -40,8 +40,8 @@ from probjax.ops.scan.calls import SSDCall
 # ``gpu.json`` "forward": what an undifferentiated call runs on a GPU, the fastest exact forward
 # measured (docs/dev/decisions.md, "Forward GPU calls" and the entries after it). Mamba-1's
 # per-(channel, state) decay has no matmul form, so the sequential Triton kernel, reading each
-# input once, wins; on long sequences SSD's chunked XLA form runs its intra-chunk work as large
-# tensor-core matmuls, which the SSD kernel's smaller tiles do not match.
+# input once, wins; SSD's forward kernel fuses the chunk's matmuls and state pass that the
+# chunked XLA form runs as separate programs with [chunk, chunk] intermediates in memory.
 #
 # ``gpu.json`` "grad": what a differentiated call runs on a GPU (forward with residuals and
 # backward), the fastest exact forward+backward measured (docs/dev/decisions.md,
@@ -56,9 +56,7 @@ from probjax.ops.scan.calls import SSDCall
 # the Triton kernels beat the chunked form about twice, forward and differentiated; in float32
 # they were ahead at feature width 128 but 5x behind at 256 (their tiles hold a [features,
 # v_head_dim] float32 state), so float32 runs them below feature width 256 (docs/dev/decisions.md,
-# "RLA by dtype"). SSD's forward kernel wins on short sequences, where the chunked form's
-# launches and [chunk, chunk] intermediates dominate, and loses on long ones, where its
-# tensor-core matmuls do ("SSD forward by length").
+# "RLA by dtype").
 TUNING = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuning")
 
 
