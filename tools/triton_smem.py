@@ -54,12 +54,17 @@ def main() -> None:
 
   import jax
   import jax.numpy as jnp
-  from jax._src.pallas.triton import gpu_info, lowering
+  from jax._src.pallas.triton import lowering
   from probjax.ops.attention.backends import triton as pt
   from probjax.ops.attention.backends.triton import config as cfg
   from probjax.ops.attention.masks import KVLenMask, MaskMod
 
-  gpu_info.get_gpu_info = lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
+  from probjax.testing import pretend_h200
+
+  class _ForTheRun:  # pretend_h200 takes pytest's monkeypatch; this script patches for its whole run
+    setattr = staticmethod(setattr)
+
+  pretend_h200(_ForTheRun())
   pt.supports = lambda *args, **kw: None
   cfg.kernel_device = lambda interpret: "sm_90"
   b, tq, tk, h, hkv, d = map(int, a.shape.split(","))
