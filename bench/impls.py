@@ -123,6 +123,25 @@ def memory_of(compiled) -> dict:
   return out
 
 
+def program_memory(compiled) -> dict:
+  """A row's memory fields: :func:`memory_of` the compiled program (``memory_error`` where XLA
+  gives none) and ``device_peak_bytes``, the device's ``peak_bytes_in_use`` so far in the
+  process (a high-water mark over every row before; GPU only)."""
+  import jax
+  out = {}
+  try:
+    out.update(memory_of(compiled))
+  except Exception as e:  # noqa: BLE001 (the timing stands without it)
+    out["memory_error"] = f"{type(e).__name__}: {e}"[:200]
+  try:
+    peak = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+  except Exception:  # noqa: BLE001 (a backend without memory stats)
+    peak = None
+  if peak is not None:
+    out["device_peak_bytes"] = int(peak)
+  return out
+
+
 def probjax_attn(impl: str, causal: bool, mask_obj=None, extra_kwargs=None):
   dpa, _ = probjax_api()
   kw = dict(PROBJAX_IMPLS[impl]) if impl in PROBJAX_IMPLS else {}

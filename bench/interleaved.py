@@ -102,23 +102,8 @@ def padded_v_attention(causal: bool, width: int, implementation: str = "cudnn"):
 
 
 def memory_fields(impl: str, fn) -> dict:
-  """The compiled program's memory (:func:`bench.impls.memory_of` of the executable ``fn``'s
-  calls ran) and the device's peak bytes in use so far in the process (JAX rows)."""
-  if impl.startswith("torch_"):
-    return {}
-  out = {}
-  try:
-    out.update(impls.memory_of(fn.lower().compile()))
-  except Exception as e:  # noqa: BLE001 (the timing stands without it)
-    out["memory_error"] = f"{type(e).__name__}: {e}"[:200]
-  try:
-    import jax
-    peak = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
-  except Exception:  # noqa: BLE001
-    peak = None
-  if peak is not None:
-    out["device_peak_bytes"] = int(peak)
-  return out
+  """:func:`bench.impls.program_memory` of the jitted ``fn`` (JAX rows; torch rows have none)."""
+  return {} if impl.startswith("torch_") else impls.program_memory(fn.lower().compile())
 
 
 def default_dispatch(case, dv: int) -> str:

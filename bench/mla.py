@@ -30,11 +30,12 @@ matmuls of the absorbed form per query head and cached row: scores over the 576-
 (``2 x 576``) and the output over the 512-wide latent (``2 x 512``), so ``2 B H Tq S (576 + 512)``
 with ``H`` the 128 query heads and ``Tq`` the queries per sequence.
 
-Memory (every JAX row): ``temp_bytes``, ``argument_bytes``, ``output_bytes`` of the compiled program
-(XLA's memory analysis; a custom call's own workspace outside XLA's buffers is not in it),
-``compiled_bytes`` = arguments + outputs + temporaries - aliases (what the program holds on the
-device while it runs) and, on a GPU, ``device_peak_bytes``: the device's ``peak_bytes_in_use``
-so far in the process (a high-water mark over every earlier row, as bench/moe.py's).
+Memory (every JAX row, :func:`bench.impls.program_memory`): ``temp_bytes``, ``argument_bytes``,
+``output_bytes`` of the compiled program (XLA's memory analysis; a custom call's own workspace
+outside XLA's buffers is not in it), ``compiled_total_bytes`` = arguments + outputs +
+temporaries - aliases (what the program holds on the device while it runs) and, on a GPU,
+``device_peak_bytes``: the device's ``peak_bytes_in_use`` so far in the process (a high-water
+mark over every earlier row, as bench/moe.py's).
 
 The issue's numbers ("MLA at FlashMLA speed on Hopper"), decoding with 1, 2 and 4 queries at
 B64 x 4096 and B128 x 8192, each decode kernel alone, the default op and the absorbed XLA form:
@@ -69,6 +70,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from bench import harness  # noqa: E402
+from bench.impls import program_memory  # noqa: E402
 from probjax.core.timing import classify_error, device_info, time_fn  # noqa: E402
 from probjax.nn.layers.attention import CausalMask, KVLenMask, dot_product_attention  # noqa: E402
 from probjax.ops.attention.backends.xla import attention as xla_attention  # noqa: E402
@@ -252,31 +254,8 @@ def measure(meta, fn, xs, mode, args):
   row["tflops"] = meta["flops"] / (res["ms"] * 1e-3) / 1e12
   if "read_bytes" in meta:
     row["tb_per_s"] = meta["read_bytes"] / (res["ms"] * 1e-3) / 1e12   # effective bandwidth of the cache read
-  row.update(memory_fields(run, xs))
+  row.update(program_memory(run.lower(*xs).compile()))
   return row
-
-
-def memory_fields(run, xs) -> dict:
-  """The compiled program's memory (XLA's analysis; the jitted call's cached executable) and the
-  device's peak bytes in use so far in the process (GPU only)."""
-  out = {}
-  try:
-    ma = run.lower(*xs).compile().memory_analysis()
-    if ma is not None:
-      get = lambda n: int(getattr(ma, n, 0) or 0)
-      out = dict(temp_bytes=get("temp_size_in_bytes"), argument_bytes=get("argument_size_in_bytes"),
-                 output_bytes=get("output_size_in_bytes"))
-      out["compiled_bytes"] = (out["temp_bytes"] + out["argument_bytes"] + out["output_bytes"]
-                               - get("alias_size_in_bytes"))
-  except Exception as e:  # noqa: BLE001 (the timing stands without it)
-    out["memory_error"] = f"{type(e).__name__}: {e}"[:200]
-  try:
-    peak = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
-  except Exception:  # noqa: BLE001
-    peak = None
-  if peak is not None:
-    out["device_peak_bytes"] = int(peak)
-  return out
 
 
 def _shapes(text):
@@ -340,7 +319,7 @@ def main(argv=None):
         row = dict(meta, status=status, error=msg)
       rows = [r for r in rows if key_of(r) != key_of(row)] + [row]
       print(json.dumps({k: row.get(k) for k in ("suite", "case", "mode", "impl", "status", "ms", "tflops", "tb_per_s",
-                                                "compiled_bytes", "device_peak_bytes", "first_call_s")}),
+                                                "compiled_total_bytes", "device_peak_bytes", "first_call_s")}),
             flush=True)
       if args.output:
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)

@@ -29,7 +29,7 @@ def test_cpu_smoke_and_resume(tmp_path):
       continue
     assert r["status"] == "ok" and r["ms"] > 0 and r["tflops"] > 0, r
     assert r["device"] and r["versions"]["jax"] and "bench.mla" in r["command"]
-    assert r["compiled_bytes"] >= r["argument_bytes"] > 0 and r["temp_bytes"] >= 0, r   # the program's memory
+    assert r["compiled_total_bytes"] >= r["argument_bytes"] > 0 and r["temp_bytes"] >= 0, r   # the program's memory
   assert all(r["mode"] in ("fwd", "fwd_bwd") for r in rows)
   decode = [r for r in rows if r["suite"] == "decode"]
   assert {r["impl"] for r in decode} >= {"mla_absorbed", "mla_expanded"} and all(r["read_floor_ms"] > 0 for r in decode)
@@ -58,4 +58,4 @@ def test_issue_decode_command_on_cpu(tmp_path):
     assert r["read_bytes"] == b * s * width * 4   # float32 smoke: latent + rope read once
     assert r["flops"] == 2.0 * b * z.dec_heads * tq * s * (width + z.d_c)
     assert abs(r["tb_per_s"] - r["read_bytes"] / (r["ms"] * 1e-3) / 1e12) < 1e-12
-    assert r["compiled_bytes"] > 0
+    assert r["compiled_total_bytes"] > 0
