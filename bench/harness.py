@@ -329,11 +329,12 @@ OWN_SCHEMA_KEYS = {"lm_step": ("section", "case", "impl"),
                    "decode_splits": ("call_id", "impl"),
                    "lce": ("case", "impl"),
                    # bench/dispatch_sample.py and bench/dispatch_ops.py: one row per drawn call and
-                   # implementation (attention's fit and validation samples, each op's)
+                   # implementation (attention's fit and validation samples, each op's; a second
+                   # validation sample where a rule was refitted on the first)
                    **{f"dispatch_{op}{part}": ("call_id", "impl")
                       for op in ("attention", "mla", "grouped_matmul", "mamba_scan", "ssd_scan",
                                  "residual_linear_attention")
-                      for part in ("_fit", "_validate")}}
+                      for part in ("_fit", "_validate", "_validate2")}}
 
 
 def key_function(path: str):
