@@ -1,5 +1,7 @@
 """jax.jvp through the reverse-mode-only kernels (with_forward_mode), in interpret mode."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,7 +9,7 @@ import pytest
 
 from probjax.nn.layers.attention import dot_product_attention, flex_attention
 from probjax.ops.attention import masks as M
-from probjax.ops.attention.autodiff import with_forward_mode
+from probjax.ops.attention.autodiff import FusedTangent, with_forward_mode
 from probjax.ops.attention.reference import _attention64
 from probjax.ops.attention.tolerances import max_error, tolerance
 from probjax.ops.attention.backends.triton.config import BackwardConfig, ForwardConfig
@@ -141,3 +143,118 @@ def test_jit_grad_with_a_local_mutable_array_in_the_backward():
   q, k, v = (jnp.linspace(-1, 1, 6).reshape(2, 3) + i for i in range(3))
   g = jax.jit(jax.grad(lambda q: jnp.sum(f(q, k, v, None))))(q)
   np.testing.assert_allclose(g, k * (1 - jnp.tanh(q) ** 2), rtol=1e-6)
+
+
+def _fused_tanh():
+  """``f = tanh(q) * k + v`` through with_forward_mode with a fused "kernel" for the primal and
+  tangent; each "kernel" is a jit call named as it (``fwd_kernel``, ``pair_kernel``,
+  ``tangent_kernel``), which the jaxprs show."""
+  exact = lambda q, k, v, aux: jnp.tanh(q) * k + v
+
+  @jax.jit
+  def fwd_kernel(q, k, v):
+    return exact(q, k, v, None)
+
+  @jax.jit
+  def pair_kernel(q, k, v, qd, kd, vd):
+    return jax.jvp(lambda q, k, v: exact(q, k, v, None), (q, k, v), (qd, kd, vd))
+
+  @jax.jit
+  def tangent_kernel(q, k, v, qd, kd, vd):
+    return pair_kernel(q, k, v, qd, kd, vd)[1]
+
+  @jax.custom_vjp
+  def fast(q, k, v, aux):
+    return fwd_kernel(q, k, v)
+
+  def bwd(res, ct):
+    q, k = res
+    return ct * k * (1 - jnp.tanh(q) ** 2), ct * jnp.tanh(q), ct, None
+
+  fast.defvjp(lambda q, k, v, aux: (fwd_kernel(q, k, v), (q, k)), bwd)
+  pair = lambda q, k, v, aux, *dots: pair_kernel(q, k, v, *dots)
+  tangent = lambda q, k, v, aux, *dots: tangent_kernel(q, k, v, *dots)
+  return with_forward_mode(fast, exact, None, FusedTangent(tangent, pair)), exact
+
+
+def _args(n=0):
+  q, k, v = (jnp.linspace(-1, 1, 6).reshape(2, 3) + i + n for i in range(3))
+  return (q, k, v), tuple(jnp.cos(3 * x) for x in (q, k, v))
+
+
+def test_fused_pair_computes_a_jvp_alone():
+  """A jvp's primal and tangent are the fused call's (no forward kernel, no tangent-only call),
+  eager, under jit, vmap and jacfwd; jax.grad never runs it."""
+  f, exact = _fused_tanh()
+  (q, k, v), tans = _args()
+  close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  want = jax.jvp(lambda q, k, v: exact(q, k, v, None), (q, k, v), tans)
+  fj = lambda p, t: jax.jvp(lambda q, k, v: f(q, k, v, None), p, t)
+  for run in (fj, jax.jit(fj)):
+    jax.tree.map(close, run((q, k, v), tans), want)
+  kernels = lambda fn, *a: re.findall(r"name=(\w+_kernel)", str(jax.make_jaxpr(fn)(*a)))
+  assert kernels(fj, (q, k, v), tans) == ["pair_kernel"]
+  # only q's tangent: the others are symbolic zeros, not operands
+  _, t = jax.jvp(lambda q: f(q, k, v, None), (q,), (tans[0],))
+  close(t, tans[0] * k * (1 - jnp.tanh(q) ** 2))
+  both = lambda a: jnp.stack([a, a + 0.5])
+  got = jax.vmap(fj)(jax.tree.map(both, (q, k, v)), jax.tree.map(both, tans))
+  jax.tree.map(close, got, jax.vmap(lambda p, t: jax.jvp(lambda q, k, v: exact(q, k, v, None), p, t))(
+      jax.tree.map(both, (q, k, v)), jax.tree.map(both, tans)))
+  # jacfwd: only the tangents batched, the primal unbatched
+  close(jax.jacfwd(lambda q: f(q, k, v, None))(q), jax.jacfwd(lambda q: exact(q, k, v, None))(q))
+  assert kernels(jax.vmap(fj), *jax.tree.map(both, ((q, k, v), tans))) == ["pair_kernel"]
+  assert kernels(jax.jacfwd(lambda q: f(q, k, v, None)), q) == ["pair_kernel"]
+  loss = lambda attn: lambda q, k: jnp.sum(jnp.sin(attn(q, k, v, None)))
+  g = jax.grad(loss(f), argnums=(0, 1))(q, k)
+  jax.tree.map(close, g, jax.grad(loss(exact), argnums=(0, 1))(q, k))
+  assert kernels(jax.grad(loss(f), argnums=(0, 1)), q, k) == ["fwd_kernel"]
+
+
+def test_fused_pair_splits_for_reverse_mode():
+  """Wherever JAX splits a jvp into a known primal and an unknown tangent (linearize, grad under
+  jit, checkpoint, scan, cond) or differentiates it again (jvp of jvp, grad of jvp, jvp of grad),
+  the fused call becomes the forward + linear_call formulation: values are exact's."""
+  f, exact = _fused_tanh()
+  (q, k, v), tans = _args(1)
+  close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+  def cases(attn):
+    a = lambda q, k: attn(q, k, v, None)
+    loss = lambda q, k: jnp.sum(jnp.sin(a(q, k)))
+    out = {}
+    out["linearize"] = jax.linearize(lambda q: a(q, k), q)[1](tans[0])
+    out["jit_grad"] = jax.jit(jax.grad(loss, argnums=(0, 1)))(q, k)
+    out["remat_grad"] = jax.grad(lambda q: jnp.sum(jnp.sin(jax.checkpoint(lambda q: a(q, k))(q))))(q)
+
+    def body(c, _):
+      return jnp.tanh(a(c, k)), None
+    out["scan_grad"] = jax.grad(lambda q: jnp.sum(jax.lax.scan(body, q, length=2)[0]))(q)
+    out["cond_grad"] = jax.grad(lambda q: jnp.sum(jax.lax.cond(True, lambda q: a(q, k), lambda q: q, q)))(q)
+    inner = lambda q, k: jax.jvp(a, (q, k), tans[:2])
+    out["jvp_of_jvp"] = jax.jvp(lambda q: inner(q, k), (q,), (tans[2],))
+    meanflow = lambda q, k: jnp.sum(jnp.tanh(inner(q, k)[0]) * inner(q, k)[1]) + jnp.sum(inner(q, k)[1] ** 2)
+    out["grad_of_jvp"] = jax.grad(meanflow, argnums=(0, 1))(q, k)
+    out["jit_grad_of_jvp"] = jax.jit(jax.grad(meanflow, argnums=(0, 1)))(q, k)
+    out["grad_of_jit_jvp"] = jax.grad(jax.jit(meanflow), argnums=(0, 1))(q, k)
+    out["grad_of_remat_jvp"] = jax.grad(lambda q: jnp.sum(jax.checkpoint(lambda q: inner(q, k)[1])(q) ** 2))(q)
+    out["jvp_of_grad"] = jax.jvp(jax.grad(lambda q: loss(q, k)), (q,), (tans[0],))
+    out["vmap_grad_of_jvp"] = jax.vmap(jax.grad(lambda q: jnp.sum(inner(q, k)[1] ** 2)))(jnp.stack([q, q + 1]))
+    return out
+
+  got, want = cases(f), cases(exact)
+  for name in want:
+    jax.tree.map(close, got[name], want[name])
+
+
+def test_fused_pair_inside_checkpoint_stays_fused():
+  """A jvp inside jax.checkpoint, differentiated in an argument it does not depend on, keeps the
+  fused call: the rule for partially evaluating jaxprs leaves known calls whole."""
+  f, exact = _fused_tanh()
+  (q, k, v), tans = _args(2)
+
+  def loss(attn, w):
+    o, t = jax.checkpoint(lambda q: jax.jvp(lambda q: attn(q, k, v, None), (q,), (tans[0],)))(q)
+    return jnp.sum(w * o * t)
+  g = jax.grad(lambda w: loss(f, w))(jnp.ones_like(q))
+  np.testing.assert_allclose(g, jax.grad(lambda w: loss(exact, w))(jnp.ones_like(q)), rtol=1e-5)

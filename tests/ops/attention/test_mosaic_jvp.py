@@ -263,6 +263,32 @@ def test_lowers_for_sm90(monkeypatch, mask_name, d, dv):
   assert KERNEL in text
 
 
+def test_jvp_runs_one_kernel():
+  """A jvp's primal and tangent both come from the one fused kernel call: no forward kernel."""
+  mask = M.CausalMask() & M.KVLenMask(jnp.array([0, 70]))
+  prim, tans = _inputs(13, 70, 70, 2, 1)
+  jvp = lambda p, t: jax.jvp(_mosaic(mask), p, t)
+  for fn, args in ((jvp, (prim, tans)), (jax.vmap(jvp), jax.tree.map(lambda a: a[None], (prim, tans)))):
+    text = str(jax.make_jaxpr(fn)(*args))
+    # the kernels' names, one per kernel call (Mosaic GPU's kernels are mpmd_map calls)
+    assert re.findall(r"\bname=(probjax_attention_\w+)", text) == [KERNEL]
+
+
+def test_jvp_lowers_to_one_kernel_for_sm90(monkeypatch):
+  """jax.jit of a jvp lowered for an sm_90 GPU: one Mosaic GPU custom call, the fused kernel's
+  (its primal output is the jvp's primal)."""
+  from probjax.ops.attention import dispatch
+  monkeypatch.setattr(gpu, "device_kind", lambda device=None: "sm_90")
+  monkeypatch.setattr(dispatch.Device, "current", classmethod(lambda cls: dispatch.Device("gpu", (9, 0), 140 << 30)))
+  q = jax.ShapeDtypeStruct((2, 300, 4, 128), BF16)
+  kv = jax.ShapeDtypeStruct((2, 300, 2, 128), BF16)
+  attn = lambda q, k, v: flex_attention(q, k, v, mask=M.CausalMask(), implementation="mosaic")
+  text = jax.jit(lambda p, t: jax.jvp(attn, p, t)).trace((q, kv, kv), (q, kv, kv)).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert text.count("custom_call @mosaic_gpu_v2") == 1 and KERNEL in text
+  assert "probjax_attention_fwd_mosaic" not in text.replace(KERNEL, "")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mask_name,tq,tk,d", [("none", 4096, 4096, 128), ("causal", 3000, 3000, 64),
                                                ("causal&kv_len", 2048, 3000, 128), ("window&segments", 3000, 3000, 64),

@@ -2,6 +2,9 @@
 tangent against the float64 reference, jvp against the XLA path, reverse over forward, second
 derivatives through with_forward_mode."""
 
+import collections
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -184,3 +187,67 @@ def test_jvp_of_jvp_matches_reference():
     want = nested(ref, *jax.tree.map(up, (prim, tans, s)))
   assert np.all(np.isfinite(np.asarray(got)))
   assert max_error(got, np.asarray(want)) <= tolerance(jnp.float32, grad=True)
+
+
+def _kernels(fn, *args):
+  """The attention kernels (pallas_call names) in ``fn``'s jaxpr, counted."""
+  text = str(jax.make_jaxpr(fn)(*args))
+  names = re.findall(r"\bname=(probjax_attention_\w+)", text)
+  assert len(names) == text.count("pallas_call[")
+  return collections.Counter(names)
+
+
+FUSED = collections.Counter(["probjax_attention_fwd_jvp"])
+
+
+def test_jvp_runs_one_kernel():
+  """A jvp's primal and tangent both come from the one fused kernel call (no forward kernel),
+  under jit, vmap and jacfwd too; jax.grad runs the forward and backward kernels, and jax.grad of
+  a jvp the fused kernel once (its tangent) beside them."""
+  mask = M.CausalMask() & M.KVLenMask(jnp.array([20, 0]))
+  prim, tans = _inputs(21, 33, 4, 2)
+  jvp = lambda attn: lambda p, t: jax.jvp(attn(mask), p, t)
+  assert _kernels(jvp(_triton), prim, tans) == FUSED
+  assert _kernels(jax.jit(jvp(_triton)), prim, tans) == FUSED
+  batched = jax.tree.map(lambda a: jnp.stack([a, -a]), (prim, tans))
+  assert _kernels(jax.vmap(jvp(_triton)), *batched) == FUSED
+  col = lambda attn: jax.jacfwd(lambda x: attn(mask)(prim[0].at[0, 0, 0, :2].set(x), *prim[1:]))(prim[0][0, 0, 0, :2])
+  assert _kernels(lambda: col(_triton)) == FUSED
+  out, dot = jax.vmap(jvp(_triton))(*batched)
+  want_out, want_dot = jax.vmap(jvp(_xla))(*batched)
+  assert max_error(out, want_out) <= tolerance(jnp.float32)
+  assert max_error(dot, want_dot) <= tolerance(jnp.float32, grad=True)
+  assert not np.any(np.asarray(dot[:, 1])) and np.all(np.isfinite(np.asarray(dot)))  # no valid key: zero
+
+  loss = lambda q, k, v: jnp.sum(_triton(mask)(q, k, v) ** 2)
+  grad = _kernels(jax.grad(loss, argnums=(0, 1, 2)), *prim)
+  assert grad["probjax_attention_fwd"] == 1 and "probjax_attention_fwd_jvp" not in grad
+
+  def meanflow(q, k, v):
+    out, dot = jax.jvp(_triton(mask), (q, k, v), tans)
+    return jnp.sum(jnp.tanh(out) * dot) + jnp.sum(dot ** 2)
+  grad_jvp = _kernels(jax.grad(meanflow, argnums=(0, 1, 2)), *prim)
+  assert grad_jvp["probjax_attention_fwd_jvp"] == 1 and grad_jvp["probjax_attention_fwd"] == 1
+  assert grad_jvp - FUSED - collections.Counter(["probjax_attention_fwd"]) == grad - collections.Counter(
+      ["probjax_attention_fwd"])  # the same backward kernels as jax.grad's
+
+
+def test_reverse_mode_through_checkpoint_and_scan_matches_xla():
+  """jax.checkpoint and lax.scan linearize the jvp rule apart from jax.grad's own path (the
+  fused call partially evaluated inside their jaxprs): the forward kernel for the primal, the
+  kernel backward for its gradient."""
+  mask = M.CausalMask()
+  prim, tans = _inputs(9, 9, 2, 1)
+
+  def losses(attn):
+    a = lambda q: attn(mask)(q, *prim[1:])
+    remat = jax.grad(lambda q: jnp.sum(jnp.sin(jax.checkpoint(a)(q))))(prim[0])
+    scan = jax.grad(lambda q: jnp.sum(jax.lax.scan(lambda c, _: (jnp.tanh(a(c)), None), q, length=2)[0]))(prim[0])
+    inner = lambda q: jax.jvp(a, (q,), (tans[0],))[1]
+    remat_jvp = jax.grad(lambda q: jnp.sum(jax.checkpoint(inner)(q) ** 2))(prim[0])
+    return remat, scan, remat_jvp
+
+  assert "probjax_attention_fwd_jvp" not in _kernels(
+      jax.grad(lambda q: jnp.sum(jax.checkpoint(lambda q: _triton(mask)(q, *prim[1:]))(q))), prim[0])
+  for name, g, w in zip(("checkpoint", "scan", "checkpoint of jvp"), losses(_triton), losses(_xla)):
+    assert max_error(g, w) <= tolerance(jnp.float32, grad=True), name
