@@ -276,7 +276,7 @@ def test_jvp_runs_one_kernel():
 
 def test_jvp_lowers_to_one_kernel_for_sm90(monkeypatch):
   """jax.jit of a jvp lowered for an sm_90 GPU: one Mosaic GPU custom call, the fused kernel's
-  (its primal output is the jvp's primal)."""
+  (its primal output is the jvp's primal); of a grad of a jvp: the fused kernel once."""
   from probjax.ops.attention import dispatch
   monkeypatch.setattr(gpu, "device_kind", lambda device=None: "sm_90")
   monkeypatch.setattr(dispatch.Device, "current", classmethod(lambda cls: dispatch.Device("gpu", (9, 0), 140 << 30)))
@@ -287,6 +287,18 @@ def test_jvp_lowers_to_one_kernel_for_sm90(monkeypatch):
       lowering_platforms=("cuda",)).as_text()
   assert text.count("custom_call @mosaic_gpu_v2") == 1 and KERNEL in text
   assert "probjax_attention_fwd_mosaic" not in text.replace(KERNEL, "")
+  # jax.grad of a MeanFlow loss: the forward kernel (the backward's residuals), the fused kernel
+  # once (the tangent) and the backward kernels. Its jaxpr shows the fused kernel a second time,
+  # as the transpose of the transposed linear_call, which never runs.
+  attn = lambda q, k, v: flex_attention(q, k, v, mask=M.CausalMask(), implementation="mosaic",
+                                        backward_pass_impl="mosaic")
+  tans = tuple(jnp.ones(x.shape, x.dtype) for x in (q, kv, kv))
+  text = jax.jit(jax.grad(_meanflow(attn, tans), argnums=(0, 1, 2))).trace(q, kv, kv).lower(
+      lowering_platforms=("cuda",)).as_text()
+  kernels = re.findall(r"(probjax_attention_\w+?)_mosaic_gpu\b", text)  # each kernel's module name
+  assert text.count("custom_call @mosaic_gpu_v2") == 4
+  assert sorted(kernels) == sorted([KERNEL, "probjax_attention_fwd_mosaic", "probjax_attention_bwd_dkv_mosaic",
+                                    "probjax_attention_bwd_dq_mosaic"])
 
 
 @pytest.mark.gpu
