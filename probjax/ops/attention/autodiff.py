@@ -10,7 +10,7 @@ Second derivatives (``jax.jvp`` of ``jax.grad``, ``jax.grad`` of ``jax.grad`` or
 are exact too: the kernel's output and vjp, computed at stopped inputs, get their derivatives
 in the inputs from the tangent and from the exact formulation.
 
-Under ``jax.jvp`` (and ``jax.linearize``'s forward, ``jax.jacfwd``) a backend with a fused forward
+Under ``jax.jvp`` (and ``jax.jacfwd``, ``jax.vmap`` of either) a backend with a fused forward
 + JVP kernel computes the primal and the tangent in that one kernel: the rule binds
 :data:`primal_and_tangent_p`, which runs the fused kernel as it is evaluated or lowered, and
 becomes the formulation above (the forward kernel for the primal, the ``linear_call`` for the
