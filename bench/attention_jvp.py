@@ -11,7 +11,7 @@ Implementations (``--impls``, default all), each ``f`` above:
   default      ``flex_attention`` with no ``implementation``: what a user's ``jax.jvp`` runs today (on
                sm_90 the device table routes it to Triton, Mosaic or cuDNN by shape; the row's
                ``dispatch`` is the decision and ``tangent`` where its tangent comes from: cuDNN has no
-               fused tangent, so a cuDNN-routed call takes the XLA formulation's jvp)
+               fused tangent, so a cuDNN-routed call takes a kernel backend's)
   one_fwd      one forward call of ``default`` (jvp mode only): the denominator of "fused jvp within
                2.2x of a forward"
   two_fwd      two Triton forward calls (jvp mode only), the floor a fused jvp can approach
@@ -142,12 +142,12 @@ def routing(impl: str, shape: tuple, causal: bool, interpret: bool) -> dict:
   d = attention.explain_dispatch(shape, shape, "bfloat16", mask=mask, device=device)
   out = {"dispatch": str(d)}
   if impl == "default":
-    if d.implementation in ("triton", "mosaic"):
-      out["tangent"] = f"{d.implementation} fused kernel"
-    elif d.implementation == "xla":
+    if d.implementation == "xla":
       out["tangent"] = "xla jvp"
-    else:  # cudnn: no fused tangent (Backend.tangent_kernel is None)
-      out["tangent"] = f"xla {dispatch.xla_formulation(shape, shape, device)} formulation's jvp"
+    else:  # the first of these with a fused kernel for the call (cuDNN has none)
+      from probjax.ops.attention.call import AttentionCall
+      call = AttentionCall(shape, shape, "bfloat16", mask=mask)
+      out["tangent"] = "fused kernel of the first of " + ", ".join(dispatch.tangent_candidates(d, call, device))
   return out
 
 

@@ -707,7 +707,9 @@ def _compute(run: _Run, query, key, value, mask, bias, dense_mask, dropout_rng, 
     runner = lambda d: None if d is None else functools.partial(
         registry.REGISTRY.get(d.implementation), call=call, backward_pass_impl=d.backward)
     exact = _exact(query, key, run.device, run.score_mod, run.scale)
-    tangent = registry.REGISTRY.get(decision.implementation).tangent_kernel(call, exact)
+    tangents = (registry.REGISTRY.get(name).tangent_kernel(call, exact)
+                for name in dispatch.tangent_candidates(decision, call, run.device))
+    tangent = next((t for t in tangents if t is not None), None)
     return with_forward_mode(runner(decision), exact, runner(decision.grad), tangent)(query, key, value, mask)
   return xla_backend.attention(query, key, value, formulation=decision.get("formulation", "auto"), module=module,
                                bias=bias, mask=mask, dense_mask=dense_mask, score_mod=run.score_mod,

@@ -389,6 +389,24 @@ def _under_grad(call: AttentionCall, device: Device, defaults: DeviceDefaults) -
   return next((d for d in (rule(call, device, defaults) for rule in GRAD_RULES) if d is not None), None)
 
 
+# The kernel backends whose fused forward + JVP kernel computes a jvp where the call's own
+# backend has none (cuDNN), fastest first: on sm_90 the Mosaic kernel, elsewhere the Triton one.
+TANGENT_BACKENDS = ("mosaic", "triton")
+
+
+def tangent_candidates(decision: Decision, call: AttentionCall, device: Device) -> tuple[str, ...]:
+  """The backends, in order, whose fused forward + JVP kernel may compute ``jax.jvp`` of a kernel
+  call: the decision's own, then those of :data:`TANGENT_BACKENDS` that compute the call. The
+  first with a kernel for the call runs it (``Backend.tangent_kernel``: None where it has none,
+  e.g. a ``score_mod``); with none, the tangent is the XLA formulation's jvp. E.g. a long
+  unmasked bf16 call at head_dim 128 on an H100 runs cuDNN forward and backward, and its jvp
+  the Mosaic kernel: cuDNN has no forward-mode kernel, and XLA's jvp of the call is the dense
+  einsum (quadratic memory) or a loop over tiles."""
+  others = tuple(n for n in TANGENT_BACKENDS
+                 if n != decision.implementation and REGISTRY.get(n).supports(call, device) is None)
+  return (decision.implementation, *others)
+
+
 def _cc(device: Device) -> str:
   return "sm_%d%d" % device.compute_capability
 

@@ -516,3 +516,18 @@ def test_sm90_short_unmasked_backward_is_fused():
     assert decide(((4, t, 4, d),) * 2).under_grad.backward == b.band_impl
     assert decide(((4, t + 1, 4, d),) * 2).under_grad.backward == b.impl
   assert decide(((4, 600, 4, 64),) * 2).under_grad.backward == b.impl      # another head_dim
+
+
+@pytest.mark.parametrize("head_dim, want", [(128, ("cudnn", "mosaic", "triton")), (96, ("cudnn", "triton"))])
+def test_jvp_of_a_cudnn_call_asks_the_kernels_for_a_fused_tangent(head_dim, want):
+  """cuDNN has no forward-mode kernel: a jvp of a call it runs takes the fused forward + JVP
+  kernel of the first kernel backend that computes the call (Mosaic on sm_90 where it takes the
+  width, else Triton), before falling back to the XLA formulation's jvp."""
+  from probjax.ops.attention.call import AttentionCall
+  shapes = tuple(s[:3] + (head_dim,) for s in BIG)
+  d = decide(shapes)
+  assert d.implementation == "cudnn", d
+  call = AttentionCall(*shapes, jnp.bfloat16)
+  assert dispatch.tangent_candidates(d, call, H200) == want
+  own = dispatch.tangent_candidates(dispatch.Decision("triton", "requested"), call, H200)
+  assert own[0] == "triton" and own.count("triton") == 1
