@@ -41,9 +41,9 @@ runs the fused kernels (the primal and the tangent of the jvp).
 
 Rows: one JSON object per line in ``bench/results/<device>/attention_jvp.json`` (``--output``),
 keyed by impl, mode, batch, heads, seq, head_dim, causal, dtype: the median/p10/p90 milliseconds per
-call (``probjax.core.timing.time_fn``), the compile seconds, and memory. ``program_bytes`` (the
+call (``probjax.core.timing.time_fn``), the compile seconds, and memory. ``compiled_total_bytes`` (the
 compiled program's arguments + outputs + temporaries less aliased bytes,
-``compiled.memory_analysis()``) and ``temp_bytes`` are deterministic and belong to the row alone: the
+:func:`bench.impls.memory_of`) and ``temp_bytes`` are deterministic and belong to the row alone: the
 per-row memory to plot against T. ``peak_bytes_in_use`` is the device allocator's high-water mark of
 the process after the row (JAX cannot reset it); ``row_peak_bytes`` is that mark where this row
 raised it (then it is this row's peak, ``bytes_in_use_before`` of it live before the row), else
@@ -69,7 +69,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from bench import harness
+from bench import harness, impls
 from probjax.core import timing
 from probjax.core.device import Device
 from probjax.ops import attention
@@ -169,13 +169,10 @@ def measure(impl, mode, b, h, t, d, causal, interpret, meta) -> dict:
     t0 = time.perf_counter()
     compiled = fn.lower(*args).compile()
     row["compile_s"] = round(time.perf_counter() - t0, 3)
-    mem = compiled.memory_analysis()
-    if mem is not None:
-      row["temp_bytes"] = int(mem.temp_size_in_bytes)
-      row["argument_bytes"] = int(mem.argument_size_in_bytes)
-      row["output_bytes"] = int(mem.output_size_in_bytes)
-      row["program_bytes"] = int(mem.argument_size_in_bytes + mem.output_size_in_bytes
-                                 + mem.temp_size_in_bytes - mem.alias_size_in_bytes)
+    try:
+      row.update(impls.memory_of(compiled))
+    except impls.Unsupported:  # a backend without XLA's memory analysis: the timing stands
+      pass
     t0 = time.perf_counter()
     jax.block_until_ready(compiled(*args))
     first = time.perf_counter() - t0
@@ -315,7 +312,7 @@ def main(argv=None) -> None:
       row["timestamp"] = time.strftime("%Y-%m-%dT%H:%M:%S")
       print(json.dumps({"row": f"{i + 1}/{len(todo)}",
                         **{k: row.get(k) for k in ("impl", "mode", "seq", "head_dim", "causal", "status", "ms",
-                                                   "temp_bytes", "program_bytes", "wall_s")}}), flush=True)
+                                                   "temp_bytes", "compiled_total_bytes", "wall_s")}}), flush=True)
       f.write(json.dumps(row) + "\n")
       f.flush()
 

@@ -309,7 +309,7 @@ def row_key(row: dict) -> tuple:
 OWN_SCHEMA_KEYS = {"lm_step": ("section", "case", "impl"),
                    "moe": ("suite", "mode", "impl", "size", "dist", "shape"),
                    "scan": ("case", "impl", "mode", "dtype", "shape"),
-                   "attention_jvp": ("impl", "batch", "heads", "seq", "head_dim", "causal", "dtype"),
+                   "attention_jvp": ("impl", "mode", "batch", "heads", "seq", "head_dim", "causal", "dtype"),
                    "dit_step": ("section", "case", "impl"),
                    "mla": ("suite", "case", "impl", "mode"),
                    "isab": ("case", "impl", "mode"),
