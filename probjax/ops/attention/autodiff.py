@@ -213,8 +213,7 @@ def _bind(args, fused: _Flat, split: _Flat, num_primals: int):
 
 
 def _spec(x):
-  a = jax.typeof(x)
-  return jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
+  return _spec_aval(jax.typeof(x))
 
 
 def _impl(*args, jaxpr, **_):
@@ -245,7 +244,7 @@ ad.primitive_jvps[primal_and_tangent_p] = _jvp_rule
 
 
 def _batch_rule(args, dims, *, fused, split, num_primals, **_):
-  in_axes = tuple(None if d is None else d for d in dims)  # None: not batched
+  in_axes = tuple(dims)  # None: not batched
   vmapped = lambda f: _Flat(jax.vmap(f.fn, in_axes=in_axes), f.name)
   out, out_dot = _bind(args, vmapped(fused), vmapped(split), num_primals)
   if all(d is None for d in in_axes[:num_primals]):

@@ -116,12 +116,15 @@ class SSDTriton(_Triton, Backend[SSDCall]):
     return ssd_kernel.forward(x, dt, A, B, C, h0, chunk=kernel_chunk(call), interpret=call.interpret)
 
 
-def _rla_chunk(call) -> int:
-  """The RLA kernels' chunk where they run: fitting the current device's shared memory (none
-  bounds interpret mode). Forward and backward take the same one: the backward reads the
-  forward's per-chunk states."""
-  limit = None if call.interpret else Device.current().smem_per_block
-  return rla_kernel.default_chunk(call, limit)
+def _smem_limit(call, device: Device) -> int | None:
+  """The shared memory per block the RLA kernels must fit on ``device`` (none in interpret mode)."""
+  return None if call.interpret else device.smem_per_block
+
+
+def _rla_chunk(call, device: Device | None = None) -> int:
+  """The RLA kernels' chunk on ``device`` (default: the current one), fitting its shared memory.
+  Forward and backward take the same one: the backward reads the forward's per-chunk states."""
+  return rla_kernel.default_chunk(call, _smem_limit(call, device or Device.current()))
 
 
 def _rla_operands(call, fq, fk, v):
@@ -168,10 +171,10 @@ class RLATriton(_Triton, Backend[RLACall]):
     """Why not, where a kernel at the call's chunk (:func:`.rla.default_chunk` for the device)
     would overflow the device's shared memory, a failure that would otherwise come at launch.
     Every kernel counts: the call may be differentiated."""
-    limit = None if call.interpret else device.smem_per_block
+    limit = _smem_limit(call, device)
     if limit is None:
       return None
-    chunk = rla_kernel.default_chunk(call, limit)
+    chunk = _rla_chunk(call, device)
     name, need = rla_kernel.call_smem(call, chunk)
     if need <= limit:
       return None
