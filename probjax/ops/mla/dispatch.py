@@ -31,8 +31,9 @@ from probjax.ops.mla.call import FORMS, MLACall
 from probjax.ops.mla.registry import REGISTRY
 
 
-def absorbed_is_cheaper(call: MLACall) -> bool:
-  """Whether the absorbed form does less arithmetic than the expanded one.
+def absorbed_is_cheaper(call: MLACall, attend_cost: float = 1.0) -> bool:
+  """Whether the absorbed form does less arithmetic than the expanded one, its attention's
+  multiply-adds weighted by ``attend_cost`` (the time of one against one of the expanded form's).
 
   Multiply-adds per batch element and head, with ``P = d_c * (d_nope + d_v)``:
 
@@ -43,27 +44,30 @@ def absorbed_is_cheaper(call: MLACall) -> bool:
   positions: one decoded query costs 538M expanded against 4.6M absorbed, so decoding absorbs
   (it also reads 576 shared latent values per position instead of H * 320 expanded ones). With
   Tq = S = 4096 (prefill, training) it is 5.9G expanded against 18.8G absorbed, so it expands.
-  The forms break even where ``Tq * S * 768 = P * (S - Tq)``: about 170 queries over a long
-  cache, fewer over a short one.
+  At equal cost the forms break even where ``Tq * S * 768 = P * (S - Tq)``: about 170 queries
+  over a long cache, fewer over a short one; at ``attend_cost`` 2 about 70.
   """
   s, tq = call.kv_len, call.q_len
   proj = call.d_c * (call.d_nope + call.d_v)
   expanded = s * proj + tq * s * (call.d_nope + call.d_rope + call.d_v)
-  absorbed = tq * proj + tq * s * (2 * call.d_c + call.d_rope)
+  absorbed = tq * proj + attend_cost * tq * s * (2 * call.d_c + call.d_rope)
   return absorbed < expanded
 
 
-def choose_form(call: MLACall, form: str = "auto") -> tuple[str, str]:
-  """``(form, reason)``; ``form`` "auto" picks by :func:`absorbed_is_cheaper`."""
+def choose_form(call: MLACall, form: str = "auto", attend_cost: float = 1.0) -> tuple[str, str]:
+  """``(form, reason)``; ``form`` "auto" picks by :func:`absorbed_is_cheaper` at ``attend_cost``."""
   if form not in FORMS:
     raise ValueError(f"form must be one of {FORMS}, got {form!r}")
   if form != "auto":
     return form, "requested"
-  if absorbed_is_cheaper(call):
+  weighted = "" if attend_cost == 1 else (
+      f" (the absorbed form's attention, at the latent widths on attention's XLA path, counted "
+      f"{attend_cost:g}x per multiply-add)")
+  if absorbed_is_cheaper(call, attend_cost):
     return "absorbed", (f"{call.q_len} queries over {call.kv_len} positions: attending over the shared "
-                        "latent does less work than forming K and V per head")
+                        f"latent does less work than forming K and V per head{weighted}")
   return "expanded", (f"{call.q_len} queries over {call.kv_len} positions: forming K and V per head "
-                      "does less work than attending over the wide latent")
+                      f"does less work than attending over the wide latent{weighted}")
 
 
 def attention_widths(call: MLACall, form: str) -> tuple[int, int]:
@@ -90,13 +94,18 @@ def attention_implementation(call: MLACall, form: str, device: Device,
 # of the absorbed form.
 ATTENTION_ROUTE = "xla"
 # Tuned values (``tuning/gpu.json``, ``tuning/sm_90.json``; values only: :mod:`probjax.core.tuning`).
-# "decode_kernels": ``(kernel, max_rows)`` pairs, fastest first. A kernel's row tiles hold
+# "decode_kernels": ``(kernel, max_rows)`` pairs, tried in order. A kernel's row tiles hold
 # heads x queries of one sequence and each tile reads the step's latent, where the XLA path
-# reads it once for all of them: the kernel is ahead while the rows fit one tile of 128 and
-# falls behind beyond. E.g. at 128 heads the Triton kernel is ahead of the XLA path with one
-# query (128 rows) and behind it with two (256); at 16 heads with 3 queries (48 rows) both
-# kernels are ahead, and on sm_90 the Mosaic kernel (wgmma, TMA) is ahead of the Triton one at
-# 128 rows (docs/dev/decisions.md, "MLA: values of their own width and decoding").
+# reads it once for all of them. E.g. at 128 heads the Triton kernel is ahead of the XLA path
+# with one query (128 rows) and behind it with two (256), so it stops at 128. On sm_90 the
+# Triton kernel is ahead of the Mosaic one at 16 heads with 3-4 queries (48-64 rows), and the
+# Mosaic kernel (64-row wgmma tiles, TMA) ahead of both from 128 rows to 512 (128 heads x 4
+# queries), so sm_90 tries Triton up to 64 rows, then Mosaic up to 512.
+# "absorbed_attention_cost": no kernel attends at the absorbed form's latent widths (576/512),
+# so where no MLA kernel takes it the absorbed form runs on attention's XLA path, at about
+# half the rate per multiply-add of the expanded form's kernels or less: e.g. a chunk of 160
+# queries over 11290 positions, even in multiply-adds, is about 3x faster expanded
+# (docs/dev/decisions.md, "MLA: values of their own width and decoding").
 TUNING = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuning")
 
 
@@ -119,10 +128,11 @@ def decode_kernel(call: MLACall, form: str, device: Device, implementation: str 
   whose ``max_rows`` holds its heads x queries (forward only: the gradient is the XLA form's). A
   paged cache that no kernel takes runs gathered on XLA.
 
-  Example: with ``[["mosaic", 512], ["triton", 128]]`` a one-query call of 128 heads on sm_90
-  runs the Mosaic kernel, the same call on an A100 (the Mosaic kernel needs sm_90) the Triton
-  one, and three queries on the A100 (384 rows) the XLA path, where the measured Triton kernel
-  is slower than it."""
+  Example: with ``[["triton", 64], ["mosaic", 512]]`` on sm_90 a one-query call of 128 heads
+  runs the Mosaic kernel and three queries of 16 heads (48 rows) the Triton one; with
+  ``[["triton", 128]]`` on an A100 (the Mosaic kernel needs sm_90) one query of 128 heads runs
+  the Triton kernel and three (384 rows) the XLA path, where the measured Triton kernel is
+  slower than it."""
   kernel = requested_kernel(implementation)
   if kernel is not None and form == "absorbed":
     why = REGISTRY.get(kernel).supports(call, device)
@@ -139,8 +149,8 @@ def decode_kernel(call: MLACall, form: str, device: Device, implementation: str 
     name = f"{kernel}: " if len(kernels) > 1 else ""
     rows = call.q_len * call.heads
     if rows > max_rows:
-      refusals.append(f"{name}{call.q_len} queries x {call.heads} heads = {rows} rows > {max_rows}: the kernel "
-                      "is slower than attention's XLA path here")
+      refusals.append(f"{name}{call.q_len} queries x {call.heads} heads = {rows} rows > {max_rows}, the "
+                      "kernel's tuned limit (another path was measured faster beyond it)")
       continue
     why = REGISTRY.get(kernel).supports(call, device)
     if why is None:
@@ -154,8 +164,15 @@ def decide(call: MLACall, device: Device, form: str = "auto", implementation: st
   """The backend, form and attention request for ``call`` on ``device`` (see the module
   docstring); raises ValueError for an unknown form or an explicit kernel that cannot compute
   the call."""
+  requested_form = form
   form, form_rule = choose_form(call, form)
   kernel, rule = decode_kernel(call, form, device, implementation)
+  cost = tuning.values(TUNING, device).get("absorbed_attention_cost", 1.0)
+  if requested_form == "auto" and implementation is None and form == "absorbed" and kernel is None and cost != 1:
+    # No MLA kernel takes it: the absorbed form attends at 576/512 on attention's XLA path.
+    form, form_rule = choose_form(call, attend_cost=cost)
+    if form == "expanded":
+      kernel, rule = decode_kernel(call, form, device, implementation)
   config = (("form", form), ("form_rule", form_rule))
   if kernel is not None:
     return Decision(kernel, rule, config=config)

@@ -95,7 +95,7 @@ def test_on_a_gpu_widths_that_differ_leave_it_to_attention():
   d = explain_dispatch(*shapes(2, 4096, 4096), device=H200)        # expanded: d_qk 192, d_v 128
   assert d.get("form") == "expanded" and d.get("attention").implementation == "default"
   assert "value head_dim 128" in d.get("attention").rule
-  d = explain_dispatch(*shapes(64, 2, 4096), device=H200)          # absorbed: d_qk 576, d_v 512
+  d = explain_dispatch(*shapes(64, 5, 4096), device=H200)          # absorbed: d_qk 576, d_v 512
   assert d.get("form") == "absorbed" and d.get("attention").implementation == "default"
   assert "head_dim 576" in d.get("attention").rule
   d = explain_dispatch(*shapes(2, 4096, 4096, dn=64, dv=128), device=H200)   # 64 + 64 = 128: one width
@@ -119,11 +119,13 @@ WIDTHS = {  # batch, heads, d_nope, d_rope, d_c, d_v, dtype
 }
 ABSORBED = "{} queries over {} positions: attending over the shared latent does less work than forming K and V per head".format
 EXPANDED = "{} queries over {} positions: forming K and V per head does less work than attending over the wide latent".format
-SLOWER = lambda q, heads=128: "; ".join(  # noqa: E731
-    f"{k}: {q} queries x {heads} heads = {q * heads} rows > 128: the kernel is slower than attention's XLA path here"
-    for k in ("mosaic", "triton"))
+WEIGHTED = " (the absorbed form's attention, at the latent widths on attention's XLA path, counted 2x per multiply-add)"
+LIMITS = lambda q, heads=128: "; ".join(  # noqa: E731
+    f"{k}: {q} queries x {heads} heads = {q * heads} rows > {m}, the kernel's tuned limit (another path was measured "
+    "faster beyond it)" for k, m in (("triton", 64), ("mosaic", 512)))
 SPLIT_KV = ("absorbed decode of 1 queries: the latent streamed once per head tile by split-KV (forward; the gradient is "
             "the XLA form's)")
+SPLIT_KV_2 = SPLIT_KV.replace("of 1 queries", "of 2 queries")
 NOT_GPU = "not an absorbed call on an NVIDIA GPU"
 ATTENTION_REQUESTED = "an attention implementation was requested"
 WIDE_576 = "attention's default at query/key head_dim 576, value head_dim 512"
@@ -136,23 +138,23 @@ DISPATCH_TABLE = [
     (('h200', 'deepseek', 1, 4096, 'auto', None, 'kv_len', 64),
      ('mosaic', 'absorbed', ABSORBED(1, 4096), SPLIT_KV, None, None)),
     (('h200', 'deepseek', 1, 4096, 'auto', None, 'kv_len', 8),
-     ('xla', 'absorbed', ABSORBED(1, 4096), 'mosaic: page_size 8: the Mosaic GPU decode kernel takes a power of two >= 64; triton: page_size 8 must be a multiple of 16 (>= 16)', 'default', WIDE_576)),
+     ('xla', 'absorbed', ABSORBED(1, 4096) + WEIGHTED, LIMITS(1).split('; ')[0] + '; mosaic: page_size 8: the Mosaic GPU decode kernel takes a power of two >= 64', 'default', WIDE_576)),
     (('h200', 'deepseek', 1, 4096, 'auto', None, 'causal', None),
      ('mosaic', 'absorbed', ABSORBED(1, 4096), SPLIT_KV, None, None)),
     (('h200', 'deepseek', 1, 4096, 'auto', None, 'causal&kv_len', 64),
      ('mosaic', 'absorbed', ABSORBED(1, 4096), SPLIT_KV, None, None)),
     (('h200', 'deepseek', 2, 4096, 'auto', None, None, None),
-     ('xla', 'absorbed', ABSORBED(2, 4096), SLOWER(2), 'default', WIDE_576)),
+     ('mosaic', 'absorbed', ABSORBED(2, 4096), SPLIT_KV_2, None, None)),
     (('h200', 'deepseek', 2, 4096, 'auto', None, 'kv_len', 64),
-     ('xla', 'absorbed', ABSORBED(2, 4096), SLOWER(2), 'default', WIDE_576)),
+     ('mosaic', 'absorbed', ABSORBED(2, 4096), SPLIT_KV_2, None, None)),
     (('h200', 'deepseek', 16, 4096, 'auto', None, 'kv_len', None),
-     ('xla', 'absorbed', ABSORBED(16, 4096), SLOWER(16), 'default', WIDE_576)),
+     ('xla', 'absorbed', ABSORBED(16, 4096) + WEIGHTED, LIMITS(16), 'default', WIDE_576)),
     (('h200', 'deepseek', 64, 4096, 'auto', None, None, None),
-     ('xla', 'absorbed', ABSORBED(64, 4096), SLOWER(64), 'default', WIDE_576)),
+     ('xla', 'absorbed', ABSORBED(64, 4096) + WEIGHTED, LIMITS(64), 'default', WIDE_576)),
     (('h200', 'deepseek', 4096, 4096, 'auto', None, 'causal', None),
      ('xla', 'expanded', EXPANDED(4096, 4096), NOT_GPU, 'default', NARROW_192)),
     (('h200', 'deepseek', 4096, 4096, 'absorbed', None, None, None),
-     ('xla', 'absorbed', 'requested', SLOWER(4096), 'default', WIDE_576)),
+     ('xla', 'absorbed', 'requested', LIMITS(4096), 'default', WIDE_576)),
     (('h200', 'deepseek', 1, 4096, 'expanded', None, None, None),
      ('xla', 'expanded', 'requested', NOT_GPU, 'default', NARROW_192)),
     (('h200', 'deepseek', 1, 4096, 'absorbed', 'triton', None, None),
@@ -180,15 +182,15 @@ DISPATCH_TABLE = [
     (('h200', 'small', 1, 64, 'absorbed', 'triton', None, None),
      (ValueError, "implementation='triton': d_c 12 is not a multiple of 16")),
     (('h200', 'small', 1, 64, 'auto', None, None, None),
-     ('xla', 'absorbed', ABSORBED(1, 64), 'mosaic: dtype float32: the Mosaic GPU decode kernel takes bfloat16 and float16; triton: d_c 12 is not a multiple of 16', 'default', "attention's default at query/key head_dim 16, value head_dim 12")),
+     ('xla', 'absorbed', ABSORBED(1, 64) + WEIGHTED, 'triton: d_c 12 is not a multiple of 16; mosaic: dtype float32: the Mosaic GPU decode kernel takes bfloat16 and float16', 'default', "attention's default at query/key head_dim 16, value head_dim 12")),
     (('h200', 'small', 4, 64, 'auto', None, 'causal', None),
-     ('xla', 'absorbed', ABSORBED(4, 64), "mosaic: dtype float32: the Mosaic GPU decode kernel takes bfloat16 and float16; triton: mask predicates ('band',): the decode kernel takes KVLenMask only", 'default', "attention's default at query/key head_dim 16, value head_dim 12")),
+     ('xla', 'absorbed', ABSORBED(4, 64) + WEIGHTED, "triton: mask predicates ('band',): the decode kernel takes KVLenMask only; mosaic: dtype float32: the Mosaic GPU decode kernel takes bfloat16 and float16", 'default', "attention's default at query/key head_dim 16, value head_dim 12")),
     (('h200', 'equal', 4096, 4096, 'auto', None, None, None),
      ('xla', 'expanded', EXPANDED(4096, 4096), NOT_GPU, 'default', "attention's default")),
-    (('h200', 'equal', 1, 4096, 'auto', None, 'kv_len', 64),
-     ('mosaic', 'absorbed', ABSORBED(1, 4096), SPLIT_KV, None, None)),
+    (('h200', 'equal', 1, 4096, 'auto', None, 'kv_len', 64),   # 8 heads: 8 rows
+     ('triton', 'absorbed', ABSORBED(1, 4096), SPLIT_KV, None, None)),
     (('rocm', 'deepseek', 1, 4096, 'auto', None, None, None),
-     ('xla', 'absorbed', ABSORBED(1, 4096), NOT_GPU, 'default', WIDE_576)),
+     ('xla', 'absorbed', ABSORBED(1, 4096) + WEIGHTED, NOT_GPU, 'default', WIDE_576)),
     (('cpu', 'deepseek', 1, 4096, 'auto', None, None, None),
      ('xla', 'absorbed', ABSORBED(1, 4096), NOT_GPU, 'default', WIDE_576)),
     (('cpu', 'deepseek', 1, 4096, 'auto', None, 'kv_len', 64),
@@ -329,6 +331,19 @@ def test_default_dispatch_of_value_head_dim(monkeypatch):
   d = attention_dispatch.explain_dispatch((64, 1, 128, 576), (64, 4096, 1, 576), jnp.bfloat16,
                                           device=H200, env={}, v_head_dim=512)
   assert d.implementation == "xla", d
+
+
+def test_the_absorbed_form_counts_its_xla_attention_at_the_tuned_cost():
+  """On a GPU, an absorbed call that no MLA kernel takes attends at the latent widths on
+  attention's XLA path: ``absorbed_attention_cost`` (``tuning/gpu.json``) weights that work, so a
+  chunk of 160 queries over 11290 cached positions, about even in multiply-adds, expands there;
+  off the GPU the unweighted count keeps it absorbed."""
+  call = shapes(13, 160, 11290, h=64, dtype=jnp.float16)
+  d = explain_dispatch(*call, device=H200)
+  assert (d.implementation, d.get("form")) == ("xla", "expanded") and WEIGHTED in d.get("form_rule"), d
+  assert explain_dispatch(*call, device=CPU).get("form") == "absorbed"
+  assert explain_dispatch(*call, device=H200, implementation="xla").get("form") == "absorbed"   # a request: unweighted
+  assert explain_dispatch(*shapes(4, 1, 4096), device=H200).get("form_rule") == ABSORBED(1, 4096)   # a kernel takes it
 
 
 def test_decode_kernels_are_tried_in_the_tuned_order(tmp_path, monkeypatch):

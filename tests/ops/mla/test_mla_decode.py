@@ -83,7 +83,8 @@ def test_dispatch_and_refusals():
   assert explain_dispatch(*shapes(1, 4096), device=CPU).implementation == "xla"
   assert explain_dispatch(*shapes(1, 4096), device=A100, mask=CausalMask()).implementation == "xla"
   assert explain_dispatch(*shapes(4096, 4096), device=H200).implementation == "xla"
-  assert explain_dispatch(*shapes(2, 4096), device=H200).implementation == "xla"   # two queries: XLA is faster (measured)
+  assert explain_dispatch(*shapes(2, 4096), device=A100).implementation == "xla"   # 256 rows: beyond the Triton kernel's 128
+  assert explain_dispatch(*shapes(2, 4096), device=H200).implementation == "mosaic"  # ... and within the Mosaic kernel's 512
   with pytest.raises(ValueError, match="implementation"):
     explain_dispatch(*shapes(1, 4096), device=H200, implementation="triton", form="absorbed", mask=CausalMask())
   bad = (sds(1, 1, 4, 8), sds(1, 1, 4, 12), sds(1, 16, 64), sds(1, 16, 12), sds(64, 4, 8), sds(64, 4, 8))

@@ -180,7 +180,9 @@ def test_default_requested_and_listed():
   form asks for it, on sm_90 and in interpret mode off the GPU; it is listed where it runs."""
   assert explain_dispatch(*_shapes(), device=H200).implementation == "mosaic"
   assert explain_dispatch(*_shapes(), device=A100).implementation == "triton"
-  assert explain_dispatch(*_shapes(2), device=H200).implementation == "xla"
+  assert explain_dispatch(*_shapes(2), device=H200).implementation == "mosaic"   # 256 rows
+  assert explain_dispatch(*_shapes(5), device=H200).implementation == "xla"      # 5 queries: no kernel
+  assert explain_dispatch(*_shapes(4, heads=16), device=H200).implementation == "triton"   # 64 rows
   for name in ("mosaic", "mosaic_gpu"):
     d = explain_dispatch(*_shapes(), device=H200, implementation=name, form="absorbed")
     assert (d.implementation, d.rule, d.get("form")) == ("mosaic", "requested", "absorbed")

@@ -127,12 +127,15 @@ def plan(q_shape, kv_shape, dtype, *, mask: Mask | None, score_mod, split_kv,
     by_len = max(1, (hi - lo) // MIN_SPLIT_KEYS)
     by_device = math.ceil(config_lib.num_programs_target(device) / (q_shape[0] * kv_shape[2] * n_rows))
     cfg = dataclasses.replace(cfg, num_splits=max(1, min(by_len, by_device)))
-  if split_kv is None and cfg.num_splits < 2 and group_rows == q_shape[1]:
+  pow2 = d == q_shape[-1] and dv == (q_shape[-1] if v_head_dim is None else v_head_dim)
+  if split_kv is None and cfg.num_splits < 2 and group_rows == q_shape[1] and pow2:
     # One split and one head per K/V head: the regular forward's grid is as full and reads the
-    # same bytes (in place at any head_dim, as this kernel does). Under GQA the packed rows
-    # still read each K/V tile once per group where the regular forward reads it once per query
-    # head: at B56 H48/12 with 13 queries against 4722 keys (one split fills the device) that is
-    # 4x the cache's bytes.
+    # same bytes. Under GQA the packed rows still read each K/V tile once per group where the
+    # regular forward reads it once per query head: at B56 H48/12 with 13 queries against 4722
+    # keys (one split fills the device) that is 4x the cache's bytes. Nor at a head_dim that is
+    # not a power of two, where both kernels compute at the padded width and read in place, yet
+    # one split of this kernel was measured ahead: at B53 H40 D192 with 3 queries against 3187
+    # keys (docs/dev/decisions.md, "Decode at widths that are not a power of two").
     return None
   return config_lib.with_fast_exp2(cfg, device)
 
