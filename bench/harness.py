@@ -334,7 +334,7 @@ OWN_SCHEMA_KEYS = {"lm_step": ("section", "case", "impl"),
                    **{f"dispatch_{op}{part}": ("call_id", "impl")
                       for op in ("attention", "mla", "grouped_matmul", "mamba_scan", "ssd_scan",
                                  "residual_linear_attention")
-                      for part in ("_fit", "_validate", "_validate2")}}
+                      for part in ("_fit", "_validate", "_validate2", "_validate3")}}
 
 
 def key_function(path: str):

@@ -222,25 +222,30 @@ def dispatch_page_text(results_dir: str) -> str:
       sources = sorted({(r.get("command", "?"), str(r.get("commit", "?"))) for r in rows})
       parts += [f"## {op} · {', '.join(devices)}", "", body.strip(), "", "Measured with:", ""]
       parts += [f"- `{c}` at {k}" for c, k in sources] + [""]
-      val2 = os.path.join(dev_dir, f"dispatch_{op}_validate2.json")
-      if op != "attention" and val_rows and os.path.exists(val2):
-        parts += second_validation(op, devices, fit_rows + val_rows, dispatch_ops.load_rows(val2, spec))
+      earlier = fit_rows + (val_rows or [])
+      for n, word in ((2, "second"), (3, "third")):
+        later = os.path.join(dev_dir, f"dispatch_{op}_validate{n}.json")
+        if op == "attention" or not val_rows or not os.path.exists(later):
+          break
+        rows_n = dispatch_ops.load_rows(later, spec)
+        parts += later_validation(op, devices, word, earlier, rows_n)
+        earlier = earlier + rows_n
   if not found:
     parts.append("_Not measured yet._")
   return "\n".join(parts).rstrip() + "\n"
 
 
-def second_validation(op: str, devices: list[str], refit_rows: list[dict], rows: list[dict]) -> list[str]:
-  """The page's lines for ``dispatch_<op>_validate2.json``: a sample drawn after the rules were
-  refitted on the fit and first validation samples (``refit_rows``), reported against them."""
+def later_validation(op: str, devices: list[str], word: str, refit_rows: list[dict], rows: list[dict]) -> list[str]:
+  """The page's lines for ``dispatch_<op>_validate<n>.json``: a sample drawn after the rules were
+  refitted on every earlier sample (``refit_rows``), reported against them."""
   from bench import dispatch_ops
   spec = dispatch_ops.SPECS[op]
   text = dispatch_ops.markdown(spec, dispatch_ops.build_report(spec, refit_rows, rows))
   body = "\n".join("###" + l if l.startswith("#") else l for l in text.split("\n", 1)[1].splitlines())
   sources = sorted({(r.get("command", "?"), str(r.get("commit", "?"))) for r in rows})
-  lines = [f"### {op} · {', '.join(devices)} · second validation", "",
-           "Drawn after the rules were refitted on the fit and first validation samples (the \"fit\" "
-           "columns below are those two samples together, with the default they were measured with).", "",
+  lines = [f"### {op} · {', '.join(devices)} · {word} validation", "",
+           "Drawn after the rules were refitted on every earlier sample (the \"fit\" columns below are "
+           "those samples together, each with the default it was measured with).", "",
            body.strip(), "", "Measured with:", ""]
   return lines + [f"- `{c}` at {k}" for c, k in sources] + [""]
 
