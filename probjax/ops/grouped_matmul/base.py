@@ -1,5 +1,5 @@
 """What every grouped-matmul backend shares: the two products it implements and the exact
-custom VJP built from them.
+custom VJP built from them (a differentiated call may run another backend's: ``grad``).
 
 A backend implements the forward product :meth:`GroupedMatmulBackend.gmm` (either rhs layout)
 and the weight-gradient product :meth:`GroupedMatmulBackend.tgmm`, whose contracting axis is
@@ -39,20 +39,24 @@ class GroupedMatmulBackend(Backend[GroupedMatmulCall]):
     """``[num_groups, p, q]`` in ``call.dtype``: ``a[rows of g]^T @ b[rows of g]`` for
     ``a [m, p]``, ``b [m, q]``; zero for empty groups and rows past the groups ignored."""
 
-  def __call__(self, lhs, rhs, group_sizes, *, call: GroupedMatmulCall):
-    return _grouped_matmul(self, call, lhs, rhs, group_sizes)
+  def __call__(self, lhs, rhs, group_sizes, *, call: GroupedMatmulCall, grad: "GroupedMatmulBackend | None" = None):
+    """The product on this backend; differentiated, ``grad`` (default: this backend) computes
+    the forward with its residuals and the backward products."""
+    return _grouped_matmul(self, grad or self, call, lhs, rhs, group_sizes)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _grouped_matmul(backend, call, lhs, rhs, group_sizes):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _grouped_matmul(backend, grad_backend, call, lhs, rhs, group_sizes):
+  del grad_backend
   return backend.gmm(lhs, rhs, group_sizes, call=call)
 
 
-def _fwd(backend, call, lhs, rhs, group_sizes):
-  return backend.gmm(lhs, rhs, group_sizes, call=call), (lhs, rhs, group_sizes)
+def _fwd(backend, grad_backend, call, lhs, rhs, group_sizes):
+  del backend
+  return grad_backend.gmm(lhs, rhs, group_sizes, call=call), (lhs, rhs, group_sizes)
 
 
-def _bwd(backend, call, res, d_out):
+def _bwd(_, backend, call, res, d_out):
   lhs, rhs, group_sizes = res
   d_out = d_out.astype(call.dtype)
   d_lhs = backend.gmm(d_out, rhs, group_sizes, call=call.d_lhs_call())

@@ -2,25 +2,22 @@
 each decision with its reason (tests ask them of fake devices on CPU).
 
 Every decision is the shared :class:`probjax.core.dispatch.Decision` (implementation and
-rule; the grouped matmul's backends take no config). Default (``implementation=None``):
+rule, and ``grad``, what a differentiated call runs, where that differs; the grouped matmul's
+backends take no config). Default (``implementation=None``):
 
 1. interpret mode: the Triton kernel, emulated (the kernels' CPU test path);
 2. off the GPU: XLA (row tiles, each times its group's matrix), the only backend there;
 3. a device whose table sets ``wgmma_default`` (``tuning/sm_90.json``) and a call the Mosaic
-   GPU kernels compute (16-bit operands, K and N multiples of 64): Mosaic GPU, the wgmma kernels
-   (the spec's H100 page: the fastest sorted MoE dispatch);
+   GPU kernels compute (16-bit operands, K and N multiples of 64): the Triton kernel, and
+   differentiated from the table's ``wgmma_grad_from`` sizes (K and M) the Mosaic GPU wgmma
+   kernels for the forward and both backward products (:func:`sm90_default`);
 4. any other GPU call: the Triton kernel (it computes every float call but float64);
 5. else XLA.
 
-An explicit ``implementation`` that cannot compute the call raises ValueError with the reason.
-Rule 3 is :func:`wgmma_default`, which the MoE expert block's dispatch
-(:mod:`probjax.ops.grouped_matmul.moe_dispatch`) asks of each of its products: the sm_90 rule
-is written here only, its device table read by :mod:`probjax.core.tuning`.
-
-The GPU rules (3, 4) are not yet measured for these kernels: they follow the spec's H100 page
-(the sorted dispatch on wgmma ragged-dot kernels is the fastest MoE train step) and the H200
-peer anchors (``jax.lax.ragged_dot`` about ten times slower than a Mosaic ragged dot per
-train step, and out of memory at 131,072 tokens); ``bench/moe.py`` measures them.
+An explicit ``implementation`` that cannot compute the call raises ValueError with the reason
+(and runs the call differentiated too). The MoE expert block's dispatch
+(:mod:`probjax.ops.grouped_matmul.moe_dispatch`) asks :func:`wgmma_default` of each of its
+products: on sm_90 it runs the whole sorted block on the wgmma kernels.
 """
 
 from __future__ import annotations
@@ -33,19 +30,42 @@ from probjax.core.dispatch import REQUESTED, Decision
 from probjax.ops.grouped_matmul.call import GroupedMatmulCall
 from probjax.ops.grouped_matmul.registry import REGISTRY
 
-__all__ = ["Decision", "decide", "wgmma_default"]
+__all__ = ["Decision", "decide", "sm90_default", "wgmma_default"]
 
 # The devices whose default is the wgmma kernels: ``{"wgmma_default": true}`` in their table
-# (sm_90 only; the reason is rule 3's in the module's docstring).
+# (sm_90 only; the reason is rule 3's in the module's docstring). "wgmma_grad_from":
+# ``{"k": K, "m": M}``, the sizes from which a plain differentiated call runs the wgmma
+# kernels; below them, and undifferentiated, the Triton kernel. E.g. on an H100 the Triton
+# kernel was ahead on 12 of 14 forward calls drawn at random (by up to 1.4x at K 256-8192) and
+# on differentiated calls up to K 5120, and the wgmma kernels ahead on differentiated calls
+# of K 7168 or more over 3525 rows or more (1.13-1.19x), where the weight gradient, K x N per
+# group over all M rows, dominates (docs/dev/decisions.md, "The grouped matmul on sm_90").
 TUNING = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuning")
 
 
 def wgmma_default(call: GroupedMatmulCall, device: Device) -> bool:
-  """Rule 3, the one sm_90 rule (the MoE dispatch asks it too, of each of its products): on a
-  device whose table sets ``wgmma_default`` (sm_90) the default is the Mosaic GPU wgmma kernels
-  for every call they compute; never in interpret mode (no device kind)."""
+  """Whether ``call`` is one the wgmma kernels compute on a device whose table sets
+  ``wgmma_default`` (sm_90); never in interpret mode (no device kind). The MoE dispatch asks it
+  of each of its products; a plain call asks :func:`sm90_default` which of the two kernels."""
   return (not device.interpret and tuning.values(TUNING, device).get("wgmma_default", False)
           and REGISTRY.get("mosaic").supports(call, device) is None)
+
+
+def sm90_default(call: GroupedMatmulCall, device: Device) -> Decision:
+  """Rule 3: the Triton kernel, differentiated the wgmma kernels from ``wgmma_grad_from``'s
+  sizes; the wgmma kernels throughout where the Triton kernel cannot take the call or the table
+  has no ``wgmma_grad_from``."""
+  wgmma = f"{device.kind}, 16-bit operands, K and N multiples of 64: the wgmma kernels"
+  grad_from = tuning.values(TUNING, device).get("wgmma_grad_from")
+  if grad_from is None or (why := REGISTRY.get("triton").supports(call, device)) is not None:
+    return Decision("mosaic", wgmma)
+  k, m = grad_from["k"], grad_from["m"]
+  if call.k >= k and call.m >= m:
+    return Decision("triton", f"{device.kind}: the Triton kernel, ahead of the wgmma kernels on the forward product",
+                    grad=Decision("mosaic", f"{wgmma}, forward and backward: differentiated at K {call.k} >= {k} "
+                                            f"over M {call.m} >= {m} rows, where the weight gradient dominates"))
+  return Decision("triton", f"{device.kind}: the Triton kernel, ahead of the wgmma kernels on the forward product "
+                            f"and, differentiated, below K {k} or M {m}")
 
 
 def decide(call: GroupedMatmulCall, device: Device, implementation: str | None = None) -> Decision:
@@ -62,7 +82,7 @@ def decide(call: GroupedMatmulCall, device: Device, implementation: str | None =
   if device.platform != "gpu":
     return Decision("xla", f"{device.platform}: XLA (row tiles by group), the only backend off the GPU")
   if wgmma_default(call, device):
-    return Decision("mosaic", f"{device.kind}, 16-bit operands, K and N multiples of 64: the wgmma kernels")
+    return sm90_default(call, device)
   why = REGISTRY.get("triton").supports(call, device)
   if why is None:
     return Decision("triton", f"{device.kind}: the Triton kernel"

@@ -59,13 +59,16 @@ def grouped_matmul(lhs, rhs, group_sizes, *, implementation: str | None = None, 
   lhs, rhs = jnp.asarray(lhs, call.dtype), jnp.asarray(rhs, call.dtype)
   if call.empty:
     return jnp.zeros((call.m, call.n), call.out_dtype)
-  return _run(decision.implementation, call, device, lhs, rhs, jnp.asarray(group_sizes))
+  grad = decision.under_grad.implementation
+  return _run(decision.implementation, grad, call, device, lhs, rhs, jnp.asarray(group_sizes))
 
 
 @compile_once
-def _run(implementation: str, call: GroupedMatmulCall, device: Device, lhs, rhs, group_sizes):
-  """The chosen backend's product of the validated call: eager calls compile it once per call
-  description (:func:`probjax.core.eager.compile_once`; ``device`` is part of the description,
-  the kernels fit their tiles to it)."""
+def _run(implementation: str, grad: str, call: GroupedMatmulCall, device: Device, lhs, rhs, group_sizes):
+  """The chosen backend's product of the validated call (differentiated: ``grad``'s forward and
+  backward): eager calls compile it once per call description
+  (:func:`probjax.core.eager.compile_once`; ``device`` is part of the description, the kernels
+  fit their tiles to it)."""
   del device
-  return REGISTRY.get(implementation)(lhs, rhs, clamp_group_sizes(group_sizes, call.m), call=call)
+  return REGISTRY.get(implementation)(lhs, rhs, clamp_group_sizes(group_sizes, call.m), call=call,
+                                      grad=REGISTRY.get(grad))

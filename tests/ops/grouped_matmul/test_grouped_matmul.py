@@ -22,6 +22,7 @@ from probjax.core.device import Device
 from probjax.core.dispatch import Decision
 from probjax.ops.grouped_matmul import REGISTRY, explain_dispatch, grouped_matmul
 from probjax.ops.grouped_matmul.tiles import num_row_tiles, tile_table
+from probjax.core.tolerances import max_error, tolerance
 from probjax.testing import float32_is_tf32, interpret_kernels
 from tests.ops.grouped_matmul.conformance import GroupedMatmulConformance, inputs
 
@@ -119,8 +120,8 @@ def test_registry():
 @pytest.mark.parametrize("device, dtype, k, n, expected", [
     (CPU, jnp.bfloat16, 512, 256, "xla"),
     (Device.interpreter(), jnp.float32, 512, 256, "triton"),
-    (H200, jnp.bfloat16, 512, 256, "mosaic"),
-    (H200, jnp.float16, 128, 512, "mosaic"),
+    (H200, jnp.bfloat16, 512, 256, "triton"),   # forward and small differentiated calls: Triton
+    (H200, jnp.float16, 128, 512, "triton"),
     (H200, jnp.float32, 512, 256, "triton"),
     (H200, jnp.bfloat16, 520, 256, "triton"),
     (RTX3090, jnp.bfloat16, 512, 256, "triton"),
@@ -130,6 +131,56 @@ def test_default_dispatch(device, dtype, k, n, expected):
   d = explain_dispatch(S((1000, k), dtype), S((8, k, n), dtype), device=device)
   assert d.implementation == expected, d
   assert d.rule
+
+
+def test_sm90_differentiated_calls_from_the_tuned_sizes_run_the_wgmma_kernels():
+  """``tuning/sm_90.json`` "wgmma_grad_from": a differentiated call of K >= 7168 over M >= 2048
+  rows runs the wgmma kernels (``grad``); below either size, and undifferentiated, the Triton
+  kernel; the Triton kernel cannot take float64 but neither can Mosaic, and a call Mosaic cannot
+  compute stays on Triton throughout."""
+  big = explain_dispatch(S((4096, 7168), jnp.bfloat16), S((8, 7168, 2048), jnp.bfloat16), device=H200)
+  assert big.implementation == "triton" and big.grad.implementation == "mosaic", big
+  assert "K 7168 >= 7168 over M 4096 >= 2048" in big.grad.rule
+  for m, k in ((1000, 7168), (4096, 5120)):
+    d = explain_dispatch(S((m, k), jnp.bfloat16), S((8, k, 2048), jnp.bfloat16), device=H200)
+    assert d.implementation == "triton" and d.grad is None, d
+  d = explain_dispatch(S((4096, 7168), jnp.bfloat16), S((8, 7168, 2048), jnp.bfloat16), device=RTX3090)
+  assert d.implementation == "triton" and d.grad is None, d
+
+
+class _Spy:
+  """A backend that records which product it computed and delegates to XLA's."""
+
+  def __init__(self, name):
+    self.name, self.calls, self.xla = name, [], REGISTRY.get("xla")
+
+  def gmm(self, *a, **kw):
+    self.calls.append("gmm")
+    return self.xla.gmm(*a, **kw)
+
+  def tgmm(self, *a, **kw):
+    self.calls.append("tgmm")
+    return self.xla.tgmm(*a, **kw)
+
+
+def test_a_differentiated_call_runs_the_grad_backend_throughout():
+  """``backend(..., grad=other)``: undifferentiated, ``backend``'s forward product; under
+  ``jax.grad``, ``other``'s forward (with the residuals) and both backward products, exact."""
+  from probjax.ops.grouped_matmul.base import GroupedMatmulBackend
+  from probjax.ops.grouped_matmul.call import make_call
+  from probjax.ops.grouped_matmul.reference import reference, reference_vjp
+  lhs, rhs, gs, d_out = inputs(13, 8, 6, [5, 0, 6], jnp.float32, seed=3)
+  call = make_call(lhs, rhs, gs)
+  primal, grad = _Spy("primal"), _Spy("grad")
+  run = lambda a, b: GroupedMatmulBackend.__call__(primal, a, b, gs, call=call, grad=grad)
+  assert max_error(run(lhs, rhs), reference(lhs, rhs, gs)) <= tolerance(jnp.float32)
+  assert (primal.calls, grad.calls) == (["gmm"], [])
+  out, vjp = jax.vjp(run, lhs, rhs)
+  d_lhs, d_rhs = vjp(d_out)
+  w_lhs, w_rhs = reference_vjp(lhs, rhs, gs, d_out)
+  assert max_error(d_lhs, w_lhs) <= tolerance(jnp.float32, grad=True)
+  assert max_error(d_rhs, w_rhs) <= tolerance(jnp.float32, grad=True)
+  assert primal.calls == ["gmm"] and grad.calls == ["gmm", "gmm", "tgmm"], (primal.calls, grad.calls)
 
 
 @pytest.mark.parametrize("impl, device, match", [
@@ -160,7 +211,7 @@ RECORDED = {
     'None interpret bf16 520x256': ('triton', 'interpret mode: the Triton kernel, emulated'),
     'None interpret f32 512x256': ('triton', 'interpret mode: the Triton kernel, emulated'),
     'None interpret f32 520x256': ('triton', 'interpret mode: the Triton kernel, emulated'),
-    'None h200 bf16 512x256': ('mosaic', 'sm_90, 16-bit operands, K and N multiples of 64: the wgmma kernels'),
+    'None h200 bf16 512x256': ('triton', 'sm_90: the Triton kernel, ahead of the wgmma kernels on the forward product and, differentiated, below K 7168 or M 2048'),
     'None h200 bf16 520x256': ('triton', "sm_90: the Triton kernel (Mosaic GPU: K = 520, N = 256: both must be multiples of 64 (the TMA copies' 128-byte swizzle tile))"),
     'None h200 f32 512x256': ('triton', 'sm_90: the Triton kernel (Mosaic GPU: float32 operands: the wgmma kernels take bfloat16 or float16)'),
     'None h200 f32 520x256': ('triton', 'sm_90: the Triton kernel (Mosaic GPU: float32 operands: the wgmma kernels take bfloat16 or float16)'),
