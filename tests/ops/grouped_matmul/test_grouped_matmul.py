@@ -21,6 +21,7 @@ import pytest
 from probjax.core.device import Device
 from probjax.core.dispatch import Decision
 from probjax.ops.grouped_matmul import REGISTRY, explain_dispatch, grouped_matmul
+from probjax.ops.grouped_matmul.reference import reference, reference_vjp
 from probjax.ops.grouped_matmul.tiles import num_row_tiles, tile_table
 from probjax.core.tolerances import max_error, tolerance
 from probjax.testing import float32_is_tf32, interpret_kernels
@@ -168,7 +169,6 @@ def test_a_differentiated_call_runs_the_grad_backend_throughout():
   ``jax.grad``, ``other``'s forward (with the residuals) and both backward products, exact."""
   from probjax.ops.grouped_matmul.base import GroupedMatmulBackend
   from probjax.ops.grouped_matmul.call import make_call
-  from probjax.ops.grouped_matmul.reference import reference, reference_vjp
   lhs, rhs, gs, d_out = inputs(13, 8, 6, [5, 0, 6], jnp.float32, seed=3)
   call = make_call(lhs, rhs, gs)
   primal, grad = _Spy("primal"), _Spy("grad")
@@ -327,3 +327,21 @@ def test_the_face():
   assert op.Decision is dispatch.Decision is Decision
   assert str(explain_dispatch(S((6, 4), jnp.float32), S((2, 4, 3), jnp.float32), device=CPU)) == (
       "xla (cpu: XLA (row tiles by group), the only backend off the GPU)")
+
+
+@pytest.mark.gpu
+def test_gpu_default_pairs_triton_and_wgmma_exactly():
+  """On the device, the default of a call whose decision pairs the Triton forward with the
+  wgmma kernels under ``jax.grad`` (sm_90: K 7168 over 2048 rows; elsewhere the Triton kernel
+  throughout): values and both gradients against the float64 reference, with an empty group."""
+  sizes = [700, 0, 900, 400, 48]   # 2048 rows
+  lhs, rhs, gs, d_out = inputs(2048, 7168, 256, sizes, jnp.bfloat16, seed=11)
+  d = explain_dispatch(lhs, rhs, gs)
+  assert d.implementation == "triton", d
+  out, vjp = jax.vjp(lambda a, b: grouped_matmul(a, b, gs), lhs, rhs)
+  d_lhs, d_rhs = vjp(d_out)
+  w_lhs, w_rhs = reference_vjp(lhs, rhs, sizes, d_out)
+  assert max_error(out, reference(lhs, rhs, sizes)) <= tolerance(jnp.bfloat16)
+  assert max_error(d_lhs, w_lhs) <= tolerance(jnp.bfloat16, grad=True)
+  assert max_error(d_rhs, w_rhs) <= tolerance(jnp.bfloat16, grad=True)
+  assert not np.any(np.asarray(d_rhs[1], np.float32))   # the empty group's gradient: exactly zero

@@ -68,3 +68,14 @@ def test_moe_train_step_lowers(sm90, dispatch, kernel, count):
 
   calls = _calls(jax.value_and_grad(loss, argnums=(0, 1)), state, S((2, 64, 512), jnp.bfloat16))
   assert calls.count(kernel) == count and set(calls) <= {kernel}, calls
+
+
+@pytest.mark.parametrize("m, k, kernels", [(2048, 7168, [MOSAIC] * 3), (1000, 7168, [TRITON] * 3)])
+def test_default_lowers_the_decisions_kernels(sm90, m, k, kernels):
+  """sm_90's default (``tuning/sm_90.json``): undifferentiated, the Triton kernel; under
+  ``jax.grad`` from K 7168 over 2048 rows, the wgmma kernels for the forward and both backward
+  products, below that the Triton kernel's three."""
+  lhs, rhs, sizes = S((m, k), jnp.bfloat16), S((8, k, 256), jnp.bfloat16), S((8,), jnp.int32)
+  assert _calls(grouped_matmul, lhs, rhs, sizes) == [TRITON]
+  loss = lambda a, b, g: jnp.sum(grouped_matmul(a, b, g).astype(jnp.float32))
+  assert _calls(jax.value_and_grad(loss, argnums=(0, 1)), lhs, rhs, sizes) == kernels
