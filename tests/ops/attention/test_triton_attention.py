@@ -570,6 +570,20 @@ def test_gpu_split_kv_device_full_gqa():
   assert max_error(out, reference_attention(q, k, v)) <= tolerance(jnp.bfloat16)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [80, 192])
+def test_gpu_split_kv_one_split_at_widths_not_a_power_of_two(d):
+  """A few-query decode without GQA at a head_dim that is not a power of two: the automatic plan
+  keeps one split of the split-KV kernel (reading the cache in place), exact."""
+  from probjax.ops.attention.backends.triton import decode
+  b, tq, h, tk = 16, 3, 40, 3187
+  assert decode.plan((b, tq, h, d), (b, tk, h, d), jnp.float16, mask=None, score_mod=None,
+                     split_kv=None, device="sm_90").num_splits == 1
+  q, k, v, _ = _inputs(d, b, tq, tk, h, h, d, jnp.float16)
+  out = pt.attention(q, k, v)
+  assert max_error(out, reference_attention(q, k, v)) <= tolerance(jnp.float16)
+
+
 def test_longest_programs_first():
   from probjax.ops.attention.backends.triton.tiles import TileMask, longest_first
   tm = lambda lower, upper: TileMask(M.band(lower, upper), 64, 64, True, False, False, False)
