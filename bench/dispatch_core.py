@@ -377,11 +377,18 @@ def default_name(impl: str) -> str:
   return "default" if impl in ("default", "probjax_default") else impl.removeprefix("probjax_")
 
 
+# The default under ``probjax.autotune()`` (a path of its own where a run measures it: not an
+# exact path of the rules, so never the best; its ratio to the best is reported beside the
+# default's).
+AUTOTUNED = "autotuned"
+
+
 def calls_of(rows: Iterable[dict], suite: str, fields: tuple[str, ...], group: Callable[[dict], str]) -> list[dict]:
   """One record per call of ``suite``: ``fields`` of its rows, ``ms`` ({path: ms} of the rows
-  that ran; "default" for the default), ``status`` ({path: status}), ``default_ms``,
-  ``best_impl``/``best_ms`` (the fastest exact path) and ``ratio`` (default / best; None where
-  either did not run), ``default_pick`` (what the default ran: under grad ``default_grad_impl``)
+  that ran; "default" for the default, :data:`AUTOTUNED` for it autotuned), ``status`` ({path:
+  status}), ``default_ms``, ``best_impl``/``best_ms`` (the fastest exact path), ``ratio``
+  (default / best; None where either did not run), ``autotuned_ratio`` (the autotuned default /
+  best, where measured), ``default_pick`` (what the default ran: under grad ``default_grad_impl``)
   and ``pick_ratio`` (the default against that path requested), ``decision_ratio`` (that path
   requested against the best: whether the decision was right, free of the run-to-run spread
   between the default's row and the same kernel's), ``group`` (``group(record)``).
@@ -401,11 +408,13 @@ def calls_of(rows: Iterable[dict], suite: str, fields: tuple[str, ...], group: C
       rec["ms"][name] = float(r["ms"])
   out = []
   for rec in by_call.values():
-    exact = {k: v for k, v in rec["ms"].items() if k != "default"}
+    exact = {k: v for k, v in rec["ms"].items() if k not in ("default", AUTOTUNED)}
     rec["default_ms"] = rec["ms"].get("default")
+    tuned = rec["ms"].get(AUTOTUNED)
     rec["best_impl"] = min(exact, key=exact.get) if exact else None
     rec["best_ms"] = exact[rec["best_impl"]] if exact else None
     rec["ratio"] = (rec["default_ms"] / rec["best_ms"]) if rec["default_ms"] and rec["best_ms"] else None
+    rec["autotuned_ratio"] = tuned / rec["best_ms"] if tuned and rec["best_ms"] else None
     rec["default_pick"] = (rec.get("default_grad_impl") if rec.get("mode") == "fwd_bwd" else None) or rec.get("default_impl")
     same = rec["ms"].get(rec["default_pick"] or "")
     rec["pick_ratio"] = rec["default_ms"] / same if rec["default_ms"] and same else None
@@ -447,6 +456,7 @@ def summarize_calls(calls: list[dict], miss: float = MISS, describe: Callable[[d
           "pick_spread_p50": percentile(picks, 50) if picks else None,
           "pick_spread_p90": percentile(picks, 90) if picks else None,
           "misses": sum(r > miss for r in ratios),
+          **_autotuned_summary([c.get("autotuned_ratio") for c in calls if c.get("autotuned_ratio")], miss),
           "decision_geomean": geomean(decided), "decision_worst": max(decided) if decided else None,
           "decision_misses": sum(r > miss for r in decided),
           "miss_share": (sum(r > miss for r in ratios) / len(cmp)) if cmp else None,
@@ -457,6 +467,15 @@ def summarize_calls(calls: list[dict], miss: float = MISS, describe: Callable[[d
           "default_ms_sum": sum(c["default_ms"] for c in cmp), "best_ms_sum": sum(c["best_ms"] for c in cmp),
           "default_failed": [c["call_id"] for c in calls if c["default_ms"] is None and c["best_ms"] is not None],
           "best_impl_counts": count("best_impl"), "default_impl_counts": count("default_pick")}
+
+
+def _autotuned_summary(ratios: list[float], miss: float) -> dict:
+  """The autotuned default's ratios to the best: compared, geometric mean, worst, misses (empty
+  where no run measured it)."""
+  if not ratios:
+    return {}
+  return {"autotuned_compared": len(ratios), "autotuned_geomean": geomean(ratios),
+          "autotuned_worst": max(ratios), "autotuned_misses": sum(r > miss for r in ratios)}
 
 
 def group_calls(calls: list[dict], miss: float = MISS, describe: Callable[[dict], str] = lambda c: c["call_id"]) -> dict:
@@ -530,6 +549,12 @@ def markdown(report: dict, describe: Callable[[dict], str], title: str, groups_b
                  f"({w.get('default_impl', '-')} vs {w.get('best_impl', '-')}) | "
                  f"{_f(m['pick_spread_p50'])}/{_f(m['pick_spread_p90'])} | "
                  f"{_f(m['decision_geomean'])}, {_f(m['decision_worst'], '.2f')}, {m['decision_misses']} |")
+  tuned = [(name, s["summary"]) for name, s in report["samples"].items() if s["summary"].get("autotuned_compared")]
+  if tuned:
+    lines += ["", "Under `probjax.autotune()` (the default measured on first use, then cached):", "",
+              "| sample | compared | geomean autotuned/best | worst | misses |", "|---|---|---|---|---|"]
+    lines += [f"| {name} | {m['autotuned_compared']} | {_f(m['autotuned_geomean'])} | "
+              f"{_f(m['autotuned_worst'], '.2f')} | {m['autotuned_misses']} |" for name, m in tuned]
   for name, s in report["samples"].items():
     lines += ["", f"## {name}: by {groups_by}", "",
               "| group | compared | misses | geomean | worst | default picks | best |", "|---|---|---|---|---|---|---|"]

@@ -6,7 +6,7 @@ distribution below, times the default and every implementation that accepts each
 process on the same inputs, and reports where the default misses the fastest exact path:
 
   python -m bench.dispatch_sample sample --seed S --n N            # the calls, one JSON line each
-  python -m bench.dispatch_sample run --seed S --n N --out PATH [--budget-s SECONDS] [--compile-workers W]
+  python -m bench.dispatch_sample run --seed S --n N --out PATH [--budget-s SECONDS] [--compile-workers W] [--autotune-cache C.json]
   python -m bench.dispatch_sample draw-seed --fit FIT.json --out SEED.json
   python -m bench.dispatch_sample report --fit FIT.json [--validate VAL.json] [--out PREFIX]
 
@@ -65,6 +65,7 @@ import dataclasses
 import json
 import os
 import sys
+import threading
 import time
 from typing import Callable, Iterable
 
@@ -100,7 +101,8 @@ FWD_BWD_BYTES = 3.0   # the backward reads q, k, v, o, dO and writes dq, dk, dv
 # --- the runner ------------------------------------------------------------------------------
 EXACT_IMPLS = ("xla", "triton", "cudnn", "mosaic")  # implementation= names
 DEFAULT = "probjax_default"
-ROW_IMPL = {None: DEFAULT, **{n: f"probjax_{n}" for n in EXACT_IMPLS}}  # bench.impls' names
+ROW_IMPL = {None: DEFAULT, **{n: f"probjax_{n}" for n in EXACT_IMPLS},  # bench.impls' names
+            core.AUTOTUNED: f"probjax_{core.AUTOTUNED}"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -326,16 +328,36 @@ class AttentionSpec:
   """Attention as :func:`bench.dispatch_core.run_calls` measures it (the spec's methods: that
   module's docstring): ``dot_product_attention`` with the call's mask and ``implementation=``
   None (the default) or each of :data:`EXACT_IMPLS`; rows of ``bench.harness.make_row``'s schema
-  plus :func:`row_extra`."""
+  plus :func:`row_extra`.
+
+  With ``autotune_cache`` (a JSON path) each call also gets the path
+  :data:`bench.dispatch_core.AUTOTUNED`: the default traced under
+  ``probjax.autotune(cache_path=autotune_cache)``, which measures the call's exact candidates
+  on its first trace and runs the fastest (rows ``probjax_autotuned``). Its tracing holds a lock,
+  so that two compile threads never time candidates on the device at once."""
   suite = SUITE
 
+  def __init__(self, autotune_cache: str | None = None):
+    self.autotune_cache = autotune_cache
+    self._tuning = threading.Lock()
+
   def plan(self, c: SampledCall, device) -> dict:
-    return plan_call(c, device)
+    plan = plan_call(c, device)
+    if self.autotune_cache is not None:
+      plan[core.AUTOTUNED] = plan[None]
+    return plan
 
   def function(self, c: SampledCall, impl: str | None):
     from probjax.ops.attention import dot_product_attention
     mask = make_mask(c)
-    return (lambda q, k, v: dot_product_attention(q, k, v, mask=mask, implementation=impl)), (0, 1, 2)
+    if impl != core.AUTOTUNED:
+      return (lambda q, k, v: dot_product_attention(q, k, v, mask=mask, implementation=impl)), (0, 1, 2)
+    import probjax
+
+    def tuned(q, k, v):
+      with self._tuning, probjax.autotune(cache_path=self.autotune_cache):
+        return dot_product_attention(q, k, v, mask=mask)
+    return tuned, (0, 1, 2)
 
   def avals(self, c: SampledCall):
     import jax
@@ -373,13 +395,16 @@ ATTENTION = AttentionSpec()
 def run_sample(calls: list[SampledCall], out: str, *, measure=None, device=None, rounds: int = 3,
                budget_s: float | None = None, clock: Callable[[], float] = time.monotonic,
                log: Callable[[str], None] | None = None, timing_kw: dict | None = None,
-               start: float | None = None, workers: int = core.DEFAULT_WORKERS, batch_calls: int | None = None) -> dict:
+               start: float | None = None, workers: int = core.DEFAULT_WORKERS, batch_calls: int | None = None,
+               autotune_cache: str | None = None) -> dict:
   """:func:`bench.dispatch_core.run_calls` of attention's calls: each call's default and every
-  exact implementation that accepts it, compiled ``workers`` at a time in batches of
-  ``batch_calls`` calls, then timed alone in ``rounds`` rotating rounds (``measure``: by default
+  exact implementation that accepts it (and, with ``autotune_cache``, the default autotuned:
+  :class:`AttentionSpec`), compiled ``workers`` at a time in batches of ``batch_calls`` calls,
+  then timed alone in ``rounds`` rotating rounds (``measure``: by default
   :class:`bench.dispatch_core.JaxMeasure` with ``timing_kw``; tests inject a fake). Rows already
   in ``out`` are skipped; no batch is started past ``budget_s``. Returns counts."""
-  return core.run_calls(ATTENTION, calls, out, measure=measure or core.JaxMeasure(timing_kw), device=device,
+  spec = ATTENTION if autotune_cache is None else AttentionSpec(autotune_cache)
+  return core.run_calls(spec, calls, out, measure=measure or core.JaxMeasure(timing_kw), device=device,
                         rounds=rounds, budget_s=budget_s, clock=clock, log=log, workers=workers,
                         batch_calls=batch_calls, start=start)
 
@@ -447,6 +472,10 @@ def main(argv=None, *, measure=None, clock: Callable[[], float] = time.monotonic
   for name in ("sample", "run"):
     core.add_sample_args(sub.add_parser(name), FIT_SEED)
   core.add_run_args(sub.choices["run"])
+  sub.choices["run"].add_argument(
+      "--autotune-cache", default=None,
+      help="also time each call's default under probjax.autotune(cache_path=THIS) (rows probjax_autotuned); "
+           "a fresh path measures every call's candidates once, an existing one reuses its entries")
   d = sub.add_parser("draw-seed", help="draw the validation seed after the fit, and record it")
   d.add_argument("--fit", required=True, nargs="+", help="the fit sample's rows, which the seed follows")
   d.add_argument("--out", required=True)
@@ -469,7 +498,7 @@ def main(argv=None, *, measure=None, clock: Callable[[], float] = time.monotonic
       harness.setup_environment(args)
     stats = run_sample(calls, args.out, measure=measure, device=device, rounds=args.rounds, budget_s=args.budget_s,
                        clock=clock, timing_kw=core.timing_kwargs(args), start=start, workers=args.compile_workers,
-                       batch_calls=args.batch_calls)
+                       batch_calls=args.batch_calls, autotune_cache=args.autotune_cache)
     print(json.dumps(stats))
     return 0
   if args.cmd == "draw-seed":

@@ -225,9 +225,10 @@ def dispatch_page_text(results_dir: str) -> str:
       earlier = fit_rows + (val_rows or [])
       for n, word in ((2, "second"), (3, "third")):
         later = os.path.join(dev_dir, f"dispatch_{op}_validate{n}.json")
-        if op == "attention" or not val_rows or not os.path.exists(later):
+        if not val_rows or not os.path.exists(later):
           break
-        rows_n = dispatch_ops.load_rows(later, spec)
+        rows_n = (dispatch_sample.load_rows(later) if op == "attention"
+                  else dispatch_ops.load_rows(later, dispatch_ops.SPECS[op]))
         parts += later_validation(op, devices, word, earlier, rows_n)
         earlier = earlier + rows_n
   if not found:
@@ -238,9 +239,12 @@ def dispatch_page_text(results_dir: str) -> str:
 def later_validation(op: str, devices: list[str], word: str, refit_rows: list[dict], rows: list[dict]) -> list[str]:
   """The page's lines for ``dispatch_<op>_validate<n>.json``: a sample drawn after the rules were
   refitted on every earlier sample (``refit_rows``), reported against them."""
-  from bench import dispatch_ops
-  spec = dispatch_ops.SPECS[op]
-  text = dispatch_ops.markdown(spec, dispatch_ops.build_report(spec, refit_rows, rows))
+  from bench import dispatch_ops, dispatch_sample
+  if op == "attention":
+    text = dispatch_sample.markdown(dispatch_sample.build_report(refit_rows, rows))
+  else:
+    spec = dispatch_ops.SPECS[op]
+    text = dispatch_ops.markdown(spec, dispatch_ops.build_report(spec, refit_rows, rows))
   body = "\n".join("###" + l if l.startswith("#") else l for l in text.split("\n", 1)[1].splitlines())
   sources = sorted({(r.get("command", "?"), str(r.get("commit", "?"))) for r in rows})
   lines = [f"### {op} · {', '.join(devices)} · {word} validation", "",

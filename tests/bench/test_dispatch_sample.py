@@ -91,7 +91,7 @@ def test_visible_keys_and_estimate():
 # ---------------------------------------------------------------------------
 # runner (fake timing on a faked H200's dispatch)
 # ---------------------------------------------------------------------------
-FAKE_MS = {None: 1.1, "xla": 3.0, "triton": 1.0, "cudnn": 0.5, "mosaic": 0.8}
+FAKE_MS = {None: 1.1, "xla": 3.0, "triton": 1.0, "cudnn": 0.5, "mosaic": 0.8, "autotuned": 0.52}
 
 
 class FakeMeasure:
@@ -383,3 +383,42 @@ def test_report_arithmetic():
   assert "share seeds [1]" in rep["warning"]
   md = ds.markdown(rep)
   assert "| fit | 1 | 5 | 3 | 1 | 1.077 | 1.168 | 1.20 |" in md and "**Warning" in md
+
+
+def test_the_autotuned_path_is_timed_and_reported_apart(tmp_path, calls):
+  """``run --autotune-cache``: each call also gets a ``probjax_autotuned`` row (the default
+  autotuned), which is never the best exact path; the report gives its ratio to the best."""
+  out = str(tmp_path / "rows.json")
+  fake = FakeMeasure()
+  ds.run_sample(calls, out, measure=fake, device=h200(), rounds=2, clock=fake.clock, log=lambda s: None,
+                autotune_cache=str(tmp_path / "cache.json"))
+  rows = ds.load_rows(out)
+  assert {r["call_id"] for r in rows if r["impl"] == "probjax_autotuned" and r["status"] == "ok"} == \
+      {c.call_id for c in calls}
+  report = ds.build_report(rows)
+  summary = report["samples"]["fit"]["summary"]
+  assert summary["autotuned_compared"] == 4 and summary["best_impl_counts"].get("autotuned") is None
+  best = [c["best_ms"] for c in report["samples"]["fit"]["calls"]]
+  assert summary["autotuned_worst"] == pytest.approx(max(0.52 / b for b in best))
+  assert "probjax.autotune()" in ds.markdown(report)
+  assert "autotuned_geomean" not in ds.build_report([r for r in rows if r["impl"] != "probjax_autotuned"]
+                                                    )["samples"]["fit"]["summary"]
+
+
+def test_the_autotuned_function_measures_once_and_caches(tmp_path, calls):
+  """The autotuned path's function traces the default under ``probjax.autotune``: the first
+  trace writes the call's entry to the cache, with the choice among the exact candidates."""
+  import jax
+  import jax.numpy as jnp
+  c = dataclasses.replace(calls[0], batch=1, q_heads=2, kv_heads=1, q_len=24, kv_len=24, head_dim=16, mask="causal",
+                          window=None, kv_lengths=None, dtype="bfloat16", mode="fwd", kind="self")
+  cache = tmp_path / "cache.json"
+  spec = ds.AttentionSpec(str(cache))
+  assert spec.plan(c, None)["autotuned"] == spec.plan(c, None)[None]
+  fn, _ = spec.function(c, "autotuned")
+  q, k, v = ds.make_inputs(c)
+  got = jax.jit(fn)(q, k, v)
+  want = jax.jit(spec.function(c, None)[0])(q, k, v)
+  assert jnp.allclose(got.astype(jnp.float32), want.astype(jnp.float32), atol=2e-2)
+  entries = json.loads(cache.read_text())["entries"]
+  assert len(entries) == 1 and next(iter(entries.values()))["choice"]

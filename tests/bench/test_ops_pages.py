@@ -48,3 +48,21 @@ def test_committed_dispatch_page_is_generated_from_the_committed_results():
   path = os.path.join(ops_pages.DOCS_DIR, ops_pages.DISPATCH_PAGE)
   with open(path) as f:
     assert f.read() == ops_pages.dispatch_page_text(RESULTS_DIR), f"{path} is stale: python -m bench.ops_pages"
+
+
+def test_the_dispatch_page_reports_later_validation_samples(tmp_path):
+  """A ``dispatch_<op>_validate2.json`` beside the fit and validation rows is reported as the
+  second validation, against both earlier samples; without the first validation it is not."""
+  import os
+  import shutil
+  from bench import ops_pages
+  src = os.path.join(ops_pages.RESULTS_DIR, "h100_80gb_hbm3")
+  dev = tmp_path / "h100"
+  dev.mkdir()
+  for part in ("fit", "validate", "validate2"):
+    shutil.copy(os.path.join(src, f"dispatch_ssd_scan_{part}.json"), dev)
+  text = ops_pages.dispatch_page_text(str(tmp_path))
+  assert "### ssd_scan · NVIDIA H100 80GB HBM3 · second validation" in text
+  assert "| validate | 956697113 |" in text and "third validation" not in text
+  (dev / "dispatch_ssd_scan_validate.json").unlink()
+  assert "second validation" not in ops_pages.dispatch_page_text(str(tmp_path))
