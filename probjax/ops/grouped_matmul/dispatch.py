@@ -35,11 +35,11 @@ __all__ = ["Decision", "decide", "sm90_default", "wgmma_default"]
 # The devices whose default is the wgmma kernels: ``{"wgmma_default": true}`` in their table
 # (sm_90 only; the reason is rule 3's in the module's docstring). "wgmma_grad_from":
 # ``{"k": K, "m": M}``, the sizes from which a plain differentiated call runs the wgmma
-# kernels; below them, and undifferentiated, the Triton kernel. E.g. on an H100 the Triton
-# kernel was ahead on 12 of 14 forward calls drawn at random (by up to 1.4x at K 256-8192) and
-# on differentiated calls up to K 5120, and the wgmma kernels ahead on differentiated calls
-# of K 7168 or more over 3525 rows or more (1.13-1.19x), where the weight gradient, K x N per
-# group over all M rows, dominates (docs/dev/decisions.md, "The grouped matmul on sm_90").
+# kernels; below them, and undifferentiated, the Triton kernel. E.g. a forward product of
+# [1480, 8192] x [64, 8192, 2048] runs Triton, as does a differentiated one over 41 rows at
+# K 7168; a differentiated [27596, 7168] x [8, 7168, 4096] runs the wgmma kernels: its weight
+# gradient, K x N per group contracted over every row, dominates the call, and the wgmma
+# kernels are ahead there (docs/dev/decisions.md, "The grouped matmul on sm_90").
 TUNING = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuning")
 
 

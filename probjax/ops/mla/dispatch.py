@@ -104,7 +104,7 @@ ATTENTION_ROUTE = "xla"
 # "absorbed_attention_cost": no kernel attends at the absorbed form's latent widths (576/512),
 # so where no MLA kernel takes it the absorbed form runs on attention's XLA path, at about
 # half the rate per multiply-add of the expanded form's kernels or less: e.g. a chunk of 160
-# queries over 11290 positions, even in multiply-adds, is about 3x faster expanded
+# queries over 11290 positions, even in multiply-adds, runs faster expanded
 # (docs/dev/decisions.md, "MLA: values of their own width and decoding").
 TUNING = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuning")
 
