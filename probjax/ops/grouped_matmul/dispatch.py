@@ -57,7 +57,7 @@ def sm90_default(call: GroupedMatmulCall, device: Device) -> Decision:
   has no ``wgmma_grad_from``."""
   wgmma = f"{device.kind}, 16-bit operands, K and N multiples of 64: the wgmma kernels"
   grad_from = tuning.values(TUNING, device).get("wgmma_grad_from")
-  if grad_from is None or (why := REGISTRY.get("triton").supports(call, device)) is not None:
+  if grad_from is None or REGISTRY.get("triton").supports(call, device) is not None:
     return Decision("mosaic", wgmma)
   k, m = grad_from["k"], grad_from["m"]
   if call.k >= k and call.m >= m:
