@@ -23,10 +23,9 @@ Implementations (``--impls``, default all), each ``f`` above:
                before the fused kernels; also what a ``score_mod`` call takes)
   jax_nn       ``jax.nn.dot_product_attention(implementation="xla")``
 Cases: B4 H8, D64 and D128 (``--head-dims``), T 1024 to 16384 (``--lengths``), causal and not,
-bfloat16. A jvp through a kernel (``with_forward_mode``) runs the forward kernel for the primal and
-the fused forward + JVP kernel for the tangent, whose own primal output is dropped (the jaxpr holds
-both ``probjax_attention_fwd`` and ``probjax_attention_fwd_jvp``): ``fused`` and ``mosaic`` cost a
-forward more than their kernel.
+bfloat16. A jvp through a kernel with a fused forward + JVP kernel (``with_forward_mode``) runs that
+one kernel: its primal output is the jvp's primal (``autodiff.primal_and_tangent_p``), so ``fused``
+and ``mosaic`` cost their kernel alone.
 
 Reverse over forward (grad_jvp), as implemented today (probjax/ops/attention/autodiff.py): no kernel
 backward of the fused JVP kernel exists. The output's cotangent goes through the forward kernel's
@@ -149,10 +148,6 @@ def routing(impl: str, shape: tuple, causal: bool, interpret: bool) -> dict:
       call = AttentionCall(shape, shape, "bfloat16", mask=mask)
       out["tangent"] = "fused kernel of the first of " + ", ".join(dispatch.tangent_candidates(d, call, device))
   return out
-
-
-def _memory(stats: dict | None, key: str):
-  return None if not stats else stats.get(key)
 
 
 def measure(impl, mode, b, h, t, d, causal, interpret, meta) -> dict:
