@@ -373,6 +373,8 @@ class AttentionSpec:
     from bench import harness
     row = harness.make_row(row_case(c, ROW_IMPL[impl]), result, status, error)
     row.update(row_extra(c, plan, impl), jax_version=row.get("versions", {}).get("jax"))
+    if impl == core.AUTOTUNED:  # measured when traced: the choice is the cache's, not a rule's
+      row["decision"] = f"autotuned: the choice cached in {self.autotune_cache}"
     return row
 
   def check(self, c: SampledCall, row: dict) -> None:

@@ -395,6 +395,8 @@ def test_the_autotuned_path_is_timed_and_reported_apart(tmp_path, calls):
   rows = ds.load_rows(out)
   assert {r["call_id"] for r in rows if r["impl"] == "probjax_autotuned" and r["status"] == "ok"} == \
       {c.call_id for c in calls}
+  assert all(r["decision"].startswith("autotuned: the choice cached in ") for r in rows
+             if r["impl"] == "probjax_autotuned")
   report = ds.build_report(rows)
   summary = report["samples"]["fit"]["summary"]
   assert summary["autotuned_compared"] == 4 and summary["best_impl_counts"].get("autotuned") is None
