@@ -20,6 +20,9 @@ Suites (``--suite``, default both):
   absorbed queries, split-KV combine included, no projections; ``mosaic_kernel_own_scores``: each
   compute warpgroup computing the score tile itself), ``attention_mqa_xla`` (the MQA call
   alone as XLA einsums, d_qk 576 / d_v 512) and, at B64 x 4096 with one query, ``mla_expanded``.
+  torch's ``torch_bmm`` (bmm, float32 softmax, bmm) and ``torch_sdpa`` run the same MQA call with
+  the query heads packed as query rows, in their own process (bench/torch_mla_worker.py; their
+  ``call_peak_bytes`` is torch's peak allocation during the call beyond its inputs).
   ``--mosaic-splits 1,4,8`` adds ``mosaic_kernel_s<n>`` rows at fixed key splits. Rows carry the
   latent read floor ``bytes / 4.0e12 B/s`` and ``tb_per_s``, the bytes of latent and rope read once
   (``read_bytes = B S 576 x 2``, bf16) over the time.
@@ -164,6 +167,10 @@ def expanded_cases(z: Sizes, dtype):
                      flops=flops), fn, xs
 
 
+def _decode_case(b, h, tq, s, width):
+  return f"B{b} Hq{h} Tq{tq} cache{s} latent{width}"
+
+
 def decode_cases(z: Sizes, dtype, mosaic_splits=()):
   h, width = z.dec_heads, z.d_c + z.d_rope
   scale = (z.d_nope + z.d_rope) ** -0.5
@@ -210,18 +217,21 @@ def decode_cases(z: Sizes, dtype, mosaic_splits=()):
         impls["mla_expanded"] = (lambda *a, mask=mask: mla(*a, mask=mask, form="expanded"), args)
       read_bytes = b * s * width * jnp.dtype(dtype).itemsize   # latent + rope, read once
       floor_ms = read_bytes / HBM_BYTES_PER_S * 1e3
-      case = f"B{b} Hq{h} Tq{tq} cache{s} latent{width}"
+      case = _decode_case(b, h, tq, s, width)
       flops = attention_flops(b, h, tq, s, width, z.d_c, False, "fwd")
       for name, (fn, xs) in impls.items():
         yield dict(suite="decode", case=case, mode="fwd", impl=name, flops=flops, read_floor_ms=floor_ms,
                    read_bytes=read_bytes), fn, xs
 
 
-def torch_rows(z: Sizes, common: dict, repeats: int) -> list[dict]:
-  """The expanded suite's torch peers (bench/torch_mla_worker.py, a process of its own)."""
+def torch_rows(z: Sizes, common: dict, repeats: int, suites=("expanded",)) -> list[dict]:
+  """The torch peers of ``suites`` (bench/torch_mla_worker.py, a process of its own)."""
   import subprocess
   d_qk = z.d_nope + z.d_rope
-  spec = dict(cases=[[b, z.heads, t, d_qk, z.d_v] for b, t in z.expanded_shapes], repeats=repeats)
+  spec = dict(cases=[[b, z.heads, t, d_qk, z.d_v] for b, t in z.expanded_shapes] if "expanded" in suites else [],
+              decode_cases=[[b, s, z.dec_heads, tq, z.d_c, z.d_rope] for b, s in z.decode_shapes
+                            for tq in z.decode_queries] if "decode" in suites else [],
+              decode_scale=d_qk ** -0.5, repeats=repeats)
   worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_mla_worker.py")
   p = subprocess.run([sys.executable, worker, json.dumps(spec)], capture_output=True, text=True, timeout=900)
   rows = []
@@ -229,13 +239,23 @@ def torch_rows(z: Sizes, common: dict, repeats: int) -> list[dict]:
     if not line.startswith("{"):
       continue
     r = json.loads(line)
-    b, h, t, d, dv = r["case"]
-    row = dict(common, suite="expanded", case=_case(b, h, t, d, dv, r["causal"]), mode=r["mode"], impl=r["impl"],
-               flops=attention_flops(b, h, t, t, d, dv, r["causal"], r["mode"]), status=r["status"],
-               peer_versions={"torch": r.get("torch")})
+    if r.get("decode"):
+      b, s, h, tq, d_c, d_rope = r["case"]
+      read_bytes = b * s * (d_c + d_rope) * 2   # bf16 latent + rope, read once
+      row = dict(common, suite="decode", case=_decode_case(b, h, tq, s, d_c + d_rope), mode="fwd", impl=r["impl"],
+                 flops=attention_flops(b, h, tq, s, d_c + d_rope, d_c, False, "fwd"), read_bytes=read_bytes,
+                 read_floor_ms=read_bytes / HBM_BYTES_PER_S * 1e3, status=r["status"],
+                 peer_versions={"torch": r.get("torch")}, call_peak_bytes=r.get("peak_bytes"))
+    else:
+      b, h, t, d, dv = r["case"]
+      row = dict(common, suite="expanded", case=_case(b, h, t, d, dv, r["causal"]), mode=r["mode"], impl=r["impl"],
+                 flops=attention_flops(b, h, t, t, d, dv, r["causal"], r["mode"]), status=r["status"],
+                 peer_versions={"torch": r.get("torch")})
     if r["status"] == "ok":
       row.update({k: r["timing"][k] for k in ("ms", "p10_ms", "p90_ms", "n_repeats", "first_call_s")})
       row["tflops"] = row["flops"] / (row["ms"] * 1e-3) / 1e12
+      if "read_bytes" in row:
+        row["tb_per_s"] = row["read_bytes"] / (row["ms"] * 1e-3) / 1e12
     else:
       row["error"] = r.get("error")
     rows.append(row)
@@ -275,7 +295,7 @@ def main(argv=None):
   p.add_argument("--repeats", type=int, default=7)
   p.add_argument("--cpu-smoke", action="store_true", help="tiny sizes in float32, for CPU")
   p.add_argument("--force", action="store_true", help="re-measure rows already in --output")
-  p.add_argument("--no-torch", action="store_true", help="skip the expanded suite's torch peers")
+  p.add_argument("--no-torch", action="store_true", help="skip the torch peers")
   p.add_argument("--expanded-shapes", default="", help="expanded suite's BxT cases, e.g. 2x4096 "
                  "(default: 2x4096,1x16384); the torch peers run the same")
   p.add_argument("--decode-shapes", default="", help="decode suite's BxS cases, e.g. 128x8192,4x16384 "
@@ -325,8 +345,9 @@ def main(argv=None):
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
         with open(args.output, "w") as f:
           f.writelines(json.dumps(r) + "\n" for r in rows)
-  if "expanded" in suites and not (args.cpu_smoke or args.no_torch) and (not impls or any(i.startswith("torch") for i in impls)):
-    new = torch_rows(z, common, args.repeats)   # after the JAX side, which leaves the GPU memory free
+  torch_suites = [s for s in suites if s in ("expanded", "decode")]
+  if torch_suites and not (args.cpu_smoke or args.no_torch) and (not impls or any(i.startswith("torch") for i in impls)):
+    new = torch_rows(z, common, args.repeats, torch_suites)   # after the JAX side, which leaves the GPU memory free
     rows = [r for r in rows if key_of(r) not in {key_of(n) for n in new}] + new
     for row in new:
       print(json.dumps({k: row.get(k) for k in ("suite", "case", "mode", "impl", "status", "ms", "tflops")}), flush=True)

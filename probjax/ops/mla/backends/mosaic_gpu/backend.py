@@ -1,7 +1,8 @@
 """MLA's ``mosaic`` backend: the absorbed form with the Mosaic GPU split-KV decode kernel
 (:mod:`.decode`) as its attention; forward only, its gradient is the XLA form's (through a
-custom_vjp). Reached by ``implementation="mosaic"`` (alias ``"mosaic_gpu"``); the default does
-not pick it."""
+custom_vjp). Reached by ``implementation="mosaic"`` (alias ``"mosaic_gpu"``), and by the default where the
+device's tuning names it for the call's query rows (``decode_kernels`` in
+``probjax/ops/mla/tuning/<device>.json``, read by :mod:`probjax.ops.mla.dispatch`)."""
 
 from __future__ import annotations
 
