@@ -1,7 +1,8 @@
 """The performance pages of the ops and layers other than attention, from their results only.
 
   python -m bench.ops_pages        # bench/results/<device>/{moe,scan,mla,isab,lm_step,dit_step}.json
-                                   #   -> docs/dev/<page>.md (one page per suite)
+                                   #   -> docs/dev/<page>.md (one page per suite; norm.json's page
+                                   #   only once a device has rows)
 
 ``python -m bench.benchmark_figures`` (``make docs``) calls :func:`build` too. Each page is one
 table per (device, group of rows): a row per measured case, a column per implementation
@@ -92,6 +93,19 @@ PAGES = (
          intro=("`python bench/dit_step.py`: DiT training steps (S/2 and B/2 at 256 tokens), "
                 "probjax (also with the layers scanned) against the same model on jax.nn's "
                 "attention and flax's. MFU as on the language-model page.")),
+)
+
+# Suites whose page is written only once a device has rows (build() skips them before).
+MEASURED_ONLY = (
+    Page("norm", "Norms: RMS, layer norm and adaLN", "norm-performance.md",
+         group=("mode", "dtype"), case=("case",), default=("default",), rate=("gb_s", "GB/s", "{:.0f}"),
+         intro=("`python -m bench.norm`: `rms_norm` and `layer_norm` (with and without `residual=`) and "
+                "`adaln_modulate` on `implementation=\"xla\"` (XLA's fusion of the formula), `\"triton\"` "
+                "(the Pallas-Triton row kernels) and `default` (`implementation=None`), in one process, "
+                "rotating rounds. Cases `<shape>/<op>`: `lm` 8 x 2048 tokens, d 768; `dit` DiT-B/2's 64 x "
+                "256 tokens, d 768, adaLN shift/scale per batch element; `wide` 8192 tokens, d 4096. "
+                "GB/s: the bytes of the inputs read once plus the outputs written once (`fwd_bwd`: also "
+                "the cotangents read and every input's gradient written) over the time.")),
 )
 
 
@@ -251,14 +265,16 @@ def _report_section(heading: str, intro: list[str], text: str, rows: list[dict])
 
 
 def build(results_dir: str = RESULTS_DIR, docs_dir: str = DOCS_DIR) -> list[str]:
-  """Writes every page of :data:`PAGES` and the measured-dispatch page (:func:`dispatch_page_text`)
-  into ``docs_dir``; returns their paths."""
+  """Writes every page of :data:`PAGES`, those of :data:`MEASURED_ONLY` whose suite has rows, and
+  the measured-dispatch page (:func:`dispatch_page_text`) into ``docs_dir``; returns their paths."""
   out = []
   path = os.path.join(docs_dir, DISPATCH_PAGE)
   with open(path, "w") as f:
     f.write(dispatch_page_text(results_dir))
   out.append(path)
-  for page in PAGES:
+  measured = [p for p in MEASURED_ONLY
+              if any(load_rows(f) for f in glob.glob(os.path.join(results_dir, "*", f"{p.suite}.json")))]
+  for page in (*PAGES, *measured):
     path = os.path.join(docs_dir, page.page)
     with open(path, "w") as f:
       f.write(page_text(page, results_dir))

@@ -2,8 +2,9 @@
 :class:`~probjax.core.device.Device`, returning a :class:`~probjax.core.dispatch.Decision`.
 
 Off a GPU the XLA form. On an NVIDIA GPU too, for now: the Triton row kernels have not been
-measured against XLA's fusion of the same formula (``bench/norm.py``), so they run only when
-asked for (``implementation="triton"``)."""
+measured against XLA's fusion of the same formula (``bench/norm.py``: ``python -m bench.norm``
+writes ``bench/results/<device>/norm.json``), so they run only when asked for
+(``implementation="triton"``)."""
 
 from __future__ import annotations
 
