@@ -27,7 +27,6 @@ from probjax.core import tuning
 from probjax.core.device import Device
 from probjax.core.dispatch import REQUESTED, Decision
 from probjax.ops.scan import registry
-from probjax.ops.scan.calls import SSDCall
 
 # The default backend per op, read from ``tuning/`` (values only; :mod:`probjax.core.tuning`):
 #
@@ -48,7 +47,9 @@ from probjax.ops.scan.calls import SSDCall
 # "Differentiated GPU calls"). Mamba-1's Triton kernels read each input once per pass and keep
 # only chunk-boundary states, where the associative form materialises every position's state;
 # calls those kernels cannot take run the associative form (memory permitting). SSD's chunked
-# form at chunk 64 beats the kernels' chunk of 32.
+# form at chunk 64 beat the forward kernel differentiated through the chunked form at the
+# kernels' chunk of 32; the SSD backward kernel (run where ``implementation="triton"`` asks for
+# it) has not been measured against it.
 #
 # A value is a backend name; or ``{dtype: value, ..., "other": value}`` where the fastest form
 # depends on the inputs' dtype; or ``{"attr": a, "below": n, "then": value, "else": value}``
@@ -76,7 +77,6 @@ ASSOCIATIVE_MEMORY_SHARE = 0.25
 # ``grad.rule``).
 GRAD_RULE_GPU = ("GPU, differentiated: the fastest exact forward+backward measured; where the Triton "
                  "kernels cannot take the call, the associative form (memory permitting)")
-GRAD_RULE_NO_BACKWARD = "the SSD Triton kernel has no backward: the chunked form runs forward and backward"
 
 
 def registry_of(call) -> Registry:
@@ -135,16 +135,14 @@ def _config(reg: Registry, name: str, call) -> tuple:
   return () if chunk is None else (("chunk_size", chunk),)
 
 
-def _decision(call, name: str, rule: str, grad: str | None = None, grad_rule: str = GRAD_RULE_GPU) -> Decision:
-  """``name`` runs the call; differentiated, ``grad`` does (None: ``name`` itself, or for the
-  SSD kernel, which has no backward, ``"chunked"``)."""
+def _decision(call, name: str, rule: str, grad: str | None = None) -> Decision:
+  """``name`` runs the call; differentiated, ``grad`` does (None: ``name`` itself, its own
+  backward: every implementation has one, the Triton kernels' included)."""
   reg = registry_of(call)
-  if grad is None and name == "triton" and isinstance(call, SSDCall):
-    grad, grad_rule = "chunked", GRAD_RULE_NO_BACKWARD
   if grad == name:
     grad = None
   return Decision(name, rule, config=_config(reg, name, call),
-                  grad=None if grad is None else Decision(grad, grad_rule, config=_config(reg, grad, call)))
+                  grad=None if grad is None else Decision(grad, GRAD_RULE_GPU, config=_config(reg, grad, call)))
 
 
 def decide(call, implementation: str | None, device: Device) -> Decision:
@@ -174,7 +172,8 @@ def decide(call, implementation: str | None, device: Device) -> Decision:
 
 def with_grad_of(primal, grad):
   """``primal(*arrays)``, differentiated as ``grad(*arrays)`` (its forward with residuals and its
-  backward): how a decision's ``grad`` runs beside a forward-only kernel."""
+  backward): how a decision's ``grad`` runs beside its forward's implementation (e.g. SSD's
+  tuned GPU default: the Triton forward kernel, differentiated through the chunked form)."""
   f = jax.custom_vjp(primal)
   f.defvjp(lambda *arrays: jax.vjp(grad, *arrays), lambda vjp, ct: vjp(ct))
   return f

@@ -43,15 +43,14 @@ def test_gpu_default_is_the_fastest_measured_form(op, device):
   d = scan.explain_dispatch(CALLS[op], device=device)
   # Forward: the Mamba-1, SSD and RLA kernels (RLA in bfloat16:
   # test_gpu_rla_form_follows_the_dtype_and_features). Differentiated: the same, but SSD, whose
-  # kernel has no backward, runs the chunked form forward and backward.
+  # tuned forward+backward ("grad" in tuning/gpu.json) is the chunked form, forward and backward.
   assert d.implementation == "triton", d
   assert (d.grad and d.grad.implementation) == ("chunked" if op == "ssd" else None), d
   if op == "mamba":
     assert d.get("chunk_size") == 32
-  # The kernels asked for: SSD has no backward kernel (the chunked form runs), Mamba-1's and
-  # RLA's run.
+  # The kernels asked for: every op's run forward and backward, SSD's included.
   asked = scan.explain_dispatch(CALLS[op], implementation="triton", device=device)
-  assert _grad(asked) == ("chunked" if op == "ssd" else None), asked
+  assert _grad(asked) is None, asked
 
 
 @pytest.mark.parametrize("dtype, head_dim, feature_map, form", [
@@ -74,7 +73,8 @@ def test_gpu_rla_form_follows_the_dtype_and_features(dtype, head_dim, feature_ma
 @pytest.mark.parametrize("length", [1, 1023, 1024, 4096])
 def test_gpu_ssd_forward_runs_the_kernel(length):
   """SSD's forward kernel runs undifferentiated calls at every length; differentiated, the
-  chunked form runs forward and backward (the kernel has no backward)."""
+  chunked form runs forward and backward (the tuned forward+backward; the kernels' own backward
+  runs where they are asked for)."""
   d = scan.explain_dispatch(dataclasses.replace(SSD, length=length), device=H200)
   assert d.implementation == "triton" and d.grad.implementation == "chunked", d
 
@@ -189,7 +189,8 @@ def test_interpret_call_dispatches_as_on_a_gpu():
 # wide features and values below, the kernels' (backends/triton/rla.default_chunk) 64. Later the
 # GPU forward table changed (docs/dev/decisions.md "SSD forward", "RLA by dtype"): SSD's kernel
 # runs forward, float32 RLA runs the kernels below feature width 256, and a rule names the
-# conditions that chose it.
+# conditions that chose it. Then the SSD kernels got a backward: asked for, they differentiate
+# themselves (no grad; the default's grad stays the tuned chunked form).
 
 _DEVICES = {"cpu": CPU, "h200": H200, "rtx3090": RTX3090, "interpret": INTERPRET}
 
@@ -223,9 +224,9 @@ _RECORDED = {
     ('mamba L9 float32', 'rtx3090'): ['triton/16 #3', 'scan #1', 'associative #1', 'chunked/4 #1', 'triton/16 #1'],
     ('mamba L9 float32', 'interpret'): ['triton/16 #3', 'scan #1', 'associative #1', 'chunked/4 #1', 'triton/16 #1'],
     ('ssd L9 float32', 'cpu'): ['chunked/16 #0', 'scan #1', 'associative #1', 'chunked/16 #1', 'ValueError #4'],
-    ('ssd L9 float32', 'h200'): ['triton/16 grad chunked/16 #3', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/16 grad chunked/16 #1'],
-    ('ssd L9 float32', 'rtx3090'): ['triton/16 grad chunked/16 #3', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/16 grad chunked/16 #1'],
-    ('ssd L9 float32', 'interpret'): ['triton/16 grad chunked/16 #3', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/16 grad chunked/16 #1'],
+    ('ssd L9 float32', 'h200'): ['triton/16 grad chunked/16 #3', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/16 #1'],
+    ('ssd L9 float32', 'rtx3090'): ['triton/16 grad chunked/16 #3', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/16 #1'],
+    ('ssd L9 float32', 'interpret'): ['triton/16 grad chunked/16 #3', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/16 #1'],
     ('rla L9 float32', 'cpu'): ['chunked/16 #0', 'scan #1', 'chunked/16 #1', 'ValueError #5'],
     ('rla L9 float32', 'h200'): ['triton/16 #6', 'scan #1', 'chunked/16 #1', 'triton/16 #1'],
     ('rla L9 float32', 'rtx3090'): ['triton/16 #6', 'scan #1', 'chunked/16 #1', 'triton/16 #1'],
@@ -235,9 +236,9 @@ _RECORDED = {
     ('mamba L20 float32', 'rtx3090'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/4 #1', 'triton/32 #1'],
     ('mamba L20 float32', 'interpret'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/4 #1', 'triton/32 #1'],
     ('ssd L20 float32', 'cpu'): ['chunked/32 #0', 'scan #1', 'associative #1', 'chunked/32 #1', 'ValueError #4'],
-    ('ssd L20 float32', 'h200'): ['triton/32 grad chunked/32 #3', 'scan #1', 'associative #1', 'chunked/32 #1', 'triton/32 grad chunked/32 #1'],
-    ('ssd L20 float32', 'rtx3090'): ['triton/32 grad chunked/32 #3', 'scan #1', 'associative #1', 'chunked/32 #1', 'triton/32 grad chunked/32 #1'],
-    ('ssd L20 float32', 'interpret'): ['triton/32 grad chunked/32 #3', 'scan #1', 'associative #1', 'chunked/32 #1', 'triton/32 grad chunked/32 #1'],
+    ('ssd L20 float32', 'h200'): ['triton/32 grad chunked/32 #3', 'scan #1', 'associative #1', 'chunked/32 #1', 'triton/32 #1'],
+    ('ssd L20 float32', 'rtx3090'): ['triton/32 grad chunked/32 #3', 'scan #1', 'associative #1', 'chunked/32 #1', 'triton/32 #1'],
+    ('ssd L20 float32', 'interpret'): ['triton/32 grad chunked/32 #3', 'scan #1', 'associative #1', 'chunked/32 #1', 'triton/32 #1'],
     ('rla L20 float32', 'cpu'): ['chunked/32 #0', 'scan #1', 'chunked/32 #1', 'ValueError #5'],
     ('rla L20 float32', 'h200'): ['triton/32 #6', 'scan #1', 'chunked/32 #1', 'triton/32 #1'],
     ('rla L20 float32', 'rtx3090'): ['triton/32 #6', 'scan #1', 'chunked/32 #1', 'triton/32 #1'],
@@ -247,9 +248,9 @@ _RECORDED = {
     ('mamba L300 float32', 'rtx3090'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/32 #1'],
     ('mamba L300 float32', 'interpret'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/32 #1'],
     ('ssd L300 float32', 'cpu'): ['chunked/64 #0', 'scan #1', 'associative #1', 'chunked/64 #1', 'ValueError #4'],
-    ('ssd L300 float32', 'h200'): ['triton/32 grad chunked/64 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
-    ('ssd L300 float32', 'rtx3090'): ['triton/32 grad chunked/64 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
-    ('ssd L300 float32', 'interpret'): ['triton/32 grad chunked/64 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
+    ('ssd L300 float32', 'h200'): ['triton/32 grad chunked/64 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 #1'],
+    ('ssd L300 float32', 'rtx3090'): ['triton/32 grad chunked/64 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 #1'],
+    ('ssd L300 float32', 'interpret'): ['triton/32 grad chunked/64 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 #1'],
     ('rla L300 float32', 'cpu'): ['chunked/64 #0', 'scan #1', 'chunked/64 #1', 'ValueError #5'],
     ('rla L300 float32', 'h200'): ['triton/64 #6', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
     ('rla L300 float32', 'rtx3090'): ['triton/64 #6', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
@@ -259,9 +260,9 @@ _RECORDED = {
     ('mamba L2048 float32', 'rtx3090'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 #1'],
     ('mamba L2048 float32', 'interpret'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 #1'],
     ('ssd L2048 float32', 'cpu'): ['chunked/64 #0', 'scan #1', 'associative #1', 'chunked/64 #1', 'ValueError #4'],
-    ('ssd L2048 float32', 'h200'): ['triton/32 grad chunked/64 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
-    ('ssd L2048 float32', 'rtx3090'): ['triton/32 grad chunked/64 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
-    ('ssd L2048 float32', 'interpret'): ['triton/32 grad chunked/64 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
+    ('ssd L2048 float32', 'h200'): ['triton/32 grad chunked/64 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 #1'],
+    ('ssd L2048 float32', 'rtx3090'): ['triton/32 grad chunked/64 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 #1'],
+    ('ssd L2048 float32', 'interpret'): ['triton/32 grad chunked/64 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 #1'],
     ('rla L2048 float32', 'cpu'): ['chunked/64 #0', 'scan #1', 'chunked/64 #1', 'ValueError #5'],
     ('rla L2048 float32', 'h200'): ['triton/64 #6', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
     ('rla L2048 float32', 'rtx3090'): ['triton/64 #6', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
@@ -271,9 +272,9 @@ _RECORDED = {
     ('mamba L9 bfloat16', 'rtx3090'): ['triton/16 #3', 'scan #1', 'associative #1', 'chunked/4 #1', 'triton/16 #1'],
     ('mamba L9 bfloat16', 'interpret'): ['triton/16 #3', 'scan #1', 'associative #1', 'chunked/4 #1', 'triton/16 #1'],
     ('ssd L9 bfloat16', 'cpu'): ['chunked/16 #0', 'scan #1', 'associative #1', 'chunked/16 #1', 'ValueError #4'],
-    ('ssd L9 bfloat16', 'h200'): ['triton/16 grad chunked/16 #3', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/16 grad chunked/16 #1'],
-    ('ssd L9 bfloat16', 'rtx3090'): ['triton/16 grad chunked/16 #3', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/16 grad chunked/16 #1'],
-    ('ssd L9 bfloat16', 'interpret'): ['triton/16 grad chunked/16 #3', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/16 grad chunked/16 #1'],
+    ('ssd L9 bfloat16', 'h200'): ['triton/16 grad chunked/16 #3', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/16 #1'],
+    ('ssd L9 bfloat16', 'rtx3090'): ['triton/16 grad chunked/16 #3', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/16 #1'],
+    ('ssd L9 bfloat16', 'interpret'): ['triton/16 grad chunked/16 #3', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/16 #1'],
     ('rla L9 bfloat16', 'cpu'): ['chunked/16 #0', 'scan #1', 'chunked/16 #1', 'ValueError #5'],
     ('rla L9 bfloat16', 'h200'): ['triton/16 #7', 'scan #1', 'chunked/16 #1', 'triton/16 #1'],
     ('rla L9 bfloat16', 'rtx3090'): ['triton/16 #7', 'scan #1', 'chunked/16 #1', 'triton/16 #1'],
@@ -283,9 +284,9 @@ _RECORDED = {
     ('mamba L20 bfloat16', 'rtx3090'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/4 #1', 'triton/32 #1'],
     ('mamba L20 bfloat16', 'interpret'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/4 #1', 'triton/32 #1'],
     ('ssd L20 bfloat16', 'cpu'): ['chunked/32 #0', 'scan #1', 'associative #1', 'chunked/32 #1', 'ValueError #4'],
-    ('ssd L20 bfloat16', 'h200'): ['triton/32 grad chunked/32 #3', 'scan #1', 'associative #1', 'chunked/32 #1', 'triton/32 grad chunked/32 #1'],
-    ('ssd L20 bfloat16', 'rtx3090'): ['triton/32 grad chunked/32 #3', 'scan #1', 'associative #1', 'chunked/32 #1', 'triton/32 grad chunked/32 #1'],
-    ('ssd L20 bfloat16', 'interpret'): ['triton/32 grad chunked/32 #3', 'scan #1', 'associative #1', 'chunked/32 #1', 'triton/32 grad chunked/32 #1'],
+    ('ssd L20 bfloat16', 'h200'): ['triton/32 grad chunked/32 #3', 'scan #1', 'associative #1', 'chunked/32 #1', 'triton/32 #1'],
+    ('ssd L20 bfloat16', 'rtx3090'): ['triton/32 grad chunked/32 #3', 'scan #1', 'associative #1', 'chunked/32 #1', 'triton/32 #1'],
+    ('ssd L20 bfloat16', 'interpret'): ['triton/32 grad chunked/32 #3', 'scan #1', 'associative #1', 'chunked/32 #1', 'triton/32 #1'],
     ('rla L20 bfloat16', 'cpu'): ['chunked/32 #0', 'scan #1', 'chunked/32 #1', 'ValueError #5'],
     ('rla L20 bfloat16', 'h200'): ['triton/32 #7', 'scan #1', 'chunked/32 #1', 'triton/32 #1'],
     ('rla L20 bfloat16', 'rtx3090'): ['triton/32 #7', 'scan #1', 'chunked/32 #1', 'triton/32 #1'],
@@ -295,9 +296,9 @@ _RECORDED = {
     ('mamba L300 bfloat16', 'rtx3090'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/32 #1'],
     ('mamba L300 bfloat16', 'interpret'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/16 #1', 'triton/32 #1'],
     ('ssd L300 bfloat16', 'cpu'): ['chunked/64 #0', 'scan #1', 'associative #1', 'chunked/64 #1', 'ValueError #4'],
-    ('ssd L300 bfloat16', 'h200'): ['triton/32 grad chunked/64 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
-    ('ssd L300 bfloat16', 'rtx3090'): ['triton/32 grad chunked/64 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
-    ('ssd L300 bfloat16', 'interpret'): ['triton/32 grad chunked/64 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
+    ('ssd L300 bfloat16', 'h200'): ['triton/32 grad chunked/64 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 #1'],
+    ('ssd L300 bfloat16', 'rtx3090'): ['triton/32 grad chunked/64 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 #1'],
+    ('ssd L300 bfloat16', 'interpret'): ['triton/32 grad chunked/64 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 #1'],
     ('rla L300 bfloat16', 'cpu'): ['chunked/64 #0', 'scan #1', 'chunked/64 #1', 'ValueError #5'],
     ('rla L300 bfloat16', 'h200'): ['triton/64 #7', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
     ('rla L300 bfloat16', 'rtx3090'): ['triton/64 #7', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
@@ -307,9 +308,9 @@ _RECORDED = {
     ('mamba L2048 bfloat16', 'rtx3090'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 #1'],
     ('mamba L2048 bfloat16', 'interpret'): ['triton/32 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 #1'],
     ('ssd L2048 bfloat16', 'cpu'): ['chunked/64 #0', 'scan #1', 'associative #1', 'chunked/64 #1', 'ValueError #4'],
-    ('ssd L2048 bfloat16', 'h200'): ['triton/32 grad chunked/64 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
-    ('ssd L2048 bfloat16', 'rtx3090'): ['triton/32 grad chunked/64 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
-    ('ssd L2048 bfloat16', 'interpret'): ['triton/32 grad chunked/64 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 grad chunked/64 #1'],
+    ('ssd L2048 bfloat16', 'h200'): ['triton/32 grad chunked/64 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 #1'],
+    ('ssd L2048 bfloat16', 'rtx3090'): ['triton/32 grad chunked/64 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 #1'],
+    ('ssd L2048 bfloat16', 'interpret'): ['triton/32 grad chunked/64 #3', 'scan #1', 'associative #1', 'chunked/64 #1', 'triton/32 #1'],
     ('rla L2048 bfloat16', 'cpu'): ['chunked/64 #0', 'scan #1', 'chunked/64 #1', 'ValueError #5'],
     ('rla L2048 bfloat16', 'h200'): ['triton/64 #7', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
     ('rla L2048 bfloat16', 'rtx3090'): ['triton/64 #7', 'scan #1', 'chunked/64 #1', 'triton/64 #1'],
@@ -418,8 +419,10 @@ def test_the_decision_is_the_shared_one():
   assert d.as_dict()["config"] == {"chunk_size": 32} and d.grad.config == ()
   assert str(d).startswith("chunked, chunk_size=32 (GPU: the Triton kernels cannot take it")
   assert "under grad associative" in str(d)
-  asked = scan.explain_dispatch(SSD, implementation="triton", device=H200)
-  assert asked.grad == Decision("chunked", dispatch.GRAD_RULE_NO_BACKWARD, config={"chunk_size": 64})
+  # The SSD kernels asked for run their own backward; by default the chunked form differentiates.
+  assert scan.explain_dispatch(SSD, implementation="triton", device=H200).grad is None
+  assert scan.explain_dispatch(SSD, device=H200).grad == Decision("chunked", dispatch.GRAD_RULE_GPU,
+                                                                  config={"chunk_size": 64})
 
 
 def test_the_face_is_one_set_of_objects():
@@ -470,6 +473,12 @@ def test_ssd_kernel_lowers_for_sm90(fake_h200):
   A, B = S((8,), jnp.float32), S((2, 300, 2, 128), BF16)
   fn = lambda x, dt, A, B: scan.ssd_scan(x, dt, A, B, B, implementation="triton")
   assert _kernels(fn, x, dt, A, B) == ["probjax_ssd_scan_fwd"]
+  # Differentiated, asked for: the kernels forward (saving the chunk-boundary states) and
+  # backward. By default the chunked form runs forward and backward (tuning/gpu.json "grad").
+  assert _kernels(jax.grad(_loss(fn), argnums=(0, 1, 2, 3)), x, dt, A, B) == [
+      "probjax_ssd_scan_bwd", "probjax_ssd_scan_fwd_res"]
+  default = lambda x, dt, A, B: scan.ssd_scan(x, dt, A, B, B)
+  assert _kernels(jax.grad(_loss(default), argnums=(0, 1, 2, 3)), x, dt, A, B) == []
 
 
 def test_rla_kernels_lower_for_sm90(fake_h200):

@@ -2,11 +2,10 @@
 
 * Mamba-1: forward and backward kernels (:mod:`.mamba`), exact; the backward recomputes the
   states inside each chunk from the chunk-boundary states its forward saved.
-* SSD: a chunked forward kernel (:mod:`.ssd`), no backward: the dispatch's decision names what
-  a differentiated call runs instead, forward and backward (``Decision.grad``, ``"chunked"``
-  when the kernels are requested), and the op composes the two
-  (:func:`probjax.ops.scan.dispatch.with_grad_of`). That backward needs its own forward's
-  residuals, which the kernel does not save.
+* SSD: chunked forward and backward kernels (:mod:`.ssd`), exact; the backward runs the chunks
+  in reverse and recomputes each chunk's terms from the chunk-boundary states its forward saved.
+  A differentiated GPU call that names no implementation runs the tuned form instead, forward
+  and backward (``tuning/gpu.json`` "grad": the chunked XLA form; the decision's ``grad``).
 * RLA: flash-linear-attention-style chunk kernels (:mod:`.rla`), forward and backward, exact;
   their matmuls read the inputs' dtype.
 
@@ -106,14 +105,40 @@ class MambaTriton(_Triton, Backend[MambaCall]):
     return _mamba(call, x, dt, A, B, C, h0)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ssd(call, x, dt, A, B, C, h0):
+  return ssd_kernel.forward(x, dt, A, B, C, h0, chunk=kernel_chunk(call), interpret=call.interpret)
+
+
+def _ssd_fwd(call, x, dt, A, B, C, h0):
+  y, h, hc = ssd_kernel.forward(x, dt, A, B, C, h0, chunk=kernel_chunk(call), interpret=call.interpret,
+                                residuals=True)
+  return (y, h), (x, dt, A, B, C, hc)
+
+
+def _ssd_bwd(call, res, ct):
+  x, dt, A, B, C, hc = res
+  dx, ddt, dA, dB, dC, dh0 = ssd_kernel.backward(x, dt, A, B, C, hc, *ct, chunk=kernel_chunk(call),
+                                                 interpret=call.interpret)
+  # h0 is in the compute dtype, like A.
+  return (dx.astype(x.dtype), ddt.astype(dt.dtype), dA.astype(A.dtype), dB.astype(B.dtype),
+          dC.astype(C.dtype), dh0.astype(A.dtype))
+
+
+_ssd.defvjp(_ssd_fwd, _ssd_bwd)
+
+
 class SSDTriton(_Triton, Backend[SSDCall]):
-  """Chunked forward kernel (not differentiable: see the module docstring)."""
+  """Chunked forward and backward kernels (:mod:`.ssd`); the backward's chunks are the
+  forward's, between the saved states: x ``[b, L, h, p]``, dt ``[b, L, h]``, A ``[h]``, B, C
+  ``[b, L, g, n]``, h0 ``[b, h, p, n]`` give ``(y [b, L, h, p], h_L [b, h, p, n])`` in
+  float32."""
 
   def supports(self, call: SSDCall, device: Device) -> str | None:
     return (self._refusal(call, device, [("state", call.state)]) or self._chunk_refusal(call))
 
   def __call__(self, x, dt, A, B, C, h0, *, call: SSDCall):
-    return ssd_kernel.forward(x, dt, A, B, C, h0, chunk=kernel_chunk(call), interpret=call.interpret)
+    return _ssd(call, x, dt, A, B, C, h0)
 
 
 def _smem_limit(call, device: Device) -> int | None:

@@ -1,0 +1,107 @@
+"""The SSD Triton kernels (probjax/ops/scan/backends/triton/ssd.py) beyond the conformance suite:
+the backward's partial sums that the suite's small shapes do not reach (several head_dim blocks,
+a whole group of heads on one B and C) against the float64 reference in interpret mode, that a
+differentiated call asking for the kernels runs their backward and saves only chunk-boundary
+states, the sm_90 lowering at the benchmark's shape, and that shape on the GPU."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from probjax.core.device import Device
+from probjax.ops import scan
+from probjax.ops.scan import dispatch
+from probjax.ops.scan.calls import SSDCall
+from probjax.testing import float32_is_tf32, interpret_kernels, pretend_h200, verify_triton_lowering
+from tests.ops.scan.conformance import check
+
+TF32 = float32_is_tf32()
+S = jax.ShapeDtypeStruct
+
+
+def _inputs(b, length, h, p, g, n, dtype=jnp.float32, seed=0):
+  """SSD inputs with every optional one; activations in ``dtype``, parameters float32. Per head
+  ``A`` from -1 to -16 and ``Δ = softplus(dt - 4)`` about 0.02 (Mamba-2's ranges)."""
+  rng = np.random.default_rng(seed)
+  f = lambda *s, scale=1.0: (scale * rng.standard_normal(s)).astype(np.float32)
+  act = lambda a: jnp.asarray(a).astype(dtype)
+  return dict(x=act(f(b, length, h, p)), dt=act(f(b, length, h, scale=0.5)),
+              A=-np.linspace(1.0, 16.0, h, dtype=np.float32), B=act(f(b, length, g, n)),
+              C=act(f(b, length, g, n)), D=np.ones(h, np.float32), z=act(f(b, length, h, p)),
+              dt_bias=np.full(h, -4.0, np.float32), initial_state=f(b, h, p, n))
+
+
+def test_head_dim_blocks_and_a_group_against_the_reference():
+  """head_dim 40 (two blocks of 32, the last partial) and four heads on one group: dB and dC are
+  sums of eight partials (heads x blocks), ddt and dA of two; state 20 in a masked block of 32;
+  three chunks of 16, the last partial. Values and every gradient, the initial state's
+  included."""
+  a = _inputs(1, 37, 4, 40, 1, 20, seed=37)
+  a["dt"] = 4.0 * a["dt"] + 4.0  # Δ about 1: strong decays inside a chunk
+  check("ssd", "triton", a, tf32=TF32, chunk_size=16)
+
+
+def _grad_of(call_kw):
+  def loss(x, dt, A, B, C, h0):
+    y, h = scan.ssd_scan(x, dt, A, B, C, initial_state=h0, return_final_state=True, **call_kw)
+    return jnp.sum(y.astype(jnp.float32)) + jnp.sum(h)
+  return jax.grad(loss, argnums=tuple(range(6)))
+
+
+def _arrays(b, length, h, p, g, n):
+  rng = np.random.default_rng(0)
+  shapes = [(b, length, h, p), (b, length, h), (h,), (b, length, g, n), (b, length, g, n), (b, h, p, n)]
+  return [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in shapes]
+
+
+def test_asked_for_the_kernels_differentiate_themselves():
+  """``implementation="triton"``, differentiated: the kernels' forward with residuals and their
+  backward run (no chunked XLA form), and what the call saves is its inputs and the states
+  entering its chunks, never a state per position."""
+  b, length, h, p, g, n, chunk = 1, 64, 2, 16, 1, 16, 16
+  args = _arrays(b, length, h, p, g, n)
+  kw = dict(implementation="triton", chunk_size=chunk, interpret=interpret_kernels())
+  text = str(jax.make_jaxpr(_grad_of(kw))(*args))
+  assert sorted(set(re.findall(r"probjax_ssd\w*", text))) == ["probjax_ssd_scan_bwd", "probjax_ssd_scan_fwd_res"]
+  call = SSDCall(b, length, h, p, g, n, "float32", chunk_size=chunk, interpret=True)
+  _, vjp = jax.vjp(dispatch.resolve(call, "triton"), *args)
+  saved = sum(leaf.size for leaf in jax.tree.leaves(vjp))
+  given, chunk_states = sum(x.size for x in args[:5]), (length // chunk) * h * p * n
+  assert saved <= given + chunk_states < length * h * p * n
+
+
+# -- lowering for sm_90 (Pallas -> Triton IR; Triton's own compilation needs the GPU) ----------
+
+@pytest.fixture
+def fake_h200(monkeypatch):
+  pretend_h200(monkeypatch)
+  monkeypatch.setattr(Device, "current", classmethod(lambda cls: Device("gpu", (9, 0), 140 << 30)))
+  verify_triton_lowering(monkeypatch)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_full_size_lowers_for_sm90(fake_h200, dtype):
+  """B2 L4096 H32 P64 N128 (two head_dim blocks of 32, one group), forward and differentiated
+  with the kernels asked for."""
+  x, dt = S((2, 4096, 32, 64), dtype), S((2, 4096, 32), dtype)
+  A, B = S((32,), jnp.float32), S((2, 4096, 1, 128), dtype)
+  fn = lambda x, dt, A, B: scan.ssd_scan(x, dt, A, B, B, z=x, implementation="triton")
+  loss = lambda *a: jnp.sum(fn(*a).astype(jnp.float32))
+  lower = lambda f: jax.jit(f).trace(x, dt, A, B).lower(lowering_platforms=("cuda",)).as_text()
+  assert sorted(set(re.findall(r"probjax_ssd\w*", lower(fn)))) == ["probjax_ssd_scan_fwd"]
+  assert sorted(set(re.findall(r"probjax_ssd\w*", lower(jax.grad(loss, argnums=(0, 1, 2, 3)))))) == [
+      "probjax_ssd_scan_bwd", "probjax_ssd_scan_fwd_res"]
+
+
+# -- on the GPU ---------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_full_size(dtype):
+  """B2 L4096 H32 P64 N128, one group (z, D, dt_bias, an initial state), the kernels asked for:
+  values and every gradient against the float64 reference."""
+  check("ssd", "triton", _inputs(2, 4096, 32, 64, 1, 128, dtype), dtype=dtype, tf32=TF32)
