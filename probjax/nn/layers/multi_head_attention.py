@@ -31,6 +31,7 @@ from probjax.nn.layers import kv_cache as kvc
 from probjax.nn.layers import _sharding as shd
 from probjax.nn.layers._checks import check_array, check_mask
 from probjax.nn.layers.rotary import apply_rotary, default_positions
+from probjax.ops.norm import qk_norm_rotary
 from probjax.ops.attention.masks import KVLenMask
 
 __all__ = ["MultiHeadAttention", "check_heads"]
@@ -135,14 +136,30 @@ class MultiHeadAttention(nnx.Module):
       k, v = jnp.split(self.kv(context), 2, axis=-1)
       s = context.shape[1]
     q, k, v = q.reshape(b, t, h, d), k.reshape(b, s, hk, d), v.reshape(b, s, hk, d)
-    if self.q_norm is not None:
-      q, k = self.q_norm(q), self.k_norm(k)
-    if self.rotary:
-      if positions is None:
-        positions = default_positions(b, t)
-      q = apply_rotary(q, positions, base=self.rotary_base)
-      k = apply_rotary(k, positions, base=self.rotary_base)
+    if self.rotary and positions is None:
+      positions = default_positions(b, t)
+    if self.rotary and not jnp.issubdtype(jnp.asarray(positions).dtype, jnp.integer):
+      # Non-integer positions: the separate norm and rotation (the fused op takes integers).
+      if self.q_norm is not None:
+        q, k = self.q_norm(q), self.k_norm(k)
+      return apply_rotary(q, positions, base=self.rotary_base), apply_rotary(k, positions, base=self.rotary_base), v
+    if self.q_norm is not None or self.rotary:
+      pos = positions if self.rotary else None
+      q, k = self._norm_rotate(q, self.q_norm, pos), self._norm_rotate(k, self.k_norm, pos)
     return q, k, v
+
+  def _norm_rotate(self, x, norm, positions):
+    """``x [b, t, h, d]`` through ``norm`` (an ``nnx.RMSNorm`` or None) and RoPE by ``positions``
+    (or None) in one :func:`~probjax.ops.norm.qk_norm_rotary` call; the norm's parameter stays
+    the module's and its dtype rules are ``nnx.RMSNorm``'s (x and scale in ``norm.dtype``, else
+    their common type)."""
+    scale = None
+    if norm is not None:
+      scale = norm.scale[...]
+      dt = norm.dtype or jnp.result_type(x, scale)
+      x, scale = x.astype(dt), scale.astype(dt)
+    return qk_norm_rotary(x, scale, positions, eps=norm.epsilon if norm is not None else 1e-6,
+                          base=self.rotary_base)
 
   def _dropout(self, deterministic, rngs):
     if self.dropout_rate == 0.0 or deterministic in (None, True):

@@ -1,5 +1,6 @@
 """The face of ``probjax.ops.norm``: RMS and layer norm with an optional fused residual add,
-and DiT's adaLN modulation, with ``explain_dispatch``.
+DiT's adaLN modulation, and attention's fused per-head q/k RMS norm + RoPE, with
+``explain_dispatch``.
 
 >>> import jax, jax.numpy as jnp
 >>> k = jax.random.split(jax.random.key(0), 3)
@@ -25,7 +26,8 @@ from probjax.ops.norm.call import NormCall
 from probjax.ops.norm.dispatch import decide, device_of
 from probjax.ops.norm.registry import REGISTRY
 
-__all__ = ["rms_norm", "layer_norm", "adaln_modulate", "explain_dispatch", "available_implementations", "NormCall"]
+__all__ = ["rms_norm", "layer_norm", "adaln_modulate", "qk_norm_rotary", "explain_dispatch",
+           "available_implementations", "NormCall"]
 
 NORMS = ("layer", "rms")
 
@@ -176,6 +178,59 @@ def adaln_modulate(x, shift, scale, *, norm: str = "layer", eps: float = 1e-6, r
   shift, scale = _modulation("shift", shift, x), _modulation("scale", scale, x)
   return _run(x, residual, 1 + scale, shift, kind=norm, eps=eps, affine="rows", implementation=implementation,
               interpret=interpret)
+
+
+def qk_norm_rotary(x, scale=None, positions=None, *, eps: float = 1e-6, base: float = 10000.0,
+                   implementation: str | None = None, interpret: bool = False):
+  """Attention's q/k preparation in one pass: the per-head RMS norm ``x * (rsqrt(mean(x**2) +
+  eps) * scale)`` over ``head_dim`` (as ``flax.nnx.RMSNorm``), then RoPE (rotate-half, as
+  :func:`probjax.nn.layers.rotary.apply_rotary`) by integer ``positions``.
+
+  Everything in float32 (float64 for float64 inputs), rounded to x's dtype once at the end.
+
+  Args:
+    x: ``[batch, seq, heads, head_dim]`` floating point (head_dim even with ``positions``).
+    scale: ``[head_dim]``, the norm's learned scale; None: no norm.
+    positions: ``[batch, seq]`` integers; None: no rotation. ``scale`` and ``positions`` may not
+      both be None.
+    eps: added to the mean square.
+    base: RoPE's base (frequencies ``base ** (-2i / head_dim)``).
+    implementation: None (the default) or a backend name, as :func:`rms_norm`'s.
+    interpret: run the Pallas kernels in interpret mode (any platform).
+
+  Returns:
+    ``y``, x's shape and dtype. Differentiable in ``x`` and ``scale``.
+  """
+  _floating("x", x)
+  if x.ndim != 4 or x.shape[-1] < 1:
+    raise ValueError(f"x must be [batch, seq, heads, head_dim], got shape {x.shape}")
+  if scale is None and positions is None:
+    raise ValueError("qk_norm_rotary needs scale (the norm) or positions (the rotation), got neither")
+  if scale is not None:
+    _check_vector("scale", scale, x.shape[-1])
+  if positions is not None:
+    if not hasattr(positions, "shape") or not hasattr(positions, "dtype"):
+      raise TypeError(f"positions must be an integer array [batch, seq], got {type(positions).__name__}")
+    if not jnp.issubdtype(positions.dtype, jnp.integer):
+      raise TypeError(f"positions must be integers [batch, seq], got {positions.dtype}")
+    if positions.shape != x.shape[:2]:
+      raise ValueError(f"positions must be [batch, seq] = {x.shape[:2]}, got shape {positions.shape}")
+    if x.shape[-1] % 2:
+      raise ValueError(f"x's head_dim must be even for the rotation (positions given), got {x.shape[-1]}")
+  if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps >= 0:
+    raise ValueError(f"eps must be a non-negative number, got {eps!r}")
+  if isinstance(base, bool) or not isinstance(base, numbers.Real) or not base > 0:
+    raise ValueError(f"base must be a positive number, got {base!r}")
+  call = NormCall(rows=x.size // x.shape[-1], d=x.shape[-1], dtype=x.dtype, kind="rms" if scale is not None else "none",
+                  affine="columns" if scale is not None else "none", eps=float(eps), interpret=bool(interpret),
+                  rotary=positions is not None, rotary_base=float(base))
+  decision = decide(call, device_of(call), implementation)
+  return _compute_qk(decision.implementation, call, x, scale, positions)
+
+
+@compile_once
+def _compute_qk(name: str, call: NormCall, x, scale, positions):
+  return REGISTRY.get(name).qk_norm_rotary(x, scale, positions, call=call)
 
 
 def explain_dispatch(call: NormCall, *, implementation: str | None = None, device: Device | None = None) -> Decision:

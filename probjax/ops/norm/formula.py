@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 
@@ -23,3 +24,25 @@ def fused(x, residual, mul, add, *, kind: str, eps: float, acc):
   if add is not None:
     y = y + add.astype(acc)
   return y.astype(x.dtype), h
+
+
+def inv_freq(d: int, base: float, acc):
+  """RoPE's ``[d // 2]`` frequencies ``base ** (-2i / d)`` in ``acc``, as
+  :func:`probjax.nn.layers.rotary.apply_rotary`."""
+  return base ** (-jnp.arange(d // 2, dtype=acc) * 2.0 / d)
+
+
+def qk_norm_rotary(x, scale, positions, *, eps: float, base: float, acc):
+  """``x [batch, seq, heads, d]``: ``x * (rsqrt(mean(x**2) + eps) * scale)`` over ``d`` (as
+  ``flax.nnx.RMSNorm``; skipped when ``scale`` is None), then the rotate-half RoPE by
+  ``positions [batch, seq]`` (skipped when None), all in ``acc``; the output in x's dtype."""
+  y = x.astype(acc)
+  if scale is not None:
+    y = y * (jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + eps) * scale.astype(acc))
+  if positions is not None:
+    half = x.shape[-1] // 2
+    angles = positions.astype(acc)[..., None] * inv_freq(x.shape[-1], base, acc)     # [b, t, half]
+    cos, sin = jnp.cos(angles)[:, :, None], jnp.sin(angles)[:, :, None]              # [b, t, 1, half]
+    y1, y2 = y[..., :half], y[..., half:]
+    y = jnp.concatenate([y1 * cos - y2 * sin, y2 * cos + y1 * sin], axis=-1)
+  return y.astype(x.dtype)

@@ -58,3 +58,30 @@ def reference_jvp(tangents, x, *, kind: str, eps: float, **arrays):
     primals = _f64(dict(x=x, **arrays))
     _, (ty, th) = jax.jvp(lambda p: _formula(p, kind, eps), (primals,), (_f64(tangents),))
     return np.asarray(ty), np.asarray(th)
+
+
+def _qk(arrays, positions, eps, base):
+  from probjax.ops.norm.formula import qk_norm_rotary
+  return qk_norm_rotary(arrays["x"], arrays.get("scale"), positions, eps=eps, base=base, acc=jnp.float64)
+
+
+def reference_qk_norm_rotary(x, scale, positions, *, eps: float = 1e-6, base: float = 10000.0):
+  """numpy float64 ``y`` of :func:`probjax.ops.norm.qk_norm_rotary` (``scale``/``positions``
+  None: no norm / no rotation)."""
+  with jax.enable_x64(True):
+    return np.asarray(_qk(_f64(dict(x=x, scale=scale)), positions, eps, base))
+
+
+def reference_qk_norm_rotary_grads(dy, x, scale, positions, *, eps: float = 1e-6, base: float = 10000.0):
+  """numpy float64 ``{"x": dx, "scale": dscale}`` (scale's only when given) of ``<dy, y>``."""
+  with jax.enable_x64(True):
+    y, pull = jax.vjp(lambda p: _qk(p, positions, eps, base), _f64(dict(x=x, scale=scale)))
+    (grads,) = pull(jnp.asarray(np.asarray(dy, np.float64)))
+    return {k: np.asarray(v) for k, v in grads.items()}
+
+
+def reference_qk_norm_rotary_jvp(tangents, x, scale, positions, *, eps: float = 1e-6, base: float = 10000.0):
+  """numpy float64 derivative of ``y`` along ``tangents`` (a dict over ``x`` and ``scale``)."""
+  with jax.enable_x64(True):
+    _, ty = jax.jvp(lambda p: _qk(p, positions, eps, base), (_f64(dict(x=x, scale=scale)),), (_f64(tangents),))
+    return np.asarray(ty)

@@ -1,7 +1,11 @@
 """``"triton"``: Pallas-Triton row kernels (``kernels.py``) under a ``custom_vjp``: the forward
 saves ``h``, the rows' mean and inverse deviation; the backward kernel gives ``dx`` (=
 ``dresidual``) and ``dy * xhat``, whose sums over rows (the multiplier's gradient) and ``dy``'s
-(the offset's) run in XLA. Forward mode is not defined (a ``custom_vjp``); use ``"xla"``."""
+(the offset's) run in XLA. Forward mode is not defined (a ``custom_vjp``); use ``"xla"``.
+
+``qk_norm_rotary``: one kernel reads x's rows once and writes y once; its backward recomputes
+the norm from ``x`` and writes ``dx`` and each program's share of ``dscale`` (summed in XLA, a
+fixed order)."""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from probjax.core.backend import Backend
 from probjax.core.device import Device
 from probjax.ops.norm.backends.triton import kernels
 from probjax.ops.norm.call import NormCall
+from probjax.ops.norm.formula import inv_freq
 
 DTYPES = ("float32", "bfloat16", "float16")
 # Widest row a program holds in registers (padded to a power of two).
@@ -37,6 +42,18 @@ class Triton(Backend[NormCall]):
 
   def __call__(self, x, residual, mul, add, *, call: NormCall):
     return _norm(x, residual, mul, add, call)
+
+  def qk_norm_rotary(self, x, scale, positions, *, call: NormCall):
+    """``x [batch, seq, heads, head_dim]`` as ``[rows, head_dim]`` rows; the positions
+    broadcast over heads to one float32 per row (exact below 2**24), the frequencies from XLA."""
+    b, t, h, d = x.shape
+    pos = freq = None
+    if positions is not None:
+      pos = jnp.broadcast_to(positions.astype(jnp.float32)[:, :, None], (b, t, h)).reshape(-1)
+      freq = inv_freq(d, call.rotary_base, jnp.float32)[None]
+    s = None if scale is None else scale.reshape(1, d)
+    y = _qk(x.reshape(-1, d), s, pos, freq, call)
+    return y.reshape(x.shape)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -68,3 +85,23 @@ def _bwd(call, res, cts):
 
 
 _norm.defvjp(_fwd, _bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _qk(x, scale, pos, freq, call):
+  return kernels.qk_forward(x, scale, pos, freq, eps=call.eps, interpret=call.interpret)
+
+
+def _qk_fwd(x, scale, pos, freq, call):
+  return _qk(x, scale, pos, freq, call), (x, scale, pos, freq)
+
+
+def _qk_bwd(call, res, dy):
+  x, scale, pos, freq = res
+  dx, partials = kernels.qk_backward(x, dy, scale, pos, freq, eps=call.eps, interpret=call.interpret)
+  dscale = None if scale is None else jnp.sum(partials, 0, keepdims=True).astype(scale.dtype)
+  zero = lambda a: None if a is None else jnp.zeros_like(a)
+  return dx, dscale, zero(pos), zero(freq)
+
+
+_qk.defvjp(_qk_fwd, _qk_bwd)

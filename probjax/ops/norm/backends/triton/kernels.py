@@ -134,3 +134,126 @@ def backward(h, mean, rstd, dy, mul, dh, *, kind, interpret):
   return pl.pallas_call(
       kernel, grid=(pl.cdiv(n_rows, br),), compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS),
       out_shape=(f32, f32), interpret=interpret, name="probjax_norm_bwd")(*ops)
+
+
+# -- attention's q/k RMS norm + RoPE ---------------------------------------------------------
+# A row is one (batch, seq, head)'s head_dim features; with the rotation it is read as its two
+# halves (rotate-half pairs feature i with i + head_dim / 2), each a masked power-of-two block.
+
+
+def _qk_layout(n_rows, d, rotary):
+  w = d // 2 if rotary else d
+  bw = block(w)
+  return w, bw, max(1, min(BLOCK_ELEMENTS // (2 * bw if rotary else bw), block(n_rows)))
+
+
+def _qk_parts(ref, br, bw, n_rows, w, rotary):
+  """``[(load, store)]``: one per half (two with the rotation, else the whole row)."""
+  pid = pl.program_id(0)
+  rows = pid * br + jax.lax.broadcasted_iota(jnp.int32, (br, bw), 0)
+  cols = jax.lax.broadcasted_iota(jnp.int32, (br, bw), 1)
+  mask = (rows < n_rows) & (cols < w)
+  parts = []
+  for start in ((0, w) if rotary else (0,)):
+    window = ref.at[pl.ds(pid * br, br), pl.ds(pid * 0 + start, bw)]
+    parts.append((functools.partial(lambda win: plgpu.load(win, mask=mask, other=0).astype(jnp.float32), window),
+                  functools.partial(lambda win, v: plgpu.store(win, v.astype(ref.dtype), mask=mask), window)))
+  return parts, mask
+
+
+def _qk_vector(ref, bw, w, rotary):
+  """The ``[1, d]`` vector's halves (or whole), ``[1, bw]`` float32 each."""
+  cols = jax.lax.broadcasted_iota(jnp.int32, (1, bw), 1)
+  pid = pl.program_id(0)
+  return [plgpu.load(ref.at[pl.ds(pid * 0, 1), pl.ds(pid * 0 + s, bw)], mask=cols < w, other=0).astype(jnp.float32)
+          for s in ((0, w) if rotary else (0,))]
+
+
+def _qk_trig(pos_ref, f_ref, br, bw, n_rows, w):
+  pid = pl.program_id(0)
+  rows = pid * br + jax.lax.broadcasted_iota(jnp.int32, (br,), 0)
+  pos = plgpu.load(pos_ref.at[pl.ds(pid * br, br)], mask=rows < n_rows, other=0)
+  cols = jax.lax.broadcasted_iota(jnp.int32, (1, bw), 1)
+  freq = plgpu.load(f_ref.at[pl.ds(pid * 0, 1), pl.ds(pid * 0, bw)], mask=cols < w, other=0)
+  angles = pos[:, None] * freq
+  return jnp.cos(angles), jnp.sin(angles)
+
+
+def _qk_forward_kernel(*refs, norm, rotary, eps, n_rows, d, w, br, bw):
+  refs = list(refs)
+  x_ref = refs.pop(0)
+  s_ref = refs.pop(0) if norm else None
+  pos_ref, f_ref = (refs.pop(0), refs.pop(0)) if rotary else (None, None)
+  (y_ref,) = refs
+  parts, _ = _qk_parts(x_ref, br, bw, n_rows, w, rotary)
+  xs = [load() for load, _ in parts]
+  if norm:
+    rstd = jax.lax.rsqrt(sum(jnp.sum(v * v, axis=1, keepdims=True) for v in xs) / d + eps)
+    xs = [v * (rstd * g) for v, g in zip(xs, _qk_vector(s_ref, bw, w, rotary))]
+  if rotary:
+    cos, sin = _qk_trig(pos_ref, f_ref, br, bw, n_rows, w)
+    xs = [xs[0] * cos - xs[1] * sin, xs[1] * cos + xs[0] * sin]
+  for (_, store), v in zip(_qk_parts(y_ref, br, bw, n_rows, w, rotary)[0], xs):
+    store(v)
+
+
+def qk_forward(x, scale, pos, freq, *, eps, interpret):
+  """``y [rows, d]`` in x's dtype: ``x [rows, d]``, ``scale [1, d]`` (or None), ``pos [rows]``
+  float32 and ``freq [1, d // 2]`` float32 (both None without the rotation)."""
+  n_rows, d = x.shape
+  rotary = pos is not None
+  w, bw, br = _qk_layout(n_rows, d, rotary)
+  kernel = functools.partial(_qk_forward_kernel, norm=scale is not None, rotary=rotary, eps=eps, n_rows=n_rows, d=d,
+                             w=w, br=br, bw=bw)
+  ops = [a for a in (x, scale, pos, freq) if a is not None]
+  return pl.pallas_call(
+      kernel, grid=(pl.cdiv(n_rows, br),), compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS),
+      out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=interpret, name="probjax_qk_norm_rotary_fwd")(*ops)
+
+
+def _qk_backward_kernel(*refs, norm, rotary, eps, n_rows, d, w, br, bw):
+  refs = list(refs)
+  x_ref, g_ref = refs.pop(0), refs.pop(0)
+  s_ref = refs.pop(0) if norm else None
+  pos_ref, f_ref = (refs.pop(0), refs.pop(0)) if rotary else (None, None)
+  dx_ref = refs.pop(0)
+  ds_ref = refs.pop(0) if norm else None
+  dys = [load() for load, _ in _qk_parts(g_ref, br, bw, n_rows, w, rotary)[0]]
+  if rotary:  # the rotation's transpose
+    cos, sin = _qk_trig(pos_ref, f_ref, br, bw, n_rows, w)
+    dys = [dys[0] * cos + dys[1] * sin, dys[1] * cos - dys[0] * sin]
+  if norm:
+    xs = [load() for load, _ in _qk_parts(x_ref, br, bw, n_rows, w, rotary)[0]]
+    rstd = jax.lax.rsqrt(sum(jnp.sum(v * v, axis=1, keepdims=True) for v in xs) / d + eps)
+    gs = _qk_vector(s_ref, bw, w, rotary)
+    du = dys
+    dn = [g * dy for g, dy in zip(gs, du)]
+    proj = sum(jnp.sum(a * v, axis=1, keepdims=True) for a, v in zip(dn, xs)) / d
+    dys = [rstd * a - v * (rstd * rstd * rstd) * proj for a, v in zip(dn, xs)]
+    # This program's rows' share of dscale, one [1, d] row per program (summed in XLA).
+    pid = pl.program_id(0)
+    cols = jax.lax.broadcasted_iota(jnp.int32, (1, bw), 1)
+    for s, u, v in zip((0, w) if rotary else (0,), du, xs):
+      plgpu.store(ds_ref.at[pl.ds(pid, 1), pl.ds(pid * 0 + s, bw)], jnp.sum(u * v * rstd, axis=0, keepdims=True),
+                  mask=cols < w)
+  for (_, store), v in zip(_qk_parts(dx_ref, br, bw, n_rows, w, rotary)[0], dys):
+    store(v)
+
+
+def qk_backward(x, dy, scale, pos, freq, *, eps, interpret):
+  """``(dx [rows, d] in x's dtype, dscale partials [programs, d] float32 or None)``, the forward
+  recomputed from ``x``."""
+  n_rows, d = x.shape
+  rotary = pos is not None
+  w, bw, br = _qk_layout(n_rows, d, rotary)
+  grid = pl.cdiv(n_rows, br)
+  kernel = functools.partial(_qk_backward_kernel, norm=scale is not None, rotary=rotary, eps=eps, n_rows=n_rows,
+                             d=d, w=w, br=br, bw=bw)
+  ops = [a for a in (x, dy, scale, pos, freq) if a is not None]
+  out = [jax.ShapeDtypeStruct(x.shape, x.dtype)]
+  if scale is not None:
+    out.append(jax.ShapeDtypeStruct((grid, d), jnp.float32))
+  res = pl.pallas_call(
+      kernel, grid=(grid,), compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS), out_shape=tuple(out),
+      interpret=interpret, name="probjax_qk_norm_rotary_bwd")(*ops)
+  return (res[0], res[1]) if scale is not None else (res[0], None)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from probjax.core.backend import Backend
 from probjax.ops.norm.call import NormCall
-from probjax.ops.norm.formula import fused
+from probjax.ops.norm.formula import fused, qk_norm_rotary
 
 
 class Xla(Backend[NormCall]):
@@ -22,3 +22,9 @@ class Xla(Backend[NormCall]):
     Returns ``(y, h)``, both ``[rows, d]`` in x's dtype."""
     acc = jnp.promote_types(x.dtype, jnp.float32)
     return fused(x, residual, mul, add, kind=call.kind, eps=call.eps, acc=acc)
+
+  def qk_norm_rotary(self, x, scale, positions, *, call: NormCall):
+    """``x [batch, seq, heads, head_dim]``, ``scale [head_dim]`` or None, ``positions [batch,
+    seq]`` or None. Returns ``y``, x's shape and dtype."""
+    acc = jnp.promote_types(x.dtype, jnp.float32)
+    return qk_norm_rotary(x, scale, positions, eps=call.eps, base=call.rotary_base, acc=acc)
