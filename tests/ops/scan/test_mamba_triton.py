@@ -10,10 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from probjax.core.device import Device
 from probjax.ops import scan
 from probjax.ops.scan.backends.triton import mamba
-from probjax.testing import float32_is_tf32, pretend_h200, verify_triton_lowering
+from probjax.testing import float32_is_tf32
 from tests.ops.scan.conformance import check, inputs
 
 TF32 = float32_is_tf32()
@@ -52,13 +51,6 @@ def test_geometries_against_the_reference(monkeypatch, length, channels, state, 
 
 
 # -- lowering for sm_90 (Pallas -> Triton IR; Triton's own compilation needs the GPU) ----------
-
-@pytest.fixture
-def fake_h200(monkeypatch):
-  pretend_h200(monkeypatch)
-  monkeypatch.setattr(Device, "current", classmethod(lambda cls: Device("gpu", (9, 0), 140 << 30)))
-  verify_triton_lowering(monkeypatch)
-
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_benchmark_shape_lowers_for_sm90(fake_h200, dtype):

@@ -12,7 +12,6 @@ from probjax.core.device import Device
 from probjax.ops import scan
 from probjax.ops.scan import dispatch, registry
 from probjax.ops.scan.calls import MambaCall, RLACall, SSDCall
-from probjax.testing import pretend_h200, verify_triton_lowering
 
 CPU = Device("cpu")
 H200 = Device("gpu", (9, 0), 140 << 30)
@@ -433,13 +432,6 @@ def test_the_face_is_one_set_of_objects():
 
 
 # -- lowering for sm_90 (Pallas -> Triton IR; Triton's own compilation needs the GPU) ----------
-
-@pytest.fixture
-def fake_h200(monkeypatch):
-  pretend_h200(monkeypatch)
-  monkeypatch.setattr(Device, "current", classmethod(lambda cls: H200))
-  verify_triton_lowering(monkeypatch)
-
 
 def _kernels(fn, *args):
   text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

@@ -11,11 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from probjax.core.device import Device
 from probjax.ops import scan
 from probjax.ops.scan import dispatch
 from probjax.ops.scan.calls import SSDCall
-from probjax.testing import float32_is_tf32, interpret_kernels, pretend_h200, verify_triton_lowering
+from probjax.testing import float32_is_tf32, interpret_kernels
 from tests.ops.scan.conformance import check
 
 TF32 = float32_is_tf32()
@@ -74,13 +73,6 @@ def test_asked_for_the_kernels_differentiate_themselves():
 
 
 # -- lowering for sm_90 (Pallas -> Triton IR; Triton's own compilation needs the GPU) ----------
-
-@pytest.fixture
-def fake_h200(monkeypatch):
-  pretend_h200(monkeypatch)
-  monkeypatch.setattr(Device, "current", classmethod(lambda cls: Device("gpu", (9, 0), 140 << 30)))
-  verify_triton_lowering(monkeypatch)
-
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_full_size_lowers_for_sm90(fake_h200, dtype):

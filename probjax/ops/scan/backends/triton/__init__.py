@@ -73,26 +73,31 @@ def kernel_chunk(call) -> int:
   return min(CHUNK, common.block(call.length, 16))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _mamba(call, x, dt, A, B, C, h0):
-  return mamba_kernel.forward(x, dt, A, B, C, h0, interpret=call.interpret)
+def _state_kernels(module, plain, saving_states):
+  """``f(call, x, dt, A, B, C, h0) -> (y, h_L)``: ``module``'s forward kernel, differentiated by
+  its backward kernel from the inputs and the states entering each chunk (Mamba-1 and SSD take
+  the same operands). ``plain(call)`` and ``saving_states(call)``: the forward's keywords without
+  and with those states among its outputs (an undifferentiated call does not write them)."""
+  def forward(call, *args):
+    return module.forward(*args, interpret=call.interpret, **plain(call))
+
+  f = jax.custom_vjp(forward, nondiff_argnums=(0,))
+
+  def fwd(call, *args):
+    y, h, hc = module.forward(*args, interpret=call.interpret, **saving_states(call))
+    return (y, h), (*args[:5], hc)   # h0 is not needed: hc holds the state entering each chunk
+
+  def bwd(call, res, ct):
+    grads = module.backward(*res, *ct, chunk=kernel_chunk(call), interpret=call.interpret)
+    x, dt, A, B, C = res[:5]
+    # h0 is in the compute dtype, like A.
+    return tuple(g.astype(t.dtype) for g, t in zip(grads, (x, dt, A, B, C, A)))
+
+  f.defvjp(fwd, bwd)
+  return f
 
 
-def _mamba_fwd(call, x, dt, A, B, C, h0):
-  y, h, hc = mamba_kernel.forward(x, dt, A, B, C, h0, chunk=kernel_chunk(call), interpret=call.interpret)
-  return (y, h), (x, dt, A, B, C, hc)
-
-
-def _mamba_bwd(call, res, ct):
-  x, dt, A, B, C, hc = res
-  dx, ddt, dA, dB, dC, dh0 = mamba_kernel.backward(x, dt, A, B, C, hc, *ct, chunk=kernel_chunk(call),
-                                                   interpret=call.interpret)
-  # h0 is in the compute dtype, like A.
-  return (dx.astype(x.dtype), ddt.astype(dt.dtype), dA.astype(A.dtype), dB.astype(B.dtype),
-          dC.astype(C.dtype), dh0.astype(A.dtype))
-
-
-_mamba.defvjp(_mamba_fwd, _mamba_bwd)
+_mamba = _state_kernels(mamba_kernel, lambda call: {}, lambda call: dict(chunk=kernel_chunk(call)))
 
 
 class MambaTriton(_Triton, Backend[MambaCall]):
@@ -105,27 +110,8 @@ class MambaTriton(_Triton, Backend[MambaCall]):
     return _mamba(call, x, dt, A, B, C, h0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ssd(call, x, dt, A, B, C, h0):
-  return ssd_kernel.forward(x, dt, A, B, C, h0, chunk=kernel_chunk(call), interpret=call.interpret)
-
-
-def _ssd_fwd(call, x, dt, A, B, C, h0):
-  y, h, hc = ssd_kernel.forward(x, dt, A, B, C, h0, chunk=kernel_chunk(call), interpret=call.interpret,
-                                residuals=True)
-  return (y, h), (x, dt, A, B, C, hc)
-
-
-def _ssd_bwd(call, res, ct):
-  x, dt, A, B, C, hc = res
-  dx, ddt, dA, dB, dC, dh0 = ssd_kernel.backward(x, dt, A, B, C, hc, *ct, chunk=kernel_chunk(call),
-                                                 interpret=call.interpret)
-  # h0 is in the compute dtype, like A.
-  return (dx.astype(x.dtype), ddt.astype(dt.dtype), dA.astype(A.dtype), dB.astype(B.dtype),
-          dC.astype(C.dtype), dh0.astype(A.dtype))
-
-
-_ssd.defvjp(_ssd_fwd, _ssd_bwd)
+_ssd = _state_kernels(ssd_kernel, lambda call: dict(chunk=kernel_chunk(call)),
+                      lambda call: dict(chunk=kernel_chunk(call), residuals=True))
 
 
 class SSDTriton(_Triton, Backend[SSDCall]):
