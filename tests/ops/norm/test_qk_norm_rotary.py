@@ -94,3 +94,25 @@ P = jnp.zeros((2, 3), jnp.int32)
 def test_bad_inputs_name_the_argument(fn, err, match):
   with pytest.raises(err, match=match):
     fn()
+
+
+# -- on the GPU ---------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dt", ["bfloat16", "float32"])
+def test_gpu_lm_shape_matches_the_xla_backend(dt):
+  """The LM step's q, [8, 2048, 12, 64], norm and RoPE at positions up to 2047: the kernels'
+  values and gradients against the XLA backend's, whose angles are rounded alike (float32), so
+  the difference is the kernels' own."""
+  x, scale, _ = inputs((8, 2048, 12, 64), "both", dt, seed=5)
+  positions = jnp.broadcast_to(jnp.arange(2048, dtype=jnp.int32), (8, 2048))
+  dy = jnp.asarray(np.random.default_rng(6).standard_normal(x.shape), dt)
+
+  def run(impl):
+    f = lambda x, s: qk_norm_rotary(x, s, positions, implementation=impl)
+    y, vjp = jax.vjp(f, x, scale)
+    return (y, *vjp(dy))
+
+  for got, want, grad in zip(run("triton"), run("xla"), (False, True, True)):
+    assert got.dtype == want.dtype
+    assert max_error(got, want) <= tolerance(dt, grad=grad)
