@@ -18,7 +18,7 @@ def _lm(tie, dtype=jnp.float32):
 
 
 def _unfused(model, tokens, labels, **kw):
-  logits = model(tokens)
+  logits = model(tokens).astype(jnp.float32)
   lse = jax.nn.logsumexp(logits, -1)
   valid = labels != -100
   lab = jnp.take_along_axis(logits, jnp.where(valid, labels, 0)[..., None], -1)[..., 0]
@@ -42,6 +42,24 @@ def test_loss_and_gradients_equal_the_unfused_head(tie, kw):
   np.testing.assert_allclose(float(a), loss_from_logits64(model(tokens), labels, **kw), rtol=tol)
   for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
     assert float(jnp.max(jnp.abs(x - y))) <= tol * max(1.0, float(jnp.max(jnp.abs(y))))
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_bfloat16_model_equals_the_unfused_head_within_bfloat16_tolerance(tie):
+  """A bf16 model: the fused loss and its parameter gradients against the loss of the model's
+  own (bf16) logits, each within bf16's bound, scaled by the gradient's largest entry."""
+  model = _lm(tie, jnp.bfloat16)
+  tokens = jnp.asarray(np.random.default_rng(1).integers(0, 61, (2, 11)), jnp.int32)
+  labels = jnp.concatenate([tokens[:, 1:], jnp.full((2, 1), -100, jnp.int32)], 1)
+  graphdef, params = nnx.split(model)
+  fused = lambda p: nnx.merge(graphdef, p).loss(tokens)
+  plain = lambda p: _unfused(nnx.merge(graphdef, p), tokens, labels)
+  (a, ga), (b, gb) = jax.value_and_grad(fused)(params), jax.value_and_grad(plain)(params)
+  assert abs(float(a) - float(b)) <= tolerance(jnp.bfloat16) * max(1.0, abs(float(b)))
+  tol = tolerance(jnp.bfloat16, grad=True)
+  for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    assert np.all(np.isfinite(x)) and np.max(np.abs(x - y)) <= tol * max(1e-12, np.max(np.abs(y)))
 
 
 def test_labels_and_errors():
