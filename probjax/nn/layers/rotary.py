@@ -16,6 +16,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from probjax.nn.layers._checks import check_array
+from probjax.ops.norm.formula import rotate
 
 __all__ = ["apply_rotary", "default_positions"]
 
@@ -43,12 +44,5 @@ def apply_rotary(x, positions, *, base: float = 10000.0):
   if positions.shape != x.shape[:2]:
     raise ValueError(f"apply_rotary: positions must have shape [batch, seq] = {x.shape[:2]}, "
                      f"got {positions.shape}")
-  half = head_dim // 2
   ct = jnp.promote_types(x.dtype, jnp.float32)  # float32, or float64 under x64
-  inv_freq = base ** (-jnp.arange(half, dtype=ct) * 2.0 / head_dim)
-  angles = positions.astype(ct)[..., None] * inv_freq                  # [b, t, half]
-  cos, sin = jnp.cos(angles)[:, :, None], jnp.sin(angles)[:, :, None]  # [b, t, 1, half]
-  x1, x2 = x[..., :half], x[..., half:]
-  x1, x2 = x1.astype(ct), x2.astype(ct)
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x.dtype)
+  return rotate(x, positions, base=base, acc=ct).astype(x.dtype)

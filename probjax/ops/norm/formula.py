@@ -28,7 +28,7 @@ def fused(x, residual, mul, add, *, kind: str, eps: float, acc):
 
 def inv_freq(d: int, base: float, acc):
   """RoPE's ``[d // 2]`` frequencies ``base ** (-2i / d)`` in ``acc``, as
-  :func:`probjax.nn.layers.rotary.apply_rotary`."""
+  :func:`rotate` and :func:`probjax.nn.layers.rotary.apply_rotary`."""
   return base ** (-jnp.arange(d // 2, dtype=acc) * 2.0 / d)
 
 
@@ -40,9 +40,15 @@ def qk_norm_rotary(x, scale, positions, *, eps: float, base: float, acc):
   if scale is not None:
     y = y * (jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + eps) * scale.astype(acc))
   if positions is not None:
-    half = x.shape[-1] // 2
-    angles = positions.astype(acc)[..., None] * inv_freq(x.shape[-1], base, acc)     # [b, t, half]
-    cos, sin = jnp.cos(angles)[:, :, None], jnp.sin(angles)[:, :, None]              # [b, t, 1, half]
-    y1, y2 = y[..., :half], y[..., half:]
-    y = jnp.concatenate([y1 * cos - y2 * sin, y2 * cos + y1 * sin], axis=-1)
+    y = rotate(y, positions, base=base, acc=acc)
   return y.astype(x.dtype)
+
+
+def rotate(y, positions, *, base: float, acc):
+  """The rotate-half RoPE of ``y [batch, seq, heads, d]`` (d even) by ``positions [batch, seq]``:
+  feature pairs ``(i, i + d/2)`` turned by ``positions * base ** (-2i / d)``, all in ``acc``."""
+  half = y.shape[-1] // 2
+  angles = positions.astype(acc)[..., None] * inv_freq(y.shape[-1], base, acc)     # [b, t, half]
+  cos, sin = jnp.cos(angles)[:, :, None], jnp.sin(angles)[:, :, None]              # [b, t, 1, half]
+  y1, y2 = y[..., :half].astype(acc), y[..., half:].astype(acc)
+  return jnp.concatenate([y1 * cos - y2 * sin, y2 * cos + y1 * sin], axis=-1)
