@@ -179,6 +179,11 @@ def _qk_trig(pos_ref, f_ref, br, bw, n_rows, w):
   return jnp.cos(angles), jnp.sin(angles)
 
 
+def _qk_rstd(parts, d, eps):
+  """``[br, 1]``: the rows' inverse RMS over their ``d`` features, held as ``parts`` (halves)."""
+  return jax.lax.rsqrt(sum(jnp.sum(v * v, axis=1, keepdims=True) for v in parts) / d + eps)
+
+
 def _qk_forward_kernel(*refs, norm, rotary, eps, n_rows, d, w, br, bw):
   refs = list(refs)
   x_ref = refs.pop(0)
@@ -188,7 +193,7 @@ def _qk_forward_kernel(*refs, norm, rotary, eps, n_rows, d, w, br, bw):
   parts, _ = _qk_parts(x_ref, br, bw, n_rows, w, rotary)
   xs = [load() for load, _ in parts]
   if norm:
-    rstd = jax.lax.rsqrt(sum(jnp.sum(v * v, axis=1, keepdims=True) for v in xs) / d + eps)
+    rstd = _qk_rstd(xs, d, eps)
     xs = [v * (rstd * g) for v, g in zip(xs, _qk_vector(s_ref, bw, w, rotary))]
   if rotary:
     cos, sin = _qk_trig(pos_ref, f_ref, br, bw, n_rows, w)
@@ -224,18 +229,17 @@ def _qk_backward_kernel(*refs, norm, rotary, eps, n_rows, d, w, br, bw):
     dys = [dys[0] * cos + dys[1] * sin, dys[1] * cos - dys[0] * sin]
   if norm:
     xs = [load() for load, _ in _qk_parts(x_ref, br, bw, n_rows, w, rotary)[0]]
-    rstd = jax.lax.rsqrt(sum(jnp.sum(v * v, axis=1, keepdims=True) for v in xs) / d + eps)
+    rstd = _qk_rstd(xs, d, eps)
     gs = _qk_vector(s_ref, bw, w, rotary)
-    du = dys
-    dn = [g * dy for g, dy in zip(gs, du)]
+    dn = [g * dy for g, dy in zip(gs, dys)]
     proj = sum(jnp.sum(a * v, axis=1, keepdims=True) for a, v in zip(dn, xs)) / d
-    dys = [rstd * a - v * (rstd * rstd * rstd) * proj for a, v in zip(dn, xs)]
     # This program's rows' share of dscale, one [1, d] row per program (summed in XLA).
     pid = pl.program_id(0)
     cols = jax.lax.broadcasted_iota(jnp.int32, (1, bw), 1)
-    for s, u, v in zip((0, w) if rotary else (0,), du, xs):
+    for s, u, v in zip((0, w) if rotary else (0,), dys, xs):
       plgpu.store(ds_ref.at[pl.ds(pid, 1), pl.ds(pid * 0 + s, bw)], jnp.sum(u * v * rstd, axis=0, keepdims=True),
                   mask=cols < w)
+    dys = [rstd * a - v * (rstd * rstd * rstd) * proj for a, v in zip(dn, xs)]
   for (_, store), v in zip(_qk_parts(dx_ref, br, bw, n_rows, w, rotary)[0], dys):
     store(v)
 
