@@ -32,6 +32,7 @@ was traced.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -188,17 +189,24 @@ def _timed(fn: Callable, differentiated: bool) -> Callable:
 def measure(call: AttentionCall, names: list[str], differentiated: bool) -> tuple[dict, dict]:
   """``(ms, errors)`` of the candidates ``names`` (:func:`probjax.core.autotune.time_candidates`)
   on random inputs of the call's shapes; forward, or forward and backward (``jax.vjp``) where
-  ``differentiated``. Runs eagerly, also inside a trace."""
-  with jax.ensure_compile_time_eval():
-    kq, kk, kv = jax.random.split(jax.random.key(0), 3)
-    q = jax.random.normal(kq, call.q_shape, call.dtype)
-    k = jax.random.normal(kk, call.kv_shape, call.dtype)
-    v = jax.random.normal(kv, call.kv_shape[:3] + (call.value_head_dim,), call.dtype)
-    mask = _concrete_mask(call.mask, call)
-    scale = call.head_dim ** -0.5 if call.scale is None else call.scale
-    measured = dataclasses.replace(call, mask=mask, scale=scale)
-    fns = {n: functools.partial(_timed(_runner(n, measured, mask), differentiated), q, k, v) for n in names}
-    return core.time_candidates(fns, timer=TIMER)
+  ``differentiated``. Runs eagerly, also inside a trace: in a thread of its own (JAX's trace
+  state is per thread), so that each candidate is compiled and run as a program. Evaluating
+  under ``jax.ensure_compile_time_eval`` instead would fold a kernel body's primitives that take
+  no operands (``program_id``) one by one, and every Pallas candidate would fail."""
+  with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="probjax-autotune") as pool:
+    return pool.submit(_measure_here, call, names, differentiated).result()
+
+
+def _measure_here(call: AttentionCall, names: list[str], differentiated: bool) -> tuple[dict, dict]:
+  kq, kk, kv = jax.random.split(jax.random.key(0), 3)
+  q = jax.random.normal(kq, call.q_shape, call.dtype)
+  k = jax.random.normal(kk, call.kv_shape, call.dtype)
+  v = jax.random.normal(kv, call.kv_shape[:3] + (call.value_head_dim,), call.dtype)
+  mask = _concrete_mask(call.mask, call)
+  scale = call.head_dim ** -0.5 if call.scale is None else call.scale
+  measured = dataclasses.replace(call, mask=mask, scale=scale)
+  fns = {n: functools.partial(_timed(_runner(n, measured, mask), differentiated), q, k, v) for n in names}
+  return core.time_candidates(fns, timer=TIMER)
 
 
 def _on_this_device(device: Device) -> bool:

@@ -160,6 +160,31 @@ def test_a_real_measurement_inside_jit_never_touches_the_callers_arrays(tmp_path
   assert entry["choice"] in entry["ms"] and not entry["errors"]
 
 
+def test_a_measurement_inside_a_trace_runs_pallas_candidates_as_programs(monkeypatch):
+  """A kernel body's operand-less primitives (``program_id``) have no eager rule: measured
+  under the caller's trace (or ``ensure_compile_time_eval``) every Pallas candidate failed."""
+  from jax.experimental import pallas as pl
+
+  def kernel(q_ref, o_ref):
+    o_ref[...] = q_ref[...] * (pl.program_id(0) + 1).astype(q_ref.dtype)
+
+  def runner(name, call, mask):
+    return lambda q, k, v: pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+                                          grid=(1,), interpret=True)(q)
+
+  monkeypatch.setattr(at, "_runner", runner)
+  call = AttentionCall(Q, KV, jnp.float32)
+  seen = []
+
+  def step(x):
+    seen.append(at.measure(call, ["pallas_a", "pallas_b"], differentiated=False))
+    return x
+
+  jax.jit(step)(jnp.ones(2))
+  (ms, errors), = seen
+  assert not errors and all(t is not None and t > 0 for t in ms.values())
+
+
 def test_recording_a_traced_step_gives_the_pretune_shapes(tmp_path, fake_measure):
   def step(q):
     return jax.grad(lambda q: probjax.dot_product_attention(q, q, q, mask=CausalMask()).sum())(q)
@@ -189,3 +214,22 @@ def test_the_pretune_commands_cache_is_read_by_a_later_process(tmp_path, monkeyp
     d = probjax.explain_dispatch((1, 32, 2, 8), (1, 32, 2, 8), jnp.float32, mask=CausalMask())
   entry, = json.loads(out.read_text())["entries"].values()
   assert d.rule.startswith(f"measured: {entry['choice']} fastest of 2 candidates ({entry['ms'][entry['choice']]:.4g} ms")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("differentiated", [False, True])
+def test_gpu_measurement_inside_jit_times_every_candidate(tmp_path, differentiated):
+  """On the GPU, measured while the caller's step is traced: every candidate (the Triton and
+  Mosaic kernels included) gets a time, none an error, and the call runs the fastest."""
+  shape = (2, 1024, 8, 64)
+  q = jax.random.normal(jax.random.key(2), shape, jnp.bfloat16)
+  f = lambda q: probjax.dot_product_attention(q, q, q, mask=CausalMask()).astype(jnp.float32).sum()
+  step = jax.jit(jax.grad(f) if differentiated else f)
+  with probjax.autotune(cache_path=tmp_path / "c.json"):
+    jax.block_until_ready(step(q))
+  entries = json.loads((tmp_path / "c.json").read_text())["entries"]
+  names = at.candidates(AttentionCall(shape, shape, jnp.bfloat16, mask=CausalMask()), Device.current(), False)
+  assert any(n.startswith(("triton", "mosaic")) for n in names), names
+  forward = next(e for k, e in entries.items() if k.endswith("|forward"))
+  assert not forward["errors"] and set(forward["ms"]) == set(names)
+  assert all(t is not None and t > 0 for e in entries.values() for t in e["ms"].values())
