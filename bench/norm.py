@@ -15,11 +15,16 @@ Cases (``--cases``, default all; ``<shape>/<op>``; ``--smoke``: the same cases a
       scale per batch element ([64, 768])
   wide/rms, wide/rms_residual, wide/layer, wide/layer_residual, wide/adaln
       a wider row: batch 4 x 2048 = 8192 tokens, d 4096
+  lm/qk
+      ``qk_norm_rotary`` at the LM step's queries: ``[8, 2048, 12, 64]``, a ``[64]`` float32
+      scale and int32 positions ``[8, 2048]`` (the norm and RoPE in one pass; MultiHeadAttention's
+      q/k go through it)
 each ``fwd`` (the outputs: ``y``, and ``h = x + residual`` with a residual) and ``fwd_bwd``
 (``jax.vjp`` in one program: the outputs and the gradient of every input, for random cotangents
 of every output), in bfloat16 by default (``--dtypes bfloat16,float32``). RMS and layer norm's
 ``scale`` and ``bias`` are ``[d]`` float32 (the models' float32 parameters); adaLN's ``shift``
-and ``scale`` are ``[B, d]`` in x's dtype (activations).
+and ``scale`` are ``[B, d]`` in x's dtype (activations). ``fwd_bwd`` differentiates the floating
+inputs only (not qk's positions).
 
 Bytes and GB/s (``bytes``, ``gb_s``, the rows' ``bytes_convention``): the bytes of the inputs
 read once plus the outputs written once, per mode: ``fwd`` reads x (and residual) and the
@@ -64,13 +69,14 @@ from bench import harness
 from bench.torch_isab_worker import pool_rounds
 from probjax.core import timing
 from probjax.core.tolerances import tolerance
-from probjax.ops.norm import NormCall, adaln_modulate, explain_dispatch, layer_norm, rms_norm
+from probjax.ops.norm import NormCall, adaln_modulate, explain_dispatch, layer_norm, qk_norm_rotary, rms_norm
 
 KEY = ("case", "impl", "mode", "dtype")
 IMPLS = ("xla", "triton", "default")
 REF = "xla"
 MODES = ("fwd", "fwd_bwd")
 OPS = ("rms", "rms_residual", "layer", "layer_residual", "adaln")
+QK = "qk"
 BYTES_CONVENTION = ("bytes of the inputs read once plus the outputs written once: fwd reads x (and residual) "
                     "and the parameters ([d] float32 scale, bias; adaLN's [B, d] shift, scale in x's dtype) "
                     "and writes y (and h); fwd_bwd also reads the cotangents of y (and h) and writes the "
@@ -83,7 +89,8 @@ class Case:
   op: str                      # one of OPS
   batch: int
   tokens: int                  # per batch element
-  d: int
+  d: int                       # the normalised width (qk: head_dim)
+  heads: int = 1               # qk: x is [batch, tokens, heads, d]
 
   @property
   def name(self) -> str:
@@ -91,17 +98,18 @@ class Case:
 
   @property
   def rows(self) -> int:
-    return self.batch * self.tokens
+    return self.batch * self.tokens * self.heads
 
 
-def _cases(sizes: dict) -> dict:
-  return {c.name: c for shape, ops in (("lm", OPS[:4]), ("dit", ("adaln",)), ("wide", OPS))
-          for c in (Case(shape, op, *sizes[shape]) for op in ops)}
+def _cases(sizes: dict, qk: tuple) -> dict:
+  cases = [Case(shape, op, *sizes[shape]) for shape, ops in (("lm", OPS[:4]), ("dit", ("adaln",)), ("wide", OPS))
+           for op in ops]
+  return {c.name: c for c in cases + [Case("lm", QK, *qk)]}
 
 
-CASES = _cases({"lm": (8, 2048, 768), "dit": (64, 256, 768), "wide": (4, 2048, 4096)})
+CASES = _cases({"lm": (8, 2048, 768), "dit": (64, 256, 768), "wide": (4, 2048, 4096)}, (8, 2048, 64, 12))
 # Widths off the kernels' power-of-two blocks and row counts off their row blocks (masked edges).
-SMOKE = _cases({"lm": (2, 16, 48), "dit": (2, 8, 40), "wide": (1, 40, 200)})
+SMOKE = _cases({"lm": (2, 16, 48), "dit": (2, 8, 40), "wide": (1, 40, 200)}, (2, 9, 24, 3))
 
 
 def make_inputs(case: Case, dtype) -> dict:
@@ -109,6 +117,9 @@ def make_inputs(case: Case, dtype) -> dict:
   their identity."""
   keys = iter(jax.random.split(jax.random.key(case.rows * 7919 + case.d), 5))
   draw = lambda shape, dt=dtype, s=1.0, c=0.0: (c + s * jax.random.normal(next(keys), shape, jnp.float32)).astype(dt)
+  if case.op == QK:
+    return dict(x=draw((case.batch, case.tokens, case.heads, case.d)), scale=draw((case.d,), jnp.float32, 0.2, 1.0),
+                positions=jnp.broadcast_to(jnp.arange(case.tokens, dtype=jnp.int32), (case.batch, case.tokens)))
   x_shape = (case.batch, case.tokens, case.d)
   a = dict(x=draw(x_shape))
   if case.op.endswith("_residual"):
@@ -128,6 +139,8 @@ def op_fn(case: Case, impl: str, interpret: bool):
 
   def f(a):
     r = a.get("residual")
+    if case.op == QK:
+      return (qk_norm_rotary(a["x"], a["scale"], a["positions"], **kw),)
     if case.op.startswith("rms"):
       out = rms_norm(a["x"], a["scale"], residual=r, **kw)
     elif case.op.startswith("layer"):
@@ -140,18 +153,19 @@ def op_fn(case: Case, impl: str, interpret: bool):
 
 def build(case: Case, impl: str, mode: str, inputs: dict, interpret: bool):
   """``(jitted fn, its arguments)``: the outputs (``fwd``), or the outputs and the gradient of
-  every input for the cotangents drawn here (``fwd_bwd``)."""
+  floating input for the cotangents drawn here (``fwd_bwd``)."""
   f = op_fn(case, impl, interpret)
   if mode == "fwd":
     return jax.jit(f), (inputs,)
   outs = jax.eval_shape(f, inputs)
   keys = jax.random.split(jax.random.key(1), len(outs))
   cts = tuple(jax.random.normal(k, o.shape, jnp.float32).astype(o.dtype) for k, o in zip(keys, outs))
+  fixed = {k: v for k, v in inputs.items() if not jnp.issubdtype(v.dtype, jnp.floating)}
 
   def step(a, ct):
-    out, vjp = jax.vjp(f, a)
+    out, vjp = jax.vjp(lambda floats: f({**floats, **fixed}), a)
     return out, vjp(ct)[0]
-  return jax.jit(step), (inputs, cts)
+  return jax.jit(step), ({k: v for k, v in inputs.items() if k not in fixed}, cts)
 
 
 def moved_bytes(fn, args) -> int:
@@ -179,6 +193,9 @@ def agreement(out, ref, dtype, mode) -> dict:
 
 
 def norm_call(case: Case, dtype, interpret: bool) -> NormCall:
+  if case.op == QK:
+    return NormCall(rows=case.rows, d=case.d, dtype=dtype, kind="rms", affine="columns", rotary=True,
+                    interpret=interpret)
   kind = "rms" if case.op.startswith("rms") else "layer"
   return NormCall(rows=case.rows, d=case.d, dtype=dtype, kind=kind, residual=case.op.endswith("_residual"),
                   affine="rows" if case.op == "adaln" else "columns", offset=kind == "layer", interpret=interpret)
@@ -189,7 +206,7 @@ def measure(case: Case, mode: str, dtype, impls, args, interpret: bool, base: di
   checked against ``xla``'s outputs, then timed in rotated rounds."""
   dt = jnp.dtype(dtype).name
   common = dict(base, case=case.name, shape=case.shape, op=case.op, mode=mode, dtype=dt, batch=case.batch,
-                tokens=case.tokens, rows=case.rows, d=case.d, residual=case.op.endswith("_residual"),
+                tokens=case.tokens, rows=case.rows, d=case.d, heads=case.heads, residual=case.op.endswith("_residual"),
                 param_dtype=dt if case.op == "adaln" else "float32")
 
   def failed(row, e):

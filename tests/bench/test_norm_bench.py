@@ -6,7 +6,7 @@ import json
 from bench import harness, ops_pages
 from bench import norm as bench_norm
 
-CASES = "lm/rms_residual,dit/adaln"
+CASES = "lm/rms_residual,dit/adaln,lm/qk"
 
 
 def test_smoke_rows_and_resume(tmp_path):
@@ -27,6 +27,12 @@ def test_smoke_rows_and_resume(tmp_path):
   assert res["bytes"] == 4 * x + 48 * 4      # x, residual, scale [d] float32 read; y, h written
   # fwd_bwd: also the cotangents of y and h read, the gradients of x, residual and scale written
   assert by["lm/rms_residual", "xla", "fwd_bwd", "bfloat16"]["bytes"] == 2 * res["bytes"]
+  qk = by["lm/qk", "xla", "fwd", "bfloat16"]
+  assert qk["rows"] == 2 * 9 * 3 and qk["heads"] == 3
+  xq = 2 * 9 * 3 * 24 * 2                    # bf16 [2, 9, 3, 24]
+  assert qk["bytes"] == 2 * xq + 24 * 4 + 2 * 9 * 4   # x, scale, int32 positions read; y written
+  # fwd_bwd differentiates x and scale (not the positions): y's cotangent read, dx and dscale written
+  assert by["lm/qk", "xla", "fwd_bwd", "bfloat16"]["bytes"] == 4 * xq + 2 * 24 * 4
   bench_norm.main(argv + ["--append"])
   assert harness.load_rows(str(out)) == rows   # every key already measured
   assert harness.OWN_SCHEMA_KEYS.get("norm", bench_norm.KEY) == bench_norm.KEY
