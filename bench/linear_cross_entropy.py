@@ -14,8 +14,12 @@ the same convention on every device) and, without ``--memory-only``, ``ms`` (med
 ``--repeats`` rotating rounds) and ``peak_bytes`` (``device.memory_stats()``'s peak after the
 implementation's first run, where the device reports one; the implementations run first in the
 order fused, triton, unfused, so the unfused head's larger peak comes last and does not mask the
-others'). Rows are JSON lines keyed by (case, impl) with the device, versions, commit and
-command.
+others'). ``--tiles 4096x8192,2048x16384`` adds one ``fused_<tokens>x<vocab>`` row per tile
+(the XLA backend with ``chunk_tokens``/``chunk_vocab``): the tile that the default's
+``CHUNK_TOKENS x CHUNK_VOCAB`` should be is read from these rows. Rows are JSON lines keyed by
+(case, impl) with the device, versions, commit and command.
+
+  python -m bench.linear_cross_entropy --tiles 2048x8192,4096x8192,4096x16384 --output bench/results/h200/lce.json
 """
 
 from __future__ import annotations
@@ -43,9 +47,28 @@ def unfused(x, w, labels):
   return jnp.mean(lse - jnp.take_along_axis(logits, labels[:, None], -1)[:, 0])
 
 
-def impls(interpret: bool) -> dict:
+def parse_tiles(text: str | None) -> list[tuple[int, int]]:
+  """``"4096x8192,2048x16384"`` -> ``[(4096, 8192), (2048, 16384)]``."""
+  tiles = []
+  for part in (text or "").split(","):
+    if not part.strip():
+      continue
+    try:
+      t, v = (int(n) for n in part.lower().split("x"))
+    except ValueError:
+      raise ValueError(f"--tiles: {part!r} is not <tokens>x<vocab> (e.g. 4096x8192)") from None
+    if t < 1 or v < 1:
+      raise ValueError(f"--tiles: {part!r} must be positive")
+    tiles.append((t, v))
+  return tiles
+
+
+def impls(interpret: bool, tiles: list[tuple[int, int]] = ()) -> dict:
   """The implementations compared, in the order of their first runs (see the module doc)."""
   out = {"fused": lambda x, w, labels: linear_cross_entropy(x, w, labels, implementation="xla")}
+  for t, v in tiles:
+    out[f"fused_{t}x{v}"] = (lambda t, v: lambda x, w, labels: linear_cross_entropy(
+        x, w, labels, implementation="xla", chunk_tokens=t, chunk_vocab=v))(t, v)
   if interpret or jax.default_backend() == "gpu":
     out["triton"] = lambda x, w, labels: linear_cross_entropy(x, w, labels, implementation="triton",
                                                               interpret=interpret)
@@ -59,7 +82,9 @@ def main(argv=None) -> int:
   p.add_argument("--memory-only", action="store_true", help="compile and read memory; time nothing")
   p.add_argument("--smoke", action="store_true", help="a tiny case (CPU, seconds)")
   p.add_argument("--repeats", type=int, default=7)
+  p.add_argument("--tiles", default=None, help="also the XLA backend at these tiles: <tokens>x<vocab>,...")
   args = p.parse_args(argv)
+  tiles = parse_tiles(args.tiles)
   info = device_info()
   cases = SMOKE if args.smoke else CASES
   interpret = args.smoke and jax.default_backend() != "gpu"
@@ -68,7 +93,7 @@ def main(argv=None) -> int:
     shapes = (jax.ShapeDtypeStruct((n, d), jnp.bfloat16), jax.ShapeDtypeStruct((d, v), jnp.bfloat16),
               jax.ShapeDtypeStruct((n,), jnp.int32))
     fns = {}
-    for impl, f in impls(interpret).items():
+    for impl, f in impls(interpret, tiles).items():
       fn = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))
       compiled = fn.lower(*shapes).compile()
       mem = compiled.memory_analysis()
