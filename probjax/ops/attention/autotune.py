@@ -37,6 +37,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import os
 import sys
 import warnings
 from collections.abc import Iterator, Mapping
@@ -57,6 +58,8 @@ OP = "attention"
 MEASURABLE_MASK_KINDS = ("band", "q_lengths", "kv_lengths", "segments", "prefix_lm")
 # Replaces core.time_candidates's timer (tests inject a fake one).
 TIMER: Callable[..., dict] | None = None
+# Threads that compile a measurement's candidates side by side (XLA compiles outside the GIL).
+COMPILE_WORKERS = min(8, os.cpu_count() or 1)
 # XLA's dense formulation is a candidate while its float32 scores take at most this (off GPUs,
 # where dispatch knows the device memory, a quarter of it).
 DENSE_CANDIDATE_MAX_BYTES = 1 << 30
@@ -192,9 +195,29 @@ def measure(call: AttentionCall, names: list[str], differentiated: bool) -> tupl
   ``differentiated``. Runs eagerly, also inside a trace: in a thread of its own (JAX's trace
   state is per thread), so that each candidate is compiled and run as a program. Evaluating
   under ``jax.ensure_compile_time_eval`` instead would fold a kernel body's primitives that take
-  no operands (``program_id``) one by one, and every Pallas candidate would fail."""
+  no operands (``program_id``) one by one, and every Pallas candidate would fail.
+
+  The candidates are compiled side by side (:data:`COMPILE_WORKERS` threads: compilation is
+  most of a first measurement, e.g. ten kernels under grad), then timed one at a time; one that
+  fails to compile has its error and no time."""
   with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="probjax-autotune") as pool:
     return pool.submit(_measure_here, call, names, differentiated).result()
+
+
+def _compile_all(jitted: Mapping[str, Callable], args) -> tuple[dict, dict]:
+  """``(compiled, errors)``: each ``jitted[name]`` lowered and compiled for ``args`` on up to
+  :data:`COMPILE_WORKERS` threads; a failure is its classified message."""
+  from probjax.core import timing
+  compiled, errors = {}, {}
+  workers = max(1, min(len(jitted), COMPILE_WORKERS))
+  with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="probjax-autotune-compile") as pool:
+    futures = {n: pool.submit(lambda f: f.lower(*args).compile(), f) for n, f in jitted.items()}
+    for n, future in futures.items():
+      try:
+        compiled[n] = future.result()
+      except Exception as e:  # noqa: BLE001 (a candidate that fails is recorded, never raised)
+        errors[n] = "%s: %s" % timing.classify_error(e)
+  return compiled, errors
 
 
 def _measure_here(call: AttentionCall, names: list[str], differentiated: bool) -> tuple[dict, dict]:
@@ -205,8 +228,10 @@ def _measure_here(call: AttentionCall, names: list[str], differentiated: bool) -
   mask = _concrete_mask(call.mask, call)
   scale = call.head_dim ** -0.5 if call.scale is None else call.scale
   measured = dataclasses.replace(call, mask=mask, scale=scale)
-  fns = {n: functools.partial(_timed(_runner(n, measured, mask), differentiated), q, k, v) for n in names}
-  return core.time_candidates(fns, timer=TIMER)
+  compiled, failed = _compile_all({n: _timed(_runner(n, measured, mask), differentiated) for n in names}, (q, k, v))
+  ms, errors = core.time_candidates({n: functools.partial(compiled[n], q, k, v) for n in names if n in compiled},
+                                    timer=TIMER)
+  return {n: ms.get(n) for n in names}, {**failed, **errors}
 
 
 def _on_this_device(device: Device) -> bool:

@@ -185,6 +185,23 @@ def test_a_measurement_inside_a_trace_runs_pallas_candidates_as_programs(monkeyp
   assert not errors and all(t is not None and t > 0 for t in ms.values())
 
 
+def test_a_candidate_that_fails_to_compile_has_its_error_and_the_others_their_times(monkeypatch):
+  """The candidates are compiled side by side before they are timed: one whose compilation
+  fails is recorded with its error (never raised) and takes no time; the others are timed."""
+  def runner(name, call, mask):
+    if name == "broken":
+      def fails(q, k, v):
+        raise NotImplementedError("this candidate cannot lower")
+      return fails
+    return lambda q, k, v: q * 2.0
+
+  monkeypatch.setattr(at, "_runner", runner)
+  ms, errors = at.measure(AttentionCall(Q, KV, jnp.float32), ["fine", "broken", "also_fine"], differentiated=True)
+  assert list(ms) == ["fine", "broken", "also_fine"]
+  assert ms["broken"] is None and "cannot lower" in errors["broken"]
+  assert ms["fine"] > 0 and ms["also_fine"] > 0 and set(errors) == {"broken"}
+
+
 def test_recording_a_traced_step_gives_the_pretune_shapes(tmp_path, fake_measure):
   def step(q):
     return jax.grad(lambda q: probjax.dot_product_attention(q, q, q, mask=CausalMask()).sum())(q)
