@@ -66,10 +66,27 @@ def test_xla_jvp_matches_the_reference(mode):
   assert max_error(ty, want) <= tolerance("float32", grad=True)
 
 
-def test_rotation_alone_is_apply_rotary():
+def test_rotation_is_a_complex_turn_of_feature_pairs_and_apply_rotary_agrees():
+  """Independent of ``formula.rotate`` (which the reference, the XLA backend and apply_rotary
+  share): the pair ``(x_i, x_{i + d/2})`` as ``x_i + 1j x_{i + d/2}``, times ``exp(1j p base **
+  (-2i / d))``, in numpy complex128."""
   x, _, positions = inputs(SHAPES["small"], "rotary", "float32")
-  np.testing.assert_allclose(qk_norm_rotary(x, None, positions, base=500.0), apply_rotary(x, positions, base=500.0),
-                             atol=1e-6)
+  xd, half = np.asarray(x, np.float64), x.shape[-1] // 2
+  theta = np.asarray(positions, np.float64)[..., None, None] * 500.0 ** (-2.0 * np.arange(half) / x.shape[-1])
+  z = (xd[..., :half] + 1j * xd[..., half:]) * np.exp(1j * theta)
+  want = np.concatenate([z.real, z.imag], axis=-1)
+  for impl in IMPLS:
+    np.testing.assert_allclose(qk_norm_rotary(x, None, positions, base=500.0, **IMPLS[impl]), want, atol=2e-5)
+  np.testing.assert_allclose(apply_rotary(x, positions, base=500.0), want, atol=2e-5)
+
+
+def test_norm_alone_is_flax_rmsnorm():
+  from flax import nnx
+  x, scale, _ = inputs(SHAPES["small"], "norm", "float32")
+  norm = nnx.RMSNorm(x.shape[-1], epsilon=1e-5, rngs=nnx.Rngs(0))
+  norm.scale[...] = scale
+  for impl in IMPLS:
+    np.testing.assert_allclose(qk_norm_rotary(x, scale, None, eps=1e-5, **IMPLS[impl]), norm(x), atol=2e-5)
 
 
 X = jnp.ones((2, 3, 2, 4), jnp.float32)
