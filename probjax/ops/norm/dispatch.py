@@ -1,10 +1,11 @@
 """The default's rules for the norm op: small pure functions of the call and a
 :class:`~probjax.core.device.Device`, returning a :class:`~probjax.core.dispatch.Decision`.
 
-Off a GPU the XLA form. On an NVIDIA GPU too, for now: the Triton row kernels have not been
-measured against XLA's fusion of the same formula (``bench/norm.py``: ``python -m bench.norm``
-writes ``bench/results/<device>/norm.json``), so they run only when asked for
-(``implementation="triton"``)."""
+Off a GPU the XLA form. On an NVIDIA GPU too: measured against the Triton row kernels
+(``python -m bench.norm``), XLA's fusion of the same formula is level or ahead on RMS norm and
+adaLN, the norms the models run; the kernels are ahead only on layer norm with a residual or
+under grad, a rule not yet validated on other shapes (docs/dev/decisions.md, "## Open"). So the
+kernels run only when asked for (``implementation="triton"``)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,9 @@ def off_gpu(call: NormCall, device: Device) -> Decision | None:
   return None
 
 
-def gpu_unmeasured(call: NormCall, device: Device) -> Decision:
-  return Decision("xla", "GPU: no measurement of the Triton row kernels against XLA's fusion yet; "
-                         "implementation='triton' opts in")
+def gpu_xla(call: NormCall, device: Device) -> Decision:
+  return Decision("xla", "GPU: XLA's fusion, level with the Triton row kernels or ahead on RMS norm and adaLN; "
+                         "no validated rule for the kernels yet; implementation='triton' opts in")
 
 
 RULES = (off_gpu,)
@@ -42,7 +43,7 @@ def decide(call: NormCall, device: Device, implementation: str | None = None) ->
       decision = rule(call, device)
       if decision is not None:
         return decision
-    return gpu_unmeasured(call, device)
+    return gpu_xla(call, device)
   backend = REGISTRY.get(name)
   why = backend.available(device) or backend.supports(call, device)
   if why:

@@ -48,8 +48,9 @@ from probjax.ops.scan import registry
 # only chunk-boundary states, where the associative form materialises every position's state;
 # calls those kernels cannot take run the associative form (memory permitting). SSD's chunked
 # form at chunk 64 beat the forward kernel differentiated through the chunked form at the
-# kernels' chunk of 32; the SSD backward kernel (run where ``implementation="triton"`` asks for
-# it) has not been measured against it.
+# kernels' chunk of 32, and beats the SSD backward kernel too (run where
+# ``implementation="triton"`` asks for it), which walks the chunks in reverse one after another
+# in a grid of about one wave of SMs.
 #
 # A value is a backend name; or ``{dtype: value, ..., "other": value}`` where the fastest form
 # depends on the inputs' dtype; or ``{"attr": a, "below": n, "then": value, "else": value}``

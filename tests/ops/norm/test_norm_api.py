@@ -40,7 +40,7 @@ def test_explain_dispatch_rules():
   cpu = explain_dispatch(call, device=Device("cpu"))
   assert cpu.implementation == "xla" and "not a GPU" in cpu.rule
   gpu = explain_dispatch(call, device=Device("gpu", (9, 0), 140 << 30))
-  assert gpu.implementation == "xla" and "no measurement" in gpu.rule
+  assert gpu.implementation == "xla" and "level with the Triton row kernels or ahead" in gpu.rule
   asked = explain_dispatch(call, implementation="pallas", device=Device("gpu", (9, 0)))
   assert (asked.implementation, asked.rule) == ("triton", "requested")
   with pytest.raises(TypeError, match="NormCall"):
