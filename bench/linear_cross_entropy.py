@@ -122,10 +122,14 @@ def main(argv=None) -> int:
           times[impl].append((time.perf_counter() - t0) * 1e3)
       for impl, (_, row) in fns.items():
         row.update(ms=statistics.median(times[impl]), round_ms=times[impl])
-  with open(args.output, "w") as f:
+    write_rows(args.output, rows)  # after each case: a run cut short keeps the cases it finished
+  return 0
+
+
+def write_rows(path: str, rows: list) -> None:
+  with open(path, "w") as f:
     for r in rows:
       f.write(json.dumps(r) + "\n")
-  return 0
 
 
 if __name__ == "__main__":
