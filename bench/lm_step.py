@@ -9,7 +9,9 @@ Sections (``--sections``, default all, in this order):
   32768, T=2048, batch 8, bf16 compute with fp32 parameters, causal; one optax AdamW step,
   jitted with the parameters and optimizer state donated. Peers (``attention_fn``):
   ``probjax`` (``dot_product_attention``), ``probjax_lce`` (the same, its loss through
-  ``TransformerLM.loss``: the head inside ``linear_cross_entropy``, no logits), ``flax`` (``flax.nnx.dot_product_attention``) and
+  ``TransformerLM.loss``: the head inside ``linear_cross_entropy``, no logits; with
+  ``--impls``, ``probjax_lce_<tokens>x<vocab>`` runs it at that loss tile), ``flax``
+  (``flax.nnx.dot_product_attention``) and
   ``jaxnn_cudnn`` (``jax.nn.dot_product_attention(implementation="cudnn")``).
 * ``train_packed``: the same with 8 documents per row: probjax gets ``SegmentMask`` (and
   per-document positions), the peers the equivalent dense ``[batch, 1, T, T]`` document mask.
@@ -58,6 +60,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import sys
 import time
 
@@ -201,6 +204,13 @@ def attention_fns(platform):
          "jaxnn_cudnn": jaxnn_attention("cudnn"), "jaxnn_xla": jaxnn_attention("xla")}
   fns.update({v: fns[v.removesuffix(CMDBUF).removesuffix("_generate")] for v in DECODE_VARIANTS})
   return fns
+
+
+def lce_tile(name) -> dict:
+  """The loss tile of a ``probjax_lce_<tokens>x<vocab>`` peer as ``TransformerLM.loss``'s keywords
+  (``{}`` for ``probjax_lce``, the default tile, and for every other name)."""
+  m = re.fullmatch(r"probjax_lce_(\d+)x(\d+)", name) if isinstance(name, str) else None
+  return dict(chunk_tokens=int(m[1]), chunk_vocab=int(m[2])) if m else {}
 
 
 def with_attention(graphdef, state, fn):
@@ -400,7 +410,7 @@ def run_train(c, args, bar, impls, fns, docs):
         labels = jnp.where(batch["valid"] > 0, tokens[:, 1:], -100)
         labels = jnp.concatenate([labels, jnp.full_like(tokens[:, :1], -100)], axis=1)
         kw = {} if docs == 1 else dict(positions=batch["pos"], mask=SegmentMask(batch["seg"]))
-        return m.loss(tokens, labels, **kw)
+        return m.loss(tokens, labels, **kw, **lce_tile(fused_loss))
       if docs == 1:
         logits = m(tokens)
       else:
@@ -421,7 +431,7 @@ def run_train(c, args, bar, impls, fns, docs):
 
   info, times = time_steps(
       lambda name: make_step(with_attention(graphdef, params, fns[name]), use_segment_mask=name.startswith("probjax"),
-                             fused_loss=(name == "probjax_lce")),
+                             fused_loss=name if name.startswith("probjax_lce") else False),
       impls, params, tx, batch, args, bar)
   flops = train_flops(c, docs)
   peak = peak_flops(device_info()["device"])
@@ -630,6 +640,7 @@ def main(argv=None):
   default["train_packed"] = default["train"]
   if args.impls:
     want = [i for i in args.impls.split(",") if i]
+    fns.update({i: fns["probjax_lce"] for i in want if lce_tile(i)})
     unknown = [i for i in want if i not in fns]
     if unknown or "probjax" not in want:
       raise SystemExit(f"--impls: choose from {sorted(fns)}, probjax included (the reference); got {want}")

@@ -73,3 +73,22 @@ def test_labels_and_errors():
     model.loss(tokens, jnp.zeros((2, 5), jnp.float32))
   with pytest.raises(ValueError, match="ignore_index"):
     model.loss(tokens, ignore_index=None)
+
+
+@pytest.mark.parametrize("tile", [(5, 16), (7, 61)], ids=["tiled", "whole_vocab"])
+def test_loss_tile_changes_nothing_but_the_tiling(tile):
+  """``chunk_tokens``/``chunk_vocab`` reach the op: an odd tile (last token and vocabulary tiles
+  starting earlier) gives the unfused loss and gradients."""
+  model = _lm(False)
+  tokens = jnp.asarray(np.random.default_rng(2).integers(0, 61, (2, 9)), jnp.int32)
+  labels = jnp.concatenate([tokens[:, 1:], jnp.full((2, 1), -100, jnp.int32)], 1)
+  graphdef, params = nnx.split(model)
+  fused = lambda p: nnx.merge(graphdef, p).loss(tokens, chunk_tokens=tile[0], chunk_vocab=tile[1])
+  plain = lambda p: _unfused(nnx.merge(graphdef, p), tokens, labels)
+  (a, ga), (b, gb) = jax.value_and_grad(fused)(params), jax.value_and_grad(plain)(params)
+  tol = tolerance(jnp.float32, grad=True)
+  assert abs(float(a) - float(b)) <= tol * max(1.0, abs(float(b)))
+  for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
+    assert float(jnp.max(jnp.abs(x - y))) <= tol * max(1.0, float(jnp.max(jnp.abs(y))))
+  with pytest.raises(ValueError, match="chunk_tokens"):  # the tile reaches the op
+    model.loss(tokens, chunk_tokens=0)

@@ -660,7 +660,8 @@ class TransformerLM(nnx.Module):
 
   def loss(self, tokens, labels=None, *, positions=None, mask=None, deterministic: bool | None = None,
            ignore_index: int | None = -100, z_loss: float = 0.0, label_smoothing: float = 0.0,
-           reduction: str = "mean", return_aux: bool = False):
+           reduction: str = "mean", chunk_tokens: int | None = None, chunk_vocab: int | None = None,
+           return_aux: bool = False):
     """The cross-entropy of the model's logits against ``labels`` without forming the logits:
     the output head runs inside :func:`probjax.ops.linear_cross_entropy.linear_cross_entropy`,
     in tiles of tokens x vocabulary, forward and backward (the ``[batch, seq, vocab]`` float32
@@ -673,6 +674,8 @@ class TransformerLM(nnx.Module):
         ignored).
       positions, mask, deterministic: as :meth:`__call__`.
       ignore_index, z_loss, label_smoothing, reduction: as ``linear_cross_entropy``.
+      chunk_tokens, chunk_vocab: the loss's tile of tokens x vocabulary, as
+        ``linear_cross_entropy`` (None: its default).
       return_aux: also return the feed-forwards' auxiliary outputs (:meth:`__call__`).
 
     Returns:
@@ -698,7 +701,7 @@ class TransformerLM(nnx.Module):
     dtype = dtype or jnp.promote_types(h.dtype, w.dtype)
     out = linear_cross_entropy(h.astype(dtype), w.astype(dtype), labels, w_layout=layout,
                                ignore_index=ignore_index, z_loss=z_loss, label_smoothing=label_smoothing,
-                               reduction=reduction)
+                               reduction=reduction, chunk_tokens=chunk_tokens, chunk_vocab=chunk_vocab)
     return (out, aux) if return_aux else out
 
   def init_cache(self, batch: int, max_len: int, dtype=None, *, layout: str = "per_layer") -> kvc.KVCache:
