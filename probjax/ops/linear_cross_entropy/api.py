@@ -114,7 +114,8 @@ def _count(labels, call: LinearCrossEntropyCall):
 def explain_dispatch(call: LinearCrossEntropyCall, *, implementation: str | None = None,
                      device: Device | None = None) -> Decision:
   """The backend :func:`linear_cross_entropy` runs ``call`` on (``LinearCrossEntropyCall.of``
-  builds one from arrays or ``jax.ShapeDtypeStruct``), with its tile, and why.
+  builds one from arrays or ``jax.ShapeDtypeStruct``), with its tile, and why; for XLA, whether
+  the gradients are computed in the forward sweep (``grad_in_forward``).
 
   >>> import jax, jax.numpy as jnp
   >>> s = jax.ShapeDtypeStruct
@@ -122,6 +123,9 @@ def explain_dispatch(call: LinearCrossEntropyCall, *, implementation: str | None
   ...                                  s((8, 2048), jnp.int32))
   >>> explain_dispatch(call, device=Device("cpu")).summary()
   'xla, chunk_tokens=1024, chunk_vocab=4096, grad_in_forward=False'
+  >>> whole = dataclasses.replace(call, chunk_vocab=32768)  # the vocabulary in one tile
+  >>> explain_dispatch(whole, device=Device("cpu")).summary()
+  'xla, chunk_tokens=1024, chunk_vocab=32768, grad_in_forward=True'
   """
   return decide(call, _device(call, device), implementation)
 
