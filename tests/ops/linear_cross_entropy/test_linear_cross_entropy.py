@@ -1,10 +1,13 @@
 """linear_cross_entropy against its float64 reference: values and every gradient for each
 option, at odd sizes that reach the moved-back last tile of both axes, bf16, ignored and
-out-of-range labels, bad inputs, and the memory promise (no [tokens, vocab] array)."""
+out-of-range labels, bad inputs, and the memory promise (no [tokens, vocab] array); the same for
+the XLA backend's gradients in the forward sweep (a reduced loss, the vocabulary in one tile),
+with its products counted in the jaxpr."""
 
 import itertools
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -123,7 +126,6 @@ def test_explain_and_implementations():
   d = explain_dispatch(call, device=Device("cpu"))
   assert d.implementation == "xla" and d.get("chunk_tokens") == 64 and d.get("chunk_vocab") == 50
   assert available_implementations(Device("cpu")) == ["xla"]
-
 
 
 # Gradients in the forward sweep: a "mean"/"sum" loss whose vocabulary tile is the whole
