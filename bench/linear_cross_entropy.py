@@ -14,12 +14,17 @@ the same convention on every device) and, without ``--memory-only``, ``ms`` (med
 ``--repeats`` rotating rounds) and ``peak_bytes`` (``device.memory_stats()``'s peak after the
 implementation's first run, where the device reports one; the implementations run first in the
 order fused, triton, unfused, so the unfused head's larger peak comes last and does not mask the
-others'). ``--tiles 4096x8192,2048x16384`` adds one ``fused_<tokens>x<vocab>`` row per tile
+others). ``--tiles 4096x8192,2048x16384`` adds one ``fused_<tokens>x<vocab>`` row per tile
 (the XLA backend with ``chunk_tokens``/``chunk_vocab``): the tile that the default's
-``CHUNK_TOKENS x CHUNK_VOCAB`` should be is read from these rows. Rows are JSON lines keyed by
-(case, impl) with the device, versions, commit and command.
+``CHUNK_TOKENS x CHUNK_VOCAB`` should be is read from these rows. A vocabulary part of ``all``
+(or one at least the case's vocabulary) is the whole vocabulary, a row ``fused_<tokens>xall``:
+the loss being a mean, the XLA backend then computes the gradients in its forward sweep (three
+products per tile instead of four); every fused row's ``grad_in_forward`` says which scheme ran
+(``explain_dispatch``'s). Rows are JSON lines keyed by (case, impl) with the device, versions,
+commit and command.
 
   python -m bench.linear_cross_entropy --tiles 2048x8192,4096x8192,4096x16384 --output bench/results/h200/lce.json
+  python -m bench.linear_cross_entropy --tiles 1024xall,2048xall,4096x8192 --output bench/results/h200/lce.json
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import jax.numpy as jnp
 
 from bench.harness import command_line
 from probjax.core.timing import device_info
-from probjax.ops.linear_cross_entropy import linear_cross_entropy
+from probjax.ops.linear_cross_entropy import LinearCrossEntropyCall, explain_dispatch, linear_cross_entropy
 
 CASES = {"lm_head": (16384, 768, 32768), "big_vocab": (8192, 1024, 131072)}
 SMOKE = {"smoke": (256, 32, 1000)}
@@ -47,33 +52,54 @@ def unfused(x, w, labels):
   return jnp.mean(lse - jnp.take_along_axis(logits, labels[:, None], -1)[:, 0])
 
 
-def parse_tiles(text: str | None) -> list[tuple[int, int]]:
-  """``"4096x8192,2048x16384"`` -> ``[(4096, 8192), (2048, 16384)]``."""
+def parse_tiles(text: str | None) -> list[tuple[int, int | None]]:
+  """``"4096x8192,2048xall"`` -> ``[(4096, 8192), (2048, None)]`` (None: the whole vocabulary)."""
   tiles = []
   for part in (text or "").split(","):
     if not part.strip():
       continue
     try:
-      t, v = (int(n) for n in part.lower().split("x"))
+      t, v = part.strip().lower().split("x")
+      t, v = int(t), None if v == "all" else int(v)
     except ValueError:
-      raise ValueError(f"--tiles: {part!r} is not <tokens>x<vocab> (e.g. 4096x8192)") from None
-    if t < 1 or v < 1:
+      raise ValueError(f"--tiles: {part!r} is not <tokens>x<vocab> or <tokens>xall (e.g. 4096x8192)") from None
+    if t < 1 or (v is not None and v < 1):
       raise ValueError(f"--tiles: {part!r} must be positive")
     tiles.append((t, v))
   return tiles
 
 
-def impls(interpret: bool, tiles: list[tuple[int, int]] = ()) -> dict:
-  """The implementations compared, in the order of their first runs (see the module doc)."""
-  out = {"fused": lambda x, w, labels: linear_cross_entropy(x, w, labels, implementation="xla")}
+def fused_tiles(tiles: list[tuple[int, int | None]], vocab: int) -> dict[str, tuple[int | None, int | None]]:
+  """The fused rows' names and ``(chunk_tokens, chunk_vocab)``: ``fused`` (the default's tile)
+  and one per tile; a vocabulary part that covers ``vocab`` (None, or at least ``vocab``) is
+  named ``all`` (``fused_<tokens>xall``), the scheme with the gradients in the forward sweep."""
+  out = {"fused": (None, None)}
   for t, v in tiles:
-    out[f"fused_{t}x{v}"] = (lambda t, v: lambda x, w, labels: linear_cross_entropy(
+    whole = v is None or v >= vocab
+    out[f"fused_{t}x{'all' if whole else v}"] = (t, vocab if whole else v)
+  return out
+
+
+def impls(interpret: bool, tiles: list[tuple[int, int | None]] = (), vocab: int | None = None) -> dict:
+  """The implementations compared, in the order of their first runs (see the module doc);
+  ``vocab`` (the case's) names the tiles' rows (:func:`fused_tiles`)."""
+  out = {}
+  for name, (t, v) in fused_tiles(tiles, vocab or 0).items():
+    out[name] = (lambda t, v: lambda x, w, labels: linear_cross_entropy(
         x, w, labels, implementation="xla", chunk_tokens=t, chunk_vocab=v))(t, v)
   if interpret or jax.default_backend() == "gpu":
     out["triton"] = lambda x, w, labels: linear_cross_entropy(x, w, labels, implementation="triton",
                                                               interpret=interpret)
   out["unfused"] = unfused
   return out
+
+
+def grad_in_forward(shapes, tiles: list[tuple[int, int | None]], vocab: int) -> dict[str, bool]:
+  """Per fused row, whether the XLA backend computes the gradients in the forward sweep (its
+  decision for the row's call)."""
+  return {name: explain_dispatch(LinearCrossEntropyCall.of(*shapes, chunk_tokens=t, chunk_vocab=v),
+                                 implementation="xla").get("grad_in_forward")
+          for name, (t, v) in fused_tiles(tiles, vocab).items()}
 
 
 def main(argv=None) -> int:
@@ -93,17 +119,20 @@ def main(argv=None) -> int:
     shapes = (jax.ShapeDtypeStruct((n, d), jnp.bfloat16), jax.ShapeDtypeStruct((d, v), jnp.bfloat16),
               jax.ShapeDtypeStruct((n,), jnp.int32))
     fns = {}
-    for impl, f in impls(interpret, tiles).items():
+    schemes = grad_in_forward(shapes, tiles, v)
+    for impl, f in impls(interpret, tiles, v).items():
       fn = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))
       compiled = fn.lower(*shapes).compile()
       mem = compiled.memory_analysis()
       row = dict(suite="lce", case=case, impl=impl, tokens=n, d=d, vocab=v, dtype="bfloat16",
                  temp_bytes=getattr(mem, "temp_size_in_bytes", None), logits_bytes=4 * n * v,
+                 grad_in_forward=schemes.get(impl),
                  device=info["device"], platform=info["platform"], versions=info["versions"],
                  commit=info["commit"], command=command_line(), status="ok")
       rows.append(row)
       fns[impl] = (compiled, row)
-      print(f"{case} {impl}: temp {row['temp_bytes'] / 2**20:,.1f} MiB", flush=True)
+      scheme = " (gradients in the forward sweep)" if row["grad_in_forward"] else ""
+      print(f"{case} {impl}: temp {row['temp_bytes'] / 2**20:,.1f} MiB{scheme}", flush=True)
     if not args.memory_only:
       k = jax.random.split(jax.random.key(0), 3)
       x = jax.random.normal(k[0], (n, d), jnp.bfloat16)

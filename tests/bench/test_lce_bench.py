@@ -18,10 +18,16 @@ def test_smoke(tmp_path):
 
 def test_tiles_add_rows(tmp_path):
   out = tmp_path / "lce.json"
-  assert lce.main(["--smoke", "--memory-only", "--tiles", "64x256,128x1000", "--output", str(out)]) == 0
+  assert lce.main(["--smoke", "--memory-only", "--tiles", "64x256,128xall,32x4096", "--output", str(out)]) == 0
   rows = {r["impl"]: r for r in map(json.loads, out.read_text().splitlines())}
-  assert {"fused", "fused_64x256", "fused_128x1000", "unfused"} <= set(rows)
+  assert {"fused", "fused_64x256", "fused_128xall", "fused_32xall", "unfused"} <= set(rows)
+  # a vocabulary part covering the vocabulary (all, or 4096 >= 1000) runs the gradients in the
+  # forward sweep, and the row says so; a smaller one the per-token scheme
+  assert rows["fused_128xall"]["grad_in_forward"] and rows["fused_32xall"]["grad_in_forward"]
+  assert rows["fused_64x256"]["grad_in_forward"] is False and rows["unfused"]["grad_in_forward"] is None
   # a smaller tile needs less temporary memory than the whole-vocabulary one
-  assert rows["fused_64x256"]["temp_bytes"] < rows["fused_128x1000"]["temp_bytes"]
-  with pytest.raises(ValueError, match="--tiles"):
-    lce.parse_tiles("4096")
+  assert rows["fused_64x256"]["temp_bytes"] < rows["fused_128xall"]["temp_bytes"]
+  assert lce.parse_tiles("1024xall, 64x256") == [(1024, None), (64, 256)]
+  for bad in ("4096", "allx64", "0xall"):
+    with pytest.raises(ValueError, match="--tiles"):
+      lce.parse_tiles(bad)

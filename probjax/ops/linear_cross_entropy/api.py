@@ -59,7 +59,11 @@ def linear_cross_entropy(x, w, labels, *, bias=None, w_layout: str = "d_vocab", 
     reduction: ``"mean"`` over counted tokens (0 when none counts, never NaN), ``"sum"``, or
       ``"none"``: the per-token losses, ``labels``' shape.
     chunk_tokens, chunk_vocab: the tile (None: the backend's, 1024 x 4096 for XLA, 64 x 128 for
-      Triton, whose tiles are these rounded up to powers of two).
+      Triton, whose tiles are these rounded up to powers of two). On XLA, a ``"mean"`` or
+      ``"sum"`` loss whose ``chunk_vocab`` covers the vocabulary (``>= vocab``, as the default
+      does up to 4096 entries) computes its gradients in the forward sweep, each token tile's
+      logits formed once (three products per tile instead of four; ``explain_dispatch``'s
+      ``grad_in_forward``); memory ``O(chunk_tokens * vocab)`` for the tile's logits.
     implementation: None (the default, :func:`explain_dispatch` says which) or a backend name
       (:func:`available_implementations`); one that cannot compute the call raises ValueError.
     interpret: run the Triton kernels in Pallas interpret mode (any platform, for tests).
@@ -80,33 +84,48 @@ def linear_cross_entropy(x, w, labels, *, bias=None, w_layout: str = "d_vocab", 
                        f"found {values[bad].flat[0]}")
   decision = decide(call, _device(call, None), implementation)
   call = dataclasses.replace(call, chunk_tokens=decision.get("chunk_tokens"), chunk_vocab=decision.get("chunk_vocab"))
-  return _compute(decision.implementation, call, x, w, bias, labels)
+  return _compute(decision.implementation, call, decision.get("grad_in_forward", False), x, w, bias, labels)
 
 
 @compile_once
-def _compute(name: str, call: LinearCrossEntropyCall, x, w, bias, labels):
-  per = REGISTRY.get(name)(x.reshape(call.tokens, call.d), w, bias, labels.reshape(call.tokens), call=call)
+def _compute(name: str, call: LinearCrossEntropyCall, grad_in_forward: bool, x, w, bias, labels):
+  backend = REGISTRY.get(name)
+  xs, ys = x.reshape(call.tokens, call.d), labels.reshape(call.tokens)
+  if grad_in_forward:  # the backend reduces, its gradients computed in the forward sweep
+    acc = jnp.promote_types(call.dtype, jnp.float32)
+    scale = jnp.ones((), acc) if call.reduction == "sum" else 1 / jnp.maximum(_count(ys, call), 1).astype(acc)
+    return backend(xs, w, bias, ys, call=call, scale=scale)
+  per = backend(xs, w, bias, ys, call=call)
   if call.reduction == "none":
     return per.reshape(labels.shape)
   if call.reduction == "sum":
     return jnp.sum(per)
+  return jnp.sum(per) / jnp.maximum(_count(labels, call), 1).astype(per.dtype)
+
+
+def _count(labels, call: LinearCrossEntropyCall):
+  """The number of counted tokens: labels in ``[0, vocab)`` other than ``ignore_index``."""
   valid = (labels >= 0) & (labels < call.vocab)
   if call.ignore_index is not None:
     valid &= labels != call.ignore_index
-  return jnp.sum(per) / jnp.maximum(jnp.sum(valid), 1).astype(per.dtype)
+  return jnp.sum(valid)
 
 
 def explain_dispatch(call: LinearCrossEntropyCall, *, implementation: str | None = None,
                      device: Device | None = None) -> Decision:
   """The backend :func:`linear_cross_entropy` runs ``call`` on (``LinearCrossEntropyCall.of``
-  builds one from arrays or ``jax.ShapeDtypeStruct``), with its tile, and why.
+  builds one from arrays or ``jax.ShapeDtypeStruct``), with its tile, and why; for XLA, whether
+  the gradients are computed in the forward sweep (``grad_in_forward``).
 
   >>> import jax, jax.numpy as jnp
   >>> s = jax.ShapeDtypeStruct
   >>> call = LinearCrossEntropyCall.of(s((8, 2048, 768), jnp.bfloat16), s((768, 32768), jnp.bfloat16),
   ...                                  s((8, 2048), jnp.int32))
   >>> explain_dispatch(call, device=Device("cpu")).summary()
-  'xla, chunk_tokens=1024, chunk_vocab=4096'
+  'xla, chunk_tokens=1024, chunk_vocab=4096, grad_in_forward=False'
+  >>> whole = dataclasses.replace(call, chunk_vocab=32768)  # the vocabulary in one tile
+  >>> explain_dispatch(whole, device=Device("cpu")).summary()
+  'xla, chunk_tokens=1024, chunk_vocab=32768, grad_in_forward=True'
   """
   return decide(call, _device(call, device), implementation)
 

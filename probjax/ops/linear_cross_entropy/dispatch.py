@@ -5,6 +5,12 @@ The default is the tiled XLA form on every device: off the GPU it is the only co
 and on an NVIDIA GPU the Triton kernels have not been measured against it yet
 (``bench/linear_cross_entropy.py`` is the measurement to run), so nothing supports choosing
 them by default. They run when asked for (``implementation="triton"``).
+
+The XLA backend's scheme (``grad_in_forward`` in the decision's config) follows from the call
+and its tile: a reduced loss whose vocabulary tile is the whole vocabulary has its gradients
+computed in the forward sweep; every other call runs the per-token form with its backward
+sweep. The default tile (1024 x 4096) covers the vocabulary only up to 4096 entries; a caller
+reaches the scheme at larger vocabularies with ``chunk_vocab >= vocab``.
 """
 
 from __future__ import annotations
@@ -23,9 +29,18 @@ def default_rule(call: LinearCrossEntropyCall, device: Device) -> tuple[str, str
   return "xla", "the tiled XLA form (logits never materialised): the compiled form off the GPU"
 
 
+def grad_in_forward(call: LinearCrossEntropyCall, chunk_vocab: int) -> bool:
+  """Whether the XLA backend computes the gradients in its forward sweep: only for a scalar
+  loss (``"mean"``/``"sum"``: per-token losses' cotangents differ per token and arrive only in
+  the backward) whose vocabulary tile ``chunk_vocab`` is the whole vocabulary (each token
+  tile's softmax, hence its ``dz``, is then known after its one product)."""
+  return call.reduction != "none" and chunk_vocab >= call.vocab
+
+
 def decide(call: LinearCrossEntropyCall, device: Device, implementation: str | None = None) -> Decision:
   """The backend for ``call``: an explicit ``implementation`` is checked (ValueError with the
-  reason if it cannot compute the call), else :func:`default_rule`'s."""
+  reason if it cannot compute the call), else :func:`default_rule`'s; its tile, and for XLA
+  the scheme (:func:`grad_in_forward`)."""
   name = REGISTRY.canonical(implementation)
   if name is None:
     name, rule = default_rule(call, device)
@@ -36,4 +51,7 @@ def decide(call: LinearCrossEntropyCall, device: Device, implementation: str | N
   if why:
     raise ValueError(f"linear_cross_entropy implementation={implementation!r} cannot compute this call: {why}")
   tc, vc = backend.tile(call)
-  return Decision(name, rule, config=(("chunk_tokens", tc), ("chunk_vocab", vc)))
+  config = (("chunk_tokens", tc), ("chunk_vocab", vc))
+  if name == "xla":
+    config += (("grad_in_forward", grad_in_forward(call, vc)),)
+  return Decision(name, rule, config=config)
