@@ -2,8 +2,9 @@
 
 * Mamba-1: forward and backward kernels (:mod:`.mamba`), exact; the backward recomputes the
   states inside each chunk from the chunk-boundary states its forward saved.
-* SSD: chunked forward and backward kernels (:mod:`.ssd`), exact; the backward runs the chunks
-  in reverse and recomputes each chunk's terms from the chunk-boundary states its forward saved.
+* SSD: chunked forward and backward kernels (:mod:`.ssd`), exact; the backward carries only the
+  state's cotangent across the chunks in reverse, and computes each chunk's gradients in
+  parallel over the chunks from the chunk-boundary states its forward saved.
   A differentiated GPU call that names no implementation runs the tuned form instead, forward
   and backward (``tuning/gpu.json`` "grad": the chunked XLA form; the decision's ``grad``).
 * RLA: flash-linear-attention-style chunk kernels (:mod:`.rla`), forward and backward, exact;
