@@ -105,13 +105,16 @@ def test_asked_for_the_kernels_differentiate_themselves():
 
 # -- lowering for sm_90 (Pallas -> Triton IR; Triton's own compilation needs the GPU) ----------
 
+@pytest.mark.parametrize("chunk", [None, 64])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_full_size_lowers_for_sm90(fake_h200, dtype):
-  """B2 L4096 H32 P64 N128 (two head_dim blocks of 32, one group), forward and differentiated
-  with the kernels asked for."""
+def test_full_size_lowers_for_sm90(fake_h200, dtype, chunk):
+  """B2 L4096 H32 P64 N128 (the forward's two head_dim blocks of 32, the backward's one of 64;
+  one group), forward and differentiated with the kernels asked for, at the default chunk and
+  at 64."""
   x, dt = S((2, 4096, 32, 64), dtype), S((2, 4096, 32), dtype)
   A, B = S((32,), jnp.float32), S((2, 4096, 1, 128), dtype)
-  fn = lambda x, dt, A, B: scan.ssd_scan(x, dt, A, B, B, z=x, implementation="triton")
+  fn = lambda x, dt, A, B: scan.ssd_scan(x, dt, A, B, B, z=x, implementation="triton",
+                                         chunk_size=chunk)
   loss = lambda *a: jnp.sum(fn(*a).astype(jnp.float32))
   lower = lambda f: jax.jit(f).trace(x, dt, A, B).lower(lowering_platforms=("cuda",)).as_text()
   assert sorted(set(re.findall(r"probjax_ssd\w*", lower(fn)))) == ["probjax_ssd_scan_fwd"]

@@ -76,7 +76,7 @@ def kernel_chunk(call) -> int:
 
 def _state_kernels(module, plain, saving_states):
   """``f(call, x, dt, A, B, C, h0) -> (y, h_L)``: ``module``'s forward kernel, differentiated by
-  its backward kernel from the inputs and the states entering each chunk (Mamba-1 and SSD take
+  its backward kernels from the inputs and the states entering each chunk (Mamba-1 and SSD take
   the same operands). ``plain(call)`` and ``saving_states(call)``: the forward's keywords without
   and with those states among its outputs (an undifferentiated call does not write them)."""
   def forward(call, *args):

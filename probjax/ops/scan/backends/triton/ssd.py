@@ -104,11 +104,9 @@ def _kernel(x_ref, dt_ref, a_ref, b_ref, c_ref, h0_ref, y_ref, h_ref, *hc_ref, c
   common.store(h_ref, (bi, hi, *pn), (p0, None), h, (p, n))
 
 
-def _local_kernel(dt_ref, a_ref, c_ref, dy_ref, out_ref, *, chunk, block_p, block_n, groups,
-                  blocks):
+def _local_kernel(dt_ref, a_ref, c_ref, dy_ref, out_ref, *, chunk, block_p, block_n, groups):
   """``Δ_c = (exp(cum) ⊙ dy)ᵀ C`` of one chunk and head_dim block into ``out[b, h, c]``."""
-  bi, hi = pl.program_id(0), pl.program_id(1)
-  c, j = pl.program_id(2) // blocks, pl.program_id(2) % blocks
+  bi, hi, c, j = (pl.program_id(i) for i in range(4))
   length, _, p = dy_ref.shape[1:]
   n = c_ref.shape[3]
   t0, p0 = c * chunk, j * block_p
@@ -155,8 +153,7 @@ def _grads_kernel(x_ref, dt_ref, a_ref, b_ref, c_ref, hc_ref, dh_ref, dy_ref, dx
                   da_ref, db_ref, dc_ref, *, chunk, block_p, block_n, groups, blocks):
   """One chunk and head_dim block's gradients, from the state entering it (``hc``) and the
   cotangent of the state leaving it (``dh[c + 1]``)."""
-  bi, hi, k = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  c, j = k // blocks, k % blocks
+  bi, hi, c, j = (pl.program_id(i) for i in range(4))
   length, _, p = x_ref.shape[1:]
   n = b_ref.shape[3]
   gi = hi // groups
@@ -204,7 +201,7 @@ def _grads_kernel(x_ref, dt_ref, a_ref, b_ref, c_ref, hc_ref, dh_ref, dy_ref, dx
   part_rows = (bi, seq, gi, part, pl.ds(0, block_n))
   common.store(db_ref, part_rows, (t0, None), db, (length, n))
   common.store(dc_ref, part_rows, (t0, None), dc, (length, n))
-  common.store(da_ref, (bi, hi, k, pl.ds(0, chunk)), (None,), dt * da, (chunk,))
+  common.store(da_ref, (bi, hi, c, j, pl.ds(0, chunk)), (None,), dt * da, (chunk,))
 
 
 def forward(x, dt, A, B, C, h0, *, chunk: int, interpret: bool, residuals: bool = False):
@@ -241,11 +238,10 @@ def backward(x, dt, A, B, C, hc, dy, ds, *, chunk: int, interpret: bool):
   r = heads // g
   f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   dy = dy.astype(jnp.float32)
-  chunks = functools.partial(pl.pallas_call, grid=(b, heads, num_chunks * nb), interpret=interpret)
+  chunks = functools.partial(pl.pallas_call, grid=(b, heads, num_chunks, nb), interpret=interpret)
   # [b, h, c] holds Δ_c, then the cotangent of the state entering chunk c; [b, h, n_chunks]: dh_L.
   local = chunks(
-      functools.partial(_local_kernel, chunk=chunk, block_p=block_p, block_n=block_n, groups=r,
-                        blocks=nb),
+      functools.partial(_local_kernel, chunk=chunk, block_p=block_p, block_n=block_n, groups=r),
       out_shape=f32(b, heads, num_chunks + 1, p, n), compiler_params=common.params(NUM_WARPS),
       name="probjax_ssd_scan_bwd_local",
   )(dt, A, C, dy)
@@ -260,8 +256,8 @@ def backward(x, dt, A, B, C, hc, dy, ds, *, chunk: int, interpret: bool):
       functools.partial(_grads_kernel, chunk=chunk, block_p=block_p, block_n=block_n, groups=r,
                         blocks=nb),
       out_shape=(f32(b, length, heads, p), f32(b, length, heads, nb),
-                 f32(b, heads, num_chunks * nb, chunk), f32(b, length, g, r * nb, n),
+                 f32(b, heads, num_chunks, nb, chunk), f32(b, length, g, r * nb, n),
                  f32(b, length, g, r * nb, n)),
       compiler_params=common.params(BWD_NUM_WARPS), name="probjax_ssd_scan_bwd_grads",
   )(x, dt, A, B, C, hc, dh, dy)
-  return dx, ddt.sum(3), da.sum((0, 2, 3)), db.sum(3), dc.sum(3), dh[:, :, 0]
+  return dx, ddt.sum(3), da.sum((0, 2, 3, 4)), db.sum(3), dc.sum(3), dh[:, :, 0]
