@@ -50,10 +50,10 @@ from probjax.ops.scan.backends.triton import common
 
 BLOCK_P = 32
 NUM_WARPS = 4
-# The backward's chunk programs take head_dim whole up to this block (one partial of dB, dC per
-# head); the gradients' program holds the chunk's entering state and the cotangent of its
-# leaving one (``[block, state]`` each), B and C (``[T, state]``) and about six ``[T, T]``
-# tiles: twice the forward's registers.
+# The backward's chunk programs take head_dim in blocks of this many (Mamba-2's 64 whole: one
+# partial of dB, dC per head); the gradients' program holds the chunk's entering state and the
+# cotangent of its leaving one (``[block, state]`` each), B and C (``[T, state]``) and about six
+# ``[T, T]`` tiles.
 BWD_BLOCK_P = 64
 BWD_NUM_WARPS = 8
 # The state cotangent's pass is elementwise on its carry: narrow blocks, more programs.
@@ -245,10 +245,9 @@ def backward(x, dt, A, B, C, hc, dy, ds, *, chunk: int, interpret: bool):
       out_shape=f32(b, heads, num_chunks + 1, p, n), compiler_params=common.params(NUM_WARPS),
       name="probjax_ssd_scan_bwd_local",
   )(dt, A, C, dy)
-  pass_p = min(PASS_BLOCK_P, block_p)
   dh = pl.pallas_call(
-      functools.partial(_pass_kernel, chunk=chunk, block_p=pass_p, block_n=block_n),
-      grid=(b, heads, pl.cdiv(p, pass_p)), out_shape=f32(b, heads, num_chunks + 1, p, n),
+      functools.partial(_pass_kernel, chunk=chunk, block_p=PASS_BLOCK_P, block_n=block_n),
+      grid=(b, heads, pl.cdiv(p, PASS_BLOCK_P)), out_shape=f32(b, heads, num_chunks + 1, p, n),
       input_output_aliases={3: 0}, compiler_params=common.params(NUM_WARPS), interpret=interpret,
       name="probjax_ssd_scan_bwd_pass",
   )(dt, A, ds.astype(jnp.float32), local)
