@@ -468,7 +468,8 @@ def test_ssd_kernel_lowers_for_sm90(fake_h200):
   # Differentiated, asked for: the kernels forward (saving the chunk-boundary states) and
   # backward. By default the chunked form runs forward and backward (tuning/gpu.json "grad").
   assert _kernels(jax.grad(_loss(fn), argnums=(0, 1, 2, 3)), x, dt, A, B) == [
-      "probjax_ssd_scan_bwd", "probjax_ssd_scan_fwd_res"]
+      "probjax_ssd_scan_bwd_grads", "probjax_ssd_scan_bwd_local", "probjax_ssd_scan_bwd_pass",
+      "probjax_ssd_scan_fwd_res"]
   default = lambda x, dt, A, B: scan.ssd_scan(x, dt, A, B, B)
   assert _kernels(jax.grad(_loss(default), argnums=(0, 1, 2, 3)), x, dt, A, B) == []
 

@@ -2,8 +2,9 @@
 
 * Mamba-1: forward and backward kernels (:mod:`.mamba`), exact; the backward recomputes the
   states inside each chunk from the chunk-boundary states its forward saved.
-* SSD: chunked forward and backward kernels (:mod:`.ssd`), exact; the backward runs the chunks
-  in reverse and recomputes each chunk's terms from the chunk-boundary states its forward saved.
+* SSD: chunked forward and backward kernels (:mod:`.ssd`), exact; the backward carries only the
+  state's cotangent across the chunks in reverse, and computes each chunk's gradients in
+  parallel over the chunks from the chunk-boundary states its forward saved.
   A differentiated GPU call that names no implementation runs the tuned form instead, forward
   and backward (``tuning/gpu.json`` "grad": the chunked XLA form; the decision's ``grad``).
 * RLA: flash-linear-attention-style chunk kernels (:mod:`.rla`), forward and backward, exact;
@@ -75,7 +76,7 @@ def kernel_chunk(call) -> int:
 
 def _state_kernels(module, plain, saving_states):
   """``f(call, x, dt, A, B, C, h0) -> (y, h_L)``: ``module``'s forward kernel, differentiated by
-  its backward kernel from the inputs and the states entering each chunk (Mamba-1 and SSD take
+  its backward kernels from the inputs and the states entering each chunk (Mamba-1 and SSD take
   the same operands). ``plain(call)`` and ``saving_states(call)``: the forward's keywords without
   and with those states among its outputs (an undifferentiated call does not write them)."""
   def forward(call, *args):
