@@ -106,6 +106,15 @@ MEASURED_ONLY = (
                 "256 tokens, d 768, adaLN shift/scale per batch element; `wide` 8192 tokens, d 4096. "
                 "GB/s: the bytes of the inputs read once plus the outputs written once (`fwd_bwd`: also "
                 "the cotangents read and every input's gradient written) over the time.")),
+    Page("lce", "Fused linear cross-entropy", "lce-performance.md",
+         group=("dtype",), case=("case",), default=("fused",), rate=None,
+         intro=("`python -m bench.linear_cross_entropy`: the mean loss's value and gradients (x and the "
+                "head) of `linear_cross_entropy` on its XLA backend at the default tile (`fused`), at "
+                "given tiles (`fused_<tokens>x<vocab>`; `xall`: the whole vocabulary, whose rows compute "
+                "the gradients in the forward sweep), its Triton kernels (`triton`) and the logits "
+                "materialised in float32 (`unfused`), one compiled program each, rotating rounds. Cases "
+                "(tokens x d x vocab, bf16): `lm_head` 16384 x 768 x 32768, `big_vocab` 8192 x 1024 x "
+                "131072. Each row also has `temp_bytes`, XLA's temporary memory of the program.")),
 )
 
 
