@@ -414,6 +414,9 @@ def main(argv=None):
                and key_of(dict(case=case.name, impl=impl, mode=mode, dtype=jnp.dtype(dt).name,
                                shape=list(case.shape))) not in done]
   jax_minutes = args.max_minutes - (args.peer_minutes if peer_jobs else 0.0)
+  if todo and jax_minutes <= 0:
+    raise SystemExit(f"--peer-minutes {args.peer_minutes:g} keeps all of --max-minutes {args.max_minutes:g} for "
+                     "the torch peers: no JAX row would run; raise --max-minutes or lower --peer-minutes")
   progress = tqdm(total=sum(len(t[3]) for t in todo), desc="scan", unit="row")
   with open(output, "a" if args.append else "w") as f:
     longest = 0.0  # a job starts only if one as long as the longest so far still fits

@@ -36,3 +36,13 @@ def test_rla_peer_is_the_op():
   np.testing.assert_allclose(bench_scan.rla_peer(**a, window_size=40, chunk=32),
                              residual_linear_attention(**a, window_size=40, implementation="scan"),
                              rtol=1e-5, atol=1e-5)
+
+
+def test_peer_minutes_that_leave_no_jax_time_are_refused(tmp_path):
+  """--peer-minutes keeps its minutes of --max-minutes for the torch peers; keeping all of them
+  would run no JAX row, so the command refuses instead of writing the peers' rows alone."""
+  out = tmp_path / "scan.json"
+  with pytest.raises(SystemExit, match="--peer-minutes 1.5 keeps all of --max-minutes 1.5"):
+    bench_scan.main(["--cpu-smoke", "--torch-peers", "--cases", "mamba2", "--modes", "fwd",
+                     "--max-minutes", "1.5", "--output", str(out)])
+  assert not out.exists() or not out.read_text().strip()
