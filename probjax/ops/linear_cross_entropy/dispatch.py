@@ -2,9 +2,9 @@
 :class:`~probjax.core.device.Device`, returning a :class:`~probjax.core.dispatch.Decision`.
 
 The default is the tiled XLA form on every device: off the GPU it is the only compiled form,
-and on an NVIDIA GPU the Triton kernels have not been measured against it yet
-(``bench/linear_cross_entropy.py`` is the measurement to run), so nothing supports choosing
-them by default. They run when asked for (``implementation="triton"``).
+and on an NVIDIA GPU ``bench/linear_cross_entropy.py`` times the Triton kernels behind it at
+every tile it measured (``docs/dev/lce-performance.md``), so they run only when asked for
+(``implementation="triton"``).
 
 The XLA backend's scheme (``grad_in_forward`` in the decision's config) follows from the call
 and its tile: a reduced loss whose vocabulary tile is the whole vocabulary has its gradients
@@ -24,8 +24,8 @@ from probjax.ops.linear_cross_entropy.registry import REGISTRY
 def default_rule(call: LinearCrossEntropyCall, device: Device) -> tuple[str, str]:
   """The default backend and why."""
   if device.platform == "gpu" and not device.interpret:
-    return "xla", ("the tiled XLA form: the Triton kernels are not yet measured against it on a GPU "
-                   "(no measurement exists), so XLA stays the default until one shows otherwise")
+    return "xla", ("the tiled XLA form: ahead of the Triton kernels on the GPU "
+                   "(bench/linear_cross_entropy.py), which run when asked for")
   return "xla", "the tiled XLA form (logits never materialised): the compiled form off the GPU"
 
 
