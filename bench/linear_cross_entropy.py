@@ -25,18 +25,31 @@ commit and command.
 
   python -m bench.linear_cross_entropy --tiles 2048x8192,4096x8192,4096x16384 --output bench/results/h200/lce.json
   python -m bench.linear_cross_entropy --tiles 1024xall,2048xall,4096x8192 --output bench/results/h200/lce.json
+
+``--sample N`` replaces the two cases with N drawn ones (:func:`draw_cases`), to validate a tile
+rule fitted on other cases: the seed is ``--seed`` or, without it, drawn from the OS's entropy
+and printed; each row records it (``seed``, ``sampler``), and case ``i`` of a seed does not
+depend on N. ``--append`` keeps the output's rows and skips the cases it already has, so a run
+cut short resumes. The materialised logits (``unfused``) are left out of a case whose float32
+logits would pass ``--max-logits-gib``.
+
+  python -m bench.linear_cross_entropy --sample 12 --tiles 1024xall,2048xall --append --output lce_sample.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import secrets
 import statistics
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from bench.harness import command_line
 from probjax.core.timing import device_info
@@ -44,6 +57,28 @@ from probjax.ops.linear_cross_entropy import LinearCrossEntropyCall, explain_dis
 
 CASES = {"lm_head": (16384, 768, 32768), "big_vocab": (8192, 1024, 131072)}
 SMOKE = {"smoke": (256, 32, 1000)}
+SAMPLER = "lce_sample/1"
+# The drawn cases' ranges: what LM heads train with (batch x sequence tokens per step and
+# device, model widths, vocabularies from a byte-level 8k to a multilingual 256k).
+SAMPLE_TOKENS = (2048, 65536)
+SAMPLE_D = (512, 768, 1024, 1536, 2048, 3072, 4096)
+SAMPLE_VOCAB = (8000, 262144)
+
+
+def _log_uniform(rng, lo: int, hi: int) -> int:
+  return int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
+
+
+def draw_cases(seed: int, n: int) -> dict[str, tuple[int, int, int]]:
+  """``n`` cases ``{"s<seed>#<i>": (tokens, d, vocab)}``: tokens and vocabulary log-uniform
+  integers over :data:`SAMPLE_TOKENS` and :data:`SAMPLE_VOCAB` (odd sizes included), ``d``
+  uniform over :data:`SAMPLE_D`; case ``i`` from its own generator ``default_rng([seed, i])``."""
+  out = {}
+  for i in range(n):
+    rng = np.random.default_rng([seed, i])
+    out[f"s{seed}#{i}"] = (_log_uniform(rng, *SAMPLE_TOKENS), int(rng.choice(SAMPLE_D)),
+                           _log_uniform(rng, *SAMPLE_VOCAB))
+  return out
 
 
 def unfused(x, w, labels):
@@ -109,24 +144,47 @@ def main(argv=None) -> int:
   p.add_argument("--smoke", action="store_true", help="a tiny case (CPU, seconds)")
   p.add_argument("--repeats", type=int, default=7)
   p.add_argument("--tiles", default=None, help="also the XLA backend at these tiles: <tokens>x<vocab>,...")
+  p.add_argument("--sample", type=int, default=None, help="N drawn cases instead of the fixed ones")
+  p.add_argument("--seed", type=int, default=None, help="the sample's seed (default: drawn and printed)")
+  p.add_argument("--append", action="store_true", help="keep the output's rows; skip the cases it has")
+  p.add_argument("--max-logits-gib", type=float, default=16.0,
+                 help="leave out the materialised logits where their float32 bytes pass this")
   args = p.parse_args(argv)
   tiles = parse_tiles(args.tiles)
   info = device_info()
-  cases = SMOKE if args.smoke else CASES
+  seed = None
+  if args.sample is not None:
+    if args.sample < 1:
+      raise SystemExit(f"--sample must be a positive count, got {args.sample}")
+    seed = secrets.randbits(31) if args.seed is None else args.seed
+    print(f"sample {SAMPLER}: seed {seed}, {args.sample} cases", flush=True)
+    cases = draw_cases(seed, args.sample)
+    if args.smoke:  # the drawn cases' names and order at the smoke case's size
+      cases = {name: SMOKE["smoke"] for name in cases}
+  else:
+    cases = SMOKE if args.smoke else CASES
   interpret = args.smoke and jax.default_backend() != "gpu"
-  rows = []
-  for case, (n, d, v) in cases.items():
+  rows = [json.loads(line) for line in open(args.output)] if args.append and os.path.exists(args.output) else []
+  have = {r["case"] for r in rows}
+  for i, (case, (n, d, v)) in enumerate(cases.items()):
+    if case in have:
+      print(f"[{i + 1}/{len(cases)}] {case}: in {args.output}, skipped", flush=True)
+      continue
+    print(f"[{i + 1}/{len(cases)}] {case}: {n} tokens x d {d} x vocab {v}", flush=True)
     shapes = (jax.ShapeDtypeStruct((n, d), jnp.bfloat16), jax.ShapeDtypeStruct((d, v), jnp.bfloat16),
               jax.ShapeDtypeStruct((n,), jnp.int32))
     fns = {}
     schemes = grad_in_forward(shapes, tiles, v)
     for impl, f in impls(interpret, tiles, v).items():
+      if impl == "unfused" and 4 * n * v > args.max_logits_gib * 2**30:
+        print(f"{case} unfused: left out, {4 * n * v / 2**30:.1f} GiB of logits > --max-logits-gib", flush=True)
+        continue
       fn = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))
       compiled = fn.lower(*shapes).compile()
       mem = compiled.memory_analysis()
       row = dict(suite="lce", case=case, impl=impl, tokens=n, d=d, vocab=v, dtype="bfloat16",
                  temp_bytes=getattr(mem, "temp_size_in_bytes", None), logits_bytes=4 * n * v,
-                 grad_in_forward=schemes.get(impl),
+                 grad_in_forward=schemes.get(impl), **({} if seed is None else dict(seed=seed, sampler=SAMPLER)),
                  device=info["device"], platform=info["platform"], versions=info["versions"],
                  commit=info["commit"], command=command_line(), status="ok")
       rows.append(row)

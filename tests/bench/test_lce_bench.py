@@ -31,3 +31,31 @@ def test_tiles_add_rows(tmp_path):
   for bad in ("4096", "allx64", "0xall"):
     with pytest.raises(ValueError, match="--tiles"):
       lce.parse_tiles(bad)
+
+
+def test_drawn_cases_are_deterministic_and_in_range():
+  a, b = lce.draw_cases(1234, 6), lce.draw_cases(1234, 9)
+  assert list(a) == [f"s1234#{i}" for i in range(6)]
+  assert all(b[k] == a[k] for k in a)  # case i does not depend on the sample's size
+  assert lce.draw_cases(1235, 6) != a
+  for n, d, v in b.values():
+    assert lce.SAMPLE_TOKENS[0] <= n <= lce.SAMPLE_TOKENS[1] and d in lce.SAMPLE_D
+    assert lce.SAMPLE_VOCAB[0] <= v <= lce.SAMPLE_VOCAB[1]
+
+
+def test_sample_records_its_seed_resumes_and_leaves_out_large_logits(tmp_path, capsys):
+  out = tmp_path / "lce_sample.json"
+  argv = lambda n: ["--smoke", "--memory-only", "--sample", str(n), "--seed", "7", "--tiles", "64xall",
+                    "--output", str(out)]
+  assert lce.main(argv(2)) == 0
+  rows = [json.loads(l) for l in out.read_text().splitlines()]
+  assert {r["case"] for r in rows} == {"s7#0", "s7#1"}
+  assert all(r["seed"] == 7 and r["sampler"] == lce.SAMPLER for r in rows)
+  # a third case appended; the two measured are skipped; its logits (1 MB) pass a 0.0005 GiB cap
+  assert lce.main(argv(3) + ["--append", "--max-logits-gib", "0.0005"]) == 0
+  assert "s7#0: in" in capsys.readouterr().out
+  rows = [json.loads(l) for l in out.read_text().splitlines()]
+  assert [r["case"] for r in rows].count("s7#2") == 3  # fused, fused_64xall, triton
+  assert not any(r["case"] == "s7#2" and r["impl"] == "unfused" for r in rows)
+  with pytest.raises(SystemExit, match="--sample"):
+    lce.main(["--smoke", "--sample", "0", "--output", str(out)])
