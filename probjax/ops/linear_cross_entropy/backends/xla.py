@@ -176,18 +176,11 @@ def _bwd(call, res, g):
 per_token_loss.defvjp(_fwd, _bwd)
 
 
-def _head(w, layout):
-  """The whole head as ``[d, vocab]`` (a ``[vocab, d]`` table's transpose folds into the products)."""
-  return w if layout == "d_vocab" else w.T
-
-
 def _whole_vocab_tile(xc, yc, w, b, call, acc):
   """One token tile against the whole vocabulary: logits ``[T, V]``, log-sum-exp ``[T]``, the
   label's one-hot ``[T, V]`` (bool) and the per-token loss ``[T]`` (0 for a label not counted)."""
   v, eps, zl = call.vocab, call.label_smoothing, call.z_loss
-  z = jnp.dot(xc, _head(w, call.w_layout), preferred_element_type=acc).astype(acc)
-  if b is not None:
-    z = z + b.astype(acc)
+  z = _tile_logits(xc, w, b, 0, v, call.w_layout, acc)
   m = jnp.max(z, axis=1)
   lse = m + jnp.log(jnp.sum(jnp.exp(z - m[:, None]), axis=1))
   hit = yc[:, None] == jnp.arange(v)
@@ -222,7 +215,7 @@ def _reduced_sum_and_grads(x, w, b, labels, scale, call):
   n, v = call.tokens, call.vocab
   eps, zl = call.label_smoothing, call.z_loss
   weight = jnp.where(_valid(labels, call), scale.astype(acc), 0.0)
-  head = _head(w, call.w_layout)
+  head = _head_tile(w, 0, v, call.w_layout)  # [d, vocab]
 
   def token_tile(carry, t):
     total, dx, dw, db = carry
