@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import secrets
 import statistics
 import sys
@@ -51,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.harness import command_line
+from bench.harness import command_line, load_rows
 from probjax.core.timing import device_info
 from probjax.ops.linear_cross_entropy import LinearCrossEntropyCall, explain_dispatch, linear_cross_entropy
 
@@ -164,7 +163,7 @@ def main(argv=None) -> int:
   else:
     cases = SMOKE if args.smoke else CASES
   interpret = args.smoke and jax.default_backend() != "gpu"
-  rows = [json.loads(line) for line in open(args.output)] if args.append and os.path.exists(args.output) else []
+  rows = load_rows(args.output) if args.append else []
   have = {r["case"] for r in rows}
   for i, (case, (n, d, v)) in enumerate(cases.items()):
     if case in have:
