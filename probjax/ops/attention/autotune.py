@@ -142,7 +142,8 @@ def measurable(call: AttentionCall, device: Device) -> str | None:
 def candidates(call: AttentionCall, device: Device, differentiated: bool) -> list[str]:
   """The exact candidates of ``call`` on ``device``: ``xla:dense`` (while its scores fit),
   ``xla:flash``, then each other backend that is available and supports the call, under grad
-  once per backward pass it takes (``triton:triton_fused``, ``mosaic:mosaic``, ...)."""
+  once per backward pass it takes for the call (``triton:triton_fused``, ``mosaic:mosaic``, ...;
+  not ``mosaic:mosaic`` at head_dim 192, whose widths that backward refuses)."""
   out = []
   for name in REGISTRY.names():
     backend = REGISTRY.get(name)
@@ -153,7 +154,10 @@ def candidates(call: AttentionCall, device: Device, differentiated: bool) -> lis
       limit = DENSE_CANDIDATE_MAX_BYTES if device.memory_bytes is None else device.memory_bytes // 4
       out += (["xla:dense"] if scores <= limit else []) + ["xla:flash"]
     elif differentiated and backend.backward_pass_impls:
-      out += [f"{name}:{b}" for b in backend.backward_pass_impls if b != "auto"]
+      # a backward the backend refuses for this call (the Mosaic backward past its widths) is no
+      # candidate: timing it would only record its refusal
+      out += [f"{name}:{b}" for b in backend.backward_pass_impls
+              if b != "auto" and backend.supports(dataclasses.replace(call, backward_pass_impl=b), device) is None]
     else:
       out.append(name)
   return out

@@ -74,6 +74,10 @@ def test_candidates():
   grad = at.candidates(call, H200, True)
   assert {"triton:triton_fused", "triton:triton_split", "triton:triton_onepass", "cudnn", "mosaic:mosaic",
           "mosaic:triton_fused"} <= set(grad) and "triton" not in grad and "mosaic:auto" not in grad
+  # The Mosaic backward refuses widths past 320 (192 + 192): no candidate of it, the Triton backwards stay.
+  wide = AttentionCall((4, 2048, 8, 192), (4, 2048, 8, 192), jnp.bfloat16, mask=CausalMask())
+  wide_grad = at.candidates(wide, H200, True)
+  assert "mosaic:mosaic" not in wide_grad and {"mosaic:triton_fused", "triton:triton_fused"} <= set(wide_grad)
   # A mask the kernels refuse leaves XLA's; calls autotuning cannot reproduce are left to the rules.
   prefix = AttentionCall(Q, KV, jnp.bfloat16, mask=Mask(prefix_lengths=jnp.array([4])))
   assert at.candidates(prefix, H200, False) == ["xla:dense", "xla:flash"]
