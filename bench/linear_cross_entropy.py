@@ -20,8 +20,8 @@ others). ``--tiles 4096x8192,2048x16384`` adds one ``fused_<tokens>x<vocab>`` ro
 (or one at least the case's vocabulary) is the whole vocabulary, a row ``fused_<tokens>xall``:
 the loss being a mean, the XLA backend then computes the gradients in its forward sweep (three
 products per tile instead of four); every fused row's ``grad_in_forward`` says which scheme ran
-(``explain_dispatch``'s). Rows are JSON lines keyed by (case, impl) with the device, versions,
-commit and command.
+and its ``chunk_tokens``/``chunk_vocab`` which tile (``explain_dispatch``'s). Rows are JSON lines
+keyed by (case, impl) with the device, versions, commit and command.
 
   python -m bench.linear_cross_entropy --tiles 2048x8192,4096x8192,4096x16384 --output bench/results/h200/lce.json
   python -m bench.linear_cross_entropy --tiles 1024xall,2048xall,4096x8192 --output bench/results/h200/lce.json
@@ -128,12 +128,15 @@ def impls(interpret: bool, tiles: list[tuple[int, int | None]] = (), vocab: int 
   return out
 
 
-def grad_in_forward(shapes, tiles: list[tuple[int, int | None]], vocab: int) -> dict[str, bool]:
-  """Per fused row, whether the XLA backend computes the gradients in the forward sweep (its
-  decision for the row's call)."""
-  return {name: explain_dispatch(LinearCrossEntropyCall.of(*shapes, chunk_tokens=t, chunk_vocab=v),
-                                 implementation="xla").get("grad_in_forward")
-          for name, (t, v) in fused_tiles(tiles, vocab).items()}
+def tile_decisions(shapes, tiles: list[tuple[int, int | None]], vocab: int) -> dict[str, dict]:
+  """Per fused row, the XLA backend's decision for the row's call (``explain_dispatch``): its
+  tile (``chunk_tokens``, ``chunk_vocab``) and whether it computes the gradients in the forward
+  sweep (``grad_in_forward``)."""
+  out = {}
+  for name, (t, v) in fused_tiles(tiles, vocab).items():
+    d = explain_dispatch(LinearCrossEntropyCall.of(*shapes, chunk_tokens=t, chunk_vocab=v), implementation="xla")
+    out[name] = {k: d.get(k) for k in ("chunk_tokens", "chunk_vocab", "grad_in_forward")}
+  return out
 
 
 def main(argv=None) -> int:
@@ -173,7 +176,7 @@ def main(argv=None) -> int:
     shapes = (jax.ShapeDtypeStruct((n, d), jnp.bfloat16), jax.ShapeDtypeStruct((d, v), jnp.bfloat16),
               jax.ShapeDtypeStruct((n,), jnp.int32))
     fns = {}
-    schemes = grad_in_forward(shapes, tiles, v)
+    schemes = tile_decisions(shapes, tiles, v)
     for impl, f in impls(interpret, tiles, v).items():
       if impl == "unfused" and 4 * n * v > args.max_logits_gib * 2**30:
         print(f"{case} unfused: left out, {4 * n * v / 2**30:.1f} GiB of logits > --max-logits-gib", flush=True)
@@ -183,7 +186,7 @@ def main(argv=None) -> int:
       mem = compiled.memory_analysis()
       row = dict(suite="lce", case=case, impl=impl, tokens=n, d=d, vocab=v, dtype="bfloat16",
                  temp_bytes=getattr(mem, "temp_size_in_bytes", None), logits_bytes=4 * n * v,
-                 grad_in_forward=schemes.get(impl), **({} if seed is None else dict(seed=seed, sampler=SAMPLER)),
+                 **schemes.get(impl, dict(grad_in_forward=None)), **({} if seed is None else dict(seed=seed, sampler=SAMPLER)),
                  device=info["device"], platform=info["platform"], versions=info["versions"],
                  commit=info["commit"], command=command_line(), status="ok")
       rows.append(row)

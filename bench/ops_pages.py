@@ -114,7 +114,17 @@ MEASURED_ONLY = (
                 "the gradients in the forward sweep), its Triton kernels (`triton`) and the logits "
                 "materialised in float32 (`unfused`), one compiled program each, rotating rounds. Cases "
                 "(tokens x d x vocab, bf16): `lm_head` 16384 x 768 x 32768, `big_vocab` 8192 x 1024 x "
-                "131072. Each row also has `temp_bytes`, XLA's temporary memory of the program.")),
+                "131072. Each row also has `temp_bytes`, XLA's temporary memory of the program. `fused` "
+                "is the default of the row's commit: 1024 x 4096 before cdab348, after it the whole "
+                "vocabulary for a mean loss with the token tile from a 128 MiB budget.")),
+    Page("lce_validate", "Fused linear cross-entropy: the default tile on drawn cases", "lce-validation.md",
+         group=("dtype",), case=("case",), default=("fused",), rate=None,
+         intro=("`python -m bench.linear_cross_entropy --sample 12 --seed 212092681 --append`: the rows "
+                "of the fused-loss page (same implementations and conventions) on 12 (tokens, d, "
+                "vocabulary) cases drawn after the default tile's rule was fitted on that page's two "
+                "cases (the seed: `bench/tuning/lce/validate_seed.json`; tokens 2048-65536 and "
+                "vocabularies 8000-262144 log-uniform, d from 512 to 4096). `fused` is the default "
+                "tile; each row's `chunk_tokens`/`chunk_vocab` say which it was.")),
 )
 
 

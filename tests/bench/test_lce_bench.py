@@ -25,6 +25,10 @@ def test_tiles_add_rows(tmp_path):
   # forward sweep, and the row says so; a smaller one the per-token scheme
   assert rows["fused_128xall"]["grad_in_forward"] and rows["fused_32xall"]["grad_in_forward"]
   assert rows["fused_64x256"]["grad_in_forward"] is False and rows["unfused"]["grad_in_forward"] is None
+  # each fused row names its tile: the smoke case (256 tokens, vocabulary 1000) by default takes all of both
+  assert (rows["fused_64x256"]["chunk_tokens"], rows["fused_64x256"]["chunk_vocab"]) == (64, 256)
+  assert (rows["fused"]["chunk_tokens"], rows["fused"]["chunk_vocab"], rows["fused"]["grad_in_forward"]) == (
+      256, 1000, True)
   # a smaller tile needs less temporary memory than the whole-vocabulary one
   assert rows["fused_64x256"]["temp_bytes"] < rows["fused_128xall"]["temp_bytes"]
   assert lce.parse_tiles("1024xall, 64x256") == [(1024, None), (64, 256)]
