@@ -26,6 +26,7 @@ keyed by (case, impl) with the device, versions, commit and command.
   python -m bench.linear_cross_entropy --tiles 2048x8192,4096x8192,4096x16384 --output bench/results/h200/lce.json
   python -m bench.linear_cross_entropy --tiles 1024xall,2048xall,4096x8192 --output bench/results/h200/lce.json
 
+``--cases 2048x256x32768,...`` replaces the two cases with these (smaller ones for a CPU).
 ``--sample N`` replaces the two cases with N drawn ones (:func:`draw_cases`), to validate a tile
 rule fitted on other cases: the seed is ``--seed`` or, without it, drawn from the OS's entropy
 and printed; each row records it (``seed``, ``sampler``), and case ``i`` of a seed does not
@@ -103,6 +104,20 @@ def parse_tiles(text: str | None) -> list[tuple[int, int | None]]:
   return tiles
 
 
+def parse_cases(text: str) -> dict[str, tuple[int, int, int]]:
+  """``"2048x256x32768,..."`` -> ``{"2048x256x32768": (2048, 256, 32768), ...}``."""
+  out = {}
+  for part in text.split(","):
+    try:
+      n, d, v = (int(p) for p in part.strip().lower().split("x"))
+    except ValueError:
+      raise ValueError(f"--cases: {part!r} is not <tokens>x<d>x<vocab> (e.g. 2048x256x32768)") from None
+    if min(n, d, v) < 1:
+      raise ValueError(f"--cases: {part!r} must be positive")
+    out[f"{n}x{d}x{v}"] = (n, d, v)
+  return out
+
+
 def fused_tiles(tiles: list[tuple[int, int | None]], vocab: int) -> dict[str, tuple[int | None, int | None]]:
   """The fused rows' names and ``(chunk_tokens, chunk_vocab)``: ``fused`` (the default's tile)
   and one per tile; a vocabulary part that covers ``vocab`` (None, or at least ``vocab``) is
@@ -146,6 +161,8 @@ def main(argv=None) -> int:
   p.add_argument("--smoke", action="store_true", help="a tiny case (CPU, seconds)")
   p.add_argument("--repeats", type=int, default=7)
   p.add_argument("--tiles", default=None, help="also the XLA backend at these tiles: <tokens>x<vocab>,...")
+  p.add_argument("--cases", default=None,
+                 help="these cases instead of the fixed ones: <tokens>x<d>x<vocab>,... (e.g. for a CPU)")
   p.add_argument("--sample", type=int, default=None, help="N drawn cases instead of the fixed ones")
   p.add_argument("--seed", type=int, default=None, help="the sample's seed (default: drawn and printed)")
   p.add_argument("--append", action="store_true", help="keep the output's rows; skip the cases it has")
@@ -163,6 +180,8 @@ def main(argv=None) -> int:
     cases = draw_cases(seed, args.sample)
     if args.smoke:  # the drawn cases' names and order at the smoke case's size
       cases = {name: SMOKE["smoke"] for name in cases}
+  elif args.cases:
+    cases = parse_cases(args.cases)
   else:
     cases = SMOKE if args.smoke else CASES
   interpret = args.smoke and jax.default_backend() != "gpu"

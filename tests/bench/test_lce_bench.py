@@ -32,6 +32,10 @@ def test_tiles_add_rows(tmp_path):
   # a smaller tile needs less temporary memory than the whole-vocabulary one
   assert rows["fused_64x256"]["temp_bytes"] < rows["fused_128xall"]["temp_bytes"]
   assert lce.parse_tiles("1024xall, 64x256") == [(1024, None), (64, 256)]
+  assert lce.parse_cases("64x8x300, 5x3x2") == {"64x8x300": (64, 8, 300), "5x3x2": (5, 3, 2)}
+  for bad in ("64x8", "0x8x300", "ax8x300"):
+    with pytest.raises(ValueError, match="--cases"):
+      lce.parse_cases(bad)
   for bad in ("4096", "allx64", "0xall"):
     with pytest.raises(ValueError, match="--tiles"):
       lce.parse_tiles(bad)
