@@ -58,14 +58,12 @@ def linear_cross_entropy(x, w, labels, *, bias=None, w_layout: str = "d_vocab", 
     label_smoothing: ``eps`` in ``[0, 1]``.
     reduction: ``"mean"`` over counted tokens (0 when none counts, never NaN), ``"sum"``, or
       ``"none"``: the per-token losses, ``labels``' shape.
-    chunk_tokens, chunk_vocab: the tile (None: the backend's; 64 x 128 for Triton, whose tiles
-      are these rounded up to powers of two). On XLA, a ``"mean"`` or ``"sum"`` loss whose
-      ``chunk_vocab`` covers the vocabulary (``>= vocab``, as the default does) computes its
-      gradients in the forward sweep, each token tile's logits formed once (three products per
-      tile instead of four; ``explain_dispatch``'s ``grad_in_forward``); memory ``O(chunk_tokens
-      * vocab)`` for the tile's logits. XLA's default tile: for those losses the whole vocabulary
-      and as many tokens as keep the tile's float32 logits within 128 MiB (a power of two, 64 to
-      8192: 1024 at a 32,768-entry vocabulary); for ``"none"``, 1024 x 4096.
+    chunk_tokens, chunk_vocab: the tile (None: the backend's, 1024 x 4096 for XLA, 64 x 128 for
+      Triton, whose tiles are these rounded up to powers of two). On XLA, a ``"mean"`` or
+      ``"sum"`` loss whose ``chunk_vocab`` covers the vocabulary (``>= vocab``, as the default
+      does up to 4096 entries) computes its gradients in the forward sweep, each token tile's
+      logits formed once (three products per tile instead of four; ``explain_dispatch``'s
+      ``grad_in_forward``); memory ``O(chunk_tokens * vocab)`` for the tile's logits.
     implementation: None (the default, :func:`explain_dispatch` says which) or a backend name
       (:func:`available_implementations`); one that cannot compute the call raises ValueError.
     interpret: run the Triton kernels in Pallas interpret mode (any platform, for tests).
@@ -124,10 +122,10 @@ def explain_dispatch(call: LinearCrossEntropyCall, *, implementation: str | None
   >>> call = LinearCrossEntropyCall.of(s((8, 2048, 768), jnp.bfloat16), s((768, 32768), jnp.bfloat16),
   ...                                  s((8, 2048), jnp.int32))
   >>> explain_dispatch(call, device=Device("cpu")).summary()
-  'xla, chunk_tokens=1024, chunk_vocab=32768, grad_in_forward=True'
-  >>> per_token = dataclasses.replace(call, reduction="none")  # cotangents only in the backward
-  >>> explain_dispatch(per_token, device=Device("cpu")).summary()
   'xla, chunk_tokens=1024, chunk_vocab=4096, grad_in_forward=False'
+  >>> whole = dataclasses.replace(call, chunk_vocab=32768)  # the vocabulary in one tile
+  >>> explain_dispatch(whole, device=Device("cpu")).summary()
+  'xla, chunk_tokens=1024, chunk_vocab=32768, grad_in_forward=True'
   """
   return decide(call, _device(call, device), implementation)
 

@@ -256,33 +256,9 @@ def test_explain_reports_the_scheme():
   s = jax.ShapeDtypeStruct
   shapes = (s((4, 100, 16), jnp.float32), s((16, 5000), jnp.float32), s((4, 100), jnp.int32))
   explain = lambda **kw: explain_dispatch(LinearCrossEntropyCall.of(*shapes, **kw), device=Device("cpu"))
-  assert explain(chunk_vocab=4096).get("grad_in_forward") is False  # a 4096-wide tile misses 5000 entries
+  assert explain().get("grad_in_forward") is False  # the default 4096-wide tile misses 5000 entries
   assert explain(reduction="none", chunk_vocab=5000).get("grad_in_forward") is False
-  for kw in ({}, dict(chunk_vocab=5000), dict(chunk_vocab=8192, reduction="sum")):
+  for kw in (dict(chunk_vocab=5000), dict(chunk_vocab=8192, reduction="sum")):
     d = explain(**kw)
     assert d.get("grad_in_forward") is True and d.get("chunk_vocab") == 5000
     assert "grad_in_forward=True" in d.summary()
-
-
-@pytest.mark.parametrize("vocab,tokens", [(32768, 1024), (131072, 256), (8452, 2048), (262144, 128),
-                                          (1000, 8192), (2**22, 64)])
-def test_default_tile_of_a_reduced_loss_is_the_whole_vocabulary_within_the_byte_budget(vocab, tokens):
-  # the largest power of two whose float32 logits fit 128 MiB, clamped to [64, 8192]
-  from probjax.ops.linear_cross_entropy.backends import xla
-  s = jax.ShapeDtypeStruct
-  call = LinearCrossEntropyCall.of(s((20000, 8), jnp.bfloat16), s((8, vocab), jnp.bfloat16), s((20000,), jnp.int32))
-  d = explain_dispatch(call, device=Device("cpu"))
-  assert (d.get("chunk_tokens"), d.get("chunk_vocab"), d.get("grad_in_forward")) == (tokens, vocab, True)
-  assert tokens * vocab * 4 <= xla.WHOLE_VOCAB_TILE_BYTES or tokens == xla.MIN_WHOLE_VOCAB_TOKENS
-  assert 2 * tokens * vocab * 4 > xla.WHOLE_VOCAB_TILE_BYTES or tokens == xla.MAX_WHOLE_VOCAB_TOKENS
-
-
-def test_default_tile_keeps_the_callers_parts_and_the_per_token_tile():
-  s = jax.ShapeDtypeStruct
-  shapes = (s((5000, 8), jnp.float32), s((8, 32768), jnp.float32), s((5000,), jnp.int32))
-  tile = lambda **kw: (lambda d: (d.get("chunk_tokens"), d.get("chunk_vocab"), d.get("grad_in_forward")))(
-      explain_dispatch(LinearCrossEntropyCall.of(*shapes, **kw), device=Device("cpu")))
-  assert tile(reduction="none") == (1024, 4096, False)  # per-token cotangents: the narrow tile
-  assert tile(chunk_tokens=300) == (300, 32768, True)  # the caller's token tile, the whole vocabulary
-  assert tile(chunk_vocab=8192) == (1024, 8192, False)  # the caller's narrower vocabulary tile
-  assert tile(chunk_tokens=9000) == (5000, 32768, True)  # never past the tokens

@@ -36,39 +36,13 @@ from probjax.ops.linear_cross_entropy.call import LinearCrossEntropyCall
 
 CHUNK_TOKENS = 1024
 CHUNK_VOCAB = 4096
-# A reduced loss's default tile is the whole vocabulary (its gradients in the forward sweep)
-# times as many tokens as keep the tile's float32 logits within this many bytes.
-WHOLE_VOCAB_TILE_BYTES = 128 * 2**20
-MIN_WHOLE_VOCAB_TOKENS, MAX_WHOLE_VOCAB_TOKENS = 64, 8192
-
-
-def whole_vocab_tokens(vocab: int) -> int:
-  """The token tile of a whole-vocabulary tile: the largest power of two whose float32 logits
-  (``tokens * vocab * 4`` bytes) fit :data:`WHOLE_VOCAB_TILE_BYTES`, at least
-  :data:`MIN_WHOLE_VOCAB_TOKENS` and at most :data:`MAX_WHOLE_VOCAB_TOKENS`.
-
-  For example a 32,768-entry vocabulary takes 1024 tokens (128 MiB of logits), a 131,072-entry
-  one 256 and an 8,452-entry one 2048 (69 MiB): the tile's logits, their gradient and the exponentials are the loss's working memory,
-  so it stays a fixed few hundred MiB (a tenth of a 16k-token step's materialised logits or less)
-  whatever the vocabulary, and the products stay wide enough to keep the GPU's matrix units busy.
-  """
-  fit = WHOLE_VOCAB_TILE_BYTES // (4 * max(vocab, 1))
-  tokens = 1 << max(int(fit).bit_length() - 1, 0)
-  return max(MIN_WHOLE_VOCAB_TOKENS, min(tokens, MAX_WHOLE_VOCAB_TOKENS))
 
 
 def chunks(call: LinearCrossEntropyCall) -> tuple[int, int]:
-  """The tile ``(tokens, vocab)``, each at most the whole axis: the call's where it sets one.
-  Otherwise a ``"mean"`` or ``"sum"`` loss takes the whole vocabulary (its gradients are then
-  computed in the forward sweep: three products per tile instead of four, no backward sweep) and
-  :func:`whole_vocab_tokens` tokens; per-token losses (``"none"``), whose cotangents arrive only
-  in the backward, take :data:`CHUNK_TOKENS` x :data:`CHUNK_VOCAB` (16 MB of float32 logits,
-  whatever the vocabulary)."""
-  vocab_tile = call.chunk_vocab or (call.vocab if call.reduction != "none" else CHUNK_VOCAB)
-  vocab_tile = min(vocab_tile, call.vocab)
-  token_tile = call.chunk_tokens or (whole_vocab_tokens(call.vocab) if vocab_tile >= call.vocab
-                                     and call.reduction != "none" else CHUNK_TOKENS)
-  return min(token_tile, max(call.tokens, 1)), vocab_tile
+  """The tile ``(tokens, vocab)``: the call's, else :data:`CHUNK_TOKENS` x :data:`CHUNK_VOCAB`,
+  at most the whole axis. A 1024 x 4096 float32 tile is 16 MB, whatever the vocabulary."""
+  return (min(call.chunk_tokens or CHUNK_TOKENS, max(call.tokens, 1)),
+          min(call.chunk_vocab or CHUNK_VOCAB, call.vocab))
 
 
 def _head_tile(w, start, size, layout):
