@@ -115,16 +115,20 @@ MEASURED_ONLY = (
                 "materialised in float32 (`unfused`), one compiled program each, rotating rounds. Cases "
                 "(tokens x d x vocab, bf16): `lm_head` 16384 x 768 x 32768, `big_vocab` 8192 x 1024 x "
                 "131072. Each row also has `temp_bytes`, XLA's temporary memory of the program. `fused` "
-                "is the default of the row's commit: 1024 x 4096 before cdab348, after it the whole "
-                "vocabulary for a mean loss with the token tile from a 128 MiB budget.")),
+                "is the default of the row's commit: 1024 x 4096, except at d4a92c0, whose default was "
+                "a rule under validation (the whole vocabulary for a mean loss, the token tile from a "
+                "128 MiB budget for its float32 logits), withdrawn after its validation sample; each "
+                "row's `chunk_tokens`/`chunk_vocab` say which tile ran.")),
     Page("lce_validate", "Fused linear cross-entropy: the default tile on drawn cases", "lce-validation.md",
          group=("dtype",), case=("case",), default=("fused",), rate=None,
          intro=("`python -m bench.linear_cross_entropy --sample 12 --seed 212092681 --append`: the rows "
                 "of the fused-loss page (same implementations and conventions) on 12 (tokens, d, "
                 "vocabulary) cases drawn after the default tile's rule was fitted on that page's two "
                 "cases (the seed: `bench/tuning/lce/validate_seed.json`; tokens 2048-65536 and "
-                "vocabularies 8000-262144 log-uniform, d from 512 to 4096). `fused` is the default "
-                "tile; each row's `chunk_tokens`/`chunk_vocab` say which it was.")),
+                "vocabularies 8000-262144 log-uniform, d from 512 to 4096). `fused` is the rule under "
+                "validation (d4a92c0: the whole vocabulary, the token tile from a 128 MiB budget), "
+                "`fused_1024x4096` the default before and after it; each row's "
+                "`chunk_tokens`/`chunk_vocab` say which tile ran.")),
 )
 
 
