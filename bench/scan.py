@@ -42,7 +42,9 @@ Timing: per (case, mode, dtype), every implementation is compiled and warmed up,
 ``--rounds`` rounds run each implementation in turn, starting one later each round (rotating
 order, so drifts of clock and temperature spread over all of them); a round times a block of
 calls lasting at least ``--min-block-ms`` and synchronises once. A row holds the median, p10
-and p90 of the rounds' per-call times. The torch peers: :func:`probjax.core.timing.time_fn`,
+and p90 of the rounds' per-call times; with ``--profile`` (GPU) also the kernels of five more
+calls (``device_ms``, ``kernel_ms_by_kind``, ``top_kernels``), which say which kernel of a
+multi-kernel implementation takes the time. The torch peers: :func:`probjax.core.timing.time_fn`,
 ``--rounds`` repeats of blocks lasting at least ``--min-block-ms``.
 
 Rows: one JSON object per line in ``bench/results/<device>/scan.json`` (``--output``), with
@@ -287,7 +289,22 @@ def measure(case, mode, dtype, impls, args, interpret, meta, progress):
     if ts and rows[impl]["status"] == "ok":
       rows[impl].update(ms=statistics.median(ts), p10_ms=float(np.percentile(ts, 10)),
                         p90_ms=float(np.percentile(ts, 90)), rounds=len(ts))
+      if getattr(args, "profile", False):
+        rows[impl].update(kernel_profile(fns[impl], inputs))
   return [add_floor(r) for r in rows.values()]
+
+
+def kernel_profile(fn, inputs, calls: int = 5) -> dict:
+  """The kernels of ``calls`` more calls of ``fn(inputs)`` (``bench.harness.kernel_summary``:
+  ``device_ms``, ``kernel_ms_by_kind``, ``top_kernels``), or ``device_ms_error`` saying why there
+  is none (GPU only)."""
+  if jax.devices()[0].platform != "gpu":
+    return dict(device_ms_error=f"no kernel profile on platform {jax.devices()[0].platform}: GPU only")
+  try:
+    return harness.kernel_summary(harness.kernel_intervals(lambda: fn(inputs), jax.block_until_ready, calls, "jax"),
+                                  calls)
+  except Exception as e:  # noqa: BLE001 (the timed row stands without it)
+    return dict(device_ms_error=f"{type(e).__name__}: {e}"[:300])
 
 
 def torch_rows(peer_jobs, meta, args, max_seconds: float, on_row):
@@ -361,6 +378,8 @@ def main(argv=None):
   p.add_argument("--warmup", type=int, default=2)
   p.add_argument("--min-block-ms", type=float, default=50.0)
   p.add_argument("--max-calls", type=int, default=200)
+  p.add_argument("--profile", action="store_true",
+                 help="also each JAX row's kernels (device_ms, kernel_ms_by_kind, top_kernels; GPU only)")
   p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU, the kernels in interpret mode")
   p.add_argument("--no-torch", action="store_true", help="skip the torch peers (mamba_ssm_triton, fla_chunk)")
   p.add_argument("--torch-peers", action="store_true", help="run the torch peers' worker under --cpu-smoke too "

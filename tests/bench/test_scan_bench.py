@@ -25,6 +25,14 @@ def test_cpu_smoke_writes_rows_and_resumes(tmp_path):
   assert len(out.read_text().splitlines()) == 2
 
 
+def test_kernel_profile_says_why_it_is_missing_off_the_gpu():
+  import jax
+  if jax.devices()[0].platform == "gpu":
+    pytest.skip("off the GPU only")
+  prof = bench_scan.kernel_profile(lambda a: a, 1.0)
+  assert set(prof) == {"device_ms_error"} and "GPU only" in prof["device_ms_error"]
+
+
 def test_rla_peer_is_the_op():
   """The benchmark's plain chunked XLA peer computes RLA's linear branch (float32, GQA, a
   window past the first chunk)."""
