@@ -169,3 +169,38 @@ def test_generate_without_lengths_is_full_length_prompts(setup):
     np.testing.assert_array_equal(n, want_n)
   with pytest.raises(TypeError, match="lengths"):
     generate(lm, prompts, full.astype(jnp.float32), max_new_tokens=M)
+
+
+def _kernel_names(jaxpr, out):
+  """The names of the kernel calls (Pallas) in ``jaxpr`` and every jaxpr nested in it."""
+  for eqn in jaxpr.eqns:
+    name = eqn.params.get("name", eqn.params.get("name_and_src_info"))
+    if eqn.primitive.name in ("pallas_call", "mpmd_map") and name is not None:
+      out.append(str(name))
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (list, tuple)) else (param,):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          _kernel_names(inner, out)
+  return out
+
+
+@pytest.mark.parametrize("implementation", ["mosaic", "triton"])
+def test_a_training_step_traces_one_attention_forward_and_backward_per_layer(implementation):
+  # The layers are scanned: one kernel of each kind in the program runs once per layer. A second
+  # forward per layer (recomputed for the backward's residuals) would cost a forward per layer.
+  lm = TransformerLM(vocab_size=64, features=128, num_layers=2, num_heads=2, head_dim=64, rotary=True,
+                     qk_norm=True, dtype=jnp.bfloat16, rngs=nnx.Rngs(0),
+                     attention_fn=functools.partial(dot_product_attention, implementation=implementation,
+                                                    interpret=True))
+  graphdef, params = nnx.split(lm)
+  tokens = jax.random.randint(jax.random.key(0), (1, 128), 0, 64)
+
+  def loss(p):
+    logits = nnx.merge(graphdef, p)(tokens).astype(jnp.float32)
+    return -jnp.mean(jax.nn.log_softmax(logits)[:, :-1, 0])
+
+  names = _kernel_names(jax.make_jaxpr(jax.jit(jax.value_and_grad(loss)))(params).jaxpr, [])
+  forwards = [n for n in names if n.startswith("probjax_attention_fwd")]
+  backwards = [n for n in names if n.startswith("probjax_attention_bwd")]
+  assert len(forwards) == 1 and len(backwards) >= 1, names
