@@ -230,6 +230,20 @@ def kernel_summary(intervals, steps: int, top: int = 8) -> dict:
                            for n, (t, k) in ranked])
 
 
+def kernel_profile(fn: Callable[[], Any], calls: int) -> dict:
+  """:func:`kernel_summary` of ``calls`` more calls of the JAX function ``fn()`` (one step each),
+  or ``device_ms_error`` saying why there is none (GPU only; a failing profile leaves the timed
+  row standing)."""
+  import jax
+  platform = jax.devices()[0].platform
+  if platform != "gpu":
+    return dict(device_ms_error=f"no kernel profile on platform {platform}: GPU only")
+  try:
+    return kernel_summary(kernel_intervals(fn, jax.block_until_ready, calls, "jax"), calls)
+  except Exception as e:  # noqa: BLE001 (the timed row stands without it)
+    return dict(device_ms_error=f"{type(e).__name__}: {e}"[:300])
+
+
 def command_line() -> str:
   return " ".join(["python"] + ([f"-m {sys.modules['__main__'].__spec__.name}"]
                                 if getattr(sys.modules.get("__main__"), "__spec__", None)

@@ -225,6 +225,9 @@ def build(case: Case, impl: str | None, mode: str, inputs, interpret: bool):
   return jax.jit(jax.grad(lambda a: jnp.sum(run(a).astype(jnp.float32))))
 
 
+PROFILE_CALLS = 5  # --profile: the calls whose kernels a row reports
+
+
 def block_ms(fn, inputs, calls: int) -> float:
   t0 = time.perf_counter()
   out = None
@@ -290,21 +293,8 @@ def measure(case, mode, dtype, impls, args, interpret, meta, progress):
       rows[impl].update(ms=statistics.median(ts), p10_ms=float(np.percentile(ts, 10)),
                         p90_ms=float(np.percentile(ts, 90)), rounds=len(ts))
       if getattr(args, "profile", False):
-        rows[impl].update(kernel_profile(fns[impl], inputs))
+        rows[impl].update(harness.kernel_profile(lambda: fns[impl](inputs), PROFILE_CALLS))
   return [add_floor(r) for r in rows.values()]
-
-
-def kernel_profile(fn, inputs, calls: int = 5) -> dict:
-  """The kernels of ``calls`` more calls of ``fn(inputs)`` (``bench.harness.kernel_summary``:
-  ``device_ms``, ``kernel_ms_by_kind``, ``top_kernels``), or ``device_ms_error`` saying why there
-  is none (GPU only)."""
-  if jax.devices()[0].platform != "gpu":
-    return dict(device_ms_error=f"no kernel profile on platform {jax.devices()[0].platform}: GPU only")
-  try:
-    return harness.kernel_summary(harness.kernel_intervals(lambda: fn(inputs), jax.block_until_ready, calls, "jax"),
-                                  calls)
-  except Exception as e:  # noqa: BLE001 (the timed row stands without it)
-    return dict(device_ms_error=f"{type(e).__name__}: {e}"[:300])
 
 
 def torch_rows(peer_jobs, meta, args, max_seconds: float, on_row):
