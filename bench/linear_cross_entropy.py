@@ -166,10 +166,12 @@ def main(argv=None) -> int:
   p.add_argument("--sample", type=int, default=None, help="N drawn cases instead of the fixed ones")
   p.add_argument("--seed", type=int, default=None, help="the sample's seed (default: drawn and printed)")
   p.add_argument("--append", action="store_true", help="keep the output's rows; skip the cases it has")
+  p.add_argument("--skip", default="", help="leave out these rows: <impl>,... (e.g. triton,fused)")
   p.add_argument("--max-logits-gib", type=float, default=16.0,
                  help="leave out the materialised logits where their float32 bytes pass this")
   args = p.parse_args(argv)
   tiles = parse_tiles(args.tiles)
+  skip = {s for s in args.skip.split(",") if s}
   info = device_info()
   seed = None
   if args.sample is not None:
@@ -197,6 +199,8 @@ def main(argv=None) -> int:
     fns = {}
     schemes = tile_decisions(shapes, tiles, v)
     for impl, f in impls(interpret, tiles, v).items():
+      if impl in skip:
+        continue
       if impl == "unfused" and 4 * n * v > args.max_logits_gib * 2**30:
         print(f"{case} unfused: left out, {4 * n * v / 2**30:.1f} GiB of logits > --max-logits-gib", flush=True)
         continue

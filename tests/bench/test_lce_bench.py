@@ -31,6 +31,10 @@ def test_tiles_add_rows(tmp_path):
       256, 1000, True)
   # a smaller tile needs less temporary memory than the whole-vocabulary one
   assert rows["fused_64x256"]["temp_bytes"] < rows["fused_128xall"]["temp_bytes"]
+  skipped = tmp_path / "skip.json"
+  assert lce.main(["--smoke", "--memory-only", "--tiles", "64xall", "--skip", "fused,triton",
+                   "--output", str(skipped)]) == 0
+  assert {json.loads(l)["impl"] for l in skipped.read_text().splitlines()} == {"fused_64xall", "unfused"}
   assert lce.parse_tiles("1024xall, 64x256") == [(1024, None), (64, 256)]
   assert lce.parse_cases("64x8x300, 5x3x2") == {"64x8x300": (64, 8, 300), "5x3x2": (5, 3, 2)}
   for bad in ("64x8", "0x8x300", "ax8x300"):
@@ -67,3 +71,15 @@ def test_sample_records_its_seed_resumes_and_leaves_out_large_logits(tmp_path, c
   assert not any(r["case"] == "s7#2" and r["impl"] == "unfused" for r in rows)
   with pytest.raises(SystemExit, match="--sample"):
     lce.main(["--smoke", "--sample", "0", "--output", str(out)])
+
+
+def test_rule_scoring():
+  from bench import lce_rule
+  assert lce_rule.proposed_tile(16384, 768, 32768) == "fused_1024xall"  # 128 MiB of logits
+  assert lce_rule.proposed_tile(26742, 1024, 65852) == "fused_2048xall"  # within a tenth
+  assert lce_rule.proposed_tile(2250, 768, 150003) == "fused_512xall"  # 2048 and 1024 round up too far
+  assert lce_rule.proposed_tile(20000, 3072, 50000) == "fused_1024x4096"
+  row = lambda impl, ms: dict(case="c", impl=impl, ms=ms, tokens=16384, d=768, vocab=32768)
+  s = lce_rule.score([row("fused_1024xall", 3.0), row("fused_2048xall", 2.0), row("unfused", 1.0)])
+  assert s["cases"]["c"]["regret"] == 1.5 and s["geo_mean"] == 1.5  # the fastest fused tile, not unfused
+  assert lce_rule.score([row("fused_2048xall", 2.0)])["missing"] == ["c: fused_1024xall not measured"]
