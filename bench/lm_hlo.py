@@ -1,0 +1,80 @@
+"""The custom calls in the LM training step's compiled program (``bench/lm_step.py``'s model
+and loss, ``jax.value_and_grad`` jitted): each call's target and the computation holding it,
+and how often the attention kernels' names appear before and after XLA's optimisation.
+
+  python -m bench.lm_hlo --output bench/results/<device>/lm_hlo.json [--small] [--hlo-dir DIR]
+
+It tells a kernel that XLA's passes copied (two custom calls of one kernel in the forward
+loop's computations) from one the program traces twice; the step's kernel profile
+(``bench/lm_step.py``) counts the launches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from bench import lm_step
+from bench.harness import command_line
+from probjax.core.timing import device_info
+
+SMALL = dict(layers=2, d_model=128, heads=2, head_dim=64, vocab=256, seq=128, batch=1)
+
+
+def custom_calls(hlo: str) -> list[dict]:
+  """``{"computation", "target"}`` of every custom call in the HLO text ``hlo``."""
+  comp, rows = None, []
+  for line in hlo.splitlines():
+    head = re.match(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$", line)
+    if head and "=" not in line.split("(")[0]:
+      comp = head.group(1)
+    target = re.search(r'custom_call_target="([^"]+)"', line)
+    if target:
+      rows.append(dict(computation=comp, target=target.group(1)))
+  return rows
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--output", required=True)
+  p.add_argument("--small", action="store_true", help="a 2-layer model of width 128 (CPU, seconds)")
+  p.add_argument("--hlo-dir", default=None, help="also write the HLO texts (lm_pre.txt, lm_post.txt) here")
+  args = p.parse_args(argv)
+  c = lm_step.Config(**SMALL) if args.small else lm_step.Config()
+  graphdef, params = nnx.split(lm_step.make_lm(c, c.heads, jnp.float32))
+  tokens = jax.random.randint(jax.random.key(0), (c.batch, c.seq), 0, c.vocab)
+
+  def loss_fn(p):
+    logits = nnx.merge(graphdef, p)(tokens)
+    return jnp.mean(lm_step.cross_entropy(logits[:, :-1], tokens[:, 1:]))
+
+  lowered = jax.jit(jax.value_and_grad(loss_fn)).lower(params)
+  pre, post = lowered.as_text(), lowered.compile().as_text()
+  if args.hlo_dir:
+    for name, text in (("lm_pre.txt", pre), ("lm_post.txt", post)):
+      with open(os.path.join(args.hlo_dir, name), "w") as f:
+        f.write(text)
+  calls = custom_calls(post)
+  info = device_info()
+  row = dict(suite="lm_hlo", case="small" if args.small else "L12_d768_H12_T2048_B8_V32768_bf16_causal",
+             device=info["device"], versions=info["versions"], commit=info["commit"], command=command_line(),
+             status="ok", pre_fwd_mentions=pre.count("probjax_attention_fwd"),
+             post_fwd_mentions=post.count("probjax_attention_fwd"), post_custom_calls=len(calls),
+             by_target_and_computation=collections.Counter(
+                 f"{r['target']} @ {r['computation']}" for r in calls).most_common())
+  with open(args.output, "w") as f:
+    f.write(json.dumps(row) + "\n")
+  print(json.dumps({k: row[k] for k in ("post_custom_calls", "by_target_and_computation")})[:2000])
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
