@@ -21,6 +21,7 @@ import dataclasses
 import glob
 import json
 import os
+import re
 import sys
 
 from bench.benchmark_figures import DOCS_DIR, DTYPE_SHORT, STATUS_CELL, fmt_ms, md_table
@@ -121,13 +122,16 @@ MEASURED_ONLY = (
                 "row's `chunk_tokens`/`chunk_vocab` say which tile ran.")),
     Page("lce_validate", "Fused linear cross-entropy: the default tile on drawn cases", "lce-validation.md",
          group=("dtype",), case=("case",), default=("fused",), rate=None,
-         intro=("`python -m bench.linear_cross_entropy --sample 12 --seed 212092681 --append`: the rows "
-                "of the fused-loss page (same implementations and conventions) on 12 (tokens, d, "
-                "vocabulary) cases drawn after the default tile's rule was fitted on that page's two "
-                "cases (the seed: `bench/tuning/lce/validate_seed.json`; tokens 2048-65536 and "
-                "vocabularies 8000-262144 log-uniform, d from 512 to 4096). `fused` is the rule under "
-                "validation (d4a92c0: the whole vocabulary, the token tile from a 128 MiB budget), "
-                "`fused_1024x4096` the default before and after it; each row's "
+         intro=("The rows of the fused-loss page (same implementations and conventions) on 12 (tokens, d, "
+                "vocabulary) cases drawn at random (tokens 2048-65536 and vocabularies 8000-262144 "
+                "log-uniform, d from 512 to 4096), each sample drawn after the rule it validates. H100: "
+                "`python -m bench.linear_cross_entropy --sample 12 --seed 212092681 --append`, after the "
+                "first rule was fitted on the fused-loss page's two cases (`bench/tuning/lce/validate_seed.json`); "
+                "`fused` is that rule (d4a92c0: the whole vocabulary, the token tile from a 128 MiB budget), "
+                "`fused_1024x4096` the default before and after it. H200: seed 44243335 with `--tiles "
+                "512xall,1024xall,2048xall,1024x4096 --skip triton,fused`, after the second rule "
+                "(`bench/lce_rule.py`, scored offline: `python -m bench.lce_rule <rows>`) was written "
+                "(`bench/tuning/lce/validate2_seed.json`); the default was 1024 x 4096. Each row's "
                 "`chunk_tokens`/`chunk_vocab` say which tile ran.")),
 )
 
@@ -239,6 +243,9 @@ def dispatch_page_text(results_dir: str) -> str:
     for op in DISPATCH_OPS:
       fit, val = (os.path.join(dev_dir, f"dispatch_{op}_{part}.json") for part in ("fit", "validate"))
       if not os.path.exists(fit):
+        later = sorted(glob.glob(os.path.join(dev_dir, f"dispatch_{op}_validate*.json")))
+        found = found or bool(later)
+        parts += _other_device_sections(op, later, results_dir)
         continue
       found = True
       fit_rows = _dispatch_rows(op, fit)
@@ -259,6 +266,29 @@ def dispatch_page_text(results_dir: str) -> str:
   if not found:
     parts.append("_Not measured yet._")
   return "\n".join(parts).rstrip() + "\n"
+
+
+def _other_device_sections(op: str, paths: list[str], results_dir: str) -> list[str]:
+  """Sections for validation samples measured on a device whose folder has no fit sample of
+  ``op``: each against the samples of the devices that have one (those the rules were fitted on)."""
+  earlier = [r for dev in sorted(glob.glob(os.path.join(results_dir, "*")))
+             if os.path.exists(os.path.join(dev, f"dispatch_{op}_fit.json"))
+             for path in sorted(glob.glob(os.path.join(dev, f"dispatch_{op}_*.json")))
+             if re.fullmatch(rf"dispatch_{op}_(fit|validate\d*)\.json", os.path.basename(path))
+             for r in _dispatch_rows(op, path)]
+  out = []
+  for path in paths:
+    rows = _dispatch_rows(op, path)
+    seeds = {r.get("seed") for r in rows}
+    reference = [r for r in earlier if r.get("seed") not in seeds]  # the same sample on another device is no fit
+    if not rows or not reference:
+      continue
+    devices = ", ".join(sorted({r.get("device", "?") for r in rows}))
+    name = os.path.basename(path)[len(f"dispatch_{op}_"):-len(".json")]
+    intro = [f"`{name}` measured on this device alone; the \"fit\" columns are the samples of the devices "
+             "the rules were fitted on (other samples only), each with the default it was measured with.", ""]
+    out += _report_section(f"## {op} · {devices} · {name}", intro, _dispatch_report(op, reference, rows), rows)
+  return out
 
 
 def _dispatch_rows(op: str, path: str) -> list[dict]:

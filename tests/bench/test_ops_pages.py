@@ -66,3 +66,26 @@ def test_the_dispatch_page_reports_later_validation_samples(tmp_path):
   assert "| validate | 956697113 |" in text and "third validation" not in text
   (dev / "dispatch_ssd_scan_validate.json").unlink()
   assert "second validation" not in ops_pages.dispatch_page_text(str(tmp_path))
+
+
+def test_the_dispatch_page_reports_samples_of_a_device_without_a_fit(tmp_path):
+  """A device folder holding only a later validation sample gets its own section, against the
+  samples of the device that has the fit, without the rows of its own seed measured there."""
+  import json
+  import os
+  import shutil
+  from bench import ops_pages
+  src = os.path.join(ops_pages.RESULTS_DIR, "h100_80gb_hbm3")
+  fit_dev, other = tmp_path / "h100", tmp_path / "other"
+  fit_dev.mkdir()
+  other.mkdir()
+  for part in ("fit", "validate"):
+    shutil.copy(os.path.join(src, f"dispatch_ssd_scan_{part}.json"), fit_dev)
+  rows = [json.loads(l) for l in open(os.path.join(src, "dispatch_ssd_scan_validate2.json"))]
+  (other / "dispatch_ssd_scan_validate2.json").write_text(
+      "".join(json.dumps(dict(r, device="Other GPU")) + "\n" for r in rows))
+  text = ops_pages.dispatch_page_text(str(tmp_path))
+  assert "## ssd_scan · Other GPU · validate2" in text and "share seeds" not in text
+  shutil.copy(os.path.join(src, "dispatch_ssd_scan_validate2.json"), fit_dev)  # the same seed on the fit device
+  text = ops_pages.dispatch_page_text(str(tmp_path))
+  assert "## ssd_scan · Other GPU · validate2" in text and "share seeds" not in text
