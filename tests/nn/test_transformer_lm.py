@@ -171,17 +171,23 @@ def test_generate_without_lengths_is_full_length_prompts(setup):
     generate(lm, prompts, full.astype(jnp.float32), max_new_tokens=M)
 
 
-def _kernel_names(jaxpr, out):
-  """The names of the kernel calls (Pallas) in ``jaxpr`` and every jaxpr nested in it."""
-  for eqn in jaxpr.eqns:
+def _subjaxprs(eqn):
+  """The jaxprs nested in ``eqn``'s parameters (a scan's body, a jit's program, ...)."""
+  for param in eqn.params.values():
+    for sub in param if isinstance(param, (list, tuple)) else (param,):
+      inner = getattr(sub, "jaxpr", sub)
+      if hasattr(inner, "eqns"):
+        yield inner
+
+
+def _kernel_names(eqns, out):
+  """The names of the kernel calls (Pallas) in ``eqns`` and every jaxpr nested in them."""
+  for eqn in eqns:
     name = eqn.params.get("name", eqn.params.get("name_and_src_info"))
     if eqn.primitive.name in ("pallas_call", "mpmd_map") and name is not None:
       out.append(str(name))
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, (list, tuple)) else (param,):
-        inner = getattr(sub, "jaxpr", sub)
-        if hasattr(inner, "eqns"):
-          _kernel_names(inner, out)
+    for inner in _subjaxprs(eqn):
+      _kernel_names(inner.eqns, out)
   return out
 
 
@@ -200,7 +206,51 @@ def test_a_training_step_traces_one_attention_forward_and_backward_per_layer(imp
     logits = nnx.merge(graphdef, p)(tokens).astype(jnp.float32)
     return -jnp.mean(jax.nn.log_softmax(logits)[:, :-1, 0])
 
-  names = _kernel_names(jax.make_jaxpr(jax.jit(jax.value_and_grad(loss)))(params).jaxpr, [])
+  names = _kernel_names(jax.make_jaxpr(jax.jit(jax.value_and_grad(loss)))(params).jaxpr.eqns, [])
   forwards = [n for n in names if n.startswith("probjax_attention_fwd")]
   backwards = [n for n in names if n.startswith("probjax_attention_bwd")]
   assert len(forwards) == 1 and len(backwards) >= 1, names
+
+
+def _barriered_kernels(jaxpr, out):
+  """Names of the kernels whose outputs feed an ``optimization_barrier`` of the same jaxpr."""
+  producer = {}
+  for eqn in jaxpr.eqns:
+    names = _kernel_names([eqn], [])
+    for var in eqn.outvars:
+      producer[var] = names
+    if eqn.primitive.name == "optimization_barrier":
+      out.extend(n for var in eqn.invars for n in producer.get(var, []))
+    for inner in _subjaxprs(eqn):
+      _barriered_kernels(inner, out)
+  return out
+
+
+def test_the_saved_attention_output_passes_a_barrier():
+  # Scanned layers stack the residuals with a dynamic-update-slice, which XLA's GPU
+  # dynamic-slice fusion fuses into a copy of the kernel call when the output has other users:
+  # the forward would run twice per layer. The residuals leave the kernel through a barrier.
+  lm = TransformerLM(vocab_size=64, features=128, num_layers=2, num_heads=2, head_dim=64,
+                     dtype=jnp.bfloat16, rngs=nnx.Rngs(0),
+                     attention_fn=functools.partial(dot_product_attention, implementation="mosaic",
+                                                    interpret=True))
+  graphdef, params = nnx.split(lm)
+  tokens = jax.random.randint(jax.random.key(0), (1, 128), 0, 64)
+  loss = lambda p: jnp.mean(nnx.merge(graphdef, p)(tokens).astype(jnp.float32))
+  names = _barriered_kernels(jax.make_jaxpr(jax.value_and_grad(loss))(params).jaxpr, [])
+  assert any(n.startswith("probjax_attention_fwd") for n in names), names
+
+
+@pytest.mark.gpu
+def test_gpu_a_compiled_training_step_launches_one_forward_per_layer():
+  # What the barrier is for: without it, the compiled step held the Mosaic forward twice (once
+  # in a dynamic-slice fusion writing the stacked residuals) and ran it twice per layer.
+  lm = TransformerLM(vocab_size=256, features=256, num_layers=2, num_heads=4, head_dim=64,
+                     dtype=jnp.bfloat16, rngs=nnx.Rngs(0),
+                     attention_fn=functools.partial(dot_product_attention, implementation="mosaic",
+                                                    backward_pass_impl="triton_fused"))
+  graphdef, params = nnx.split(lm)
+  tokens = jax.random.randint(jax.random.key(0), (2, 512), 0, 256)
+  loss = lambda p: jnp.mean(nnx.merge(graphdef, p)(tokens).astype(jnp.float32))
+  hlo = jax.jit(jax.value_and_grad(loss)).lower(params).compile().as_text()
+  assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 1
