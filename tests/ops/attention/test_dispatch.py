@@ -251,6 +251,28 @@ def test_sm90_differentiated_causal_runs_mosaic():
   assert 256 not in limits and 2**29 >= limits[64] >= limits[128]
 
 
+def test_sm90_cross_attention_of_few_queries_over_many_keys_runs_mosaic():
+  m = attention_device.DEVICE_DEFAULTS[(9, 0)].mosaic_long
+  d, q = m.cross_min_head_dim, max(m.cross_min_q_len, 300)
+  kv = m.cross_min_kv_per_q * q
+  shapes = lambda q, kv, d: ((1, q, 8, d), (1, kv, 8, d))
+  bottom_right = M.CausalMask(kv - q)
+  for mask in (None, bottom_right):
+    dec = decide(shapes(q, kv, d), mask=mask, dtype=jnp.float16)
+    assert dec.implementation == "mosaic" and dec.backward.startswith("triton"), dec
+    assert "more keys than queries" in dec.rule
+  # below each threshold, and with a window, key lengths or a causal band ending before the
+  # bottom-right diagonal, the Triton kernel keeps the call
+  lens = M.KVLenMask(jnp.full((1,), kv // 2))
+  for sh, mask in ((shapes(q, kv - 8, d), None), (shapes(q, kv, d // 2), None),
+                   (shapes(m.cross_min_q_len - 8, m.cross_min_kv_per_q * m.cross_min_q_len, d), None),
+                   (shapes(q, kv, d), M.CausalMask()), (shapes(q, kv, d), M.LocalWindowMask(600, 0, kv - q)),
+                   (shapes(q, kv, d), bottom_right & lens), (shapes(q, kv, d), lens)):
+    assert decide(sh, mask=mask, dtype=jnp.float16).implementation != "mosaic", (sh, mask)
+  assert decide(shapes(q, kv, d), mask=bottom_right, dtype=jnp.float32).implementation != "mosaic"
+  assert decide(shapes(q, kv, d), mask=bottom_right, env={"PROBJAX_ATTENTION_MOSAIC": "0"}).implementation != "mosaic"
+
+
 def test_sm90_forward_rule_runs_mosaic():
   entry = attention_device.DEVICE_DEFAULTS[(9, 0)]
   grad_limits = dict(entry.grad_mosaic.causal_max_work)

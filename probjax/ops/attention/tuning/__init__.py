@@ -115,11 +115,17 @@ class MosaicLong:
   ``min_len`` run the Mosaic GPU forward (rule 3 asks for the same lengths), except calls of a
   ``triton_masks`` entry, ``((mask, head_dim), ...)`` (mask kinds as :class:`MosaicPrimal`'s),
   which keep the Triton kernel; with the Mosaic backward too at a ``head_dim`` of
-  ``backward_min_work``, ``((head_dim, work), ...)``, from that work."""
+  ``backward_min_work``, ``((head_dim, work), ...)``, from that work. Cross-attention from
+  ``cross_min_head_dim``, with at least ``cross_min_q_len`` queries and ``cross_min_kv_per_q``
+  times as many keys, without a window or key lengths (no mask, or causal from the bottom-right diagonal on), runs
+  the Mosaic forward whatever its lengths, with the Triton backward."""
 
   min_len: int
   triton_masks: tuple[tuple[str, int], ...]
   backward_min_work: tuple[tuple[int, int], ...]
+  cross_min_head_dim: int
+  cross_min_q_len: int
+  cross_min_kv_per_q: int
 
 
 @dataclasses.dataclass(frozen=True)
