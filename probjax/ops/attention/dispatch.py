@@ -350,9 +350,9 @@ def mosaic_long(call: AttentionCall, device: Device, defaults: DeviceDefaults | 
     return None
   if min(call.q_len, call.kv_len) < m.min_len:
     if _long_keys(call, m):
-      return Decision("mosaic", f"{_cc(device)} device table: 16-bit cross-attention at head_dim {call.head_dim}, "
-                      f"{call.kv_len // call.q_len}x more keys than queries, no window or key lengths: the Mosaic "
-                      "forward is faster than the Triton kernel's (the Triton backward)",
+      return Decision("mosaic", f"{_cc(device)} device table: 16-bit cross-attention at head_dim "
+                      f"{call.head_dim}, {call.kv_len // call.q_len}x more keys than queries, no window or "
+                      "key lengths: the Mosaic forward is faster than the Triton kernel's (the Triton backward)",
                       backward=_resolve_backward(call, defaults))
     return None
   if (_mask_kind(call.mask), call.head_dim) in m.triton_masks:

@@ -117,8 +117,9 @@ class MosaicLong:
   which keep the Triton kernel; with the Mosaic backward too at a ``head_dim`` of
   ``backward_min_work``, ``((head_dim, work), ...)``, from that work. Cross-attention from
   ``cross_min_head_dim``, with at least ``cross_min_q_len`` queries and ``cross_min_kv_per_q``
-  times as many keys, without a window or key lengths (no mask, or causal from the bottom-right diagonal on), runs
-  the Mosaic forward whatever its lengths, with the Triton backward."""
+  times as many keys, without a window or key lengths (no mask, or causal from the
+  bottom-right diagonal on), runs the Mosaic forward whatever its lengths, with the Triton
+  backward."""
 
   min_len: int
   triton_masks: tuple[tuple[str, int], ...]
