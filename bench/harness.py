@@ -345,7 +345,7 @@ OWN_SCHEMA_KEYS = {"lm_step": ("section", "case", "impl"),
                    "lce": ("case", "impl"),
                    "lce_validate": ("case", "impl"),
                    "attention_launches": ("case",),
-                   "lm_hlo": ("case",),
+                   "lm_hlo": ("case", "impl"),
                    # bench/dispatch_sample.py and bench/dispatch_ops.py: one row per drawn call and
                    # implementation (attention's fit and validation samples, each op's; a second
                    # validation sample where a rule was refitted on the first)

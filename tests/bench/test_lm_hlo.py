@@ -19,7 +19,8 @@ ENTRY %main.9 (x: f32[2]) -> f32[2] {
 
 def test_small(tmp_path):
   out = tmp_path / "lm_hlo.json"
-  assert lm_hlo.main(["--small", "--output", str(out)]) == 0
-  row = json.loads(out.read_text())
-  assert row["case"] == "small" and row["status"] == "ok" and row["commit"]
-  assert isinstance(row["by_target_and_computation"], list)
+  assert lm_hlo.main(["--small", "--output", str(out), "--implementation", "default,xla,cudnn"]) == 0
+  rows = {r["impl"]: r for r in map(json.loads, out.read_text().splitlines())}
+  assert rows["default"]["case"] == "small" and rows["default"]["status"] == "ok" and rows["default"]["commit"]
+  assert isinstance(rows["xla"]["by_target_and_computation"], list)
+  assert rows["cudnn"]["status"].startswith("failed: ")  # no cuDNN on a CPU: the row says why
