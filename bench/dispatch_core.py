@@ -391,21 +391,26 @@ def calls_of(rows: Iterable[dict], suite: str, fields: tuple[str, ...], group: C
   best, where measured), ``default_pick`` (what the default ran: under grad ``default_grad_impl``)
   and ``pick_ratio`` (the default against that path requested), ``decision_ratio`` (that path
   requested against the best: whether the decision was right, free of the run-to-run spread
-  between the default's row and the same kernel's), ``group`` (``group(record)``).
+  between the default's row and the same kernel's), ``apart`` (every round of the default
+  slower than every round of the best: a gap the rounds' spread does not explain; None without
+  both rows' rounds), ``group`` (``group(record)``).
   The later of two rows of a call and path wins."""
   by_call: dict[str, dict] = {}
   for r in rows:
     if r.get("suite") != suite or not r.get("call_id"):
       continue
-    rec = by_call.setdefault(r["call_id"], {"ms": {}, "status": {}})
+    rec = by_call.setdefault(r["call_id"], {"ms": {}, "status": {}, "rounds": {}})
     for f in fields:
       if r.get(f) is not None or f not in rec:
         rec[f] = r.get(f)
     name = default_name(r["impl"])
     rec["status"][name] = r.get("status")
     rec["ms"].pop(name, None)
+    rec["rounds"].pop(name, None)
     if r.get("status") == "ok" and r.get("ms") is not None:
       rec["ms"][name] = float(r["ms"])
+      if r.get("round_ms"):
+        rec["rounds"][name] = [float(x) for x in r["round_ms"]]
   out = []
   for rec in by_call.values():
     exact = {k: v for k, v in rec["ms"].items() if k not in ("default", AUTOTUNED)}
@@ -419,6 +424,8 @@ def calls_of(rows: Iterable[dict], suite: str, fields: tuple[str, ...], group: C
     same = rec["ms"].get(rec["default_pick"] or "")
     rec["pick_ratio"] = rec["default_ms"] / same if rec["default_ms"] and same else None
     rec["decision_ratio"] = same / rec["best_ms"] if same and rec["best_ms"] else None
+    mine, best = rec["rounds"].get("default"), rec["rounds"].get(rec["best_impl"] or "")
+    rec["apart"] = min(mine) > max(best) if mine and best else None
     rec["group"] = group(rec)
     out.append(rec)
   return sorted(out, key=lambda r: (r.get("seed") or 0, r.get("index") or 0))
@@ -438,7 +445,7 @@ def _counts(xs) -> dict:
 
 def summarize_calls(calls: list[dict], miss: float = MISS, describe: Callable[[dict], str] = lambda c: c["call_id"]) -> dict:
   """n calls, compared (the default and an exact path ran), misses (default more than ``miss``
-  x the best), their share, the geometric mean, median, 90th percentile and worst of default /
+  x the best; ``misses_apart``: those whose rounds do not overlap the best's), their share, the geometric mean, median, 90th percentile and worst of default /
   best, the summed default and best ms, the calls where the default failed, how often each path
   was the best and the default's pick, and ``pick_spread_p50/p90``: the default against the same
   path requested, as max(r, 1/r) (the measurement's spread where both run the same kernel), and
@@ -456,6 +463,7 @@ def summarize_calls(calls: list[dict], miss: float = MISS, describe: Callable[[d
           "pick_spread_p50": percentile(picks, 50) if picks else None,
           "pick_spread_p90": percentile(picks, 90) if picks else None,
           "misses": sum(r > miss for r in ratios),
+          "misses_apart": sum(c["ratio"] > miss and bool(c.get("apart")) for c in cmp),
           **_autotuned_summary([c.get("autotuned_ratio") for c in calls if c.get("autotuned_ratio")], miss),
           "decision_geomean": geomean(decided), "decision_worst": max(decided) if decided else None,
           "decision_misses": sum(r > miss for r in decided),
@@ -538,13 +546,14 @@ def markdown(report: dict, describe: Callable[[dict], str], title: str, groups_b
            f"A miss: the default more than {report['miss_threshold']:.2f}x the best exact path's ms.", ""]
   if report.get("warning"):
     lines += [f"**Warning: {report['warning']}.**", ""]
-  lines += ["| sample | seeds | calls | compared | misses | geomean default/best | p90 | worst | worst call "
+  lines += ["| sample | seeds | calls | compared | misses (rounds apart) | geomean default/best | p90 | worst | worst call "
             "| default vs its pick requested (p50/p90) | its pick requested/best: geomean, worst, misses |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
   for name, s in report["samples"].items():
     m = s["summary"]
     w = m["worst"] or {}
-    lines.append(f"| {name} | {','.join(map(str, s['seeds']))} | {m['calls']} | {m['compared']} | {m['misses']} | "
+    lines.append(f"| {name} | {','.join(map(str, s['seeds']))} | {m['calls']} | {m['compared']} | "
+                 f"{m['misses']} ({m.get('misses_apart', '-')}) | "
                  f"{_f(m['geomean'])} | {_f(m['p90'])} | {_f(w.get('ratio'), '.2f')} | {w.get('call', '-')} "
                  f"({w.get('default_impl', '-')} vs {w.get('best_impl', '-')}) | "
                  f"{_f(m['pick_spread_p50'])}/{_f(m['pick_spread_p90'])} | "
@@ -564,10 +573,12 @@ def markdown(report: dict, describe: Callable[[dict], str], title: str, groups_b
                    f"{_fmt_counts(m['best_impl_counts'])} |")
     worst = sorted((c for c in s["calls"] if c["ratio"] is not None), key=lambda c: -c["ratio"])[:top]
     lines += ["", f"### {name}: the {len(worst)} largest misses", "",
-              "| call | default | default ms | best | best ms | default/best | all (ms) |", "|---|---|---|---|---|---|---|"]
+              "| call | default | default ms | best | best ms | default/best | rounds apart | all (ms) |",
+              "|---|---|---|---|---|---|---|---|"]
     for c in worst:
+      apart = {True: "yes", False: "no"}.get(c.get("apart"), "-")
       lines.append(f"| {describe(c)} | {c.get('default_pick')} | {_f(c['default_ms'])} | {c['best_impl']} | "
-                   f"{_f(c['best_ms'])} | {c['ratio']:.2f} | "
+                   f"{_f(c['best_ms'])} | {c['ratio']:.2f} | {apart} | "
                    f"{', '.join(f'{k} {v:.3f}' for k, v in sorted(c['ms'].items()) if k != 'default')} |")
   return "\n".join(lines) + "\n"
 

@@ -382,7 +382,18 @@ def test_report_arithmetic():
   rep = ds.build_report(rows, _rows("z", {"default": 2.0, "xla": 1.0}, seed=1))
   assert "share seeds [1]" in rep["warning"]
   md = ds.markdown(rep)
-  assert "| fit | 1 | 5 | 3 | 1 | 1.077 | 1.168 | 1.20 |" in md and "**Warning" in md
+  assert "| fit | 1 | 5 | 3 | 1 (0) | 1.077 | 1.168 | 1.20 |" in md and "**Warning" in md
+  # a miss counts as apart only where every round of the default is slower than every round of
+  # the best; rows without rounds say nothing
+  def with_rounds(call_id, rounds):
+    out = _rows(call_id, {k: sorted(v)[1] for k, v in rounds.items()}, index=9)
+    for r in out:
+      r["round_ms"] = rounds[r["impl"].removeprefix("probjax_") if r["impl"] != ds.DEFAULT else "default"]
+    return out
+  apart = ds.calls_of(with_rounds("p", {"default": [1.3, 1.4, 1.5], "xla": [1.0, 1.1, 1.2]}))[0]
+  overlap = ds.calls_of(with_rounds("q", {"default": [1.0, 1.4, 1.5], "xla": [1.0, 1.1, 1.2]}))[0]
+  assert apart["apart"] is True and overlap["apart"] is False and calls["a"]["apart"] is None
+  assert ds.summarize_calls([apart, overlap, calls["a"]])["misses_apart"] == 1
 
 
 def test_the_autotuned_path_is_timed_and_reported_apart(tmp_path, calls):
