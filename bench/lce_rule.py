@@ -3,10 +3,11 @@ explicit tiles (``bench/linear_cross_entropy.py --tiles``): regret = the rule's 
 fastest XLA tile measured for the case, geometric mean and worst.
 
   python -m bench.lce_rule bench/results/h100_80gb_hbm3/lce_validate.json [more rows ...]
+  python -m bench.lce_rule --tile fused_1024xall ROWS ...   # one fixed tile instead
 
 The rule scored is :func:`proposed_tile`, written before its validation sample was drawn
-(``bench/tuning/lce/validate2_seed.json``); a case whose rule tile has no row is reported, not
-scored.
+(``bench/tuning/lce/validate2_seed.json``), or with ``--tile`` that tile for every case; a
+case whose tile has no row is reported, not scored.
 """
 
 from __future__ import annotations
@@ -39,8 +40,10 @@ def proposed_tile(tokens: int, d: int, vocab: int) -> str:
   return "fused_512xall"
 
 
-def score(rows: list[dict]) -> dict:
-  """``{"cases": {case: {tile, regret, best}}, "missing": [...], "geo_mean", "worst"}``."""
+def score(rows: list[dict], rule=None) -> dict:
+  """``{"cases": {case: {tile, regret, best}}, "missing": [...], "geo_mean", "worst"}`` of
+  ``rule(tokens, d, vocab) -> tile name`` (default :func:`proposed_tile`)."""
+  rule = rule or proposed_tile
   times, shape = {}, {}
   for r in rows:
     if r.get("ms") and r.get("impl", "").startswith("fused_"):
@@ -48,7 +51,7 @@ def score(rows: list[dict]) -> dict:
       shape[r["case"]] = (r["tokens"], r["d"], r["vocab"])
   cases, missing = {}, []
   for case, t in times.items():
-    tile = proposed_tile(*shape[case])
+    tile = rule(*shape[case])
     if tile not in t:
       missing.append(f"{case}: {tile} not measured")
       continue
@@ -63,9 +66,10 @@ def score(rows: list[dict]) -> dict:
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("rows", nargs="+")
+  p.add_argument("--tile", default=None, help="score this fixed tile (a row name, e.g. fused_1024xall)")
   args = p.parse_args(argv)
   rows = [json.loads(l) for path in args.rows for l in open(path) if l.strip()]
-  s = score(rows)
+  s = score(rows, None if args.tile is None else (lambda *_: args.tile))
   for case, c in s["cases"].items():
     print(f"{case}: {c['tile']} regret {c['regret']:.3f} (best {c['best']})")
   for m in s["missing"]:

@@ -83,3 +83,5 @@ def test_rule_scoring():
   s = lce_rule.score([row("fused_1024xall", 3.0), row("fused_2048xall", 2.0), row("unfused", 1.0)])
   assert s["cases"]["c"]["regret"] == 1.5 and s["geo_mean"] == 1.5  # the fastest fused tile, not unfused
   assert lce_rule.score([row("fused_2048xall", 2.0)])["missing"] == ["c: fused_1024xall not measured"]
+  fixed = lce_rule.score([row("fused_1024xall", 3.0), row("fused_2048xall", 2.0)], lambda *_: "fused_2048xall")
+  assert fixed["geo_mean"] == 1.0 and fixed["cases"]["c"]["tile"] == "fused_2048xall"
