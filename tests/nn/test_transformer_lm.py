@@ -242,15 +242,23 @@ def test_the_saved_attention_output_passes_a_barrier():
 
 
 @pytest.mark.gpu
-def test_gpu_a_compiled_training_step_launches_one_forward_per_layer():
+@pytest.mark.parametrize("implementation,target", [("mosaic", "mosaic_gpu_v2"),
+                                                   ("cudnn", "probjax_cudnn_sdpa_fwd_stats")])
+def test_gpu_a_compiled_training_step_launches_one_forward_per_layer(implementation, target):
   # What the barrier is for: without it, the compiled step held the Mosaic forward twice (once
-  # in a dynamic-slice fusion writing the stacked residuals) and ran it twice per layer.
+  # in a dynamic-slice fusion writing the stacked residuals) and ran it twice per layer; XLA
+  # does the same to any FFI custom call, the cuDNN extension's included.
+  if implementation == "cudnn":
+    from probjax.ops.attention.backends.cudnn import ffi
+    why = ffi.ready()
+    if why is not None:
+      pytest.skip(f"the cuDNN extension is not loaded: {why}")
+  kw = dict(backward_pass_impl="triton_fused") if implementation == "mosaic" else {}
   lm = TransformerLM(vocab_size=256, features=256, num_layers=2, num_heads=4, head_dim=64,
                      dtype=jnp.bfloat16, rngs=nnx.Rngs(0),
-                     attention_fn=functools.partial(dot_product_attention, implementation="mosaic",
-                                                    backward_pass_impl="triton_fused"))
+                     attention_fn=functools.partial(dot_product_attention, implementation=implementation, **kw))
   graphdef, params = nnx.split(lm)
   tokens = jax.random.randint(jax.random.key(0), (2, 512), 0, 256)
   loss = lambda p: jnp.mean(nnx.merge(graphdef, p)(tokens).astype(jnp.float32))
   hlo = jax.jit(jax.value_and_grad(loss)).lower(params).compile().as_text()
-  assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 1
+  assert hlo.count(f'custom_call_target="{target}"') == 1

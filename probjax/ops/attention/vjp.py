@@ -69,15 +69,16 @@ def _attention(pair: _Pair, q, k, v, mask):
 def _fwd(pair: _Pair, q, k, v, mask):
   f = pair.forward
   out, lse = masked_call(f.fn, f.static, (q, k, v), (Q, KV, KV), mask, (Q, STATS), partition=f.partitioned)
-  return out, (q, k, v, *_saved(out, lse), mask)
+  return out, (q, k, v, *saved_residuals(out, lse), mask)
 
 
-def _saved(*outputs):
-  """A kernel's ``outputs`` as the residuals to save, behind an optimization barrier.
+def saved_residuals(*outputs):
+  """A kernel's ``outputs`` as the residuals to save, behind an optimization barrier (every
+  attention ``custom_vjp`` whose forward is a custom call saves them through this).
 
   Under ``lax.scan`` (a model's layers) the residuals are stacked into ``[layers, ...]``
-  buffers, one dynamic-update-slice per step. XLA's GPU dynamic-slice fusion rewrites a custom
-  call whose output feeds such an update into a fusion that writes the slice in place, and where
+  buffers, one dynamic-update-slice per step. XLA's GPU dynamic-slice fusion rewrites a GEMM or
+  FFI custom call whose output feeds such an update into a fusion that writes the slice in place, and where
   the output has other users (the layer's output projection reads the attention output) it keeps
   the original call for them: the kernel then runs twice per layer. The update reads the
   barrier's outputs instead, which the rewrite does not match, so the kernel runs once and the
