@@ -66,13 +66,18 @@ def step_row(c, implementation: str | None, small: bool, hlo_dir: str | None) ->
       with open(os.path.join(hlo_dir, f"lm_{name}_{part}.txt"), "w") as f:
         f.write(text)
   calls = custom_calls(post)
-  info = device_info()
-  return dict(suite="lm_hlo", case="small" if small else "L12_d768_H12_T2048_B8_V32768_bf16_causal",
-              impl=name, device=info["device"], versions=info["versions"], commit=info["commit"],
-              command=command_line(), status="ok", pre_fwd_mentions=pre.count("probjax_attention_fwd"),
+  return dict(_row_base(small, name), status="ok", pre_fwd_mentions=pre.count("probjax_attention_fwd"),
               post_fwd_mentions=post.count("probjax_attention_fwd"), post_custom_calls=len(calls),
               by_target_and_computation=collections.Counter(
                   f"{r['target']} @ {r['computation']}" for r in calls).most_common())
+
+
+def _row_base(small: bool, impl: str) -> dict:
+  """A row's key and provenance: suite, case, impl, device, versions, commit, command."""
+  info = device_info()
+  return dict(suite="lm_hlo", case="small" if small else "L12_d768_H12_T2048_B8_V32768_bf16_causal",
+              impl=impl, device=info["device"], versions=info["versions"], commit=info["commit"],
+              command=command_line())
 
 
 def main(argv=None) -> int:
@@ -89,10 +94,7 @@ def main(argv=None) -> int:
     try:
       rows.append(step_row(c, None if impl == "default" else impl, args.small, args.hlo_dir))
     except Exception as e:  # e.g. a backend that refuses the call on this device: the row says why
-      rows.append(dict(suite="lm_hlo", case="small" if args.small else "L12_d768_H12_T2048_B8_V32768_bf16_causal",
-                       impl=impl, status=f"failed: {type(e).__name__}: {str(e)[:300]}", **{
-                           k: v for k, v in device_info().items() if k in ("device", "versions", "commit")},
-                       command=command_line()))
+      rows.append(dict(_row_base(args.small, impl), status=f"failed: {type(e).__name__}: {str(e)[:300]}"))
     print(json.dumps({k: rows[-1].get(k) for k in ("impl", "status", "post_custom_calls",
                                                     "by_target_and_computation")})[:2000], flush=True)
   with open(args.output, "w") as f:

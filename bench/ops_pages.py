@@ -243,9 +243,10 @@ def dispatch_page_text(results_dir: str) -> str:
     for op in DISPATCH_OPS:
       fit, val = (os.path.join(dev_dir, f"dispatch_{op}_{part}.json") for part in ("fit", "validate"))
       if not os.path.exists(fit):
-        later = sorted(glob.glob(os.path.join(dev_dir, f"dispatch_{op}_validate*.json")))
-        found = found or bool(later)
-        parts += _other_device_sections(op, later, results_dir)
+        sections = _other_device_sections(
+            op, sorted(glob.glob(os.path.join(dev_dir, f"dispatch_{op}_validate*.json"))), results_dir)
+        found = found or bool(sections)
+        parts += sections
         continue
       found = True
       fit_rows = _dispatch_rows(op, fit)

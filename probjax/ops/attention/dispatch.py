@@ -352,7 +352,8 @@ def mosaic_long(call: AttentionCall, device: Device, defaults: DeviceDefaults | 
     if _long_keys(call, m):
       return Decision("mosaic", f"{_cc(device)} device table: 16-bit cross-attention at head_dim "
                       f"{call.head_dim}, {call.kv_len // call.q_len}x more keys than queries, no window or "
-                      "key lengths: the Mosaic forward is faster than the Triton kernel's (the Triton backward)",
+                      "key lengths: the Mosaic forward is faster than the Triton kernel's "
+                      "(the Triton backward)",
                       backward=_resolve_backward(call, defaults))
     return None
   if (_mask_kind(call.mask), call.head_dim) in m.triton_masks:
@@ -382,7 +383,7 @@ def _long_keys(call: AttentionCall, m) -> bool:
   mask = call.mask
   # causal from the bottom-right diagonal on: each query sees most keys (offset 0 would leave
   # the first query one key, a band the Triton kernel skips past)
-  plain = mask is None or (mask.components == ("causal",) and mask.band_bounds[0] is None
+  plain = mask is None or (mask.components == ("causal",)
                            and mask.band_bounds[1] >= call.kv_len - call.q_len)
   return (plain and call.head_dim >= m.cross_min_head_dim and call.q_len >= m.cross_min_q_len
           and call.kv_len >= m.cross_min_kv_per_q * call.q_len)
