@@ -10,7 +10,9 @@ Sections (``--sections``, default all, in this order):
   jitted with the parameters and optimizer state donated. Peers (``attention_fn``):
   ``probjax`` (``dot_product_attention``), ``probjax_lce`` (the same, its loss through
   ``TransformerLM.loss``: the head inside ``linear_cross_entropy``, no logits; with
-  ``--impls``, ``probjax_lce_<tokens>x<vocab>`` runs it at that loss tile), ``flax``
+  ``--impls``, ``probjax_lce_<tokens>x<vocab>`` runs it at that loss tile, and any peer's name
+  with ``_unrolled`` appended runs that peer's model with ``scan_layers=False``: the 12 blocks
+  unrolled instead of one ``nnx.scan`` body), ``flax``
   (``flax.nnx.dot_product_attention``) and
   ``jaxnn_cudnn`` (``jax.nn.dot_product_attention(implementation="cudnn")``).
 * ``train_packed``: the same with 8 documents per row: probjax gets ``SegmentMask`` (and
@@ -83,7 +85,7 @@ from probjax.core.timing import classify_error, device_info, summarize  # noqa: 
 from probjax.nn.layers.attention import dot_product_attention  # noqa: E402
 from probjax.nn.layers.decoding import decode_loop, generate  # noqa: E402
 from probjax.nn.layers.multi_head_attention import MultiHeadAttention  # noqa: E402
-from probjax.nn.layers.transformer import TransformerLM  # noqa: E402
+from probjax.nn.layers.transformer import Transformer, TransformerLM  # noqa: E402
 from probjax.ops.attention.masks import Mask, SegmentMask  # noqa: E402
 
 HBM_BYTES_PER_S = 4.0e12
@@ -101,6 +103,7 @@ CMDBUF_WHILE = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_
 # loop) as a user calls it.
 CMDBUF = "_cmdbuf"
 DECODE_VARIANTS = ("probjax" + CMDBUF, "probjax_generate", "jaxnn_cudnn" + CMDBUF)
+UNROLLED = "_unrolled"  # a training peer's model with its layer stack unrolled (scan_layers=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,12 +216,15 @@ def lce_tile(name) -> dict:
   return dict(chunk_tokens=int(m[1]), chunk_vocab=int(m[2])) if m else {}
 
 
-def with_attention(graphdef, state, fn):
-  """The graphdef of the model with every MultiHeadAttention's ``attention_fn`` set to ``fn``."""
+def with_attention(graphdef, state, fn, scan_layers=None):
+  """The graphdef of the model with every MultiHeadAttention's ``attention_fn`` set to ``fn``
+  (and, unless None, every Transformer stack's ``scan_layers``)."""
   model = nnx.merge(graphdef, state)
   for _, node in nnx.iter_graph(model):
     if isinstance(node, MultiHeadAttention):
       node.attention_fn = fn
+    if scan_layers is not None and isinstance(node, Transformer):
+      node.scan_layers = scan_layers
   return nnx.split(model)[0]
 
 
@@ -424,7 +430,8 @@ def run_train(c, args, bar, impls, fns, docs):
     return step
 
   info, times = time_steps(
-      lambda name: make_step(with_attention(graphdef, params, fns[name]), use_segment_mask=name.startswith("probjax"),
+      lambda name: make_step(with_attention(graphdef, params, fns[name], scan_layers=not name.endswith(UNROLLED)),
+                             use_segment_mask=name.startswith("probjax"),
                              fused_loss=name if name.startswith("probjax_lce") else False),
       impls, params, tx, batch, args, bar)
   flops = train_flops(c, docs)
@@ -635,10 +642,13 @@ def main(argv=None):
   if args.impls:
     want = [i for i in args.impls.split(",") if i]
     fns.update({i: fns["probjax_lce"] for i in want if lce_tile(i)})
+    fns.update({i: fns[i.removesuffix(UNROLLED)] for i in want
+                if i.endswith(UNROLLED) and i.removesuffix(UNROLLED) in fns})
     unknown = [i for i in want if i not in fns]
     if unknown or "probjax" not in want:
       raise SystemExit(f"--impls: choose from {sorted(fns)}, probjax included (the reference); got {want}")
-    default = {k: [i for i in want if k == "decode" or i not in DECODE_VARIANTS] for k in default}
+    default = {k: [i for i in want if (i not in DECODE_VARIANTS if k != "decode" else not i.endswith(UNROLLED))]
+               for k in default}
   if not gpu and not args.cpu_smoke:
     print("warning: not on a GPU and without --cpu-smoke: the full sizes will be slow", file=sys.stderr)
 

@@ -108,3 +108,49 @@ def test_example_training_lowers_loss_and_generates(capsys):
   assert len(out["greedy"]) == 3 and len(out["sampled"]) == 3
   printed = capsys.readouterr().out
   assert "greedy" in printed and "loss" in printed
+
+
+def _pair(**kw):
+  """The same stack (same parameters) under ``nnx.scan`` and unrolled."""
+  make = lambda scan: Transformer(num_layers=3, features=8, num_heads=2, head_dim=4, attention_fn=XLA,
+                                  scan_layers=scan, rngs=nnx.Rngs(0), **kw)
+  return make(True), make(False)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(remat=True, is_causal=True),
+                                dict(ffn="moe", ffn_kwargs={"num_experts": 4, "top_k": 2})])
+def test_unrolled_stack_equals_the_scan_values_gradients_and_aux(kw):
+  scanned, unrolled = _pair(**kw)
+  x = jax.random.normal(jax.random.key(1), (2, 5, 8))
+  w = jax.random.normal(jax.random.key(2), (2, 5, 8))
+
+  def run(model):
+    def loss(m, x):
+      y, aux = m(x, return_aux=True)
+      return jnp.sum(jnp.sin(y) * w), aux
+    (value, aux), (gm, gx) = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True))(model, x)
+    return value, aux, nnx.state(gm, nnx.Param), gx
+
+  (v1, a1, g1, x1), (v2, a2, g2, x2) = run(scanned), run(unrolled)
+  np.testing.assert_allclose(v2, v1, rtol=1e-5)
+  np.testing.assert_allclose(x2, x1, rtol=1e-4, atol=1e-6)
+  assert jax.tree.structure(g2) == jax.tree.structure(g1) and jax.tree.structure(a2) == jax.tree.structure(a1)
+  for a, b in zip(jax.tree.leaves(g2) + jax.tree.leaves(a2), jax.tree.leaves(g1) + jax.tree.leaves(a1)):
+    assert a.shape == b.shape  # the unrolled stack's gradients and aux keep the leading layer axis
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_unrolled_stack_draws_dropout_like_the_scan_and_advances_it():
+  scanned, unrolled = _pair(dropout_rate=0.5)
+  x = jax.random.normal(jax.random.key(1), (2, 5, 8))
+  first = [m(x, deterministic=False) for m in (scanned, unrolled)]
+  np.testing.assert_allclose(first[1], first[0], rtol=1e-5, atol=1e-6)
+  counts = lambda m: jax.tree.leaves(nnx.state(m.blocks, nnx.RngCount))
+  for a, b in zip(counts(unrolled), counts(scanned)):
+    np.testing.assert_array_equal(a, b)  # the views' counters went back into the stack
+  assert not np.allclose(unrolled(x, deterministic=False), first[1])  # a new mask on the next call
+
+
+def test_scan_layers_must_be_a_bool():
+  with pytest.raises(TypeError, match="scan_layers"):
+    Transformer(num_layers=2, features=8, num_heads=2, scan_layers="no", rngs=nnx.Rngs(0))

@@ -32,7 +32,11 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["AXES", "LAYERS", "names", "linear", "norm"]
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+__all__ = ["AXES", "LAYERS", "names", "linear", "norm", "layer_views", "restack_state"]
 
 AXES = ("embed", "vocab", "heads", "kv", "mlp", "experts", "inner", "layers")
 LAYERS = "layers"   # nnx.vmap / nnx.scan's partition name of a stacked Transformer
@@ -58,3 +62,34 @@ def norm(axis: str | None, *, bias: bool = False) -> dict[str, Any]:
   if bias:
     out["bias_metadata"] = names(axis)
   return out
+
+
+def _layer_slice(v, i):
+  """Layer ``i`` of a stacked variable (or array), its logical names without the layer axis."""
+  if not isinstance(v, nnx.Variable):
+    return v[i]
+  axes = v.get_metadata().get("out_sharding")
+  v = v.replace(v.get_value()[i])
+  if axes and axes[0] == LAYERS:
+    v.set_metadata(out_sharding=tuple(axes[1:]))
+  return v
+
+
+def layer_views(stacked: nnx.Module, num_layers: int) -> list[nnx.Module]:
+  """The ``num_layers`` layers of a module made by ``nnx.vmap`` (every variable stacked on a
+  leading layer axis) as separate modules, each holding its slices (copies) of the variables
+  with the layer axis dropped from their logical names. A loop over them runs the layers
+  unrolled; :func:`restack_state` writes back what they changed besides parameters."""
+  graphdef, state = nnx.split(stacked)
+  is_var = lambda v: isinstance(v, nnx.Variable)
+  return [nnx.merge(graphdef, jax.tree.map(lambda v, i=i: _layer_slice(v, i), state, is_leaf=is_var))
+          for i in range(num_layers)]
+
+
+def restack_state(stacked: nnx.Module, views: list[nnx.Module]) -> None:
+  """Write the variables other than parameters of :func:`layer_views`' ``views`` (e.g.
+  dropout's RNG counters, advanced by a training call) back into ``stacked``, so that the
+  next call draws new masks as it does under ``nnx.scan``."""
+  rest = [nnx.state(v, nnx.Not(nnx.Param)) for v in views]
+  if jax.tree.leaves(rest[0]):
+    nnx.update(stacked, jax.tree.map(lambda *a: jnp.stack(a), *rest))

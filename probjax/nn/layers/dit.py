@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from probjax.nn.layers import _sharding as shd
 from probjax.nn.layers.attention import dot_product_attention
 from probjax.nn.layers._checks import check_array, check_mask
 from probjax.nn.layers.mlp import ACTIVATIONS as MLP_KINDS, MLP
@@ -345,9 +346,10 @@ class DiffusionTransformer(nnx.Module):
     if self.scan_layers:
       h = nnx.scan(body, in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry)(h, self.blocks, blocks)
     else:
-      graphdef, stacked = nnx.split(self.blocks)
-      for i in range(l):
-        h = body(h, nnx.merge(graphdef, jax.tree.map(lambda a: a[i], stacked)), blocks[i])
+      views = shd.layer_views(self.blocks, l)
+      for view, m in zip(views, blocks):
+        h = body(h, view, m)
+      shd.restack_state(self.blocks, views)
     return h, final[:, None, :]
 
   def __call__(self, x, t, *, labels=None, cond=None, context=None, context_mask=None, mask=None,

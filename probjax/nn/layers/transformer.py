@@ -1,8 +1,11 @@
 """Pre-norm transformer blocks, a scanned layer stack and a decoder-only LM.
 
 :class:`Transformer` creates its ``num_layers`` blocks with ``nnx.vmap`` (parameters stacked
-on a leading layer axis) and applies them with ``nnx.scan``: one compiled block, not
-``num_layers`` copies; ``remat=True`` wraps the block in ``nnx.remat``.
+on a leading layer axis) and applies them with ``nnx.scan`` (one compiled block, not
+``num_layers`` copies) or, with ``scan_layers=False``, in a Python loop over per-layer views of
+the same parameters (``num_layers`` compiled copies; the backward pass reads each block's
+residuals where they were made instead of from the loop's stacked buffers, which XLA fills and
+reads with copies); ``remat=True`` wraps the block in ``nnx.remat``.
 
 Its KV cache is one :class:`~probjax.nn.layers.kv_cache.KVCache` with one ``lengths
 [batch]`` for every layer, in one of two layouts (``init_cache(..., layout=)``):
@@ -368,9 +371,10 @@ PER_LAYER_KEYS = ("mixer", "mixer_kwargs", "ffn", "ffn_kwargs")
 class Transformer(nnx.Module):
   """``num_layers`` :class:`TransformerBlock` s with stacked parameters, applied by ``nnx.scan``.
 
-  ``Transformer(*, num_layers, remat=False, rngs, **block_kwargs)``: ``block_kwargs`` are
-  :class:`TransformerBlock`'s (``features``, ``num_heads``, ...). ``remat=True`` recomputes each
-  block's activations in the backward pass (``nnx.remat``).
+  ``Transformer(*, num_layers, remat=False, scan_layers=True, rngs, **block_kwargs)``:
+  ``block_kwargs`` are :class:`TransformerBlock`'s (``features``, ``num_heads``, ...).
+  ``remat=True`` recomputes each block's activations in the backward pass (``nnx.remat``);
+  ``scan_layers=False`` runs the stacked blocks unrolled (the same parameters and outputs).
 
   Hybrid and MoE stacks: ``mixer``, ``mixer_kwargs``, ``ffn`` and ``ffn_kwargs`` may each be a
   list of ``num_layers`` entries, one per layer (e.g. ``mixer=["mamba", "attention"] * 2``,
@@ -382,6 +386,9 @@ class Transformer(nnx.Module):
   Args:
     num_layers: the number of blocks (>= 1).
     remat: recompute each block's activations in the backward pass.
+    scan_layers: apply stacked blocks with ``nnx.scan`` (True: one compiled block, short
+      compiles for deep stacks) or in a Python loop over their per-layer views (False: a
+      compiled copy per layer, no stacked residuals). A list of blocks always loops.
     rngs: the parameters' (and dropout's) random streams.
     **block_kwargs: :class:`TransformerBlock`'s arguments, shared by every layer (the four
       above may be per-layer lists).
@@ -393,6 +400,9 @@ class Transformer(nnx.Module):
   (3, 16, 64)
   >>> nnx.jit(lambda m, x: m(x))(tr, jnp.ones((2, 5, 16))).shape
   (2, 5, 16)
+  >>> unrolled = Transformer(num_layers=3, features=16, num_heads=2, scan_layers=False, rngs=nnx.Rngs(0))
+  >>> bool(jnp.allclose(unrolled(jnp.ones((2, 5, 16))), tr(jnp.ones((2, 5, 16))), atol=1e-5))
+  True
   >>> hybrid = Transformer(num_layers=3, features=16, num_heads=2, mixer=["rla", "attention", "rla"],
   ...                      mixer_kwargs={"rla": {"window_size": 2}}, ffn=["mlp", "moe", "moe"],
   ...                      ffn_kwargs={"moe": {"num_experts": 4, "top_k": 1}}, rngs=nnx.Rngs(0))
@@ -400,10 +410,13 @@ class Transformer(nnx.Module):
   'rla+mlp attention+moe rla+moe'
   """
 
-  def __init__(self, *, num_layers: int, remat: bool = False, rngs: nnx.Rngs, **block_kwargs):
+  def __init__(self, *, num_layers: int, remat: bool = False, scan_layers: bool = True, rngs: nnx.Rngs,
+               **block_kwargs):
     if isinstance(num_layers, bool) or not isinstance(num_layers, numbers.Integral) or num_layers < 1:
       raise ValueError(f"num_layers must be an int >= 1, got {num_layers!r}")
-    self.num_layers, self.remat = num_layers, remat
+    if not isinstance(scan_layers, bool):
+      raise TypeError(f"scan_layers must be a bool, got {scan_layers!r}")
+    self.num_layers, self.remat, self.scan_layers = num_layers, remat, scan_layers
     lists = [k for k in PER_LAYER_KEYS if isinstance(block_kwargs.get(k), (list, tuple))]
     for k in lists:
       if len(block_kwargs[k]) != num_layers:
@@ -449,16 +462,29 @@ class Transformer(nnx.Module):
                              positions=positions, mask=mask)
     kw = dict(context=context, context_mask=context_mask, film=film, positions=positions, mask=mask,
               deterministic=deterministic)
-    if not self.stacked:
-      auxes = []
-      for block in self.blocks:
-        call = (lambda b, x: b(x, return_aux=True, **kw))
-        x, a = (nnx.remat(call) if self.remat else call)(block, x)
-        auxes.append(a)
-      return (x, auxes) if return_aux else x
+    if not (self.stacked and self.scan_layers):
+      return self._loop(x, kw, return_aux)
     if return_aux:
       return self._scan(lambda x, block: block(x, return_aux=True, **kw), x, aux=True)
     return self._scan(lambda x, block: block(x, **kw), x)
+
+  def _loop(self, x, kw, return_aux):
+    """The layers one after the other in Python (a compiled copy of each): a list's blocks,
+    or the stacked blocks' :meth:`unstacked` views, whose state besides the parameters
+    (dropout's RNG counters) goes back into the stack after the loop. Auxiliary outputs: a
+    list for a list of blocks, stacked on a leading layer axis as ``nnx.scan`` returns them."""
+    layers = self.unstacked()
+    call = lambda b, x: b(x, return_aux=True, **kw)
+    if self.remat:
+      call = nnx.remat(call)
+    auxes = []
+    for block in layers:
+      x, a = call(block, x)
+      auxes.append(a)
+    if self.stacked:
+      shd.restack_state(self.blocks, layers)
+      auxes = jax.tree.map(lambda *a: jnp.stack(a), *auxes)
+    return (x, auxes) if return_aux else x
 
   def init_cache(self, batch: int, max_len: int, dtype=None, *, layout: str = "per_layer") -> kvc.KVCache:
     """An empty cache (zeros, lengths 0) in ``layout`` "per_layer" (k, v: tuples of
@@ -500,10 +526,7 @@ class Transformer(nnx.Module):
     of blocks (per-layer mixers or ffns): the blocks themselves."""
     if not self.stacked:
       return list(self.blocks)
-    graphdef, state = nnx.split(self.blocks)
-    is_var = lambda v: isinstance(v, nnx.Variable)
-    return [nnx.merge(graphdef, jax.tree.map(lambda v, i=i: _layer_slice(v, i), state, is_leaf=is_var))
-            for i in range(self.num_layers)]
+    return shd.layer_views(self.blocks, self.num_layers)
 
   def _check_cache(self, cache, sizes):
     kvc.check_cache(cache, sizes, (("num_kv_heads", self.num_kv_heads), ("head_dim", self.head_dim)),
@@ -566,23 +589,12 @@ class Transformer(nnx.Module):
     return x, kvc.with_layers(cache, k, v, cache.lengths + n)
 
 
-def _layer_slice(v, i):
-  """Layer ``i`` of a stacked variable (or array), its logical names without the layer axis."""
-  if not isinstance(v, nnx.Variable):
-    return v[i]
-  names = v.get_metadata().get("out_sharding")
-  v = v.replace(v.get_value()[i])
-  if names and names[0] == shd.LAYERS:
-    v.set_metadata(out_sharding=tuple(names[1:]))
-  return v
-
-
 class TransformerLM(nnx.Module):
   """Decoder-only language model: token embedding, a causal :class:`Transformer` (RoPE),
   final norm and a tied (``embed.attend``) or untied output head.
 
   ``TransformerLM(*, vocab_size, features, num_layers, num_heads, tie_embeddings=True,
-  mlp="swiglu", norm="rmsnorm", rotary=True, remat=False, rngs, **block_kwargs)``.
+  mlp="swiglu", norm="rmsnorm", rotary=True, remat=False, scan_layers=True, rngs, **block_kwargs)``.
   Logits are float32 ``[batch, seq, vocab_size]`` (float64 for float64 params). Hybrid and
   MoE models are one configuration: ``mixer`` / ``ffn`` (and their kwargs) as in
   :class:`Transformer`, per layer as lists.
@@ -597,6 +609,8 @@ class TransformerLM(nnx.Module):
     norm: "layernorm" or "rmsnorm".
     rotary: RoPE in the attention.
     remat: recompute each block's activations in the backward pass.
+    scan_layers: the layer stack under ``nnx.scan`` (True) or unrolled (False); see
+      :class:`Transformer`.
     dtype: compute dtype (None: from the inputs and params).
     param_dtype: parameter dtype.
     rngs: the parameters' (and dropout's) random streams.
@@ -621,15 +635,16 @@ class TransformerLM(nnx.Module):
 
   def __init__(self, *, vocab_size: int, features: int, num_layers: int, num_heads: int | None = None,
                tie_embeddings: bool = True, mlp: str = "swiglu", norm: str = "rmsnorm",
-               rotary: bool = True, remat: bool = False, dtype=None, param_dtype=jnp.float32,
-               rngs: nnx.Rngs, **block_kwargs):
+               rotary: bool = True, remat: bool = False, scan_layers: bool = True, dtype=None,
+               param_dtype=jnp.float32, rngs: nnx.Rngs, **block_kwargs):
     if vocab_size < 1:
       raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
     self.vocab_size, self.tie_embeddings = vocab_size, tie_embeddings
     self.embed = nnx.Embed(vocab_size, features, dtype=dtype, param_dtype=param_dtype,
                            embedding_init=nnx.initializers.normal(features ** -0.5), rngs=rngs,
                            embedding_metadata=shd.names("vocab", "embed"))
-    self.transformer = Transformer(num_layers=num_layers, remat=remat, features=features,
+    self.transformer = Transformer(num_layers=num_layers, remat=remat, scan_layers=scan_layers,
+                                   features=features,
                                    num_heads=num_heads, mlp=mlp, norm=norm, rotary=rotary,
                                    is_causal=True, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
                                    **block_kwargs)
