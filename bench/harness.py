@@ -210,7 +210,7 @@ def kernel_kind(name: str) -> str:
   return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
 
 
-def kernel_summary(intervals, steps: int, top: int = 8) -> dict:
+def kernel_summary(intervals, steps: int, top: int = 24) -> dict:
   """Per step, from ``(start_us, duration_us, name)`` kernel intervals of ``steps`` steps:
   ``device_ms`` (the kernels' summed duration, bench.harness.kernel_ms's convention),
   ``kernels_per_step``, ``kernel_ms_by_kind`` (:func:`kernel_kind`) and ``top_kernels``: the
