@@ -79,5 +79,5 @@ def test_gpu_rows_have_the_kernel_profile(tmp_path):
     assert r["status"] == "ok" and r["check"] == "ok" and r["wall_over_device"] > 0, r
   for r in (rows["probjax"], rows["probjax_scanned"]):
     assert r["device_ms"] > 0 and r["kernels_per_step"] > 0, r
-    assert 1 <= len(r["top_kernels"]) <= 8 and set(r["kernel_ms_by_kind"]) <= {"attention", "matmul", "other"}
+    assert 1 <= len(r["top_kernels"]) <= 24 and set(r["kernel_ms_by_kind"]) <= {"attention", "matmul", "other"}
   assert rows["probjax_xla_cmdbuf_off"]["device_ms_of"] == "probjax"   # the child is not profiled
