@@ -1,6 +1,7 @@
 """The GPU suite's outcome as a results row: ``tools/gpu_tests.sh``'s JUnit files (``$OUT/gpu_junit_*.xml``)
 to one row of ``bench/results/<device>/gpu_suite.json`` (key: ``selection``), with every case's id,
-status and seconds, so that a note's "the GPU suite passed" points at data.
+status and seconds, so that a note's "the GPU suite passed" points at data. The recorded seconds
+also order the next run (:func:`longest_first`, from ``tests/conftest.py`` under ``--gpu``).
 
   python -m bench.gpu_suite --junit DIR --selection full_f6f9512 --device "NVIDIA H100 80GB HBM3" \\
       --commit f6f9512 --command "WORKERS=8 bash tools/gpu_tests.sh" [--jax 0.11.2]
@@ -52,6 +53,26 @@ def row(paths, *, selection: str, device: str, commit: str, command: str, jax_ve
           "command": command, "wall_s": wall_seconds(paths), "case_s_sum": round(sum(c["s"] for c in cs), 3),
           "passed": count("passed"),
           "failed": count("failed") + count("error"), "skipped": count("skipped"), "cases": cs}
+
+
+def recorded_seconds() -> dict[str, float]:
+  """``{junit id: seconds}`` from the newest ``full_*`` selection of each device's
+  ``bench/results/<device>/gpu_suite.json`` (the longer where two devices have a test)."""
+  out: dict[str, float] = {}
+  for path in glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "*", "gpu_suite.json")):
+    full = [r for r in map(json.loads, open(path).read().splitlines()) if str(r.get("selection")).startswith("full_")]
+    for case in (full[-1].get("cases") or []) if full else []:
+      out[case["id"]] = max(out.get(case["id"], 0.0), float(case.get("s") or 0.0))
+  return out
+
+
+def longest_first(items, seconds: dict[str, float]):
+  """``items`` sorted by their recorded ``seconds`` (junit ids: ``tests/a/b.py::C::t[x]`` is
+  ``tests.a.b.C::t[x]``), longest first; items without a record first of all, in their order."""
+  def junit(nodeid):
+    *where, name = nodeid.split("::")
+    return ".".join([where[0].removesuffix(".py").replace("/", "."), *where[1:]]) + "::" + name
+  return sorted(items, key=lambda it: -seconds.get(junit(it.nodeid), float("inf")))
 
 
 def main(argv=None) -> dict:

@@ -29,7 +29,7 @@ executable XLA would compile (the key holds the program, the compile options and
 jax/jaxlib versions); Pallas interpret-mode kernels with host callbacks are never cached. The
 directory is cut back to the newest ``CACHE_KEEP_BYTES`` when it grows past twice that.
 
-With ``--gpu`` on a GPU the gpu tests run longest first (:func:`longest_first`: each test's
+With ``--gpu`` on a GPU the gpu tests run longest first (``bench.gpu_suite.longest_first``: each test's
 seconds in the newest full GPU suite under ``bench/results/*/gpu_suite.json``; tests it lacks
 first of all): xdist's workers then end together instead of waiting on one long test at the
 end, which matters on the device, whose time is rationed.
@@ -38,9 +38,7 @@ end, which matters on the device, whose time is rationed.
 from __future__ import annotations
 
 import functools
-import json
 import os
-import pathlib
 
 import pytest
 
@@ -152,31 +150,12 @@ def pytest_collection_modifyitems(config, items):
   else:
     reason, _ = _gpu_devices()
     if not reason:
-      items[:] = longest_first(items, _gpu_suite_seconds())
+      from bench import gpu_suite
+      items[:] = gpu_suite.longest_first(items, gpu_suite.recorded_seconds())
       return
     skip = pytest.mark.skip(reason=reason)
   for it in gpu_items:
     it.add_marker(skip)
-
-
-def _gpu_suite_seconds() -> dict[str, float]:
-  """``{junit id: seconds}`` from the newest ``full_*`` selection of each device's
-  ``bench/results/<device>/gpu_suite.json`` (the longer where two devices have a test)."""
-  out: dict[str, float] = {}
-  for path in pathlib.Path(__file__).resolve().parents[1].glob("bench/results/*/gpu_suite.json"):
-    full = [r for r in map(json.loads, path.read_text().splitlines()) if str(r.get("selection")).startswith("full_")]
-    for case in (full[-1].get("cases") or []) if full else []:
-      out[case["id"]] = max(out.get(case["id"], 0.0), float(case.get("s") or 0.0))
-  return out
-
-
-def longest_first(items, seconds: dict[str, float]):
-  """``items`` sorted by their recorded ``seconds`` (junit ids: ``tests/a/b.py::C::t[x]`` is
-  ``tests.a.b.C::t[x]``), longest first; items without a record first of all, in their order."""
-  def junit(nodeid):
-    *where, name = nodeid.split("::")
-    return ".".join([where[0].removesuffix(".py").replace("/", "."), *where[1:]]) + "::" + name
-  return sorted(items, key=lambda it: -seconds.get(junit(it.nodeid), float("inf")))
 
 
 def pytest_report_header(config):

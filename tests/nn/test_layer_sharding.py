@@ -138,9 +138,10 @@ def _hybrid_lm():
                        rngs=nnx.Rngs(0))
 
 
-def _stacked_moe_lm():
+def _stacked_moe_lm(scan_layers=True):
   return TransformerLM(vocab_size=12, features=16, num_layers=2, num_heads=2, ffn="moe",
-                       ffn_kwargs=dict(num_experts=4, top_k=2, dispatch="dense"), rngs=nnx.Rngs(0))
+                       ffn_kwargs=dict(num_experts=4, top_k=2, dispatch="dense"), scan_layers=scan_layers,
+                       rngs=nnx.Rngs(0))
 
 
 def test_models_run_on_a_one_device_mesh():
@@ -166,7 +167,7 @@ _TWO_DEVICES = textwrap.dedent("""
     mesh = Mesh(np.array(jax.devices()).reshape(1, 2, 2), T.AXES)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 12, (2, 6)), jnp.int32)
     forward = nnx.jit(lambda m, t: m(t))
-    for make in (T._stacked_moe_lm, T._hybrid_lm):
+    for make in (T._stacked_moe_lm, T._hybrid_lm, lambda: T._stacked_moe_lm(scan_layers=False)):
       want = forward(make(), tokens)
       got = forward(T._place(make(), mesh), tokens)
       np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
