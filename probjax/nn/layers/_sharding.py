@@ -11,6 +11,10 @@ metadata"): ``"embed"`` (model width), ``"vocab"``, ``"heads"`` (heads x head_di
 ``"kv"`` (head_dim), ``"mlp"`` (feed-forward hidden width), ``"experts"``, ``"inner"`` (Mamba's
 d_inner) and ``"layers"`` (a stacked Transformer's layer axis).
 
+A stacked Transformer's layers run unrolled over :func:`layer_views` (per-layer copies whose
+names drop ``"layers"``); :func:`restack_state` writes back what such a run changed besides the
+parameters.
+
 The names are metadata only (``eager_sharding=False``): creating a layer needs no mesh. To
 shard, map the names to mesh axes with ``nnx.logical_axis_rules`` and place the state, e.g.::
 
