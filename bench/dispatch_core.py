@@ -445,8 +445,8 @@ def _counts(xs) -> dict:
 
 def summarize_calls(calls: list[dict], miss: float = MISS, describe: Callable[[dict], str] = lambda c: c["call_id"]) -> dict:
   """n calls, compared (the default and an exact path ran), misses (default more than ``miss``
-  x the best; ``misses_apart``: those whose rounds do not overlap the best's), their share, the geometric mean, median, 90th percentile and worst of default /
-  best, the summed default and best ms, the calls where the default failed, how often each path
+  x the best; ``misses_apart``: those whose rounds do not overlap the best's), their share, the
+  geometric mean, median, 90th percentile and worst of default / best, the summed default and best ms, the calls where the default failed, how often each path
   was the best and the default's pick, and ``pick_spread_p50/p90``: the default against the same
   path requested, as max(r, 1/r) (the measurement's spread where both run the same kernel), and
   ``decision_geomean``/``decision_worst``/``decision_misses``: the same over ``decision_ratio``

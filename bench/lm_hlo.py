@@ -46,9 +46,9 @@ def custom_calls(hlo: str) -> list[dict]:
   return rows
 
 
-def step_row(c, implementation: str | None, small: bool, hlo_dir: str | None) -> dict:
-  """The row of one attention implementation (None: the default) in the step's program."""
-  graphdef, params = nnx.split(lm_step.make_lm(c, c.heads, jnp.float32))
+def step_row(c, graphdef, params, implementation: str | None, small: bool, hlo_dir: str | None) -> dict:
+  """The row of one attention implementation (None: the default) in the step's program, for the
+  model ``nnx.split`` into ``graphdef`` and ``params``."""
   if implementation is not None:
     graphdef = lm_step.with_attention(graphdef, params, functools.partial(dot_product_attention,
                                                                           implementation=implementation))
@@ -89,10 +89,11 @@ def main(argv=None) -> int:
                  help="attention implementations, comma-separated (default: the default's choice)")
   args = p.parse_args(argv)
   c = lm_step.Config(**SMALL) if args.small else lm_step.Config()
+  graphdef, params = nnx.split(lm_step.make_lm(c, c.heads, jnp.float32))  # one model for every row
   rows = []
   for impl in args.implementation.split(","):
     try:
-      rows.append(step_row(c, None if impl == "default" else impl, args.small, args.hlo_dir))
+      rows.append(step_row(c, graphdef, params, None if impl == "default" else impl, args.small, args.hlo_dir))
     except Exception as e:  # e.g. a backend that refuses the call on this device: the row says why
       rows.append(dict(_row_base(args.small, impl), status=f"failed: {type(e).__name__}: {str(e)[:300]}"))
     print(json.dumps({k: rows[-1].get(k) for k in ("impl", "status", "post_custom_calls",
