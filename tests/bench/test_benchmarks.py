@@ -609,8 +609,9 @@ def test_device_time_is_optional_and_never_fails_a_row():
   # small enough to stay under DEVICE_TIME_MAX_MS on a loaded 2-core machine, where device time
   # is attempted at all
   x = jnp.ones((16, 16))
-  res = harness.time_fn(lambda: f(x), jax.block_until_ready, warmup=0, repeats=2, min_repeat_s=0.0,
-                        max_calls=2, device_time=True)
+  jax.block_until_ready(f(x))  # compiled first: a compile among the timed calls can exceed the bound
+  res = harness.time_fn(lambda: f(x), jax.block_until_ready, warmup=0, repeats=3, min_repeat_s=0.0,
+                        max_calls=3, device_time=True)
   assert res["ms"] > 0
   if jax.devices()[0].platform == "cpu":  # no GPU kernels to read: said, not raised
     assert "device_ms" not in res and "no GPU stream threads" in res["device_ms_error"]
