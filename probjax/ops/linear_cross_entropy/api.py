@@ -58,12 +58,14 @@ def linear_cross_entropy(x, w, labels, *, bias=None, w_layout: str = "d_vocab", 
     label_smoothing: ``eps`` in ``[0, 1]``.
     reduction: ``"mean"`` over counted tokens (0 when none counts, never NaN), ``"sum"``, or
       ``"none"``: the per-token losses, ``labels``' shape.
-    chunk_tokens, chunk_vocab: the tile (None: the backend's, 1024 x 4096 for XLA, 64 x 128 for
+    chunk_tokens, chunk_vocab: the tile (None: the backend's; for XLA 1024 tokens by the whole
+      vocabulary for ``"mean"``/``"sum"`` and by 4096 entries for ``"none"``; 64 x 128 for
       Triton, whose tiles are these rounded up to powers of two). On XLA, a ``"mean"`` or
       ``"sum"`` loss whose ``chunk_vocab`` covers the vocabulary (``>= vocab``, as the default
-      does up to 4096 entries) computes its gradients in the forward sweep, each token tile's
-      logits formed once (three products per tile instead of four; ``explain_dispatch``'s
-      ``grad_in_forward``); memory ``O(chunk_tokens * vocab)`` for the tile's logits.
+      does) computes its gradients in the forward sweep, each token tile's logits formed once
+      (three products per tile instead of four; ``explain_dispatch``'s ``grad_in_forward``);
+      memory ``O(chunk_tokens * vocab)`` for the tile's logits. A smaller ``chunk_vocab`` caps
+      that memory at ``O(chunk_tokens * chunk_vocab)`` on the per-token form.
     implementation: None (the default, :func:`explain_dispatch` says which) or a backend name
       (:func:`available_implementations`); one that cannot compute the call raises ValueError.
     interpret: run the Triton kernels in Pallas interpret mode (any platform, for tests).
@@ -121,11 +123,14 @@ def explain_dispatch(call: LinearCrossEntropyCall, *, implementation: str | None
   >>> s = jax.ShapeDtypeStruct
   >>> call = LinearCrossEntropyCall.of(s((8, 2048, 768), jnp.bfloat16), s((768, 32768), jnp.bfloat16),
   ...                                  s((8, 2048), jnp.int32))
-  >>> explain_dispatch(call, device=Device("cpu")).summary()
-  'xla, chunk_tokens=1024, chunk_vocab=4096, grad_in_forward=False'
-  >>> whole = dataclasses.replace(call, chunk_vocab=32768)  # the vocabulary in one tile
-  >>> explain_dispatch(whole, device=Device("cpu")).summary()
+  >>> explain_dispatch(call, device=Device("cpu")).summary()  # a mean loss: the vocabulary in one tile
   'xla, chunk_tokens=1024, chunk_vocab=32768, grad_in_forward=True'
+  >>> per_token = dataclasses.replace(call, reduction="none")
+  >>> explain_dispatch(per_token, device=Device("cpu")).summary()
+  'xla, chunk_tokens=1024, chunk_vocab=4096, grad_in_forward=False'
+  >>> capped = dataclasses.replace(call, chunk_vocab=8192)  # less memory, the per-token form
+  >>> explain_dispatch(capped, device=Device("cpu")).summary()
+  'xla, chunk_tokens=1024, chunk_vocab=8192, grad_in_forward=False'
   """
   return decide(call, _device(call, device), implementation)
 

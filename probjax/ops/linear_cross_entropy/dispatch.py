@@ -9,8 +9,9 @@ every tile it measured (``docs/dev/lce-performance.md``), so they run only when 
 The XLA backend's scheme (``grad_in_forward`` in the decision's config) follows from the call
 and its tile: a reduced loss whose vocabulary tile is the whole vocabulary has its gradients
 computed in the forward sweep; every other call runs the per-token form with its backward
-sweep. The default tile (1024 x 4096) covers the vocabulary only up to 4096 entries; a caller
-reaches the scheme at larger vocabularies with ``chunk_vocab >= vocab``.
+sweep. The XLA backend's default tile is 1024 tokens by the whole vocabulary for a reduced loss
+(so it takes that scheme) and by 4096 entries for per-token losses; a caller's ``chunk_vocab``
+below the vocabulary keeps a reduced loss on the per-token form.
 """
 
 from __future__ import annotations

@@ -256,9 +256,11 @@ def test_explain_reports_the_scheme():
   s = jax.ShapeDtypeStruct
   shapes = (s((4, 100, 16), jnp.float32), s((16, 5000), jnp.float32), s((4, 100), jnp.int32))
   explain = lambda **kw: explain_dispatch(LinearCrossEntropyCall.of(*shapes, **kw), device=Device("cpu"))
-  assert explain().get("grad_in_forward") is False  # the default 4096-wide tile misses 5000 entries
+  assert explain(chunk_vocab=4096).get("grad_in_forward") is False  # a 4096-wide tile misses 5000 entries
   assert explain(reduction="none", chunk_vocab=5000).get("grad_in_forward") is False
-  for kw in (dict(chunk_vocab=5000), dict(chunk_vocab=8192, reduction="sum")):
+  per_token = explain(reduction="none")  # per-token losses: the 4096-wide default tile
+  assert per_token.get("grad_in_forward") is False and per_token.get("chunk_vocab") == 4096
+  for kw in (dict(), dict(reduction="sum"), dict(chunk_vocab=5000), dict(chunk_vocab=8192, reduction="sum")):
     d = explain(**kw)
     assert d.get("grad_in_forward") is True and d.get("chunk_vocab") == 5000
     assert "grad_in_forward=True" in d.summary()
