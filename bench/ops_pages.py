@@ -116,10 +116,11 @@ MEASURED_ONLY = (
                 "materialised in float32 (`unfused`), one compiled program each, rotating rounds. Cases "
                 "(tokens x d x vocab, bf16): `lm_head` 16384 x 768 x 32768, `big_vocab` 8192 x 1024 x "
                 "131072. Each row also has `temp_bytes`, XLA's temporary memory of the program. `fused` "
-                "is the default of the row's commit: 1024 x 4096, except at d4a92c0, whose default was "
-                "a rule under validation (the whole vocabulary for a mean loss, the token tile from a "
-                "128 MiB budget for its float32 logits), withdrawn after its validation sample; each "
-                "row's `chunk_tokens`/`chunk_vocab` say which tile ran.")),
+                "is the default of the row's commit: 1024 x 4096 before 5266542 (from then 1024 tokens x "
+                "the whole vocabulary for a mean loss), except at d4a92c0, whose default was a rule "
+                "under validation (the whole vocabulary for a mean loss, the token tile from a 128 MiB "
+                "budget for its float32 logits), withdrawn after its validation sample; each row's "
+                "`chunk_tokens`/`chunk_vocab` say which tile ran.")),
     Page("lce_validate", "Fused linear cross-entropy: the default tile on drawn cases", "lce-validation.md",
          group=("dtype",), case=("case",), default=("fused",), rate=None,
          intro=("The rows of the fused-loss page (same implementations and conventions) on 12 (tokens, d, "
@@ -131,8 +132,11 @@ MEASURED_ONLY = (
                 "`fused_1024x4096` the default before and after it. H200: seed 44243335 with `--tiles "
                 "512xall,1024xall,2048xall,1024x4096 --skip triton,fused`, after the second rule "
                 "(`bench/lce_rule.py`, scored offline: `python -m bench.lce_rule <rows>`) was written "
-                "(`bench/tuning/lce/validate2_seed.json`); the default was 1024 x 4096. Each row's "
-                "`chunk_tokens`/`chunk_vocab` say which tile ran.")),
+                "(`bench/tuning/lce/validate2_seed.json`); the default was 1024 x 4096. H100, third sample: "
+                "seed 1373447062 with the same tiles, after the fixed 1024 x whole-vocabulary tile was "
+                "proposed (`bench/tuning/lce/validate3_seed.json`); it became the default for a mean or "
+                "sum loss (5266542) by the criterion declared before (`docs/dev/decisions.md`). Each "
+                "row's `chunk_tokens`/`chunk_vocab` say which tile ran.")),
 )
 
 
