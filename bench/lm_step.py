@@ -11,8 +11,8 @@ Sections (``--sections``, default all, in this order):
   ``probjax`` (``dot_product_attention``), ``probjax_lce`` (the same, its loss through
   ``TransformerLM.loss``: the head inside ``linear_cross_entropy``, no logits; with
   ``--impls``, ``probjax_lce_<tokens>x<vocab>`` runs it at that loss tile, and any peer's name
-  with ``_unrolled`` appended runs that peer's model with ``scan_layers=False``: the 12 blocks
-  unrolled instead of one ``nnx.scan`` body), ``flax``
+  with ``_scanned`` appended runs that peer's model with ``scan_layers=True``: the 12 blocks as
+  one ``nnx.scan`` body instead of the default's unrolled loop), ``flax``
   (``flax.nnx.dot_product_attention``) and
   ``jaxnn_cudnn`` (``jax.nn.dot_product_attention(implementation="cudnn")``).
 * ``train_packed``: the same with 8 documents per row: probjax gets ``SegmentMask`` (and
@@ -103,7 +103,7 @@ CMDBUF_WHILE = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_
 # loop) as a user calls it.
 CMDBUF = "_cmdbuf"
 DECODE_VARIANTS = ("probjax" + CMDBUF, "probjax_generate", "jaxnn_cudnn" + CMDBUF)
-UNROLLED = "_unrolled"  # a training peer's model with its layer stack unrolled (scan_layers=False)
+SCANNED = "_scanned"  # a training peer's model with its layer stack under nnx.scan (scan_layers=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,7 +212,7 @@ def attention_fns(platform):
 def lce_tile(name) -> dict:
   """The loss tile of a ``probjax_lce_<tokens>x<vocab>`` peer as ``TransformerLM.loss``'s keywords
   (``{}`` for ``probjax_lce``, the default tile, and for every other name)."""
-  m = re.fullmatch(r"probjax_lce_(\d+)x(\d+)", name) if isinstance(name, str) else None
+  m = re.fullmatch(rf"probjax_lce_(\d+)x(\d+)(?:{SCANNED})?", name) if isinstance(name, str) else None
   return dict(chunk_tokens=int(m[1]), chunk_vocab=int(m[2])) if m else {}
 
 
@@ -430,7 +430,7 @@ def run_train(c, args, bar, impls, fns, docs):
     return step
 
   info, times = time_steps(
-      lambda name: make_step(with_attention(graphdef, params, fns[name], scan_layers=not name.endswith(UNROLLED)),
+      lambda name: make_step(with_attention(graphdef, params, fns[name], scan_layers=name.endswith(SCANNED)),
                              use_segment_mask=name.startswith("probjax"),
                              fused_loss=name if name.startswith("probjax_lce") else False),
       impls, params, tx, batch, args, bar)
@@ -439,7 +439,7 @@ def run_train(c, args, bar, impls, fns, docs):
   ref = info.get("probjax", {}).get("first_loss")
   rows = []
   for name in impls:
-    row = dict(impl=name, **info[name], **flops, tokens_per_step=c.batch * c.seq,
+    row = dict(impl=name, **info[name], **flops, tokens_per_step=c.batch * c.seq, scan_layers=name.endswith(SCANNED),
                optimizer="optax.adamw" if optax is not None else "adamw (optax missing: bench/lm_step._AdamW)",
                matmul_params=matmul_params(c, c.heads),
                params=int(sum(x.size for x in jax.tree.leaves(params))))
@@ -642,12 +642,12 @@ def main(argv=None):
   if args.impls:
     want = [i for i in args.impls.split(",") if i]
     fns.update({i: fns["probjax_lce"] for i in want if lce_tile(i)})
-    fns.update({i: fns[i.removesuffix(UNROLLED)] for i in want
-                if i.endswith(UNROLLED) and i.removesuffix(UNROLLED) in fns})
+    fns.update({i: fns[i.removesuffix(SCANNED)] for i in want
+                if i.endswith(SCANNED) and i.removesuffix(SCANNED) in fns})
     unknown = [i for i in want if i not in fns]
     if unknown or "probjax" not in want:
       raise SystemExit(f"--impls: choose from {sorted(fns)}, probjax included (the reference); got {want}")
-    default = {k: [i for i in want if (i not in DECODE_VARIANTS if k != "decode" else not i.endswith(UNROLLED))]
+    default = {k: [i for i in want if (i not in DECODE_VARIANTS if k != "decode" else not i.endswith(SCANNED))]
                for k in default}
   if not gpu and not args.cpu_smoke:
     print("warning: not on a GPU and without --cpu-smoke: the full sizes will be slow", file=sys.stderr)

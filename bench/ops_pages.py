@@ -88,7 +88,10 @@ PAGES = (
          intro=("`python bench/lm_step.py`: a decoder-only transformer's training step (plain and "
                 "packed documents) and decoding, probjax against the same model on jax.nn's "
                 "attention and flax's; `matmul` is the device's measured bf16 matmul rate. MFU: "
-                "model FLOPs per step (6·params·tokens plus attention) over the bf16 dense peak.")),
+                "model FLOPs per step (6·params·tokens plus attention) over the bf16 dense peak. "
+                "Layer stack: the rows measured up to 5266542 ran `nnx.scan` unless named "
+                "`_unrolled`; the model's default is now the unrolled loop, so later rows run it "
+                "unless named `_scanned` (their `scan_layers` field says which).")),
     Page("dit_step", "Diffusion transformer steps", "dit-performance.md",
          group=("section",), case=("case",), default=("probjax",), rate=("mfu", "MFU", "{:.1%}"),
          intro=("`python bench/dit_step.py`: DiT training steps (S/2 and B/2 at 256 tokens), "

@@ -1,11 +1,15 @@
-"""Pre-norm transformer blocks, a scanned layer stack and a decoder-only LM.
+"""Pre-norm transformer blocks, a layer stack and a decoder-only LM.
 
 :class:`Transformer` creates its ``num_layers`` blocks with ``nnx.vmap`` (parameters stacked
-on a leading layer axis) and applies them with ``nnx.scan`` (one compiled block, not
-``num_layers`` copies) or, with ``scan_layers=False``, in a Python loop over per-layer views of
+on a leading layer axis) and applies them, by default, in a Python loop over per-layer views of
 the same parameters (``num_layers`` compiled copies; the backward pass reads each block's
-residuals where they were made instead of from the loop's stacked buffers, which XLA fills and
-reads with copies); ``remat=True`` wraps the block in ``nnx.remat``.
+residuals where they were made) or, with ``scan_layers=True``, with ``nnx.scan`` (one compiled
+block, not ``num_layers`` copies, so shorter compiles for deep stacks). Why the loop is the
+default: under a scan XLA stacks every layer's residuals into ``[layers, ...]`` buffers with
+dynamic-update-slices and copies, and its GPU dynamic-slice fusion duplicates a custom-call
+kernel whose output is stacked (an attention forward then runs twice per layer); the train
+steps of ``bench/lm_step.py`` and ``bench/dit_step.py`` measure the difference.
+``remat=True`` wraps the block in ``nnx.remat``.
 
 Its KV cache is one :class:`~probjax.nn.layers.kv_cache.KVCache` with one ``lengths
 [batch]`` for every layer, in one of two layouts (``init_cache(..., layout=)``):
@@ -15,9 +19,9 @@ Its KV cache is one :class:`~probjax.nn.layers.kv_cache.KVCache` with one ``leng
   the block in the decode program) over :meth:`Transformer.unstacked` blocks, whose
   parameters a decode loop slices once outside the loop (``decode_step(..., layers=)``), and
   every layer's K/V is written and read in place: the decoding layout.
-* ``"stacked"``: k and v ``[layers, batch, max_len, kv_heads, head_dim]``, carried through the
-  same ``nnx.scan`` as training (one compiled block) and written in place at the layer's
-  index; but each layer's K/V reaches attention as a dynamic slice of the carry, which XLA
+* ``"stacked"``: k and v ``[layers, batch, max_len, kv_heads, head_dim]``, carried through an
+  ``nnx.scan`` over the layers (one compiled block, whatever ``scan_layers`` says) and written
+  in place at the layer's index; but each layer's K/V reaches attention as a dynamic slice of the carry, which XLA
   may copy (a copy of the whole cache per step).
 """
 
@@ -369,12 +373,14 @@ PER_LAYER_KEYS = ("mixer", "mixer_kwargs", "ffn", "ffn_kwargs")
 
 
 class Transformer(nnx.Module):
-  """``num_layers`` :class:`TransformerBlock` s with stacked parameters, applied by ``nnx.scan``.
+  """``num_layers`` :class:`TransformerBlock` s with stacked parameters, applied one after the
+  other (or by ``nnx.scan``).
 
-  ``Transformer(*, num_layers, remat=False, scan_layers=True, rngs, **block_kwargs)``:
+  ``Transformer(*, num_layers, remat=False, scan_layers=False, rngs, **block_kwargs)``:
   ``block_kwargs`` are :class:`TransformerBlock`'s (``features``, ``num_heads``, ...).
   ``remat=True`` recomputes each block's activations in the backward pass (``nnx.remat``);
-  ``scan_layers=False`` runs the stacked blocks unrolled (the same parameters and outputs).
+  ``scan_layers=True`` runs the stacked blocks with ``nnx.scan`` (the same parameters and
+  outputs, one compiled block).
 
   Hybrid and MoE stacks: ``mixer``, ``mixer_kwargs``, ``ffn`` and ``ffn_kwargs`` may each be a
   list of ``num_layers`` entries, one per layer (e.g. ``mixer=["mamba", "attention"] * 2``,
@@ -386,9 +392,10 @@ class Transformer(nnx.Module):
   Args:
     num_layers: the number of blocks (>= 1).
     remat: recompute each block's activations in the backward pass.
-    scan_layers: apply stacked blocks with ``nnx.scan`` (True: one compiled block, short
-      compiles for deep stacks) or in a Python loop over their per-layer views (False: a
-      compiled copy per layer, no stacked residuals). A list of blocks always loops.
+    scan_layers: apply stacked blocks in a Python loop over their per-layer views (False, the
+      default: a compiled copy per layer, no stacked residuals, the faster train step) or with
+      ``nnx.scan`` (True: one compiled block, short compiles for deep stacks). A list of blocks
+      always loops.
     rngs: the parameters' (and dropout's) random streams.
     **block_kwargs: :class:`TransformerBlock`'s arguments, shared by every layer (the four
       above may be per-layer lists).
@@ -400,8 +407,8 @@ class Transformer(nnx.Module):
   (3, 16, 64)
   >>> nnx.jit(lambda m, x: m(x))(tr, jnp.ones((2, 5, 16))).shape
   (2, 5, 16)
-  >>> unrolled = Transformer(num_layers=3, features=16, num_heads=2, scan_layers=False, rngs=nnx.Rngs(0))
-  >>> bool(jnp.allclose(unrolled(jnp.ones((2, 5, 16))), tr(jnp.ones((2, 5, 16))), atol=1e-5))
+  >>> scanned = Transformer(num_layers=3, features=16, num_heads=2, scan_layers=True, rngs=nnx.Rngs(0))
+  >>> bool(jnp.allclose(scanned(jnp.ones((2, 5, 16))), tr(jnp.ones((2, 5, 16))), atol=1e-5))
   True
   >>> hybrid = Transformer(num_layers=3, features=16, num_heads=2, mixer=["rla", "attention", "rla"],
   ...                      mixer_kwargs={"rla": {"window_size": 2}}, ffn=["mlp", "moe", "moe"],
@@ -410,7 +417,7 @@ class Transformer(nnx.Module):
   'rla+mlp attention+moe rla+moe'
   """
 
-  def __init__(self, *, num_layers: int, remat: bool = False, scan_layers: bool = True, rngs: nnx.Rngs,
+  def __init__(self, *, num_layers: int, remat: bool = False, scan_layers: bool = False, rngs: nnx.Rngs,
                **block_kwargs):
     if isinstance(num_layers, bool) or not isinstance(num_layers, numbers.Integral) or num_layers < 1:
       raise ValueError(f"num_layers must be an int >= 1, got {num_layers!r}")
@@ -594,7 +601,7 @@ class TransformerLM(nnx.Module):
   final norm and a tied (``embed.attend``) or untied output head.
 
   ``TransformerLM(*, vocab_size, features, num_layers, num_heads, tie_embeddings=True,
-  mlp="swiglu", norm="rmsnorm", rotary=True, remat=False, scan_layers=True, rngs, **block_kwargs)``.
+  mlp="swiglu", norm="rmsnorm", rotary=True, remat=False, scan_layers=False, rngs, **block_kwargs)``.
   Logits are float32 ``[batch, seq, vocab_size]`` (float64 for float64 params). Hybrid and
   MoE models are one configuration: ``mixer`` / ``ffn`` (and their kwargs) as in
   :class:`Transformer`, per layer as lists.
@@ -609,8 +616,8 @@ class TransformerLM(nnx.Module):
     norm: "layernorm" or "rmsnorm".
     rotary: RoPE in the attention.
     remat: recompute each block's activations in the backward pass.
-    scan_layers: the layer stack under ``nnx.scan`` (True) or unrolled (False); see
-      :class:`Transformer`.
+    scan_layers: the layer stack unrolled (False, the default) or under ``nnx.scan`` (True);
+      see :class:`Transformer`.
     dtype: compute dtype (None: from the inputs and params).
     param_dtype: parameter dtype.
     rngs: the parameters' (and dropout's) random streams.
@@ -635,7 +642,7 @@ class TransformerLM(nnx.Module):
 
   def __init__(self, *, vocab_size: int, features: int, num_layers: int, num_heads: int | None = None,
                tie_embeddings: bool = True, mlp: str = "swiglu", norm: str = "rmsnorm",
-               rotary: bool = True, remat: bool = False, scan_layers: bool = True, dtype=None,
+               rotary: bool = True, remat: bool = False, scan_layers: bool = False, dtype=None,
                param_dtype=jnp.float32, rngs: nnx.Rngs, **block_kwargs):
     if vocab_size < 1:
       raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")

@@ -316,14 +316,3 @@ def test_gpu_ffi_value_head_dim_through_the_registry():
   call = AttentionCall(x.q.shape, x.k.shape, x.q.dtype, mask=M.CausalMask(), v_head_dim=128)
   check_against_reference(lambda q, k, v, b: REGISTRY.get("cudnn")(q, k, v, M.CausalMask(), call=call), x,
                           mask=M.CausalMask())
-
-
-def test_the_saved_output_and_stats_pass_a_barrier(monkeypatch):
-  # As for the kernel backends (tests/nn/test_transformer_lm.py): under a scan of layers XLA's
-  # dynamic-slice fusion would copy the FFI forward into the fusion that stacks its residuals.
-  q = jax.random.normal(jax.random.key(0), (1, 8, 2, 64), jnp.bfloat16)
-  saved_stats = jnp.zeros((1, 2, 8), jnp.float32)
-  monkeypatch.setattr(ffi, "_forward", lambda q, k, v, lens, params, stats=True: (q * 2, saved_stats))
-  jaxpr = jax.make_jaxpr(lambda q: ffi._sdpa_fwd(q, q, q, None, None))(q).jaxpr
-  barrier = [e for e in jaxpr.eqns if e.primitive.name == "optimization_barrier"]
-  assert len(barrier) == 1 and len(barrier[0].invars) == 2
