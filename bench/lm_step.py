@@ -439,7 +439,8 @@ def run_train(c, args, bar, impls, fns, docs):
   ref = info.get("probjax", {}).get("first_loss")
   rows = []
   for name in impls:
-    row = dict(impl=name, **info[name], **flops, tokens_per_step=c.batch * c.seq, scan_layers=name.endswith(SCANNED),
+    row = dict(impl=name, **info[name], **flops, tokens_per_step=c.batch * c.seq,
+               scan_layers=name.endswith(SCANNED),
                optimizer="optax.adamw" if optax is not None else "adamw (optax missing: bench/lm_step._AdamW)",
                matmul_params=matmul_params(c, c.heads),
                params=int(sum(x.size for x in jax.tree.leaves(params))))

@@ -21,8 +21,8 @@ Its KV cache is one :class:`~probjax.nn.layers.kv_cache.KVCache` with one ``leng
   every layer's K/V is written and read in place: the decoding layout.
 * ``"stacked"``: k and v ``[layers, batch, max_len, kv_heads, head_dim]``, carried through an
   ``nnx.scan`` over the layers (one compiled block, whatever ``scan_layers`` says) and written
-  in place at the layer's index; but each layer's K/V reaches attention as a dynamic slice of the carry, which XLA
-  may copy (a copy of the whole cache per step).
+  in place at the layer's index; but each layer's K/V reaches attention as a dynamic slice of
+  the carry, which XLA may copy (a copy of the whole cache per step).
 """
 
 from __future__ import annotations
